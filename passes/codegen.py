@@ -1,0 +1,292 @@
+"""emit: write the torchrun program: one readable Python module per stage, weights, plan.json, train.py.
+
+Before: a :class:`~pdcompile.passes.split_stages.StageSplit` (one GraphModule per stage).
+
+After, on disk::
+
+    out/
+      plan.json        stages, their ranks and boundary tensors (shape, dtype at the microbatch
+                       size), tied parameters, loss, optimizer, schedule, data source
+      stage_0.py       class Stage0(torch.nn.Module): __init__ builds the stage's modules,
+                       forward() is the stage graph printed by torch.fx's code generator
+      stage_0.pt       the stage's initial parameters and buffers (torch.save of a tensor dict;
+                       loaded with weights_only=True)
+      train.py         ``torchrun --nproc-per-node=N train.py`` (runs pdcompile.runtime)
+
+Nothing is generated from ``repr`` strings. Leaf modules are rebuilt from their class and the
+constructor arguments read back from the instance (``inspect.signature`` of the class, attributes
+of the same names), and each rebuilt module is checked against the original (same repr, same
+public attributes, same parameter shapes) before anything is written; a module that can't be
+rebuilt raises :class:`UnsupportedModelError` naming it. A module may also say how to rebuild it by
+defining ``pd_ctor_kwargs() -> dict``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import textwrap
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from pdcompile.errors import UnsupportedModelError
+from pdcompile.ir import TensorMeta
+from pdcompile.passes.split_stages import StageSplit
+
+_SKIP_ARGS = {"self", "device", "dtype", "mode"}
+
+
+@dataclass(frozen=True)
+class ObjectSpec:
+    """A class path and keyword arguments: how an emitted program rebuilds a module/loss/optimizer."""
+
+    cls: str
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"class": self.cls, "kwargs": dict(self.kwargs)}
+
+    def source(self) -> str:
+        args = ", ".join(f"{k}={_literal(v)}" for k, v in self.kwargs.items())
+        return f"{self.cls}({args})"
+
+
+def class_path(cls: type) -> str:
+    """Importable dotted path of ``cls``; ``torch.nn.X`` for torch.nn built-ins."""
+    for short in ("torch.nn", "torch.optim"):
+        mod = eval(short, {"torch": torch})  # noqa: S307 - a fixed module path
+        if getattr(mod, cls.__name__, None) is cls:
+            return f"{short}.{cls.__name__}"
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        raise UnsupportedModelError(
+            f"emit: class {cls.__qualname__} is defined in __main__ or inside a function, so the emitted "
+            f"program can't import it. Fix: move it into an importable module"
+        )
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _literal(v: Any) -> str:
+    if isinstance(v, float) and not math.isfinite(v):
+        return f"float({str(v)!r})"
+    return repr(v)
+
+
+def _is_literal(v: Any) -> bool:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    if isinstance(v, (tuple, list)):
+        return all(_is_literal(x) for x in v)
+    return False
+
+
+def ctor_kwargs(m: Any) -> dict[str, Any]:
+    """Constructor keyword arguments that rebuild ``m`` (read back from its attributes)."""
+    if hasattr(m, "pd_ctor_kwargs"):
+        return dict(m.pd_ctor_kwargs())
+    cls = type(m)
+    params: list[inspect.Parameter] = []
+    for klass in cls.__mro__:
+        if klass is object or "__init__" not in vars(klass):
+            continue
+        ps = list(inspect.signature(klass.__init__).parameters.values())
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in ps):
+            continue  # e.g. LSTM(*args, **kwargs): its base RNNBase names the arguments
+        params = ps
+        break
+    out: dict[str, Any] = {}
+    for p in params:
+        if p.name in _SKIP_ARGS or p.name.startswith("_"):
+            continue
+        if not hasattr(m, p.name):
+            if p.default is inspect.Parameter.empty:
+                raise UnsupportedModelError(
+                    f"emit: can't rebuild {cls.__name__}: constructor argument {p.name!r} is not stored on the "
+                    f"instance. Fix: store it as self.{p.name}, or define pd_ctor_kwargs()"
+                )
+            continue
+        v = getattr(m, p.name)
+        if isinstance(v, torch.Tensor) or (v is None and p.name in ("bias", "weight") and
+                                           isinstance(p.default, bool)):
+            v = v is not None  # e.g. Linear(bias=True) stores a Parameter (or None) as .bias
+        if isinstance(v, torch.Size):
+            v = tuple(v)
+        if not _is_literal(v):
+            raise UnsupportedModelError(
+                f"emit: can't rebuild {cls.__name__}: argument {p.name!r} = {type(v).__name__} is not a "
+                f"literal. Fix: define pd_ctor_kwargs() on the class"
+            )
+        if p.default is not inspect.Parameter.empty and _same(v, p.default):
+            continue
+        out[p.name] = v
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _public_state(m: Any) -> dict[str, Any]:
+    return {k: v for k, v in vars(m).items()
+            if not k.startswith("_") and _is_literal(v) and k != "training"}
+
+
+def object_spec(m: Any) -> ObjectSpec:
+    """ObjectSpec for a module or loss, verified by rebuilding it."""
+    spec = ObjectSpec(class_path(type(m)), ctor_kwargs(m))
+    rebuilt = build_object(spec)
+    same = repr(rebuilt) == repr(m) and _public_state(rebuilt) == _public_state(m)
+    if same and isinstance(m, torch.nn.Module):
+        a = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+        b = {k: tuple(v.shape) for k, v in rebuilt.state_dict().items()}
+        same = a == b
+    if not same:
+        raise UnsupportedModelError(
+            f"emit: rebuilding {type(m).__name__} from {spec.source()} does not give the same module. "
+            f"Fix: define pd_ctor_kwargs() on the class returning its constructor arguments"
+        )
+    return spec
+
+
+def build_object(spec: ObjectSpec) -> Any:
+    mod, _, name = spec.cls.rpartition(".")
+    import importlib
+
+    return getattr(importlib.import_module(mod), name)(**spec.kwargs)
+
+
+def optimizer_spec(make_optimizer: Any) -> ObjectSpec:
+    """Spec of the optimizer a factory builds (``lambda params: SGD(params, lr=0.1)``)."""
+    probe = make_optimizer([torch.nn.Parameter(torch.zeros(1))])
+    if not isinstance(probe, torch.optim.Optimizer):
+        raise UnsupportedModelError("optimizer factory must return a torch.optim.Optimizer")
+    kwargs = {k: v for k, v in probe.defaults.items() if _is_literal(v)}
+    return ObjectSpec(class_path(type(probe)), kwargs)
+
+
+def tensor_spec(meta: TensorMeta) -> dict[str, Any]:
+    return {"shape": list(meta.shape), "dtype": meta.dtype.replace("torch.", ""),
+            "requires_grad": meta.requires_grad}
+
+
+_GLOBAL_IMPORTS = {
+    "torch": "import torch",
+    "inf": "from math import inf",
+    "nan": "from math import nan",
+    "NoneType": "NoneType = type(None)",
+    "device": "from torch import device",
+    "fx_pytree": "import torch.fx._pytree as fx_pytree",
+    "pytree": "import torch.utils._pytree as pytree",
+    "operator": "import operator",
+    "math": "import math",
+    "builtins": "import builtins",
+}
+
+
+def stage_source(split: StageSplit, k: int, model_name: str) -> str:
+    """The Python source of ``stage_k.py``."""
+    st = split.stages[k]
+    gm = st.gm
+    code = gm.graph.python_code(root_module="self")
+    src = code.src.strip("\n")
+    imports = []
+    for name, obj in code.globals.items():
+        if name not in src.replace("def forward", ""):
+            continue
+        if name in _GLOBAL_IMPORTS:
+            imports.append(_GLOBAL_IMPORTS[name])
+        elif callable(obj) and getattr(obj, "__module__", None) and "<" not in getattr(obj, "__qualname__", "<"):
+            imports.append(f"from {obj.__module__} import {obj.__qualname__} as {name}")
+        else:
+            raise UnsupportedModelError(f"emit: stage {k} code uses {name} = {obj!r}, which can't be imported")
+    if "import torch" not in imports:
+        imports.insert(0, "import torch")
+    init = ["super().__init__()"]
+    seen: dict[int, str] = {}
+    for name, child in gm.named_children():
+        init.append(f"self.{name} = {object_spec(child).source()}")
+    for name, p in gm.named_parameters(recurse=False):
+        init.append(f"self.{name} = torch.nn.Parameter(torch.empty({tuple(p.shape)}, dtype={p.dtype}), "
+                    f"requires_grad={p.requires_grad})")
+    for name, b in gm.named_buffers(recurse=False):
+        init.append(f"self.register_buffer({name!r}, torch.empty({tuple(b.shape)}, dtype={b.dtype}))")
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        if id(p) in seen:  # parameters shared inside this stage stay one tensor
+            owner, attr = name.rsplit(".", 1) if "." in name else ("", name)
+            init.append(f"self{'.' + owner if owner else ''}.{attr} = self.{seen[id(p)]}")
+        else:
+            seen[id(p)] = name
+    ins = ", ".join(st.inputs)
+    doc = (f'"""Stage {k} of {len(split.stages)} of {model_name}: computes {", ".join(st.nodes[:6])}'
+           f'{", ..." if len(st.nodes) > 6 else ""}.\n\nGenerated by pdcompile from the torch.fx graph '
+           f'of the stage. Inputs: {ins or "-"}. Outputs: {", ".join(st.outputs) or "the model output"}.\n"""')
+    body = textwrap.indent("\n".join(init), " " * 8)
+    fwd = textwrap.indent(src, " " * 4)
+    return (f"{doc}\n\n" + "\n".join(sorted(set(imports))) + "\n\n\n"
+            f"class Stage{k}(torch.nn.Module):\n"
+            f"    INPUTS = {tuple(st.inputs)!r}\n"
+            f"    OUTPUTS = {tuple(st.outputs)!r}\n\n"
+            f"    def __init__(self) -> None:\n{body}\n\n{fwd}\n")
+
+
+TRAIN_PY = '''"""Train the pipeline described by plan.json with pdcompile's runtime.
+
+    torchrun --nproc-per-node={world} train.py --steps 10
+    python train.py --help
+"""
+
+from pathlib import Path
+
+from pdcompile.runtime.launch import main
+
+if __name__ == "__main__":
+    main(Path(__file__).resolve().parent)
+'''
+
+
+def emit(split: StageSplit, out_dir: str | os.PathLike[str], *, program: Mapping[str, Any],
+         model_name: str = "model") -> Path:
+    """Write the program folder. ``program`` holds the plan.json fields that aren't derived from
+    the split: schedule, microbatch_size, num_microbatches, loss, optimizer, data, target, plan,
+    stage replicas/ranks (``stage_ranks``), world_size."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stage_ranks = program.get("stage_ranks") or [[k] for k in range(len(split.stages))]
+    stages_json = []
+    for st in split.stages:
+        k = st.index
+        (out / f"stage_{k}.py").write_text(stage_source(split, k, model_name))
+        tensors = {n: t.detach().clone() for n, t in st.gm.named_parameters()}
+        tensors.update({n: b.detach().clone() for n, b in st.gm.named_buffers()})
+        torch.save(tensors, out / f"stage_{k}.pt")
+        stages_json.append({
+            "index": k, "module": f"stage_{k}.py", "class": f"Stage{k}", "weights": f"stage_{k}.pt",
+            "ranks": list(stage_ranks[k]), "replicas": len(stage_ranks[k]),
+            "inputs": [dict(name=n, **tensor_spec(m)) for n, m in zip(st.inputs, st.input_meta)],
+            "outputs": [dict(name=n, **tensor_spec(m)) for n, m in zip(st.outputs, st.output_meta)],
+            "param_names": dict(st.param_names), "nodes": list(st.nodes),
+        })
+    doc = {
+        "version": 1,
+        "model": model_name,
+        "world_size": sum(len(r) for r in stage_ranks),
+        "stages": stages_json,
+        "tied": [[[s, n] for s, n in group] for group in split.tied],
+        **{k: v for k, v in program.items() if k != "stage_ranks"},
+    }
+    (out / "plan.json").write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    (out / "train.py").write_text(TRAIN_PY.format(world=doc["world_size"]))
+    return out
+
+
+def graph_module_source(gm: fx.GraphModule) -> str:
+    return gm.code

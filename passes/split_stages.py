@@ -1,0 +1,291 @@
+"""split-stages: one GraphModule per pipeline stage, with explicit inputs and outputs.
+
+The only pass that rewrites the graph. The decision (node -> stage) comes from the partitioner as
+plain data; this pass does all the surgery (policy apart from mechanism).
+
+Before (one graph, stage of each node decided by the plan)::
+
+    x -> fc1 -> relu -> fc2 -> add(fc2, relu) -> out          stage: fc1,relu = 0; fc2,add = 1
+
+After (stage 0 and stage 1; values live across the cut are the boundary)::
+
+    stage 0: def forward(self, x):        ... return (relu,)
+    stage 1: def forward(self, relu):     ... return add
+
+Rules:
+
+* Every value crosses stage boundaries one hop at a time. A value produced in stage ``j`` and used
+  in stage ``k > j + 1`` (a residual that skips stages) is an output of ``j``, an input *and an
+  output* of ``j+1 .. k-1`` (passed through unchanged) and an input of ``k``. This is what the
+  planner's cost model charges (the bytes live across each cut) and keeps the runtime's
+  communication strictly between neighbours. (``torch.fx.passes.split_module`` instead routes such
+  values directly between distant partitions and places model inputs where they are first used;
+  we copy nodes with ``Graph.node_copy`` so the interface is exactly the cut.)
+* Model inputs (placeholders) enter at stage 0.
+* ``get_attr`` nodes are copied into every stage that uses them. A parameter used by several
+  stages (tied weights: a GPT's input embedding and output projection) then lives in each of
+  them; its copies start equal, and the runtime sums their gradients across those stages before
+  every optimizer step (the ``TG`` action), so identical updates keep them equal. The split
+  records such groups in ``StageSplit.tied``.
+* Module and attribute targets are flattened to readable names (``features.0`` -> ``features_0``)
+  and ``Stage.param_names`` maps each stage parameter/buffer name back to the original model's.
+* Only tensors may cross a boundary; a cut with a Python value (an int from ``x.size()``) or a
+  tuple live across it raises :class:`UnsupportedModelError` naming the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from pdcompile.errors import UnsupportedModelError
+from pdcompile.ir import TensorMeta
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: ``gm(*inputs)`` returns the tuple ``outputs`` (the last stage returns
+    the model's output structure)."""
+
+    index: int
+    gm: fx.GraphModule
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    input_meta: tuple[TensorMeta, ...]
+    output_meta: tuple[TensorMeta, ...]
+    nodes: tuple[str, ...]  # original node names computed here
+    param_names: Mapping[str, str] = field(default_factory=dict)  # stage name -> model name
+    is_last: bool = False
+
+    def __str__(self) -> str:
+        ins = ", ".join(f"{n}: {m}" for n, m in zip(self.inputs, self.input_meta))
+        outs = ", ".join(f"{n}: {m}" for n, m in zip(self.outputs, self.output_meta))
+        return f"stage {self.index}\n  inputs:  {ins}\n  outputs: {outs}\n" + _indent(self.gm.code.strip(), 2)
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    stages: tuple[Stage, ...]
+    tied: tuple[tuple[tuple[int, str], ...], ...]  # groups of (stage, stage param name), same model param
+
+    def __str__(self) -> str:
+        parts = [str(s) for s in self.stages]
+        for group in self.tied:
+            parts.append("tied: " + " == ".join(f"stage {s}.{n}" for s, n in group))
+        return "\n".join(parts)
+
+    def run(self, *inputs: Any) -> Any:
+        """Run the stages in order in this process (the transparency check)."""
+        values: tuple[Any, ...] = inputs
+        for st in self.stages:
+            out = st.gm(*values)
+            values = out if not st.is_last else (out,)
+        return values[0]
+
+
+def _indent(text: str, n: int) -> str:
+    return "\n".join(" " * n + ln for ln in text.splitlines())
+
+
+def _flat(target: str, used: dict[str, str]) -> str:
+    name = target.replace(".", "_")
+    base, i = name, 1
+    while name in used and used[name] != target:
+        name, i = f"{base}_{i}", i + 1
+    used[name] = target
+    return name
+
+
+def _check_assignment(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -> None:
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        if node.name not in stage_of:
+            raise UnsupportedModelError(f"split-stages: node {node.name!r} has no stage; the partition must cover every node")
+        for user in node.users:
+            if user.op != "output" and user.name in stage_of and stage_of[user.name] < stage_of[node.name]:
+                raise UnsupportedModelError(
+                    f"split-stages: node {user.name!r} (stage {stage_of[user.name]}) uses {node.name!r} "
+                    f"(stage {stage_of[node.name]}): stages must be contiguous in a topological order"
+                )
+    used = sorted(set(stage_of.values()))
+    if used != list(range(num_stages)):
+        raise UnsupportedModelError(f"split-stages: stages must be 0..{num_stages - 1}, each non-empty (got {used})")
+
+
+def boundary_values(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: int) -> list[list[fx.Node]]:
+    """For each boundary k (between stage k and k+1), the nodes live across it, in graph order."""
+    def stage(n: fx.Node) -> int:
+        return 0 if n.op == "placeholder" else stage_of[n.name]
+
+    live: list[list[fx.Node]] = [[] for _ in range(max(0, num_stages - 1))]
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "output"):
+            continue
+        consumers = [stage(u) for u in node.users if u.op != "output"]
+        last_use = max(consumers, default=stage(node))
+        if any(u.op == "output" for u in node.users):
+            last_use = num_stages - 1
+        for k in range(stage(node), last_use):
+            live[k].append(node)
+    return live
+
+
+def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.Node], int],
+                 model: torch.nn.Module | None = None) -> StageSplit:
+    """Split ``gm`` (annotated by propagate-shapes) into stages by ``assign`` (node name -> stage).
+
+    ``model``: the original module, to name parameters as the user knows them (defaults to gm).
+    """
+    nodes = list(gm.graph.nodes)
+    stage_of = {n.name: (assign(n) if callable(assign) else assign[n.name])
+                for n in nodes if n.op not in ("placeholder", "get_attr", "output")}
+    num_stages = max(stage_of.values(), default=0) + 1
+    _check_assignment(gm, stage_of, num_stages)
+    live = boundary_values(gm, stage_of, num_stages)
+    grad_nodes = nodes_needing_grad(gm)
+    for k, vals in enumerate(live):
+        for v in vals:
+            if not isinstance(v.meta.get("pd.tensor"), TensorMeta):
+                raise UnsupportedModelError(
+                    f"split-stages: value {v.name!r} ({v.format_node()}) is live across the cut after stage {k} "
+                    f"but is not a single tensor; only tensors can be sent between stages. Fix: move the cut, "
+                    f"or compute the value from config constants instead of x.size()"
+                )
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    canonical = {id(p): name for name, p in (model or gm).named_parameters()}
+    canonical.update({id(b): name for name, b in (model or gm).named_buffers()})
+
+    stages = []
+    owners: dict[int, list[tuple[int, str]]] = {}
+    for k in range(num_stages):
+        ins = placeholders if k == 0 else live[k - 1]
+        outs = live[k] if k < num_stages - 1 else []
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for n in ins:
+            env[n] = g.placeholder(n.name)
+            env[n].meta = dict(n.meta)
+        attrs: dict[str, Any] = {}
+        used_names: dict[str, str] = {}
+        param_names: dict[str, str] = {}
+
+        def lookup(n: fx.Node) -> fx.Node:
+            if n not in env and n.op == "get_attr":
+                flat = _flat(n.target, used_names)
+                attrs[flat] = _fetch(gm, n.target)
+                env[n] = g.get_attr(flat)
+                env[n].meta = dict(n.meta)
+            return env[n]
+
+        for n in nodes:
+            if n.op in ("placeholder", "get_attr", "output") or stage_of[n.name] != k:
+                continue
+            if n.op == "call_module":
+                flat = _flat(n.target, used_names)
+                attrs[flat] = gm.get_submodule(n.target)
+                new = g.node_copy(n, lookup)
+                new.target = flat
+            else:
+                new = g.node_copy(n, lookup)
+            env[n] = new
+        if k == num_stages - 1:
+            out_node = nodes[-1]
+            g.output(fx.node.map_arg(out_node.args[0], lookup))
+        else:
+            g.output(tuple(env[n] for n in outs))
+        sgm = fx.GraphModule(attrs, g, f"Stage{k}")
+        for name, t in list(sgm.named_parameters(remove_duplicate=False)) + list(sgm.named_buffers(remove_duplicate=False)):
+            orig = canonical.get(id(t))
+            if orig is not None:
+                param_names[name] = orig
+        for name, t in sgm.named_parameters():  # one entry per distinct tensor of this stage
+            owners.setdefault(id(t), []).append((k, name))
+        out_meta = tuple(n.meta["pd.tensor"] for n in outs) if outs else _flatten_meta(nodes[-1])
+        stages.append(Stage(
+            index=k, gm=sgm, inputs=tuple(n.name for n in ins), outputs=tuple(n.name for n in outs),
+            input_meta=tuple(_grad_meta(n, grad_nodes) for n in ins),
+            output_meta=tuple(_grad_meta(n, grad_nodes) for n in outs) if outs else out_meta,
+            nodes=tuple(n.name for n in nodes if n.name in stage_of and stage_of[n.name] == k),
+            param_names=param_names, is_last=(k == num_stages - 1),
+        ))
+    tied = tuple(tuple(v) for v in owners.values() if len({s for s, _ in v}) > 1)
+    return StageSplit(tuple(stages), tied)
+
+
+def _fetch(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _flatten_meta(out_node: fx.Node) -> tuple[TensorMeta, ...]:
+    metas: list[TensorMeta] = []
+    fx.node.map_arg(out_node.args[0], lambda n: metas.append(n.meta.get("pd.tensor")) or n)
+    return tuple(metas)
+
+
+def even_assignment(gm: fx.GraphModule, num_stages: int) -> dict[str, int]:
+    """A simple legal assignment for tests and fallbacks: split compute nodes into ``num_stages``
+    runs of (nearly) equal length in graph order, moving each cut forward past any position where
+    a non-tensor value would be live."""
+    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    if num_stages > len(compute):
+        raise UnsupportedModelError(f"split-stages: {num_stages} stages but only {len(compute)} nodes")
+    legal = legal_cuts(gm)
+    cuts: list[int] = []
+    for k in range(1, num_stages):
+        want = max(k * len(compute) // num_stages, (cuts[-1] + 1) if cuts else 1)
+        c = next((i for i in range(want, len(compute)) if i in legal), None)
+        if c is None:
+            c = next((i for i in range(want - 1, (cuts[-1] if cuts else 0), -1) if i in legal), None)
+        if c is None:
+            raise UnsupportedModelError(f"split-stages: no legal cut for stage {k} of {num_stages}")
+        cuts.append(c)
+    assignment = {}
+    for i, n in enumerate(compute):
+        assignment[n.name] = sum(1 for c in cuts if i >= c)
+    return assignment
+
+
+def legal_cuts(gm: fx.GraphModule) -> set[int]:
+    """Positions i (cut before the i-th compute node in graph order) where only tensors are live."""
+    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    pos = {n: i for i, n in enumerate(compute)}
+    bad: set[int] = set()
+    for n in gm.graph.nodes:
+        if n.op in ("get_attr", "output") or isinstance(n.meta.get("pd.tensor"), TensorMeta):
+            continue
+        start = pos.get(n, -1) + 1
+        end = max((pos[u] for u in n.users if u in pos), default=start)
+        bad.update(range(start, end + 1))
+    return {i for i in range(1, len(compute)) if i not in bad}
+
+
+def nodes_needing_grad(gm: fx.GraphModule) -> set[str]:
+    """Names of nodes whose value depends on a trainable parameter (model inputs don't)."""
+    needs: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            obj = _fetch(gm, n.target)
+            if isinstance(obj, torch.Tensor) and obj.requires_grad:
+                needs.add(n.name)
+        elif n.op in ("call_module", "call_function", "call_method"):
+            if n.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(n.target).parameters()):
+                needs.add(n.name)
+            elif any(a.name in needs for a in n.all_input_nodes):
+                needs.add(n.name)
+    return needs
+
+
+def _grad_meta(n: fx.Node, grad_nodes: set[str]) -> TensorMeta:
+    meta = n.meta.get("pd.tensor")
+    if isinstance(meta, TensorMeta):
+        return dataclasses.replace(meta, requires_grad=meta.requires_grad and n.name in grad_nodes)
+    return meta

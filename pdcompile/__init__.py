@@ -1,0 +1,1 @@
+"""pdcompile: PipeDream as a compiler."""

@@ -1,0 +1,61 @@
+"""The ``pdcompile`` command.
+
+Subcommands live in ``pdcompile/_cli/<name>.py``; each exposes ``register(subparsers)``, which
+adds its parser and sets ``func=run`` where ``run(args) -> int``.
+
+Exit status: 0 success; 1 the job ran and failed (e.g. a training rank died); 2 bad input
+(any :class:`pdcompile.errors.PdcompileError`: one line with the cause and the fix, no traceback
+unless ``--debug``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from pdcompile import _cli
+from pdcompile.errors import PdcompileError
+
+# Shown first in --help, in this order; any other module in _cli/ follows alphabetically.
+_ORDER = ["demo", "check", "profile", "plan", "emit", "run", "simulate", "merge"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdcompile",
+        description="PipeDream as a compiler: trace, profile, plan and emit pipeline-parallel training.",
+        epilog="Examples:\n  pdcompile demo\n  pdcompile plan --profile graph.txt --cluster cluster.toml\n"
+        "\nExit status: 0 ok, 1 the job failed, 2 bad input.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    names = [m.name for m in pkgutil.iter_modules(_cli.__path__) if not m.name.startswith("_")]
+    for name in sorted(names, key=lambda n: (_ORDER.index(n) if n in _ORDER else len(_ORDER), n)):
+        importlib.import_module(f"pdcompile._cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        return int(args.func(args) or 0)
+    except PdcompileError as e:
+        if debug:
+            raise
+        print(f"pdcompile: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

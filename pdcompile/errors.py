@@ -1,0 +1,43 @@
+"""Our exception types: each names the cause and the fix.
+
+The CLI turns any :class:`PdcompileError` into one line on stderr and exit status 2
+(a traceback only with ``--debug``).
+"""
+
+from __future__ import annotations
+
+
+class PdcompileError(Exception):
+    """Base class of every error pdcompile raises on purpose (bad input, infeasible request)."""
+
+
+class UnsupportedModelError(PdcompileError):
+    """The model can't be traced or split; the message lists every offending construct."""
+
+
+class ClusterSpecError(PdcompileError):
+    """A cluster description is invalid (names the key and, from TOML, the line)."""
+
+
+class ProfileError(PdcompileError):
+    """A profile file is malformed (names the file and line)."""
+
+
+class InfeasiblePlanError(PdcompileError):
+    """No plan satisfies the constraints (e.g. memory); says what would fit."""
+
+
+class ScheduleError(PdcompileError):
+    """A schedule breaks a rule (names the rule, rank and step)."""
+
+
+class CheckpointError(PdcompileError):
+    """A checkpoint is incomplete, corrupt or belongs to another plan."""
+
+
+class PassError(PdcompileError):
+    """A compiler pass failed; names the pass and the passes before it."""
+
+
+class UsageError(PdcompileError):
+    """Arguments given to the API or CLI are invalid."""

@@ -1,0 +1,1 @@
+"""Runtime for emitted programs."""

@@ -1,0 +1,222 @@
+"""The stage executor: runs one rank's list of schedule actions.
+
+One executor per rank. It owns the stage module, the optimizer and the per-microbatch state
+(inputs received, outputs computed, gradients), and interprets each Action:
+
+* ``RF``/``RB``: post receives for a microbatch's activations / output gradients (from the
+  neighbouring stage's replica that handles that microbatch, ``k % replicas``);
+* ``F``: run the stage (first stage: on data; last stage: also the loss, scaled by
+  ``1/accumulation``); ``SF`` sends the outputs downstream;
+* ``B``: backpropagate (last stage from the loss, others from the received gradients);
+  ``SB`` sends the input gradients upstream;
+* ``AR``: all-reduce (sum) gradients among the stage's replicas; ``TG``: sum gradients of
+  parameters tied across stages; ``ST``: optimizer step (and LR scheduler), then zero grads.
+
+Weight versions (PipeDream's stashing, 2BW) plug in through :class:`WeightStore`: it hands the
+executor the parameter tensors each forward should use (``torch.func.functional_call``) and is
+told when backward and step happen. The default store trains the live parameters (synchronous
+schedules).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdcompile.runtime import comm
+from pdcompile.runtime.program import Program, StageSpec
+from pdcompile.runtime.schedules import Action, Kind
+
+
+class WeightStore:
+    """Which weights a microbatch's forward/backward uses. The default: the live parameters."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def params_for_forward(self, microbatch: int) -> dict[str, torch.Tensor] | None:
+        return None  # None: call the module as it is
+
+    def after_backward(self, microbatch: int) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def live_versions(self) -> int:
+        return 1
+
+
+@dataclass
+class _Mb:
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    loss: torch.Tensor | None = None
+    target: torch.Tensor | None = None
+    recv_act: comm.Pending | None = None
+    recv_grad: comm.Pending | None = None
+    recv_target: comm.Pending | None = None
+
+
+class ActionError(RuntimeError):
+    """An action failed on a rank; names rank, stage and action."""
+
+
+class StageExecutor:
+    def __init__(self, program: Program, rank: int, module: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor] | None,
+                 *, accumulation: int, data: Callable[[int], tuple[Sequence[torch.Tensor], torch.Tensor]] | None,
+                 replica_group: Any = None, tied_groups: Sequence[tuple[Any, list[str]]] = (),
+                 lr_scheduler: Any = None, weight_store: WeightStore | None = None,
+                 recorder: Callable[[str, float, float], None] | None = None) -> None:
+        self.program = program
+        self.rank = rank
+        self.spec: StageSpec = program.stage_of_rank(rank)
+        self.stage = self.spec.index
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == program.num_stages - 1
+        self.module = module
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.accumulation = accumulation
+        self.data = data
+        self.replica_group = replica_group
+        self.tied_groups = tied_groups
+        self.lr_scheduler = lr_scheduler
+        self.weights = weight_store or WeightStore(module)
+        self.recorder = recorder
+        self.mbs: dict[int, _Mb] = {}
+        self.sends: list[Any] = []
+        self.losses: list[float] = []
+
+    # peers -----------------------------------------------------------------------------------
+    def peer(self, stage: int, microbatch: int) -> int:
+        ranks = self.program.stages[stage].ranks
+        return ranks[microbatch % len(ranks)]
+
+    # actions ---------------------------------------------------------------------------------
+    def run(self, actions: Sequence[Action]) -> None:
+        for a in actions:
+            start = time.perf_counter()
+            try:
+                getattr(self, "_" + a.kind.name.lower())(a)
+            except ActionError:
+                raise
+            except Exception as e:  # noqa: BLE001 - name rank, stage and action, keep the cause
+                raise ActionError(f"rank {self.rank} (stage {self.stage}) failed in action {a}: "
+                                  f"{type(e).__name__}: {e}") from e
+            if self.recorder is not None:
+                self.recorder(str(a), start, time.perf_counter())
+
+    def _mb(self, k: int) -> _Mb:
+        return self.mbs.setdefault(k, _Mb())
+
+    def _recv_act(self, a: Action) -> None:
+        st = self._mb(a.microbatch)
+        bufs = [t.empty() for t in self.spec.inputs]
+        st.recv_act = comm.post_recv(bufs, self.peer(self.stage - 1, a.microbatch), a.microbatch, comm.ACT)
+        self._post_target(a.microbatch)
+
+    def _post_target(self, k: int) -> None:
+        st = self._mb(k)
+        if self.is_last and not self.is_first and st.recv_target is None:
+            st.recv_target = comm.post_recv([self.program.target.empty()], self.peer(0, k), k, comm.TARGET)
+
+    def _forward(self, a: Action) -> None:
+        k = a.microbatch
+        st = self._mb(k)
+        if self.is_first:
+            inputs, target = self.data(k)  # type: ignore[misc]
+            st.inputs = list(inputs)
+            if self.is_last:
+                st.target = target
+            else:
+                self.sends += comm.post_send([target], self.peer(self.program.num_stages - 1, k), k, comm.TARGET)
+        else:
+            if st.recv_act is None:
+                raise RuntimeError(f"forward of microbatch {k} before its activations were received (missing RF)")
+            st.inputs = st.recv_act.wait()
+            for t, spec in zip(st.inputs, self.spec.inputs):
+                t.requires_grad_(spec.requires_grad)
+        params = self.weights.params_for_forward(k)
+        if params is None:
+            out = self.module(*st.inputs)
+        else:
+            out = torch.func.functional_call(self.module, params, tuple(st.inputs))
+        if self.is_last:
+            self._post_target(k)
+            if st.target is None:
+                st.target = st.recv_target.wait()[0]  # type: ignore[union-attr]
+            loss = self.loss_fn(out, st.target)  # type: ignore[misc]
+            self.losses.append(float(loss.detach()))
+            st.loss = loss / self.accumulation
+            st.outputs = []
+        else:
+            st.outputs = list(out)
+
+    def _send_act(self, a: Action) -> None:
+        st = self.mbs[a.microbatch]
+        self.sends += comm.post_send([o.detach() for o in st.outputs], self.peer(self.stage + 1, a.microbatch),
+                                     a.microbatch, comm.ACT)
+
+    def _recv_grad(self, a: Action) -> None:
+        st = self._mb(a.microbatch)
+        bufs = [t.empty() for t in self.spec.outputs if t.requires_grad]
+        st.recv_grad = comm.post_recv(bufs, self.peer(self.stage + 1, a.microbatch), a.microbatch, comm.GRAD)
+
+    def _backward(self, a: Action) -> None:
+        st = self.mbs[a.microbatch]
+        if self.is_last:
+            st.loss.backward()  # type: ignore[union-attr]
+        else:
+            if st.recv_grad is None:
+                raise RuntimeError(f"backward of microbatch {a.microbatch} before its gradients were received (missing RB)")
+            grads = st.recv_grad.wait()
+            outs = [o for o, spec in zip(st.outputs, self.spec.outputs) if spec.requires_grad]
+            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        self.weights.after_backward(a.microbatch)
+        if self.is_first:
+            self.mbs.pop(a.microbatch, None)
+
+    def _send_grad(self, a: Action) -> None:
+        st = self.mbs.pop(a.microbatch)
+        grads = [(t.grad if t.grad is not None else torch.zeros_like(t))
+                 for t, spec in zip(st.inputs, self.spec.inputs) if spec.requires_grad]
+        self.sends += comm.post_send(grads, self.peer(self.stage - 1, a.microbatch), a.microbatch, comm.GRAD)
+
+    def _allreduce(self, a: Action) -> None:
+        if self.replica_group is None:
+            return
+        for p in self.module.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.replica_group)
+
+    def _tied_grads(self, a: Action) -> None:
+        params = dict(self.module.named_parameters())
+        for group, names in self.tied_groups:
+            for n in names:
+                p = params[n]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+
+    def _step(self, a: Action) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.weights.after_step()
+        self.wait_sends()
+
+    def wait_sends(self) -> None:
+        for w in self.sends:
+            w.wait()
+        self.sends = []

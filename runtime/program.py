@@ -1,0 +1,122 @@
+"""Reading an emitted program: plan.json, stage modules, weights, and objects named by class path.
+
+Only torch here (no fx, no OR-Tools, no sympy): this is what the emitted ``train.py`` imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "TensorSpec":
+        return TensorSpec(d.get("name", ""), tuple(d["shape"]), getattr(torch, d["dtype"]), bool(d.get("requires_grad")))
+
+    def empty(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    index: int
+    module: str
+    cls: str
+    weights: str
+    ranks: tuple[int, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    param_names: dict[str, str]
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "StageSpec":
+        return StageSpec(d["index"], d["module"], d["class"], d["weights"], tuple(d["ranks"]),
+                         tuple(TensorSpec.from_json(t) for t in d["inputs"]),
+                         tuple(TensorSpec.from_json(t) for t in d["outputs"]), dict(d.get("param_names", {})))
+
+
+@dataclass(frozen=True)
+class Program:
+    """plan.json, parsed."""
+
+    folder: Path
+    raw: dict[str, Any]
+    stages: tuple[StageSpec, ...]
+
+    @staticmethod
+    def load(folder: str | Path) -> "Program":
+        folder = Path(folder)
+        raw = json.loads((folder / "plan.json").read_text())
+        return Program(folder, raw, tuple(StageSpec.from_json(s) for s in raw["stages"]))
+
+    @property
+    def world_size(self) -> int:
+        return int(self.raw["world_size"])
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_of_rank(self, rank: int) -> StageSpec:
+        for st in self.stages:
+            if rank in st.ranks:
+                return st
+        raise ValueError(f"rank {rank} runs no stage (world size {self.world_size})")
+
+    @property
+    def target(self) -> TensorSpec:
+        return TensorSpec.from_json(self.raw["target"])
+
+    def build_stage(self, index: int) -> torch.nn.Module:
+        st = self.stages[index]
+        spec = importlib.util.spec_from_file_location(f"pdcompile_stage_{index}", self.folder / st.module)
+        assert spec and spec.loader
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        module: torch.nn.Module = getattr(mod, st.cls)()
+        load_weights(module, self.folder / st.weights)
+        return module
+
+
+def load_weights(module: torch.nn.Module, path: str | Path) -> None:
+    """Copy saved tensors into a freshly built module (before training; names must match)."""
+    saved = torch.load(path, weights_only=True, map_location="cpu")
+    own = dict(module.named_parameters())
+    own.update(dict(module.named_buffers()))
+    if set(saved) != set(own):
+        raise ValueError(f"{path}: tensors {sorted(set(saved) ^ set(own))} don't match the stage module")
+    with torch.no_grad():
+        for name, t in own.items():
+            t.copy_(saved[name])
+
+
+def import_object(path: str) -> Any:
+    """'pkg.mod.Name' or 'pkg.mod:name' -> the object."""
+    if ":" in path:
+        mod, _, name = path.partition(":")
+    else:
+        mod, _, name = path.rpartition(".")
+    obj: Any = importlib.import_module(mod)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def build(spec: dict[str, Any] | None, *args: Any) -> Any:
+    """Build ``{"class": path, "kwargs": {...}}`` with positional ``args`` first."""
+    if spec is None:
+        return None
+    return import_object(spec["class"])(*args, **spec.get("kwargs", {}))
