@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -23,7 +24,7 @@ from pdcompile.errors import UsageError
 from pdcompile.zoo import gnmt, gpt, mlp, resnet, vgg
 from pdcompile.zoo._common import Family
 
-__all__ = ["ZooModel", "get", "names", "sizes"]
+__all__ = ["ZooModel", "batches", "get", "names", "sizes"]
 
 _FAMILIES: dict[str, Family[Any]] = {
     "mlp": mlp.FAMILY,
@@ -103,3 +104,16 @@ def _family(name: str) -> Family[Any]:
     if name not in _FAMILIES:
         raise UsageError(f"unknown zoo model {name!r}; choose one of {names()}")
     return _FAMILIES[name]
+
+
+def batches(batch_size: int, name: str, size: str = "small", seed: int = 0) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+    """Endless seeded minibatches for zoo model ``name``: batch ``i`` is ``make_batch(seed + i, batch_size)``.
+
+    The data hook of emitted programs (plan.json ``"data": {"factory": "pdcompile.zoo:batches", ...}``).
+    """
+    family = _family(name)
+    cfg = family.configs[size]
+    i = 0
+    while True:
+        yield family.make_batch(cfg, torch.device("cpu"), seed + i, batch_size)
+        i += 1

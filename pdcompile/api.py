@@ -1,0 +1,225 @@
+"""``pdcompile(model, cluster_spec, ...)``: the user's way in, as a function and as a decorator.
+
+    pipe = pdcompile(model, ClusterSpec.from_toml("cluster.toml"), example_inputs=(x,),
+                     loss_fn=torch.nn.CrossEntropyLoss(),
+                     optimizer=lambda params: torch.optim.SGD(params, lr=0.1), schedule="flush")
+    print(pipe.plan)          # the plan
+    pipe.dump_ir("ir/")       # the IR after every pass
+    pipe.emit("out/")         # the torchrun program
+    result = pipe.run(batches, steps=5)
+    model.load_state_dict(result.state_dict())
+
+``example_inputs`` is one *minibatch*; it is split along dim 0 into ``num_microbatches``
+microbatches of ``microbatch_size`` samples.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdcompile import passmanager
+from pdcompile.errors import UsageError
+from pdcompile.ir import CompileState
+from pdcompile.passes import codegen
+from pdcompile.passes.shapes import format_graph_with_shapes, propagate_shapes
+from pdcompile.passes.split_stages import StageSplit, even_assignment, split_stages
+from pdcompile.passes.trace import trace
+from pdcompile.runtime import schedules
+
+SCHEDULE_NAMES = ("gpipe", "flush", "1f1b", "2bw")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything ``pdcompile`` was asked for, checked up front."""
+
+    loss_fn: torch.nn.Module
+    optimizer: Callable[[Any], torch.optim.Optimizer]
+    cluster: Any = None
+    schedule: str = "flush"
+    microbatch_size: int | None = None
+    num_microbatches: int | None = None
+    stages: int | Sequence[int] | None = None
+    leaf_modules: tuple[Any, ...] = ()
+    cost_mode: str = "analytic"
+    solver: str = "dp"
+    cost_model: str = "default"
+    data: dict[str, Any] | None = None
+    example_target: torch.Tensor | None = None
+
+
+def _default_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01)
+
+
+def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.Tensor, ...], int, int]:
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"pdcompile: model must be a torch.nn.Module, got {type(model).__name__}")
+    if example_inputs is None:
+        raise UsageError("pdcompile: example_inputs=(x, ...) is required (one minibatch of model inputs)")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    example_inputs = tuple(example_inputs)
+    if not all(isinstance(x, torch.Tensor) and x.dim() > 0 for x in example_inputs):
+        raise UsageError("pdcompile: example_inputs must be tensors with a batch dimension (dim 0)")
+    if not isinstance(opts.loss_fn, torch.nn.Module):
+        raise UsageError("pdcompile: loss_fn must be an nn.Module such as torch.nn.CrossEntropyLoss() "
+                         "(the emitted program rebuilds it from its class)")
+    if opts.schedule not in SCHEDULE_NAMES:
+        raise UsageError(f"pdcompile: schedule must be one of {SCHEDULE_NAMES}, got {opts.schedule!r}")
+    batch = example_inputs[0].shape[0]
+    if any(x.shape[0] != batch for x in example_inputs):
+        raise UsageError("pdcompile: every example input needs the same batch size along dim 0")
+    m, b = opts.num_microbatches, opts.microbatch_size
+    if b is None and m is None:
+        m = next(k for k in (4, 2, 1) if batch % k == 0)
+    if b is None:
+        assert m is not None
+        if m < 1 or batch % m:
+            raise UsageError(f"pdcompile: num_microbatches={m} must divide the example batch ({batch})")
+        b = batch // m
+    if m is None:
+        if b < 1 or batch % b:
+            raise UsageError(f"pdcompile: microbatch_size={b} must divide the example batch ({batch})")
+        m = batch // b
+    if b * m != batch:
+        raise UsageError(f"pdcompile: microbatch_size ({b}) x num_microbatches ({m}) must equal the "
+                         f"example batch ({batch})")
+    return example_inputs, b, m
+
+
+class CompiledPipeline:
+    """The result of ``pdcompile``: plan, IR after every pass, emit and run."""
+
+    def __init__(self, model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...], opts: Options,
+                 dump_dir: str | os.PathLike[str] | None = None) -> None:
+        self.model = model
+        self.options = opts
+        self.example_inputs, self.microbatch_size, self.num_microbatches = _check(model, example_inputs, opts)
+        micro = tuple(x[: self.microbatch_size] for x in self.example_inputs)
+        state = CompileState(model=model, example_inputs=micro)
+        self.state, self.records = passmanager.run_passes(self._passes(), state, dump_dir)
+
+    # passes -----------------------------------------------------------------------------------
+    def _passes(self) -> list[passmanager.Pass]:
+        opts = self.options
+        return [
+            passmanager.Pass("trace", lambda s: s.replace(gm=trace(s.model, opts.leaf_modules)),
+                             lambda s: s.gm.code.strip() + "\n\n" + str(s.gm.graph)),
+            passmanager.Pass("propagate-shapes", lambda s: s.replace(gm=propagate_shapes(s.gm, s.example_inputs)),
+                             lambda s: format_graph_with_shapes(s.gm)),
+            passmanager.Pass("partition", self._partition, lambda s: _fmt_partition(s)),
+            passmanager.Pass("split-stages", self._split, lambda s: str(s.stages)),
+            passmanager.Pass("schedule", self._schedule, lambda s: schedules.format_grid(s.schedule, compute_only=False)),
+        ]
+
+    def _partition(self, s: CompileState) -> CompileState:
+        n = self.options.stages
+        if n is None:
+            n = self.options.cluster.num_workers if self.options.cluster is not None else 2
+        if isinstance(n, int):
+            assignment = even_assignment(s.gm, n)
+        else:
+            raise UsageError("pdcompile: stages= must be an int")
+        return s.replace(extra={**s.extra, "assignment": assignment, "stage_ranks": [[k] for k in range(n)]})
+
+    def _split(self, s: CompileState) -> CompileState:
+        return s.replace(stages=split_stages(s.gm, s.extra["assignment"], s.model))
+
+    def _schedule(self, s: CompileState) -> CompileState:
+        replicas = [len(r) for r in s.extra["stage_ranks"]]
+        tied = bool(s.stages.tied)
+        name = self.options.schedule
+        if hasattr(schedules, "make_schedule"):
+            sched = schedules.make_schedule(name, replicas, self.num_microbatches, tied=tied)
+        else:  # pragma: no cover
+            sched = getattr(schedules, name)(len(replicas), self.num_microbatches, tied=tied)
+        return s.replace(schedule=sched)
+
+    # results ----------------------------------------------------------------------------------
+    @property
+    def split(self) -> StageSplit:
+        return self.state.stages
+
+    @property
+    def plan(self) -> Any:
+        return self.state.plan
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(r) for r in self.state.extra["stage_ranks"])
+
+    def dump_ir(self, folder: str | os.PathLike[str]) -> Path:
+        """Write ``NN_<pass>.txt`` for every pass that ran."""
+        for i, r in enumerate(self.records):
+            passmanager.write_dump(folder, i, r.name, r.seconds, r.dump)
+        return Path(folder)
+
+    def program_fields(self, data: dict[str, Any] | None = None,
+                       target: torch.Tensor | None = None) -> dict[str, Any]:
+        """plan.json fields beyond the split: schedule, microbatching, loss, optimizer, data, target."""
+        target = target if target is not None else self.options.example_target
+        if target is None:
+            raise UsageError("pdcompile: the last stage must know the target's shape: pass example_target= "
+                             "(one minibatch of targets) to pdcompile, or target= to emit()")
+        t = target[: self.microbatch_size]
+        return {
+            "schedule": self.options.schedule,
+            "microbatch_size": self.microbatch_size,
+            "num_microbatches": self.num_microbatches,
+            "loss": codegen.object_spec(self.options.loss_fn).to_json(),
+            "optimizer": codegen.optimizer_spec(self.options.optimizer).to_json(),
+            "target": {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "requires_grad": False},
+            "data": data if data is not None else self.options.data,
+            "stage_ranks": self.state.extra["stage_ranks"],
+            "plan": json.loads(self.plan.to_json()) if self.plan is not None else None,
+        }
+
+    def emit(self, folder: str | os.PathLike[str], *, data: dict[str, Any] | None = None,
+             target: torch.Tensor | None = None) -> Path:
+        """Write the torchrun program (stage modules, weights, plan.json, train.py) into ``folder``."""
+        return codegen.emit(self.split, folder, program=self.program_fields(data, target),
+                            model_name=type(self.model).__name__)
+
+
+def _fmt_partition(s: CompileState) -> str:
+    a = s.extra["assignment"]
+    lines = [f"stage ranks: {s.extra['stage_ranks']}"]
+    lines += [f"{name}: stage {k}" for name, k in a.items()]
+    return "\n".join(lines)
+
+
+def pdcompile(model: Any = None, cluster: Any = None, *, example_inputs: Any = None,
+              loss_fn: torch.nn.Module | None = None,
+              optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, schedule: str = "flush",
+              microbatch_size: int | None = None, num_microbatches: int | None = None,
+              stages: int | None = None, leaf_modules: Sequence[Any] = (), dump_dir: str | None = None,
+              **kw: Any) -> Any:
+    """Compile ``model`` into a pipeline for ``cluster``; or, without a model, a decorator."""
+    if loss_fn is None:
+        raise UsageError("pdcompile: loss_fn= is required (e.g. torch.nn.CrossEntropyLoss())")
+    opts = Options(loss_fn=loss_fn, optimizer=optimizer or _default_optimizer, cluster=cluster,
+                   schedule=schedule, microbatch_size=microbatch_size, num_microbatches=num_microbatches,
+                   stages=stages, leaf_modules=tuple(leaf_modules), **kw)
+    if isinstance(model, torch.nn.Module):
+        return CompiledPipeline(model, example_inputs, opts, dump_dir)
+    if model is not None and not callable(model):
+        raise UsageError(f"pdcompile: expected an nn.Module, got {type(model).__name__}")
+
+    def decorate(factory: Any) -> Any:
+        @functools.wraps(factory, updated=())
+        def build(*args: Any, **kwargs: Any) -> CompiledPipeline:
+            return CompiledPipeline(factory(*args, **kwargs), example_inputs, opts, dump_dir)
+        return build
+
+    return decorate(model) if model is not None else decorate

@@ -1,0 +1,60 @@
+"""Launch an emitted program locally through torchrun (one machine, gloo on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_command(folder: str | os.PathLike[str], nproc: int, args: Sequence[str] = (),
+                     max_restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.5", str(Path(folder) / "train.py"), *args]
+
+
+def launch(folder: str | os.PathLike[str], nproc: int, args: Sequence[str] = (), *, timeout: float = 600,
+           max_restarts: int = 0, on_line: Callable[[str], None] | None = None,
+           env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``torchrun train.py args`` in ``folder``; return (exit status, combined output).
+
+    ``on_line`` sees each output line as it arrives (progress). The whole run is bounded by
+    ``timeout`` seconds: past it the job is killed and the status is 124.
+    """
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env.update(env or {})
+    proc = subprocess.Popen(torchrun_command(folder, nproc, args, max_restarts), cwd=str(folder),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                            start_new_session=True)
+    lines: list[str] = []
+    import threading
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line.rstrip("\n"))
+
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        rc = 124
+    t.join(timeout=5)
+    return rc, "".join(lines)
