@@ -64,7 +64,8 @@ class Stage:
 
     def __str__(self) -> str:
         ins = ", ".join(f"{n}: {m}" for n, m in zip(self.inputs, self.input_meta))
-        outs = ", ".join(f"{n}: {m}" for n, m in zip(self.outputs, self.output_meta))
+        outs = (", ".join(f"{n}: {m}" for n, m in zip(self.outputs, self.output_meta)) if not self.is_last
+                else "model output " + ", ".join(str(m) for m in self.output_meta))
         return f"stage {self.index}\n  inputs:  {ins}\n  outputs: {outs}\n" + _indent(self.gm.code.strip(), 2)
 
 

@@ -106,8 +106,10 @@ def _family(name: str) -> Family[Any]:
     return _FAMILIES[name]
 
 
-def batches(batch_size: int, name: str, size: str = "small", seed: int = 0) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
-    """Endless seeded minibatches for zoo model ``name``: batch ``i`` is ``make_batch(seed + i, batch_size)``.
+def batches(batch_size: int, name: str, size: str = "small", seed: int = 0,
+            cycle: int | None = None) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+    """Endless seeded minibatches for zoo model ``name``: batch ``i`` is ``make_batch(seed + i, batch_size)``
+    (``seed + i % cycle`` with ``cycle``: a small fixed data set, learnable, so the loss falls).
 
     The data hook of emitted programs (plan.json ``"data": {"factory": "pdcompile.zoo:batches", ...}``).
     """
@@ -115,5 +117,5 @@ def batches(batch_size: int, name: str, size: str = "small", seed: int = 0) -> I
     cfg = family.configs[size]
     i = 0
     while True:
-        yield family.make_batch(cfg, torch.device("cpu"), seed + i, batch_size)
+        yield family.make_batch(cfg, torch.device("cpu"), seed + (i % cycle if cycle else i), batch_size)
         i += 1
