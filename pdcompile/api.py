@@ -56,6 +56,7 @@ class Options:
     cost_model: str = "default"
     data: dict[str, Any] | None = None
     example_target: torch.Tensor | None = None
+    replicas: Sequence[int] | None = None  # replicas per stage (e.g. [2, 1]); default one each
 
 
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -131,7 +132,11 @@ class CompiledPipeline:
             assignment = even_assignment(s.gm, n)
         else:
             raise UsageError("pdcompile: stages= must be an int")
-        return s.replace(extra={**s.extra, "assignment": assignment, "stage_ranks": [[k] for k in range(n)]})
+        reps = self.options.replicas
+        if reps is not None and len(reps) != n:
+            raise UsageError(f"pdcompile: replicas={list(reps)} names {len(reps)} stages, but stages={n}")
+        ranks = schedules.stage_ranks(reps) if reps is not None else [[k] for k in range(n)]
+        return s.replace(extra={**s.extra, "assignment": assignment, "stage_ranks": ranks})
 
     def _split(self, s: CompileState) -> CompileState:
         return s.replace(stages=split_stages(s.gm, s.extra["assignment"], s.model))
@@ -190,6 +195,69 @@ class CompiledPipeline:
         """Write the torchrun program (stage modules, weights, plan.json, train.py) into ``folder``."""
         return codegen.emit(self.split, folder, program=self.program_fields(data, target),
                             model_name=type(self.model).__name__)
+
+
+    def run(self, data: Iterable[Any], steps: int, *, out: str | os.PathLike[str] | None = None,
+            timeout: float = 600, progress: bool = False, extra_args: Sequence[str] = ()) -> "RunResult":
+        """Emit, then train ``steps`` minibatches of ``data`` through torchrun on this machine.
+
+        ``data``: a DataLoader or any iterable of ``(inputs, target)`` minibatches of the size the
+        pipeline was compiled for. They are saved next to the program and read by the first stage.
+        """
+        from pdcompile.launcher import launch
+        from pdcompile.runtime.data import save_batches
+
+        if steps < 1:
+            raise UsageError("run: steps must be at least 1")
+        folder = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="pdcompile-run-"))
+        folder.mkdir(parents=True, exist_ok=True)
+        size = save_batches(data, steps, folder / "data.pt")
+        want = self.microbatch_size * self.num_microbatches
+        if size != want:
+            raise UsageError(f"run: minibatches have {size} samples, the pipeline was compiled for {want} "
+                             f"({self.num_microbatches} x {self.microbatch_size}); recompile or rebatch")
+        prog = self.emit(folder / "program", data={"factory": "pdcompile.runtime.data:from_file",
+                                                   "kwargs": {"path": str((folder / "data.pt").resolve())}})
+        on_line = (lambda line: print(line, flush=True)) if progress else None
+        rc, log = launch(prog, self.world_size, ["--steps", str(steps), "--save-final", str(folder / "final"),
+                                                 "--metrics", str(folder / "metrics"), *extra_args],
+                         timeout=timeout, on_line=on_line)
+        (folder / "train.log").write_text(log)
+        if rc != 0:
+            raise RuntimeError(f"run: training failed with exit status {rc}; log in {folder / 'train.log'}:\n"
+                               + log[-2000:])
+        return RunResult(folder, prog, _aliases(self.model))
+
+
+def _aliases(model: torch.nn.Module) -> dict[str, str]:
+    """state_dict key -> the canonical name of the same tensor (tied parameters share one)."""
+    canonical = {id(t): n for n, t in model.named_parameters()}
+    canonical.update({id(t): n for n, t in model.named_buffers()})
+    return {k: canonical.get(id(v), k) for k, v in model.state_dict(keep_vars=True).items()}
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What ``CompiledPipeline.run`` leaves: the folder, metrics, and the trained weights."""
+
+    folder: Path
+    program: Path
+    aliases: dict[str, str]
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """Loss per step (last stage), per-rank step times and wall time."""
+        ranks = [json.loads(p.read_text()) for p in sorted((self.folder / "metrics").glob("rank_*.json"))]
+        last = max(ranks, key=lambda r: r["stage"])
+        return {"losses": last["losses"], "step_times_s": {r["rank"]: r["step_times_s"] for r in ranks},
+                "wall_s": max(r["wall_s"] for r in ranks), "ranks": ranks}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights under the original model's names: ``model.load_state_dict(...)``."""
+        from pdcompile.merge import merge_weights
+
+        merged = merge_weights(self.program, self.folder / "final")
+        return {k: merged[c] for k, c in self.aliases.items() if c in merged}
 
 
 def _fmt_partition(s: CompileState) -> str:

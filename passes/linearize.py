@@ -1,0 +1,249 @@
+"""The ``linearize`` pass: a profile's layer DAG as a chain of cut points with the bytes live
+across each cut, so that branchy graphs can be partitioned into contiguous ranges.
+
+Cut ``i`` lies between ``layers[i]`` and ``layers[i+1]`` of the chosen topological order. A value
+is live across it when it is produced at or before layer ``i`` and read after it; its bytes count
+once however many later layers read it. Model inputs count as produced before layer 0 (a stage
+that reads one must be sent it), and the values named in ``Profile.outputs`` as read after the last
+layer (they must reach the loss). A non-tensor value (an ``int`` from ``x.size(0)``) live across a
+cut makes that cut ``math.inf``: it may not be a stage boundary.
+
+The order rule: several topological orders are built and the one with the fewest blocked
+(``inf``) cuts, then the narrowest widest cut, then the smallest sum of cut bytes wins (ties: the
+earlier rule in this list):
+
+1. ``greedy``: repeatedly place, among the ready layers, the one that leaves the fewest bytes live
+   after it (fewest live non-tensor values first), preferring a successor of the layer just placed
+   (finish a branch before opening another), then the profile's order;
+2. ``dfs``: depth-first: after placing a layer, its newly ready successors come next;
+3. ``profile``: the profile's own (topological) order.
+
+Pure Python on plain data: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from pdcompile.errors import ProfileError
+from pdcompile.ir import Chain, ChainLayer
+from pdcompile.profile import Profile
+
+RULES = ("greedy", "dfs", "profile")
+
+
+@dataclass(frozen=True)
+class _Dag:
+    """Index form of a profile: layer ``k``'s producers and consumers, sizes and tensor flags."""
+
+    names: tuple[str, ...]
+    nbytes: tuple[float, ...]  # per layer output
+    tensor: tuple[bool, ...]
+    preds: tuple[tuple[int, ...], ...]  # distinct producer layers
+    succs: tuple[tuple[int, ...], ...]  # distinct consumer layers
+    is_output: tuple[bool, ...]
+    # model inputs: (bytes, tensor?, consumer layers); they are live from before layer 0
+    inputs: tuple[tuple[float, bool, tuple[int, ...], bool], ...]
+
+
+def _dag(profile: Profile, include_inputs: bool) -> _Dag:
+    index = {layer.name: k for k, layer in enumerate(profile.layers)}
+    input_index = {i.name: k for k, i in enumerate(profile.inputs)}
+    preds: list[tuple[int, ...]] = []
+    succs: list[list[int]] = [[] for _ in profile.layers]
+    input_consumers: list[list[int]] = [[] for _ in profile.inputs]
+    for k, layer in enumerate(profile.layers):
+        ps: list[int] = []
+        for src in dict.fromkeys(layer.inputs):
+            if src in index:
+                ps.append(index[src])
+                succs[index[src]].append(k)
+            elif src in input_index:
+                input_consumers[input_index[src]].append(k)
+            else:  # Profile validates this; keep a clear error for hand-built profiles
+                raise ProfileError(f"layer {layer.name!r} reads unknown {src!r}")
+        preds.append(tuple(ps))
+    outputs = set(profile.outputs)
+    inputs = tuple(
+        (i.output_bytes if include_inputs else 0.0, i.tensor_output or not include_inputs,
+         tuple(input_consumers[k]), i.name in outputs)
+        for k, i in enumerate(profile.inputs)
+    )
+    return _Dag(
+        names=tuple(layer.name for layer in profile.layers),
+        nbytes=tuple(float(layer.output_bytes) for layer in profile.layers),
+        tensor=tuple(layer.tensor_output for layer in profile.layers),
+        preds=tuple(preds),
+        succs=tuple(tuple(s) for s in succs),
+        is_output=tuple(layer.name in outputs for layer in profile.layers),
+        inputs=inputs,
+    )
+
+
+def cut_bytes(dag_or_profile: Profile | _Dag, order: Sequence[int], include_inputs: bool = True
+              ) -> tuple[float, ...]:
+    """Bytes live across each cut of ``order`` (a permutation of layer indices); inf if a
+    non-tensor value is live there."""
+    dag = dag_or_profile if isinstance(dag_or_profile, _Dag) else _dag(dag_or_profile, include_inputs)
+    n = len(order)
+    if n <= 1:
+        return ()
+    pos = [0] * n
+    for i, k in enumerate(order):
+        pos[k] = i
+    diff = [0.0] * (n + 1)
+    bad = [0] * (n + 1)
+
+    def add(start: int, last_use: int, nbytes: float, tensor: bool) -> None:
+        # live across cuts start .. last_use - 1 (cut i is after position i)
+        lo, hi = max(start, 0), min(last_use, n - 1)
+        if lo >= hi:
+            return
+        if tensor:
+            diff[lo] += nbytes
+            diff[hi] -= nbytes
+        else:
+            bad[lo] += 1
+            bad[hi] -= 1
+
+    for k in range(n):
+        last = max((pos[s] for s in dag.succs[k]), default=-1)
+        if dag.is_output[k]:
+            last = n
+        if last > pos[k]:
+            add(pos[k], last, dag.nbytes[k], dag.tensor[k])
+    for nbytes, tensor, consumers, is_out in dag.inputs:
+        last = n if is_out else max((pos[c] for c in consumers), default=-1)
+        if last >= 0:
+            add(0, last, nbytes, tensor)
+    cuts: list[float] = []
+    run, run_bad = 0.0, 0
+    for i in range(n - 1):
+        run += diff[i]
+        run_bad += bad[i]
+        cuts.append(math.inf if run_bad > 0 else max(run, 0.0))
+    return tuple(cuts)
+
+
+def _order_profile(dag: _Dag) -> list[int]:
+    return list(range(len(dag.names)))
+
+
+def _order_dfs(dag: _Dag) -> list[int]:
+    indeg = [len(p) for p in dag.preds]
+    stack = [k for k in range(len(indeg)) if indeg[k] == 0][::-1]
+    order: list[int] = []
+    while stack:
+        k = stack.pop()
+        order.append(k)
+        ready = []
+        for s in dag.succs[k]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+        stack.extend(sorted(ready, reverse=True))
+    return order
+
+
+def _order_greedy(dag: _Dag) -> list[int]:
+    n = len(dag.names)
+    indeg = [len(p) for p in dag.preds]
+    remaining = [len(s) for s in dag.succs]
+    ready = {k for k in range(n) if indeg[k] == 0}
+    order: list[int] = []
+    last = -1
+    while ready:
+        best_key: tuple[float, ...] | None = None
+        best = -1
+        last_succs = set(dag.succs[last]) if last >= 0 else set()
+        for k in ready:
+            bad = 0
+            delta = 0.0
+            if remaining[k] > 0 or dag.is_output[k]:
+                if dag.tensor[k]:
+                    delta += dag.nbytes[k]
+                else:
+                    bad += 1
+            for p in dag.preds[k]:
+                if remaining[p] == 1 and not dag.is_output[p]:
+                    if dag.tensor[p]:
+                        delta -= dag.nbytes[p]
+                    else:
+                        bad -= 1
+            key = (bad, delta, 0 if k in last_succs else 1, k)
+            if best_key is None or key < best_key:
+                best_key, best = key, k
+        ready.discard(best)
+        order.append(best)
+        last = best
+        for p in dag.preds[best]:
+            remaining[p] -= 1
+        for s in dag.succs[best]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.add(s)
+    return order
+
+
+_BUILDERS = {"greedy": _order_greedy, "dfs": _order_dfs, "profile": _order_profile}
+
+
+def order_layers(profile: Profile, rule: str = "best", include_inputs: bool = True
+                 ) -> tuple[list[int], tuple[float, ...], str]:
+    """The chosen order (indices into ``profile.layers``), its cut bytes and the rule used."""
+    dag = _dag(profile, include_inputs)
+    rules = RULES if rule == "best" else (rule,)
+    best: tuple[tuple[float, float, float, int], list[int], tuple[float, ...], str] | None = None
+    for r, name in enumerate(rules):
+        if name not in _BUILDERS:
+            raise ProfileError(f"unknown linearize rule {name!r}; use 'best' or one of {RULES}")
+        order = _BUILDERS[name](dag)
+        if len(order) != len(dag.names):  # pragma: no cover - Profile guarantees a DAG
+            raise ProfileError("the layer graph has a cycle")
+        cuts = cut_bytes(dag, order)
+        finite = [c for c in cuts if math.isfinite(c)]
+        blocked = len(cuts) - len(finite)
+        widest = max(finite, default=0.0)
+        # fewest blocked cuts first, then the narrowest widest cut, less total traffic, rule order
+        score = (float(blocked), widest, sum(finite), r)
+        if best is None or score < best[0]:
+            best = (score, order, cuts, name)
+    assert best is not None
+    return best[1], best[2], best[3]
+
+
+def linearize(profile: Profile, *, rule: str = "best", include_inputs: bool = True) -> Chain:
+    """The profile as a :class:`pdcompile.ir.Chain` in a narrow-cut topological order.
+
+    One chain layer per profile layer (``members == (name,)``). ``rule`` is ``"best"`` (try
+    every rule in :data:`RULES`, keep the narrowest) or one rule's name. With
+    ``include_inputs=False`` model inputs don't count in the cuts (PipeDream's convention: every
+    stage can read them from the data loader).
+    """
+    order, cuts, _ = order_layers(profile, rule, include_inputs)
+    layers = tuple(
+        ChainLayer(
+            name=l.name, op=l.op, forward_s=l.forward_s, backward_s=l.backward_s,
+            output_bytes=l.output_bytes, param_bytes=l.param_bytes, members=(l.name,),
+        )
+        for l in (profile.layers[k] for k in order)
+    )
+    return Chain(layers=layers, cut_bytes=cuts, batch_size=profile.batch_size, name=profile.name)
+
+
+def report(chain: Chain) -> str:
+    """One line: number of layers and the widest cut (bytes and where)."""
+    finite = [(c, i) for i, c in enumerate(chain.cut_bytes) if math.isfinite(c)]
+    blocked = len(chain.cut_bytes) - len(finite)
+    if not finite:
+        return f"{chain.name}: {len(chain)} layers, no allowed cut"
+    widest, at = max(finite)
+    return (
+        f"{chain.name}: {len(chain)} layers, widest cut {widest:.0f} B after "
+        f"{chain.layers[at].name} (#{at}); {blocked} blocked cuts"
+    )
+
+
+__all__ = ["RULES", "cut_bytes", "linearize", "order_layers", "report"]

@@ -1,0 +1,243 @@
+"""``pdcompile profile``: profile a model into a profile file, or show a profile file."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from pdcompile.errors import UsageError
+from pdcompile.profile import Profile, load, save, to_json
+
+EXAMPLES = """\
+Examples:
+  pdcompile profile mypkg.models:make_net --input 32x3x224x224 -o net.json
+  pdcompile profile mypkg.models:make_seq2seq --input 16x50:int64,16x50:int64 --mode analytic \\
+      --device-spec a100 -o s2s.json
+  pdcompile profile pdcompile.zoo:get --arg name=gpt --arg batch_size=8 -o gpt.json
+  pdcompile profile --show gpt.json
+  pdcompile profile --show ../shared/profiles/pipedream/vgg16.txt --top 5 --json
+
+MODULE:FACTORY names a function called with the --arg values; it returns an nn.Module (then
+--input gives the example inputs) or an object with .model, .example_inputs and, optionally,
+.leaf_modules (as pdcompile.zoo.get does). SHAPE is dims joined by 'x', with an optional dtype:
+8x128:int64 (integer inputs are zeros, valid indices for any embedding)."""
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "profile",
+        help="measure or compute per-layer costs into a profile file; show a profile",
+        description="Trace a model, annotate every layer's forward/backward time, activation and "
+        "parameter bytes (measured here, or analytic from FLOPs and a device spec), and write "
+        "the profile the planner reads. With --show, print a profile (ours or PipeDream's).",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("factory", nargs="?", metavar="MODULE:FACTORY", help="model factory to profile")
+    p.add_argument("--input", dest="inputs", metavar="SHAPE[,SHAPE]",
+                   help="example input shapes, e.g. 8x3x32x32 or 8x50:int64,8x50:int64")
+    p.add_argument("--arg", dest="factory_args", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for the factory (repeatable)")
+    p.add_argument("--mode", choices=("measured", "analytic"), default="measured")
+    p.add_argument("--device-spec", default=None,
+                   help="analytic mode: cpu, v100, a100, h100 or h200 (default cpu)")
+    p.add_argument("--device", default="cpu", help="where to run the model (cpu, cuda)")
+    p.add_argument("--leaf", action="append", default=[], metavar="NAME",
+                   help="keep this submodule (qualified name) or class (module.Class) whole")
+    p.add_argument("--optimizer", default="sgd-momentum", help="sgd, sgd-momentum, adam")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per node (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs per node")
+    p.add_argument("--no-symbolic", action="store_true", help="skip the batch-size fit")
+    p.add_argument("-o", "--output", metavar="PATH", help="write the profile JSON here")
+    p.add_argument("--show", metavar="PATH", help="print a profile file (JSON or graph.txt)")
+    p.add_argument("--top", type=int, default=10, help="rows per table in --show")
+    p.add_argument("--json", action="store_true", help="print data as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.show:
+        if args.factory:
+            raise UsageError("give either MODULE:FACTORY or --show PATH, not both")
+        prof = load(args.show)
+        if args.json:
+            print(json.dumps(summary(prof, args.top), indent=1))
+        else:
+            print(show(prof, args.top))
+        return 0
+    if not args.factory:
+        raise UsageError("nothing to do: give MODULE:FACTORY to profile, or --show PATH")
+    prof = _profile(args)
+    if args.output:
+        save(prof, args.output)
+    if args.json:
+        print(json.dumps(to_json(prof), indent=1))
+    else:
+        print(show(prof, args.top))
+        if args.output:
+            print(f"\nwrote {args.output}")
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> Profile:
+    import torch
+
+    from pdcompile.passes.annotate_costs import profile_model
+
+    made = _call_factory(args.factory, args.factory_args)
+    leaf: list[Any] = [_leaf(name) for name in args.leaf]
+    if isinstance(made, torch.nn.Module):
+        if not args.inputs:
+            raise UsageError(f"{args.factory} returned a module; give its inputs with --input SHAPE")
+        model, inputs = made, parse_inputs(args.inputs)
+    elif hasattr(made, "model") and hasattr(made, "example_inputs"):
+        model = made.model
+        inputs = parse_inputs(args.inputs) if args.inputs else tuple(made.example_inputs)
+        leaf += list(getattr(made, "leaf_modules", ()))
+    else:
+        raise UsageError(f"{args.factory} returned {type(made).__name__}; it must return an "
+                         f"nn.Module or an object with .model and .example_inputs")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise UsageError(f"--device {args.device!r}: {e}") from None
+    model = model.to(device)
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    return profile_model(
+        model, inputs, mode=args.mode, leaf_modules=tuple(leaf), device_spec=args.device_spec,
+        optimizer=args.optimizer, repeats=args.repeats, warmup=args.warmup,
+        symbolic=not args.no_symbolic, name=getattr(made, "name", None) or type(model).__name__,
+    )
+
+
+def _call_factory(spec: str, kv: Sequence[str]) -> Any:
+    mod_name, sep, fn_name = spec.partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise UsageError(f"model {spec!r} must be MODULE:FACTORY, e.g. mypkg.models:make_net")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UsageError(f"cannot import {mod_name!r} ({e}); is it on PYTHONPATH?") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise UsageError(f"{mod_name} has no callable {fn_name!r}")
+    kwargs = {}
+    for item in kv:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise UsageError(f"--arg {item!r} must be KEY=VALUE")
+        kwargs[key] = _literal(value)
+    return fn(**kwargs)
+
+
+def _literal(value: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _leaf(name: str) -> Any:
+    """``pkg.mod.Class`` -> the class if it imports, else the name (a qualified submodule)."""
+    mod_name, _, cls = name.rpartition(".")
+    if mod_name:
+        try:
+            obj = getattr(importlib.import_module(mod_name), cls, None)
+            if isinstance(obj, type):
+                return obj
+        except ImportError:
+            pass
+    return name
+
+
+def parse_inputs(text: str) -> tuple[Any, ...]:
+    """``"8x3x32x32,8x50:int64"`` -> a random float tensor and a zero int64 tensor."""
+    import torch
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for part in text.split(","):
+        shape_s, _, dtype_s = part.strip().partition(":")
+        try:
+            shape = tuple(int(d) for d in shape_s.lower().split("x"))
+        except ValueError:
+            raise UsageError(f"--input {part!r}: a shape is dims joined by 'x', e.g. 8x3x32x32") from None
+        if any(d <= 0 for d in shape):
+            raise UsageError(f"--input {part!r}: dims must be positive")
+        dtype = getattr(torch, dtype_s or "float32", None)
+        if not isinstance(dtype, torch.dtype):
+            raise UsageError(f"--input {part!r}: unknown dtype {dtype_s!r} (e.g. float32, int64)")
+        if dtype.is_floating_point:
+            out.append(torch.randn(shape, generator=gen).to(dtype))
+        else:
+            out.append(torch.zeros(shape, dtype=dtype))
+    return tuple(out)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+def summary(prof: Profile, top: int = 10) -> dict[str, Any]:
+    """Totals and the top layers by time, activation bytes and parameter bytes, as data."""
+    from pdcompile.passes.linearize import linearize
+
+    chain = linearize(prof)
+
+    def rows(key: Any) -> list[dict[str, Any]]:
+        ranked = sorted(prof.layers, key=lambda l: (-key(l), l.name))[:top]
+        return [{"name": l.name, "op": l.op, "forward_s": l.forward_s, "backward_s": l.backward_s,
+                 "output_bytes": l.output_bytes, "param_bytes": l.param_bytes} for l in ranked]
+
+    return {
+        "name": prof.name, "mode": prof.mode, "device": prof.device,
+        "batch_size": prof.batch_size, "layers": len(prof.layers), "inputs": len(prof.inputs),
+        "forward_s": prof.forward_s, "backward_s": prof.backward_s,
+        "output_bytes": prof.output_bytes, "param_bytes": prof.param_bytes,
+        "optimizer": prof.optimizer, "optimizer_state_bytes": prof.optimizer_state_bytes(),
+        "widest_cut_bytes": chain.widest_cut,
+        "top_by_time": rows(lambda l: l.compute_s),
+        "top_by_activation": rows(lambda l: l.output_bytes),
+        "top_by_params": rows(lambda l: l.param_bytes),
+    }
+
+
+def show(prof: Profile, top: int = 10) -> str:
+    """A text report: totals, then the top layers by time, activation bytes, parameter bytes."""
+    s = summary(prof, top)
+    total_t = s["forward_s"] + s["backward_s"] or 1.0
+    lines = [
+        f"profile {s['name']}  ({s['mode']}, device {s['device']}, batch {s['batch_size']})",
+        f"  layers {s['layers']}, model inputs {s['inputs']}",
+        f"  time      fwd {s['forward_s'] * 1e3:.3f} ms  bwd {s['backward_s'] * 1e3:.3f} ms  "
+        f"total {(s['forward_s'] + s['backward_s']) * 1e3:.3f} ms",
+        f"  bytes     activations {_fmt_bytes(s['output_bytes'])}  params "
+        f"{_fmt_bytes(s['param_bytes'])}  optimizer ({s['optimizer']}) "
+        f"{_fmt_bytes(s['optimizer_state_bytes'])}",
+        f"  widest cut (linearized) {_fmt_bytes(s['widest_cut_bytes'])}",
+    ]
+    for title, key in (("time", "top_by_time"), ("activation bytes", "top_by_activation"),
+                       ("parameter bytes", "top_by_params")):
+        lines += ["", f"top {len(s[key])} by {title}:",
+                  f"  {'layer':<24} {'op':<18} {'fwd ms':>10} {'bwd ms':>10} {'% time':>7} "
+                  f"{'output':>12} {'params':>12}"]
+        for r in s[key]:
+            pct = 100 * (r["forward_s"] + r["backward_s"]) / total_t
+            lines.append(
+                f"  {r['name'][:24]:<24} {r['op'][:18]:<18} {r['forward_s'] * 1e3:>10.4f} "
+                f"{r['backward_s'] * 1e3:>10.4f} {pct:>6.1f}% {_fmt_bytes(r['output_bytes']):>12} "
+                f"{_fmt_bytes(r['param_bytes']):>12}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,588 @@
+"""The profile file: per-layer costs of a model (a DAG of layers), read and written as JSON or
+imported from PipeDream's ``graph.txt``.
+
+A profile is what the planner needs to plan without the model: per layer, forward and backward
+time, output activation bytes and parameter bytes, and the names of the layers it reads. It is
+plain data (no torch), so a plan can be made on a laptop from a profile measured on a GPU server.
+
+JSON format (``version`` 1)::
+
+    {"format": "pdcompile-profile", "version": 1, "name": "vgg16", "device": "cuda:NVIDIA H100",
+     "batch_size": 64, "mode": "measured", "optimizer": "sgd-momentum",
+     "inputs": [{"name": "x", "output_bytes": 38535168, "output_bytes_expr": "602112*b"}],
+     "outputs": ["fc3"],
+     "layers": [{"name": "conv1", "op": "Conv2d", "forward_s": 0.0123, "backward_s": 0.0231,
+                 "output_bytes": 822083584, "param_bytes": 7168, "inputs": ["x"], ...}]}
+
+Times are seconds per minibatch of ``batch_size``; bytes are bytes per minibatch. Optional
+per-layer fields: ``desc``, ``buffer_bytes``, ``forward_flops``, ``backward_flops``,
+``tensor_output`` (false when the layer yields a non-tensor such as an ``int``), and the symbolic
+fields ``output_bytes_expr``, ``forward_flops_expr``, ``backward_flops_expr`` (sympy expressions
+of the microbatch size ``b``, as strings) with ``symbolic_note`` when a cost is not affine in
+``b``.
+
+Model inputs are kept apart from layers (``Profile.inputs``): they cost nothing to compute, but a
+layer may read them, so a layer's ``inputs`` names layers or model inputs. PipeDream's ``InputN``
+nodes become such model inputs; the time PipeDream recorded on them (data loading, up to 636 ms
+on some profiles) is dropped, as PipeDream's own optimizer zeroes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from pdcompile.errors import ProfileError
+
+FORMAT = "pdcompile-profile"
+VERSION = 1
+
+#: Optimizer state bytes per parameter byte (momentum buffer: 1x; Adam's two moments: 2x).
+OPTIMIZER_STATE_FACTOR: dict[str, float] = {
+    "sgd": 0.0,
+    "sgd-momentum": 1.0,
+    "adam": 2.0,
+    "adamw": 2.0,
+}
+
+
+def optimizer_state_factor(optimizer: str) -> float:
+    """Optimizer-state bytes per parameter byte for ``optimizer`` (e.g. ``"adam"`` -> 2.0)."""
+    try:
+        return OPTIMIZER_STATE_FACTOR[optimizer.lower()]
+    except KeyError:
+        raise ProfileError(
+            f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATE_FACTOR)}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ProfileInput:
+    """A model input (an fx placeholder or a PipeDream ``InputN`` node): zero compute cost."""
+
+    name: str
+    output_bytes: float = 0.0
+    output_bytes_expr: str | None = None
+    tensor_output: bool = True
+
+    def __str__(self) -> str:
+        return f"input {self.name} out {self.output_bytes:.0f} B"
+
+
+@dataclass(frozen=True)
+class ProfileLayer:
+    """One layer: costs per minibatch of the profile's batch size, and the names it reads."""
+
+    name: str
+    op: str
+    forward_s: float
+    backward_s: float
+    output_bytes: float
+    param_bytes: float
+    inputs: tuple[str, ...] = ()
+    desc: str = ""
+    buffer_bytes: float = 0.0
+    forward_flops: float = 0.0
+    backward_flops: float = 0.0
+    tensor_output: bool = True
+    output_bytes_expr: str | None = None
+    forward_flops_expr: str | None = None
+    backward_flops_expr: str | None = None
+    symbolic_note: str = ""
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name} {self.op} fwd {self.forward_s:.3e}s bwd {self.backward_s:.3e}s "
+            f"out {self.output_bytes:.0f} B param {self.param_bytes:.0f} B "
+            f"<- [{', '.join(self.inputs)}]"
+        )
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model's layer DAG with costs. ``layers`` are in a topological order.
+
+    ``mode`` says where the times came from: ``"measured"``, ``"analytic"`` (FLOPs over a device
+    spec) or ``"pipedream"`` (imported). ``outputs`` names the layers whose values leave the model
+    (empty when unknown, as for PipeDream imports).
+    """
+
+    layers: tuple[ProfileLayer, ...]
+    batch_size: int
+    device: str = "unknown"
+    version: int = VERSION
+    name: str = "model"
+    mode: str = "measured"
+    optimizer: str = "sgd-momentum"
+    inputs: tuple[ProfileInput, ...] = ()
+    outputs: tuple[str, ...] = ()
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _validate(self, self.source or "<profile>")
+
+    # -- totals ---------------------------------------------------------------------------
+    @property
+    def forward_s(self) -> float:
+        return sum(layer.forward_s for layer in self.layers)
+
+    @property
+    def backward_s(self) -> float:
+        return sum(layer.backward_s for layer in self.layers)
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def param_bytes(self) -> float:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def output_bytes(self) -> float:
+        return sum(layer.output_bytes for layer in self.layers)
+
+    def optimizer_state_bytes(self) -> float:
+        """Bytes of optimizer state for all parameters under ``self.optimizer``."""
+        return self.param_bytes * optimizer_state_factor(self.optimizer)
+
+    def layer(self, name: str) -> ProfileLayer:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
+
+    def at_batch_size(self, b: int) -> "Profile":
+        """This profile evaluated at minibatch size ``b``.
+
+        Bytes and FLOPs use the sympy expressions of ``b`` when a layer has them, else scale
+        linearly with ``b / batch_size``. Times scale with the FLOPs expressions in analytic mode
+        (time is FLOPs over throughput there) and linearly in ``b / batch_size`` otherwise, since
+        a single measurement can't tell a fixed overhead from a per-sample cost. Parameter bytes
+        don't depend on ``b``.
+        """
+        if b <= 0:
+            raise ProfileError(f"batch size must be positive (got {b})")
+        ratio = b / self.batch_size
+        layers = []
+        for layer in self.layers:
+            out = _eval_or_scale(layer.output_bytes_expr, b, layer.output_bytes, ratio)
+            ff = _eval_or_scale(layer.forward_flops_expr, b, layer.forward_flops, ratio)
+            bf = _eval_or_scale(layer.backward_flops_expr, b, layer.backward_flops, ratio)
+            if self.mode == "analytic" and layer.forward_flops_expr and layer.forward_flops:
+                fs = layer.forward_s * ff / layer.forward_flops
+            else:
+                fs = layer.forward_s * ratio
+            if self.mode == "analytic" and layer.backward_flops_expr and layer.backward_flops:
+                bs = layer.backward_s * bf / layer.backward_flops
+            else:
+                bs = layer.backward_s * ratio
+            layers.append(
+                replace(layer, forward_s=fs, backward_s=bs, output_bytes=out,
+                        forward_flops=ff, backward_flops=bf)
+            )
+        inputs = tuple(
+            replace(i, output_bytes=_eval_or_scale(i.output_bytes_expr, b, i.output_bytes, ratio))
+            for i in self.inputs
+        )
+        return replace(self, layers=tuple(layers), inputs=inputs, batch_size=b)
+
+    def __str__(self) -> str:
+        head = (
+            f"profile {self.name}: {len(self.layers)} layers, {len(self.inputs)} inputs, "
+            f"batch {self.batch_size}, device {self.device}, mode {self.mode}, "
+            f"fwd {self.forward_s:.4e}s bwd {self.backward_s:.4e}s "
+            f"params {self.param_bytes:.0f} B"
+        )
+        return "\n".join([head] + [f"  {i}" for i in self.inputs] + [f"  {l}" for l in self.layers])
+
+
+# -- symbolic helpers ------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled_expr(expr: str) -> Any:
+    import sympy  # lazily: profile.py is imported by tools that never evaluate expressions
+
+    b = sympy.Symbol("b", positive=True, integer=True)
+    return sympy.sympify(expr, locals={"b": b}), b
+
+
+def eval_expr(expr: str, b: int) -> float:
+    """Evaluate a sympy expression string of the microbatch size ``b`` at ``b``."""
+    e, sym = _compiled_expr(expr)
+    value = e.subs(sym, b)
+    try:
+        result = float(value)
+    except TypeError:
+        result = math.nan
+    if math.isnan(result):
+        raise ProfileError(
+            f"expression {expr!r} has no value at b={b} (a measured table that doesn't cover "
+            f"b={b}?); profile again at this batch size"
+        )
+    return result
+
+
+def _eval_or_scale(expr: str | None, b: int, value: float, ratio: float) -> float:
+    return eval_expr(expr, b) if expr else value * ratio
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+def _validate(profile: Profile, where: str, lines: Mapping[str, int] | None = None) -> None:
+    """Check names are unique, every input exists, no negative cost, layers are topological."""
+
+    def at(name: str) -> str:
+        return f"{where}:{lines[name]}" if lines and name in lines else where
+
+    if profile.batch_size <= 0:
+        raise ProfileError(f"{where}: batch_size must be positive (got {profile.batch_size})")
+    seen: set[str] = set()
+    for i in profile.inputs:
+        if i.name in seen:
+            raise ProfileError(f"{at(i.name)}: duplicate name {i.name!r}; names must be unique")
+        seen.add(i.name)
+    all_names = seen | {layer.name for layer in profile.layers}
+    for layer in profile.layers:
+        if layer.name in seen:
+            raise ProfileError(
+                f"{at(layer.name)}: duplicate name {layer.name!r}; names must be unique"
+            )
+        for key in ("forward_s", "backward_s", "output_bytes", "param_bytes"):
+            v = getattr(layer, key)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ProfileError(
+                    f"{at(layer.name)}: layer {layer.name!r} has {key}={v!r}; costs must be "
+                    f"finite and non-negative"
+                )
+        for src in layer.inputs:
+            if src not in all_names:
+                raise ProfileError(
+                    f"{at(layer.name)}: layer {layer.name!r} reads {src!r}, which is neither a "
+                    f"layer nor a model input; add it or remove the reference"
+                )
+            if src not in seen:
+                raise ProfileError(
+                    f"{at(layer.name)}: layer {layer.name!r} reads {src!r}, which comes later; "
+                    f"layers must be in topological order (is there a cycle?)"
+                )
+        seen.add(layer.name)
+    for name in profile.outputs:
+        if name not in all_names:
+            raise ProfileError(f"{where}: output {name!r} is not a layer or input")
+
+
+def topological_order(
+    names: list[str], preds: Mapping[str, Iterable[str]], where: str,
+    edge_lines: Mapping[tuple[str, str], int] | None = None,
+) -> list[str]:
+    """Kahn's algorithm, taking ready nodes in the order of ``names``; raises on a cycle,
+    naming the last line (per ``edge_lines``) of an edge on it."""
+    import heapq
+
+    index = {n: i for i, n in enumerate(names)}
+    succs: dict[str, list[str]] = {n: [] for n in names}
+    indeg = {n: 0 for n in names}
+    for n in names:
+        for p in preds.get(n, ()):
+            succs[p].append(n)
+            indeg[n] += 1
+    heap = [index[n] for n in names if indeg[n] == 0]
+    heapq.heapify(heap)
+    order: list[str] = []
+    while heap:
+        n = names[heapq.heappop(heap)]
+        order.append(n)
+        for s in succs[n]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(heap, index[s])
+    if len(order) != len(names):
+        stuck = sorted((n for n in names if indeg[n] > 0), key=index.__getitem__)
+        cycle = _find_cycle(stuck, preds)
+        cycle_lines = [edge_lines[e] for e in zip(cycle, cycle[1:]) if e in (edge_lines or {})]
+        loc = f"{where}:{max(cycle_lines)}" if cycle_lines else where
+        raise ProfileError(
+            f"{loc}: the layer graph has a cycle ({' -> '.join(cycle)}); a profile must be a DAG, "
+            f"remove one of these edges"
+        )
+    return order
+
+
+def _find_cycle(stuck: list[str], preds: Mapping[str, Iterable[str]]) -> list[str]:
+    """A cycle among ``stuck`` nodes (every stuck node has a stuck predecessor)."""
+    stuck_set = set(stuck)
+    path: list[str] = []
+    pos: dict[str, int] = {}
+    node = stuck[0]
+    while node not in pos:
+        pos[node] = len(path)
+        path.append(node)
+        node = next(p for p in preds.get(node, ()) if p in stuck_set)
+    cycle = path[pos[node]:][::-1]
+    return cycle + [cycle[0]]
+
+
+# -- JSON ------------------------------------------------------------------------------------
+
+_LAYER_FIELDS = {f.name for f in fields(ProfileLayer)}
+_INPUT_FIELDS = {f.name for f in fields(ProfileInput)}
+
+
+def to_json(profile: Profile) -> dict[str, Any]:
+    """The profile as a JSON-serialisable dict (the file format)."""
+    layer_defaults = {f.name: f.default for f in fields(ProfileLayer)}
+
+    def layer_dict(layer: ProfileLayer) -> dict[str, Any]:
+        d = asdict(layer)
+        d["inputs"] = list(layer.inputs)
+        # Required fields always; optional ones only when set, to keep files readable.
+        return {k: v for k, v in d.items()
+                if k in _REQUIRED_LAYER or v != layer_defaults.get(k)}
+
+    return {
+        "format": FORMAT,
+        "version": profile.version,
+        "name": profile.name,
+        "device": profile.device,
+        "batch_size": profile.batch_size,
+        "mode": profile.mode,
+        "optimizer": profile.optimizer,
+        "inputs": [asdict(i) for i in profile.inputs],
+        "outputs": list(profile.outputs),
+        "layers": [layer_dict(layer) for layer in profile.layers],
+    }
+
+
+_REQUIRED_LAYER = ("name", "op", "forward_s", "backward_s", "output_bytes", "param_bytes", "inputs")
+
+
+def from_json(data: Mapping[str, Any], where: str = "<json>") -> Profile:
+    """Build a Profile from the dict :func:`to_json` makes; errors name ``where``."""
+    if not isinstance(data, Mapping):
+        raise ProfileError(f"{where}: expected a JSON object at the top level")
+    if data.get("format") != FORMAT:
+        raise ProfileError(
+            f"{where}: not a pdcompile profile (format={data.get('format')!r}, "
+            f"expected {FORMAT!r})"
+        )
+    version = data.get("version")
+    if version != VERSION:
+        raise ProfileError(
+            f"{where}: profile version {version!r} is not supported (this pdcompile reads "
+            f"version {VERSION}); profile the model again"
+        )
+    for key in ("batch_size", "layers"):
+        if key not in data:
+            raise ProfileError(f"{where}: missing key {key!r}")
+    layers = []
+    for k, d in enumerate(data["layers"]):
+        missing = [f for f in _REQUIRED_LAYER if f not in d]
+        unknown = sorted(set(d) - _LAYER_FIELDS)
+        if missing or unknown:
+            raise ProfileError(
+                f"{where}: layer #{k} ({d.get('name', '?')!r}) "
+                + (f"lacks {missing}" if missing else f"has unknown keys {unknown}")
+            )
+        layers.append(ProfileLayer(**{**d, "inputs": tuple(d["inputs"])}))
+    inputs = []
+    for d in data.get("inputs", []):
+        unknown = sorted(set(d) - _INPUT_FIELDS)
+        if unknown or "name" not in d:
+            raise ProfileError(f"{where}: model input {d!r} is malformed")
+        inputs.append(ProfileInput(**d))
+    return Profile(
+        layers=tuple(layers),
+        batch_size=int(data["batch_size"]),
+        device=str(data.get("device", "unknown")),
+        version=VERSION,
+        name=str(data.get("name", "model")),
+        mode=str(data.get("mode", "measured")),
+        optimizer=str(data.get("optimizer", "sgd-momentum")),
+        inputs=tuple(inputs),
+        outputs=tuple(data.get("outputs", ())),
+        source=where,
+    )
+
+
+def save(profile: Profile, path: str | Path) -> None:
+    """Write ``profile`` as JSON to ``path``."""
+    Path(path).write_text(json.dumps(to_json(profile), indent=1) + "\n")
+
+
+def load(path: str | Path) -> Profile:
+    """Read a profile: our JSON, or a PipeDream ``graph.txt`` (detected from the content)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ProfileError(f"{p}: cannot read profile ({e.strerror})") from None
+    if text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"{p}:{e.lineno}: invalid JSON ({e.msg})") from None
+        return from_json(data, str(p))
+    return parse_pipedream(text, str(p))
+
+
+# -- PipeDream graph.txt ---------------------------------------------------------------------
+
+_NODE_RE = re.compile(r"^(?P<id>\S+) -- (?P<desc>.*) -- (?P<metrics>[a-z_]+=.*)$")
+_EDGE_RE = re.compile(r"^(?P<src>\S+) -- (?P<dst>\S+)$")
+_METRIC_KEYS = ("forward_compute_time", "backward_compute_time", "activation_size",
+                "parameter_size")
+_INPUT_DESC = re.compile(r"^Input\d*$")
+
+
+def load_pipedream(path: str | Path, batch_size: int | None = None) -> Profile:
+    """Read a PipeDream profiler ``graph.txt`` (times in ms per minibatch, stored as seconds)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ProfileError(f"{p}: cannot read profile ({e.strerror})") from None
+    return parse_pipedream(text, str(p), batch_size=batch_size)
+
+
+def _parse_size(raw: str, where: str) -> float:
+    """``123.0`` or a multi-output list ``[a; b; c]`` (summed: all of them are the output)."""
+    raw = raw.strip()
+    if raw.startswith("[") and raw.endswith("]"):
+        parts = [x for x in raw[1:-1].split(";") if x.strip()]
+        return sum(_parse_float(x, where) for x in parts)
+    return _parse_float(raw, where)
+
+
+def _parse_float(raw: str, where: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ProfileError(f"{where}: {raw.strip()!r} is not a number") from None
+
+
+def parse_pipedream(text: str, where: str = "<graph.txt>", batch_size: int | None = None) -> Profile:
+    """Parse the text of a PipeDream ``graph.txt``; see :func:`load_pipedream`.
+
+    PipeDream's files don't record the batch size; ``batch_size`` defaults to 1 (the costs are
+    per minibatch either way). Layers come out in a topological order that prefers the node
+    numbers PipeDream assigned (its trace order).
+    """
+    descs: dict[str, str] = {}
+    metrics: dict[str, dict[str, float]] = {}
+    lines: dict[str, int] = {}
+    preds: dict[str, list[str]] = {}
+    edges: list[tuple[str, str, int]] = []
+    edge_lines: dict[tuple[str, str], int] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        loc = f"{where}:{lineno}"
+        if raw[0] in "\t ":
+            m = _EDGE_RE.match(raw.strip())
+            if not m:
+                raise ProfileError(
+                    f"{loc}: malformed edge line {raw.strip()!r}; expected '\\tnodeA -- nodeB'"
+                )
+            edges.append((m["src"], m["dst"], lineno))
+            continue
+        m = _NODE_RE.match(raw)
+        if not m:
+            raise ProfileError(
+                f"{loc}: malformed node line {raw[:80]!r}; expected 'nodeN -- description -- "
+                f"forward_compute_time=ms, backward_compute_time=ms, activation_size=bytes, "
+                f"parameter_size=bytes'"
+            )
+        node = m["id"]
+        if node in descs:
+            raise ProfileError(f"{loc}: node {node!r} defined twice (first on line {lines[node]})")
+        vals: dict[str, float] = {}
+        for item in re.split(r",\s*(?=[a-z_]+=)", m["metrics"]):
+            key, _, value = item.partition("=")
+            key = key.strip()
+            if key not in _METRIC_KEYS:
+                raise ProfileError(f"{loc}: unknown metric {key!r}; expected {list(_METRIC_KEYS)}")
+            vals[key] = _parse_size(value, loc)
+        missing = [k for k in _METRIC_KEYS if k not in vals]
+        if missing:
+            raise ProfileError(f"{loc}: node {node!r} lacks {missing}")
+        for k, v in vals.items():
+            if not math.isfinite(v) or v < 0:
+                raise ProfileError(
+                    f"{loc}: node {node!r} has {k}={v}; times and sizes must be non-negative"
+                )
+        descs[node] = m["desc"].strip()
+        metrics[node] = vals
+        lines[node] = lineno
+        preds[node] = []
+    for src, dst, lineno in edges:
+        for n in (src, dst):
+            if n not in descs:
+                raise ProfileError(
+                    f"{where}:{lineno}: edge {src} -- {dst} names {n!r}, which has no node line; "
+                    f"add the node or remove the edge"
+                )
+        if src not in preds[dst]:
+            preds[dst].append(src)
+        edge_lines[(src, dst)] = lineno
+    if not descs:
+        raise ProfileError(f"{where}: no nodes found; is this a PipeDream graph.txt?")
+
+    names = sorted(descs, key=_natural_key)
+    order = topological_order(names, preds, where, edge_lines)
+    inputs: list[ProfileInput] = []
+    layers: list[ProfileLayer] = []
+    for node in order:
+        desc, vals = descs[node], metrics[node]
+        if _INPUT_DESC.match(desc) and not preds[node]:
+            inputs.append(ProfileInput(name=node, output_bytes=vals["activation_size"]))
+            continue
+        layers.append(
+            ProfileLayer(
+                name=node,
+                op=_op_of(desc),
+                forward_s=vals["forward_compute_time"] / 1e3,
+                backward_s=vals["backward_compute_time"] / 1e3,
+                output_bytes=vals["activation_size"],
+                param_bytes=vals["parameter_size"],
+                inputs=tuple(preds[node]),
+                desc=desc,
+            )
+        )
+    return Profile(
+        layers=tuple(layers),
+        batch_size=batch_size or 1,
+        device="unknown (PipeDream profile)",
+        name=Path(where).stem if not where.startswith("<") else "pipedream",
+        mode="pipedream",
+        inputs=tuple(inputs),
+        source=where,
+    )
+
+
+def _op_of(desc: str) -> str:
+    """``Conv2d(3, 64, ...)`` -> ``Conv2d``; ``__getitem__(0)`` -> ``__getitem__``."""
+    m = re.match(r"[A-Za-z_][A-Za-z0-9_.]*", desc)
+    return m.group(0) if m else (desc or "?")
+
+
+def _natural_key(name: str) -> tuple[Any, ...]:
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+__all__ = [
+    "FORMAT", "VERSION", "OPTIMIZER_STATE_FACTOR", "Profile", "ProfileInput", "ProfileLayer",
+    "eval_expr", "from_json", "load", "load_pipedream", "optimizer_state_factor",
+    "parse_pipedream", "save", "to_json", "topological_order",
+]
