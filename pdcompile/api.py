@@ -31,6 +31,8 @@ from pdcompile import passmanager
 from pdcompile.errors import UsageError
 from pdcompile.ir import CompileState
 from pdcompile.passes import codegen
+from pdcompile.passes.annotate_costs import DEVICE_SPECS, annotate_costs, format_costs, profile_from_graph
+from pdcompile.passes.linearize import linearize, report
 from pdcompile.passes.shapes import format_graph_with_shapes, propagate_shapes
 from pdcompile.passes.split_stages import StageSplit, even_assignment, split_stages
 from pdcompile.passes.trace import trace
@@ -56,6 +58,7 @@ class Options:
     cost_model: str = "default"
     data: dict[str, Any] | None = None
     example_target: torch.Tensor | None = None
+    symbolic_costs: bool = False  # fit costs as expressions of the microbatch size (slower)
     replicas: Sequence[int] | None = None  # replicas per stage (e.g. [2, 1]); default one each
 
 
@@ -119,10 +122,25 @@ class CompiledPipeline:
                              lambda s: s.gm.code.strip() + "\n\n" + str(s.gm.graph)),
             passmanager.Pass("propagate-shapes", lambda s: s.replace(gm=propagate_shapes(s.gm, s.example_inputs)),
                              lambda s: format_graph_with_shapes(s.gm)),
+            passmanager.Pass("annotate-costs", self._annotate, lambda s: format_costs(s.gm)),
+            passmanager.Pass("linearize", self._linearize, lambda s: report(s.chain) + "\n" + str(s.chain)),
             passmanager.Pass("partition", self._partition, lambda s: _fmt_partition(s)),
             passmanager.Pass("split-stages", self._split, lambda s: str(s.stages)),
             passmanager.Pass("schedule", self._schedule, lambda s: schedules.format_grid(s.schedule, compute_only=False)),
         ]
+
+    def _annotate(self, s: CompileState) -> CompileState:
+        opts = self.options
+        spec = getattr(getattr(opts.cluster, "device", None), "name", None) if opts.cluster is not None else None
+        spec = spec.lower() if isinstance(spec, str) and spec.lower() in DEVICE_SPECS else None
+        gm = annotate_costs(s.gm, s.example_inputs, mode=opts.cost_mode, device_spec=spec, progress=False,
+                            symbolic=opts.symbolic_costs)
+        profile = profile_from_graph(gm, batch_size=self.microbatch_size, device=spec or "cpu",
+                                     name=type(s.model).__name__)
+        return s.replace(gm=gm, profile=profile)
+
+    def _linearize(self, s: CompileState) -> CompileState:
+        return s.replace(chain=linearize(s.profile))
 
     def _partition(self, s: CompileState) -> CompileState:
         n = self.options.stages
