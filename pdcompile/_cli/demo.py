@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"emitted the program to {prog} (run it yourself: cd {prog} && "
                   f"torchrun --nproc-per-node={pipe.world_size} train.py --steps {args.steps})")
     losses: list[float] = []
-    pat = re.compile(r"step (\d+)/(\d+) loss ([0-9.eE+-]+)")
+    pat = re.compile(r"step (\d+)\b.*? loss ([0-9.eE+-]+)")
     with Progress(TextColumn("training"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                   TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("train", total=args.steps, loss="-")
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         def on_line(line: str) -> None:
             m = pat.search(line)
             if m:
-                losses.append(float(m.group(3)))
+                losses.append(float(m.group(2)))
                 bar.update(task, completed=int(m.group(1)), loss=f"{losses[-1]:.4f}")
 
         rc, log = launch(prog, pipe.world_size, ["--steps", str(args.steps), "--metrics", str(out / "metrics"),

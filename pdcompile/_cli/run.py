@@ -1,0 +1,56 @@
+"""``pdcompile run``: train a model (or an emitted folder) locally through torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pdcompile._cli._model import add_compile_args, add_model_args, compile_from_args
+from pdcompile.errors import UsageError
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "run", help="compile and train a model (or run an emitted folder) on this machine",
+        description="Emit the program (unless MODEL is an emitted folder) and train it through torchrun on "
+                    "this machine's CPU processes (gloo), streaming the loss.",
+        epilog="Examples:\n  pdcompile run zoo:mlp --stages 2 --steps 20\n  pdcompile run out/ --steps 5",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    add_compile_args(p)
+    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--out", help="folder for the program and results (default: a temporary folder)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds before the whole run is stopped")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdcompile.launcher import launch
+
+    if args.steps < 1:
+        raise UsageError("--steps must be at least 1")
+    folder = Path(args.model)
+    if (folder / "plan.json").is_file():
+        prog = folder
+        world = json.loads((folder / "plan.json").read_text())["world_size"]
+        results = Path(args.out) if args.out else folder / "results"
+    else:
+        m, pipe = compile_from_args(args)
+        results = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="pdcompile-run-"))
+        prog = pipe.emit(results / "program", data=m.data)
+        world = pipe.world_size
+    rc, log = launch(prog, world, ["--steps", str(args.steps), "--metrics", str(results / "metrics"),
+                                   "--save-final", str(results / "final"), "--timeout", "60"],
+                     timeout=args.timeout, on_line=None if args.json else print)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "train.log").write_text(log)
+    if args.json:
+        print(json.dumps({"status": rc, "results": str(results), "program": str(prog)}))
+    if rc != 0:
+        print(f"pdcompile: training failed (exit {rc}); log: {results / 'train.log'}")
+        return 1
+    return 0
