@@ -1,0 +1,97 @@
+"""The pdcompile command: every subcommand's success path and its main failure path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdcompile.cli import main
+
+pytestmark = pytest.mark.timeout(180)
+
+BAD_MODEL = '''
+import torch
+class Bad(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+    def forward(self, x):
+        if x.sum() > 0:
+            x = x * 2
+        return self.l(x) * x.mean().item()
+def make():
+    return Bad()
+'''
+
+
+@pytest.fixture()
+def bad_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "badmod.py").write_text(BAD_MODEL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "badmod:make"
+
+
+def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("demo", "check", "profile", "emit", "run"):
+        assert cmd in out
+
+
+def test_check_ok_and_check_lists_every_construct(bad_model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "zoo:gpt"]) == 0
+    assert "nothing to fix" in capsys.readouterr().out
+    assert main(["check", bad_model, "--input", "2x4", "--json"]) == 2
+    found = json.loads(capsys.readouterr().out)
+    assert [c["kind"] for c in found["constructs"]] == ["data-dependent control flow", "host sync"]
+
+
+def test_emit_writes_a_program_and_bad_input_exits_2(tmp_path: Path, bad_model: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["emit", "zoo:mlp", "--stages", "2", "-o", str(tmp_path / "out"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["stages"] == 2
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "plan.json", "stage_0.pt", "stage_0.py", "stage_1.pt", "stage_1.py", "train.py"]
+    rc = main(["emit", bad_model, "--input", "2x4", "--target", "2:int64:4", "-o", str(tmp_path / "bad")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "UnsupportedModelError" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) >= 1 and "Fix:" in err
+
+
+def test_errors_print_one_line_without_traceback_unless_debug(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "pdcompile.cli", "emit", "zoo:nosuchmodel", "-o", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "unknown zoo model 'nosuchmodel'" in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    p = subprocess.run(cmd[:3] + ["--debug"] + cmd[3:], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "Traceback" in p.stderr
+
+
+@pytest.mark.multiproc
+def test_run_trains_and_a_failing_job_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "zoo:mlp", "--stages", "2", "--steps", "3", "--out", str(tmp_path / "r"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    metrics = [json.loads(p.read_text()) for p in (tmp_path / "r" / "metrics").glob("rank_*.json")]
+    assert summary["status"] == 0 and len(metrics) == 2
+    assert max(len(m["losses"]) for m in metrics) == 3 * 4
+    prog = tmp_path / "r" / "program"
+    src = (prog / "stage_1.py").read_text().replace("    def forward(self, ", "    def forward(self, *a):\n        raise RuntimeError('x')\n    def _unused(self, ")
+    (prog / "stage_1.py").write_text(src)
+    assert main(["run", str(prog), "--steps", "2", "--json"]) == 1
+
+
+@pytest.mark.multiproc
+def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "demo"
+    assert main(["demo", "--steps", "12", "--workers", "2", "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["loss_last"] < summary["loss_first"]  # it learns
+    assert (out / "program" / "train.py").is_file() and any((out / "ir").iterdir())
