@@ -290,3 +290,21 @@ def _grad_meta(n: fx.Node, grad_nodes: set[str]) -> TensorMeta:
     if isinstance(meta, TensorMeta):
         return dataclasses.replace(meta, requires_grad=meta.requires_grad and n.name in grad_nodes)
     return meta
+
+
+def blocked_cuts(gm: fx.GraphModule, order: Sequence[str]) -> set[int]:
+    """Cuts ``i`` (after ``order[i]``, a topological order of the compute nodes) across which a value
+    that is not a single tensor (a Python int, a tuple such as an LSTM's output) is live."""
+    pos = {name: i for i, name in enumerate(order)}
+    blocked: set[int] = set()
+    for n in gm.graph.nodes:
+        if n.op in ("get_attr", "output", "placeholder") or isinstance(n.meta.get("pd.tensor"), TensorMeta):
+            continue
+        start = pos.get(n.name)
+        if start is None:
+            continue
+        end = max((pos[u.name] for u in n.users if u.name in pos), default=start)
+        if any(u.op == "output" for u in n.users):
+            end = len(order) - 1
+        blocked.update(range(start, end))
+    return blocked

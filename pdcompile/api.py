@@ -140,21 +140,51 @@ class CompiledPipeline:
         return s.replace(gm=gm, profile=profile)
 
     def _linearize(self, s: CompileState) -> CompileState:
-        return s.replace(chain=linearize(s.profile))
+        import dataclasses
+        import math
+
+        from pdcompile.passes.split_stages import blocked_cuts
+
+        chain = linearize(s.profile)
+        order = [m for layer in chain.layers for m in (layer.members or (layer.name,))]
+        blocked = blocked_cuts(s.gm, order)
+        if blocked:  # only single tensors may cross a stage boundary
+            pos, cuts = 0, list(chain.cut_bytes)
+            for i, layer in enumerate(chain.layers[:-1]):
+                pos += len(layer.members or (layer.name,))
+                if pos - 1 in blocked:
+                    cuts[i] = math.inf
+            chain = dataclasses.replace(chain, cut_bytes=tuple(cuts))
+        return s.replace(chain=chain)
 
     def _partition(self, s: CompileState) -> CompileState:
-        n = self.options.stages
-        if n is None:
-            n = self.options.cluster.num_workers if self.options.cluster is not None else 2
-        if isinstance(n, int):
-            assignment = even_assignment(s.gm, n)
+        """Choose the plan: the planner on the cluster, or ``stages=S`` balanced by compute time."""
+        from pdcompile import plan as plan_mod
+        from pdcompile.cluster import local_cpu_cluster
+        from pdcompile.passes.partition_dp import pipeline_plan
+
+        opts = self.options
+        chain = s.chain
+        planner_schedule = {"gpipe": "flush"}.get(opts.schedule, opts.schedule)
+        if opts.stages is not None:
+            n = opts.stages
+            if not isinstance(n, int) or n < 1:
+                raise UsageError(f"pdcompile: stages= must be a positive int, got {n!r}")
+            cluster = opts.cluster if opts.cluster is not None and opts.cluster.num_workers >= n \
+                else local_cpu_cluster(n)
+            plan = pipeline_plan(chain, balanced_bounds(chain, n), cluster, schedule=planner_schedule,
+                                 memory_limit=False)
         else:
-            raise UsageError("pdcompile: stages= must be an int")
-        reps = self.options.replicas
-        if reps is not None and len(reps) != n:
-            raise UsageError(f"pdcompile: replicas={list(reps)} names {len(reps)} stages, but stages={n}")
-        ranks = schedules.stage_ranks(reps) if reps is not None else [[k] for k in range(n)]
-        return s.replace(extra={**s.extra, "assignment": assignment, "stage_ranks": ranks})
+            cluster = opts.cluster if opts.cluster is not None else local_cpu_cluster(2)
+            plan = plan_mod.plan(chain, cluster, solver=opts.solver, cost_model=opts.cost_model,
+                                 schedule=planner_schedule)
+        assignment = {}
+        for st in plan.stages:
+            for name in st.members:
+                assignment[name] = st.index
+        stage_ranks = [list(st.ranks) for st in plan.stages]
+        return s.replace(plan=plan, extra={**s.extra, "assignment": assignment, "stage_ranks": stage_ranks,
+                                           "cluster": cluster})
 
     def _split(self, s: CompileState) -> CompileState:
         return s.replace(stages=split_stages(s.gm, s.extra["assignment"], s.model))
@@ -280,9 +310,46 @@ class RunResult:
 
 def _fmt_partition(s: CompileState) -> str:
     a = s.extra["assignment"]
-    lines = [f"stage ranks: {s.extra['stage_ranks']}"]
-    lines += [f"{name}: stage {k}" for name, k in a.items()]
+    lines = [str(s.plan), "", "node -> stage:"]
+    lines += [f"  {name}: {k}" for name, k in a.items()]
     return "\n".join(lines)
+
+
+def balanced_bounds(chain: Any, num_stages: int) -> list[int]:
+    """First chain positions of stages 1..S-1 minimising the slowest stage's compute time, cutting
+    only where the chain allows (finite cut bytes); ties go to the narrowest widest cut."""
+    import math
+
+    n = len(chain)
+    if num_stages > n:
+        raise UsageError(f"pdcompile: {num_stages} stages but the model has only {n} layers")
+    cost = [layer.compute_s for layer in chain.layers]
+    pre = [0.0]
+    for c in cost:
+        pre.append(pre[-1] + c)
+    ok = [True] + [math.isfinite(c) for c in chain.cut_bytes]  # ok[i]: may a stage start at i?
+    inf = (math.inf, math.inf)
+    # best[k][i]: (slowest stage, widest cut) splitting layers[:i] into k stages
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    back = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                if best[k - 1][j] == inf or not ok[j]:
+                    continue
+                cut = chain.cut_bytes[j - 1] if j > 0 else 0.0
+                cand = (max(best[k - 1][j][0], pre[i] - pre[j]), max(best[k - 1][j][1], cut))
+                if cand < best[k][i]:
+                    best[k][i], back[k][i] = cand, j
+    if best[num_stages][n] == inf:
+        raise UsageError(f"pdcompile: no way to cut the model into {num_stages} stages where only tensors "
+                         f"cross the cuts; use fewer stages")
+    bounds, i = [], n
+    for k in range(num_stages, 0, -1):
+        i = back[k][i]
+        bounds.append(i)
+    return sorted(b for b in bounds if b > 0)
 
 
 def pdcompile(model: Any = None, cluster: Any = None, *, example_inputs: Any = None,

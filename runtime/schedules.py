@@ -650,7 +650,7 @@ def replay(sched: Schedule, replicas: Sequence[int],
         ordinal[r] = ords
     arrived: dict[tuple, dict[int, int]] = {}
 
-    def participants(r: int, a: Action) -> list[int]:
+    def participants(a: Action) -> list[int]:
         return list(ranks[a.stage]) if a.kind is Kind.ALLREDUCE else all_ranks
 
     progress = True
@@ -666,7 +666,7 @@ def replay(sched: Schedule, replicas: Sequence[int],
                         break
                 elif a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
                     key = (a.kind, a.stage if a.kind is Kind.ALLREDUCE else -1, ordinal[r][i])
-                    group = participants(r, a)
+                    group = participants(a)
                     got = arrived.setdefault(key, {})
                     got[r] = i
                     if len(got) < len(group):

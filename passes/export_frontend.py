@@ -1,0 +1,293 @@
+"""export-trace: nn.Module -> flat torch.fx.GraphModule of aten ops, through ``torch.export``.
+
+The second front end of the trace pass, for models ``torch.fx.symbolic_trace`` can't trace
+(Hugging Face ``transformers`` models: "co_varnames is too small", ``**kwargs`` plumbing, ...).
+``torch.export.export(model, args, strict=False)`` runs the model once and records every aten op;
+this pass turns that program into the same IR the fx front end produces, so propagate-shapes,
+annotate-costs, linearize, split-stages and emit work on it unchanged.
+
+Before (``torch.export``'s ``ep.module()``: pytree plumbing, guards, a ModelOutput)::
+
+    def forward(self, input_ids):
+        input_ids, = fx_pytree.tree_flatten_spec(([input_ids], {}), self._in_spec)
+        lm_head_weight = self.lm_head.weight
+        _guards_fn = self._guards_fn(input_ids)
+        view = torch.ops.aten.view.default(input_ids, [-1, 8])
+        embedding = torch.ops.aten.embedding.default(lm_head_weight, view)
+        ...
+        return pytree.tree_unflatten((linear,), self._out_spec)   # CausalLMOutput(logits=...)
+
+After (what :func:`export_trace` returns)::
+
+    graph():
+        %input_ids : placeholder[target=input_ids]
+        %lm_head_weight : get_attr[target=lm_head.weight]          # the model's own Parameter
+        %view : call_function[target=torch.ops.aten.view.default](args = (%input_ids, [-1, 8]))
+        %embedding : call_function[target=torch.ops.aten.embedding.default](args = (%lm_head_weight, %view))
+        ...
+        return linear                                               # the logits tensor
+
+The flat graph is rebuilt from ``ep.graph`` and its graph signature (which placeholder is a
+parameter, a buffer, a constant or a model input), not from ``ep.module()``, so no pytree
+plumbing or guard call survives. The model is captured in its current mode (``train()``: dropout
+is an ``aten.dropout`` node that draws its own masks in each stage).
+
+Rules:
+
+* Placeholders are the model's tensor inputs, in order (``args`` then the tensors of ``kwargs``,
+  in the order given). Non-tensor inputs (``None``, ints, bools) are baked into the graph.
+* Parameters and buffers are ``get_attr`` nodes whose targets are the original model's qualified
+  names, holding the model's own tensor objects: tied weights (GPT-2's ``transformer.wte.weight``
+  and ``lm_head.weight``) are one Parameter, so split-stages records them as tied.
+  Tensor constants created inside ``forward`` become buffers named ``_pd_constant_<i>``.
+* Ops are ``call_function`` nodes on aten op overloads (``torch.ops.aten.linear.default``; the
+  training IR, not decomposed) and ``operator.getitem``. Runtime shape assertions
+  (``aten._assert_tensor_metadata`` and friends) are dropped: the shapes are fixed by the example
+  inputs, so the graph is specialised to their batch size (trace with one *microbatch*).
+* One tensor output. A model returning a mapping (a ``transformers`` ``ModelOutput``) gives its
+  ``"logits"`` entry, or else its ``"last_hidden_state"``; a plain tensor is kept; anything else
+  needs ``output=`` (a key or a position). Outputs not selected are dead code and removed.
+* ``node.meta`` keeps only plain data (``stack_trace``, ``nn_module_stack``, ``torch_fn``); the
+  fake tensors under ``val`` are dropped, so ``copy``, ``deepcopy`` and ``Graph.node_copy`` work.
+  propagate-shapes writes real metadata afterwards.
+* Leaf modules don't exist here: export inlines every module down to aten ops.
+
+* State updates stay in-place aten ops on the model's own buffers (``aten.batch_norm`` updating
+  ``running_mean``, ``aten.copy_`` for ``self.buf = ...``): the training IR is not functionalised,
+  and dead-code elimination keeps mutating ops. Each stage holds its own copy of a buffer, so one
+  updated in one stage and read in another is not kept in sync.
+
+Rejected, with the reason and the fix: graphs whose outputs write back state (a functionalised
+program), higher-order ops (``torch.cond``, ``torch.no_grad()`` regions inside ``forward``),
+script-object inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind, TensorArgument
+
+from pdcompile.errors import UnsupportedModelError, UsageError
+from pdcompile.passes.trace import trace
+
+FRONTENDS = ("auto", "fx", "export")
+DEFAULT_OUTPUT_KEYS = ("logits", "last_hidden_state")
+_KEEP_META = ("stack_trace", "nn_module_stack", "torch_fn")
+_ASSERT_OPS = {
+    "aten::_assert_tensor_metadata", "aten::_assert_scalar", "aten::_assert_async",
+    "aten::sym_constrain_range", "aten::sym_constrain_range_for_size", "aten::_functional_assert_async",
+}
+
+
+def export_trace(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tensor, *,
+                 kwargs: Mapping[str, Any] | None = None, output: str | int | None = None) -> fx.GraphModule:
+    """Capture ``model(*example_inputs, **kwargs)`` with ``torch.export`` as a flat GraphModule.
+
+    ``output`` picks the tensor the graph returns when the model returns a structure: a key of a
+    mapping/``ModelOutput`` (default: ``"logits"``, else ``"last_hidden_state"``) or a position in a
+    tuple. Raises :class:`UnsupportedModelError` naming the construct and the fix.
+    """
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    try:
+        ep = torch.export.export(model, args, dict(kwargs or {}), strict=False)
+    except Exception as e:  # noqa: BLE001 - reported with the cause
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UnsupportedModelError(
+            f"export-trace: torch.export.export could not capture {type(model).__name__}: "
+            f"{type(e).__name__}: {msg}. Fix: make forward() traceable by torch.export (no data-dependent "
+            f"Python control flow; for transformers models pass use_cache=False in the config)"
+        ) from e
+    return _flatten_program(model, ep, output)
+
+
+def _flatten_program(model: torch.nn.Module, ep: torch.export.ExportedProgram,
+                     output: str | int | None) -> fx.GraphModule:
+    """Rebuild ``ep.graph`` with get_attr nodes for the lifted parameters/buffers/constants."""
+    name = type(model).__name__
+    sig = ep.graph_signature
+    problems = [f"{s.kind.name.lower()} {s.target!r}" for s in sig.output_specs
+                if s.kind not in (OutputKind.USER_OUTPUT,)]
+    if problems:
+        raise UnsupportedModelError(
+            f"export-trace: {name}.forward mutates state ({', '.join(problems)}); a pipeline stage can't "
+            f"write back into the model. Fix: update the state in place (buffer.copy_(...)), call model.eval(), "
+            f"or use frontend='fx' with the module kept whole (leaf_modules=[...])"
+        )
+    g = fx.Graph()
+    attrs: dict[str, torch.Tensor] = {}
+    env: dict[fx.Node, Any] = {}
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(sig.input_specs):
+        raise UnsupportedModelError(f"export-trace: {name}: {len(placeholders)} graph inputs but "
+                                    f"{len(sig.input_specs)} input specs; torch.export changed its format")
+    # Model inputs first (in order), then the weights as get_attr nodes.
+    for node, spec in zip(placeholders, sig.input_specs):
+        if spec.kind is InputKind.USER_INPUT:
+            if isinstance(spec.arg, ConstantArgument):
+                env[node] = spec.arg.value
+            elif isinstance(spec.arg, TensorArgument):
+                env[node] = g.placeholder(node.name)
+                env[node].meta = _clean_meta(node.meta)
+            else:
+                raise UnsupportedModelError(
+                    f"export-trace: input {node.name!r} of {name} is a {type(spec.arg).__name__}; only tensors "
+                    f"and constants can be model inputs. Fix: pass tensors (shapes fixed by the example)")
+    n_const = 0
+    for node, spec in zip(placeholders, sig.input_specs):
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            assert spec.target is not None
+            attrs[spec.target] = _model_tensor(model, ep, spec.target)
+            env[node] = g.get_attr(spec.target)
+        elif spec.kind is InputKind.CONSTANT_TENSOR:
+            assert spec.target is not None
+            target = f"_pd_constant_{n_const}"
+            n_const += 1
+            attrs[target] = ep.constants[spec.target].detach().clone()
+            env[node] = g.get_attr(target)
+        elif spec.kind is not InputKind.USER_INPUT:
+            raise UnsupportedModelError(
+                f"export-trace: {name} takes a {spec.kind.name.lower()} input {node.name!r} (a script object or "
+                f"token); pipelines need plain tensors. Fix: use frontend='fx' and keep that module whole")
+    out_node: fx.Node | None = None
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            out_node = node
+            break
+        if node.op == "get_attr" or (node.op == "call_function" and
+                                     isinstance(node.target, torch._ops.HigherOrderOperator)):
+            raise UnsupportedModelError(
+                f"export-trace: {name} contains a higher-order op ({node.format_node()}); its body is a "
+                f"nested graph that can't be split. Fix: remove torch.no_grad()/autocast/torch.cond regions "
+                f"from forward(), or use frontend='fx' and keep that module whole (leaf_modules=[...])")
+        if node.op != "call_function":
+            raise UnsupportedModelError(f"export-trace: unexpected {node.op} node {node.name!r} in {name}'s "
+                                        f"exported graph; torch.export changed its format")
+        if _is_assertion(node):
+            continue
+        new = g.node_copy(node, lambda a: env[a])
+        new.meta = _clean_meta(node.meta)
+        env[node] = new
+    assert out_node is not None
+    flat_outs = list(out_node.args[0])
+    chosen = flat_outs[_output_index(ep.call_spec.out_spec, output, name)]
+    if not isinstance(chosen, fx.Node) or chosen not in env or not isinstance(env[chosen], fx.Node):
+        raise UnsupportedModelError(f"export-trace: the selected output of {name} is not a computed tensor "
+                                    f"({chosen!r}). Fix: choose another with output=")
+    g.output(env[chosen])
+    g.eliminate_dead_code()
+    g.lint()
+    gm = fx.GraphModule(attrs, g, name)
+    return gm
+
+
+def _model_tensor(model: torch.nn.Module, ep: torch.export.ExportedProgram, target: str) -> torch.Tensor:
+    """The model's own Parameter/buffer object at ``target`` (so tied weights stay one object)."""
+    obj: Any = model
+    try:
+        for part in target.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        obj = ep.state_dict.get(target, ep.constants.get(target))
+    if not isinstance(obj, torch.Tensor):
+        raise UnsupportedModelError(f"export-trace: {target!r} is not a tensor of {type(model).__name__}")
+    return obj
+
+
+def _is_assertion(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name in _ASSERT_OPS \
+        and not node.users
+
+
+def _clean_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Only plain, copyable metadata (fake tensors and symbolic shapes are dropped)."""
+    out: dict[str, Any] = {}
+    for k in _KEEP_META:
+        if k in meta:
+            v = meta[k]
+            out[k] = dict(v) if isinstance(v, dict) else v
+    return out
+
+
+def _output_index(spec: Any, output: str | int | None, model_name: str) -> int:
+    """Position, among the flattened outputs described by pytree ``spec``, of the chosen tensor."""
+    if spec.is_leaf():
+        if output is not None:
+            raise UsageError(f"export-trace: {model_name} returns a single tensor; drop output={output!r}")
+        return 0
+    children = _children(spec)
+    keys = _keys(spec)
+    if output is None:
+        found = next((k for k in DEFAULT_OUTPUT_KEYS if keys and k in keys), None)
+        if found is None:
+            raise UnsupportedModelError(
+                f"export-trace: {model_name} returns a {spec.type.__name__} with {len(children)} entries "
+                f"{keys or ''}; a pipeline's last stage returns one tensor. Fix: pass output=KEY or "
+                f"output=INDEX to choose it")
+        pos = keys.index(found)
+    elif isinstance(output, str):
+        if not keys or output not in keys:
+            raise UsageError(f"export-trace: output={output!r}: {model_name}'s output has keys {keys or 'none'}")
+        pos = keys.index(output)
+    else:
+        if not -len(children) <= output < len(children):
+            raise UsageError(f"export-trace: output={output}: {model_name} returns {len(children)} entries")
+        pos = output % len(children)
+    if not children[pos].is_leaf():
+        raise UnsupportedModelError(
+            f"export-trace: output {output if output is not None else keys[pos]!r} of {model_name} is a "
+            f"{children[pos].type.__name__}, not a tensor. Fix: choose a tensor with output=")
+    return sum(c.num_leaves for c in children[:pos])
+
+
+def _children(spec: Any) -> list[Any]:
+    """The child specs of a pytree node (``children()`` on newer torch, ``children_specs`` before)."""
+    return list(spec.children()) if hasattr(spec, "children") else list(spec.children_specs)
+
+
+def _keys(spec: Any) -> list[Any] | None:
+    """The keys of a dict-like pytree node (dict, ``ModelOutput``) or namedtuple, else None."""
+    ctx = spec.context
+    if isinstance(ctx, (list, tuple)) and len(ctx) == len(_children(spec)):
+        return list(ctx)
+    fields = getattr(spec.type, "_fields", None)
+    return list(fields) if fields is not None else None
+
+
+def trace_any(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tensor,
+              leaf_modules: Sequence[type | str] = (), frontend: str = "auto", *,
+              kwargs: Mapping[str, Any] | None = None, output: str | int | None = None) -> fx.GraphModule:
+    """The trace pass with a choice of front end.
+
+    ``"fx"``: :func:`pdcompile.passes.trace.trace` (module-level, leaf modules kept whole).
+    ``"export"``: :func:`export_trace` (aten ops; ``leaf_modules`` has no meaning and is ignored).
+    ``"auto"``: fx first; if it fails (UnsupportedModelError, any tracing error), export. With
+    ``kwargs=`` or ``output=`` (export-only options) "auto" goes straight to export. When both fail the error lists both reasons.
+    """
+    if frontend not in FRONTENDS:
+        raise UsageError(f"trace: frontend must be one of {FRONTENDS}, got {frontend!r}")
+    if frontend == "export":
+        return export_trace(model, example_inputs, kwargs=kwargs, output=output)
+    if frontend == "fx":
+        if kwargs or output is not None:
+            raise UsageError("trace: kwargs= and output= need frontend='export' (or 'auto')")
+        return trace(model, leaf_modules)
+    fx_error: BaseException | None = None
+    if not kwargs and output is None:
+        try:
+            return trace(model, leaf_modules)
+        except Exception as e:  # noqa: BLE001 - fall back to torch.export below
+            fx_error = e
+    try:
+        return export_trace(model, example_inputs, kwargs=kwargs, output=output)
+    except UnsupportedModelError as e:
+        if fx_error is None:
+            raise
+        raise UnsupportedModelError(
+            f"trace: neither front end can capture {type(model).__name__}.\n"
+            f"torch.fx: {fx_error}\ntorch.export: {e}") from e

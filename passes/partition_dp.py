@@ -1,0 +1,854 @@
+"""The ``partition`` pass (dynamic programming): PipeDream's planner — stages, replicas and ranks
+that make the slowest part of the pipeline as fast as possible.
+
+Paper: Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN Training",
+SOSP'19, section 3.1 (arXiv 1806.03377). Pure functions over numpy arrays; no torch.
+
+Cost models
+-----------
+``paper`` is the paper's model, exactly. For a chain with per-layer compute ``c_l = forward +
+backward``, parameter bytes ``w_l``, bytes ``a_s`` live across cut ``s`` and a level of
+bandwidth ``B``:
+
+1. a stage of layers ``i..j`` replicated ``r`` times takes
+   ``T = (1/r) * max(sum c_l, 2 (r-1) sum w_l / B)``;
+2. a boundary after layer ``s`` costs ``2 a_s / B`` (activations forward, gradients back);
+3. the pipeline's time per minibatch is the maximum over stages and boundaries;
+4. hierarchy (levels innermost first, level ``k`` has ``m_k`` units of level ``k-1``): the best
+   time ``A^{k-1}(i..j)`` of a range on one unit of level ``k`` (a whole level-(k-1) group) is
+   that range's compute time at level ``k``: ``T^k = (1/r) max(A^{k-1}(i..j), 2 (r-1) W / B_k)``,
+   and boundaries between level-k stages cost ``2 a / B_k``. A range may use *up to* its units
+   (replicas may use fewer than all workers when that is faster);
+5. data parallelism: one stage of all layers replicated over every unit of every level.
+
+``default`` is ours: the same structure (and the same boundaries), plus
+
+- the **all-reduce** among ``r`` replicas is a ring all-reduce, ``2 (r-1)/r * W / B``, done once
+  per round of ``r`` minibatches (each replica processes one) and overlapped with the backward
+  pass: a level-1 stage takes ``(F + max(Bw, AR) + OPT) / r`` per minibatch, where ``F``/``Bw``
+  are the forward/backward sums; at outer levels ``max(A^{k-1}, AR_k) / r``;
+- the **optimizer step** ``OPT = (3 + 2 f) W / memory_bandwidth`` (read weights, gradients and
+  ``f`` x weights of optimizer state; write weights and state) when the device's memory bandwidth
+  is known, else 0;
+- the **memory limit** (on by default for this model; off by default for ``paper``).
+
+Memory (both models, when the limit is on)
+-------------------------------------------
+A worker of a stage holds ``W * (versions + 1 + f) + X * k`` bytes: ``W`` the stage's parameter
+bytes, ``versions`` the weight versions the schedule keeps (1F1B with stashing: ``k``; Flush: 1;
+2BW: 2), one gradient buffer, ``f = optimizer_state_factor`` bytes of optimizer state per
+parameter byte, and ``k`` in-flight minibatches of stashed activations ``X`` (the outputs of the
+stage's layers plus the bytes it receives). ``k = ceil(D / n)``, with ``n`` the stage's workers
+and ``D`` the workers at it and downstream: NOAM = ceil(workers / input replicas) at the input
+stage, fewer downstream. In a hierarchy, downstream stages of an *outer* level count with all
+the workers of their groups (a safe upper bound); within a group the count is exact.
+The bytes a stage starting at ``i`` receives are ``cut_bytes[i-1]``, capped to keep them
+monotone (``in[i+1] <= in[i] + output[i]``, which every chain from ``linearize`` satisfies).
+
+Algorithm
+---------
+Bisection on the bottleneck value ``tau`` (in log space, then one exact step on the found
+plan's own time). For a given ``tau`` a backward greedy decides feasibility exactly: ``L[w]`` is
+the smallest start of a suffix of the chain that ``w`` units can cover with every stage and
+boundary within ``tau``; prepending a stage of ``r`` units in front of the suffix covered by
+``D`` units uses the cut just before that suffix (the first allowed one), and the stage may
+reach back as far as its cost allows (prefix sums + ``searchsorted``). Stage cost and memory are
+monotone in the range, so the furthest-back suffix dominates; with the memory limit on, every
+downstream count ``D`` is tried (in-flight counts depend on it), at levels with more than
+:data:`EXACT_MEMORY_MAX_UNITS` units only ``D = w - r`` (safe, possibly not optimal; the plan
+says so). At level ``k`` the stage check asks the level-``k-1`` greedy (one group, threshold
+``r * tau``): the inner level's answer is reused for every stage, vectorized over all candidate
+stages of a step. Everything is vectorized with numpy; see ``benchmarks/bench_planner.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from pdcompile.cluster import ClusterSpec, format_quantity, require_memory
+from pdcompile.errors import InfeasiblePlanError, UsageError
+from pdcompile.ir import Chain
+from pdcompile.plan import Plan, StagePlan
+
+__all__ = [
+    "COST_MODELS",
+    "SCHEDULES",
+    "Block",
+    "Evaluation",
+    "partition_dp",
+    "pipeline_plan",
+    "pipeline_time",
+    "stage_time",
+    "stage_memory",
+    "data_parallel_time",
+    "evaluate",
+    "plan_from_assignment",
+    "blocks_from_ranks",
+    "flatten_blocks",
+]
+
+COST_MODELS = ("default", "paper")
+SCHEDULES = ("1f1b", "flush", "2bw")
+#: With the memory limit on, levels with at most this many units try every downstream count.
+EXACT_MEMORY_MAX_UNITS = 16
+_EPS = 1e-10  # relative slack in feasibility tests (floating sums); plans are re-evaluated exactly
+_BIG = np.iinfo(np.int64).max // 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Configurations: a tree of blocks, one pipeline per level.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Block:
+    """A stage at some level: chain positions ``first..last`` replicated over ``units`` units of
+    the level below; ``inner`` is the pipeline each unit runs (empty at the innermost level,
+    whose units are workers)."""
+
+    first: int
+    last: int
+    units: int
+    inner: tuple["Block", ...] = ()
+
+
+def flatten_blocks(blocks: Sequence[Block], cluster: ClusterSpec) -> list[tuple[int, int, tuple[int, ...]]]:
+    """The worker-level stages of a block tree with their ranks: ``(first, last, ranks)``.
+
+    Top-level blocks take consecutive units in order; inside a unit the inner pipeline does the
+    same; ranks are innermost-first (``rank = sum index_k * unit_size(k)``).
+    """
+    top = len(cluster.levels)
+
+    def rec(bs: Sequence[Block], level: int) -> list[tuple[int, int, list[int]]]:
+        size = cluster.unit_size(level - 1)
+        out: list[tuple[int, int, list[int]]] = []
+        u = 0
+        for b in bs:
+            if level == 1:
+                out.append((b.first, b.last, list(range(u, u + b.units))))
+            else:
+                for first, last, rel in rec(b.inner, level - 1):
+                    ranks = [(u + g) * size + x for g in range(b.units) for x in rel]
+                    out.append((first, last, sorted(ranks)))
+            u += b.units
+        return out
+
+    return [(f, l, tuple(r)) for f, l, r in rec(blocks, top)]
+
+
+def blocks_from_ranks(stages: Sequence[tuple[int, int, Sequence[int]]], cluster: ClusterSpec) -> tuple[Block, ...]:
+    """Rebuild the block tree from worker-level stages and their ranks.
+
+    At each level, consecutive stages that occupy the same set of units form one block; a
+    stage's ranks must be the same positions in each of those units. Raises ValueError when the
+    ranks don't nest in the cluster's levels (e.g. a stage spread over one and a half servers).
+    """
+
+    def rec(sts: list[tuple[int, int, list[int]]], level: int) -> tuple[Block, ...]:
+        if level == 1:
+            for f, l, r in sts:
+                if len(set(r)) != len(r):
+                    raise ValueError(f"stage {f}..{l} lists a rank twice")
+            return tuple(Block(f, l, len(r)) for f, l, r in sts)
+        size = cluster.unit_size(level - 1)
+        groups: list[tuple[frozenset[int], list[tuple[int, int, list[int]]]]] = []
+        for f, l, r in sts:
+            units = frozenset(x // size for x in r)
+            rel_sets = {u: sorted(x % size for x in r if x // size == u) for u in units}
+            rels = list(rel_sets.values())
+            if any(rel != rels[0] for rel in rels):
+                raise ValueError(
+                    f"stage {f}..{l}: its ranks {sorted(r)} are not the same positions in each "
+                    f"unit of level {cluster.levels[level - 1].name!r}"
+                )
+            if groups and groups[-1][0] == units:
+                groups[-1][1].append((f, l, rels[0]))
+            else:
+                if any(units & g for g, _ in groups):
+                    raise ValueError(f"stage {f}..{l} shares units with a non-adjacent stage")
+                groups.append((units, [(f, l, rels[0])]))
+        out = []
+        for units, inner in groups:
+            out.append(Block(inner[0][0], inner[-1][1], len(units), rec(inner, level - 1)))
+        return tuple(out)
+
+    sts = [(int(f), int(l), sorted(int(x) for x in r)) for f, l, r in stages]
+    m = cluster.num_workers
+    for f, l, r in sts:
+        if not r:
+            raise ValueError(f"stage {f}..{l} has no ranks")
+        if r[0] < 0 or r[-1] >= m:
+            raise ValueError(f"stage {f}..{l}: ranks must be in 0..{m - 1}")
+    return rec(sts, len(cluster.levels))
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost model over arrays
+# ---------------------------------------------------------------------------------------------
+
+
+def _cumsum0(x: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(x) + 1)
+    np.cumsum(x, out=out[1:])
+    return out
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A configuration's predicted cost: ``seconds`` per minibatch (the max of ``terms``),
+    ``terms`` as (what, seconds) — stages, links, weight syncs — and per worker-level stage
+    ``(first, last, ranks, compute_s, comm_s, time_s, send_s, memory_bytes, in_flight,
+    versions)``."""
+
+    seconds: float
+    bottleneck: str
+    terms: tuple[tuple[str, float], ...]
+    stages: tuple[tuple[Any, ...], ...]
+    peak_memory: float
+
+
+class _Model:
+    """Arrays and parameters of one planning problem (chain x cluster x cost model)."""
+
+    def __init__(
+        self,
+        chain: Chain,
+        cluster: ClusterSpec,
+        cost_model: str = "default",
+        schedule: str = "1f1b",
+        memory_limit: bool | None = None,
+        optimizer_state_factor: float = 1.0,
+        allow_replication: bool = True,
+    ) -> None:
+        if cost_model not in COST_MODELS:
+            raise UsageError(f"unknown cost model {cost_model!r} (use one of {', '.join(COST_MODELS)})")
+        if schedule not in SCHEDULES:
+            raise UsageError(f"unknown schedule {schedule!r} (use one of {', '.join(SCHEDULES)})")
+        if len(chain) == 0:
+            raise UsageError("the chain has no layers: nothing to plan")
+        if optimizer_state_factor < 0:
+            raise UsageError(f"optimizer_state_factor must be >= 0 (got {optimizer_state_factor})")
+        self.chain = chain
+        self.cluster = cluster
+        self.cost_model = cost_model
+        self.schedule = schedule
+        self.opt_factor = float(optimizer_state_factor)
+        self.allow_replication = allow_replication
+        self.memory_on = (cost_model == "default") if memory_limit is None else bool(memory_limit)
+        self.mem_budget = require_memory(cluster) if self.memory_on else math.inf
+
+        layers = chain.layers
+        self.N = N = len(layers)
+        f = np.array([l.forward_s for l in layers], dtype=float)
+        bw = np.array([l.backward_s for l in layers], dtype=float)
+        w = np.array([l.param_bytes for l in layers], dtype=float)
+        o = np.array([l.output_bytes for l in layers], dtype=float)
+        for name, arr in (("forward_s", f), ("backward_s", bw), ("param_bytes", w), ("output_bytes", o)):
+            bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
+            if len(bad):
+                k = int(bad[0])
+                raise UsageError(f"layer {k} ({layers[k].name}): {name} must be finite and >= 0 (got {arr[k]})")
+        cut = np.array(chain.cut_bytes, dtype=float)
+        if np.any(np.isnan(cut)) or np.any(cut < 0):
+            raise UsageError("cut_bytes must be >= 0 (math.inf for a forbidden cut)")
+        self.f, self.bw, self.c, self.w, self.o, self.cut = f, bw, f + bw, w, o, cut
+
+        self.L = len(cluster.levels)
+        self.counts = [lv.count for lv in cluster.levels]
+        self.B = [float(lv.bandwidth) for lv in cluster.levels]
+        self.sizes = [cluster.unit_size(k) for k in range(self.L + 1)]
+        mb = cluster.device.memory_bandwidth
+        self.kappa = (3.0 + 2.0 * self.opt_factor) / mb if (cost_model == "default" and mb) else 0.0
+
+        self.PC = _cumsum0(self.c)
+        self.PF = _cumsum0(f)
+        self.PW = _cumsum0(w)
+        self.PO = _cumsum0(o)
+        self.P1 = _cumsum0(self.c + self.kappa * w)  # default: F + Bw + OPT
+        # default level 1, r replicas: F + AR_r + OPT with AR_r = 2 (r-1)/(r B1) W
+        m1 = self.counts[0]
+        self.P2 = np.stack([_cumsum0(f + self._alpha(r) * w) for r in range(m1 + 1)])
+        # bytes received by a stage starting at i (monotone envelope of cut_bytes[i-1])
+        inb = np.zeros(N + 1)
+        first_cut = cut[0] if N > 1 and math.isfinite(cut[0]) else 0.0
+        inb[0] = 0.0
+        for i in range(1, N):
+            inb[i] = min(cut[i - 1], inb[i - 1] + o[i - 1])
+        _ = first_cut
+        self.inb = inb
+        # boundary thresholds per level: 2 a / B_k (inf: forbidden cut)
+        self.tcut = [2.0 * cut / b for b in self.B]
+        self._mem_table: np.ndarray | None = None
+        self._tau: float | None = None
+        self._nxt: dict[int, np.ndarray] = {}
+        self.conservative_levels: set[int] = set()
+
+    # -- scalar pieces of the model ------------------------------------------------------------
+    def _alpha(self, r: int) -> float:
+        return 2.0 * (r - 1) / (r * self.B[0]) + self.kappa if r >= 1 else 0.0
+
+    def versions(self, k: int) -> int:
+        return {"1f1b": k, "flush": 1, "2bw": 2}[self.schedule]
+
+    def rng(self, P: np.ndarray, i: int, j: int) -> float:
+        return float(P[j + 1] - P[i])
+
+    def memory(self, i: int, j: int, k: int) -> float:
+        """Per-worker bytes of a stage ``i..j`` with ``k`` minibatches in flight."""
+        W = self.rng(self.PW, i, j)
+        X = self.rng(self.PO, i, j) + float(self.inb[i])
+        return W * (self.versions(k) + 1 + self.opt_factor) + X * k
+
+    def max_in_flight(self, i: int, j: int) -> int:
+        """The largest in-flight count whose memory fits (0: not even one)."""
+        if not self.memory_on:
+            return self.sizes[-1] + 1
+        W = self.rng(self.PW, i, j)
+        X = self.rng(self.PO, i, j) + float(self.inb[i])
+        M = self.mem_budget * (1 + _EPS)
+        if self.schedule == "1f1b":
+            fixed, per = W * (1 + self.opt_factor), W + X
+        else:
+            fixed, per = W * (self.versions(1) + 1 + self.opt_factor), X
+        if fixed + per > M:
+            return 0
+        if per == 0:
+            return self.sizes[-1] + 1
+        return int(min(self.sizes[-1] + 1, math.floor((M - fixed) / per)))
+
+    def level1_stage(self, i: int, j: int, r: int) -> tuple[float, float]:
+        """(stage time per minibatch, its weight-sync part) of a level-1 stage."""
+        W = self.rng(self.PW, i, j)
+        if self.cost_model == "paper":
+            C = self.rng(self.PC, i, j)
+            comm = 2.0 * (r - 1) * W / self.B[0]
+            return max(C, comm) / r, comm / r
+        F = self.rng(self.PF, i, j)
+        Bw = self.rng(self.PC, i, j) - F
+        ar = 2.0 * (r - 1) * W / (r * self.B[0])
+        return (F + max(Bw, ar) + self.kappa * W) / r, ar / r
+
+    def outer_comm(self, i: int, j: int, r: int, level: int) -> float:
+        """The weight-sync term of a level-``level`` (1-based, >= 2) block, per minibatch."""
+        W = self.rng(self.PW, i, j)
+        B = self.B[level - 1]
+        if self.cost_model == "paper":
+            return 2.0 * (r - 1) * W / B / r
+        return 2.0 * (r - 1) * W / (r * B) / r
+
+    # -- evaluation of a block tree -------------------------------------------------------------
+    def evaluate(self, blocks: Sequence[Block]) -> Evaluation:
+        terms: list[tuple[str, float]] = []
+        stages: list[tuple[Any, ...]] = []
+        flat = flatten_blocks(blocks, self.cluster)
+        names = self.chain.layers
+
+        def rec(bs: Sequence[Block], level: int, scale: Fraction, e: Fraction) -> None:
+            total_after = [sum(b.units for b in bs[p + 1:]) for p in range(len(bs))]
+            for p, b in enumerate(bs):
+                d_after = total_after[p]
+                if level == 1:
+                    t, comm = self.level1_stage(b.first, b.last, b.units)
+                    k = math.ceil((b.units + d_after + e) / b.units)
+                    idx = len(stages)
+                    terms.append((f"stage {idx} ({_span(names, b.first, b.last)})", float(t * scale)))
+                    stages.append([b.first, b.last, None,
+                                   float(self.rng(self.PC, b.first, b.last) / b.units * scale),
+                                   float(comm * scale), float(t * scale), 0.0,
+                                   self.memory(b.first, b.last, int(k)), int(k), self.versions(int(k))])
+                else:
+                    first_stage = len(stages)
+                    rec(b.inner, level - 1, scale / b.units, (e + d_after * self.sizes[level - 1]) / b.units)
+                    comm = self.outer_comm(b.first, b.last, b.units, level) * scale
+                    if b.units > 1:
+                        lvname = self.cluster.levels[level - 1].name
+                        terms.append((f"weight sync of stages {first_stage}-{len(stages) - 1} across "
+                                      f"{b.units} {lvname}", float(comm)))
+                    for s in stages[first_stage:]:
+                        s[4] = max(s[4], float(comm))
+                if p + 1 < len(bs):
+                    a = float(self.cut[b.last])
+                    tl = 2.0 * a / self.B[level - 1] * scale if a > 0 else 0.0
+                    idx = len(stages) - 1
+                    terms.append((f"link {idx}->{idx + 1} ({self.cluster.levels[level - 1].name}, "
+                                  f"{format_quantity(a, 'memory')})", float(tl)))
+                    stages[idx][6] = float(tl)
+
+        rec(blocks, self.L, Fraction(1), Fraction(0))
+        for s, (_f, _l, ranks) in zip(stages, flat):
+            s[2] = ranks
+        seconds = max((t for _, t in terms), default=0.0)
+        bottleneck = max(terms, key=lambda kv: kv[1])[0] if terms else ""
+        peak = max((s[7] for s in stages), default=0.0)
+        return Evaluation(seconds, bottleneck, tuple(terms), tuple(tuple(s) for s in stages), peak)
+
+    def data_parallel_time(self) -> float:
+        """One stage of all layers replicated over every unit of every level."""
+        n = self.N - 1
+        t, _ = self.level1_stage(0, n, self.counts[0])
+        for level in range(2, self.L + 1):
+            r = self.counts[level - 1]
+            t = max(t / r, self.outer_comm(0, n, r, level))
+        return t
+
+    def memory_ok(self, ev: Evaluation) -> bool:
+        return (not self.memory_on) or ev.peak_memory <= self.mem_budget * (1 + 1e-9)
+
+    # -- the feasibility oracle --------------------------------------------------------------
+    def _set_tau(self, tau: float) -> None:
+        if self._tau != tau:
+            self._tau = tau
+            self._nxt = {}
+
+    def _next_ok(self, level: int, mult: np.ndarray, p: np.ndarray) -> np.ndarray:
+        """Smallest start >= p whose preceding cut is allowed at ``level`` for threshold
+        ``mult * tau`` (N when none)."""
+        N = self.N
+        tau = self._tau
+        assert tau is not None
+        uniq = np.unique(mult)
+        rows = []
+        for m in uniq.tolist():
+            key = level * 10_000_019 + int(m)
+            row = self._nxt.get(key)
+            if row is None:
+                ok = np.ones(N + 1, dtype=bool)
+                ok[1:N] = np.isfinite(self.cut) & (self.tcut[level - 1] <= m * tau * (1 + _EPS))
+                idx = np.where(ok, np.arange(N + 1), N)
+                row = np.minimum.accumulate(idx[::-1])[::-1]
+                self._nxt[key] = row
+            rows.append(row)
+        if len(rows) == 1:
+            return rows[0][p]
+        table = np.stack(rows)
+        return table[np.searchsorted(uniq, mult), p]
+
+    def _mem_rows(self) -> np.ndarray:
+        """``T[k, end]``: smallest start of a stage ending at ``end`` whose memory with ``k``
+        minibatches in flight fits (row 0: no limit; the last row: nothing fits)."""
+        if self._mem_table is not None:
+            return self._mem_table
+        N = self.N
+        ends = np.arange(N)
+        rows = [np.zeros(N, dtype=np.int64)]
+        if self.memory_on:
+            kmax = self.sizes[-1]
+            budget = self.mem_budget * (1 + _EPS)
+            for k in range(1, kmax + 1):
+                cv = self.versions(k) + 1 + self.opt_factor
+                g = -(self.PW * cv) - (self.PO - self.inb) * k  # mem(i..end) = H(end) + g(i)
+                H = self.PW[1:] * cv + self.PO[1:] * k
+                neg = np.maximum.accumulate(-g[:N])
+                start = np.searchsorted(neg, -(budget - H), side="left")
+                start = np.minimum(start, ends + 1)
+                rows.append(start.astype(np.int64))
+                if np.all(start > ends):
+                    break
+        rows.append(np.arange(1, N + 1, dtype=np.int64))
+        self._mem_table = np.stack(rows)
+        return self._mem_table
+
+    @staticmethod
+    def _ss(P: np.ndarray, end: np.ndarray, thr: np.ndarray) -> np.ndarray:
+        """Smallest i with P[end+1] - P[i] <= thr."""
+        return np.searchsorted(P, P[end + 1] - thr * (1 + _EPS), side="left")
+
+    def _stage_start1(self, end: np.ndarray, r: np.ndarray, thr: np.ndarray, kin: np.ndarray) -> np.ndarray:
+        """Smallest start of a level-1 stage ending at ``end`` with ``r`` workers whose
+        time is within ``thr / r`` and whose memory fits with ``kin`` in flight."""
+        if self.cost_model == "paper":
+            s = self._ss(self.PC, end, thr)
+            with np.errstate(divide="ignore"):
+                wthr = np.where(r > 1, thr * self.B[0] / (2.0 * (r - 1)), np.inf)
+            s = np.maximum(s, self._ss(self.PW, end, wthr))
+        else:
+            s = self._ss(self.P1, end, thr)
+            s2 = np.empty_like(s)
+            for rv in np.unique(r).tolist():
+                sel = r == rv
+                s2[sel] = self._ss(self.P2[rv], end[sel], thr[sel])
+            s = np.maximum(s, s2)
+        if self.memory_on:
+            table = self._mem_rows()
+            kin = np.minimum(kin, len(table) - 1)
+            s = np.maximum(s, table[kin, end])
+        return s
+
+    def _group_start(
+        self, level: int, end: np.ndarray, mult: np.ndarray, e: np.ndarray, trace: list | None = None
+    ) -> np.ndarray:
+        """Smallest start of a range ending at ``end`` that one group of ``level`` (its
+        ``counts[level-1]`` units) covers within ``mult * tau``, with ``e`` extra downstream
+        workers per unit replica (memory)."""
+        tau = self._tau
+        assert tau is not None
+        m = self.counts[level - 1]
+        Q = len(end)
+        Ls = np.empty((m + 1, Q), dtype=np.int64)
+        Ls[0] = end + 1
+        exact = self.memory_on and m <= EXACT_MEMORY_MAX_UNITS
+        if self.memory_on and not exact:
+            self.conservative_levels.add(level)
+        rmax = m if self.allow_replication else 1
+        for w in range(1, m + 1):
+            if exact:
+                rr = np.array([r for r in range(1, min(w, rmax) + 1) for _ in range(w - r + 1)], dtype=np.int64)
+                dd = np.array([d for r in range(1, min(w, rmax) + 1) for d in range(w - r + 1)], dtype=np.int64)
+            else:
+                rr = np.arange(1, min(w, rmax) + 1, dtype=np.int64)
+                dd = w - rr
+            P = len(rr)
+            p = Ls[dd]  # (P, Q)
+            endb = np.broadcast_to(end, (P, Q))
+            multb = np.broadcast_to(mult, (P, Q))
+            empty = p > endb
+            p2 = np.where(empty, endb + 1, np.minimum(self._next_ok(level, multb.ravel(), np.minimum(p, self.N).ravel()).reshape(P, Q), endb + 1))
+            se = p2 - 1
+            valid = se >= 0
+            se_c = np.maximum(se, 0).ravel()
+            r_f = np.broadcast_to(rr[:, None], (P, Q)).ravel()
+            d_f = np.broadcast_to(dd[:, None], (P, Q)).ravel()
+            m_f = multb.ravel()
+            e_f = np.broadcast_to(e, (P, Q)).ravel()
+            if level == 1:
+                if self.memory_on:
+                    kin = np.ceil((r_f + d_f + e_f) / r_f - 1e-9).astype(np.int64)
+                else:
+                    kin = np.zeros(len(r_f), dtype=np.int64)
+                s = self._stage_start1(se_c, r_f, r_f * m_f * tau, kin)
+            else:
+                B = self.B[level - 1]
+                thr = r_f * m_f * tau
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    if self.cost_model == "paper":
+                        wthr = np.where(r_f > 1, thr * B / (2.0 * (r_f - 1)), np.inf)
+                    else:
+                        wthr = np.where(r_f > 1, r_f * thr * B / (2.0 * (r_f - 1)), np.inf)
+                s = self._ss(self.PW, se_c, wthr)
+                e_in = (e_f + d_f * self.sizes[level - 1]) / r_f
+                s_in = self._group_start(level - 1, se_c, m_f * r_f, e_in)
+                s = np.maximum(s, s_in)
+            s = s.reshape(P, Q)
+            cand = np.where(valid & (s <= se), s, _BIG)
+            best_idx = np.argmin(cand, axis=0)
+            best = cand[best_idx, np.arange(Q)]
+            Ls[w] = np.minimum(Ls[w - 1], best)
+            if trace is not None:
+                q = 0
+                if best[q] < Ls[w - 1][q]:
+                    b = int(best_idx[q])
+                    trace.append((int(rr[b]), int(dd[b]), int(p2[b, q]), int(s[b, q])))
+                else:
+                    trace.append(None)
+        return Ls[m]
+
+    def feasible(self, tau: float) -> bool:
+        self._set_tau(tau)
+        end = np.array([self.N - 1], dtype=np.int64)
+        return bool(self._group_start(self.L, end, np.array([1], dtype=np.int64), np.zeros(1))[0] <= 0)
+
+    def reconstruct(self, tau: float) -> tuple[Block, ...]:
+        self._set_tau(tau)
+        return self._rebuild(self.L, 0, self.N - 1, 1, 0.0)
+
+    def _rebuild(self, level: int, start: int, end: int, mult: int, e: float) -> tuple[Block, ...]:
+        trace: list = []
+        L = self._group_start(level, np.array([end], dtype=np.int64), np.array([mult], dtype=np.int64),
+                              np.array([e], dtype=float), trace)
+        if L[0] > start:  # pragma: no cover - callers only rebuild feasible ranges
+            raise AssertionError(f"range {start}..{end} is not coverable at level {level}")
+        choices = [None] + trace  # choices[w]
+        blocks: list[Block] = []
+        w = self.counts[level - 1]
+        req = start
+        while True:
+            while w > 0 and choices[w] is None:
+                w -= 1
+            if w == 0:
+                break
+            r, d, p2, s = choices[w]
+            first, last = max(s, req), p2 - 1
+            if first <= last:
+                inner: tuple[Block, ...] = ()
+                if level > 1:
+                    inner = self._rebuild(level - 1, first, last, mult * r,
+                                          (e + d * self.sizes[level - 1]) / r)
+                blocks.append(Block(first, last, r, inner))
+            if p2 > end:
+                break
+            req = max(req, p2)
+            w = d
+        return tuple(blocks)
+
+    def min_memory_to_fit(self) -> float:
+        """The smallest per-worker memory for which some plan fits (bisection)."""
+        saved = self.mem_budget, self._mem_table
+        try:
+            lo = 0.0
+            hi = self.memory(0, self.N - 1, 1)  # everything on one worker
+            for _ in range(60):
+                if hi - lo <= 1e-4 * hi:
+                    break
+                mid = 0.5 * (lo + hi)
+                self.mem_budget, self._mem_table = mid, None
+                if self.feasible(math.inf):
+                    hi = mid
+                else:
+                    lo = mid
+            return hi
+        finally:
+            self.mem_budget, self._mem_table = saved
+            self._tau = None
+
+
+def _span(layers: Sequence[Any], first: int, last: int) -> str:
+    if first == last:
+        return layers[first].name
+    return f"{layers[first].name}..{layers[last].name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def _solve(model: _Model) -> tuple[tuple[Block, ...], Evaluation]:
+    if not model.feasible(math.inf):
+        need = model.min_memory_to_fit()
+        err = InfeasiblePlanError(
+            f"no plan of {model.chain.name} fits in {format_quantity(model.mem_budget, 'memory')} per worker "
+            f"on {model.cluster.num_workers} workers with schedule {model.schedule}; the smallest "
+            f"per-worker memory that fits is {format_quantity(need, 'memory')} ({need:.0f} bytes): "
+            "use devices with more memory, a smaller microbatch, or the flush schedule (one weight version)"
+        )
+        err.needed_memory_bytes = need  # type: ignore[attr-defined]
+        raise err
+    blocks = model.reconstruct(math.inf)
+    ev = model.evaluate(blocks)
+    hi = ev.seconds
+    if hi <= 0:
+        return blocks, ev
+    lo = max(float(model.PC[-1]) / model.cluster.num_workers, hi * 1e-12)
+    lo = min(lo, hi)
+    while hi > lo * (1 + 1e-7):
+        mid = math.sqrt(lo * hi)
+        if model.feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    blocks = model.reconstruct(hi)
+    ev = model.evaluate(blocks)
+    # the exact step: is anything strictly better than the found plan's own time?
+    for _ in range(64):
+        probe = ev.seconds * (1 - 1e-9)
+        if probe <= 0 or not model.feasible(probe):
+            break
+        nb = model.reconstruct(probe)
+        ne = model.evaluate(nb)
+        if ne.seconds >= ev.seconds:
+            break
+        blocks, ev = nb, ne
+    return blocks, ev
+
+
+def _build_plan(
+    model: _Model,
+    blocks: Sequence[Block],
+    ev: Evaluation,
+    *,
+    solver: str,
+    planning_seconds: float,
+    optimal: bool,
+    gap: float,
+    notes: Iterable[str] = (),
+) -> Plan:
+    chain = model.chain
+    stages = []
+    for idx, (first, last, ranks, compute_s, comm_s, time_s, send_s, mem, k, versions) in enumerate(ev.stages):
+        names = tuple(l.name for l in chain.layers[first:last + 1])
+        members: list[str] = []
+        for l in chain.layers[first:last + 1]:
+            members.extend(l.members or (l.name,))
+        stages.append(StagePlan(
+            index=idx, first=first, last=last, layer_names=names, members=tuple(members),
+            replicas=len(ranks), ranks=tuple(ranks), compute_s=compute_s, comm_s=comm_s,
+            memory_bytes=mem, time_s=time_s, send_s=send_s, in_flight=k, weight_versions=versions,
+        ))
+    dp = model.data_parallel_time()
+    b = chain.batch_size
+    return Plan(
+        stages=tuple(stages),
+        solver=solver,
+        cost_model=model.cost_model,
+        schedule=model.schedule,
+        microbatch_size=b,
+        seconds_per_minibatch=ev.seconds,
+        samples_per_second=(b / ev.seconds) if ev.seconds > 0 else math.inf,
+        data_parallel_samples_per_second=(b / dp) if dp > 0 else math.inf,
+        bottleneck=ev.bottleneck,
+        planning_seconds=planning_seconds,
+        optimal=optimal,
+        gap=gap,
+        num_workers=model.cluster.num_workers,
+        model=chain.name,
+        cluster=str(model.cluster),
+        memory_limit_bytes=model.mem_budget if model.memory_on else None,
+        notes=tuple(notes),
+    )
+
+
+def partition_dp(
+    chain: Chain,
+    cluster: ClusterSpec,
+    *,
+    cost_model: str = "default",
+    schedule: str = "1f1b",
+    memory_limit: bool | None = None,
+    optimizer_state_factor: float = 1.0,
+    allow_replication: bool = True,
+) -> Plan:
+    """The best plan for ``chain`` on ``cluster`` under ``cost_model`` (see the module doc).
+
+    ``memory_limit``: None = the cost model's default (on for ``default``, off for ``paper``).
+    Raises :class:`InfeasiblePlanError` (with the smallest per-worker memory that would fit)
+    when no plan fits, and :class:`ClusterSpecError` when the limit is on but the device memory
+    is unknown.
+    """
+    t0 = time.perf_counter()
+    model = _Model(chain, cluster, cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication)
+    blocks, ev = _solve(model)
+    notes = []
+    optimal = True
+    if model.conservative_levels:
+        optimal = False
+        names = ", ".join(cluster.levels[k - 1].name for k in sorted(model.conservative_levels))
+        notes.append(f"memory: downstream counts at level(s) {names} taken as all units of the budget "
+                     f"(more than {EXACT_MEMORY_MAX_UNITS} units); the plan fits but may not be optimal")
+    return _build_plan(model, blocks, ev, solver="dp", planning_seconds=time.perf_counter() - t0,
+                       optimal=optimal, gap=0.0 if optimal else math.nan, notes=notes)
+
+
+def _model(chain: Chain, cluster: ClusterSpec, options: dict[str, Any]) -> _Model:
+    allowed = {"cost_model", "schedule", "memory_limit", "optimizer_state_factor", "allow_replication"}
+    bad = set(options) - allowed
+    if bad:
+        raise UsageError(f"unknown option(s) {sorted(bad)}; use {sorted(allowed)}")
+    return _Model(chain, cluster, **options)
+
+
+def _to_blocks(stages: Any, cluster: ClusterSpec) -> tuple[Block, ...]:
+    """Accept a Plan, StagePlans, (first, last, replicas[, ranks]) tuples or Blocks."""
+    if isinstance(stages, Plan):
+        stages = stages.stages
+    stages = list(stages)
+    if stages and isinstance(stages[0], Block):
+        return tuple(stages)
+    flat: list[tuple[int, int, Sequence[int]]] = []
+    next_rank = 0
+    for s in stages:
+        if isinstance(s, StagePlan):
+            flat.append((s.first, s.last, s.ranks))
+            continue
+        if len(s) == 4:
+            first, last, reps, ranks = s
+            if len(ranks) != reps:
+                raise UsageError(f"stage {first}..{last}: {reps} replicas but {len(ranks)} ranks")
+        else:
+            first, last, reps = s
+            ranks = range(next_rank, next_rank + reps)
+        flat.append((first, last, tuple(ranks)))
+        next_rank = max(next_rank, max(ranks) + 1)
+    try:
+        return blocks_from_ranks(flat, cluster)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_cover(blocks: Sequence[Block], first: int, last: int, cluster: ClusterSpec, level: int) -> None:
+    """Blocks must cover ``first..last`` contiguously (recursively) within the level's units."""
+    pos = first
+    for b in blocks:
+        if b.first != pos or b.last < b.first:
+            raise UsageError(f"stages must cover the chain contiguously: expected a stage starting at "
+                             f"{pos}, got {b.first}..{b.last}")
+        if level > 1:
+            _check_cover(b.inner, b.first, b.last, cluster, level - 1)
+        pos = b.last + 1
+    if pos != last + 1:
+        raise UsageError(f"stages end at {pos - 1} but must reach {last}")
+    if sum(b.units for b in blocks) > cluster.levels[level - 1].count:
+        raise UsageError(f"the stages use more units of level {cluster.levels[level - 1].name!r} "
+                         f"than it has ({cluster.levels[level - 1].count})")
+
+
+def evaluate(chain: Chain, cluster: ClusterSpec, stages: Any, **options: Any) -> Evaluation:
+    """Evaluate a configuration (Plan, StagePlans, ``(first, last, replicas[, ranks])`` tuples, or
+    a Block tree) under the cost model: time, bottleneck, per-stage costs and memory."""
+    model = _model(chain, cluster, {k: v for k, v in options.items()})
+    blocks = _to_blocks(stages, cluster)
+    _check_cover(blocks, 0, len(chain) - 1, cluster, len(cluster.levels))
+    return model.evaluate(blocks)
+
+
+def pipeline_time(chain: Chain, cluster: ClusterSpec, stages: Any, **options: Any) -> float:
+    """Seconds per minibatch of a given configuration under the cost model (see :func:`evaluate`)."""
+    return evaluate(chain, cluster, stages, **options).seconds
+
+
+def stage_time(chain: Chain, cluster: ClusterSpec, first: int, last: int, replicas: int, *,
+               cost_model: str = "default") -> float:
+    """Time per minibatch of one worker-level stage ``first..last`` replicated ``replicas`` times
+    over the innermost level's links."""
+    return _Model(chain, cluster, cost_model, memory_limit=False).level1_stage(first, last, replicas)[0]
+
+
+def stage_memory(chain: Chain, first: int, last: int, in_flight: int, *, schedule: str = "1f1b",
+                 optimizer_state_factor: float = 1.0) -> float:
+    """Per-worker bytes of stage ``first..last`` with ``in_flight`` minibatches (module doc)."""
+    from pdcompile.cluster import Device, Level
+
+    cluster = ClusterSpec(Device("any", memory=1.0), (Level("l", 1, 1.0),))
+    model = _Model(chain, cluster, "paper", schedule, False, optimizer_state_factor)
+    return model.memory(first, last, in_flight)
+
+
+def data_parallel_time(chain: Chain, cluster: ClusterSpec, cost_model: str = "default") -> float:
+    """Seconds per minibatch of pure data parallelism over all workers under ``cost_model``."""
+    return _Model(chain, cluster, cost_model, memory_limit=False).data_parallel_time()
+
+
+def plan_from_assignment(chain: Chain, cluster: ClusterSpec, assignment: Any, *, solver: str = "fixed",
+                         **options: Any) -> Plan:
+    """A Plan for a given configuration (see :func:`evaluate` for the accepted forms)."""
+    t0 = time.perf_counter()
+    model = _model(chain, cluster, options)
+    blocks = _to_blocks(assignment, cluster)
+    _check_cover(blocks, 0, len(chain) - 1, cluster, len(cluster.levels))
+    ev = model.evaluate(blocks)
+    notes = []
+    if not model.memory_ok(ev):
+        notes.append(f"exceeds the memory limit: {format_quantity(ev.peak_memory, 'memory')} per worker")
+    return _build_plan(model, blocks, ev, solver=solver, planning_seconds=time.perf_counter() - t0,
+                       optimal=False, gap=math.nan, notes=notes)
+
+
+def pipeline_plan(chain: Chain, stage_bounds: Sequence[int], cluster: ClusterSpec, **options: Any) -> Plan:
+    """A straight pipeline with a fixed split: stage ``k`` runs on rank ``k`` alone.
+
+    ``stage_bounds`` are the first positions of stages 1..S-1 (e.g. ``[3, 7]`` splits a 10-layer
+    chain into 0..2, 3..6, 7..9); ``[]`` is one stage. Options as for :func:`partition_dp`.
+    """
+    bounds = [0, *[int(b) for b in stage_bounds], len(chain)]
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise UsageError(f"stage bounds must increase within 1..{len(chain) - 1} (got {list(stage_bounds)})")
+    if len(bounds) - 1 > cluster.num_workers:
+        raise UsageError(f"{len(bounds) - 1} stages need {len(bounds) - 1} workers; the cluster has {cluster.num_workers}")
+    assignment = [(a, b - 1, 1, (k,)) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    return plan_from_assignment(chain, cluster, assignment, solver="fixed", **options)

@@ -1,0 +1,334 @@
+"""Predict a pipeline run: replay a schedule's actions with the cost model.
+
+Pure Python over the schedule data (:mod:`pdcompile.runtime.schedules`); no torch. The model:
+
+* every rank runs its actions in order, one at a time;
+* ``F``/``B``/``ST`` of stage ``s`` take ``forward_s[s]``/``backward_s[s]``/``step_s[s]`` seconds
+  (per microbatch);
+* a send (``SF``/``SB``) puts the microbatch's tensor on the directed link from the sender to the
+  receiving replica (``rank_of``); a link carries one transfer at a time, in the sender's order,
+  each taking ``send_s(stage_from, stage_to, rank_a, rank_b)`` (or ``boundary_bytes[b] /
+  bandwidth(rank_a, rank_b) + latency_s`` for boundary ``b = min(stage_from, stage_to)``; gradients
+  are as large as the activations they belong to). With ``overlap_comm`` the sender goes on
+  computing while the transfer runs; without, it is busy until the transfer ends;
+* a receive (``RF``/``RB``) waits until the matching transfer has arrived;
+* ``AR`` starts when all replicas of the stage have reached it and takes ``allreduce_s[s]``;
+  ``TG`` likewise across all ranks (``tied_s``); neither overlaps compute;
+* ``WV`` costs nothing.
+
+The result (:class:`SimResult`) has the makespan, the step time, throughput, bubble fraction,
+per-rank utilization, per-stage peak memory (microbatches in flight, weight versions, bytes when
+sizes are given) and the timeline events (:class:`pdcompile.timeline.Event`).
+
+Numbers are never converted: pass :class:`fractions.Fraction` costs and the times come back exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdcompile.errors import UsageError
+from pdcompile.runtime.schedules import (
+    Action,
+    Kind,
+    Schedule,
+    live_versions,
+    make_schedule,
+    rank_of,
+    replay,
+    stage_ranks,
+)
+from pdcompile.timeline import Event, category_of
+
+SendCost = Callable[[int, int, int, int], Any]  # (stage_from, stage_to, rank_a, rank_b) -> seconds
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What :func:`simulate` predicts. Times in seconds; per-stage lists are indexed by stage.
+
+    * ``makespan_s``: from the first action to the last, for the whole schedule;
+      ``step_time_s = makespan_s / num_steps``; ``time_per_microbatch_s = makespan_s / num_microbatches``.
+    * ``throughput``: ``num_microbatches * microbatch_size / makespan_s`` (samples/s; microbatches/s
+      when ``microbatch_size`` is 1).
+    * ``busy[r]``: seconds rank ``r`` computes (F, B, ST) or is held by communication (AR, TG,
+      blocking sends); ``utilization[r]``: compute seconds / makespan; ``bubble_fraction``:
+      ``1 - sum(busy) / (ranks * makespan)``, the idle share of all ranks' time.
+    * ``peak_in_flight[s]``: most microbatches whose activations a replica of stage ``s`` holds
+      (F done, B not); ``peak_weight_versions[s]``: most weight versions alive on a replica
+      (:func:`~pdcompile.runtime.schedules.live_versions`); ``peak_memory_bytes[s]``, when sizes were
+      given: ``static + activation * in_flight + weights * versions`` at the worst point.
+    """
+
+    makespan_s: Any
+    num_microbatches: int
+    num_steps: int
+    microbatch_size: int
+    step_time_s: Any
+    time_per_microbatch_s: Any
+    throughput: Any
+    bubble_fraction: Any
+    busy: dict[int, Any]
+    utilization: dict[int, Any]
+    stage_of_rank: dict[int, int]
+    peak_in_flight: list[int]
+    peak_weight_versions: list[int]
+    peak_memory_bytes: list[Any] | None
+    events: list[Event]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.peak_in_flight)
+
+    def stage_utilization(self) -> list[Any]:
+        """Mean utilization of each stage's replicas."""
+        out = []
+        for s in range(self.num_stages):
+            us = [u for r, u in self.utilization.items() if self.stage_of_rank[r] == s]
+            out.append(sum(us) / len(us) if us else 0)
+        return out
+
+    def summary(self) -> str:
+        """A few lines for people: step time, throughput, bubble, and a row per stage."""
+        lines = [
+            f"makespan {float(self.makespan_s):.6g} s for {self.num_microbatches} microbatches "
+            f"({self.num_steps} step{'s' if self.num_steps != 1 else ''}): step {float(self.step_time_s):.6g} s, "
+            f"{float(self.throughput):.6g} samples/s, bubble {float(self.bubble_fraction):.1%}",
+            "stage  ranks        util   in-flight  versions" + ("  peak memory" if self.peak_memory_bytes else ""),
+        ]
+        util = self.stage_utilization()
+        for s in range(self.num_stages):
+            ranks = [r for r in sorted(self.stage_of_rank) if self.stage_of_rank[r] == s]
+            mem = f"  {float(self.peak_memory_bytes[s]) / 2**20:10.1f} MiB" if self.peak_memory_bytes else ""
+            lines.append(f"{s:5d}  {','.join(map(str, ranks)):<11} {float(util[s]):5.1%}  "
+                         f"{self.peak_in_flight[s]:9d}  {self.peak_weight_versions[s]:8d}{mem}")
+        return "\n".join(lines)
+
+
+def _infer_replicas(sched: Schedule) -> list[int]:
+    stages: dict[int, int] = {}
+    for rank in sorted(sched):
+        acts = sched[rank]
+        if not acts:
+            raise UsageError(f"rank {rank} has no actions, so its stage is unknown: pass replicas=")
+        stages[rank] = acts[0].stage
+    reps: list[int] = []
+    for rank in sorted(stages):
+        s = stages[rank]
+        if s == len(reps):
+            reps.append(1)
+        elif s == len(reps) - 1:
+            reps[-1] += 1
+        else:
+            raise UsageError(f"rank {rank} runs stage {s}: ranks must be assigned stage by stage; pass replicas=")
+    return reps
+
+
+def _per_stage(name: str, values: Sequence[Any] | None, num_stages: int, default: Any = 0) -> list[Any]:
+    if values is None:
+        return [default] * num_stages
+    if isinstance(values, (int, float)) or not isinstance(values, Sequence):
+        return [values] * num_stages  # type: ignore[list-item]
+    if len(values) != num_stages:
+        raise UsageError(f"{name} has {len(values)} values, the schedule has {num_stages} stages")
+    return list(values)
+
+
+def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[Any],
+             replicas: Sequence[int] | None = None,
+             send_s: SendCost | Any | None = None,
+             boundary_bytes: Sequence[Any] | None = None,
+             bandwidth: Callable[[int, int], Any] | Any | None = None,
+             latency_s: Any = 0,
+             allreduce_s: Sequence[Any] | None = None,
+             step_s: Sequence[Any] | None = None,
+             tied_s: Any = 0,
+             overlap_comm: bool = True,
+             microbatch_size: int = 1,
+             num_steps: int = 1,
+             activation_bytes: Sequence[Any] | None = None,
+             weight_bytes: Sequence[Any] | None = None,
+             static_bytes: Sequence[Any] | None = None) -> SimResult:
+    """Replay ``sched`` with the cost model (see the module docstring) and predict its run.
+
+    Per-stage arguments (``forward_s``, ``backward_s``, ``allreduce_s``, ``step_s``,
+    ``activation_bytes`` per microbatch in flight, ``weight_bytes`` per weight version,
+    ``static_bytes`` e.g. optimizer state) are sequences indexed by stage; a single number applies
+    to every stage. Transfer time: ``send_s`` (a number, or a function of
+    ``(stage_from, stage_to, rank_a, rank_b)``), else ``boundary_bytes[b] / bandwidth + latency_s``
+    (``bandwidth`` in bytes/s: a number or a function of ``(rank_a, rank_b)``), else free.
+    ``replicas`` is inferred from the schedule when omitted. Raises
+    :class:`~pdcompile.errors.ScheduleError` if the schedule deadlocks.
+    """
+    reps = list(replicas) if replicas is not None else _infer_replicas(sched)
+    ranks = stage_ranks(reps)
+    S = len(reps)
+    fwd = _per_stage("forward_s", forward_s, S)
+    bwd = _per_stage("backward_s", backward_s, S)
+    ar = _per_stage("allreduce_s", allreduce_s, S)
+    st = _per_stage("step_s", step_s, S)
+    stage_of = {r: s for s, rs in enumerate(ranks) for r in rs}
+    if set(sched) != set(stage_of):
+        raise UsageError(f"the schedule has ranks {sorted(sched)}, replicas {reps} give {sorted(stage_of)}")
+
+    if callable(send_s):
+        transfer: SendCost = send_s
+    elif send_s is not None:
+        transfer = lambda sa, sb, ra, rb: send_s  # noqa: E731
+    elif boundary_bytes is not None:
+        nbytes = _per_stage("boundary_bytes", boundary_bytes, max(S - 1, 0))
+        if bandwidth is None:
+            raise UsageError("boundary_bytes needs bandwidth= (bytes/s, a number or a function of two ranks)")
+        bw = bandwidth if callable(bandwidth) else (lambda ra, rb: bandwidth)
+        transfer = lambda sa, sb, ra, rb: nbytes[min(sa, sb)] / bw(ra, rb) + latency_s  # noqa: E731
+    else:
+        transfer = lambda sa, sb, ra, rb: 0  # noqa: E731
+
+    clock: dict[int, Any] = {r: 0 for r in sched}
+    busy: dict[int, Any] = {r: 0 for r in sched}
+    compute: dict[int, Any] = {r: 0 for r in sched}
+    link_free: dict[tuple[int, int], Any] = {}
+    arrival: dict[tuple[Kind, int, int], Any] = {}
+    events: list[Event] = []
+
+    def execute(parts: list[tuple[int, int]], a: Action) -> None:
+        if a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
+            start = max(clock[q] for q, _ in parts)
+            dur = ar[a.stage] if a.kind is Kind.ALLREDUCE else tied_s
+            for q, _ in parts:
+                name = f"{stage_of[q]}{a.kind.value}"
+                events.append(Event(q, name, start, start + dur, category_of(name)))
+                clock[q] = start + dur
+                busy[q] += dur
+            return
+        (r, _), t, name = parts[0], clock[parts[0][0]], str(a)
+        if a.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.STEP):
+            dur = {Kind.FORWARD: fwd, Kind.BACKWARD: bwd, Kind.STEP: st}[a.kind][a.stage]
+            events.append(Event(r, name, t, t + dur, category_of(name)))
+            clock[r] = t + dur
+            busy[r] += dur
+            compute[r] += dur
+        elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+            dst = a.stage + 1 if a.kind is Kind.SEND_ACT else a.stage - 1
+            peer = rank_of(dst, a.microbatch, ranks)  # type: ignore[arg-type]
+            start = max(t, link_free.get((r, peer), t))
+            end = start + transfer(a.stage, dst, r, peer)
+            link_free[(r, peer)] = end
+            arrival[(a.kind, a.stage, a.microbatch)] = end  # type: ignore[index]
+            if overlap_comm:
+                events.append(Event(r, name, t, t, "send"))
+                if end > start:
+                    events.append(Event(r, name, start, end, "transfer"))
+            else:
+                events.append(Event(r, name, t, end, "send"))
+                busy[r] += end - t
+                clock[r] = end
+        elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+            src = a.stage - 1 if a.kind is Kind.RECV_ACT else a.stage + 1
+            send_kind = Kind.SEND_ACT if a.kind is Kind.RECV_ACT else Kind.SEND_GRAD
+            end = max(t, arrival[(send_kind, src, a.microbatch)])  # type: ignore[index]
+            events.append(Event(r, name, t, end, "recv"))
+            clock[r] = end
+        # WV: bookkeeping only
+
+    replay(sched, reps, execute, name="simulated schedule")
+
+    makespan = max([0, *clock.values(), *arrival.values()])
+    T = len({a.microbatch for acts in sched.values() for a in acts if a.kind is Kind.FORWARD})
+    R = len(sched)
+    util = {r: (compute[r] / makespan if makespan else 0) for r in sorted(sched)}
+    bubble = 1 - sum(busy.values()) / (R * makespan) if makespan else 0
+
+    # memory: walk each rank's actions (in-flight and live versions change only at its actions)
+    act_b = _per_stage("activation_bytes", activation_bytes, S, None)
+    w_b = _per_stage("weight_bytes", weight_bytes, S, None)
+    static_b = _per_stage("static_bytes", static_bytes, S, None)
+    sized = activation_bytes is not None or weight_bytes is not None or static_bytes is not None
+    peak_in = [0] * S
+    peak_v = [0] * S
+    peak_mem: list[Any] = [0] * S
+    for r, acts in sched.items():
+        s = stage_of[r]
+        n = 0
+        live = live_versions(acts)
+        peak_v[s] = max(peak_v[s], max((len(x) for x in live), default=1))
+        for a, versions in zip(acts, live or []):
+            n += (a.kind is Kind.FORWARD) - (a.kind is Kind.BACKWARD)
+            peak_in[s] = max(peak_in[s], n)
+            if sized:
+                mem = (static_b[s] or 0) + (act_b[s] or 0) * n + (w_b[s] or 0) * len(versions)
+                peak_mem[s] = max(peak_mem[s], mem)
+        if sized and not acts:
+            peak_mem[s] = max(peak_mem[s], (static_b[s] or 0) + (w_b[s] or 0))
+
+    return SimResult(
+        makespan_s=makespan, num_microbatches=T, num_steps=num_steps, microbatch_size=microbatch_size,
+        step_time_s=makespan / num_steps, time_per_microbatch_s=(makespan / T if T else 0),
+        throughput=(T * microbatch_size / makespan if makespan else math.inf),
+        bubble_fraction=bubble, busy=dict(sorted(busy.items())), utilization=util, stage_of_rank=stage_of,
+        peak_in_flight=peak_in, peak_weight_versions=peak_v, peak_memory_bytes=peak_mem if sized else None,
+        events=sorted(events, key=lambda e: (e.start_s, e.rank, e.end_s)),
+    )
+
+
+def simulate_schedule(name: str, replicas: Sequence[int], num_microbatches: int, *, num_steps: int = 1,
+                      vertical_sync: bool = False, tied: bool = False, **costs: Any) -> SimResult:
+    """Build the named schedule (:func:`~pdcompile.runtime.schedules.make_schedule`) and simulate it."""
+    sched = make_schedule(name, replicas, num_microbatches, tied=tied, vertical_sync=vertical_sync,
+                          num_steps=num_steps)
+    return simulate(sched, replicas=replicas, num_steps=num_steps, **costs)
+
+
+def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float) -> float:
+    """Ring all-reduce of ``nbytes`` among ``replicas`` workers: ``2 (r-1)/r * bytes / bandwidth``."""
+    if replicas <= 1 or nbytes == 0:
+        return 0.0
+    return 2 * (replicas - 1) / replicas * nbytes / bandwidth
+
+
+def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None = None,
+                  num_microbatches: int = 8, *, num_steps: int = 1, vertical_sync: bool = False,
+                  overlap_comm: bool = True, step_s: Sequence[float] | None = None) -> SimResult:
+    """Simulate a :class:`pdcompile.plan.Plan` of ``chain`` on ``cluster``.
+
+    Stage ``s`` (chain layers ``first..last``) costs the sum of its layers' ``forward_s`` /
+    ``backward_s``; its boundary sends ``chain.cut_bytes[last]`` forward (and as many gradient
+    bytes back) at ``cluster.bandwidth_between`` the two ranks; a replicated stage all-reduces its
+    ``param_bytes`` with a ring over the slowest link among its ranks. Chain costs are per
+    minibatch of ``chain.batch_size`` and are scaled linearly to ``plan.microbatch_size``. Memory:
+    activations in flight (the stage's layers' ``output_bytes`` per microbatch) and weight versions
+    (``param_bytes`` each). Schedule ranks are consecutive by stage; replica ``i`` of stage ``s``
+    runs on ``plan.stages[s].ranks[i]`` of the cluster. ``schedule_name`` defaults to the plan's.
+    """
+    name = schedule_name or plan.schedule
+    reps = [st_.replicas for st_ in plan.stages]
+    scale = plan.microbatch_size / chain.batch_size
+    layers = chain.layers
+    fwd, bwd, act, params, cut = [], [], [], [], []
+    for st_ in plan.stages:
+        mine = layers[st_.first:st_.last + 1]
+        fwd.append(sum(l.forward_s for l in mine) * scale)
+        bwd.append(sum(l.backward_s for l in mine) * scale)
+        act.append(sum(l.output_bytes for l in mine) * scale)
+        params.append(sum(l.param_bytes for l in mine))
+        cut.append(chain.cut_bytes[st_.last] * scale if st_.last < len(chain.cut_bytes) else 0.0)
+    sched_ranks = stage_ranks(reps)
+    cluster_rank = {r: plan.stages[s].ranks[i] if len(plan.stages[s].ranks) == reps[s] else r
+                    for s, rs in enumerate(sched_ranks) for i, r in enumerate(rs)}
+
+    def send(sa: int, sb: int, ra: int, rb: int) -> float:
+        nbytes = cut[min(sa, sb)]
+        return nbytes / cluster.bandwidth_between(cluster_rank[ra], cluster_rank[rb]) if nbytes else 0.0
+
+    allreduce = []
+    for s, rs in enumerate(sched_ranks):
+        cr = [cluster_rank[r] for r in rs]
+        bw = min((cluster.bandwidth_between(a, b) for a in cr for b in cr if a != b), default=math.inf)
+        allreduce.append(ring_allreduce_s(params[s], len(rs), bw))
+    return simulate_schedule(name, reps, num_microbatches, num_steps=num_steps, vertical_sync=vertical_sync,
+                             forward_s=fwd, backward_s=bwd, send_s=send, allreduce_s=allreduce, step_s=step_s,
+                             overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size,
+                             activation_bytes=act, weight_bytes=params)

@@ -1,0 +1,269 @@
+"""Hugging Face ``transformers`` models (built from configs, random init) through the export front end.
+
+Split into 2 stages they compute what the unsplit model computes, outputs and gradients; trained 3
+steps through torchrun on 2 CPU processes they end with the weights single-process training gives.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+
+from pdcompile import api
+from pdcompile.errors import UnsupportedModelError, UsageError
+from pdcompile.launcher import launch
+from pdcompile.merge import merge_weights
+from pdcompile.passes import codegen
+from pdcompile.passes.export_frontend import export_trace, trace_any
+from pdcompile.passes.shapes import propagate_shapes
+from pdcompile.passes.split_stages import StageSplit, even_assignment, split_stages
+from pdcompile.runtime.reference import train_sync
+from pdcompile.zoo.losses import SequenceCrossEntropy
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.timeout(180)]
+
+VOCAB, SEQ, BATCH, MICRO, STEPS, LR = 100, 8, 4, 2, 3, 0.05
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
+                                  use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _bert_config(**kw: Any) -> Any:
+    return transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                   attention_probs_dropout_prob=0.0, pad_token_id=0, **kw)
+
+
+def bert() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.BertModel(_bert_config())
+
+
+def bert_cls() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(_bert_config(num_labels=3))
+
+
+def tokens(seed: int, batch: int = MICRO) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def eager_output(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+class SelectedOutput(torch.nn.Module):
+    """The model as the pipeline sees it: the logits (or last_hidden_state) of its ModelOutput."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return eager_output(self.model, x)
+
+
+def split_in_two(model: torch.nn.Module, x: torch.Tensor) -> tuple[fx.GraphModule, StageSplit]:
+    gm = export_trace(model, (x,))
+    propagate_shapes(gm, (x,))
+    return gm, split_stages(gm, even_assignment(gm, 2), model)
+
+
+# -- the front end's IR -----------------------------------------------------------------------------
+
+def test_fx_fails_and_auto_falls_back_to_export() -> None:
+    model, x = gpt2(), tokens(0)
+    with pytest.raises(UnsupportedModelError, match="co_varnames is too small"):
+        trace_any(model, (x,), frontend="fx")
+    gm = trace_any(model, (x,))  # "auto"
+    assert any(isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(x), eager_output(model, x), rtol=0, atol=0)
+    with pytest.raises(UsageError, match="frontend must be one of"):
+        trace_any(model, (x,), frontend="dynamo")
+
+
+@pytest.mark.parametrize("factory", [gpt2, bert], ids=["gpt2", "bert"])
+def test_export_gives_a_flat_graph_on_the_models_own_parameters(factory: Callable[[], torch.nn.Module]) -> None:
+    model, x = factory(), tokens(0)
+    gm = export_trace(model, (x,))
+    ops = {n.op for n in gm.graph.nodes}
+    assert ops <= {"placeholder", "get_attr", "call_function", "output"}
+    assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["input_ids"]
+    assert "tree_flatten_spec" not in gm.code and "tree_unflatten" not in gm.code and "_guards" not in gm.code
+    own = dict(model.named_parameters(remove_duplicate=False))
+    own.update(dict(model.named_buffers(remove_duplicate=False)))
+    targets = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    assert targets
+    for t in targets:  # the original qualified name, holding the model's own tensor object
+        obj: Any = gm
+        for part in t.split("."):
+            obj = getattr(obj, part)
+        assert obj is own[t], t
+    out = gm.graph.output_node().args[0]
+    assert isinstance(out, fx.Node)
+    torch.testing.assert_close(gm(x), eager_output(model, x), rtol=0, atol=0)
+    clone = copy.deepcopy(gm)  # meta holds no fake tensors
+    torch.testing.assert_close(clone(x), gm(x), rtol=0, atol=0)
+
+
+def test_output_selection_and_errors() -> None:
+    model, x = bert(), tokens(0)
+    pooled = export_trace(model, (x,), output="pooler_output")
+    torch.testing.assert_close(pooled(x), model(x).pooler_output, rtol=0, atol=0)
+    with pytest.raises(UsageError, match="has keys"):
+        export_trace(model, (x,), output="nope")
+
+    class TwoOutputs(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.fc(x), x * 2
+
+    with pytest.raises(UnsupportedModelError, match="output=KEY or output=INDEX"):
+        export_trace(TwoOutputs(), (torch.randn(2, 4),))
+    second = export_trace(TwoOutputs(), (torch.randn(2, 4),), output=1)
+    torch.testing.assert_close(second(torch.ones(2, 4)), torch.full((2, 4), 2.0))
+
+
+def test_buffer_updates_stay_in_place_on_the_models_buffers() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))  # running stats in training
+    twin = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    gm = export_trace(model, (x,))
+    propagate_shapes(gm, (x,))  # runs once (no_grad): updates the statistics like an eager call
+    twin(x)
+    split = split_stages(gm, even_assignment(gm, 2), model)
+    torch.testing.assert_close(split.run(x), twin(x), rtol=0, atol=0)
+    for (name, got), want in zip(model.named_buffers(), twin.buffers()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+    assert int(model[1].num_batches_tracked) == 2
+
+
+def test_tensor_constants_become_buffers_and_emit() -> None:
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(torch.relu(self.fc1(x))) * torch.tensor([1.0, 2.0, 3.0])
+
+    model, x = Scaled(), torch.randn(2, 3)
+    gm = export_trace(model, (x,))
+    assert [n for n, _ in gm.named_buffers()] == ["_pd_constant_0"]
+    propagate_shapes(gm, (x,))
+    split = split_stages(gm, even_assignment(gm, 2), model)
+    torch.testing.assert_close(split.run(x), model(x), rtol=0, atol=0)
+    assert "register_buffer('_pd_constant_0'" in codegen.stage_source(split, 1, "Scaled")
+
+
+# -- split: transparency -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("factory", [gpt2, bert, bert_cls], ids=["gpt2", "bert", "bert_cls"])
+def test_two_stages_equal_the_unsplit_model(factory: Callable[[], torch.nn.Module]) -> None:
+    ref, model, x = factory(), factory(), tokens(1)
+    _, split = split_in_two(model, x)
+    assert len(split.stages) == 2 and all(list(st.gm.parameters()) for st in split.stages)
+    if factory is gpt2:  # the tied embedding / LM head lives in both stages
+        assert split.tied and {s for s, _ in split.tied[0]} == {0, 1}
+        assert set(split.stages[0].param_names.values()) & set(split.stages[1].param_names.values()) == \
+            {"transformer.wte.weight"}
+    want, got = eager_output(ref, x), split.run(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    w = torch.randn(want.shape, generator=torch.Generator().manual_seed(2))
+    (want * w).sum().backward()
+    (got * w).sum().backward()
+    grads = dict(model.named_parameters())
+    checked = 0
+    for name, p in ref.named_parameters():
+        q = grads[name]
+        if p.grad is None:  # e.g. BertModel's pooler: not part of last_hidden_state
+            assert q.grad is None, name
+            continue
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=name)
+        checked += 1
+    assert checked >= len(grads) - 2
+    for k in range(2):  # the stages can be written out as Python modules
+        src = codegen.stage_source(split, k, type(model).__name__)
+        compile(src, f"stage_{k}.py", "exec")
+
+
+# -- torchrun: 3 training steps on 2 processes equal single-process training ------------------------------
+
+def _opt(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def _batches(name: str) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    out = []
+    for i in range(STEPS):
+        g = torch.Generator().manual_seed(100 + i)
+        x = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+        target = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) if name == "gpt2" else \
+            torch.randint(0, 3, (BATCH,), generator=g)
+        out.append(((x,), target))
+    return out
+
+
+def _compile(model: torch.nn.Module, data: list[Any], loss_fn: torch.nn.Module,
+             monkeypatch: pytest.MonkeyPatch) -> api.CompiledPipeline:
+    (x,), target = data[0]
+    kw: dict[str, Any] = dict(example_inputs=(x,), example_target=target, loss_fn=loss_fn, optimizer=_opt,
+                              stages=2, schedule="flush", num_microbatches=MICRO)
+    if "frontend" in {f.name for f in dataclasses.fields(api.Options)}:
+        kw["frontend"] = "export"
+    else:  # api.py without frontend=: trace through export at the microbatch size the pipeline runs
+        monkeypatch.setattr(api, "trace", lambda m, leaf_modules=(): export_trace(m, (x[: BATCH // MICRO],)))
+    return api.pdcompile(model, **kw)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["gpt2", "bert_cls"])
+def test_torchrun_training_equals_single_process(tmp_path: Path, name: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdcompile.runtime.data import save_batches
+
+    factory = {"gpt2": gpt2, "bert_cls": bert_cls}[name]
+    loss_fn = SequenceCrossEntropy() if name == "gpt2" else torch.nn.CrossEntropyLoss()
+    data = _batches(name)
+    pipe = _compile(factory(), data, loss_fn, monkeypatch)
+    assert len(pipe.split.stages) == 2
+    if name == "gpt2":  # the tied embedding / LM head is trained in both stages and kept equal
+        assert pipe.split.tied and {s for s, _ in pipe.split.tied[0]} == {0, 1}
+    save_batches(data, STEPS, tmp_path / "data.pt")
+    prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
+                                              "kwargs": {"path": str(tmp_path / "data.pt")}})
+    rc, log = launch(prog, 2, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
+                               "--timeout", "60"], timeout=150)
+    assert rc == 0, log[-3000:]
+    got = merge_weights(prog, tmp_path / "final")
+
+    ref = factory()
+    initial = {k: v.detach().clone() for k, v in ref.named_parameters()}
+    train_sync(SelectedOutput(ref), loss_fn, _opt(ref.parameters()), data, steps=STEPS, num_microbatches=MICRO)
+    want = {k: v.detach() for k, v in ref.named_parameters()}
+    want.update({k: v.detach() for k, v in ref.named_buffers()})
+    assert set(got) == set(want)  # every parameter and buffer comes back, a tied one once
+    moved = 0
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=f"{name}: {k}")
+        moved += int(k in initial and not torch.equal(v, initial[k]))
+    assert moved > len(initial) // 2  # training really changed the weights

@@ -1,0 +1,450 @@
+"""The DP planner (``passes/partition_dp.py``): equal to a brute force written from the formulas,
+memory respected, infeasible inputs rejected, PipeDream's published VGG-16 split reproduced."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from fractions import Fraction
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdcompile.cluster import ClusterSpec, Device, Level, flat_cluster
+from pdcompile.errors import ClusterSpecError, InfeasiblePlanError, UsageError
+from pdcompile.ir import Chain, ChainLayer
+from pdcompile.passes.partition_dp import (
+    Block,
+    blocks_from_ranks,
+    data_parallel_time,
+    evaluate,
+    flatten_blocks,
+    partition_dp,
+    pipeline_plan,
+    pipeline_time,
+    stage_memory,
+)
+from pdcompile.plan import Plan
+
+PROFILES = Path(__file__).resolve().parent.parent.parent / "shared" / "profiles" / "pipedream"
+if not PROFILES.exists():  # a clone next to ../shared
+    PROFILES = Path("/work/shared/profiles/pipedream")
+
+
+# ---------------------------------------------------------------------------------------------
+# Random chains and an independent brute force, written from the formulas in the module doc.
+# ---------------------------------------------------------------------------------------------
+
+
+def make_chain(f, b, w, o, cuts, name="rand") -> Chain:
+    layers = tuple(
+        ChainLayer(name=f"l{i}", op="Op", forward_s=f[i], backward_s=b[i], output_bytes=o[i],
+                   param_bytes=w[i], members=(f"l{i}",))
+        for i in range(len(f))
+    )
+    return Chain(layers=layers, cut_bytes=tuple(cuts), batch_size=8, name=name)
+
+
+@st.composite
+def chains(draw, max_layers: int = 8, allow_inf: bool = True) -> Chain:
+    n = draw(st.integers(1, max_layers))
+    fl = st.floats(0.0, 10.0, allow_nan=False)
+    f = [draw(fl) for _ in range(n)]
+    b = [draw(fl) for _ in range(n)]
+    w = [draw(st.sampled_from([0.0, 1.0, 5.0, 20.0, 100.0])) * draw(st.floats(0.5, 2.0)) for _ in range(n)]
+    o = [draw(st.floats(0.0, 50.0)) for _ in range(n)]
+    cuts = []
+    for i in range(n - 1):
+        if allow_inf and draw(st.integers(0, 9)) == 0:
+            cuts.append(math.inf)
+        else:
+            cuts.append(draw(st.floats(0.0, 60.0)))
+    return make_chain(f, b, w, o, cuts)
+
+
+def two_level(m1: int, m2: int, b1: float, b2: float, memory: float | None = None) -> ClusterSpec:
+    return ClusterSpec(Device("d", memory=memory), (Level("in", m1, b1), Level("out", m2, b2)))
+
+
+def _sum(xs, i, j):
+    return sum(xs[i:j + 1])
+
+
+def in_bytes(chain: Chain) -> list[float]:
+    """Bytes a stage starting at i receives: cut_bytes[i-1], capped to stay monotone."""
+    out = [0.0]
+    for i in range(1, len(chain)):
+        out.append(min(chain.cut_bytes[i - 1], out[-1] + chain.layers[i - 1].output_bytes))
+    return out
+
+
+def ref_time(chain: Chain, cluster: ClusterSpec, blocks, model: str) -> float:
+    """Time per minibatch of a block tree, straight from the formulas."""
+    L = chain.layers
+    c = [l.forward_s + l.backward_s for l in L]
+    fw = [l.forward_s for l in L]
+    bw = [l.backward_s for l in L]
+    w = [l.param_bytes for l in L]
+
+    def pipe(bs, level):
+        B = cluster.levels[level - 1].bandwidth
+        terms = []
+        for p, blk in enumerate(bs):
+            r = blk.units
+            W = _sum(w, blk.first, blk.last)
+            if level == 1:
+                if model == "paper":
+                    t = max(_sum(c, blk.first, blk.last), 2 * (r - 1) * W / B) / r
+                else:
+                    ar = 2 * (r - 1) * W / (r * B)
+                    t = (_sum(fw, blk.first, blk.last) + max(_sum(bw, blk.first, blk.last), ar)) / r
+            else:
+                inner = pipe(blk.inner, level - 1)
+                comm = 2 * (r - 1) * W / B if model == "paper" else 2 * (r - 1) * W / (r * B)
+                t = max(inner, comm) / r
+            terms.append(t)
+            if p + 1 < len(bs):
+                terms.append(2 * chain.cut_bytes[blk.last] / B)
+        return max(terms)
+
+    return pipe(blocks, len(cluster.levels))
+
+
+def ref_memory_ok(chain: Chain, cluster: ClusterSpec, blocks, limit: float, schedule="1f1b", f=1.0) -> bool:
+    """Every worker's bytes within ``limit``: downstream workers counted exactly within a group,
+    downstream outer blocks with all the workers of their units."""
+    L = chain.layers
+    inb = in_bytes(chain)
+
+    def ok(bs, level, e):
+        size = cluster.unit_size(level - 1)
+        for p, blk in enumerate(bs):
+            after = sum(x.units for x in bs[p + 1:])
+            if level == 1:
+                k = math.ceil(Fraction(blk.units + after) / blk.units + e / blk.units)
+                W = _sum([l.param_bytes for l in L], blk.first, blk.last)
+                X = _sum([l.output_bytes for l in L], blk.first, blk.last) + inb[blk.first]
+                versions = {"1f1b": k, "flush": 1, "2bw": 2}[schedule]
+                if W * (versions + 1 + f) + X * k > limit * (1 + 1e-9):
+                    return False
+            elif not ok(blk.inner, level - 1, (e + after * size) / blk.units):
+                return False
+        return True
+
+    return ok(blocks, len(cluster.levels), Fraction(0))
+
+
+def partitions(first: int, last: int, units: int) -> Iterator[list[tuple[int, int, int]]]:
+    """Contiguous partitions of first..last with replica counts summing to at most ``units``."""
+    if first > last:
+        yield []
+        return
+    for end in range(first, last + 1):
+        for r in range(1, units + 1):
+            for rest in partitions(end + 1, last, units - r):
+                yield [(first, end, r), *rest]
+
+
+def configs(first: int, last: int, cluster: ClusterSpec, level: int) -> Iterator[tuple[Block, ...]]:
+    m = cluster.levels[level - 1].count
+    for part in partitions(first, last, m):
+        if any(chain_forbidden(b[1]) for b in part[:-1]):
+            continue
+        if level == 1:
+            yield tuple(Block(f, l, r) for f, l, r in part)
+        else:
+            inner_choices = [list(configs(f, l, cluster, level - 1)) for f, l, _ in part]
+            for inner in itertools.product(*inner_choices):
+                yield tuple(Block(f, l, r, ins) for (f, l, r), ins in zip(part, inner))
+
+
+_FORBIDDEN: set[int] = set()
+
+
+def chain_forbidden(cut: int) -> bool:
+    return cut in _FORBIDDEN
+
+
+def brute_force(chain: Chain, cluster: ClusterSpec, model: str, memory: float | None = None,
+                schedule: str = "1f1b") -> float:
+    _FORBIDDEN.clear()
+    _FORBIDDEN.update(i for i, c in enumerate(chain.cut_bytes) if math.isinf(c))
+    best = math.inf
+    for blocks in configs(0, len(chain) - 1, cluster, len(cluster.levels)):
+        if memory is not None and not ref_memory_ok(chain, cluster, blocks, memory, schedule):
+            continue
+        best = min(best, ref_time(chain, cluster, blocks, model))
+    return best
+
+
+def close(a: float, b: float, rel: float = 1e-9) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Property tests
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=chains(8), workers=st.integers(1, 6), bw=st.sampled_from([1.0, 10.0, 100.0]))
+def test_dp_equals_brute_force_one_level_paper(chain, workers, bw):
+    cluster = flat_cluster(workers, bw)
+    p = partition_dp(chain, cluster, cost_model="paper")
+    assert close(p.seconds_per_minibatch, brute_force(chain, cluster, "paper"))
+    # the reported time is the plan's own time under the model
+    assert close(pipeline_time(chain, cluster, p, cost_model="paper"), p.seconds_per_minibatch)
+    assert close(ref_time(chain, cluster, blocks_from_ranks([(s.first, s.last, s.ranks) for s in p.stages], cluster),
+                          "paper"), p.seconds_per_minibatch)
+    assert p.workers_used <= workers
+    assert p.speedup_vs_data_parallel >= 1 - 1e-9
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=chains(5), m1=st.integers(1, 3), m2=st.integers(1, 3),
+       b1=st.sampled_from([10.0, 100.0]), b2=st.sampled_from([1.0, 5.0]),
+       model=st.sampled_from(["paper", "default"]))
+def test_dp_equals_brute_force_two_levels(chain, m1, m2, b1, b2, model):
+    cluster = two_level(m1, m2, b1, b2)
+    p = partition_dp(chain, cluster, cost_model=model, memory_limit=False)
+    assert close(p.seconds_per_minibatch, brute_force(chain, cluster, model))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=chains(7), workers=st.integers(1, 5), frac=st.floats(0.05, 1.2),
+       schedule=st.sampled_from(["1f1b", "flush", "2bw"]))
+def test_dp_with_memory_equals_brute_force_one_level(chain, workers, frac, schedule):
+    cluster0 = flat_cluster(workers, 10.0)
+    one_worker = stage_memory(chain, 0, len(chain) - 1, 1, schedule=schedule)
+    limit = max(frac * one_worker, 1e-6)
+    cluster = cluster0.with_memory(limit)
+    best = brute_force(chain, cluster, "default", memory=limit, schedule=schedule)
+    if math.isinf(best):
+        with pytest.raises(InfeasiblePlanError):
+            partition_dp(chain, cluster, schedule=schedule)
+        return
+    p = partition_dp(chain, cluster, schedule=schedule)
+    assert close(p.seconds_per_minibatch, best)
+    assert all(s.memory_bytes <= limit * (1 + 1e-9) for s in p.stages)
+    assert ref_memory_ok(chain, cluster, blocks_from_ranks([(s.first, s.last, s.ranks) for s in p.stages], cluster),
+                         limit, schedule)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=chains(5), m1=st.integers(1, 3), m2=st.integers(1, 3), frac=st.floats(0.1, 1.2))
+def test_dp_with_memory_equals_brute_force_two_levels(chain, m1, m2, frac):
+    limit = max(frac * stage_memory(chain, 0, len(chain) - 1, 1), 1e-6)
+    cluster = two_level(m1, m2, 10.0, 2.0, memory=limit)
+    best = brute_force(chain, cluster, "default", memory=limit)
+    if math.isinf(best):
+        with pytest.raises(InfeasiblePlanError):
+            partition_dp(chain, cluster)
+        return
+    p = partition_dp(chain, cluster)
+    assert close(p.seconds_per_minibatch, best)
+    blocks = blocks_from_ranks([(s.first, s.last, s.ranks) for s in p.stages], cluster)
+    assert ref_memory_ok(chain, cluster, blocks, limit)
+
+
+@settings(max_examples=60, deadline=None)
+@given(chain=chains(8), workers=st.integers(1, 6))
+def test_plans_cover_the_chain_and_ranks_are_distinct(chain, workers):
+    p = partition_dp(chain, flat_cluster(workers, 3.0), cost_model="paper")
+    assert p.stages[0].first == 0 and p.stages[-1].last == len(chain) - 1
+    for a, b in zip(p.stages, p.stages[1:]):
+        assert b.first == a.last + 1
+        assert math.isfinite(chain.cut_bytes[a.last])
+    ranks = [r for s in p.stages for r in s.ranks]
+    assert len(ranks) == len(set(ranks)) and all(0 <= r < workers for r in ranks)
+    assert [n for s in p.stages for n in s.layer_names] == [l.name for l in chain.layers]
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: infeasible inputs, and the smallest memory that fits
+# ---------------------------------------------------------------------------------------------
+
+
+def _chain_big_weights() -> Chain:
+    return make_chain([1.0] * 4, [2.0] * 4, [100.0, 10.0, 10.0, 100.0], [5.0] * 4, [5.0] * 3)
+
+
+def test_infeasible_raises_with_smallest_memory_that_fits():
+    chain = _chain_big_weights()
+    cluster = flat_cluster(4, 10.0, memory=50.0)
+    with pytest.raises(InfeasiblePlanError) as e:
+        partition_dp(chain, cluster)
+    msg = str(e.value)
+    assert "smallest per-worker memory that fits" in msg
+    need = e.value.needed_memory_bytes
+    assert f"({need:.0f} bytes)" in msg
+    p = partition_dp(chain, cluster.with_memory(need))  # that much fits...
+    assert max(s.memory_bytes for s in p.stages) <= need * (1 + 1e-9)
+    with pytest.raises(InfeasiblePlanError):  # ...and a bit less does not
+        partition_dp(chain, cluster.with_memory(need * 0.999))
+
+
+def test_memory_limit_changes_the_plan_and_is_respected():
+    chain = _chain_big_weights()
+    free = partition_dp(chain, flat_cluster(4, 10.0), cost_model="default", memory_limit=False)
+    peak_free = max(s.memory_bytes for s in free.stages)
+    limited = partition_dp(chain, flat_cluster(4, 10.0, memory=peak_free * 0.8))
+    assert max(s.memory_bytes for s in limited.stages) <= peak_free * 0.8 * (1 + 1e-9)
+    assert limited.seconds_per_minibatch >= free.seconds_per_minibatch - 1e-12
+
+
+def test_memory_limit_needs_device_memory():
+    chain = _chain_big_weights()
+    with pytest.raises(ClusterSpecError, match="device.memory"):
+        partition_dp(chain, flat_cluster(2, 1.0))  # default model: limit on, memory unknown
+    partition_dp(chain, flat_cluster(2, 1.0), cost_model="paper")  # paper: limit off by default
+    with pytest.raises(ClusterSpecError):
+        partition_dp(chain, flat_cluster(2, 1.0), cost_model="paper", memory_limit=True)
+
+
+def test_schedules_weight_versions():
+    chain = _chain_big_weights()
+    W = sum(l.param_bytes for l in chain.layers)
+    X = sum(l.output_bytes for l in chain.layers)
+    assert stage_memory(chain, 0, 3, 3, schedule="1f1b") == W * (3 + 1 + 1) + X * 3
+    assert stage_memory(chain, 0, 3, 3, schedule="flush") == W * (1 + 1 + 1) + X * 3
+    assert stage_memory(chain, 0, 3, 3, schedule="2bw") == W * (2 + 1 + 1) + X * 3
+    assert stage_memory(chain, 0, 3, 1, optimizer_state_factor=2.0) == W * 4 + X
+
+
+def test_in_flight_counts_follow_noam():
+    chain = make_chain([1.0] * 6, [1.0] * 6, [1.0] * 6, [1.0] * 6, [1.0] * 5)
+    cluster = flat_cluster(6, 1e9, memory=1e12)
+    ev = evaluate(chain, cluster, [(0, 1, 2), (2, 3, 1), (4, 5, 3)], cost_model="default")
+    assert [s[8] for s in ev.stages] == [3, 4, 1]  # ceil(6/2), ceil(4/1), ceil(3/3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model details
+# ---------------------------------------------------------------------------------------------
+
+
+def test_paper_formulas_by_hand():
+    chain = make_chain([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [10.0, 0.0, 30.0], [0, 0, 0], [4.0, 8.0])
+    cluster = flat_cluster(4, 2.0)
+    # stage 0..1 replicated 3x: (1/3) max(6, 2*2*10/2) = 20/3; boundary 2*8/2 = 8; stage 2: 6
+    assert pipeline_time(chain, cluster, [(0, 1, 3), (2, 2, 1)], cost_model="paper") == pytest.approx(8.0)
+    assert pipeline_time(chain, cluster, [(0, 2, 1)], cost_model="paper") == pytest.approx(12.0)
+    # data parallel over 4: (1/4) max(12, 2*3*40/2) = 30
+    assert data_parallel_time(chain, cluster, "paper") == pytest.approx(30.0)
+
+
+def test_default_model_overlaps_allreduce_with_backward():
+    chain = make_chain([1.0], [3.0], [4.0], [0.0], [])
+    cluster = flat_cluster(2, 2.0)
+    # r=2: AR = 2*1/2*4/2 = 2 <= backward 3: (1 + 3)/2 = 2
+    assert data_parallel_time(chain, cluster, "default") == pytest.approx(2.0)
+    # paper: (1/2) max(4, 2*1*4/2) = 2 as well; with slower links the models part
+    slow = flat_cluster(2, 0.5)
+    assert data_parallel_time(chain, slow, "paper") == pytest.approx(8.0)  # (1/2) max(4, 16)
+    assert data_parallel_time(chain, slow, "default") == pytest.approx(4.5)  # (1 + max(3, 8))/2
+
+
+def test_default_model_times_the_optimizer_step_when_memory_bandwidth_is_known():
+    chain = make_chain([1.0], [1.0], [10.0], [0.0], [])
+    cl = ClusterSpec(Device("d", memory=1e9, memory_bandwidth=5.0), (Level("w", 1, 1.0),))
+    # OPT = (3 + 2*1) * 10 / 5 = 10
+    assert pipeline_time(chain, cl, [(0, 0, 1)], cost_model="default") == pytest.approx(12.0)
+    assert pipeline_time(chain, cl, [(0, 0, 1)], cost_model="paper") == pytest.approx(2.0)
+
+
+def test_forbidden_cuts_are_never_used():
+    chain = make_chain([1.0] * 4, [1.0] * 4, [0.0] * 4, [0.0] * 4, [math.inf, 0.0, math.inf])
+    p = partition_dp(chain, flat_cluster(4, 1.0), cost_model="paper", allow_replication=False)
+    assert p.stage_bounds == [(0, 1), (2, 3)]
+
+
+def test_replicas_may_use_fewer_workers():
+    # huge weights, slow link: replication only hurts under the paper model
+    chain = make_chain([1.0], [1.0], [1000.0], [0.0], [])
+    p = partition_dp(chain, flat_cluster(4, 1.0), cost_model="paper")
+    assert p.configuration == "1" and p.seconds_per_minibatch == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configurations, ranks, fixed pipelines
+# ---------------------------------------------------------------------------------------------
+
+
+def test_ranks_nest_in_the_hierarchy():
+    cluster = two_level(4, 2, 10.0, 1.0)
+    blocks = (Block(0, 3, 2, (Block(0, 1, 1), Block(2, 3, 3))),)
+    flat = flatten_blocks(blocks, cluster)
+    assert flat == [(0, 1, (0, 4)), (2, 3, (1, 2, 3, 5, 6, 7))]
+    assert blocks_from_ranks(flat, cluster) == blocks
+    with pytest.raises(ValueError, match="same positions"):
+        blocks_from_ranks([(0, 3, (0, 1, 2, 3, 4, 5))], cluster)
+
+
+def test_pipeline_plan_straight_split():
+    chain = make_chain([0.5] * 6, [0.5] * 6, [1.0] * 6, [1.0] * 6, [2.0] * 5)
+    cluster = two_level(2, 2, 10.0, 1.0)
+    p = pipeline_plan(chain, [2, 4], cluster, cost_model="paper")
+    assert p.stage_bounds == [(0, 1), (2, 3), (4, 5)]
+    assert [s.ranks for s in p.stages] == [(0,), (1,), (2,)]
+    # stages 0,1 share a server (link at 10), 1->2 crosses servers (link at 1): 2*2/1 = 4
+    assert p.seconds_per_minibatch == pytest.approx(4.0)
+    assert p.bottleneck.startswith("link 1->2")
+    with pytest.raises(UsageError):
+        pipeline_plan(chain, [2, 2], cluster)
+    with pytest.raises(UsageError):
+        pipeline_plan(chain, [1, 2, 3, 4, 5], cluster)  # 6 stages, 4 workers
+
+
+def test_plan_json_round_trip_and_table():
+    chain = make_chain([1.0] * 5, [2.0] * 5, [3.0] * 5, [4.0] * 5, [1.0] * 4)
+    p = partition_dp(chain, two_level(2, 2, 10.0, 1.0, memory=1e6))
+    q = Plan.from_json(p.to_json())
+    assert q == p
+    d = p.to_dict()
+    for key in ("solver", "cost_model", "stages", "predicted", "planning_seconds"):
+        assert key in d
+    assert set(d["predicted"]) >= {"seconds_per_minibatch", "samples_per_second",
+                                   "data_parallel_samples_per_second", "speedup_vs_data_parallel"}
+    assert {"layers", "replicas", "ranks"} <= set(d["stages"][0])
+    text = str(p)
+    assert "bottleneck" in text and "speedup" in text and str(p) == text
+
+
+# ---------------------------------------------------------------------------------------------
+# PipeDream's own profiles
+# ---------------------------------------------------------------------------------------------
+
+
+def _pipedream_chain(name: str) -> Chain:
+    profile = pytest.importorskip("pdcompile.profile")
+    linearize = pytest.importorskip("pdcompile.passes.linearize")
+    path = PROFILES / f"{name}.txt"
+    if not path.exists():
+        pytest.skip(f"{path} not found")
+    return linearize.linearize(profile.load(path))
+
+
+def test_vgg16_on_four_workers_is_three_one():
+    """PipeDream's published VGG-16 split: the first stage, through the third max-pool,
+    replicated 3 times, the rest on one worker ("3-1")."""
+    chain = _pipedream_chain("vgg16")
+    p = partition_dp(chain, flat_cluster(4, 1e9), cost_model="paper")
+    assert p.configuration == "3-1"
+    first = p.stages[0]
+    pools = [i for i, l in enumerate(chain.layers) if l.op == "MaxPool2d"]
+    assert first.last == pools[2]
+    assert p.speedup_vs_data_parallel > 1
+
+
+@pytest.mark.parametrize("name", ["resnet50", "gnmt", "alexnet"])
+def test_pipedream_profiles_plan_within_a_second(name):
+    from pdcompile.cluster import paper_cluster
+
+    chain = _pipedream_chain(name)
+    for cl in ("A", "B"):
+        p = partition_dp(chain, paper_cluster(cl), cost_model="paper")
+        assert p.planning_seconds < 1.0
+        assert p.speedup_vs_data_parallel >= 1 - 1e-9

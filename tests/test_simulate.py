@@ -1,0 +1,251 @@
+"""The simulator against closed forms (exact, with Fractions) and over every schedule."""
+
+from __future__ import annotations
+
+from collections import Counter
+from fractions import Fraction as Fr
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdcompile.errors import ScheduleError
+from pdcompile.runtime.schedules import SCHEDULES, Action, Kind, make_schedule, parse_grid, warmup_depth
+from pdcompile.simulate import simulate, simulate_schedule
+
+F, B = Fr(1), Fr(2)  # forward and backward of one microbatch; backward twice the forward
+
+# ------------------------------------------------------------------------------------------------
+# one stage
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_one_stage(name: str, m: int) -> None:
+    step = Fr(1, 4)
+    r = simulate_schedule(name, [1], m, forward_s=[F], backward_s=[B], step_s=[step], microbatch_size=32)
+    steps = m if name.startswith("1f1b") else 1  # 1F1B steps after every microbatch
+    assert r.makespan_s == m * (F + B) + steps * step
+    assert r.bubble_fraction == 0
+    assert r.utilization == {0: 1}
+    assert r.throughput == Fr(m * 32) / r.makespan_s
+    assert r.peak_in_flight == [m if name == "gpipe" else 1] and r.peak_weight_versions == [1]
+
+
+# ------------------------------------------------------------------------------------------------
+# equal stages: makespan (m + S - 1)(f + b), bubble (S - 1) / (m + S - 1)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("S", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13])
+def test_equal_stages_bubble(name: str, S: int, m: int) -> None:
+    r = simulate_schedule(name, [1] * S, m, forward_s=[F] * S, backward_s=[B] * S)
+    assert r.makespan_s == (m + S - 1) * (F + B)
+    assert r.bubble_fraction == Fr(S - 1, m + S - 1)
+    assert all(u == Fr(m, m + S - 1) for u in r.utilization.values())
+
+
+def test_two_stages_peak_memory() -> None:
+    r = simulate_schedule("1f1b", [1, 1, 1, 1], 8, forward_s=[F] * 4, backward_s=[B] * 4,
+                          activation_bytes=[10] * 4, weight_bytes=[100] * 4, static_bytes=[1000] * 4)
+    assert r.peak_in_flight == [4, 3, 2, 1]
+    assert r.peak_weight_versions == [4, 3, 2, 1]  # weight stashing: one version per minibatch in flight
+    assert r.peak_memory_bytes == [1000 + 40 + 400, 1000 + 30 + 300, 1000 + 20 + 200, 1000 + 10 + 100]
+    g = simulate_schedule("gpipe", [1, 1, 1, 1], 8, forward_s=[F] * 4, backward_s=[B] * 4)
+    assert g.peak_in_flight == [8] * 4 and g.peak_weight_versions == [1] * 4
+    t = simulate_schedule("2bw", [1, 1, 1, 1], 4, num_steps=3, forward_s=[F] * 4, backward_s=[B] * 4)
+    assert t.peak_weight_versions == [2] * 4
+
+
+def test_2bw_has_no_flush_bubble() -> None:
+    # K steps of M microbatches: flush pays the fill/drain every step, 2BW (and 1F1B) once
+    S, M, K = 2, 4, 3
+    kw = dict(forward_s=[F] * S, backward_s=[B] * S)
+    assert simulate_schedule("flush", [1] * S, M, num_steps=K, **kw).makespan_s == K * (M + S - 1) * (F + B)
+    two = simulate_schedule("2bw", [1] * S, M, num_steps=K, **kw)
+    assert two.makespan_s == (K * M + S - 1) * (F + B)
+    assert two.step_time_s == two.makespan_s / K
+    assert simulate_schedule("1f1b", [1] * S, M, num_steps=K, **kw).makespan_s == (K * M + S - 1) * (F + B)
+
+
+# ------------------------------------------------------------------------------------------------
+# replicated stages
+
+
+@pytest.mark.parametrize("r", [2, 3])
+@pytest.mark.parametrize("m", [1, 2, 5, 6])
+def test_data_parallel_stage(r: int, m: int) -> None:
+    a, step = Fr(1, 2), Fr(1, 8)
+    # flush/gpipe on one replicated stage = data parallelism: each replica does its share, then
+    # one all-reduce and one step
+    for name in ("flush", "gpipe"):
+        res = simulate_schedule(name, [r], m, forward_s=[F], backward_s=[B], allreduce_s=[a], step_s=[step])
+        assert res.makespan_s == -(-m // r) * (F + B) + a + step
+    # 1F1B-RR: the replicas all-reduce after every backward: one group of r minibatches at a time
+    res = simulate_schedule("1f1b-rr", [r], m, forward_s=[F], backward_s=[B], allreduce_s=[a], step_s=[step])
+    assert res.makespan_s == -(-m // r) * (F + B + a + step)
+
+
+def test_replicated_input_stage_balances_a_slow_stage() -> None:
+    # 2-1: stage 0 is twice as slow and replicated twice, so both stages run one minibatch per
+    # 3 time units. Hand-derived timeline (F/B of stage 0: 2/4, stage 1: 1/2; NOAM = 2):
+    #   stage 1: F0 2-3 B0 3-5 F1 5-6 B1 6-8 F2 8-9 B2 9-11 F3 11-12 B3 12-14 F4 14-15 B4 15-17 ...
+    #   replica 0: F0 0-2 F2 2-4 B0 5-9 (AR at 12, after replica 1's B1 8-12) F4 12-14 B2 14-18 ...
+    #   the last all-reduce follows replica 1's B7 26-30.
+    res = simulate_schedule("1f1b-rr", [2, 1], 8, forward_s=[Fr(2), Fr(1)], backward_s=[Fr(4), Fr(2)])
+    assert res.makespan_s == 30
+    assert res.utilization == {0: Fr(24, 30), 1: Fr(24, 30), 2: Fr(24, 30)}
+    assert res.bubble_fraction == Fr(1, 5)
+    assert res.peak_in_flight == [2, 1]
+    b0 = [e for e in res.events if e.name == "0B0"][0]
+    assert (b0.rank, b0.start_s, b0.end_s) == (0, 5, 9)
+    ar = [e for e in res.events if e.name == "0AR"]
+    assert [(e.rank, e.start_s) for e in ar[:2]] == [(0, 12), (1, 12)]
+
+
+# ------------------------------------------------------------------------------------------------
+# communication
+
+
+@pytest.mark.parametrize("S", [2, 3, 5])
+def test_one_microbatch_with_transfers(S: int) -> None:
+    c = Fr(1, 3)
+    r = simulate_schedule("gpipe", [1] * S, 1, forward_s=[F] * S, backward_s=[B] * S, send_s=c)
+    assert r.makespan_s == S * (F + B) + 2 * (S - 1) * c  # the critical path: down and back up
+
+
+def test_overlap_of_communication() -> None:
+    kw = dict(forward_s=[1, 1], backward_s=[1, 1], boundary_bytes=[100], bandwidth=200.0)  # 0.5 s per transfer
+    # overlapped: stage 0 computes F1 while F0's activations travel. Hand-derived:
+    #   0: F0 0-1 F1 1-2 B1 5-6 B0 6-7   1: F0 1.5-2.5 F1 2.5-3.5 B1 3.5-4.5 B0 4.5-5.5
+    assert simulate_schedule("gpipe", [1, 1], 2, overlap_comm=True, **kw).makespan_s == 7
+    # blocking sends: 0: F0 0-1 send 1-1.5 F1 1.5-2.5 send 2.5-3 ... B0 7-8
+    res = simulate_schedule("gpipe", [1, 1], 2, overlap_comm=False, **kw)
+    assert res.makespan_s == 8
+    assert res.busy[0] == 4 + 2 * 0.5
+
+
+def test_link_carries_one_transfer_at_a_time() -> None:
+    # transfers slower than compute queue up on the link
+    res = simulate_schedule("gpipe", [1, 1], 3, forward_s=[1, 1], backward_s=[1, 1], send_s=lambda a, b, ra, rb: 3)
+    f1 = {e.name: e for e in res.events if e.rank == 1 and e.category == "forward"}
+    assert [f1[f"1F{k}"].start_s for k in range(3)] == [4, 7, 10]
+    xfer = [e for e in res.events if e.category == "transfer" and e.rank == 0]
+    assert [(e.start_s, e.end_s) for e in xfer] == [(1, 4), (4, 7), (7, 10)]
+
+
+def test_send_cost_sees_stages_and_ranks() -> None:
+    calls = []
+
+    def send(sa: int, sb: int, ra: int, rb: int) -> float:
+        calls.append((sa, sb, ra, rb))
+        return 0.0
+
+    simulate_schedule("1f1b-rr", [2, 1], 2, forward_s=[1, 1], backward_s=[1, 1], send_s=send)
+    assert sorted(calls) == [(0, 1, 0, 2), (0, 1, 1, 2), (1, 0, 2, 0), (1, 0, 2, 1)]
+
+
+# ------------------------------------------------------------------------------------------------
+# every schedule: terminates, every F/B once (property test)
+
+configs = st.tuples(
+    st.sampled_from(SCHEDULES),
+    st.lists(st.integers(1, 3), min_size=1, max_size=6),
+    st.integers(1, 12),
+    st.integers(1, 3),
+    st.booleans(),
+    st.lists(st.integers(1, 8), min_size=4, max_size=4),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(configs)
+def test_every_schedule_simulates(cfg: tuple) -> None:
+    name, replicas, m, steps, overlap, costs = cfg
+    S = len(replicas)
+    fwd = [Fr(costs[s % 4], 2) for s in range(S)]
+    bwd = [2 * f for f in fwd]
+    res = simulate_schedule(name, replicas, m, num_steps=steps, forward_s=fwd, backward_s=bwd,
+                            send_s=Fr(costs[0], 4), allreduce_s=[Fr(1, 3)] * S, step_s=[Fr(1, 5)] * S,
+                            overlap_comm=overlap)
+    compute = Counter((e.name, e.rank) for e in res.events if e.category in ("forward", "backward"))
+    assert len(compute) == 2 * S * m * steps and set(compute.values()) == {1}
+    assert all(Action.from_str(e.name).kind is Kind.FORWARD for e in res.events if e.category == "forward")
+    # the makespan is at least one microbatch's way through the pipeline and every rank's busy time
+    assert res.makespan_s >= sum(fwd) + sum(bwd)
+    assert all(b <= res.makespan_s for b in res.busy.values())
+    assert 0 <= res.bubble_fraction < 1
+    for s in range(S):
+        assert 1 <= res.peak_in_flight[s] <= (-(-m // replicas[s]) if name == "gpipe" else warmup_depth(replicas, s))
+    for e in res.events:
+        assert e.end_s >= e.start_s >= 0
+
+
+def test_deadlocked_schedule_raises() -> None:
+    bad = parse_grid("rank 0: 0F0 0SF0 0F1 0RB1 0SF1 0B1 0RB0 0B0 0ST\n"
+                     "rank 1: 1RF0 1F0 1RF1 1F1 1B1 1SB1 1B0 1SB0 1ST")
+    with pytest.raises(ScheduleError, match="no deadlock"):
+        simulate(bad, forward_s=[1, 1], backward_s=[1, 1])
+
+
+def test_events_name_actions_and_summary() -> None:
+    res = simulate_schedule("flush", [1, 2], 4, forward_s=[1, 1], backward_s=[2, 2], allreduce_s=[0, 1],
+                            send_s=0.25, activation_bytes=[2**20, 2**20], weight_bytes=[2**22, 2**22])
+    cats = Counter(e.category for e in res.events)
+    assert cats["forward"] == cats["backward"] == 8
+    assert cats["allreduce"] == 2 and cats["step"] == 3
+    assert {e.name for e in res.events if e.category == "allreduce"} == {"1AR"}
+    text = res.summary()
+    assert "bubble" in text and "MiB" in text and text.count("\n") == 3
+    assert len(res.stage_utilization()) == 2
+    sched = make_schedule("flush", [1, 2], 4)
+    assert sum(a.kind is Kind.FORWARD for acts in sched.values() for a in acts) == 8
+
+
+# ------------------------------------------------------------------------------------------------
+# from a plan
+
+
+def _plan(stages: list[tuple[int, int, tuple[int, ...]]], schedule: str = "1f1b", microbatch: int = 4):
+    plan_mod = pytest.importorskip("pdcompile.plan")
+    sp = tuple(plan_mod.StagePlan(i, first, last, (), (), len(ranks), ranks, 0.0, 0.0, 0.0)
+               for i, (first, last, ranks) in enumerate(stages))
+    return plan_mod.Plan(sp, "test", "test", schedule, microbatch, 0.0, 0.0, 0.0, "", 0.0, True, 0.0,
+                         sum(len(r) for _, _, r in stages))
+
+
+def _chain(n: int, cut: float, batch: int = 4, params: float = 0.0):
+    from pdcompile.ir import Chain, ChainLayer
+
+    return Chain(tuple(ChainLayer(f"l{i}", "linear", 0.5, 1.0, 10.0, params) for i in range(n)), (cut,) * (n - 1),
+                 batch_size=batch)
+
+
+def test_simulate_plan_uses_the_cluster_levels() -> None:
+    from pdcompile.cluster import paper_cluster
+    from pdcompile.simulate import simulate_plan
+
+    cluster = paper_cluster("A")  # 4 GPUs per server at 10 GB/s, servers at 10 Gbit/s
+    chain = _chain(4, cut=1.25e9)  # two layers per stage: f = 1, b = 2 per stage
+    across = simulate_plan(_plan([(0, 1, (0,)), (2, 3, (4,))]), chain, cluster, None, 1)
+    assert across.makespan_s == pytest.approx(2 * 3 + 2 * 1.0)  # 1 s each way between servers
+    inside = simulate_plan(_plan([(0, 1, (0,)), (2, 3, (1,))]), chain, cluster, None, 1)
+    assert inside.makespan_s == pytest.approx(2 * 3 + 2 * 0.125)
+    # chain costs are per minibatch of chain.batch_size: a microbatch half as big costs half
+    half = simulate_plan(_plan([(0, 1, (0,)), (2, 3, (1,))], microbatch=2), chain, cluster, "gpipe", 1)
+    assert half.makespan_s == pytest.approx(2 * 1.5 + 2 * 0.0625)
+    assert half.throughput == pytest.approx(2 / half.makespan_s)
+
+
+def test_simulate_plan_replicated_stage_all_reduces() -> None:
+    from pdcompile.cluster import flat_cluster
+    from pdcompile.simulate import ring_allreduce_s, simulate_plan
+
+    chain = _chain(2, cut=0.0, params=1e9)
+    res = simulate_plan(_plan([(0, 0, (0, 1)), (1, 1, (2,))]), chain, flat_cluster(3, 1e9), "1f1b-rr", 4)
+    assert ring_allreduce_s(1e9, 2, 1e9) == 1.0
+    ar = [e for e in res.events if e.category == "allreduce"]
+    assert len(ar) == 4 and all(e.end_s - e.start_s == pytest.approx(1.0) for e in ar)
+    assert res.peak_weight_versions == [2, 1]
+    assert res.peak_memory_bytes == [pytest.approx(2 * 10 + 2 * 1e9), pytest.approx(10 + 1e9)]
