@@ -35,7 +35,7 @@ from pdcompile.passes.annotate_costs import DEVICE_SPECS, annotate_costs, format
 from pdcompile.passes.linearize import linearize, report
 from pdcompile.passes.shapes import format_graph_with_shapes, propagate_shapes
 from pdcompile.passes.split_stages import StageSplit, even_assignment, split_stages
-from pdcompile.passes.trace import trace
+from pdcompile.passes.export_frontend import trace_any
 from pdcompile.runtime import schedules
 
 SCHEDULE_NAMES = ("gpipe", "flush", "1f1b", "2bw")
@@ -59,6 +59,8 @@ class Options:
     data: dict[str, Any] | None = None
     example_target: torch.Tensor | None = None
     symbolic_costs: bool = False  # fit costs as expressions of the microbatch size (slower)
+    frontend: str = "auto"  # "fx" (symbolic_trace), "export" (torch.export), "auto": fx, else export
+    output: str | int | None = None  # export front end: which model output (e.g. "logits")
     replicas: Sequence[int] | None = None  # replicas per stage (e.g. [2, 1]); default one each
 
 
@@ -118,7 +120,8 @@ class CompiledPipeline:
     def _passes(self) -> list[passmanager.Pass]:
         opts = self.options
         return [
-            passmanager.Pass("trace", lambda s: s.replace(gm=trace(s.model, opts.leaf_modules)),
+            passmanager.Pass("trace", lambda s: s.replace(gm=trace_any(s.model, s.example_inputs, opts.leaf_modules,
+                                                                       opts.frontend, output=opts.output)),
                              lambda s: s.gm.code.strip() + "\n\n" + str(s.gm.graph)),
             passmanager.Pass("propagate-shapes", lambda s: s.replace(gm=propagate_shapes(s.gm, s.example_inputs)),
                              lambda s: format_graph_with_shapes(s.gm)),
