@@ -31,7 +31,7 @@ from pdcompile import passmanager
 from pdcompile.errors import UsageError
 from pdcompile.ir import CompileState
 from pdcompile.passes import codegen
-from pdcompile.passes.annotate_costs import DEVICE_SPECS, annotate_costs, format_costs, profile_from_graph
+from pdcompile.passes.annotate_costs import DEVICE_SPECS, DeviceSpec, annotate_costs, format_costs, profile_from_graph
 from pdcompile.passes.linearize import linearize, report
 from pdcompile.passes.shapes import format_graph_with_shapes, propagate_shapes
 from pdcompile.passes.split_stages import StageSplit, even_assignment, split_stages
@@ -134,11 +134,10 @@ class CompiledPipeline:
 
     def _annotate(self, s: CompileState) -> CompileState:
         opts = self.options
-        spec = getattr(getattr(opts.cluster, "device", None), "name", None) if opts.cluster is not None else None
-        spec = spec.lower() if isinstance(spec, str) and spec.lower() in DEVICE_SPECS else None
+        spec = device_spec_for(opts.cluster)
         gm = annotate_costs(s.gm, s.example_inputs, mode=opts.cost_mode, device_spec=spec, progress=False,
                             symbolic=opts.symbolic_costs)
-        profile = profile_from_graph(gm, batch_size=self.microbatch_size, device=spec or "cpu",
+        profile = profile_from_graph(gm, batch_size=self.microbatch_size, device=spec.name,
                                      name=type(s.model).__name__)
         return s.replace(gm=gm, profile=profile)
 
@@ -214,6 +213,53 @@ class CompiledPipeline:
     @property
     def world_size(self) -> int:
         return sum(len(r) for r in self.state.extra["stage_ranks"])
+
+    @property
+    def cluster(self) -> Any:
+        return self.state.extra["cluster"]
+
+    def simulate(self, num_microbatches: int | None = None, schedule: str | None = None,
+                 num_steps: int = 1) -> Any:
+        """The predicted timeline of the plan (:class:`pdcompile.simulate.SimResult`)."""
+        from pdcompile.simulate import simulate_plan
+
+        return simulate_plan(self.plan, self.state.chain, self.cluster, schedule or self.options.schedule,
+                             num_microbatches or self.num_microbatches, num_steps=num_steps)
+
+    def alternatives(self) -> list[tuple[str, Any]]:
+        """Other configurations on the same cluster, each as a Plan: pure data parallelism and
+        straight pipelines of every depth (balanced by compute), for comparison with the choice."""
+        from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
+
+        chain, cluster = self.state.chain, self.cluster
+        sched = {"gpipe": "flush"}.get(self.options.schedule, self.options.schedule)
+        n = cluster.num_workers
+        out: list[tuple[str, Any]] = []
+        try:
+            out.append((f"data parallel x{n}", plan_from_assignment(
+                chain, cluster, [(0, len(chain) - 1, n, tuple(range(n)))], schedule=sched, memory_limit=False)))
+        except Exception:  # noqa: BLE001 - a configuration the evaluator can't express is skipped
+            pass
+        for k in sorted({2, 3, 4, min(n, len(chain))}):
+            if 2 <= k <= min(n, len(chain)):
+                try:
+                    out.append((f"straight pipeline of {k}", pipeline_plan(
+                        chain, balanced_bounds(chain, k), cluster, schedule=sched, memory_limit=False)))
+                except Exception:  # noqa: BLE001
+                    pass
+        return out
+
+    def explain(self) -> str:
+        """Why this plan: the plan table, its bottleneck, and what the alternatives would take."""
+        plan = self.plan
+        best = plan.seconds_per_minibatch
+        lines = [str(plan), "", f"why: the planner ({plan.solver}, cost model {plan.cost_model}) minimises the "
+                 f"slowest stage or link; here that is {plan.bottleneck}.", "alternatives on the same cluster:"]
+        for name, alt in self.alternatives():
+            t = alt.seconds_per_minibatch
+            note = "" if not alt.notes else f"  ({'; '.join(alt.notes)})"
+            lines.append(f"  {name:<26} {t:.4g} s per minibatch  ({t / best:.2f}x the chosen plan's time){note}")
+        return "\n".join(lines)
 
     def dump_ir(self, folder: str | os.PathLike[str]) -> Path:
         """Write ``NN_<pass>.txt`` for every pass that ran."""
@@ -309,6 +355,19 @@ class RunResult:
 
         merged = merge_weights(self.program, self.folder / "final")
         return {k: merged[c] for k, c in self.aliases.items() if c in merged}
+
+
+def device_spec_for(cluster: Any) -> DeviceSpec:
+    """Analytic costs for the cluster's device: its peak FLOP/s and memory bandwidth when the
+    cluster gives them, a preset of the same name (v100, a100, h100, h200), else this CPU."""
+    dev = getattr(cluster, "device", None)
+    if dev is None:
+        return DEVICE_SPECS["cpu"]
+    key = dev.name.lower().split("-")[0]
+    base = DEVICE_SPECS.get(key, DEVICE_SPECS["cpu"])
+    if dev.peak_flops:
+        return DeviceSpec(dev.name, dev.peak_flops, dev.memory_bandwidth or base.mem_bandwidth)
+    return base
 
 
 def _fmt_partition(s: CompileState) -> str:
