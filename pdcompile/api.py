@@ -172,10 +172,22 @@ class CompiledPipeline:
             n = opts.stages
             if not isinstance(n, int) or n < 1:
                 raise UsageError(f"pdcompile: stages= must be a positive int, got {n!r}")
-            cluster = opts.cluster if opts.cluster is not None and opts.cluster.num_workers >= n \
-                else local_cpu_cluster(n)
-            plan = pipeline_plan(chain, balanced_bounds(chain, n), cluster, schedule=planner_schedule,
-                                 memory_limit=False)
+            reps = list(opts.replicas) if opts.replicas is not None else [1] * n
+            if len(reps) != n:
+                raise UsageError(f"pdcompile: replicas={reps} names {len(reps)} stages, but stages={n}")
+            cluster = opts.cluster if opts.cluster is not None and opts.cluster.num_workers >= sum(reps) \
+                else local_cpu_cluster(sum(reps))
+            if opts.replicas is None:
+                plan = pipeline_plan(chain, balanced_bounds(chain, n), cluster, schedule=planner_schedule,
+                                     memory_limit=False)
+            else:  # the same balanced split, stage k on ranks schedules.stage_ranks(replicas)[k]
+                from pdcompile.passes.partition_dp import plan_from_assignment
+
+                bounds = [0, *balanced_bounds(chain, n), len(chain)]
+                assignment = [(a, b - 1, len(r), tuple(r))
+                              for (a, b), r in zip(zip(bounds, bounds[1:]), schedules.stage_ranks(reps))]
+                plan = plan_from_assignment(chain, cluster, assignment, schedule=planner_schedule,
+                                            memory_limit=False)
         else:
             cluster = opts.cluster if opts.cluster is not None else local_cpu_cluster(2)
             plan = plan_mod.plan(chain, cluster, solver=opts.solver, cost_model=opts.cost_model,

@@ -10,7 +10,8 @@ One executor per rank. It owns the stage module, the optimizer and the per-micro
 * ``B``: backpropagate (last stage from the loss, others from the received gradients);
   ``SB`` sends the input gradients upstream;
 * ``AR``: all-reduce (sum) gradients among the stage's replicas; ``TG``: sum gradients of
-  parameters tied across stages; ``ST``: optimizer step (and LR scheduler), then zero grads.
+  parameters tied across stages; ``ST``: optimizer step (and LR scheduler), then zero grads;
+  ``WV``: later forwards use another weight version (told to the weight store).
 
 Weight versions (PipeDream's stashing, 2BW) plug in through :class:`WeightStore`: it hands the
 executor the parameter tensors each forward should use (``torch.func.functional_call``) and is
@@ -39,16 +40,35 @@ class WeightStore:
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
 
+    def expect(self, actions: Sequence[Action]) -> None:
+        """The rank's whole action list, before the run (lets a store free versions early)."""
+
+    def set_forward_version(self, version: int) -> None:
+        """``WV``: forwards from now on use ``version`` (the default store has only the live one)."""
+        if version != 0:
+            raise RuntimeError(f"WV{version}: this weight store keeps one version only; use "
+                               f"pdcompile.runtime.weights.VersionedStore for schedules with weight versions")
+
     def params_for_forward(self, microbatch: int) -> dict[str, torch.Tensor] | None:
         return None  # None: call the module as it is
 
     def after_backward(self, microbatch: int) -> None:
         pass
 
+    def before_step(self) -> None:
+        pass
+
     def after_step(self) -> None:
         pass
 
+    def observe(self) -> None:
+        """Called after every action: a chance to measure live versions."""
+
     def live_versions(self) -> int:
+        return 1
+
+    def peak_versions(self) -> int:
+        """The most weight versions alive at once during the run (measured)."""
         return 1
 
 
@@ -73,7 +93,8 @@ class StageExecutor:
                  *, accumulation: int, data: Callable[[int], tuple[Sequence[torch.Tensor], torch.Tensor]] | None,
                  replica_group: Any = None, tied_groups: Sequence[tuple[Any, list[str]]] = (),
                  lr_scheduler: Any = None, weight_store: WeightStore | None = None,
-                 recorder: Callable[[str, float, float], None] | None = None) -> None:
+                 recorder: Callable[[str, float, float], None] | None = None,
+                 device: torch.device | str = "cpu", fail_at: str | None = None) -> None:
         self.program = program
         self.rank = rank
         self.spec: StageSpec = program.stage_of_rank(rank)
@@ -90,6 +111,8 @@ class StageExecutor:
         self.lr_scheduler = lr_scheduler
         self.weights = weight_store or WeightStore(module)
         self.recorder = recorder
+        self.device = torch.device(device)
+        self.fail_at = fail_at  # "RANK:ACTION", e.g. "1:1B3": raise there (tests the no-hang path)
         self.mbs: dict[int, _Mb] = {}
         self.sends: list[Any] = []
         self.losses: list[float] = []
@@ -104,7 +127,10 @@ class StageExecutor:
         for a in actions:
             start = time.perf_counter()
             try:
+                if self.fail_at is not None and self.fail_at == f"{self.rank}:{a}":
+                    raise RuntimeError("injected failure (--fail-at)")
                 getattr(self, "_" + a.kind.name.lower())(a)
+                self.weights.observe()
             except ActionError:
                 raise
             except Exception as e:  # noqa: BLE001 - name rank, stage and action, keep the cause
@@ -118,21 +144,22 @@ class StageExecutor:
 
     def _recv_act(self, a: Action) -> None:
         st = self._mb(a.microbatch)
-        bufs = [t.empty() for t in self.spec.inputs]
+        bufs = [t.empty(self.device) for t in self.spec.inputs]
         st.recv_act = comm.post_recv(bufs, self.peer(self.stage - 1, a.microbatch), a.microbatch, comm.ACT)
         self._post_target(a.microbatch)
 
     def _post_target(self, k: int) -> None:
         st = self._mb(k)
         if self.is_last and not self.is_first and st.recv_target is None:
-            st.recv_target = comm.post_recv([self.program.target.empty()], self.peer(0, k), k, comm.TARGET)
+            st.recv_target = comm.post_recv([self.program.target.empty(self.device)], self.peer(0, k), k, comm.TARGET)
 
     def _forward(self, a: Action) -> None:
         k = a.microbatch
         st = self._mb(k)
         if self.is_first:
             inputs, target = self.data(k)  # type: ignore[misc]
-            st.inputs = list(inputs)
+            st.inputs = [x.to(self.device) for x in inputs]
+            target = target.to(self.device)
             if self.is_last:
                 st.target = target
             else:
@@ -166,7 +193,7 @@ class StageExecutor:
 
     def _recv_grad(self, a: Action) -> None:
         st = self._mb(a.microbatch)
-        bufs = [t.empty() for t in self.spec.outputs if t.requires_grad]
+        bufs = [t.empty(self.device) for t in self.spec.outputs if t.requires_grad]
         st.recv_grad = comm.post_recv(bufs, self.peer(self.stage + 1, a.microbatch), a.microbatch, comm.GRAD)
 
     def _backward(self, a: Action) -> None:
@@ -181,6 +208,7 @@ class StageExecutor:
             pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        st.outputs, st.loss = [], None  # free the graph (and the weight version it holds)
         self.weights.after_backward(a.microbatch)
         if self.is_first:
             self.mbs.pop(a.microbatch, None)
@@ -208,13 +236,20 @@ class StageExecutor:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=group)
 
+    def _weight_version(self, a: Action) -> None:
+        self.weights.set_forward_version(a.version)
+
     def _step(self, a: Action) -> None:
+        self.weights.before_step()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.weights.after_step()
-        self.wait_sends()
+        # Sends never block the schedule (validate's replay assumes so): waiting here for a send
+        # whose receive the peer posts after a collective (TG, AR) would deadlock. Drop the
+        # completed ones; the rest are waited for at the end of the run.
+        self.sends = [w for w in self.sends if not w.is_completed()]
 
     def wait_sends(self) -> None:
         for w in self.sends:

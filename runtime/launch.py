@@ -8,15 +8,22 @@ transfer is bounded by ``--timeout``: a dead or stuck peer makes the job fail in
 Data: the first stage reads minibatches from ``--data MODULE:FUNCTION`` (or plan.json's ``data``),
 a callable ``f(batch_size: int, **kwargs) -> Iterable[(inputs_tuple, target)]``; without one it
 uses seeded random data of the right shapes. Targets are sent to the last stage.
+
+Checkpoints (``--checkpoint-dir``, ``--checkpoint-every N``, ``--resume``; format in
+runtime/checkpoint.py) fall on flush points; under ``torchrun --max-restarts=K --resume`` a
+restarted job continues from the newest complete one. ``--fail-at-step`` injects faults for tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
 import os
+import resource
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -26,8 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdcompile.runtime import schedules
-from pdcompile.runtime.executor import ActionError, StageExecutor
+from pdcompile.errors import CheckpointError
+from pdcompile.runtime import checkpoint, schedules
+from pdcompile.runtime.executor import ActionError, StageExecutor, WeightStore
 from pdcompile.runtime.program import Program, build, import_object
 
 log = logging.getLogger("pdcompile.runtime")
@@ -54,7 +62,12 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
     p.add_argument("--save-final", default=None, help="folder for each rank's final weights")
     p.add_argument("--metrics", default=None, help="folder for each rank's metrics JSON")
     p.add_argument("--trace", default=None, help="folder for each rank's action timeline (Chrome trace events)")
+    p.add_argument("--vertical-sync", action="store_true", default=bool(program.raw.get("vertical_sync", False)),
+                   help="1f1b: every stage uses the weight version the input stage had when a minibatch entered")
+    p.add_argument("--fail-at", default=None, metavar="RANK:ACTION",
+                   help="raise in this rank's action (e.g. 1:1B3): tests that a failing rank ends the job")
     p.add_argument("--log-level", default="INFO")
+    add_reliability_flags(p)
     return p.parse_args(argv)
 
 
@@ -89,20 +102,14 @@ def accumulation(schedule: str, num_microbatches: int) -> int:
 
 
 def run_actions(schedule: str, replicas: list[int], num_microbatches: int, steps: int, tied: bool,
-                rank: int) -> list[schedules.Action]:
-    """This rank's actions for the whole run (global microbatch indices)."""
-    if schedule in SYNC_SCHEDULES:
-        acts: list[schedules.Action] = []
-        if hasattr(schedules, "make_schedule"):
-            one = schedules.make_schedule(schedule, replicas, num_microbatches, tied=tied)[rank]
-        else:  # pragma: no cover - until the schedule library lands
-            one = getattr(schedules, schedule)(len(replicas), num_microbatches, tied=tied)[rank]
-        for step in range(steps):
-            off = step * num_microbatches
-            acts += [a if a.microbatch is None else schedules.Action(a.stage, a.kind, a.microbatch + off) for a in one]
-        return acts
-    total = num_microbatches * steps if schedule != "1f1b" else steps
-    return schedules.make_schedule(schedule, replicas, total, tied=tied)[rank]
+                rank: int, vertical_sync: bool = False) -> list[schedules.Action]:
+    """This rank's actions for the whole run: ``steps`` minibatches of ``num_microbatches`` each.
+
+    Microbatch ``k`` is microbatch ``k % M`` of data minibatch ``k // M``. For 1f1b every
+    microbatch is one PipeDream minibatch with its own update (per ``r_s`` on a replicated stage).
+    """
+    return schedules.make_schedule(schedule, replicas, num_microbatches, tied=tied, vertical_sync=vertical_sync,
+                                   num_steps=steps)[rank]
 
 
 def main(folder: Path, argv: list[str] | None = None) -> None:
@@ -125,9 +132,12 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
                  f"use --nproc-per-node={program.world_size}")
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("PDCOMPILE_BACKEND") != "gloo" else "gloo"
     timeout = datetime.timedelta(seconds=args.timeout)
-    dist.init_process_group(backend, timeout=timeout)
+    init_process_group(backend, timeout)
     try:
         code = _train(program, args, rank, timeout)
+    except CheckpointError as e:
+        print(f"train.py: rank {rank}: CheckpointError: {e}", file=sys.stderr, flush=True)
+        code = 2
     finally:
         dist.destroy_process_group()
     sys.exit(code)
@@ -136,7 +146,9 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
 def _train(program: Program, args: argparse.Namespace, rank: int, timeout: datetime.timedelta) -> int:
     spec = program.stage_of_rank(rank)
     torch.manual_seed(args.seed)
-    module = program.build_stage(spec.index)
+    module = program.build_stage(spec.index).to(_device())
+    if _device().type == "cuda":
+        torch.cuda.set_device(_device())
     module.train()
     # Groups: every rank creates every group, in the same order.
     replica_group = None
@@ -180,20 +192,37 @@ def _train(program: Program, args: argparse.Namespace, rank: int, timeout: datet
         data=data, replica_group=replica_group, tied_groups=tied_groups, lr_scheduler=lr_scheduler,
         weight_store=_weight_store(args.schedule, module, program),
         recorder=(lambda n, s, e: events.append((n, s, e))) if args.trace else None,
+        device=_device(), fail_at=args.fail_at,
     )
     replicas = [len(st.ranks) for st in program.stages]
-    actions = run_actions(args.schedule, replicas, M, args.steps, bool(program.raw.get("tied")), rank)
+    tied = bool(program.raw.get("tied"))
+    resumed = _resume(program, args, rank, executor, lr_scheduler)
+    if resumed is not None and data_iter is not None:  # the data is deterministic: skip what was consumed
+        for _ in range(resumed.data_consumed):
+            next(data_iter)
+        current["index"] = resumed.data_consumed - 1
     step_times: list[float] = []
-    per_step = _split_at_steps(actions)
+    actions: list[schedules.Action] = []  # metrics: one segment's (each segment starts from a flush)
     t_run = time.perf_counter()
     try:
-        for i, chunk in enumerate(per_step):
-            t0 = time.perf_counter()
-            executor.run(chunk)
-            step_times.append(time.perf_counter() - t0)
-            if executor.losses and spec.index == program.num_stages - 1 and rank == spec.ranks[0]:
-                log.info("step %d/%d loss %.6f (%.3f s)", i + 1, len(per_step), executor.losses[-1], step_times[-1])
-        executor.wait_sends()
+        # One schedule per segment between checkpoints: a checkpoint falls on a flush point.
+        for first, end in _segments(resumed.step if resumed else 0, args.steps, args.checkpoint_every):
+            seg = _shift(run_actions(args.schedule, replicas, M, end - first, tied, rank, args.vertical_sync),
+                         first * M)
+            if actions:  # the pipeline drained: weight versions start afresh
+                executor.weights = _weight_store(args.schedule, module, program) or WeightStore(module)
+            executor.weights.expect(seg)
+            actions = max(actions, seg, key=len)
+            for chunk in _split_at_steps(seg):
+                _maybe_fail(args, rank, chunk, M)
+                t0 = time.perf_counter()
+                executor.run(chunk)
+                step_times.append(time.perf_counter() - t0)
+                if executor.losses and spec.index == program.num_stages - 1 and rank == spec.ranks[0]:
+                    log.info("step %d (minibatches %d-%d) loss %.6f (%.3f s)", len(step_times), first + 1, end,
+                             executor.losses[-1], step_times[-1])
+            executor.wait_sends()
+            _maybe_checkpoint(program, args, rank, executor, lr_scheduler, end, current["index"] + 1)
     except ActionError as e:
         log.error("%s", e)
         raise
@@ -211,13 +240,17 @@ def _train(program: Program, args: argparse.Namespace, rank: int, timeout: datet
         (out / f"rank_{rank}.json").write_text(json.dumps({
             "rank": rank, "stage": spec.index, "schedule": args.schedule, "steps": args.steps,
             "losses": executor.losses, "step_times_s": step_times, "wall_s": wall,
-            "weight_versions": executor.weights.live_versions(),
+            "weight_versions": executor.weights.peak_versions(),
+            "weight_versions_promised": schedules.peak_weight_versions({rank: actions})[rank],
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }, indent=1))
     if args.trace:
         out = Path(args.trace)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"rank_{rank}.events.json").write_text(json.dumps(
-            [{"rank": rank, "name": n, "start_s": s - t_run, "end_s": e - t_run} for n, s, e in events]))
+            # origin_s: this rank's start on the shared monotonic clock, so ranks can be aligned
+            [{"rank": rank, "name": n, "start_s": s - t_run, "end_s": e - t_run, "origin_s": t_run}
+             for n, s, e in events]))
     return 0
 
 
@@ -231,9 +264,177 @@ def _split_at_steps(actions: list[schedules.Action]) -> list[list[schedules.Acti
     return [c for c in chunks if c]
 
 
+def _device() -> torch.device:
+    """This rank's device: its GPU (``LOCAL_RANK``) under nccl, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
 def _weight_store(schedule: str, module: torch.nn.Module, program: Program) -> Any:
     try:
         from pdcompile.runtime import weights
     except ImportError:
         return None
     return weights.store_for(schedule, module, program)
+
+
+# --- checkpoints, resume and fault injection (formats and checks: runtime/checkpoint.py) --------
+
+def add_reliability_flags(p: argparse.ArgumentParser) -> None:
+    """Flags for checkpoints, resuming and fault injection (used by tests of fault tolerance)."""
+    g = p.add_argument_group("checkpoints and faults")
+    g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="folder of checkpoints, one every rank can see (a step_NNNNNNNN folder per checkpoint)")
+    g.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="checkpoint after every N minibatches (steps); 0: never. 1f1b/2bw drain the pipeline there")
+    g.add_argument("--keep-checkpoints", type=int, default=2, metavar="K", help="complete checkpoints to keep")
+    g.add_argument("--resume", nargs="?", const="auto", default=None, metavar="STEP_DIR",
+                   help="resume from the newest complete checkpoint in --checkpoint-dir (start afresh if there "
+                        "is none; use under torchrun --max-restarts), or from the given step folder")
+    g.add_argument("--fail-at-step", type=int, default=None, metavar="K",
+                   help="fault injection (tests): at the start of step K (1-based), on torchrun's first attempt only")
+    g.add_argument("--fail-rank", type=int, default=0, metavar="R", help="the rank --fail-at-step hits")
+    g.add_argument("--fail-mode", choices=("kill", "hang"), default="kill",
+                   help="kill: SIGKILL the rank; hang: the rank stops responding (sleeps forever)")
+    g.add_argument("--fail-while-checkpointing", action="store_true",
+                   help="inject the fault in the checkpoint after step K: after every rank's files are written, "
+                        "before the manifest")
+
+
+def _inject_fault(args: argparse.Namespace, rank: int, where: str) -> None:
+    """SIGKILL (or hang) this rank; only on torchrun's first attempt, so a restarted job can finish."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    log.warning("fault injection: rank %d %s %s", rank, "hangs" if args.fail_mode == "hang" else "is killed", where)
+    for h in logging.getLogger().handlers:
+        h.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if args.fail_mode == "hang":
+        while True:
+            time.sleep(3600)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _maybe_fail(args: argparse.Namespace, rank: int, chunk: list[schedules.Action], M: int) -> None:
+    """--fail-at-step K: fault before the first action chunk that touches minibatch K (1-based)."""
+    if args.fail_at_step is None or args.fail_while_checkpointing or rank != args.fail_rank:
+        return
+    if any(a.microbatch is not None and a.kind is not schedules.Kind.WEIGHT_VERSION
+           and a.microbatch // M == args.fail_at_step - 1 for a in chunk):
+        _inject_fault(args, rank, f"at step {args.fail_at_step}")
+
+
+def _segments(start: int, steps: int, every: int) -> list[tuple[int, int]]:
+    """[first, end) minibatch ranges run as one schedule each; a checkpoint may follow each one."""
+    cuts = {start, steps} | ({s for s in range(every, steps, every) if s > start} if every > 0 else set())
+    bounds = sorted(c for c in cuts if c >= start)
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _shift(actions: list[schedules.Action], offset: int) -> list[schedules.Action]:
+    """Renumber a segment's microbatches to global indices (weight versions stay per segment)."""
+    if offset == 0:
+        return actions
+    return [a if a.microbatch is None or a.kind is schedules.Kind.WEIGHT_VERSION
+            else dataclasses.replace(a, microbatch=a.microbatch + offset) for a in actions]
+
+
+def _stage_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    tensors = {n: t.detach() for n, t in module.named_parameters()}
+    tensors.update({n: t.detach() for n, t in module.named_buffers()})
+    return tensors
+
+
+def _resume(program: Program, args: argparse.Namespace, rank: int, executor: StageExecutor,
+            lr_scheduler: Any) -> checkpoint.RankState | None:
+    """--resume: verify and load this rank's part of a checkpoint into the module, optimizer, LR
+    scheduler, weight store and RNG; every rank must resume the same step, or all refuse."""
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise CheckpointError("--checkpoint-every needs --checkpoint-dir DIR (a folder every rank can see)")
+    if args.resume is None:
+        if args.checkpoint_dir and checkpoint.latest(args.checkpoint_dir) is not None:
+            raise CheckpointError(f"{args.checkpoint_dir} already holds checkpoints of a run. Fix: pass --resume "
+                                  f"to continue it, or use an empty --checkpoint-dir")
+        return None
+    if args.resume == "auto":
+        if not args.checkpoint_dir:
+            raise CheckpointError("--resume needs --checkpoint-dir DIR (or --resume STEP_DIR)")
+        folder = checkpoint.latest(args.checkpoint_dir)
+    else:
+        folder = Path(args.resume)
+    step = -1
+    error: CheckpointError | None = None
+    try:
+        step = int(checkpoint.read_manifest(folder)["step"]) if folder is not None else -1
+    except CheckpointError as e:
+        error = e
+    lo, hi = checkpoint.agree(step, _device())
+    if error is None and lo != hi:
+        error = CheckpointError(f"ranks see different newest checkpoints (steps {lo} to {hi}) in "
+                                f"{args.checkpoint_dir}. Fix: put --checkpoint-dir on a filesystem every rank shares")
+    state = None
+    if error is None and folder is not None:
+        try:
+            weights, state = checkpoint.load_rank(folder, program.raw, executor.stage, rank)
+            checkpoint.restore_module(executor.module, weights, str(folder))
+        except CheckpointError as e:
+            error = e
+    _, failed = checkpoint.agree(int(error is not None), _device())
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"{folder}: another rank refused this checkpoint (its log says why)")
+    if state is None:
+        log.info("no checkpoint in %s yet: starting afresh", args.checkpoint_dir)
+        return None
+    executor.optimizer.load_state_dict(state.optimizer)
+    if lr_scheduler is not None and state.lr_scheduler is not None:
+        lr_scheduler.load_state_dict(state.lr_scheduler)
+    if state.weight_store is not None and hasattr(executor.weights, "load_state_dict"):
+        executor.weights.load_state_dict(state.weight_store)
+    checkpoint.set_rng_state(state.rng)
+    log.info("resumed from %s: step %d, %d minibatches consumed", folder, state.step, state.data_consumed)
+    return state
+
+
+def _maybe_checkpoint(program: Program, args: argparse.Namespace, rank: int, executor: StageExecutor,
+                      lr_scheduler: Any, step: int, data_consumed: int) -> None:
+    """Checkpoint after ``step`` minibatches if it is a multiple of --checkpoint-every (a flush point)."""
+    if not args.checkpoint_every or step % args.checkpoint_every:
+        return
+    store = executor.weights
+    state = checkpoint.RankState(
+        step=step, next_microbatch=step * args.microbatches, data_consumed=data_consumed,
+        optimizer=executor.optimizer.state_dict(),
+        lr_scheduler=lr_scheduler.state_dict() if lr_scheduler is not None else None,
+        weight_store=store.state_dict() if hasattr(store, "state_dict") else None,
+        rng=checkpoint.rng_state())
+    hook = None
+    if args.fail_while_checkpointing and args.fail_at_step == step and rank == args.fail_rank:
+        def hook() -> None:
+            _inject_fault(args, rank, f"while writing the checkpoint of step {step}")
+    t0 = time.perf_counter()
+    folder = checkpoint.save(args.checkpoint_dir, program.raw, rank, _stage_tensors(executor.module), state,
+                             keep=args.keep_checkpoints, device=_device(), before_manifest=hook)
+    if rank == 0:
+        log.info("checkpoint %s (%.3f s)", folder, time.perf_counter() - t0)
+
+
+def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """``dist.init_process_group`` whose store keys are namespaced by torchrun's restart count.
+
+    torchrun's static rendezvous (``--master-addr/--master-port``) keeps one agent-hosted TCPStore
+    across restarts, and torch's ``env://`` handler adds no per-attempt prefix, so a restarted gloo
+    group reads the dead attempt's peer addresses and fails ("connectFullMesh ... Connection
+    refused"). With the agent's store we connect to it ourselves under ``pdcompile/attempt_N``.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"pdcompile/attempt_{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)

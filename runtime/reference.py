@@ -4,11 +4,15 @@ Synchronous schedules (GPipe, PipeDream-Flush) are plain synchronous SGD with gr
 accumulation: for each minibatch, split it into ``M`` microbatches, accumulate the gradients of
 ``loss(microbatch) / M``, then take one optimizer step. The pipeline must reproduce this exactly
 (up to floating-point reassociation).
+
+Asynchronous schedules (PipeDream 1F1B with weight stashing, vertical sync, 2BW, and 1F1B without
+stashing, which is wrong on purpose) are :func:`train_versioned` with the weight version each
+stage uses per microbatch, as the papers define it (:func:`pipedream_1f1b`, :func:`pipedream_2bw`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,3 +38,136 @@ def train_sync(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         if lr_scheduler is not None:
             lr_scheduler.step()
     return losses
+
+
+# ------------------------------------------------------------------------------------------------
+# Asynchronous schedules: per-stage weight versions.
+#
+# One definition covers them all. A pipeline is a chain of stage modules; stage ``s`` has weight
+# versions ``W_s(0)`` (initial), ``W_s(1)``, ... where ``W_s(g+1)`` is the optimizer's step from
+# ``W_s(g)`` with the gradients of the microbatches in group ``g`` of stage ``s``, summed. For
+# microbatch ``n`` the forward on stage ``s`` uses ``W_s(fwd(s, n))``; the gradient it adds to its
+# group is taken at ``W_s(bwd(s, n))`` (with the stage input the forward produced upstream and the
+# output gradient coming back from downstream). Weight stashing means ``bwd == fwd``.
+
+Versions = Callable[[int, int], int]  # (stage, microbatch) -> version
+
+
+def train_versioned(stages: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                    loss_fn: Callable[..., torch.Tensor],
+                    microbatches: Sequence[tuple[tuple[torch.Tensor, ...], torch.Tensor]], *,
+                    fwd: Versions, bwd: Versions | None = None, group: Versions, scale: float = 1.0,
+                    tied: Sequence[Sequence[tuple[int, str]]] = ()) -> list[float]:
+    """Train the chain ``stages`` on ``microbatches`` with the weight versions above; return the losses.
+
+    ``stages[s]``'s parameters end as its newest version; ``optimizers[s]`` owns them. Each
+    microbatch's loss is multiplied by ``scale``. ``tied``: groups of ``(stage, parameter name)``
+    whose gradients are summed before every step (they step in the same group on every stage).
+    Needs ``fwd(s, n) <= group(s, n)`` and ``bwd(s, n) <= group(s, n)`` (a version exists before a
+    microbatch that uses it contributes), and groups non-decreasing in ``n``.
+    """
+    bwd = bwd or fwd
+    S, N = len(stages), len(microbatches)
+    params = [dict(m.named_parameters()) for m in stages]
+    versions = [[{k: p.detach().clone() for k, p in ps.items()}] for ps in params]
+    acc: list[dict[str, torch.Tensor]] = [{} for _ in range(S)]
+    losses: list[float] = []
+
+    def run(s: int, v: int, x: tuple[torch.Tensor, ...]) -> Any:
+        w = {k: t.clone().requires_grad_(params[s][k].requires_grad) for k, t in versions[s][v].items()}
+        return w, torch.func.functional_call(stages[s], w, x)
+
+    for n, (inputs, target) in enumerate(microbatches):
+        xs = [tuple(inputs)]  # forward with W_s(fwd(s, n)); xs[s] is stage s's input
+        for s in range(S - 1):
+            _, out = run(s, fwd(s, n), xs[s])
+            xs.append(tuple(o.detach() for o in out))
+        with torch.no_grad():
+            _, out = run(S - 1, fwd(S - 1, n), xs[-1])
+            losses.append(float(loss_fn(out, target)))
+        grad_out: list[torch.Tensor | None] = []
+        for s in reversed(range(S)):  # backward at W_s(bwd(s, n))
+            x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in xs[s])
+            w, out = run(s, bwd(s, n), x)
+            if s == S - 1:
+                (loss_fn(out, target) * scale).backward()
+            else:
+                pairs = [(o, g) for o, g in zip(out, grad_out) if o.requires_grad and g is not None]  # type: ignore[arg-type]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            grad_out = [t.grad for t in x]  # lines up with stage s-1's outputs
+            for k, t in w.items():
+                if t.grad is not None:
+                    acc[s][k] = acc[s][k] + t.grad if k in acc[s] else t.grad
+        done = [s for s in range(S) if n == N - 1 or group(s, n + 1) > group(s, n)]
+        for grp in tied:  # tied copies step with the sum of their gradients
+            if any(s in done for s, _ in grp):
+                if not all(s in done for s, _ in grp):
+                    raise ValueError(f"tied parameters {list(grp)} step in different groups at microbatch {n}")
+                total = sum(acc[s].get(k, torch.zeros_like(params[s][k])) for s, k in grp)
+                for s, k in grp:
+                    acc[s][k] = total.clone()  # type: ignore[union-attr]
+        for s in done:
+            if group(s, n) != len(versions[s]) - 1:
+                raise ValueError(f"stage {s}: microbatch {n} closes group {group(s, n)}, but "
+                                 f"{len(versions[s]) - 1} groups were stepped")
+            with torch.no_grad():
+                for k, p in params[s].items():
+                    p.grad = acc[s].get(k, torch.zeros_like(p)).clone()
+            optimizers[s].step()
+            optimizers[s].zero_grad(set_to_none=True)
+            versions[s].append({k: p.detach().clone() for k, p in params[s].items()})
+            acc[s] = {}
+    return losses
+
+
+def warmup(replicas: Sequence[int], s: int) -> int:
+    """PipeDream's admission depth of a replica of stage ``s``: ``ceil(workers from s on / r_s)``."""
+    return -(-sum(replicas[s:]) // replicas[s])
+
+
+def pipedream_1f1b(replicas: Sequence[int], *, stash: bool = True,
+                   vertical_sync: bool = False) -> tuple[Versions, Versions, Versions]:
+    """``(fwd, bwd, group)`` of PipeDream's 1F1B (1F1B-RR with replicas), every microbatch a minibatch.
+
+    Replica ``n % r_s`` of stage ``s`` takes minibatch ``n`` as its ``i = n // r_s``-th; it admits
+    ``w_s = warmup(replicas, s)`` minibatches, then one backward, one forward, and updates after
+    every backward (its replicas together, gradients summed): group ``i``. So the forward of its
+    ``i``-th minibatch follows the updates of its first ``i - w_s + 1``: version ``max(0, i - w_s + 1)``.
+
+    * ``stash``: the backward uses that same version; without stashing it uses the newest at the
+      backward, i.e. all updates before its own: version ``i`` (what PipeDream shows is wrong).
+    * ``vertical_sync``: every stage uses the version matching the updates the input stage had when
+      ``n`` entered: with ``c = max(0, n // r_0 - w_0 + 1)`` input-stage updates (minibatches
+      ``< c * r_0``), stage ``s`` uses version ``c * r_0 // r_s``.
+    """
+    def group(s: int, n: int) -> int:
+        return n // replicas[s]
+
+    def fwd(s: int, n: int) -> int:
+        if vertical_sync:
+            c = max(0, n // replicas[0] - warmup(replicas, 0) + 1)
+            return c * replicas[0] // replicas[s]
+        return max(0, n // replicas[s] - warmup(replicas, s) + 1)
+
+    return fwd, (fwd if stash else group), group
+
+
+def pipedream_2bw(num_microbatches: int) -> tuple[Versions, Versions, Versions]:
+    """``(fwd, bwd, group)`` of PipeDream-2BW: step ``t`` = microbatches ``t*M ..``, all of which use
+    ``W(t-1)`` (``W(-1) = W(0)``), so ``W(t+1) = W(t) - lr * grad f_t(W(t-1))``."""
+    def group(s: int, n: int) -> int:
+        return n // num_microbatches
+
+    def fwd(s: int, n: int) -> int:
+        return max(0, n // num_microbatches - 1)
+
+    return fwd, fwd, group
+
+
+def synchronous(num_microbatches: int) -> tuple[Versions, Versions, Versions]:
+    """``(fwd, bwd, group)`` of GPipe and PipeDream-Flush: step ``t`` uses ``W(t)``."""
+    def group(s: int, n: int) -> int:
+        return n // num_microbatches
+
+    return group, group, group

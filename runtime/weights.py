@@ -1,0 +1,156 @@
+"""Weight versions: which parameter tensors each microbatch's forward and backward use (weight stashing).
+
+The schedule says everything through its actions (see ``runtime/schedules.py``, "Weight
+versions"): ``WV v`` makes later forwards use version ``v``, ``B k`` uses the version ``F k`` used,
+``ST`` updates the newest version. :class:`VersionedStore` implements exactly that for every
+schedule:
+
+* The module's live parameters always hold the *newest* version; the optimizer updates them in
+  place, so its state (momentum, ...) stays where ``torch.optim`` expects it.
+* An older version, or the newest one when an ``ST`` will come while a microbatch that used it is
+  still in flight, lives as a *clone*: detached leaf tensors that are never modified in place. The
+  forward runs on them through ``torch.func.functional_call``, so the tensors autograd saves for the
+  backward *are* the stashed version (no ``load_state_dict`` on live parameters, which would break
+  autograd's version counters). After the backward, the clone's gradients are added into the live
+  parameters' ``.grad``, where ``AR``/``TG``/``ST`` find them.
+* A microbatch whose forward uses the newest version and whose backward comes before the next
+  ``ST`` runs on the live parameters directly (GPipe and Flush never clone).
+* A clone is dropped as soon as no microbatch in flight and no later forward uses it.
+  :meth:`VersionedStore.observe` counts versions alive by weak references to the clone tensors
+  (plus the newest, held by the live parameters), so the count measures what memory really holds.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pdcompile.runtime.executor import WeightStore
+from pdcompile.runtime.schedules import Action, Kind, forward_versions
+
+
+class VersionedStore(WeightStore):
+    """Versioned parameters driven by the schedule's ``WV``/``F``/``B``/``ST`` actions (see module doc)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        self.params: dict[str, torch.nn.Parameter] = dict(module.named_parameters())
+        self.newest = 0
+        self.forward_version = 0
+        self.clones: dict[int, dict[str, torch.Tensor]] = {}
+        self.refs: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.inflight: dict[int, int] = {}  # microbatch -> version its forward used
+        self.cloned: set[int] = set()  # microbatches in flight that run on a clone
+        self.future: Counter[int] | None = None  # versions of the forwards still to run (None: unknown)
+        self.direct_ok: set[int] = set()  # microbatches with no ST between their F and B
+        self.expected: dict[int, int] = {}
+        self.peak = 1
+
+    # the schedule ------------------------------------------------------------------------------
+    def expect(self, actions: Sequence[Action]) -> None:
+        """Read this rank's whole action list: which versions later forwards need, and which
+        microbatches may run on the live parameters (no ``ST`` between their ``F`` and ``B``)."""
+        self.expected = forward_versions(actions)
+        self.future = Counter(self.expected.values())
+        open_f: set[int] = set()
+        crossed: set[int] = set()
+        for a in actions:
+            if a.kind is Kind.FORWARD:
+                open_f.add(a.microbatch)  # type: ignore[arg-type]
+            elif a.kind is Kind.STEP:
+                crossed |= open_f
+            elif a.kind is Kind.BACKWARD:
+                open_f.discard(a.microbatch)  # type: ignore[arg-type]
+        self.direct_ok = set(self.expected) - crossed
+
+    def set_forward_version(self, version: int) -> None:
+        if not self.forward_version <= version <= self.newest:
+            raise RuntimeError(f"WV{version}: forwards use version {self.forward_version} and the newest is "
+                               f"{self.newest}; a schedule may only switch forward to an existing, later version")
+        self.forward_version = version
+        self._release()
+
+    # executor hooks ----------------------------------------------------------------------------
+    def params_for_forward(self, microbatch: int) -> dict[str, torch.Tensor] | None:
+        v = self.forward_version
+        if self.expected and self.expected.get(microbatch) != v:
+            raise RuntimeError(f"forward of microbatch {microbatch} would use weight version {v}, the schedule "
+                               f"says {self.expected.get(microbatch)}")
+        self.inflight[microbatch] = v
+        if self.future is not None:
+            self.future[v] -= 1
+        if v == self.newest and microbatch in self.direct_ok:
+            return None
+        self.cloned.add(microbatch)
+        return self._materialize(v)
+
+    def after_backward(self, microbatch: int) -> None:
+        v = self.inflight.pop(microbatch)
+        if microbatch in self.cloned:
+            self.cloned.discard(microbatch)
+            with torch.no_grad():
+                for name, t in self.clones[v].items():
+                    if t.grad is None:
+                        continue
+                    p = self.params[name]
+                    if p.grad is None:
+                        p.grad = t.grad
+                    else:
+                        p.grad += t.grad
+                    t.grad = None
+        self._release()
+
+    def before_step(self) -> None:
+        # The live parameters are about to change: keep the newest version if anyone still needs it.
+        if self._needed(self.newest):
+            self._materialize(self.newest)
+
+    def after_step(self) -> None:
+        self.newest += 1
+        self._release()
+
+    def observe(self) -> None:
+        for v in [v for v, r in self.refs.items() if r() is None]:
+            del self.refs[v]
+        self.peak = max(self.peak, len({self.newest, *self.refs}))
+
+    def live_versions(self) -> int:
+        self.observe()
+        return len({self.newest, *self.refs})
+
+    def peak_versions(self) -> int:
+        return self.peak
+
+    # internals ---------------------------------------------------------------------------------
+    def _materialize(self, v: int) -> dict[str, torch.Tensor]:
+        if v not in self.clones:
+            if v != self.newest:
+                raise RuntimeError(f"weight version {v} was freed but is used again (newest is {self.newest}); "
+                                   f"call expect() with the whole action list, or report this as a bug")
+            self.clones[v] = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()}
+            first = next(iter(self.clones[v].values()), None)
+            if first is not None:
+                self.refs[v] = weakref.ref(first)
+        return self.clones[v]
+
+    def _needed(self, v: int) -> bool:
+        if any(self.inflight[k] == v for k in self.cloned):
+            return True
+        if self.future is None:
+            return v >= self.forward_version
+        return self.future[v] > 0
+
+    def _release(self) -> None:
+        for v in list(self.clones):
+            if not self._needed(v):
+                del self.clones[v]
+
+
+def store_for(schedule: str, module: torch.nn.Module, program: Any = None) -> WeightStore:
+    """The weight store for ``schedule``: versioned for every schedule (it clones only what the
+    schedule's ``WV`` and ``ST`` placement requires, so GPipe and Flush run on the live parameters)."""
+    return VersionedStore(module)
