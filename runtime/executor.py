@@ -91,7 +91,7 @@ class StageExecutor:
     def __init__(self, program: Program, rank: int, module: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor] | None,
                  *, accumulation: int, data: Callable[[int], tuple[Sequence[torch.Tensor], torch.Tensor]] | None,
-                 replica_group: Any = None, tied_groups: Sequence[tuple[Any, list[str]]] = (),
+                 replica_group: Any = None, tied_groups: Sequence[tuple[Any, ...]] = (),
                  lr_scheduler: Any = None, weight_store: WeightStore | None = None,
                  recorder: Callable[[str, float, float], None] | None = None,
                  device: torch.device | str = "cpu", fail_at: str | None = None) -> None:
@@ -229,11 +229,13 @@ class StageExecutor:
 
     def _tied_grads(self, a: Action) -> None:
         params = dict(self.module.named_parameters())
-        for group, names in self.tied_groups:
+        for group, names, *scale in self.tied_groups:
             for n in names:
                 p = params[n]
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+                if scale and scale[0] != 1.0:
+                    p.grad.mul_(scale[0])
                 dist.all_reduce(p.grad, group=group)
 
     def _weight_version(self, a: Action) -> None:

@@ -159,14 +159,14 @@ def _train(program: Program, args: argparse.Namespace, rank: int, timeout: datet
                 replica_group = g
     tied_groups = []
     for group in program.raw.get("tied", []):
+        # Every replica of every stage holding the parameter joins; after the replicas' all-reduce
+        # each replica holds its stage's whole gradient, so each contributes 1/replicas of it.
         stages = sorted({s for s, _ in group})
-        if any(len(program.stages[s].ranks) > 1 for s in stages):
-            raise SystemExit("train.py: parameters tied across replicated stages are not supported yet")
-        ranks = [program.stages[s].ranks[0] for s in stages]
+        ranks = sorted(r for s in stages for r in program.stages[s].ranks)
         g = dist.new_group(ranks, timeout=timeout)
         mine = [n for s, n in group if s == spec.index]
         if mine:
-            tied_groups.append((g, mine))
+            tied_groups.append((g, mine, 1.0 / len(spec.ranks)))
     optimizer = build(program.raw["optimizer"], module.parameters())
     sched_spec = program.raw.get("lr_scheduler")
     lr_scheduler = build(sched_spec, optimizer) if sched_spec else None

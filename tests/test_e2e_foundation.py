@@ -68,3 +68,20 @@ def test_pipeline_equals_single_process(tmp_path: Path, name: str, stages: int, 
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=f"{name}: {k}")
         moved += int(not torch.equal(want[k], initial[k]))
     assert moved > len(list(init_model.parameters())) // 2  # training really changed the weights
+
+
+def test_tied_weights_across_a_replicated_stage(tmp_path: Path) -> None:
+    """GPT's tied embedding in stage 0 (2 replicas) and stage 1: the replicas' all-reduce, then the
+    tied-gradient sum (each replica contributing 1/replicas), equal single-process training."""
+    z = get("gpt", batch_size=8, seed=0)
+    pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
+                     optimizer=_opt, stages=2, replicas=[2, 1], schedule="flush", num_microbatches=4)
+    assert pipe.split.tied and pipe.world_size == 3
+    result = pipe.run(batches(8, "gpt"), steps=STEPS, out=tmp_path)
+    trained = get("gpt", batch_size=8, seed=0).model
+    trained.load_state_dict(result.state_dict())
+    ref = get("gpt", batch_size=8, seed=0)
+    train_sync(ref.model, ref.loss_fn, _opt(ref.model.parameters()), batches(8, "gpt"), steps=STEPS,
+               num_microbatches=4)
+    for (k, a), (_, b) in zip(trained.state_dict().items(), ref.model.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
