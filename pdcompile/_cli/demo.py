@@ -44,17 +44,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _events_from_runtime(folder: Path) -> list[Any]:
-    from pdcompile.timeline import Event, category_of
-
-    events = []
-    for path in sorted(folder.glob("rank_*.events.json")):
-        for e in json.loads(path.read_text()):
-            events.append(Event(int(e["rank"]), e["name"], float(e["start_s"]), float(e["end_s"]),
-                                category_of(e["name"])))
-    return events
-
-
 def _one_step(events: list[Any], step: int, steps: int) -> list[Any]:
     """The measured events of one step (the ``step``-th optimizer step of each rank), shifted to 0."""
     from pdcompile.timeline import Event
@@ -87,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from pdcompile.cluster import local_cpu_cluster, paper_cluster
     from pdcompile.launcher import launch
     from pdcompile.timeline import plot_timeline, write_chrome_trace
+    from pdcompile.trace_convert import read_runtime_events
     from pdcompile.zoo import get, names
 
     if args.model not in names():
@@ -165,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     predicted = float(sim.step_time_s)
     console.print(f"step time: predicted {predicted * 1e3:.2f} ms, measured median {measured * 1e3:.2f} ms "
                   f"({measured / predicted:.2f}x the prediction; bubble predicted {float(sim.bubble_fraction):.0%})")
-    measured_events = _one_step(_events_from_runtime(out / "runtime_events"), step=args.steps // 2, steps=args.steps)
+    measured_events = _one_step(read_runtime_events(out / "runtime_events"), step=args.steps // 2, steps=args.steps)
     write_chrome_trace(measured_events, out / "trace.json", process_name="pdcompile (measured)")
     write_chrome_trace(sim.events, out / "trace_predicted.json", process_name="pdcompile (predicted)")
     plot_timeline(sim.events, measured_events, out / "timeline.png",

@@ -1,0 +1,242 @@
+"""Benchmark: the PipeDream paper's table, predicted — speedup over data parallelism from PipeDream's own profiles.
+
+For VGG-16, ResNet-50, AlexNet and GNMT-16 (``gnmt_large.txt``: 8 + 8 LSTM layers) on the paper's
+clusters A (4 servers x 4 V100, PCIe inside, 10 Gbit/s between) and B (2 x 8 V100, NVLink inside,
+25 Gbit/s between), the planner (DP solver, 1F1B with weight stashing) is run under both cost models
+(``paper``: the paper's formulas; ``default``: ours, with ring all-reduce overlapped with the backward
+pass, optimizer step and the memory limit) and its predicted speedup over data parallelism on all
+16 workers is put beside the figure the paper reports (SOSP'19, Table 1). Beside it, the same cost
+model's prediction for the *paper's own configuration shape* ("15-1": the best cut with the first
+stage replicated 15 times; "straight": the best pipeline without replication; "16": data
+parallelism), which separates "the planner chose another configuration" from "the cost model rates
+the configurations differently". Every row more than 30% away from the paper gets a note, written
+from the numbers.
+
+Usage: python benchmarks/bench_paper_table.py   (prediction only; takes a few seconds)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+from benchmarks._results import write_section  # noqa: E402
+from pdcompile.cluster import ClusterSpec, flat_cluster, format_quantity, paper_cluster  # noqa: E402
+from pdcompile.errors import PdcompileError  # noqa: E402
+from pdcompile.ir import Chain  # noqa: E402
+from pdcompile.passes.linearize import linearize  # noqa: E402
+from pdcompile.passes.partition_dp import data_parallel_time, evaluate  # noqa: E402
+from pdcompile.plan import Plan, plan  # noqa: E402
+from pdcompile.profile import load  # noqa: E402
+
+PIPEDREAM = Path(__file__).resolve().parent.parent.parent / "shared" / "profiles" / "pipedream"
+if not PIPEDREAM.exists():
+    PIPEDREAM = Path("/work/shared/profiles/pipedream")
+
+MODELS = [("VGG-16", "vgg16"), ("ResNet-50", "resnet50"), ("AlexNet", "alexnet"), ("GNMT-16", "gnmt_large")]
+#: (model, cluster) -> (the paper's configuration, its reported speedup over data parallelism); SOSP'19 Table 1.
+PAPER: dict[tuple[str, str], tuple[str, float]] = {
+    ("VGG-16", "A"): ("15-1", 5.28),
+    ("VGG-16", "B"): ("15-1", 2.98),
+    ("AlexNet", "A"): ("15-1", 4.92),
+    ("GNMT-16", "B"): ("straight", 3.14),
+    ("ResNet-50", "A"): ("16", 1.0),
+    ("ResNet-50", "B"): ("16", 1.0),
+}
+COST_MODELS = ("paper", "default")
+THRESHOLD = 0.30
+
+
+@dataclass(frozen=True)
+class Row:
+    """One (model, cluster, cost model) prediction and the numbers that explain it."""
+
+    model: str
+    cluster: str
+    cost_model: str
+    paper_config: str | None
+    paper_speedup: float | None
+    plan: Plan
+    paper_shape_speedup: float | None  # this cost model's speedup for the paper's configuration shape
+    paper_shape_config: str | None
+    dp_s: float  # data parallelism, seconds per minibatch
+    dp_compute_s: float  # its compute part: total compute / workers
+    weights_bytes: float
+    slow_bw: float  # the slowest level's bandwidth (bytes/s)
+    no_memory_plan: Plan  # the same planner with the memory limit off
+
+    @property
+    def speedup(self) -> float:
+        return self.plan.speedup_vs_data_parallel
+
+    @property
+    def off_by(self) -> float | None:
+        """predicted / paper - 1."""
+        return None if not self.paper_speedup else self.speedup / self.paper_speedup - 1
+
+
+def _shape_speedup(chain: Chain, cluster: ClusterSpec, shape: str, cost_model: str,
+                   dp_s: float) -> tuple[float, str]:
+    """The cost model's best speedup with the paper's configuration shape, and that configuration."""
+    n, W = len(chain), cluster.num_workers
+    if shape == "16":
+        return 1.0, str(W)
+    if shape == "straight":
+        p = plan(chain, cluster, cost_model=cost_model, schedule="1f1b", allow_replication=False)
+        return dp_s / p.seconds_per_minibatch, f"{p.configuration} (straight, {len(p.stages)} stages)"
+    # A stage over 3 3/4 servers does not nest in the cluster's levels, so the shape is evaluated on
+    # a flat cluster of all workers at the slowest (between-server) bandwidth: the replicas' ring
+    # and the traffic into the last stage cross servers anyway (pessimistic for the rest).
+    first, second = (int(x) for x in shape.split("-"))
+    flat = flat_cluster(W, min(lv.bandwidth for lv in cluster.levels), cluster.device.memory)
+    best, where = math.inf, -1
+    for k in range(1, n):  # the first stage is layers 0..k-1
+        try:
+            ev = evaluate(chain, flat, [(0, k - 1, first), (k, n - 1, second)], cost_model=cost_model,
+                          schedule="1f1b", memory_limit=False)
+        except PdcompileError:
+            continue
+        if ev.seconds < best:
+            best, where = ev.seconds, k
+    if where < 0:
+        return math.nan, f"{shape} (no valid cut)"
+    return dp_s / best, f"{shape}, first stage layers 0..{where - 1} of {n}, flat at the slowest link"
+
+
+def collect() -> list[Row]:
+    """Plan every (model, cluster, cost model)."""
+    rows = []
+    for label, fname in MODELS:
+        chain = linearize(load(PIPEDREAM / f"{fname}.txt"))
+        for cname in ("A", "B"):
+            cluster = paper_cluster(cname)
+            paper_cfg, paper_x = PAPER.get((label, cname), (None, None))
+            for cm in COST_MODELS:
+                p = plan(chain, cluster, cost_model=cm, schedule="1f1b")
+                dp = data_parallel_time(chain, cluster, cost_model=cm)
+                shape_x, shape_cfg = (_shape_speedup(chain, cluster, paper_cfg, cm, dp) if paper_cfg
+                                      else (None, None))
+                rows.append(Row(label, cname, cm, paper_cfg, paper_x, p, shape_x, shape_cfg, dp,
+                                sum(l.forward_s + l.backward_s for l in chain.layers) / cluster.num_workers,
+                                sum(l.param_bytes for l in chain.layers),
+                                min(lv.bandwidth for lv in cluster.levels),
+                                p if cm == "paper" else plan(chain, cluster, cost_model=cm, schedule="1f1b",
+                                                             memory_limit=False)))
+    return rows
+
+
+def explain(r: Row) -> str:
+    """Why the prediction differs from the paper's figure, from the row's own numbers."""
+    parts = []
+    dp_comm = max(0.0, 1 - r.dp_compute_s / r.dp_s) if r.dp_s > 0 else 0.0
+    bw = format_quantity(r.slow_bw, "bandwidth")
+    parts.append(f"under the `{r.cost_model}` model data parallelism takes {r.dp_s * 1e3:.1f} ms per minibatch, "
+                 f"{dp_comm:.0%} of it weight synchronisation ({format_quantity(r.weights_bytes, 'memory')} of "
+                 f"weights over {bw} between servers; compute alone {r.dp_compute_s * 1e3:.1f} ms)")
+    parts.append(f"the planner's {r.plan.configuration} takes {r.plan.seconds_per_minibatch * 1e3:.1f} ms, "
+                 f"limited by {r.plan.bottleneck}")
+    if r.paper_shape_speedup is not None and r.paper_speedup:
+        if abs(r.paper_shape_speedup / r.paper_speedup - 1) <= THRESHOLD:
+            verdict = " — within 30% of the paper, so the gap is the configuration the planner chose"
+            if r.paper_config not in ("16", "straight"):
+                verdict += (" (a stage over 3.75 servers does not nest in the hierarchical search, and the shape "
+                            "is rated without the memory limit)")
+        elif abs(r.paper_shape_speedup / r.speedup - 1) <= THRESHOLD:
+            verdict = " — so the gap is the cost model, not the configuration"
+        else:
+            verdict = " — both the configuration and the cost model differ"
+        parts.append(f"the paper's configuration, best of its shape {r.paper_shape_config}, is rated "
+                     f"{r.paper_shape_speedup:.2f}x{verdict}")
+    nomem = r.no_memory_plan.speedup_vs_data_parallel
+    if r.no_memory_plan is not r.plan and abs(nomem / r.speedup - 1) > 0.1:
+        mem = format_quantity(r.plan.memory_limit_bytes or 0, "memory")
+        parts.append(f"the memory limit ({mem} per worker) rules out the faster {r.no_memory_plan.configuration} "
+                     f"({nomem:.2f}x without the limit"
+                     + (", within 30% of the paper" if abs(nomem / r.paper_speedup - 1) <= THRESHOLD else "")
+                     + ")")  # type: ignore[operator]
+    if r.speedup > r.paper_speedup:  # type: ignore[operator]
+        if dp_comm > 0.5:
+            parts.append("the model charges data parallelism its full all-reduce "
+                         + ("without overlap (max of compute and communication, no concurrency across levels)"
+                            if r.cost_model == "paper" else "(overlapped only with the backward pass)")
+                         + ", at the link's nominal bandwidth; the paper's figure is measured, and real "
+                           "pipelines also pay imbalance, stalls and their own communication that the "
+                           "bottleneck formula hides")
+        else:
+            parts.append("the bottleneck formula assumes a perfectly steady pipeline; measured pipelines lose "
+                         "time to imbalance and communication stalls")
+    else:
+        if r.cost_model == "default" and dp_comm < 0.5:
+            parts.append("with the all-reduce overlapped with the backward pass data parallelism is nearly "
+                         "compute-bound in this model, leaving a pipeline little to win")
+        elif r.speedup <= 1.0 + 1e-9:
+            parts.append("the planner finds no pipeline faster than data parallelism within its constraints")
+    return "; ".join(parts) + "."
+
+
+def table(rows: list[Row]) -> str:
+    head = ("| model | cluster | cost model | planner's configuration | predicted speedup | paper (config) | "
+            "paper's shape under this model | no memory limit | predicted / paper | bottleneck |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    notes = []
+    for r in rows:
+        paper = f"{r.paper_speedup:.2f}x ({r.paper_config})" if r.paper_speedup else "—"
+        shape = f"{r.paper_shape_speedup:.2f}x" if r.paper_shape_speedup is not None else "—"
+        ratio = f"{r.speedup / r.paper_speedup:.2f}" if r.paper_speedup else "—"
+        flag = ""
+        if r.off_by is not None and abs(r.off_by) > THRESHOLD:
+            notes.append(r)
+            flag = f" [{len(notes)}]"
+        lines.append(f"| {r.model} | {r.cluster} | {r.cost_model} | {r.plan.configuration} | {r.speedup:.2f}x | "
+                     f"{paper} | {shape} | "
+                     f"{r.no_memory_plan.configuration}: {r.no_memory_plan.speedup_vs_data_parallel:.2f}x | "
+                     f"{ratio}{flag} | "
+                     f"{r.plan.bottleneck} |")
+    within = [r for r in rows if r.off_by is not None and abs(r.off_by) <= THRESHOLD]
+    compared = [r for r in rows if r.off_by is not None]
+    out = "\n".join(lines)
+    out += (f"\n\n{len(within)} of {len(compared)} rows with a paper figure are within 30% of it "
+            f"({sum(1 for r in within if r.cost_model == 'paper')} under `paper`, "
+            f"{sum(1 for r in within if r.cost_model == 'default')} under `default`).\n")
+    if notes:
+        out += "\nNotes (rows more than 30% from the paper):\n\n"
+        for i, r in enumerate(notes, 1):
+            out += (f"{i}. {r.model} on {r.cluster}, `{r.cost_model}`: predicted {r.speedup:.2f}x vs the paper's "
+                    f"{r.paper_speedup:.2f}x ({r.off_by:+.0%}): {explain(r)}\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    rows = collect()
+    body = ("Predicted speedup over data parallelism on all 16 workers, from PipeDream's own profiles "
+            "(`shared/profiles/pipedream/*.txt`, GNMT-16 = `gnmt_large.txt`), planner = DP solver, schedule "
+            "1F1B with weight stashing, memory limit as each cost model's default (on for `default`, off for "
+            "`paper`). Paper figures: SOSP'19 Table 1 (measured on the clusters; — where the paper's figure is "
+            "not quoted here). \"Paper's shape\": this cost model's prediction for the best configuration of the "
+            "paper's shape (15-1: first stage replicated 15x, best cut, evaluated on a flat 16-worker cluster at "
+            "the between-server bandwidth because a stage over 3.75 servers does not nest in the hierarchy; "
+            "straight: the planner without replication; both without the memory limit) against hierarchical "
+            "data parallelism.\n\n")
+    body += table(rows)
+    body += f"\nPlanning all {len(rows)} rows took {time.perf_counter() - t0:.1f} s.\n"
+    print(body)
+    if not args.no_write:
+        write_section("PipeDream's table, predicted (bench_paper_table)", body,
+                      command="python benchmarks/bench_paper_table.py")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""``pdcompile simulate PLAN_OR_PROFILE``: predict a pipeline step, action by action, and draw it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from pdcompile.errors import UsageError
+
+EXAMPLES = """\
+Examples:
+  pdcompile simulate ../shared/profiles/pipedream/vgg16.txt --cluster paper:A --schedule 1f1b
+  pdcompile simulate net.json --cluster cluster.toml --microbatches 8 --trace trace.json --png step.png
+  pdcompile simulate plan.json --schedule flush --json
+  pdcompile simulate out/plan.json --measured out/trace --png compare.png
+
+PLAN_OR_PROFILE is a plan (Plan.to_json(), or an emitted program's plan.json, whose schedule and
+microbatches become the defaults) or a profile (our JSON or a PipeDream graph.txt), which is planned
+for --cluster first. A plan alone carries per-stage totals, not the forward/backward split: give
+--profile to simulate it from the layer costs, else forward:backward is taken as 1:2.
+--cluster is a TOML file, or paper:A / paper:B (the PipeDream paper's clusters), or local:N.
+"""
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "simulate", help="predict a schedule's step time, bubble and memory; write its timeline",
+        description="Replay the schedule of a plan with the cost model: every forward, backward, transfer, "
+                    "all-reduce and optimizer step on every rank. Prints step time, throughput, bubble and "
+                    "per-stage utilization; writes a Chrome/Perfetto trace and a PNG timeline.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", metavar="PLAN_OR_PROFILE", help="plan JSON, program plan.json, or profile")
+    p.add_argument("--cluster", metavar="FILE", help="cluster TOML, paper:A, paper:B or local:N "
+                                                     "(needed to plan a profile)")
+    p.add_argument("--schedule", default=None, help="gpipe, flush, 1f1b, 2bw (default: the plan's, else 1f1b)")
+    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="microbatches per step (default: the program's, else 8)")
+    p.add_argument("--steps", type=int, default=1, help="steps to lay out (default 1)")
+    p.add_argument("--profile", metavar="FILE", help="with a plan: the profile it was made from (layer costs)")
+    p.add_argument("--solver", default="dp", help="planner for a profile: dp or ilp (default dp)")
+    p.add_argument("--cost-model", default="default", help="planner cost model: default or paper")
+    p.add_argument("--no-overlap", action="store_true", help="senders wait for their transfers to finish")
+    p.add_argument("--trace", metavar="OUT.json", help="write the predicted timeline as a Chrome/Perfetto trace")
+    p.add_argument("--png", metavar="OUT.png", help="write the timeline as a PNG (measured below, with --measured)")
+    p.add_argument("--measured", metavar="DIR", help="a run's train.py --trace folder, drawn under the prediction")
+    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    p.set_defaults(func=run)
+
+
+def load_cluster(text: str) -> Any:
+    """``paper:A``, ``paper:B``, ``local:N`` or a TOML file."""
+    from pdcompile.cluster import ClusterSpec, local_cpu_cluster, paper_cluster
+
+    kind, _, arg = text.partition(":")
+    if kind == "paper" and arg:
+        return paper_cluster(arg)
+    if kind == "local" and arg:
+        try:
+            return local_cpu_cluster(int(arg))
+        except ValueError:
+            raise UsageError(f"--cluster {text!r}: local:N takes a number of processes, e.g. local:2") from None
+    if not Path(text).is_file():
+        raise UsageError(f"--cluster {text!r}: no such file; give a cluster TOML, paper:A, paper:B or local:N")
+    return ClusterSpec.from_toml(text)
+
+
+def _read_source(path: Path) -> tuple[str, Any, dict[str, Any]]:
+    """("plan", Plan, program fields) or ("profile", Profile, {})."""
+    from pdcompile.plan import PLAN_FORMAT, Plan
+    from pdcompile.profile import load
+
+    if not path.is_file():
+        raise UsageError(f"{path}: no such file; give a plan JSON (pdcompile plan --json, Plan.to_json()) "
+                         f"or a profile (pdcompile profile -o, or a PipeDream graph.txt)")
+    text = path.read_text()
+    if text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+        if isinstance(data, dict) and isinstance(data.get("plan"), dict) and "stage_ranks" in data:
+            return "plan", Plan.from_dict(data["plan"]), data  # an emitted program's plan.json
+        if isinstance(data, dict) and (data.get("format") == PLAN_FORMAT or ("stages" in data and "predicted" in data)):
+            return "plan", Plan.from_dict(data), {}
+    return "profile", load(path), {}
+
+
+def _simulate_plan_alone(plan: Any, schedule: str, m: int, steps: int, overlap: bool) -> Any:
+    """Simulate from the plan's own per-stage totals (no layer costs): forward:backward = 1:2,
+    each boundary's ``send_s`` split evenly between activations and gradients, and an all-reduce
+    of ``comm_s x replicas`` per step (``comm_s`` is per minibatch)."""
+    from pdcompile.simulate import simulate_schedule
+
+    fwd, bwd, send, ar = [], [], [], []
+    for st in plan.stages:
+        c = st.compute_s * st.replicas  # one replica's forward+backward of one microbatch
+        if not math.isfinite(c):
+            raise UsageError(f"the plan's stage {st.index} has no finite compute time; give --profile")
+        fwd.append(c / 3)
+        bwd.append(2 * c / 3)
+        send.append(st.send_s / 2)
+        ar.append(st.comm_s * st.replicas)
+    return simulate_schedule(schedule, [st.replicas for st in plan.stages], m, num_steps=steps,
+                             forward_s=fwd, backward_s=bwd, allreduce_s=ar, overlap_comm=overlap,
+                             send_s=lambda sa, sb, ra, rb: send[min(sa, sb)],
+                             microbatch_size=plan.microbatch_size)
+
+
+def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
+    """(SimResult, Plan, schedule, microbatches, notes) for the command's arguments."""
+    from pdcompile.passes.linearize import linearize
+    from pdcompile.plan import plan as make_plan
+    from pdcompile.profile import load
+    from pdcompile.simulate import simulate_plan
+
+    kind, obj, program = _read_source(Path(args.source))
+    schedule = args.schedule or program.get("schedule") or (obj.schedule if kind == "plan" else "1f1b")
+    m = args.microbatches or program.get("num_microbatches") or 8
+    if m < 1 or args.steps < 1:
+        raise UsageError("--microbatches and --steps must be at least 1")
+    overlap = not args.no_overlap
+    notes: list[str] = []
+    cluster = load_cluster(args.cluster) if args.cluster else None
+    planner_schedule = {"gpipe": "flush"}.get(schedule, schedule)
+    if kind == "profile":
+        if cluster is None:
+            raise UsageError(f"{args.source} is a profile: it must be planned for a cluster first; "
+                             f"give --cluster FILE.toml (or paper:A, paper:B, local:N)")
+        chain = linearize(obj)
+        plan = make_plan(chain, cluster, solver=args.solver, cost_model=args.cost_model,
+                         schedule=planner_schedule if planner_schedule in ("1f1b", "flush", "2bw") else "1f1b")
+        notes.append(f"planned {Path(args.source).name} for the cluster: configuration {plan.configuration}")
+        res = simulate_plan(plan, chain, cluster, schedule, m, num_steps=args.steps, overlap_comm=overlap)
+        return res, plan, schedule, m, notes
+    plan = obj
+    if args.profile:
+        if cluster is None:
+            raise UsageError("--profile needs --cluster (the bandwidths between the plan's ranks)")
+        if cluster.num_workers < plan.workers_used:
+            raise UsageError(f"the plan uses {plan.workers_used} workers; --cluster has {cluster.num_workers}")
+        chain = linearize(load(args.profile))
+        if plan.stages[-1].last >= len(chain):
+            raise UsageError(f"the plan covers layers up to {plan.stages[-1].last}, the profile's chain has "
+                             f"{len(chain)}: give the profile the plan was made from")
+        res = simulate_plan(plan, chain, cluster, schedule, m, num_steps=args.steps, overlap_comm=overlap)
+    else:
+        res = _simulate_plan_alone(plan, schedule, m, args.steps, overlap)
+        notes.append("simulated from the plan's per-stage totals (forward:backward taken as 1:2); "
+                     "give --profile for the layer costs")
+    return res, plan, schedule, m, notes
+
+
+def run(args: argparse.Namespace) -> int:
+    res, plan, schedule, m, notes = predict(args)
+    meta = {"source": str(args.source), "schedule": schedule, "num_microbatches": m,
+            "configuration": plan.configuration, "predicted_step_time_s": float(res.step_time_s)}
+    if args.trace:
+        from pdcompile.timeline import write_chrome_trace
+
+        write_chrome_trace(res.events, args.trace, process_name="pdcompile simulate (predicted)", metadata=meta)
+    measured = None
+    if args.measured:
+        from pdcompile.trace_convert import read_runtime_events
+
+        measured = read_runtime_events(args.measured)
+    if args.png:
+        from pdcompile.timeline import plot_timeline
+
+        plot_timeline(res.events, measured, args.png,
+                      title=f"{Path(args.source).name}: {schedule}, {m} microbatches, "
+                            f"configuration {plan.configuration}")
+    if args.json:
+        print(json.dumps({
+            **meta, "makespan_s": float(res.makespan_s), "throughput": float(res.throughput),
+            "bubble_fraction": float(res.bubble_fraction), "num_steps": res.num_steps,
+            "utilization": {str(r): float(u) for r, u in res.utilization.items()},
+            "peak_in_flight": res.peak_in_flight, "peak_weight_versions": res.peak_weight_versions,
+            "peak_memory_bytes": [float(x) for x in res.peak_memory_bytes] if res.peak_memory_bytes else None,
+            "trace": args.trace, "png": args.png, "notes": notes,
+        }, indent=1))
+        return 0
+    for n in notes:
+        print(f"note: {n}")
+    print(f"{schedule}, {m} microbatches, configuration {plan.configuration}")
+    print(res.summary())
+    for label, path in (("trace", args.trace), ("timeline", args.png)):
+        if path:
+            print(f"wrote {label} {path}")
+    return 0
