@@ -1,0 +1,129 @@
+"""Shared pieces of the comparison benchmarks: models, compiling, launching workers, reading timings."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdcompile.launcher import free_port, launch
+from pdcompile.zoo import gpt, vgg
+from pdcompile.zoo.losses import SequenceCrossEntropy
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository root (workers import benchmarks.*)
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One benchmark model: the module, one minibatch and its loss."""
+
+    name: str
+    model: nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    target: torch.Tensor
+    loss_fn: nn.Module
+
+
+def bench_model(name: str, batch_size: int = 32, size: str = "bench", seed: int = 0) -> Bench:
+    """GPT- or VGG-style model for timing: ``bench`` is big enough that a microbatch of 8 costs a few
+    milliseconds of CPU (compute dominates launch noise); ``fc`` (VGG only) has VGG's parameter-heavy
+    classifier; ``tiny`` is for smoke tests."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    if name == "gpt":
+        cfg = (gpt.GPTConfig(vocab_size=256, seq_len=32, d_model=96, n_heads=4, n_layers=4) if size == "bench"
+               else gpt.GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2))
+        model: nn.Module = gpt.GPT(cfg)
+        tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=g)
+        return Bench(name, model, (tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous(), SequenceCrossEntropy())
+    if name == "vgg":
+        M = vgg.M
+        cfg2 = {"bench": vgg.VGGConfig(layers=(16, 16, M, 32, 32, M, 64, 64, M), image_size=32, hidden=256,
+                                       num_classes=10),
+                # VGG's real shape: most parameters in the classifier (2.1M of 2.2M), small activations late
+                "fc": vgg.VGGConfig(layers=(16, 16, M, 32, 32, M, 64, 64, M), image_size=32, hidden=1024,
+                                    num_classes=10),
+                }.get(size, vgg.VGGConfig(layers=(4, M, 8, M), image_size=8, hidden=16, num_classes=10))
+        model = vgg.VGG(cfg2)
+        x = torch.randn((batch_size, 3, cfg2.image_size, cfg2.image_size), generator=g)
+        return Bench(name, model, (x,), torch.randint(0, 10, (batch_size,), generator=g), nn.CrossEntropyLoss())
+    raise ValueError(f"unknown benchmark model {name!r} (gpt, vgg)")
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    """The optimizer every benchmark uses (plain SGD: no optimizer state to favour anyone)."""
+    return torch.optim.SGD(params, lr=0.01)
+
+
+def compile_bench(b: Bench, stages: int, schedule: str, num_microbatches: int, **kw: Any) -> Any:
+    """``pdcompile`` the benchmark model with the benchmarks' optimizer."""
+    from pdcompile.api import pdcompile
+
+    return pdcompile(b.model, example_inputs=b.inputs, example_target=b.target, loss_fn=b.loss_fn,
+                     optimizer=sgd, stages=stages, schedule=schedule, num_microbatches=num_microbatches, **kw)
+
+
+def torchrun(module: str, nproc: int, args: Sequence[str], *, timeout: float = 300,
+             env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``python -m module args`` under torchrun on 127.0.0.1 from the repository root."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "--max-restarts=0", "--monitor-interval=0.5", "-m", module, *args]
+    full = dict(os.environ)
+    full.setdefault("OMP_NUM_THREADS", "1")
+    full["PYTHONPATH"] = os.pathsep.join([str(ROOT), full.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    full.update(env or {})
+    try:
+        p = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=timeout, env=full)
+    except subprocess.TimeoutExpired as e:
+        return 124, str(e.stdout or "") + str(e.stderr or "")
+    return p.returncode, p.stdout + p.stderr
+
+
+def run_ours(program: Path, nproc: int, steps: int, schedule: str | None = None, extra: Sequence[str] = (),
+             timeout: float = 300, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Launch the emitted ``program`` for ``steps`` minibatches; return each rank's metrics JSON."""
+    metrics = Path(tempfile.mkdtemp(prefix="pd-bench-metrics-"))
+    args = ["--steps", str(steps), "--metrics", str(metrics), "--timeout", "120", *extra]
+    if schedule:
+        args += ["--schedule", schedule]
+    rc, log = launch(program, nproc, args, timeout=timeout, env=env)
+    if rc != 0:
+        raise RuntimeError(f"pdcompile run of {program} failed ({rc}):\n{log[-3000:]}")
+    return [json.loads(p.read_text()) for p in sorted(metrics.glob("rank_*.json"))]
+
+
+def step_times(ranks: Sequence[Sequence[float]], warmup: int, per_step: int = 1) -> list[float]:
+    """Per-step times from per-rank lists: ``per_step`` consecutive entries form one step (1F1B
+    records one entry per microbatch-minibatch), the slowest rank counts, the first ``warmup``
+    steps are dropped."""
+    out = []
+    n = min(len(r) for r in ranks) // per_step
+    for i in range(warmup, n):
+        out.append(max(sum(r[i * per_step:(i + 1) * per_step]) for r in ranks))
+    return out
+
+
+def median(xs: Sequence[float]) -> float:
+    """Median, NaN for no data."""
+    return statistics.median(xs) if xs else math.nan
+
+
+def load_note() -> str:
+    """The machine's load averages, for the table's caption (other jobs share these cores)."""
+    a, b, c = os.getloadavg()
+    return f"load average {a:.1f} / {b:.1f} / {c:.1f} (1/5/15 min) on {os.cpu_count()} cores"
+
+
+def ms(x: float) -> str:
+    return f"{x * 1e3:.2f}"
