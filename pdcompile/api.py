@@ -235,8 +235,15 @@ class CompiledPipeline:
         """The predicted timeline of the plan (:class:`pdcompile.simulate.SimResult`)."""
         from pdcompile.simulate import simulate_plan
 
+        tied_bytes, tied_stages = 0.0, set()
+        for group in self.split.tied:
+            st, name = group[0]
+            p = dict(self.split.stages[st].gm.named_parameters())[name]
+            tied_bytes += p.numel() * p.element_size()
+            tied_stages.update(s for s, _ in group)
         return simulate_plan(self.plan, self.state.chain, self.cluster, schedule or self.options.schedule,
-                             num_microbatches or self.num_microbatches, num_steps=num_steps)
+                             num_microbatches or self.num_microbatches, num_steps=num_steps,
+                             tied_bytes=tied_bytes, tied_stages=sorted(tied_stages))
 
     def alternatives(self) -> list[tuple[str, Any]]:
         """Other configurations on the same cluster, each as a Plan: pure data parallelism and

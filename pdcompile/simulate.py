@@ -291,8 +291,13 @@ def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float) -> float:
 
 def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None = None,
                   num_microbatches: int = 8, *, num_steps: int = 1, vertical_sync: bool = False,
-                  overlap_comm: bool = True, step_s: Sequence[float] | None = None) -> SimResult:
+                  overlap_comm: bool = True, step_s: Sequence[float] | None = None,
+                  tied_bytes: float = 0.0, tied_stages: Sequence[int] = ()) -> SimResult:
     """Simulate a :class:`pdcompile.plan.Plan` of ``chain`` on ``cluster``.
+
+    ``tied_bytes``: bytes of parameters tied across ``tied_stages`` (a GPT's embedding and output
+    projection): the schedule then sums their gradients before every step (``TG``), costed as a
+    ring all-reduce over every rank of those stages on their slowest link.
 
     Stage ``s`` (chain layers ``first..last``) costs the sum of its layers' ``forward_s`` /
     ``backward_s``; its boundary sends ``chain.cut_bytes[last]`` forward (and as many gradient
@@ -328,7 +333,13 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
         cr = [cluster_rank[r] for r in rs]
         bw = min((cluster.bandwidth_between(a, b) for a in cr for b in cr if a != b), default=math.inf)
         allreduce.append(ring_allreduce_s(params[s], len(rs), bw))
+    tied_s = 0.0
+    if tied_bytes and tied_stages:
+        cr = [cluster_rank[r] for s in tied_stages for r in sched_ranks[s]]
+        bw = min((cluster.bandwidth_between(a, b) for a in cr for b in cr if a != b), default=math.inf)
+        tied_s = ring_allreduce_s(tied_bytes, len(cr), bw)
     return simulate_schedule(name, reps, num_microbatches, num_steps=num_steps, vertical_sync=vertical_sync,
+                             tied=bool(tied_bytes and tied_stages), tied_s=tied_s,
                              forward_s=fwd, backward_s=bwd, send_s=send, allreduce_s=allreduce, step_s=step_s,
                              overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size,
                              activation_bytes=act, weight_bytes=params)
