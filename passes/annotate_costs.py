@@ -495,8 +495,12 @@ def annotate_costs(
     batch_fn: Callable[[int], Sequence[Any]] | None = None,
     progress: bool | None = None,
     interleave: bool = False,
+    cpu_threads: int | None = 1,
 ) -> fx.GraphModule:
     """Write ``node.meta["pd.cost"]`` (a :class:`NodeCost`) on every node of ``gm``; return ``gm``.
+
+    ``cpu_threads``: in measured mode on the CPU, time with this many intra-op threads (default 1,
+    what each torchrun worker process gets); None keeps the current setting.
 
     ``mode`` is ``"measured"`` (time the node here) or ``"analytic"`` (FLOPs and bytes over
     ``device_spec``). ``batch_fn(b)`` makes inputs at batch size ``b`` for the symbolic fit
@@ -505,6 +509,19 @@ def annotate_costs(
     """
     if mode not in MODES:
         raise UsageError(f"annotate-costs mode must be one of {MODES}, got {mode!r}")
+    device = _device_of(gm, tuple(example_inputs))
+    if mode == "measured" and device.type == "cpu" and cpu_threads:
+        # Time nodes with the threads a worker will have: torchrun gives each process one
+        # (OMP_NUM_THREADS=1). Timing with more threads than free cores makes OpenMP's threads
+        # wait on each other and inflates small kernels by 10-100x on a busy machine.
+        before = torch.get_num_threads()
+        torch.set_num_threads(cpu_threads)
+        try:
+            return annotate_costs(gm, example_inputs, mode=mode, device_spec=device_spec, optimizer=optimizer,
+                                  warmup=warmup, repeats=repeats, symbolic=symbolic, batch_fn=batch_fn,
+                                  progress=progress, interleave=interleave, cpu_threads=None)
+        finally:
+            torch.set_num_threads(before)
     spec = resolve_device_spec(device_spec) if mode == "analytic" else None
     opt_factor = optimizer_state_factor(optimizer)
     inputs = tuple(example_inputs)

@@ -34,6 +34,22 @@ from pdcompile.runtime.program import Program, StageSpec
 from pdcompile.runtime.schedules import Action, Kind
 
 
+def allreduce_flat(tensors: Sequence[torch.Tensor], group: Any) -> None:
+    """Sum ``tensors`` across ``group`` in place with one collective per dtype (a flat bucket):
+    one call per parameter costs a round trip each, which dominates small models."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in ts:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
+
+
 class WeightStore:
     """Which weights a microbatch's forward/backward uses. The default: the live parameters."""
 
@@ -222,10 +238,11 @@ class StageExecutor:
     def _allreduce(self, a: Action) -> None:
         if self.replica_group is None:
             return
-        for p in self.module.parameters():
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.replica_group)
+        allreduce_flat([p.grad for p in params], self.replica_group)
 
     def _tied_grads(self, a: Action) -> None:
         params = dict(self.module.named_parameters())
