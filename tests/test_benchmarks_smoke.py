@@ -1,0 +1,100 @@
+"""Smoke tests of the comparison benchmarks: each imports, and its smallest pieces produce sane numbers.
+
+Full benchmark runs take minutes (compiles and torchrun launches), so these check the parts a run is
+built from: the partition strategies and the planner's prediction on a PipeDream profile, the
+slow-link emulation, the timing helpers and tables, the digits data hook and plot, and (marked
+slow) one tiny DDP launch through the emulated link. No assertion is about speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import _common, _slow_link  # noqa: E402
+from benchmarks import bench_partitions, bench_time_to_accuracy, bench_vs_ddp, bench_vs_pipelining  # noqa: E402
+
+
+def _finite_positive(*xs: float) -> None:
+    for x in xs:
+        assert math.isfinite(x) and x > 0, xs
+
+
+def test_minmax_bounds_balance_and_respect_illegal_cuts() -> None:
+    w = [1.0, 1.0, 1.0, 1.0, 4.0]
+    assert bench_partitions.minmax_bounds(w, 2, [True] * 4) == [4]
+    # the cut before layer 4 is illegal: the best legal split puts layers 3-4 together
+    assert bench_partitions.minmax_bounds(w, 2, [True, True, True, False]) == [3]
+    assert len(bench_partitions.minmax_bounds([1.0] * 9, 3, [True] * 8)) == 2
+
+
+@pytest.mark.skipif(not (bench_partitions.PROFILES / "alexnet.txt").exists(), reason="PipeDream profiles absent")
+def test_predicted_partitions_on_a_pipedream_profile() -> None:
+    pytest.importorskip("pdcompile.passes.partition_dp")
+    rows = bench_partitions.predicted(("alexnet",), stages=2)
+    assert {r[1] for r in rows} >= {"uniform", "parameters", "time", "planner"}
+    _finite_positive(*(r[3] for r in rows))
+    assert "| alexnet |" in bench_partitions.predicted_table(rows)
+
+
+def test_slow_link_serializes_transfers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PD_BENCH_LINK_BPS", "1e6")
+    monkeypatch.setattr(_slow_link, "_link_free", 0.0)
+    t1 = _slow_link.occupy(1000)  # 1 ms
+    t2 = _slow_link.occupy(1000)
+    assert t2 - t1 == pytest.approx(1e-3)
+    assert _slow_link.ring_bytes(100, 2) == 100 and _slow_link.ring_bytes(100, 1) == 0
+    monkeypatch.setenv("PD_BENCH_LINK_BPS", "0")
+    assert not _slow_link.install()
+
+
+def test_step_times_tables_and_boundary_bytes(tmp_path: Path) -> None:
+    assert _common.step_times([[1.0, 2.0, 3.0], [1.5, 1.0, 4.0]], warmup=1) == [2.0, 4.0]
+    row = bench_vs_pipelining.Row("gpt", "flush", "1f1b", 0.01, 0.02, 4)
+    assert row.ratio == 2.0 and "Schedule1F1B" in bench_vs_pipelining.table([row])
+    plan = {"num_microbatches": 4, "stages": [
+        {"inputs": [{"shape": [8, 16], "dtype": "float32", "requires_grad": False}]},
+        {"inputs": [{"shape": [8, 16], "dtype": "float32", "requires_grad": True}]}]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert bench_vs_ddp.boundary_mb(tmp_path) == pytest.approx(8 * 16 * 4 * 2 * 4 / 1e6)
+    assert "loopback" in bench_vs_ddp.table([bench_vs_ddp.Row("loopback", 0.02, 0.01, 1.0, 0.1, 3)])
+
+
+def test_bench_models_build_and_run() -> None:
+    for name in ("gpt", "vgg"):
+        b = _common.bench_model(name, batch_size=4, size="tiny")
+        loss = b.loss_fn(b.model(*b.inputs), b.target)
+        _finite_positive(float(loss.detach()))
+
+
+def test_digits_data_hook_accuracy_and_plot(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    from benchmarks import _digits
+
+    (x,), y = next(_digits.train_batches(32))
+    assert x.shape == (32, 64) and y.shape == (32,) and _digits.steps_per_epoch(32) == 44
+    acc = _digits.accuracy(_digits.build_model())
+    assert 0.0 <= acc <= 1.0
+    c = bench_time_to_accuracy.Curve("Flush", [0.5, 0.96], [1.0, 2.0])
+    assert c.epochs_to(0.95) == 2 and c.time_to(0.95) == 2.0
+    assert "Flush" in bench_time_to_accuracy.table([c], 0.95)
+    pytest.importorskip("matplotlib")
+    png = bench_time_to_accuracy.plot([c], 0.95, tmp_path / "tta.png")
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.multiproc
+@pytest.mark.slow  # ~10 s idle, 30+ s on a loaded machine: deselect with -m "not slow" for the 40 s budget
+def test_tiny_ddp_launch_through_the_emulated_link() -> None:
+    times = bench_vs_ddp.run_ddp("vgg", "tiny", 8, 3, 2, bps=1e8, timeout=80)
+    assert len(times) == 2 and all(len(r) == 3 for r in times)
+    _finite_positive(*(t for r in times for t in r))
