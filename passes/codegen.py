@@ -27,6 +27,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -257,9 +258,31 @@ def emit(split: StageSplit, out_dir: str | os.PathLike[str], *, program: Mapping
          model_name: str = "model") -> Path:
     """Write the program folder. ``program`` holds the plan.json fields that aren't derived from
     the split: schedule, microbatch_size, num_microbatches, loss, optimizer, data, target, plan,
-    stage replicas/ranks (``stage_ranks``), world_size."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    stage replicas/ranks (``stage_ranks``), world_size.
+
+    Everything is written into a temporary sibling folder first and moved into ``out_dir`` only
+    when complete, so a failure (a module that can't be rebuilt) leaves no half-written program."""
+    final = Path(out_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    out = final.parent / f".{final.name}.emit-{os.getpid()}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    try:
+        _emit_into(out, split, program, model_name)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    if not final.exists():
+        os.replace(out, final)
+    else:  # an existing folder: replace our files in it, each one whole
+        for f in out.iterdir():
+            os.replace(f, final / f.name)
+        out.rmdir()
+    return final
+
+
+def _emit_into(out: Path, split: StageSplit, program: Mapping[str, Any], model_name: str) -> None:
+    """Write every file of the program into the (empty, temporary) folder ``out``."""
     stage_ranks = program.get("stage_ranks") or [[k] for k in range(len(split.stages))]
     stages_json = []
     for st in split.stages:
@@ -285,7 +308,6 @@ def emit(split: StageSplit, out_dir: str | os.PathLike[str], *, program: Mapping
     }
     (out / "plan.json").write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     (out / "train.py").write_text(TRAIN_PY.format(world=doc["world_size"]))
-    return out
 
 
 def graph_module_source(gm: fx.GraphModule) -> str:

@@ -64,7 +64,11 @@ script-object inputs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import io
+import logging
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +87,23 @@ _ASSERT_OPS = {
 }
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs warnings and graph dumps while it captures; our errors say what matters."""
+    loggers = [logging.getLogger(n) for n in ("torch", "torch._dynamo", "torch.export", "torch._export",
+                                              "torch.fx.experimental.symbolic_shapes")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
 def export_trace(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tensor, *,
                  kwargs: Mapping[str, Any] | None = None, output: str | int | None = None) -> fx.GraphModule:
     """Capture ``model(*example_inputs, **kwargs)`` with ``torch.export`` as a flat GraphModule.
@@ -93,7 +114,8 @@ def export_trace(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.T
     """
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     try:
-        ep = torch.export.export(model, args, dict(kwargs or {}), strict=False)
+        with _quiet_torch_logs():
+            ep = torch.export.export(model, args, dict(kwargs or {}), strict=False)
     except Exception as e:  # noqa: BLE001 - reported with the cause
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UnsupportedModelError(

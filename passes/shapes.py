@@ -17,6 +17,8 @@ containers (an LSTM's ``(output, (h, c))``), or ``None`` for non-tensor values (
 
 from __future__ import annotations
 
+import contextlib
+import io
 from typing import Any
 
 import torch
@@ -51,7 +53,9 @@ class _PdShapeProp(ShapeProp):
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> fx.GraphModule:
     """Annotate every node of ``gm`` with ``pd.tensor`` by running it on ``example_inputs``."""
-    with torch.no_grad():
+    # ShapeProp prints the failing node's traceback to stderr before re-raising; the pass runner
+    # reports the error itself (one line naming the pass), so keep stderr clean.
+    with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
         _PdShapeProp(gm).propagate(*example_inputs)
     return gm
 

@@ -75,6 +75,7 @@ class PdTracer(fx.Tracer):
         self.extra_leaf_names: set[str] = set()
         self.diagnose = diagnose
         self.offences: list[Offence] = []
+        self.seen_branches: set[str] = set()
         self.record_stack_traces = True
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
@@ -88,10 +89,14 @@ class PdTracer(fx.Tracer):
     def to_bool(self, obj: fx.Proxy) -> bool:
         if not self.diagnose:
             return super().to_bool(obj)
-        self._record("data-dependent control flow", "a Python `if`/`while`/`assert` on a tensor's value",
-                     "compute both branches and select with torch.where, move the decision out of "
-                     "forward(), or mark the module as a leaf (leaf_modules=[...])")
-        return True
+        where = _user_frame()
+        seen = where in self.seen_branches
+        self.seen_branches.add(where)
+        if not seen:
+            self._record("data-dependent control flow", "a Python `if`/`while`/`assert` on a tensor's value",
+                         "compute both branches and select with torch.where, move the decision out of "
+                         "forward(), or mark the module as a leaf (leaf_modules=[...])")
+        return not seen  # a `while` on a tensor: enter its body once, then leave the loop
 
     def iter(self, obj: fx.Proxy) -> Iterator:
         if not self.diagnose:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from pdcompile.errors import CheckpointError
+from pdcompile.runtime.checkpoint import _load
 
 _FILE = re.compile(r"^stage_(\d+)\.rank_(\d+)\.pt$")
 
@@ -32,7 +33,7 @@ def merge_weights(program_dir: str | os.PathLike[str], weights_dir: str | os.Pat
     for path in files:
         stage = int(_FILE.match(path.name).group(1))  # type: ignore[union-attr]
         seen_stages.add(stage)
-        tensors = torch.load(path, weights_only=True, map_location="cpu")
+        tensors = _load(path)
         for local, t in tensors.items():
             orig = names[stage].get(local)
             if orig is None:

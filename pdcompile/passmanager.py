@@ -58,7 +58,7 @@ def run_passes(passes: Sequence[Pass], state: CompileState, dump_dir: str | os.P
             before = [q.name for q in passes[:i]]
             raise PassError(
                 f"An error occurred when running the {p.name!r} pass after the following passes: "
-                f"{before}: {type(e).__name__}: {e}"
+                f"{before}: {_cause(e)}"
             ) from e
         dt = time.perf_counter() - t0
         text = p.dump(state)
@@ -66,6 +66,14 @@ def run_passes(passes: Sequence[Pass], state: CompileState, dump_dir: str | os.P
         if dump_dir:
             write_dump(dump_dir, start_index + i, p.name, dt, text)
     return state, records
+
+
+def _cause(e: BaseException) -> str:
+    """The innermost cause of ``e`` (fx and ShapeProp wrap the user's error) as one line."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 def dump_header(name: str, seconds: float) -> str:

@@ -386,6 +386,11 @@ def from_json(data: Mapping[str, Any], where: str = "<json>") -> Profile:
     for key in ("batch_size", "layers"):
         if key not in data:
             raise ProfileError(f"{where}: missing key {key!r}")
+    for key in ("layers", "inputs", "outputs"):
+        if key in data and not (isinstance(data[key], list)
+                                and all(isinstance(x, Mapping if key != "outputs" else str) for x in data[key])):
+            kind = "objects" if key != "outputs" else "names"
+            raise ProfileError(f"{where}: {key!r} must be a list of {kind}, got {type(data[key]).__name__}")
     layers = []
     for k, d in enumerate(data["layers"]):
         missing = [f for f in _REQUIRED_LAYER if f not in d]

@@ -290,7 +290,11 @@ def _load(path: Path) -> Any:
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise CheckpointError(f"{path}: can't be loaded with weights_only=True ({type(e).__name__}: {e})") from None
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "Unsupported global" in ln), lines[0] if lines else "")
+        why = why.replace("WeightsUnpickler error: ", "").split(" Please use")[0]
+        raise CheckpointError(f"{path}: can't be loaded with weights_only=True ({type(e).__name__}: {why}). "
+                              f"Fix: use a checkpoint written by train.py; never unpickle files you don't trust") from None
 
 
 def load_rank(folder: str | os.PathLike[str], plan: Mapping[str, Any], stage: int,

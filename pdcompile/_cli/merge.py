@@ -44,6 +44,9 @@ def resolve(path: str | Path) -> Path:
     folder = Path(path)
     if not folder.is_dir():
         raise UsageError(f"{folder}: no such folder. Fix: give train.py's --checkpoint-dir or a step folder in it")
+    if checkpoint._STEP_DIR.match(folder.name):
+        checkpoint.read_manifest(folder)  # a step folder must be complete (raises CheckpointError)
+        return folder
     if (folder / checkpoint.MANIFEST).is_file() or any(folder.glob("stage_*.rank_*.pt")):
         return folder
     found = checkpoint.checkpoints(folder)
