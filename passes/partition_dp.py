@@ -81,6 +81,7 @@ __all__ = [
     "SCHEDULES",
     "Block",
     "Evaluation",
+    "StageCost",
     "partition_dp",
     "pipeline_plan",
     "pipeline_time",
@@ -201,16 +202,31 @@ def _cumsum0(x: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class StageCost:
+    """One worker-level stage as the cost model sees it (see :class:`pdcompile.plan.StagePlan`)."""
+
+    first: int
+    last: int
+    ranks: tuple[int, ...]
+    compute_s: float
+    comm_s: float
+    time_s: float
+    send_s: float
+    memory_bytes: float
+    in_flight: int
+    weight_versions: int
+
+
+@dataclass(frozen=True)
 class Evaluation:
     """A configuration's predicted cost: ``seconds`` per minibatch (the max of ``terms``),
-    ``terms`` as (what, seconds) — stages, links, weight syncs — and per worker-level stage
-    ``(first, last, ranks, compute_s, comm_s, time_s, send_s, memory_bytes, in_flight,
-    versions)``."""
+    ``terms`` as (what, seconds) — stages, links, weight syncs — with the ``bottleneck`` named,
+    and every worker-level stage's costs."""
 
     seconds: float
     bottleneck: str
     terms: tuple[tuple[str, float], ...]
-    stages: tuple[tuple[Any, ...], ...]
+    stages: tuple[StageCost, ...]
     peak_memory: float
 
 
@@ -275,19 +291,20 @@ class _Model:
         # default level 1, r replicas: F + AR_r + OPT with AR_r = 2 (r-1)/(r B1) W
         m1 = self.counts[0]
         self.P2 = np.stack([_cumsum0(f + self._alpha(r) * w) for r in range(m1 + 1)])
+        # rows offset so that the whole array is sorted: one searchsorted serves every r
+        span = 2.0 * float(self.P2[:, -1].max()) or 1.0  # relative, so tiny times keep their precision
+        self.P2flat = (self.P2 + span * np.arange(m1 + 1)[:, None]).ravel()
         # bytes received by a stage starting at i (monotone envelope of cut_bytes[i-1])
         inb = np.zeros(N + 1)
-        first_cut = cut[0] if N > 1 and math.isfinite(cut[0]) else 0.0
-        inb[0] = 0.0
         for i in range(1, N):
             inb[i] = min(cut[i - 1], inb[i - 1] + o[i - 1])
-        _ = first_cut
         self.inb = inb
         # boundary thresholds per level: 2 a / B_k (inf: forbidden cut)
         self.tcut = [2.0 * cut / b for b in self.B]
         self._mem_table: np.ndarray | None = None
         self._tau: float | None = None
         self._nxt: dict[int, np.ndarray] = {}
+        self._pair_cache: dict[tuple[int, int, bool, bool], tuple[np.ndarray, np.ndarray]] = {}
         self.conservative_levels: set[int] = set()
 
     # -- scalar pieces of the model ------------------------------------------------------------
@@ -319,9 +336,10 @@ class _Model:
             fixed, per = W * (self.versions(1) + 1 + self.opt_factor), X
         if fixed + per > M:
             return 0
-        if per == 0:
+        room = (M - fixed) / per if per > 0 else math.inf
+        if not math.isfinite(room):  # nothing (or next to nothing) to stash per minibatch
             return self.sizes[-1] + 1
-        return int(min(self.sizes[-1] + 1, math.floor((M - fixed) / per)))
+        return int(min(self.sizes[-1] + 1, math.floor(room)))
 
     def level1_stage(self, i: int, j: int, r: int) -> tuple[float, float]:
         """(stage time per minibatch, its weight-sync part) of a level-1 stage."""
@@ -346,48 +364,47 @@ class _Model:
     # -- evaluation of a block tree -------------------------------------------------------------
     def evaluate(self, blocks: Sequence[Block]) -> Evaluation:
         terms: list[tuple[str, float]] = []
-        stages: list[tuple[Any, ...]] = []
+        stages: list[StageCost] = []
         flat = flatten_blocks(blocks, self.cluster)
         names = self.chain.layers
 
         def rec(bs: Sequence[Block], level: int, scale: Fraction, e: Fraction) -> None:
-            total_after = [sum(b.units for b in bs[p + 1:]) for p in range(len(bs))]
             for p, b in enumerate(bs):
-                d_after = total_after[p]
+                d_after = sum(x.units for x in bs[p + 1:])
                 if level == 1:
                     t, comm = self.level1_stage(b.first, b.last, b.units)
                     k = math.ceil((b.units + d_after + e) / b.units)
-                    idx = len(stages)
-                    terms.append((f"stage {idx} ({_span(names, b.first, b.last)})", float(t * scale)))
-                    stages.append([b.first, b.last, None,
-                                   float(self.rng(self.PC, b.first, b.last) / b.units * scale),
-                                   float(comm * scale), float(t * scale), 0.0,
-                                   self.memory(b.first, b.last, int(k)), int(k), self.versions(int(k))])
+                    terms.append((f"stage {len(stages)} ({_span(names, b.first, b.last)})", float(t * scale)))
+                    stages.append(StageCost(
+                        b.first, b.last, flat[len(stages)][2],
+                        compute_s=float(self.rng(self.PC, b.first, b.last) / b.units * scale),
+                        comm_s=float(comm * scale), time_s=float(t * scale), send_s=0.0,
+                        memory_bytes=self.memory(b.first, b.last, k), in_flight=k,
+                        weight_versions=self.versions(k),
+                    ))
                 else:
                     first_stage = len(stages)
                     rec(b.inner, level - 1, scale / b.units, (e + d_after * self.sizes[level - 1]) / b.units)
-                    comm = self.outer_comm(b.first, b.last, b.units, level) * scale
+                    comm = float(self.outer_comm(b.first, b.last, b.units, level) * scale)
                     if b.units > 1:
                         lvname = self.cluster.levels[level - 1].name
                         terms.append((f"weight sync of stages {first_stage}-{len(stages) - 1} across "
-                                      f"{b.units} {lvname}", float(comm)))
-                    for s in stages[first_stage:]:
-                        s[4] = max(s[4], float(comm))
+                                      f"{b.units} {lvname}", comm))
+                    for q in range(first_stage, len(stages)):
+                        stages[q] = replace(stages[q], comm_s=max(stages[q].comm_s, comm))
                 if p + 1 < len(bs):
                     a = float(self.cut[b.last])
-                    tl = 2.0 * a / self.B[level - 1] * scale if a > 0 else 0.0
+                    tl = float(2.0 * a / self.B[level - 1] * scale) if a > 0 else 0.0
                     idx = len(stages) - 1
                     terms.append((f"link {idx}->{idx + 1} ({self.cluster.levels[level - 1].name}, "
-                                  f"{format_quantity(a, 'memory')})", float(tl)))
-                    stages[idx][6] = float(tl)
+                                  f"{format_quantity(a, 'memory')})", tl))
+                    stages[idx] = replace(stages[idx], send_s=tl)
 
         rec(blocks, self.L, Fraction(1), Fraction(0))
-        for s, (_f, _l, ranks) in zip(stages, flat):
-            s[2] = ranks
         seconds = max((t for _, t in terms), default=0.0)
         bottleneck = max(terms, key=lambda kv: kv[1])[0] if terms else ""
-        peak = max((s[7] for s in stages), default=0.0)
-        return Evaluation(seconds, bottleneck, tuple(terms), tuple(tuple(s) for s in stages), peak)
+        peak = max((s.memory_bytes for s in stages), default=0.0)
+        return Evaluation(seconds, bottleneck, tuple(terms), tuple(stages), peak)
 
     def data_parallel_time(self) -> float:
         """One stage of all layers replicated over every unit of every level."""
@@ -403,32 +420,22 @@ class _Model:
 
     # -- the feasibility oracle --------------------------------------------------------------
     def _set_tau(self, tau: float) -> None:
-        if self._tau != tau:
-            self._tau = tau
-            self._nxt = {}
-
-    def _next_ok(self, level: int, mult: np.ndarray, p: np.ndarray) -> np.ndarray:
-        """Smallest start >= p whose preceding cut is allowed at ``level`` for threshold
-        ``mult * tau`` (N when none)."""
+        """Fix the bottleneck under test; build, per level, the table ``nxt[mult, p]``: the
+        smallest start >= p whose preceding cut is allowed (finite, ``2a/B_k <= mult * tau``);
+        N when none. ``mult`` is the product of the enclosing blocks' units."""
+        if self._tau == tau:
+            return
+        self._tau = tau
         N = self.N
-        tau = self._tau
-        assert tau is not None
-        uniq = np.unique(mult)
-        rows = []
-        for m in uniq.tolist():
-            key = level * 10_000_019 + int(m)
-            row = self._nxt.get(key)
-            if row is None:
-                ok = np.ones(N + 1, dtype=bool)
-                ok[1:N] = np.isfinite(self.cut) & (self.tcut[level - 1] <= m * tau * (1 + _EPS))
-                idx = np.where(ok, np.arange(N + 1), N)
-                row = np.minimum.accumulate(idx[::-1])[::-1]
-                self._nxt[key] = row
-            rows.append(row)
-        if len(rows) == 1:
-            return rows[0][p]
-        table = np.stack(rows)
-        return table[np.searchsorted(uniq, mult), p]
+        self._nxt = {}
+        finite = np.isfinite(self.cut)
+        for level in range(1, self.L + 1):
+            mmax = self.sizes[-1] // self.sizes[level]  # units of the levels above
+            mults = np.maximum(np.arange(mmax + 1, dtype=float), 1.0)[:, None]
+            ok = np.ones((mmax + 1, N + 1), dtype=bool)
+            ok[:, 1:N] = finite & (self.tcut[level - 1][None, :] <= mults * tau * (1 + _EPS))
+            idx = np.where(ok, np.arange(N + 1), N)
+            self._nxt[level] = np.minimum.accumulate(idx[:, ::-1], axis=1)[:, ::-1]
 
     def _mem_rows(self) -> np.ndarray:
         """``T[k, end]``: smallest start of a stage ending at ``end`` whose memory with ``k``
@@ -457,36 +464,28 @@ class _Model:
 
     @staticmethod
     def _ss(P: np.ndarray, end: np.ndarray, thr: np.ndarray) -> np.ndarray:
-        """Smallest i with P[end+1] - P[i] <= thr."""
+        """Smallest i with P[end+1] - P[i] <= thr (any shapes)."""
         return np.searchsorted(P, P[end + 1] - thr * (1 + _EPS), side="left")
 
-    def _stage_start1(self, end: np.ndarray, r: np.ndarray, thr: np.ndarray, kin: np.ndarray) -> np.ndarray:
-        """Smallest start of a level-1 stage ending at ``end`` with ``r`` workers whose
-        time is within ``thr / r`` and whose memory fits with ``kin`` in flight."""
-        if self.cost_model == "paper":
-            s = self._ss(self.PC, end, thr)
-            with np.errstate(divide="ignore"):
-                wthr = np.where(r > 1, thr * self.B[0] / (2.0 * (r - 1)), np.inf)
-            s = np.maximum(s, self._ss(self.PW, end, wthr))
-        else:
-            s = self._ss(self.P1, end, thr)
-            s2 = np.empty_like(s)
-            for rv in np.unique(r).tolist():
-                sel = r == rv
-                s2[sel] = self._ss(self.P2[rv], end[sel], thr[sel])
-            s = np.maximum(s, s2)
-        if self.memory_on:
-            table = self._mem_rows()
-            kin = np.minimum(kin, len(table) - 1)
-            s = np.maximum(s, table[kin, end])
-        return s
+    def _pairs(self, m: int, w: int, exact: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Candidate (replicas r, downstream units d) of step ``w`` of a level with ``m`` units, as
+        (P, 1) columns: with exact memory every d <= w - r, else only d = w - r."""
+        key = (m, w, exact, self.allow_replication)
+        got = self._pair_cache.get(key)
+        if got is None:
+            rmax = min(w, m if self.allow_replication else 1)
+            pairs = [(r, d) for r in range(1, rmax + 1) for d in (range(w - r + 1) if exact else (w - r,))]
+            got = (np.array([r for r, _ in pairs], dtype=np.int64)[:, None],
+                   np.array([d for _, d in pairs], dtype=np.int64)[:, None])
+            self._pair_cache[key] = got
+        return got
 
     def _group_start(
         self, level: int, end: np.ndarray, mult: np.ndarray, e: np.ndarray, trace: list | None = None
     ) -> np.ndarray:
         """Smallest start of a range ending at ``end`` that one group of ``level`` (its
         ``counts[level-1]`` units) covers within ``mult * tau``, with ``e`` extra downstream
-        workers per unit replica (memory)."""
+        workers per unit replica (memory). Vectorized over queries (1-d arrays)."""
         tau = self._tau
         assert tau is not None
         m = self.counts[level - 1]
@@ -496,57 +495,66 @@ class _Model:
         exact = self.memory_on and m <= EXACT_MEMORY_MAX_UNITS
         if self.memory_on and not exact:
             self.conservative_levels.add(level)
-        rmax = m if self.allow_replication else 1
+        nxt = self._nxt[level]
+        end2, mult2, e2 = end[None, :], mult[None, :], e[None, :]
+        endp1 = end2 + 1
+        cols = np.arange(Q)
         for w in range(1, m + 1):
-            if exact:
-                rr = np.array([r for r in range(1, min(w, rmax) + 1) for _ in range(w - r + 1)], dtype=np.int64)
-                dd = np.array([d for r in range(1, min(w, rmax) + 1) for d in range(w - r + 1)], dtype=np.int64)
-            else:
-                rr = np.arange(1, min(w, rmax) + 1, dtype=np.int64)
-                dd = w - rr
-            P = len(rr)
-            p = Ls[dd]  # (P, Q)
-            endb = np.broadcast_to(end, (P, Q))
-            multb = np.broadcast_to(mult, (P, Q))
-            empty = p > endb
-            p2 = np.where(empty, endb + 1, np.minimum(self._next_ok(level, multb.ravel(), np.minimum(p, self.N).ravel()).reshape(P, Q), endb + 1))
-            se = p2 - 1
-            valid = se >= 0
-            se_c = np.maximum(se, 0).ravel()
-            r_f = np.broadcast_to(rr[:, None], (P, Q)).ravel()
-            d_f = np.broadcast_to(dd[:, None], (P, Q)).ravel()
-            m_f = multb.ravel()
-            e_f = np.broadcast_to(e, (P, Q)).ravel()
+            rr, dd = self._pairs(m, w, exact)
+            p = Ls[dd[:, 0]]  # (P, Q): start of the suffix covered by d units
+            p2 = np.where(p > end2, endp1, np.minimum(nxt[mult2, np.minimum(p, self.N)], endp1))
+            se = p2 - 1  # the new stage ends just before that suffix
+            se_c = np.maximum(se, 0)
+            thr = (rr * mult2) * tau  # the stage's units x its group's threshold
             if level == 1:
-                if self.memory_on:
-                    kin = np.ceil((r_f + d_f + e_f) / r_f - 1e-9).astype(np.int64)
+                if self.cost_model == "paper":
+                    s = self._ss(self.PC, se_c, thr)
+                    with np.errstate(divide="ignore"):
+                        wthr = np.where(rr > 1, thr * self.B[0] / (2.0 * (rr - 1)), np.inf)
+                    s = np.maximum(s, self._ss(self.PW, se_c, wthr))
                 else:
-                    kin = np.zeros(len(r_f), dtype=np.int64)
-                s = self._stage_start1(se_c, r_f, r_f * m_f * tau, kin)
+                    s = self._ss(self.P1, se_c, thr)
+                    # F + AR_r + OPT <= thr on row r of the stacked, offset prefix arrays
+                    row = rr * (self.N + 1)
+                    v = self.P2flat[row + se_c + 1] - thr * (1 + _EPS)
+                    s2 = np.searchsorted(self.P2flat, v, side="left") - row
+                    s = np.maximum(s, s2)
+                if self.memory_on:
+                    table = self._mem_rows()
+                    kin = np.ceil((rr + dd + e2) / rr - 1e-9).astype(np.int64)
+                    np.minimum(kin, len(table) - 1, out=kin)
+                    s = np.maximum(s, table[kin, se_c])
             else:
                 B = self.B[level - 1]
-                thr = r_f * m_f * tau
                 with np.errstate(divide="ignore", invalid="ignore"):
                     if self.cost_model == "paper":
-                        wthr = np.where(r_f > 1, thr * B / (2.0 * (r_f - 1)), np.inf)
+                        wthr = np.where(rr > 1, thr * B / (2.0 * (rr - 1)), np.inf)
                     else:
-                        wthr = np.where(r_f > 1, r_f * thr * B / (2.0 * (r_f - 1)), np.inf)
+                        wthr = np.where(rr > 1, rr * thr * B / (2.0 * (rr - 1)), np.inf)
                 s = self._ss(self.PW, se_c, wthr)
-                e_in = (e_f + d_f * self.sizes[level - 1]) / r_f
-                s_in = self._group_start(level - 1, se_c, m_f * r_f, e_in)
+                P = len(rr)
+                s_in = self._group_start(
+                    level - 1,
+                    se_c.ravel(),
+                    (rr * mult2).ravel(),
+                    ((e2 + dd * self.sizes[level - 1]) / rr).ravel(),
+                ).reshape(P, Q)
                 s = np.maximum(s, s_in)
-            s = s.reshape(P, Q)
-            cand = np.where(valid & (s <= se), s, _BIG)
-            best_idx = np.argmin(cand, axis=0)
-            best = cand[best_idx, np.arange(Q)]
-            Ls[w] = np.minimum(Ls[w - 1], best)
-            if trace is not None:
-                q = 0
-                if best[q] < Ls[w - 1][q]:
-                    b = int(best_idx[q])
-                    trace.append((int(rr[b]), int(dd[b]), int(p2[b, q]), int(s[b, q])))
+            cand = np.where((se >= 0) & (s <= se), s, _BIG)
+            if trace is None:
+                np.minimum(Ls[w - 1], cand.min(axis=0), out=Ls[w])
+            else:
+                bi = np.argmin(cand, axis=0)
+                best = cand[bi, cols]
+                Ls[w] = np.minimum(Ls[w - 1], best)
+                if best[0] < Ls[w - 1][0]:
+                    b = int(bi[0])
+                    trace.append((int(rr[b, 0]), int(dd[b, 0]), int(p2[b, 0]), int(s[b, 0])))
                 else:
                     trace.append(None)
+            if Q == 1 and trace is None and Ls[w, 0] <= 0:  # the whole chain is covered
+                Ls[m] = Ls[w]
+                break
         return Ls[m]
 
     def feasible(self, tau: float) -> bool:
@@ -635,27 +643,37 @@ def _solve(model: _Model) -> tuple[tuple[Block, ...], Evaluation]:
     hi = ev.seconds
     if hi <= 0:
         return blocks, ev
-    lo = max(float(model.PC[-1]) / model.cluster.num_workers, hi * 1e-12)
-    lo = min(lo, hi)
-    while hi > lo * (1 + 1e-7):
-        mid = math.sqrt(lo * hi)
-        if model.feasible(mid):
-            hi = mid
-        else:
-            lo = mid
-    blocks = model.reconstruct(hi)
-    ev = model.evaluate(blocks)
-    # the exact step: is anything strictly better than the found plan's own time?
-    for _ in range(64):
-        probe = ev.seconds * (1 - 1e-9)
-        if probe <= 0 or not model.feasible(probe):
+    if not math.isfinite(hi):  # pragma: no cover - every feasible plan has a finite time
+        raise InfeasiblePlanError(f"no plan of {model.chain.name} has a finite time")
+    # every plan takes at least C / workers (each stage's time >= its compute / its workers)
+    lo = min(float(model.PC[-1]) / model.cluster.num_workers * (1 - 1e-9), hi)
+    if lo <= 0:
+        lo = hi * 1e-12
+        while lo > 0 and model.feasible(lo):
+            hi, lo = lo, lo * 1e-6
+    best = (blocks, ev)
+    for _round in range(32):
+        # bisection in log space down to a 1e-5 bracket (~20 steps for a 1e4 range) ...
+        for _ in range(200):
+            if not hi > lo * (1 + 1e-5) or lo <= 0:
+                break
+            mid = lo * math.sqrt(hi / lo)
+            if not lo < mid < hi:
+                break
+            if model.feasible(mid):
+                hi = mid
+            else:
+                lo = mid
+        blocks = model.reconstruct(hi)
+        ev = model.evaluate(blocks)
+        if ev.seconds < best[1].seconds:
+            best = (blocks, ev)
+        # ... then the exact step: is anything strictly better than the found plan's own time?
+        probe = best[1].seconds * (1 - 1e-9)
+        if probe <= lo or not model.feasible(probe):
             break
-        nb = model.reconstruct(probe)
-        ne = model.evaluate(nb)
-        if ne.seconds >= ev.seconds:
-            break
-        blocks, ev = nb, ne
-    return blocks, ev
+        hi = probe
+    return best
 
 
 def _build_plan(
@@ -671,15 +689,14 @@ def _build_plan(
 ) -> Plan:
     chain = model.chain
     stages = []
-    for idx, (first, last, ranks, compute_s, comm_s, time_s, send_s, mem, k, versions) in enumerate(ev.stages):
-        names = tuple(l.name for l in chain.layers[first:last + 1])
-        members: list[str] = []
-        for l in chain.layers[first:last + 1]:
-            members.extend(l.members or (l.name,))
+    for idx, sc in enumerate(ev.stages):
+        layers = chain.layers[sc.first:sc.last + 1]
+        members = tuple(m for l in layers for m in (l.members or (l.name,)))
         stages.append(StagePlan(
-            index=idx, first=first, last=last, layer_names=names, members=tuple(members),
-            replicas=len(ranks), ranks=tuple(ranks), compute_s=compute_s, comm_s=comm_s,
-            memory_bytes=mem, time_s=time_s, send_s=send_s, in_flight=k, weight_versions=versions,
+            index=idx, first=sc.first, last=sc.last, layer_names=tuple(l.name for l in layers),
+            members=members, replicas=len(sc.ranks), ranks=sc.ranks, compute_s=sc.compute_s,
+            comm_s=sc.comm_s, memory_bytes=sc.memory_bytes, time_s=sc.time_s, send_s=sc.send_s,
+            in_flight=sc.in_flight, weight_versions=sc.weight_versions,
         ))
     dp = model.data_parallel_time()
     b = chain.batch_size
@@ -740,6 +757,8 @@ def _model(chain: Chain, cluster: ClusterSpec, options: dict[str, Any]) -> _Mode
     bad = set(options) - allowed
     if bad:
         raise UsageError(f"unknown option(s) {sorted(bad)}; use {sorted(allowed)}")
+    if options.get("memory_limit") is None and cluster.device.memory is None:
+        options = {**options, "memory_limit": False}  # evaluating needs no limit
     return _Model(chain, cluster, **options)
 
 

@@ -283,12 +283,14 @@ class ClusterSpec:
 
 
 def _read_source(path_or_text: str | os.PathLike[str]) -> tuple[str, str]:
-    if isinstance(path_or_text, os.PathLike):
-        p = Path(path_or_text)
-    elif "\n" in path_or_text or "=" in path_or_text or "[" in path_or_text:
-        return path_or_text, "<toml>"
-    else:
-        p = Path(path_or_text)
+    p = Path(path_or_text)
+    if not isinstance(path_or_text, os.PathLike) and ("\n" in path_or_text or "=" in path_or_text):
+        try:
+            is_file = p.is_file()
+        except OSError:  # e.g. a name too long to be a path
+            is_file = False
+        if not is_file:
+            return path_or_text, "<toml>"  # TOML text, not a file name
     try:
         return p.read_text(), str(p)
     except OSError as e:

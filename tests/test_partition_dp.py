@@ -318,7 +318,7 @@ def test_in_flight_counts_follow_noam():
     chain = make_chain([1.0] * 6, [1.0] * 6, [1.0] * 6, [1.0] * 6, [1.0] * 5)
     cluster = flat_cluster(6, 1e9, memory=1e12)
     ev = evaluate(chain, cluster, [(0, 1, 2), (2, 3, 1), (4, 5, 3)], cost_model="default")
-    assert [s[8] for s in ev.stages] == [3, 4, 1]  # ceil(6/2), ceil(4/1), ceil(3/3)
+    assert [s.in_flight for s in ev.stages] == [3, 4, 1]  # ceil(6/2), ceil(4/1), ceil(3/3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,3 +448,37 @@ def test_pipedream_profiles_plan_within_a_second(name):
         p = partition_dp(chain, paper_cluster(cl), cost_model="paper")
         assert p.planning_seconds < 1.0
         assert p.speedup_vs_data_parallel >= 1 - 1e-9
+
+
+def test_plan_chooses_the_microbatch_size_under_memory():
+    from pdcompile.plan import plan
+
+    def chain_for(b: int) -> Chain:
+        # per-sample costs scale with b, plus a fixed per-minibatch overhead: bigger is faster
+        import dataclasses
+
+        chain = make_chain([0.1 + 0.01 * b] * 4, [0.2 + 0.02 * b] * 4, [10.0] * 4, [5.0 * b] * 4, [5.0 * b] * 3)
+        return dataclasses.replace(chain, batch_size=b)
+
+    sizes = [2, 8, 32]
+    cluster = flat_cluster(4, 1e9, memory=1e9)
+    p = plan(chain_for, cluster, microbatch_sizes=sizes)
+    assert p.microbatch_size == 32
+    # the smallest memory that fits b=32, less 1%: 32 no longer fits, smaller sizes do
+    with pytest.raises(InfeasiblePlanError) as e:
+        partition_dp(chain_for(32), flat_cluster(4, 1e9, memory=1.0))
+    tight = flat_cluster(4, 1e9, memory=e.value.needed_memory_bytes * 0.99)
+    fits = {}
+    for b in sizes:
+        try:
+            fits[b] = partition_dp(chain_for(b), tight).samples_per_second
+        except InfeasiblePlanError:
+            pass
+    assert 32 not in fits and fits
+    q = plan(chain_for, tight, microbatch_sizes=sizes)
+    assert q.microbatch_size == max(fits, key=fits.get)
+    assert all(s.memory_bytes <= tight.device.memory * (1 + 1e-9) for s in q.stages)
+    with pytest.raises(InfeasiblePlanError, match="no microbatch size fits"):
+        plan(chain_for, flat_cluster(4, 1e9, memory=1.0), microbatch_sizes=[2, 8])
+    with pytest.raises(UsageError):
+        plan(chain_for, cluster)

@@ -1,0 +1,168 @@
+"""``pdcompile plan``: choose stages, replicas and ranks for a profile (or a model) on a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from pdcompile.errors import UsageError
+
+EXAMPLES = """\
+Examples:
+  pdcompile plan --profile ../shared/profiles/pipedream/vgg16.txt --cluster cluster.toml
+  pdcompile plan --profile vgg16.txt --cluster paper:A --cost-model paper --json
+  pdcompile plan --profile gpt.json --cluster local:4 --solver ilp --schedule flush
+  pdcompile plan --profile gpt.json --cluster cluster.toml --microbatch 4,8,16
+  pdcompile plan mypkg.models:make_net --input 32x3x224x224 --cluster cluster.toml
+
+--profile FILE is our profile JSON (pdcompile profile ... -o FILE) or a PipeDream graph.txt.
+--cluster is a TOML file ([device] memory, [[levels]] count and bandwidth, innermost first),
+paper:A (4 servers x 4 V100, 10 GB/s inside, 10 Gbit/s between), paper:B (2 x 8 V100,
+300 GB/s NVLink, 25 Gbit/s) or local:N (N processes on this machine).
+With --json, stdout is one JSON object: solver, cost_model, stages (layers [first, last],
+replicas, ranks, ...), predicted (seconds_per_minibatch, samples_per_second,
+data_parallel_samples_per_second, speedup_vs_data_parallel), planning_seconds.
+Exit status: 0 ok, 2 bad input (one line on stderr; --debug for a traceback)."""
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="choose stages, replicas and ranks for a profile on a cluster (PipeDream's planner)",
+        description="Partition a model's layers into pipeline stages, choose how many workers replicate "
+        "each stage and which ranks run what, so that the slowest stage or link is as fast as possible; "
+        "print the plan with its predicted throughput and the speedup over data parallelism.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", nargs="?", metavar="MODULE:FACTORY",
+                   help="a model to trace and profile here (instead of --profile)")
+    p.add_argument("--profile", metavar="FILE", help="profile JSON or PipeDream graph.txt")
+    p.add_argument("--input", dest="inputs", metavar="SHAPE[,SHAPE]",
+                   help="with MODULE:FACTORY: example input shapes, e.g. 32x3x224x224")
+    p.add_argument("--arg", dest="factory_args", action="append", default=[], metavar="KEY=VALUE",
+                   help="with MODULE:FACTORY: keyword argument for the factory (repeatable)")
+    p.add_argument("--cluster", metavar="FILE", required=True,
+                   help="cluster TOML, paper:A, paper:B or local:N")
+    p.add_argument("--solver", choices=("dp", "ilp"), default="dp",
+                   help="dp (fast, exact) or ilp (CP-SAT, warm-started from the DP; proves the optimum)")
+    p.add_argument("--cost-model", choices=("default", "paper"), default="default",
+                   help="paper: the PipeDream paper's formulas exactly; default: ours (memory, overlap)")
+    p.add_argument("--schedule", choices=("1f1b", "flush", "2bw"), default="1f1b",
+                   help="weight versions kept per worker: 1f1b one per in-flight minibatch, flush 1, 2bw 2")
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--memory-limit", dest="memory_limit", action="store_true", default=None,
+                     help="enforce device memory (default: on for the default model, off for paper)")
+    mem.add_argument("--no-memory-limit", dest="memory_limit", action="store_false")
+    p.add_argument("--microbatch", metavar="B[,B...]",
+                   help="plan at these microbatch sizes (from the profile's symbolic costs) and keep the best")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ilp: seconds (default 60)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(func=run)
+
+
+def resolve_cluster(text: str) -> Any:
+    """``paper:A``, ``paper:B``, ``local:N`` or a TOML file."""
+    from pdcompile.cluster import ClusterSpec, local_cpu_cluster, paper_cluster
+
+    kind, _, arg = text.partition(":")
+    if kind == "paper" and arg:
+        return paper_cluster(arg)
+    if kind == "local" and arg:
+        try:
+            n = int(arg)
+        except ValueError:
+            raise UsageError(f"--cluster {text!r}: local:N takes a number of processes, e.g. local:4") from None
+        return local_cpu_cluster(n)
+    if not Path(text).is_file():
+        raise UsageError(f"--cluster {text!r}: no such file; give a cluster TOML, paper:A, paper:B or local:N")
+    return ClusterSpec.from_toml(Path(text))
+
+
+def _profile(args: argparse.Namespace) -> Any:
+    from pdcompile import profile as profile_mod
+
+    if args.profile and args.model:
+        raise UsageError("give either --profile FILE or MODULE:FACTORY, not both")
+    if args.profile:
+        if args.inputs or args.factory_args:
+            raise UsageError("--input and --arg go with MODULE:FACTORY, not with --profile")
+        if not Path(args.profile).is_file():
+            raise UsageError(f"--profile {args.profile!r}: no such file")
+        return profile_mod.load(args.profile)
+    if not args.model:
+        raise UsageError("nothing to plan: give --profile FILE (profile JSON or PipeDream graph.txt) "
+                         "or MODULE:FACTORY --input SHAPE")
+    profile_model = getattr(profile_mod, "profile_model", None)
+    if profile_model is None:
+        try:
+            from pdcompile.passes.annotate_costs import profile_model
+        except ImportError:
+            raise UsageError("profiling a model here needs the annotate-costs pass; profile it with "
+                             "`pdcompile profile MODULE:FACTORY --input SHAPE -o p.json`, then pass "
+                             "--profile p.json") from None
+    import torch
+
+    from pdcompile._cli.profile import _call_factory, parse_inputs
+
+    try:
+        made = _call_factory(args.model, args.factory_args)
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's factory failed: say so in one line
+        raise UsageError(f"{args.model}: calling the factory failed ({type(e).__name__}: {e})") from None
+    if isinstance(made, torch.nn.Module):
+        if not args.inputs:
+            raise UsageError(f"{args.model} returned a module; give its inputs with --input SHAPE")
+        model, inputs, leaf = made, parse_inputs(args.inputs), ()
+    elif hasattr(made, "model") and hasattr(made, "example_inputs"):
+        model = made.model
+        inputs = parse_inputs(args.inputs) if args.inputs else tuple(made.example_inputs)
+        leaf = tuple(getattr(made, "leaf_modules", ()))
+    else:
+        raise UsageError(f"{args.model} returned {type(made).__name__}; it must return an nn.Module or an "
+                         "object with .model and .example_inputs")
+    return profile_model(model, inputs, leaf_modules=leaf,
+                         name=getattr(made, "name", None) or type(model).__name__)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--microbatch {text!r}: give sizes separated by commas, e.g. 4,8,16") from None
+    if not sizes or any(b <= 0 for b in sizes):
+        raise UsageError(f"--microbatch {text!r}: sizes must be positive integers")
+    return sizes
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdcompile.passes.linearize import linearize
+    from pdcompile.plan import plan as make_plan
+    from pdcompile.profile import optimizer_state_factor
+
+    if args.time_limit <= 0:
+        raise UsageError(f"--time-limit must be positive (got {args.time_limit})")
+    cluster = resolve_cluster(args.cluster)
+    prof = _profile(args)
+    options: dict[str, Any] = dict(
+        cost_model=args.cost_model,
+        schedule=args.schedule,
+        memory_limit=args.memory_limit,
+        optimizer_state_factor=optimizer_state_factor(prof.optimizer),
+    )
+    if args.solver == "ilp":
+        options.update(time_limit_s=args.time_limit, hint="dp")
+    if args.microbatch:
+        sizes = _sizes(args.microbatch)
+        result = make_plan(lambda b: linearize(prof.at_batch_size(b)), cluster, solver=args.solver,
+                           microbatch_sizes=sizes, **options)
+    else:
+        result = make_plan(linearize(prof), cluster, solver=args.solver, **options)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(result.table())
+    return 0

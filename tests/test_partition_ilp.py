@@ -1,0 +1,99 @@
+"""The CP-SAT planner (``passes/partition_ilp.py``) finds the same optimum as the DP, on one- and
+two-level clusters, with and without the memory limit, and proves it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("ortools")
+
+from pdcompile.cluster import flat_cluster  # noqa: E402
+from pdcompile.errors import InfeasiblePlanError, UsageError  # noqa: E402
+from pdcompile.passes.partition_dp import blocks_from_ranks, partition_dp, pipeline_time, stage_memory  # noqa: E402
+from pdcompile.passes.partition_ilp import partition_ilp  # noqa: E402
+from pdcompile.plan import plan  # noqa: E402
+from test_partition_dp import _pipedream_chain, chains, make_chain, ref_memory_ok, two_level  # noqa: E402
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _same(dp_time: float, ilp_plan) -> None:
+    assert ilp_plan.optimal, ilp_plan.notes
+    assert ilp_plan.gap == 0.0
+    assert math.isclose(ilp_plan.seconds_per_minibatch, dp_time, rel_tol=1e-6, abs_tol=1e-12)
+
+
+@SETTINGS
+@given(chain=chains(6), workers=st.integers(1, 6), bw=st.sampled_from([1.0, 10.0]),
+       model=st.sampled_from(["paper", "default"]))
+def test_ilp_equals_dp_one_level(chain, workers, bw, model):
+    cluster = flat_cluster(workers, bw)
+    d = partition_dp(chain, cluster, cost_model=model, memory_limit=False)
+    _same(d.seconds_per_minibatch, partition_ilp(chain, cluster, cost_model=model, memory_limit=False,
+                                                  time_limit_s=30))
+
+
+@SETTINGS
+@given(chain=chains(5), m1=st.integers(1, 3), m2=st.integers(1, 3), model=st.sampled_from(["paper", "default"]),
+       b2=st.sampled_from([1.0, 5.0]))
+def test_ilp_equals_dp_two_levels(chain, m1, m2, model, b2):
+    cluster = two_level(m1, m2, 20.0, b2)
+    d = partition_dp(chain, cluster, cost_model=model, memory_limit=False)
+    p = partition_ilp(chain, cluster, cost_model=model, memory_limit=False, time_limit_s=30)
+    _same(d.seconds_per_minibatch, p)
+    assert math.isclose(pipeline_time(chain, cluster, p, cost_model=model), p.seconds_per_minibatch, rel_tol=1e-12)
+
+
+@SETTINGS
+@given(chain=chains(5), two=st.booleans(), frac=st.floats(0.1, 1.2),
+       schedule=st.sampled_from(["1f1b", "flush", "2bw"]))
+def test_ilp_equals_dp_with_memory(chain, two, frac, schedule):
+    limit = max(frac * stage_memory(chain, 0, len(chain) - 1, 1, schedule=schedule), 1e-6)
+    cluster = two_level(2, 3, 20.0, 2.0, memory=limit) if two else flat_cluster(5, 3.0, memory=limit)
+    try:
+        d = partition_dp(chain, cluster, schedule=schedule)
+    except InfeasiblePlanError:
+        with pytest.raises(InfeasiblePlanError):
+            partition_ilp(chain, cluster, schedule=schedule, time_limit_s=30)
+        return
+    p = partition_ilp(chain, cluster, schedule=schedule, time_limit_s=30)
+    _same(d.seconds_per_minibatch, p)
+    blocks = blocks_from_ranks([(s.first, s.last, s.ranks) for s in p.stages], cluster)
+    assert ref_memory_ok(chain, cluster, blocks, limit, schedule)
+
+
+def test_ilp_hint_from_dp_and_plan_entry_point():
+    chain = make_chain([1.0, 2.0, 3.0, 1.0, 2.0], [2.0] * 5, [5.0, 1.0, 1.0, 30.0, 2.0], [3.0] * 5, [4.0] * 4)
+    cluster = two_level(2, 2, 10.0, 1.0, memory=1e4)
+    d = partition_dp(chain, cluster)
+    p = partition_ilp(chain, cluster, hint="dp")
+    _same(d.seconds_per_minibatch, p)
+    q = plan(chain, cluster, solver="ilp", hint=d)
+    assert q.solver == "ilp" and math.isclose(q.seconds_per_minibatch, d.seconds_per_minibatch, rel_tol=1e-6)
+    with pytest.raises(UsageError):
+        partition_ilp(chain, cluster, hint="greedy")
+
+
+def test_ilp_rejects_three_levels():
+    from pdcompile.cluster import ClusterSpec, Device, Level
+
+    chain = make_chain([1.0] * 3, [1.0] * 3, [1.0] * 3, [1.0] * 3, [1.0] * 2)
+    cl = ClusterSpec(Device("d"), (Level("a", 2, 1.0), Level("b", 2, 1.0), Level("c", 2, 1.0)))
+    with pytest.raises(UsageError, match="one or two levels"):
+        partition_ilp(chain, cl, cost_model="paper")
+
+
+def test_ilp_infeasible_memory():
+    chain = make_chain([1.0] * 3, [1.0] * 3, [100.0] * 3, [1.0] * 3, [1.0] * 2)
+    with pytest.raises(InfeasiblePlanError):
+        partition_ilp(chain, flat_cluster(3, 1.0, memory=10.0))
+
+
+def test_vgg16_ilp_is_three_one_and_proven():
+    chain = _pipedream_chain("vgg16")
+    p = partition_ilp(chain, flat_cluster(4, 1e9), cost_model="paper", time_limit_s=120)
+    assert p.optimal and p.configuration == "3-1"

@@ -1,0 +1,167 @@
+"""``pdcompile plan``: the JSON and table outputs, and every bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdcompile.cli import main
+
+from test_partition_dp import PROFILES
+
+VGG = PROFILES / "vgg16.txt"
+
+CLUSTER_1GBS = """\
+[device]
+name = "V100"
+memory = "16 GiB"
+
+[[levels]]
+name = "gpus"
+count = 4
+bandwidth = "1 GB/s"
+"""
+
+
+@pytest.fixture
+def cluster4(tmp_path: Path) -> Path:
+    p = tmp_path / "cluster.toml"
+    p.write_text(CLUSTER_1GBS)
+    return p
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse
+        rc = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _needs_vgg() -> None:
+    if not VGG.exists():
+        pytest.skip(f"{VGG} not found")
+
+
+def test_json_output_schema_and_vgg_three_one(capsys, cluster4):
+    _needs_vgg()
+    rc, out, err = _run(capsys, "plan", "--profile", str(VGG), "--cluster", str(cluster4),
+                        "--cost-model", "paper", "--json")
+    assert rc == 0, err
+    d = json.loads(out)  # stdout is exactly one JSON object
+    assert d["solver"] == "dp" and d["cost_model"] == "paper"
+    assert [s["replicas"] for s in d["stages"]] == [3, 1]
+    assert d["stages"][0]["layers"] == [0, 16] and d["stages"][1]["layers"] == [17, 39]
+    assert sorted(r for s in d["stages"] for r in s["ranks"]) == [0, 1, 2, 3]
+    pred = d["predicted"]
+    for key in ("seconds_per_minibatch", "samples_per_second", "data_parallel_samples_per_second",
+                "speedup_vs_data_parallel"):
+        assert isinstance(pred[key], float)
+    assert pred["speedup_vs_data_parallel"] > 1
+    assert isinstance(d["planning_seconds"], float)
+
+
+def test_table_output(capsys, cluster4):
+    _needs_vgg()
+    rc, out, _ = _run(capsys, "plan", "--profile", str(VGG), "--cluster", str(cluster4), "--cost-model", "paper")
+    assert rc == 0
+    assert "configuration 3-1" in out and "bottleneck:" in out and "speedup" in out
+
+
+def test_ilp_solver_and_builtin_clusters(capsys):
+    _needs_vgg()
+    rc, out, err = _run(capsys, "plan", "--profile", str(VGG), "--cluster", "local:2", "--solver", "ilp",
+                        "--cost-model", "paper", "--json", "--time-limit", "60")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["solver"] == "ilp" and d["optimal"] is True
+    rc, out, err = _run(capsys, "plan", "--profile", str(VGG), "--cluster", "paper:B", "--schedule", "flush",
+                        "--json")
+    assert rc == 0, err
+    assert json.loads(out)["schedule"] == "flush"
+
+
+def test_microbatch_choice(capsys, tmp_path):
+    from pdcompile.profile import Profile, ProfileLayer, save
+
+    layers = tuple(
+        ProfileLayer(name=f"l{i}", op="Linear", forward_s=0.01, backward_s=0.02, output_bytes=1e6,
+                     param_bytes=1e6, inputs=(f"l{i - 1}",) if i else (), output_bytes_expr="125000*b")
+        for i in range(6)
+    )
+    path = tmp_path / "p.json"
+    save(Profile(layers=layers, batch_size=8, name="toy"), path)
+    rc, out, err = _run(capsys, "plan", "--profile", str(path), "--cluster", "local:2", "--microbatch", "4,8,16",
+                        "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["microbatch_size"] in (4, 8, 16)
+    assert any("microbatch size chosen" in n for n in d["notes"])
+
+
+BAD_TOML = {
+    "unit": ('[device]\nname = "x"\nmemory = "16 GiB"\n\n[[levels]]\ncount = 4\nbandwidth = "10 furlongs"\n',
+             ":7:", "levels[0].bandwidth"),
+    "count": ('[device]\nmemory = "16 GiB"\n\n[[levels]]\ncount = 0\nbandwidth = "10 GB/s"\n',
+              ":5:", "levels[0].count"),
+    "syntax": ("[device\n", "invalid TOML", ""),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TOML))
+def test_bad_cluster_files(capsys, tmp_path, case):
+    _needs_vgg()
+    text, where, key = BAD_TOML[case]
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    rc, out, err = _run(capsys, "plan", "--profile", str(VGG), "--cluster", str(p))
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert where in err and key in err
+
+
+def test_bad_inputs_exit_2_with_one_line(capsys, tmp_path, cluster4):
+    _needs_vgg()
+    bad_profile = tmp_path / "bad.txt"
+    bad_profile.write_text("node1 -- Conv -- forward_compute_time=oops\n")
+    no_mem = tmp_path / "nomem.toml"
+    no_mem.write_text('[device]\nname = "x"\n\n[[levels]]\ncount = 2\nbandwidth = "1 GB/s"\n')
+    tiny = tmp_path / "tiny.toml"
+    tiny.write_text('[device]\nname = "x"\nmemory = "1 MiB"\n\n[[levels]]\ncount = 2\nbandwidth = "1 GB/s"\n')
+    cases = {
+        "missing profile": (["--profile", str(tmp_path / "nope.txt"), "--cluster", str(cluster4)], "no such file"),
+        "nothing to plan": (["--cluster", str(cluster4)], "nothing to plan"),
+        "both": (["x:y", "--profile", str(VGG), "--cluster", str(cluster4)], "not both"),
+        "missing cluster": (["--profile", str(VGG), "--cluster", str(tmp_path / "c.toml")], "no such file"),
+        "bad local": (["--profile", str(VGG), "--cluster", "local:two"], "local:N"),
+        "bad paper": (["--profile", str(VGG), "--cluster", "paper:C"], "unknown paper cluster"),
+        "malformed profile": (["--profile", str(bad_profile), "--cluster", str(cluster4)], "bad.txt"),
+        "memory unknown": (["--profile", str(VGG), "--cluster", str(no_mem)], "device.memory"),
+        "does not fit": (["--profile", str(VGG), "--cluster", str(tiny)], "smallest per-worker memory"),
+        "bad microbatch": (["--profile", str(VGG), "--cluster", str(cluster4), "--microbatch", "a,b"], "--microbatch"),
+        "bad time limit": (["--profile", str(VGG), "--cluster", str(cluster4), "--time-limit", "-1"], "--time-limit"),
+        "input with profile": (["--profile", str(VGG), "--cluster", str(cluster4), "--input", "8x3"], "--input"),
+        "bad factory": (["nosuchmodule_xyz:make", "--input", "8x3", "--cluster", str(cluster4)], "cannot import"),
+    }
+    for name, (argv, needle) in cases.items():
+        rc, out, err = _run(capsys, "plan", *argv)
+        assert rc == 2, (name, rc, err)
+        assert out == "", name
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in err, (name, err)
+        assert needle in err, (name, err)
+
+
+def test_argparse_errors_exit_2(capsys):
+    for argv in (["plan"], ["plan", "--profile", "x", "--cluster", "y", "--solver", "greedy"],
+                 ["plan", "--profile", "x", "--cluster", "y", "--cost-model", "nope"]):
+        rc, out, err = _run(capsys, *argv)
+        assert rc == 2 and "error:" in err.strip().splitlines()[-1]
+
+
+def test_debug_shows_traceback(capsys, tmp_path):
+    with pytest.raises(Exception):
+        main(["--debug", "plan", "--profile", str(tmp_path / "nope"), "--cluster", "local:2"])
