@@ -95,7 +95,8 @@ def _target(text: str | None, inputs: tuple[Any, ...]) -> Any:
 
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", metavar="FILE", help="cluster TOML: the planner chooses stages and replicas")
+    p.add_argument("--cluster", metavar="FILE", help="cluster TOML (or paper:A, paper:B, local:N): the planner "
+                                                   "chooses stages and replicas")
     p.add_argument("--stages", type=int, help="split into this many stages of similar size instead of planning")
     p.add_argument("--schedule", default="flush", help="gpipe, flush, 1f1b, 2bw (default: flush)")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per minibatch (default 4)")
@@ -130,9 +131,9 @@ def compile_from_args(args: argparse.Namespace) -> tuple[LoadedModel, Any]:
                          f"and --loss CLASS, or a factory returning .target and .loss_fn")
     cluster = None
     if args.cluster:
-        from pdcompile.cluster import ClusterSpec
+        from pdcompile._cli.plan import resolve_cluster
 
-        cluster = ClusterSpec.from_toml(args.cluster)
+        cluster = resolve_cluster(args.cluster)
     pipe = pdcompile(m.model, cluster, example_inputs=m.example_inputs, example_target=m.target,
                      loss_fn=m.loss_fn, optimizer=optimizer_factory(args.optimizer), schedule=args.schedule,
                      num_microbatches=args.microbatches, stages=args.stages, leaf_modules=m.leaf_modules)

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pdcompile._cli.plan import resolve_cluster
 from pdcompile.errors import UsageError
 
 EXAMPLES = """\
@@ -48,23 +49,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--measured", metavar="DIR", help="a run's train.py --trace folder, drawn under the prediction")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     p.set_defaults(func=run)
-
-
-def load_cluster(text: str) -> Any:
-    """``paper:A``, ``paper:B``, ``local:N`` or a TOML file."""
-    from pdcompile.cluster import ClusterSpec, local_cpu_cluster, paper_cluster
-
-    kind, _, arg = text.partition(":")
-    if kind == "paper" and arg:
-        return paper_cluster(arg)
-    if kind == "local" and arg:
-        try:
-            return local_cpu_cluster(int(arg))
-        except ValueError:
-            raise UsageError(f"--cluster {text!r}: local:N takes a number of processes, e.g. local:2") from None
-    if not Path(text).is_file():
-        raise UsageError(f"--cluster {text!r}: no such file; give a cluster TOML, paper:A, paper:B or local:N")
-    return ClusterSpec.from_toml(text)
 
 
 def _read_source(path: Path) -> tuple[str, Any, dict[str, Any]]:
@@ -123,7 +107,7 @@ def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
         raise UsageError("--microbatches and --steps must be at least 1")
     overlap = not args.no_overlap
     notes: list[str] = []
-    cluster = load_cluster(args.cluster) if args.cluster else None
+    cluster = resolve_cluster(args.cluster) if args.cluster else None
     planner_schedule = {"gpipe": "flush"}.get(schedule, schedule)
     if kind == "profile":
         if cluster is None:
