@@ -112,7 +112,6 @@ def partition_ilp(
     I, J = np.triu_indices(N)
     C = model.PC[J + 1] - model.PC[I]
     W = model.PW[J + 1] - model.PW[I]
-    F = model.PF[J + 1] - model.PF[I]
     if not math.isfinite(ub):
         ub = float(C.max()) + 2.0 * float(W.max()) * (m1 + m2) / min(B1, B2) + 2.0 * float(
             np.nanmax(np.where(np.isfinite(model.cut), model.cut, 0.0), initial=0.0)) / min(B1, B2)

@@ -16,12 +16,11 @@ microbatches of ``microbatch_size`` samples.
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +33,13 @@ from pdcompile.passes import codegen
 from pdcompile.passes.annotate_costs import DEVICE_SPECS, DeviceSpec, annotate_costs, format_costs, profile_from_graph
 from pdcompile.passes.linearize import linearize, report
 from pdcompile.passes.shapes import format_graph_with_shapes, propagate_shapes
-from pdcompile.passes.split_stages import StageSplit, even_assignment, split_stages
+from pdcompile.passes.split_stages import StageSplit, split_stages
 from pdcompile.passes.export_frontend import trace_any
 from pdcompile.runtime import schedules
 
-SCHEDULE_NAMES = ("gpipe", "flush", "1f1b", "2bw")
+SCHEDULE_NAMES = tuple(schedules.SCHEDULES)  # gpipe, flush, 1f1b, 1f1b-rr, 2bw
+# What the planner's memory model calls each schedule (GPipe keeps one weight version, like Flush).
+_PLANNER_SCHEDULE = {"gpipe": "flush", "1f1b-rr": "1f1b"}
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ class CompiledPipeline:
 
         opts = self.options
         chain = s.chain
-        planner_schedule = {"gpipe": "flush"}.get(opts.schedule, opts.schedule)
+        planner_schedule = _PLANNER_SCHEDULE.get(opts.schedule, opts.schedule)
         if opts.stages is not None:
             n = opts.stages
             if not isinstance(n, int) or n < 1:
@@ -251,7 +252,7 @@ class CompiledPipeline:
         from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
 
         chain, cluster = self.state.chain, self.cluster
-        sched = {"gpipe": "flush"}.get(self.options.schedule, self.options.schedule)
+        sched = _PLANNER_SCHEDULE.get(self.options.schedule, self.options.schedule)
         n = cluster.num_workers
         out: list[tuple[str, Any]] = []
         try:

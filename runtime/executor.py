@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from pdcompile.runtime import comm
 from pdcompile.runtime.program import Program, StageSpec
-from pdcompile.runtime.schedules import Action, Kind
+from pdcompile.runtime.schedules import Action
 
 
 def allreduce_flat(tensors: Sequence[torch.Tensor], group: Any) -> None:
