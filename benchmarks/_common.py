@@ -127,3 +127,16 @@ def load_note() -> str:
 
 def ms(x: float) -> str:
     return f"{x * 1e3:.2f}"
+
+
+def finish_worker(times: Sequence[float], out: str | os.PathLike[str]) -> None:
+    """End a benchmark worker: gather every rank's step times, rank 0 writes them to ``out`` as
+    ``{"step_times_s": [[rank 0 times], ...]}``, then leave the process group."""
+    import torch.distributed as dist
+
+    gathered: list[list[float]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, list(times))
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({"step_times_s": gathered}))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks import _slow_link
-from benchmarks._common import bench_model, sgd
+from benchmarks._common import bench_model, finish_worker, sgd
 
 
 def main() -> None:
@@ -53,12 +51,7 @@ def main() -> None:
         b.loss_fn(model(*xs), y).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    gathered: list[list[float]] = [[] for _ in range(world)]
-    dist.all_gather_object(gathered, times)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps({"step_times_s": gathered}))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(times, args.out)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from benchmarks._common import finish_worker
 from pdcompile.runtime.program import Program, build
 
 
@@ -90,12 +89,7 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
         if os.environ.get("PD_BENCH_DEBUG"):
             print(f"rank {rank} step {len(times)} {times[-1]:.4f}", flush=True)
-    gathered: list[list[float]] = [[] for _ in range(world)]
-    dist.all_gather_object(gathered, times)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps({"step_times_s": gathered}))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(times, args.out)
 
 
 if __name__ == "__main__":

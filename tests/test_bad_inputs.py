@@ -61,8 +61,6 @@ class Case:
     api: Callable[[Ctx], Any]
     cli: Callable[[Ctx], list[str]]
     check_report: bool = False  # CLI is `pdcompile check`: a report on stdout, exit 2
-    api_bug: str | None = None  # known bug: the API test is xfail(strict) with this reason
-    cli_bug: str | None = None  # known bug: the CLI test is xfail(strict) with this reason
     hangs: bool = False  # a known hang: bounded by a short timeout
 
 
@@ -301,17 +299,9 @@ def _ctx(case: Case, tmp_path: Path, request: pytest.FixtureRequest) -> Ctx:
     return Ctx(out=out)
 
 
-def _params(bug: str) -> list[Any]:
-    marks = []
-    for c in CASES:
-        m: list[Any] = []
-        reason = getattr(c, bug)
-        if reason:
-            m.append(pytest.mark.xfail(strict=True, reason=reason))
-        if c.hangs:
-            m.append(pytest.mark.timeout(4))
-        marks.append(pytest.param(c, id=c.name, marks=m))
-    return marks
+def _params() -> list[Any]:
+    """Every case; those that used to hang get a 4 s timeout."""
+    return [pytest.param(c, id=c.name, marks=[pytest.mark.timeout(4)] if c.hangs else []) for c in CASES]
 
 
 def _assert_names_cause(case: Case, message: str) -> None:
@@ -333,7 +323,7 @@ def test_corpus_is_large_and_indexed() -> None:
     assert on_disk <= used, f"files in tests/bad_inputs/ no case uses: {sorted(on_disk - used)}"
 
 
-@pytest.mark.parametrize("case", _params("api_bug"))
+@pytest.mark.parametrize("case", _params())
 def test_api_raises_the_exact_error(case: Case, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     ctx = _ctx(case, tmp_path, request)
     before = _snapshot(ctx.ck[case.name[5:]]) if ctx.ck else None
@@ -356,7 +346,7 @@ def _run_cli(argv: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[int, s
     return rc, out, err
 
 
-@pytest.mark.parametrize("case", _params("cli_bug"))
+@pytest.mark.parametrize("case", _params())
 def test_cli_exits_2_with_one_error_line(case: Case, tmp_path: Path, request: pytest.FixtureRequest,
                                          capfd: pytest.CaptureFixture[str]) -> None:
     ctx = _ctx(case, tmp_path, request)
