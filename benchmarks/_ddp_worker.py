@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import os
 import time
 
@@ -35,6 +36,15 @@ def main() -> None:
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
+    times = train(args)
+    # The DDP wrapper (its reducer holds the process group) is gone before the group is destroyed:
+    # tearing the group down under a live reducer aborted ~1 run in 8 ("terminate called ...").
+    gc.collect()
+    finish_worker(times, args.out)
+
+
+def train(args: argparse.Namespace) -> list[float]:
+    """Build the DDP model, run ``args.steps`` steps, return this rank's step times."""
     rank, world = dist.get_rank(), dist.get_world_size()
     b = bench_model(args.model, batch_size=args.batch, size=args.size)
     model = DistributedDataParallel(b.model)
@@ -51,7 +61,7 @@ def main() -> None:
         b.loss_fn(model(*xs), y).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    finish_worker(times, args.out)
+    return times
 
 
 if __name__ == "__main__":
