@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import time
@@ -108,6 +109,8 @@ def ddp_main(argv: list[str] | None = None) -> None:
         curve.append({"accuracy": accuracy(model.module), "train_s": float(t)})
     if rank == 0:
         Path(args.out).write_text(json.dumps(curve))
+    del model, opt  # the DDP reducer holds the group: free it before the group (see _ddp_worker)
+    gc.collect()
     dist.destroy_process_group()
 
 
