@@ -38,8 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import functools  # noqa: E402
-import inspect  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -110,15 +108,16 @@ def build(name: str, seed: int = 0) -> Case:
 
 
 def _bw_worker(out: str) -> None:
-    """Under torchrun (2 processes): gloo ping-pong at several sizes; rank 0 writes one-way times."""
+    """Under torchrun (2 processes): gloo send/recv ping-pong and all-reduce at several sizes; rank 0
+    writes ``{"p2p": [[bytes, one-way s], ...], "allreduce": [[bytes, s], ...]}``."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    results = []
+    results: dict[str, list[tuple[int, float]]] = {"p2p": [], "allreduce": []}
     for nbytes in (4 << 10, 64 << 10, 512 << 10, 4 << 20):
         buf = torch.zeros(nbytes // 4)
-        times = []
+        p2p, ar = [], []
         for i in range(25):
             dist.barrier()
             t0 = time.perf_counter()
@@ -128,27 +127,97 @@ def _bw_worker(out: str) -> None:
             else:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
+            t1 = time.perf_counter()
+            dist.barrier()
+            t2 = time.perf_counter()
+            dist.all_reduce(buf)
+            t3 = time.perf_counter()
             if i >= 5:
-                times.append((time.perf_counter() - t0) / 2)
-        results.append((nbytes, statistics.median(times)))
+                p2p.append((t1 - t0) / 2)
+                ar.append(t3 - t2)
+        results["p2p"].append((nbytes, statistics.median(p2p)))
+        results["allreduce"].append((nbytes, statistics.median(ar)))
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def measure_link() -> tuple[float, float, list[tuple[int, float]]]:
-    """(latency s, bandwidth B/s, samples) of gloo send/recv between two local processes: one-way time
-    ``latency + bytes / bandwidth`` through the smallest and the largest message."""
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """The CPU loopback between two local processes, fitted through the smallest and largest message:
+    send/recv one way ``latency_s + bytes / bandwidth``; a 2-rank all-reduce
+    ``allreduce_latency_s + ring bytes / bandwidth``."""
+
+    latency_s: float
+    bandwidth: float
+    allreduce_latency_s: float
+    samples: dict[str, list[tuple[int, float]]]
+
+
+def measure_link() -> Link:
+    """:class:`Link`, measured by a 2-process torchrun of :func:`_bw_worker`."""
     from benchmarks._common import torchrun
+    from pdcompile.simulate import ring_allreduce_s
 
     out = Path(tempfile.mkdtemp(prefix="pd-bw-")) / "bw.json"
     rc, log = torchrun("benchmarks.bench_predicted_vs_measured", 2, ["--bw-worker", str(out)], timeout=180)
     if rc != 0:
         raise RuntimeError(f"the loopback microbenchmark failed ({rc}):\n{log[-2000:]}")
-    samples = sorted((int(n), float(t)) for n, t in json.loads(out.read_text()))
-    (n0, t0), (n1, t1) = samples[0], samples[-1]  # latency from the smallest, bandwidth from the largest
+    raw = json.loads(out.read_text())
+    samples = {k: sorted((int(n), float(t)) for n, t in v) for k, v in raw.items()}
+    (n0, t0), (n1, t1) = samples["p2p"][0], samples["p2p"][-1]
     bw = (n1 - n0) / max(t1 - t0, 1e-9)
-    return max(0.0, t0 - n0 / bw), bw, samples
+    a0 = samples["allreduce"][0]
+    return Link(max(0.0, t0 - n0 / bw), bw, max(0.0, a0[1] - ring_allreduce_s(a0[0], 2, bw)), samples)
+
+
+OVERHEAD_KINDS = ("F", "B", "SF", "SB", "RF", "RB", "ST", "WV")
+
+
+def measure_overheads(steps: int = 12) -> dict[str, float]:
+    """The runtime's fixed cost per action kind on this machine, measured once (like the link).
+
+    A 2-stage Flush run of a model too small to compute anything (an MLP 16-16-16-4, batch 8) is
+    traced; per kind, the median duration of its actions in steady state, less the profiled compute
+    (the stage-0 forwards and last-stage backwards, whose data is local, give ``F`` and ``B``; the
+    optimizer step measured in this process is subtracted from ``ST``), plus the median gap
+    between two consecutive actions of a rank (the executor's loop and its recorder)."""
+    from benchmarks._common import sgd
+    from pdcompile.api import pdcompile
+    from pdcompile.trace_convert import microbatch_of, read_runtime_events
+    from pdcompile.zoo import mlp
+
+    torch.manual_seed(0)
+    cfg = mlp.MLPConfig(in_features=16, hidden=(16, 16), num_classes=4)
+    model = mlp.FAMILY.build(cfg)
+    inputs, target = mlp.FAMILY.make_batch(cfg, torch.device("cpu"), 0, 8 * M)
+    pipe = pdcompile(model, example_inputs=inputs, example_target=target, loss_fn=mlp.FAMILY.loss(),
+                     optimizer=sgd, stages=2, schedule="flush", num_microbatches=M, cost_mode="measured")
+    prog = pipe.emit(Path(tempfile.mkdtemp(prefix="pd-pvm-overhead-")) / "program")
+    trace = Path(tempfile.mkdtemp(prefix="pd-pvm-overhead-trace-"))
+    run_program(prog, 2, "flush", steps, trace)
+    events = read_runtime_events(trace, drop_versions=False)
+    chain, plan = pipe.state.chain, pipe.plan
+    scale = plan.microbatch_size / chain.batch_size
+    first, last = plan.stages[0], plan.stages[-1]
+    compute = {"F": sum(l.forward_s for l in chain.layers[first.first:first.last + 1]) * scale,
+               "B": sum(l.backward_s for l in chain.layers[last.first:last.last + 1]) * scale,
+               "ST": statistics.fmean(step_seconds([st.gm for st in pipe.split.stages]))}
+    steady = [e for e in events if (microbatch_of(e.name) if microbatch_of(e.name) is not None
+                                    else WARMUP * M) >= WARMUP * M]
+    durations: dict[str, list[float]] = {}
+    for e in steady:
+        kind = e.name.lstrip("0123456789").rstrip("0123456789")
+        if kind == "F" and e.rank != 0 or kind == "B" and e.rank != len(plan.stages) - 1:
+            continue  # these wait for a peer inside the action
+        durations.setdefault(kind, []).append(e.end_s - e.start_s)
+    gaps = []
+    for r in {e.rank for e in events}:
+        mine = sorted((e for e in events if e.rank == r), key=lambda e: e.start_s)
+        gaps += [max(0.0, b.start_s - a.end_s) for a, b in zip(mine, mine[1:])]
+    gap = statistics.median(gaps) if gaps else 0.0
+    return {k: max(0.0, statistics.median(durations[k]) - compute.get(k, 0.0)) + gap
+            for k in OVERHEAD_KINDS if k in durations}
 
 
 def step_seconds(stage_modules: list[nn.Module], repeats: int = 30) -> list[float]:
@@ -175,43 +244,56 @@ def step_seconds(stage_modules: list[nn.Module], repeats: int = 30) -> list[floa
     return out
 
 
+def copy_bandwidth(stage_modules: list[nn.Module], repeats: int = 20) -> float:
+    """Bytes per second of cloning the stages' parameters (what weight stashing does per version)."""
+    params = [p for mod in stage_modules for p in mod.parameters()]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        clones = [p.detach().clone() for p in params]
+        times.append(time.perf_counter() - t0)
+        del clones
+    return nbytes / max(statistics.median(times), 1e-9)
+
+
 # ---------------------------------------------------------------------------------------------
 # prediction and measurement
 
 
-def scaled_chain(chain: Any, factor: float) -> Any:
-    """The chain with every compute cost multiplied by ``factor`` (the contention adjustment)."""
-    layers = tuple(dataclasses.replace(l, forward_s=l.forward_s * factor, backward_s=l.backward_s * factor)
-                   for l in chain.layers)
+def scaled_chain(chain: Any, plan: Any, factors: list[tuple[float, float]]) -> Any:
+    """The chain with stage ``s``'s forward costs multiplied by ``factors[s][0]`` and backward costs by
+    ``factors[s][1]`` (the contention adjustment)."""
+    stage = {i: s for s, st in enumerate(plan.stages) for i in range(st.first, st.last + 1)}
+    layers = tuple(dataclasses.replace(l, forward_s=l.forward_s * factors[stage[i]][0],
+                                       backward_s=l.backward_s * factors[stage[i]][1])
+                   for i, l in enumerate(chain.layers))
     return dataclasses.replace(chain, layers=layers)
 
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """What the simulation needs besides the plan: cluster, optimizer step, tied weights."""
+    """What the simulation needs besides the plan: link, optimizer step, tied weights, overheads."""
 
     cluster: Any
+    latency_s: float
+    collective_latency_s: float
     step_s: list[float]
-    tied_s: float | None  # all-reduce of tied gradients (None: no tied weights)
+    tied_bytes: float  # parameters tied across stages (the GPT's embedding); 0: none
+    tied_stages: tuple[int, ...]
+    overhead_s: dict[str, float]
+    recv_progress: str  # "on_wait" when every core runs a stage (gloo's I/O thread waits for a core)
+    copy_bandwidth: float  # bytes/s of cloning weights (weight stashing's copies)
 
 
 def simulate(plan: Any, chain: Any, setup: Setup, schedule: str, num_steps: int) -> Any:
-    """:func:`pdcompile.simulate.simulate_plan`, with the schedule's ``TG`` actions when the model ties
-    weights across stages (the emitted program runs them; ``simulate_plan`` has no ``tied=`` yet, so
-    it is passed through to the schedule here)."""
-    import pdcompile.simulate as sim
+    """:func:`pdcompile.simulate.simulate_plan` with the measured link, step, tied weights and overheads."""
+    from pdcompile.simulate import simulate_plan
 
-    if setup.tied_s is None:
-        return sim.simulate_plan(plan, chain, setup.cluster, schedule, M, num_steps=num_steps, step_s=setup.step_s)
-    if "tied" in inspect.signature(sim.simulate_plan).parameters:  # pragma: no cover - once it has one
-        return sim.simulate_plan(plan, chain, setup.cluster, schedule, M, num_steps=num_steps, step_s=setup.step_s,
-                                 tied=True, tied_s=setup.tied_s)
-    original = sim.simulate_schedule
-    sim.simulate_schedule = functools.partial(original, tied=True, tied_s=setup.tied_s)  # type: ignore[assignment]
-    try:
-        return sim.simulate_plan(plan, chain, setup.cluster, schedule, M, num_steps=num_steps, step_s=setup.step_s)
-    finally:
-        sim.simulate_schedule = original  # type: ignore[assignment]
+    return simulate_plan(plan, chain, setup.cluster, schedule, M, num_steps=num_steps, step_s=setup.step_s,
+                         tied_bytes=setup.tied_bytes, tied_stages=setup.tied_stages, latency_s=setup.latency_s,
+                         collective_latency_s=setup.collective_latency_s, overhead_s=setup.overhead_s,
+                         recv_progress=setup.recv_progress, copy_bandwidth=setup.copy_bandwidth)
 
 
 def predict(plan: Any, chain: Any, setup: Setup, schedule: str) -> float:
@@ -242,22 +324,40 @@ def run_program(prog: Path, nproc: int, schedule: str, steps: int, trace: Path |
 # ---------------------------------------------------------------------------------------------
 
 
-def compute_slowdown(events: list[Any], chain: Any, plan: Any) -> float:
-    """How much slower pure-compute actions ran in the traced run than profiled: the geometric mean
-    of (median stage-0 forward / profiled) and (median last-stage backward / profiled), warm-up
-    minibatches excluded."""
+def copies_by_action(schedule: str, num_stages: int, steps: int, tied: bool) -> dict[str, int]:
+    """Action name (``0B17``) -> weight-sized copies the runtime makes in it (weight stashing)."""
+    from pdcompile.runtime.schedules import Kind, make_schedule, version_copies
+
+    sched = make_schedule(schedule, [1] * num_stages, M, tied=tied, num_steps=steps)
+    return {str(a): n for acts in sched.values() for a, n in zip(acts, version_copies(acts))
+            if a.kind is Kind.BACKWARD}
+
+
+def compute_slowdown(events: list[Any], chain: Any, plan: Any, overhead: dict[str, float],
+                     copy_s: list[float] | None = None, copies: dict[str, int] | None = None) -> list[tuple[float, float]]:
+    """How much slower each stage's compute ran in the traced run than profiled: per stage, (mean
+    forward / profiled forward, mean backward / profiled backward) — the mean, not the median, as a
+    step is the sum of its actions, slow ones included — each action less its measured
+    per-action overhead (and, for a backward that hands a stashed version's gradients over, its copy:
+    ``copy_s[stage]`` times ``copies[name]``), warm-up minibatches excluded. The runtime records a
+    forward or backward from the end of its receive's wait, so these are compute only."""
     from pdcompile.trace_convert import microbatch_of
 
-    S = len(plan.stages)
     scale = plan.microbatch_size / chain.batch_size
-    first, last = plan.stages[0], plan.stages[-1]
-    prof_f = sum(l.forward_s for l in chain.layers[first.first:first.last + 1]) * scale
-    prof_b = sum(l.backward_s for l in chain.layers[last.first:last.last + 1]) * scale
-    f = [e.end_s - e.start_s for e in events if e.rank == 0 and e.category == "forward"
-         and (microbatch_of(e.name) or 0) >= WARMUP * M]
-    b = [e.end_s - e.start_s for e in events if e.rank == S - 1 and e.category == "backward"
-         and (microbatch_of(e.name) or 0) >= WARMUP * M]
-    return math.sqrt(statistics.median(f) / prof_f * statistics.median(b) / prof_b)
+    out = []
+    for s, st in enumerate(plan.stages):
+        ratios = []
+        for kind, attr in (("forward", "forward_s"), ("backward", "backward_s")):
+            prof = sum(getattr(l, attr) for l in chain.layers[st.first:st.last + 1]) * scale
+            d = [e.end_s - e.start_s - (copy_s[s] * copies.get(e.name, 0) if copy_s and copies else 0.0)
+                 for e in events if e.rank == s and e.category == kind and (microbatch_of(e.name) or 0) >= WARMUP * M]
+            ratios.append(max(statistics.fmean(d) - overhead.get(kind[0].upper(), 0.0), 0.0) / prof)
+        out.append((ratios[0], ratios[1]))
+    return out
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(max(x, 1e-9)) for x in xs))
 
 
 def comm_per_step(events: list[Any], steps: int) -> float:
@@ -301,9 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # as each runtime process runs (OMP_NUM_THREADS=1)
     t_start = time.perf_counter()
     load_before = load_note()
-    lat, bw, samples = measure_link()
-    print(f"loopback: latency {lat * 1e6:.1f} us, bandwidth {format_quantity(bw, 'bandwidth')}; "
-          f"samples {[(n, round(t * 1e6, 1)) for n, t in samples]}", flush=True)
+    link = measure_link()
+    lat, bw = link.latency_s, link.bandwidth
+    print(f"loopback: latency {lat * 1e6:.1f} us, bandwidth {format_quantity(bw, 'bandwidth')}, all-reduce latency "
+          f"{link.allreduce_latency_s * 1e6:.1f} us; samples (bytes, us) "
+          f"{ {k: [(n, round(t * 1e6, 1)) for n, t in v] for k, v in link.samples.items()} }", flush=True)
+    overhead = measure_overheads()
+    print("runtime overhead per action (us): " + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in overhead.items()),
+          flush=True)
     cases = plan_cases(args.all)
     if args.only:
         keep = set(args.only.split(","))
@@ -319,28 +424,30 @@ def main(argv: list[str] | None = None) -> int:
         chain, plan = pipe.state.chain, pipe.plan
         cuts = [chain.cut_bytes[st.last] for st in plan.stages[:-1]]
         cut = statistics.fmean(cuts) if cuts else 0.0
-        bw_eff = cut / (lat + cut / bw) if cut else bw
-        cluster = flat_cluster(S, bw_eff, name="cpu")
+        cluster = flat_cluster(S, bw, name="cpu")
         step_s = step_seconds([st.gm for st in pipe.split.stages])
-        tied_s = None
-        if pipe.split.tied:
-            from pdcompile.simulate import ring_allreduce_s
-
-            stage_params = [dict(st.gm.named_parameters()) for st in pipe.split.stages]
-            nbytes = sum(stage_params[g[0][0]][g[0][1]].numel() * 4 for g in pipe.split.tied)
-            tied_s = lat + ring_allreduce_s(nbytes, 2, bw)  # the two owning ranks (the runtime's TG group)
-        setup = Setup(cluster, step_s, tied_s)
+        stage_params = [dict(st.gm.named_parameters()) for st in pipe.split.stages]
+        tied_bytes = float(sum(stage_params[g[0][0]][g[0][1]].numel() * stage_params[g[0][0]][g[0][1]].element_size()
+                               for g in pipe.split.tied))
+        tied_stages = tuple(sorted({s_ for g in pipe.split.tied for s_, _ in g}))
+        progress = "on_wait" if S >= (os.cpu_count() or 1) else "background"
+        setup = Setup(cluster, lat, link.allreduce_latency_s, step_s, tied_bytes, tied_stages, overhead, progress,
+                      copy_bandwidth([st.gm for st in pipe.split.stages]))
         print(f"{name} S={S}: stages {[(st.first, st.last) for st in plan.stages]} of {len(chain)} layers, boundary "
-              f"{format_quantity(cut, 'memory')} at {format_quantity(bw_eff, 'bandwidth')} effective", flush=True)
+              f"{format_quantity(cut, 'memory')}", flush=True)
         for sched in scheds:
             raw = predict(plan, chain, setup, sched)
             trace = Path(tempfile.mkdtemp(prefix="pd-pvm-trace-"))
             metrics = run_program(prog, S, sched, args.steps, trace)
             meas, spread = measured_step(metrics, sched)
             events = read_runtime_events(trace)
-            slow = compute_slowdown(events, chain, plan)
-            cal_chain = scaled_chain(chain, slow)
-            cal_setup = dataclasses.replace(setup, step_s=[x * slow for x in step_s])
+            copy_s = [sum(p.numel() * p.element_size() for p in st.gm.parameters()) / setup.copy_bandwidth
+                      for st in pipe.split.stages]
+            factors = compute_slowdown(events, chain, plan, overhead, copy_s,
+                                       copies_by_action(sched, S, args.steps, bool(pipe.split.tied)))
+            slow = geomean([x for fb in factors for x in fb])
+            cal_chain = scaled_chain(chain, plan, factors)
+            cal_setup = dataclasses.replace(setup, step_s=[x * geomean(list(fb)) for x, fb in zip(step_s, factors)])
             cal = predict(plan, cal_chain, cal_setup, sched)
             rows.append(dict(model=name, S=S, schedule=sched, raw=raw, adj=cal, meas=meas, spread=spread, slow=slow,
                              comm=comm_per_step(events, args.steps), load=os.getloadavg()[0]))
@@ -359,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                 png_done = True
                 print(f"  wrote {args.png}", flush=True)
     elapsed = time.perf_counter() - t_start
-    body = table(rows, lat, bw, load_before, elapsed, args)
+    body = table(rows, link, overhead, load_before, elapsed, args)
     print(body)
     if not args.no_write:
         write_section("Predicted vs measured step time (bench_predicted_vs_measured)", body,
@@ -367,8 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def table(rows: list[dict[str, Any]], lat: float, bw: float, load_before: str, elapsed: float,
-          args: argparse.Namespace) -> str:
+def table(rows: list[dict[str, Any]], link: Link, overhead: dict[str, float], load_before: str,
+          elapsed: float, args: argparse.Namespace) -> str:
     from benchmarks._common import load_note
     from pdcompile.cluster import format_quantity
 
@@ -376,11 +483,16 @@ def table(rows: list[dict[str, Any]], lat: float, bw: float, load_before: str, e
     out = [f"Straight pipelines on CPU processes, {M} microbatches per minibatch, {args.steps} minibatches per "
            f"run ({WARMUP} warm-up), every run traced. Models: " + "; ".join(f"{n}: {build(n).description}"
                                                                            for n in models) + ".",
-           f"Loopback link (gloo send/recv ping-pong, fitted once): latency {lat * 1e6:.1f} us, bandwidth "
-           f"{format_quantity(bw, 'bandwidth')}. Costs: `cost_mode=\"measured\"`, one thread; optimizer step "
-           f"measured per stage. Calibration: the run's own slowdown of pure-compute actions (stage 0 forwards, "
-           f"last-stage backwards) against their profiled cost, applied to every stage's compute; all else is "
-           f"predicted.",
+           f"Loopback link (gloo send/recv ping-pong and all-reduce, fitted once): latency "
+           f"{link.latency_s * 1e6:.1f} us, bandwidth {format_quantity(link.bandwidth, 'bandwidth')}, all-reduce "
+           f"latency {link.allreduce_latency_s * 1e6:.1f} us. Runtime overhead per action (measured once on a 2-stage run "
+           f"of a model too small to compute, see `measure_overheads`), us: "
+           + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in overhead.items()) + ". "
+           f"Costs: `cost_mode=\"measured\"`, one thread; optimizer step measured per stage; tied embedding "
+           f"gradients (gpt) summed by the owning stages only, as the runtime does. Calibration: each stage's "
+           f"forward and backward as they ran (the runtime records them from the end of the receive's wait, less "
+           f"the per-action overhead) against their profiled cost scale that stage's compute (and optimizer step); "
+           f"the column shows the geometric mean; all else (waits, bubbles, transfers, overheads) is predicted.",
            f"Load before: {load_before}; after: {load_note()}.", "",
            "| model | S | schedule | predicted, idle (ms) | compute slowdown in the run | calibrated prediction (ms) "
            "| measured median (ms) | IQR | in send/recv actions (ms/step) | error, calibrated | error, idle "
@@ -400,9 +512,6 @@ def table(rows: list[dict[str, Any]], lat: float, bw: float, load_before: str, e
                f"{statistics.median(r['slow'] for r in rows):.2f}): the profile ran alone in one process, the runs "
                f"shared {os.cpu_count()} cores with each other and with other jobs (load column); the profile "
                f"itself is taken on the same loaded cores, so the idle figures move between invocations too.")
-    if any(r["model"] == "gpt" and r["S"] > 2 for r in rows):
-        out.append("- gpt ties its embedding across the first and last stage: the simulator's `TG` synchronises "
-                   "every rank, the runtime's only the two owning ranks (matters with 3 stages).")
     for S in sorted({r["S"] for r in rows}):
         sub = [r for r in rows if r["S"] == S]
         out.append(f"- {S} processes: median calibrated error "

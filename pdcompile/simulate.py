@@ -11,10 +11,23 @@ Pure Python over the schedule data (:mod:`pdcompile.runtime.schedules`); no torc
   bandwidth(rank_a, rank_b) + latency_s`` for boundary ``b = min(stage_from, stage_to)``; gradients
   are as large as the activations they belong to). With ``overlap_comm`` the sender goes on
   computing while the transfer runs; without, it is busy until the transfer ends;
-* a receive (``RF``/``RB``) waits until the matching transfer has arrived;
+* a receive (``RF``/``RB``) waits until the matching transfer has arrived. With
+  ``recv_progress="on_wait"`` a transfer that would have arrived while the receiver was busy is taken
+  off the link only once the receiver waits for it (it then takes its transfer time from there): what
+  gloo does on CPU when every core runs a stage's compute, because the receiving process's I/O
+  thread gets no core until its compute thread blocks. The default, ``"background"``, overlaps fully;
 * ``AR`` starts when all replicas of the stage have reached it and takes ``allreduce_s[s]``;
-  ``TG`` likewise across all ranks (``tied_s``); neither overlaps compute;
-* ``WV`` costs nothing.
+  ``TG`` likewise across the ranks of ``tied_stages`` (every rank when not given; a rank of another
+  stage passes its ``TG`` at no cost, as the runtime's tied-gradient group leaves it out) and takes
+  ``tied_s``; neither overlaps compute;
+* ``WV`` costs nothing; with ``version_s`` (seconds to copy stage ``s``'s weights once), weight
+  stashing costs what the runtime's versioned store copies
+  (:func:`~pdcompile.runtime.schedules.version_copies`): a clone before an ``ST`` whose version must
+  outlive it, and the gradient hand-over after the ``B`` of a microbatch that ran on a clone;
+* ``overhead_s`` (optional) adds a fixed cost per action kind — the runtime's dispatch, posting a
+  transfer, the loss on the last stage — to the rank that runs it (a number for every kind, or a
+  mapping from the kind's code, ``"F"``, ``"SF"``, ``"ST"``, ... to seconds). It is measured, not
+  guessed: see ``benchmarks/bench_predicted_vs_measured.py``.
 
 The result (:class:`SimResult`) has the makespan, the step time, throughput, bubble fraction,
 per-rank utilization, per-stage peak memory (microbatches in flight, weight versions, bytes when
@@ -26,7 +39,7 @@ Numbers are never converted: pass :class:`fractions.Fraction` costs and the time
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +50,7 @@ from pdcompile.runtime.schedules import (
     Schedule,
     live_versions,
     make_schedule,
+    version_copies,
     rank_of,
     replay,
     stage_ranks,
@@ -145,8 +159,12 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
              latency_s: Any = 0,
              allreduce_s: Sequence[Any] | None = None,
              step_s: Sequence[Any] | None = None,
+             version_s: Sequence[Any] | None = None,
              tied_s: Any = 0,
+             tied_stages: Sequence[int] | None = None,
+             overhead_s: Mapping[str, Any] | Any = 0,
              overlap_comm: bool = True,
+             recv_progress: str = "background",
              microbatch_size: int = 1,
              num_steps: int = 1,
              activation_bytes: Sequence[Any] | None = None,
@@ -170,7 +188,21 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     bwd = _per_stage("backward_s", backward_s, S)
     ar = _per_stage("allreduce_s", allreduce_s, S)
     st = _per_stage("step_s", step_s, S)
+    ver = _per_stage("version_s", version_s, S)
     stage_of = {r: s for s, rs in enumerate(ranks) for r in rs}
+    tg_stages = set(range(S)) if tied_stages is None else set(tied_stages)
+    if not tg_stages <= set(range(S)):
+        raise UsageError(f"tied_stages {sorted(tied_stages or ())} name stages the schedule lacks (it has {S})")
+    kinds = {k.value for k in Kind}
+    if isinstance(overhead_s, Mapping):
+        unknown = set(overhead_s) - kinds
+        if unknown:
+            raise UsageError(f"overhead_s has unknown action kinds {sorted(unknown)}; use {sorted(kinds)}")
+        over = {k: overhead_s.get(k, 0) for k in kinds}
+    else:
+        over = dict.fromkeys(kinds, overhead_s)
+    if recv_progress not in ("background", "on_wait"):
+        raise UsageError(f"recv_progress={recv_progress!r}: use 'background' or 'on_wait'")
     if set(sched) != set(stage_of):
         raise UsageError(f"the schedule has ranks {sorted(sched)}, replicas {reps} give {sorted(stage_of)}")
 
@@ -192,21 +224,34 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     compute: dict[int, Any] = {r: 0 for r in sched}
     link_free: dict[tuple[int, int], Any] = {}
     arrival: dict[tuple[Kind, int, int], Any] = {}
+    duration: dict[tuple[Kind, int, int], Any] = {}
     events: list[Event] = []
+
+    copies = {r: version_copies(acts) if version_s is not None else [0] * len(acts) for r, acts in sched.items()}
 
     def execute(parts: list[tuple[int, int]], a: Action) -> None:
         if a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
+            if a.kind is Kind.TIED_GRADS:
+                parts = [(q, i) for q, i in parts if stage_of[q] in tg_stages]
+            if not parts:
+                return
             start = max(clock[q] for q, _ in parts)
-            dur = ar[a.stage] if a.kind is Kind.ALLREDUCE else tied_s
+            dur = (ar[a.stage] if a.kind is Kind.ALLREDUCE else tied_s) + over[a.kind.value]
             for q, _ in parts:
                 name = f"{stage_of[q]}{a.kind.value}"
                 events.append(Event(q, name, start, start + dur, category_of(name)))
                 clock[q] = start + dur
                 busy[q] += dur
             return
-        (r, _), t, name = parts[0], clock[parts[0][0]], str(a)
+        (r, _), name = parts[0], str(a)
+        if over[a.kind.value]:  # the runtime's fixed cost of running this action
+            busy[r] += over[a.kind.value]
+            clock[r] += over[a.kind.value]
+        t = clock[r]
         if a.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.STEP):
             dur = {Kind.FORWARD: fwd, Kind.BACKWARD: bwd, Kind.STEP: st}[a.kind][a.stage]
+            if copies[r][parts[0][1]]:
+                dur = dur + ver[a.stage] * copies[r][parts[0][1]]
             events.append(Event(r, name, t, t + dur, category_of(name)))
             clock[r] = t + dur
             busy[r] += dur
@@ -218,6 +263,7 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
             end = start + transfer(a.stage, dst, r, peer)
             link_free[(r, peer)] = end
             arrival[(a.kind, a.stage, a.microbatch)] = end  # type: ignore[index]
+            duration[(a.kind, a.stage, a.microbatch)] = end - start  # type: ignore[index]
             if overlap_comm:
                 events.append(Event(r, name, t, t, "send"))
                 if end > start:
@@ -229,7 +275,10 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
         elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
             src = a.stage - 1 if a.kind is Kind.RECV_ACT else a.stage + 1
             send_kind = Kind.SEND_ACT if a.kind is Kind.RECV_ACT else Kind.SEND_GRAD
-            end = max(t, arrival[(send_kind, src, a.microbatch)])  # type: ignore[index]
+            key = (send_kind, src, a.microbatch)
+            end = max(t, arrival[key])  # type: ignore[index]
+            if recv_progress == "on_wait":
+                end = max(end, t + duration[key])  # type: ignore[index]
             events.append(Event(r, name, t, end, "recv"))
             clock[r] = end
         # WV: bookkeeping only
@@ -292,12 +341,20 @@ def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float) -> float:
 def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None = None,
                   num_microbatches: int = 8, *, num_steps: int = 1, vertical_sync: bool = False,
                   overlap_comm: bool = True, step_s: Sequence[float] | None = None,
-                  tied_bytes: float = 0.0, tied_stages: Sequence[int] = ()) -> SimResult:
+                  tied_bytes: float = 0.0, tied_stages: Sequence[int] = (),
+                  latency_s: float = 0.0, collective_latency_s: float | None = None,
+                  overhead_s: Mapping[str, float] | float = 0.0, recv_progress: str = "background",
+                  copy_bandwidth: float | None = None) -> SimResult:
     """Simulate a :class:`pdcompile.plan.Plan` of ``chain`` on ``cluster``.
 
     ``tied_bytes``: bytes of parameters tied across ``tied_stages`` (a GPT's embedding and output
     projection): the schedule then sums their gradients before every step (``TG``), costed as a
-    ring all-reduce over every rank of those stages on their slowest link.
+    ring all-reduce over every rank of those stages on their slowest link; ranks of other stages
+    don't wait for it. ``latency_s`` is added to every transfer, ``collective_latency_s`` (default
+    ``latency_s``) to every all-reduce (a link's fixed cost per message); ``overhead_s`` is the
+    runtime's fixed cost per action and ``recv_progress`` when a receive's transfer may run (see
+    :func:`simulate`). ``copy_bandwidth`` (bytes/s of a memory copy on the workers): weight stashing's
+    copies of a stage's ``param_bytes`` are charged (``version_s``).
 
     Stage ``s`` (chain layers ``first..last``) costs the sum of its layers' ``forward_s`` /
     ``backward_s``; its boundary sends ``chain.cut_bytes[last]`` forward (and as many gradient
@@ -326,20 +383,24 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
 
     def send(sa: int, sb: int, ra: int, rb: int) -> float:
         nbytes = cut[min(sa, sb)]
-        return nbytes / cluster.bandwidth_between(cluster_rank[ra], cluster_rank[rb]) if nbytes else 0.0
+        return nbytes / cluster.bandwidth_between(cluster_rank[ra], cluster_rank[rb]) + latency_s if nbytes else 0.0
 
+    coll_lat = latency_s if collective_latency_s is None else collective_latency_s
     allreduce = []
     for s, rs in enumerate(sched_ranks):
         cr = [cluster_rank[r] for r in rs]
         bw = min((cluster.bandwidth_between(a, b) for a in cr for b in cr if a != b), default=math.inf)
-        allreduce.append(ring_allreduce_s(params[s], len(rs), bw))
+        allreduce.append(ring_allreduce_s(params[s], len(rs), bw) + (coll_lat if len(rs) > 1 else 0.0))
     tied_s = 0.0
     if tied_bytes and tied_stages:
         cr = [cluster_rank[r] for s in tied_stages for r in sched_ranks[s]]
         bw = min((cluster.bandwidth_between(a, b) for a in cr for b in cr if a != b), default=math.inf)
-        tied_s = ring_allreduce_s(tied_bytes, len(cr), bw)
+        tied_s = ring_allreduce_s(tied_bytes, len(cr), bw) + coll_lat
     return simulate_schedule(name, reps, num_microbatches, num_steps=num_steps, vertical_sync=vertical_sync,
                              tied=bool(tied_bytes and tied_stages), tied_s=tied_s,
+                             tied_stages=list(tied_stages) if tied_bytes and tied_stages else None,
+                             overhead_s=overhead_s, recv_progress=recv_progress,
+                             version_s=[p / copy_bandwidth for p in params] if copy_bandwidth else None,
                              forward_s=fwd, backward_s=bwd, send_s=send, allreduce_s=allreduce, step_s=step_s,
                              overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size,
                              activation_bytes=act, weight_bytes=params)

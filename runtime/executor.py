@@ -132,6 +132,7 @@ class StageExecutor:
         self.mbs: dict[int, _Mb] = {}
         self.sends: list[Any] = []
         self.losses: list[float] = []
+        self._compute_start: float | None = None
 
     # peers -----------------------------------------------------------------------------------
     def peer(self, stage: int, microbatch: int) -> int:
@@ -140,8 +141,13 @@ class StageExecutor:
 
     # actions ---------------------------------------------------------------------------------
     def run(self, actions: Sequence[Action]) -> None:
+        """Run ``actions`` in order. With a recorder, each action is recorded as ``(name, start, end)``;
+        when a forward or backward first waits for its received tensors, the wait is recorded as the
+        receive (``1RF3``/``1RB3``, a second slice after the posting one) and the action from the end
+        of the wait, so a trace shows compute and waiting apart."""
         for a in actions:
             start = time.perf_counter()
+            self._compute_start = None
             try:
                 if self.fail_at is not None and self.fail_at == f"{self.rank}:{a}":
                     raise RuntimeError("injected failure (--fail-at)")
@@ -153,7 +159,16 @@ class StageExecutor:
                 raise ActionError(f"rank {self.rank} (stage {self.stage}) failed in action {a}: "
                                   f"{type(e).__name__}: {e}") from e
             if self.recorder is not None:
-                self.recorder(str(a), start, time.perf_counter())
+                self.recorder(str(a), self._compute_start or start, time.perf_counter())
+
+    def _wait(self, pending: comm.Pending, a: Action, kind: str) -> list[torch.Tensor]:
+        """Wait for a receive inside ``a``; record the wait as the receive (see :meth:`run`)."""
+        t0 = time.perf_counter()
+        tensors = pending.wait()
+        if self.recorder is not None:
+            self._compute_start = time.perf_counter()
+            self.recorder(f"{a.stage}{kind}{a.microbatch}", t0, self._compute_start)
+        return tensors
 
     def _mb(self, k: int) -> _Mb:
         return self.mbs.setdefault(k, _Mb())
@@ -183,7 +198,7 @@ class StageExecutor:
         else:
             if st.recv_act is None:
                 raise RuntimeError(f"forward of microbatch {k} before its activations were received (missing RF)")
-            st.inputs = st.recv_act.wait()
+            st.inputs = self._wait(st.recv_act, a, "RF")
             for t, spec in zip(st.inputs, self.spec.inputs):
                 t.requires_grad_(spec.requires_grad)
         params = self.weights.params_for_forward(k)
@@ -219,7 +234,7 @@ class StageExecutor:
         else:
             if st.recv_grad is None:
                 raise RuntimeError(f"backward of microbatch {a.microbatch} before its gradients were received (missing RB)")
-            grads = st.recv_grad.wait()
+            grads = self._wait(st.recv_grad, a, "RB")
             outs = [o for o, spec in zip(st.outputs, self.spec.outputs) if spec.requires_grad]
             pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
             if pairs:

@@ -533,6 +533,40 @@ def live_versions(actions: Sequence[Action]) -> list[frozenset[int]]:
     return out
 
 
+def version_copies(actions: Sequence[Action]) -> list[int]:
+    """Per action of one rank, the weight-sized copies weight stashing makes there (0 or 1), as
+    :class:`pdcompile.runtime.weights.VersionedStore` does: an ``ST`` whose newest version must
+    outlive it is preceded by a clone of the weights; the ``B`` of a microbatch that ran on a clone
+    (its version was not the newest, or an ``ST`` came between its ``F`` and ``B``) adds the clone's
+    gradients into the live parameters. GPipe and Flush copy nothing.
+
+    >>> acts = [Action.from_str(x) for x in "0F0 0F1 0B0 0ST 0WV1 0F2 0B1 0ST 0B2 0ST".split()]
+    >>> version_copies(acts)
+    [0, 0, 0, 1, 0, 0, 1, 1, 1, 0]
+    """
+    live = live_versions(actions)
+    fv = forward_versions(actions)
+    newest = 0
+    open_f: set[int] = set()
+    on_clone: set[int] = set()
+    out = []
+    for a, alive in zip(actions, live):
+        n = 0
+        if a.kind is Kind.FORWARD:
+            open_f.add(a.microbatch)  # type: ignore[arg-type]
+            if fv[a.microbatch] != newest:  # type: ignore[index]
+                on_clone.add(a.microbatch)  # type: ignore[arg-type]
+        elif a.kind is Kind.STEP:
+            on_clone |= open_f
+            n = int(newest in alive)
+            newest += 1
+        elif a.kind is Kind.BACKWARD:
+            open_f.discard(a.microbatch)  # type: ignore[arg-type]
+            n = int(a.microbatch in on_clone)
+        out.append(n)
+    return out
+
+
 def peak_weight_versions(sched: Schedule) -> dict[int, int]:
     """Rank -> the most weight versions alive at once (what the executor must keep in memory)."""
     return {rank: max((len(s) for s in live_versions(acts)), default=1) for rank, acts in sched.items()}

@@ -249,3 +249,95 @@ def test_simulate_plan_replicated_stage_all_reduces() -> None:
     assert len(ar) == 4 and all(e.end_s - e.start_s == pytest.approx(1.0) for e in ar)
     assert res.peak_weight_versions == [2, 1]
     assert res.peak_memory_bytes == [pytest.approx(2 * 10 + 2 * 1e9), pytest.approx(10 + 1e9)]
+
+
+# ------------------------------------------------------------------------------------------------
+# tied gradients and per-action overhead
+
+
+def test_tied_grads_hold_only_the_owning_stages() -> None:
+    # 3 equal stages, one microbatch, gpipe: the embedding is tied between stages 0 and 2. Stage 1's
+    # B ends at 3F + 2B (= 7); stage 0's B at 3F + 3B (= 9). With TG over all ranks everybody steps
+    # at 9 + tied; with only stages 0 and 2 in the group, stage 1 steps right after its backward.
+    tied = Fr(1, 2)
+    kw = dict(forward_s=[F] * 3, backward_s=[B] * 3, step_s=[Fr(1, 10)] * 3, tied=True, tied_s=tied)
+    everyone = simulate_schedule("gpipe", [1, 1, 1], 1, **kw)
+    owners = simulate_schedule("gpipe", [1, 1, 1], 1, tied_stages=[0, 2], **kw)
+    st = {(e.rank, e.name): e for e in owners.events}
+    assert st[(1, "1ST")].start_s == 3 * F + 2 * B
+    assert (1, "1TG") not in st
+    assert st[(0, "0TG")].start_s == st[(2, "2TG")].start_s == 3 * F + 3 * B
+    assert st[(2, "2ST")].start_s == 3 * F + 3 * B + tied
+    assert owners.makespan_s == everyone.makespan_s == 3 * F + 3 * B + tied + Fr(1, 10)
+    assert {(e.rank, e.name) for e in everyone.events if e.category == "tied"} == {(0, "0TG"), (1, "1TG"), (2, "2TG")}
+
+
+def test_tied_stages_must_exist() -> None:
+    from pdcompile.errors import UsageError
+
+    with pytest.raises(UsageError, match="tied_stages"):
+        simulate_schedule("gpipe", [1, 1], 1, forward_s=[F] * 2, backward_s=[B] * 2, tied=True, tied_stages=[0, 5])
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_overhead_per_action_on_one_stage(name: str) -> None:
+    # one stage runs F, B (and ST per step) only: each costs its overhead on top
+    m, o = 3, {"F": Fr(1, 10), "B": Fr(1, 5), "ST": Fr(1, 7)}
+    r = simulate_schedule(name, [1], m, forward_s=[F], backward_s=[B], step_s=[0], overhead_s=o)
+    steps = m if name.startswith("1f1b") else 1
+    assert r.makespan_s == m * (F + B + o["F"] + o["B"]) + steps * o["ST"]
+    assert r.utilization[0] == m * (F + B) / r.makespan_s  # overhead is busy time, not compute
+
+
+def test_overhead_on_sends_delays_the_transfer() -> None:
+    # gpipe, 2 stages, 1 microbatch, free transfers, every action costs c (hand-derived):
+    #   0: F0 [c, c+F]  SF0 sent at F+2c  RB0 posted at F+3c          ... B0 [F+2B+6c, 2F+2B+6c]  ST
+    #   1: RF0 waits to F+2c  F0 [F+3c, 2F+3c]  B0 [2F+4c, 2F+B+4c]  SB0 sent at 2F+B+5c  ST
+    c = Fr(1, 100)
+    r = simulate_schedule("gpipe", [1, 1], 1, forward_s=[F] * 2, backward_s=[B] * 2, overhead_s=c)
+    ev = {(e.rank, e.name): e for e in r.events}
+    assert ev[(0, "0F0")].end_s == c + F
+    assert ev[(1, "1F0")].start_s == F + 3 * c
+    assert ev[(0, "0B0")].start_s == 2 * F + B + 6 * c
+    assert r.makespan_s == 2 * (F + B) + 7 * c  # rank 0's ST overhead ends the run
+
+
+def test_overhead_kinds_are_checked() -> None:
+    from pdcompile.errors import UsageError
+
+    with pytest.raises(UsageError, match="unknown action kinds"):
+        simulate_schedule("gpipe", [1], 1, forward_s=[F], backward_s=[B], overhead_s={"FWD": 1})
+
+
+def test_receive_progress_on_wait() -> None:
+    # gpipe, 2 stages, 2 microbatches, transfers of 1/2. Stage 1 computes F0 (1.5-2.5) while F1's
+    # activations travel (sent at 2, arriving 2.5 in the background). "on_wait": stage 1 starts
+    # taking them at 2.5 when it waits, so they arrive at 3 and F1 runs 3-4 instead of 2.5-3.5.
+    kw = dict(forward_s=[1, 1], backward_s=[1, 1], send_s=Fr(1, 2))
+    bg = simulate_schedule("gpipe", [1, 1], 2, **kw)
+    ow = simulate_schedule("gpipe", [1, 1], 2, recv_progress="on_wait", **kw)
+    f1 = lambda r: {e.name: e for e in r.events if e.rank == 1 and e.category == "forward"}["1F1"]  # noqa: E731
+    assert (f1(bg).start_s, f1(ow).start_s) == (Fr(5, 2), 3)
+    assert ow.makespan_s > bg.makespan_s
+    # a receiver already waiting sees no difference
+    one = dict(forward_s=[1, 1], backward_s=[1, 1], send_s=Fr(1, 2))
+    assert (simulate_schedule("gpipe", [1, 1], 1, recv_progress="on_wait", **one).makespan_s
+            == simulate_schedule("gpipe", [1, 1], 1, **one).makespan_s == 4 + 2 * Fr(1, 2))
+    from pdcompile.errors import UsageError
+
+    with pytest.raises(UsageError, match="recv_progress"):
+        simulate_schedule("gpipe", [1, 1], 1, recv_progress="later", **one)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "2bw", "flush"])
+def test_version_copies_are_charged(name: str) -> None:
+    from pdcompile.runtime.schedules import version_copies
+
+    c = Fr(1, 8)
+    kw = dict(forward_s=[F] * 2, backward_s=[B] * 2, num_steps=2)
+    plain = simulate_schedule(name, [1, 1], 4, **kw)
+    copying = simulate_schedule(name, [1, 1], 4, version_s=[c, 2 * c], **kw)
+    sched = make_schedule(name, [1, 1], 4, num_steps=2)
+    for rank, acts in sched.items():
+        assert copying.busy[rank] - plain.busy[rank] == sum(version_copies(acts)) * c * (rank + 1)
+    assert (copying.makespan_s > plain.makespan_s) == (name != "flush")
