@@ -538,17 +538,20 @@ def version_copies(actions: Sequence[Action]) -> list[int]:
     :class:`pdcompile.runtime.weights.VersionedStore` does: an ``ST`` whose newest version must
     outlive it is preceded by a clone of the weights; the ``B`` of a microbatch that ran on a clone
     (its version was not the newest, or an ``ST`` came between its ``F`` and ``B``) adds the clone's
-    gradients into the live parameters. GPipe and Flush copy nothing.
+    gradients into the live parameters' — a copy only when an earlier ``B`` since the last ``ST``
+    left gradients there (``ST`` sets them to None, and the first is handed over, not added).
+    GPipe and Flush copy nothing.
 
-    >>> acts = [Action.from_str(x) for x in "0F0 0F1 0B0 0ST 0WV1 0F2 0B1 0ST 0B2 0ST".split()]
+    >>> acts = [Action.from_str(x) for x in "0F0 0F1 0F2 0B0 0ST 0WV1 0F3 0B1 0B2 0B3 0ST".split()]
     >>> version_copies(acts)
-    [0, 0, 0, 1, 0, 0, 1, 1, 1, 0]
+    [0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0]
     """
     live = live_versions(actions)
     fv = forward_versions(actions)
     newest = 0
     open_f: set[int] = set()
     on_clone: set[int] = set()
+    grads = False  # the live parameters hold gradients (a B since the last ST)
     out = []
     for a, alive in zip(actions, live):
         n = 0
@@ -560,9 +563,11 @@ def version_copies(actions: Sequence[Action]) -> list[int]:
             on_clone |= open_f
             n = int(newest in alive)
             newest += 1
+            grads = False
         elif a.kind is Kind.BACKWARD:
             open_f.discard(a.microbatch)  # type: ignore[arg-type]
-            n = int(a.microbatch in on_clone)
+            n = int(a.microbatch in on_clone and grads)
+            grads = True
         out.append(n)
     return out
 

@@ -451,11 +451,19 @@ def test_version_copies_match_the_versioned_store(name: str, replicas: list[int]
                 store.set_forward_version(a.version)
             elif a.kind is Kind.FORWARD:
                 store.params_for_forward(a.microbatch)
-            elif a.kind is Kind.BACKWARD:
-                accumulates = a.microbatch in store.cloned
+            elif a.kind is Kind.BACKWARD:  # a backward leaves gradients where its forward's weights were
+                if a.microbatch in store.cloned:
+                    for t in store.clones[store.inflight[a.microbatch]].values():
+                        t.grad = torch.ones_like(t)
+                    accumulates = any(p.grad is not None for p in store.params.values())
+                else:
+                    for p in store.params.values():
+                        p.grad = torch.ones_like(p) if p.grad is None else p.grad + 1
                 store.after_backward(a.microbatch)
             elif a.kind is Kind.STEP:
                 store.before_step()
+                for p in store.params.values():
+                    p.grad = None  # the executor's zero_grad(set_to_none=True)
                 store.after_step()
             got.append(store.made - before + accumulates)
         # the store clones at the first forward that needs a version, version_copies charges the ST
