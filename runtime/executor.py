@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from pdcompile.runtime import comm
 from pdcompile.runtime.program import Program, StageSpec
-from pdcompile.runtime.schedules import Action
+from pdcompile.runtime.schedules import Action, Kind
 
 
 def allreduce_flat(tensors: Sequence[torch.Tensor], group: Any) -> None:
@@ -145,10 +145,14 @@ class StageExecutor:
         when a forward or backward first waits for its received tensors, the wait is recorded as the
         receive (``1RF3``/``1RB3``, a second slice after the posting one) and the action from the end
         of the wait, so a trace shows compute and waiting apart."""
-        for a in actions:
-            start = time.perf_counter()
+        actions = list(actions)
+        for i, a in enumerate(actions):
+            start = 0.0
             self._compute_start = None
             try:
+                if a.kind in (Kind.FORWARD, Kind.BACKWARD):
+                    self._prepost(actions, i)
+                start = time.perf_counter()
                 if self.fail_at is not None and self.fail_at == f"{self.rank}:{a}":
                     raise RuntimeError("injected failure (--fail-at)")
                 getattr(self, "_" + a.kind.name.lower())(a)
@@ -160,6 +164,25 @@ class StageExecutor:
                                   f"{type(e).__name__}: {e}") from e
             if self.recorder is not None:
                 self.recorder(str(a), self._compute_start or start, time.perf_counter())
+
+    def _prepost(self, actions: list[Action], i: int) -> None:
+        """Before a forward or backward, post the next receive of each kind (``RF``, ``RB``) among the
+        actions after it, so its data can land while this rank computes instead of after the
+        schedule's ``RF``/``RB`` (which then finds it posted). Receives never block and carry their
+        microbatch in the tag, so posting early changes timing only; buffers for one more
+        microbatch are allocated a little earlier."""
+        wanted = {Kind.RECV_ACT, Kind.RECV_GRAD}
+        for b in actions[i + 1:]:
+            if not wanted:
+                break
+            if b.kind in wanted:
+                wanted.discard(b.kind)
+                st = self.mbs.get(b.microbatch)  # type: ignore[arg-type]
+                if st is None or (st.recv_act if b.kind is Kind.RECV_ACT else st.recv_grad) is None:
+                    t0 = time.perf_counter()
+                    (self._recv_act if b.kind is Kind.RECV_ACT else self._recv_grad)(b)
+                    if self.recorder is not None:
+                        self.recorder(str(b), t0, time.perf_counter())
 
     def _wait(self, pending: comm.Pending, a: Action, kind: str) -> list[torch.Tensor]:
         """Wait for a receive inside ``a``; record the wait as the receive (see :meth:`run`)."""
@@ -175,6 +198,8 @@ class StageExecutor:
 
     def _recv_act(self, a: Action) -> None:
         st = self._mb(a.microbatch)
+        if st.recv_act is not None:
+            return  # posted ahead (_prepost)
         bufs = [t.empty(self.device) for t in self.spec.inputs]
         st.recv_act = comm.post_recv(bufs, self.peer(self.stage - 1, a.microbatch), a.microbatch, comm.ACT)
         self._post_target(a.microbatch)
@@ -224,6 +249,8 @@ class StageExecutor:
 
     def _recv_grad(self, a: Action) -> None:
         st = self._mb(a.microbatch)
+        if st.recv_grad is not None:
+            return  # posted ahead (_prepost)
         bufs = [t.empty(self.device) for t in self.spec.outputs if t.requires_grad]
         st.recv_grad = comm.post_recv(bufs, self.peer(self.stage + 1, a.microbatch), a.microbatch, comm.GRAD)
 
