@@ -45,7 +45,8 @@ THEIR_NAME = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 @dataclass
 class Row:
-    """One model x schedule comparison: medians of the slowest rank's step time."""
+    """One model x schedule comparison: medians of the slowest rank's step time, and per round the
+    ratio of the two launches made back to back (what load changes between rounds cannot bias)."""
 
     model: str
     ours: str
@@ -53,9 +54,14 @@ class Row:
     ours_s: float
     theirs_s: float
     samples: int
+    round_ratios: tuple[float, ...] = ()
 
     @property
     def ratio(self) -> float:
+        """Throughput ours / theirs: the median of the per-round paired ratios (pooled medians when
+        there are none)."""
+        if self.round_ratios:
+            return median(list(self.round_ratios))
         return self.theirs_s / self.ours_s
 
 
@@ -79,29 +85,40 @@ def compare(model: str, *, size: str = "bench", batch_size: int = 32, num_microb
     pipe = compile_bench(b, stages, "flush", num_microbatches)
     program = pipe.emit(Path(tempfile.mkdtemp(prefix=f"pd-bench-{model}-")) / "program")
     samples: dict[tuple[str, str], tuple[list[float], list[float]]] = {p: ([], []) for p in pairs}
-    for _ in range(rounds):
+    ratios: dict[tuple[str, str], list[float]] = {p: [] for p in pairs}
+    for i in range(rounds):
         for ours, theirs in pairs:
-            mine = run_ours(program, stages, steps, schedule=ours)
-            samples[(ours, theirs)][0].extend(step_times([r["step_times_s"] for r in mine], warmup))
-            samples[(ours, theirs)][1].extend(step_times(run_theirs(program, theirs, steps), warmup))
-    return [Row(model, o, t, median(samples[(o, t)][0]), median(samples[(o, t)][1]), len(samples[(o, t)][0]))
-            for o, t in pairs]
+            # alternate who goes first, so a trend in the machine's load favours neither
+            got: dict[str, list[float]] = {}
+            for who in (("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")):
+                if who == "ours":
+                    mine = run_ours(program, stages, steps, schedule=ours)
+                    got[who] = step_times([r["step_times_s"] for r in mine], warmup)
+                else:
+                    got[who] = step_times(run_theirs(program, theirs, steps), warmup)
+            samples[(ours, theirs)][0].extend(got["ours"])
+            samples[(ours, theirs)][1].extend(got["theirs"])
+            ratios[(ours, theirs)].append(median(got["theirs"]) / median(got["ours"]))
+    return [Row(model, o, t, median(samples[(o, t)][0]), median(samples[(o, t)][1]), len(samples[(o, t)][0]),
+                tuple(ratios[(o, t)])) for o, t in pairs]
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| model | ours | theirs | ours step (ms) | theirs step (ms) | ours/theirs throughput | steps timed |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | ours | theirs | ours step (ms) | theirs step (ms) | ours/theirs throughput (median of rounds) "
+             "| per round | steps timed |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        per = " ".join(f"{x:.2f}" for x in r.round_ratios) or "-"
         lines.append(f"| {r.model} | {r.ours} | {THEIR_NAME[r.theirs]} | {ms(r.ours_s)} | {ms(r.theirs_s)} | "
-                     f"{r.ratio:.2f} | {r.samples} |")
+                     f"{r.ratio:.2f} | {per} | {r.samples} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=20, help="minibatches per launch")
+    p.add_argument("--steps", type=int, default=16, help="minibatches per launch")
     p.add_argument("--warmup", type=int, default=4, help="steps dropped at the start of each launch")
-    p.add_argument("--rounds", type=int, default=2, help="alternating launches of ours and theirs")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of back-to-back launches of ours and theirs")
     p.add_argument("--models", default="gpt,vgg")
     p.add_argument("--quick", action="store_true", help="tiny models, one round, nothing written")
     args = p.parse_args(argv)
@@ -114,9 +131,10 @@ def main(argv: list[str] | None = None) -> None:
             rows += compare(m, steps=args.steps, warmup=args.warmup, rounds=args.rounds)
         print(table(rows), flush=True)
     body = (f"Same emitted 2-stage program (minibatch 32 = 4 microbatches of 8, SGD) trained by pdcompile's "
-            f"runtime and by torch.distributed.pipelining on 2 CPU processes (gloo), launched alternately "
-            f"({args.rounds} rounds x {args.steps} steps, first {args.warmup} of each launch dropped). Step = "
-            f"slowest rank, median. Throughput ratio > 1: ours faster. GPT: 4 blocks, d=96, T=32, vocab 256, "
+            f"runtime and by torch.distributed.pipelining on 2 CPU processes (gloo), launched back to back "
+            f"({args.rounds} rounds, who goes first alternating; {args.steps} steps per launch, first {args.warmup} "
+            f"dropped). Step = slowest rank. Throughput ratio = their median step / ours, per round, and the "
+            f"median over rounds; > 1: ours faster. GPT: 4 blocks, d=96, T=32, vocab 256, "
             f"tied embedding summed on both sides; VGG: convs 16-16-M-32-32-M-64-64-M on 32x32, hidden 256.\n"
             f"Load: {before} at the start, {load_note()} at the end.\n\n" + table(rows))
     if not args.quick:

@@ -60,6 +60,8 @@ def test_step_times_tables_and_boundary_bytes(tmp_path: Path) -> None:
     assert _common.step_times([[1.0, 2.0, 3.0], [1.5, 1.0, 4.0]], warmup=1) == [2.0, 4.0]
     row = bench_vs_pipelining.Row("gpt", "flush", "1f1b", 0.01, 0.02, 4)
     assert row.ratio == 2.0 and "Schedule1F1B" in bench_vs_pipelining.table([row])
+    paired = bench_vs_pipelining.Row("gpt", "flush", "1f1b", 0.01, 0.02, 4, (0.9, 1.2, 1.1))
+    assert paired.ratio == 1.1 and "0.90 1.20 1.10" in bench_vs_pipelining.table([paired])
     plan = {"num_microbatches": 4, "stages": [
         {"inputs": [{"shape": [8, 16], "dtype": "float32", "requires_grad": False}]},
         {"inputs": [{"shape": [8, 16], "dtype": "float32", "requires_grad": True}]}]}
