@@ -18,11 +18,13 @@ How each cost is obtained (one node at a time, on the values a full forward run 
   node, measured, not guessed (``retain_graph`` lets the same graph be timed repeatedly). Each is
   run ``warmup`` times, then timed ``repeats`` times (each sample repeating the call until it
   lasts 0.2 ms), and the median kept, one node after the other (its inputs warm in cache, as in
-  a training step). With ``interleave=True`` samples are taken in rounds over all nodes instead,
-  so a burst of load from another process spreads over every node rather than skewing a few;
-  it keeps every node's input copies and backward graph alive at once and, on CPU, times nodes
-  with cold caches (the per-node sum then runs ~25% above a whole step on our 2-core machine). On CUDA, CUDA events with a
-  synchronisation; on CPU, ``time.perf_counter``.
+  a training step). The fixed cost of one ``autograd.grad`` call (:func:`backward_call_overhead`:
+  measured once, the part of a call beyond its nodes) is subtracted from every backward: a step
+  pays it once, not once per node. With ``interleave=True`` samples are taken in rounds over all
+  nodes instead, so a burst of load from another process spreads over every node rather than
+  skewing a few; it keeps every node's input copies and backward graph alive at once and, on CPU,
+  times nodes with cold caches (the per-node sum then runs ~25% above a whole step on our 2-core
+  machine). On CUDA, CUDA events with a synchronisation; on CPU, ``time.perf_counter``.
 - **analytic** — FLOPs of the forward call and of that backward call, counted by
   ``torch.utils.flop_counter.FlopCounterMode`` (recurrent leaves — LSTM, GRU, RNN, which the
   counter can't see into — by the formula in :func:`rnn_flops`), turned into time by a
@@ -284,6 +286,26 @@ def _interleaved_medians(fns: dict[Any, Callable[[], Any] | None], device: torch
     return {k: statistics.median(samples[k]) if k in samples else 0.0 for k in fns}
 
 
+def backward_call_overhead(device: torch.device, warmup: int = 20, repeats: int = 15) -> float:
+    """Seconds one ``torch.autograd.grad`` call costs whatever its graph: the graph task and engine
+    start-up. Measured on chains of 1 and 11 one-element ``* 1`` nodes on ``device``: the call costs
+    ``fixed + n * per_node``, and ``fixed`` is returned (the per-node part is real work a step does
+    too). Every node's measured backward pays ``fixed`` once; a training step pays it once for the
+    whole graph, so measured mode subtracts it from each node."""
+    calls = {}
+    for n in (1, 11):
+        x = torch.ones(1, device=device, requires_grad=True)
+        with torch.enable_grad():
+            y = x
+            for _ in range(n):
+                y = y * 1.0
+        g = torch.ones_like(y)
+        calls[n] = (lambda y=y, x=x, g=g: torch.autograd.grad([y], [x], [g], retain_graph=True))
+    t = _interleaved_medians(calls, device, warmup, repeats)
+    per_node = max(0.0, (t[11] - t[1]) / 10)
+    return max(0.0, t[1] - per_node)
+
+
 def _conv_backward_flop(grad_out_shape: Any, x_shape: Any, w_shape: Any, _bias: Any,
                         _stride: Any, _padding: Any, _dilation: Any, transposed: bool,
                         _output_padding: Any, _groups: Any, output_mask: Sequence[bool],
@@ -541,6 +563,7 @@ def annotate_costs(
         exprs = _symbolic(gm, inputs, nodes, batch_fn)
 
     timed: dict[tuple[fx.Node, str], Callable[[], Any] | None] = {}
+    call_overhead = backward_call_overhead(device) if mode == "measured" else 0.0
     bar = _progress(len(compute), progress, f"annotate-costs ({mode})")
     try:
         for node in nodes:
@@ -565,7 +588,7 @@ def annotate_costs(
                         timed.update(fns)
                     else:
                         t = _interleaved_medians(fns, device, warmup, repeats)
-                        fwd_s, bwd_s = t[(node, "fwd")], t[(node, "bwd")]
+                        fwd_s, bwd_s = t[(node, "fwd")], max(0.0, t[(node, "bwd")] - call_overhead)
             else:
                 assert spec is not None
                 in_bytes = sum(t.numel() * t.element_size()
@@ -592,7 +615,7 @@ def annotate_costs(
             medians = _interleaved_medians(timed, device, warmup, repeats)
         for node in compute:
             node.meta["pd.cost"] = replace(node.meta["pd.cost"], forward_s=medians[(node, "fwd")],
-                                           backward_s=medians[(node, "bwd")])
+                                           backward_s=max(0.0, medians[(node, "bwd")] - call_overhead))
     return gm
 
 
