@@ -9,7 +9,7 @@ After, ``node.meta["pd.cost"]`` (a :class:`NodeCost`), printed by :func:`format_
 
     fc1  call_module  fwd 1.2e-05s bwd 2.3e-05s  flops 4096+8192  out 1024 B ("128*b")  param 4224 B
 
-How each cost is obtained (one node at a time, on the values a full forward run fed it):
+How each cost is obtained (for each node, on the values a full forward run fed it):
 
 - **measured** — the node is called on copies of its real inputs, float inputs that come from
   other nodes marked ``requires_grad`` as in training. Forward: the call itself, with autograd
@@ -17,13 +17,15 @@ How each cost is obtained (one node at a time, on the values a full forward run 
   with respect to its differentiable inputs and its parameters — the real backward kernels of this
   node, measured, not guessed (``retain_graph`` lets the same graph be timed repeatedly). Each is
   run ``warmup`` times, then timed ``repeats`` times (each sample repeating the call until it
-  lasts 0.2 ms), and the median kept, one node after the other (its inputs warm in cache, as in
-  a training step). The fixed cost of one ``autograd.grad`` call (:func:`backward_call_overhead`:
-  measured once, the part of a call beyond its nodes) is subtracted from every backward: a step
-  pays it once, not once per node. With ``interleave=True`` samples are taken in rounds over all
-  nodes instead, so a burst of load from another process spreads over every node rather than
-  skewing a few; it keeps every node's input copies and backward graph alive at once and, on CPU,
-  times nodes with cold caches (the per-node sum then runs ~25% above a whole step on our 2-core
+  lasts 0.2 ms) in three visits over the whole graph; each visit to a node starts with an untimed
+  call (its inputs warm in cache, as in a training step), and the node's cost is the smallest of
+  its visits' medians, so a burst of load from another process that covers one visit does not
+  reach the profile (:func:`_visit_medians`). The fixed cost of one ``autograd.grad`` call
+  (:func:`backward_call_overhead`: measured once, the part of a call beyond its nodes) is
+  subtracted from every backward: a step pays it once, not once per node. Every node's input
+  copies and backward graph stay alive until the timing ends (about a step's activations). With
+  ``interleave=True`` every sample is its own visit, without the untimed call, and the median is
+  kept (cold caches on CPU: the per-node sum then runs ~25% above a whole step on our 2-core
   machine). On CUDA, CUDA events with a synchronisation; on CPU, ``time.perf_counter``.
 - **analytic** — FLOPs of the forward call and of that backward call, counted by
   ``torch.utils.flop_counter.FlopCounterMode`` (recurrent leaves — LSTM, GRU, RNN, which the
@@ -42,6 +44,7 @@ How each cost is obtained (one node at a time, on the values a full forward run 
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -284,6 +287,26 @@ def _interleaved_medians(fns: dict[Any, Callable[[], Any] | None], device: torch
         for k, number in numbers.items():
             samples[k].append(_sample(fns[k], device, number))  # type: ignore[arg-type]
     return {k: statistics.median(samples[k]) if k in samples else 0.0 for k in fns}
+
+
+def _visit_medians(fns: dict[Any, Callable[[], Any] | None], device: torch.device,
+                   warmup: int, repeats: int, visits: int = 3) -> dict[Any, float]:
+    """Seconds per call of every function, robust to bursts of load from other processes: the
+    samples are taken in ``visits`` passes over all functions; each visit to a function starts
+    with an untimed call (its inputs warm in cache, as in a step) and takes
+    ``max(2, repeats // visits)`` samples; the function's cost is the smallest of its visits'
+    medians. Interference only ever slows a call down, and a burst long enough to cover all the
+    samples of one visit (tens of milliseconds: a node is timed for about a millisecond) rarely
+    covers the same node in every visit."""
+    numbers = {k: _calibrate(fn, device, warmup) for k, fn in fns.items() if fn is not None}
+    per_visit = max(2, repeats // visits)
+    best: dict[Any, float] = {}
+    for _ in range(visits):
+        for k, number in numbers.items():
+            fns[k]()  # type: ignore[misc]
+            m = statistics.median(_sample(fns[k], device, number) for _ in range(per_visit))  # type: ignore[arg-type]
+            best[k] = min(best.get(k, math.inf), m)
+    return {k: best.get(k, 0.0) for k in fns}
 
 
 def backward_call_overhead(device: torch.device, warmup: int = 20, repeats: int = 15) -> float:
@@ -582,13 +605,8 @@ def annotate_costs(
             ff, bf, out = _node_flops(call, values)
             if mode == "measured":
                 fwd_s = bwd_s = 0.0
-                with torch.enable_grad():
-                    fns = {(node, "fwd"): call.forward, (node, "bwd"): call.backward_fn(out)}
-                    if interleave:  # timed below, all nodes in rounds
-                        timed.update(fns)
-                    else:
-                        t = _interleaved_medians(fns, device, warmup, repeats)
-                        fwd_s, bwd_s = t[(node, "fwd")], max(0.0, t[(node, "bwd")] - call_overhead)
+                with torch.enable_grad():  # timed below, over all nodes at once
+                    timed.update({(node, "fwd"): call.forward, (node, "bwd"): call.backward_fn(out)})
             else:
                 assert spec is not None
                 in_bytes = sum(t.numel() * t.element_size()
@@ -612,7 +630,7 @@ def annotate_costs(
             bar[0].stop()
     if timed:
         with torch.enable_grad():
-            medians = _interleaved_medians(timed, device, warmup, repeats)
+            medians = (_interleaved_medians if interleave else _visit_medians)(timed, device, warmup, repeats)
         for node in compute:
             node.meta["pd.cost"] = replace(node.meta["pd.cost"], forward_s=medians[(node, "fwd")],
                                            backward_s=max(0.0, medians[(node, "bwd")] - call_overhead))

@@ -265,3 +265,23 @@ def test_backward_call_overhead_is_the_fixed_part(monkeypatch: pytest.MonkeyPatc
     monkeypatch.undo()
     real = ac.backward_call_overhead(torch.device("cpu"), warmup=5, repeats=5)
     assert 0 < real < 1e-3  # an autograd.grad call's start-up: microseconds, not milliseconds
+
+
+def test_visit_medians_ignore_a_burst_that_covers_one_visit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdcompile.passes import annotate_costs as ac
+
+    calls: dict[str, int] = {"a": 0, "b": 0}
+    # node "a" is hit by a burst (10x slower) during its whole first visit; "b" never
+    samples = {"a": iter([10.0] * 3 + [1.0, 1.1, 0.9] + [1.2, 1.0, 1.0]), "b": iter([2.0, 2.1, 1.9] * 3)}
+    monkeypatch.setattr(ac, "_calibrate", lambda fn, device, warmup: 1)
+    monkeypatch.setattr(ac, "_sample", lambda fn, device, number: next(samples[fn.__name__]))
+
+    def a() -> None:
+        calls["a"] += 1
+
+    def b() -> None:
+        calls["b"] += 1
+
+    got = ac._visit_medians({"a": a, "b": b, "none": None}, torch.device("cpu"), warmup=1, repeats=9)
+    assert got == {"a": 1.0, "b": 2.0, "none": 0.0}
+    assert calls == {"a": 3, "b": 3}  # one untimed warm call per visit
