@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from benchmarks._results import write_section  # noqa: E402
 from pdcompile.passes.annotate_costs import profile_model  # noqa: E402
+from pdcompile.profiler_check import cross_check_model, summary  # noqa: E402
 from pdcompile.passes.linearize import linearize, order_layers  # noqa: E402
 from pdcompile.profile import load  # noqa: E402
 from pdcompile.zoo import get, names  # noqa: E402
@@ -77,8 +78,9 @@ def loss_time(z, repeats: int) -> float:
 def trust_rows(batch_size: int, repeats: int, steps: int) -> list[str]:
     rows = [
         "| model | nodes | heavy nodes (>1%) | heavy within 20% | max heavy diff | "
-        "sum fwd+bwd (ms) | + loss (ms) | step (ms) | (sum + loss) / step | within 25% |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "sum fwd+bwd (ms) | + loss (ms) | step (ms) | (sum + loss) / step | within 25% | "
+        "torch.profiler: sum ours / theirs | heavy within 25% of torch.profiler |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in names():
         z = get(name, size="small", batch_size=batch_size)
@@ -93,10 +95,13 @@ def trust_rows(batch_size: int, repeats: int, steps: int) -> list[str]:
         step = step_time(z, steps)
         loss = loss_time(z, steps)
         ratio = (total + loss) / step
+        check = summary(cross_check_model(z.model, z.example_inputs, a, leaf_modules=z.leaf_modules,
+                                          loss_fn=z.loss_fn, target=z.target))
         rows.append(
             f"| {name} | {len(a.layers)} | {len(heavy)} | {within}/{len(heavy)} | "
             f"{max(diffs, default=0.0):.1%} | {total * 1e3:.3f} | {loss * 1e3:.3f} | {step * 1e3:.3f} | "
-            f"{ratio:.2f} | {'yes' if abs(ratio - 1) <= 0.25 else 'no'} |"
+            f"{ratio:.2f} | {'yes' if abs(ratio - 1) <= 0.25 else 'no'} | {check['ratio']:.2f} | "
+            f"{check['heavy_within']}/{check['heavy']} |"
         )
         print(rows[-1], flush=True)
     return rows
@@ -155,7 +160,11 @@ def main() -> None:
         f"+ backward, {args.steps} steps, the smallest median of 3 consecutive thirds (the same estimator). Targets: heavy nodes of two profiles within 20%; per-node sum within 25% "
         f"of the step. The step computes the loss, which the traced graph (so the profile) does not "
         f"hold: it is measured alone and added. Each node's backward is measured as its own "
-        f"`autograd.grad` call less that call's fixed cost (measured once; a step pays it once).\n\n"
+        f"`autograd.grad` call less that call's fixed cost (measured once; a step pays it once). "
+        f"Cross-check: the same nodes timed inside one whole step by `torch.profiler` "
+        f"(`pdcompile.profiler_check`: forward = the operators in the node's `record_function` range, "
+        f"backward = the autograd functions with their sequence numbers; the profiler's own per-operator "
+        f"overhead inflates small nodes).\n\n"
         + "\n".join(trust)
     )
     write_section("Measured-cost trust (bench_profile)", body)

@@ -89,6 +89,8 @@ def test_show_text(capsys: pytest.CaptureFixture[str]) -> None:
         (["profile", "cli_models_for_test:make", "--input", "2x3:floaty"], "unknown dtype"),
         (["profile", "cli_models_for_test:make"], "--input"),
         (["profile", "--show", "/nonexistent/p.json"], "cannot read profile"),
+        (["profile", "cli_models_for_test:make", "--input", "5x7:int64,5x7x3", "--mode", "analytic",
+          "--cross-check"], "use --mode measured"),
     ],
 )
 def test_bad_input_exit_2(factory_dir: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
@@ -96,3 +98,14 @@ def test_bad_input_exit_2(factory_dir: Path, capsys: pytest.CaptureFixture[str],
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_profile_cross_check_with_torch_profiler(factory_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["profile", "cli_models_for_test:make", "--input", "5x7:int64,5x7x3", "--no-symbolic",
+               "--repeats", "3", "--cross-check", "--json"])
+    assert rc == 0
+    check = json.loads(capsys.readouterr().out)["cross_check"]
+    # every node's operators ran inside the profiled step: both sums are real times
+    assert check["profiler_sum_s"] > 0 and check["measured_sum_s"] > 0
+    assert check["heavy"] >= 2 and 0 <= check["heavy_within"] <= check["heavy"]
+    assert check["step_under_profiler_s"] > check["profiler_sum_s"] * 0.5

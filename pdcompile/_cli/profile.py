@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -52,6 +53,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per node (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per node")
     p.add_argument("--no-symbolic", action="store_true", help="skip the batch-size fit")
+    p.add_argument("--cross-check", action="store_true",
+                   help="measured mode: also time the nodes inside a whole step with torch.profiler and "
+                        "print both side by side")
     p.add_argument("-o", "--output", metavar="PATH", help="write the profile JSON here")
     p.add_argument("--show", metavar="PATH", help="print a profile file (JSON or graph.txt)")
     p.add_argument("--top", type=int, default=10, help="rows per table in --show")
@@ -71,25 +75,61 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.factory:
         raise UsageError("nothing to do: give MODULE:FACTORY to profile, or --show PATH")
-    prof = _profile(args)
+    if args.cross_check and args.mode != "measured":
+        raise UsageError("--cross-check compares measured costs with torch.profiler; use --mode measured")
+    done = _profile(args)
+    prof = done.profile
+    check = _cross_check(done) if args.cross_check else None
     if args.output:
         save(prof, args.output)
     if args.json:
-        print(json.dumps(to_json(prof), indent=1))
+        data = to_json(prof)
+        if check is not None:
+            from pdcompile.profiler_check import summary as check_summary
+
+            data["cross_check"] = check_summary(check)
+        print(json.dumps(data, indent=1))
     else:
         print(show(prof, args.top))
+        if check is not None:
+            from pdcompile.profiler_check import summary as check_summary
+
+            sm = check_summary(check)
+            print(f"\ntorch.profiler cross-check (one whole step; forward = the node's operators, backward = its "
+                  f"autograd functions):\n{check}\nmeasured / profiler over all nodes {sm['ratio']:.2f}; heavy nodes "
+                  f"within {sm['tolerance']:.0%}: {sm['heavy_within']}/{sm['heavy']}")
         if args.output:
             print(f"\nwrote {args.output}")
     return 0
 
 
-def _profile(args: argparse.Namespace) -> Profile:
+@dataclass(frozen=True)
+class _Profiled:
+    """A profile and what made it (the cross-check re-runs the model)."""
+
+    profile: Profile
+    model: Any
+    inputs: tuple[Any, ...]
+    leaf_modules: tuple[Any, ...]
+    loss_fn: Any = None
+    target: Any = None
+
+
+def _cross_check(done: _Profiled) -> Any:
+    from pdcompile.profiler_check import cross_check_model
+
+    return cross_check_model(done.model, done.inputs, done.profile, leaf_modules=done.leaf_modules,
+                             loss_fn=done.loss_fn, target=done.target)
+
+
+def _profile(args: argparse.Namespace) -> _Profiled:
     import torch
 
     from pdcompile.passes.annotate_costs import profile_model
 
     made = _call_factory(args.factory, args.factory_args)
     leaf: list[Any] = [_leaf(name) for name in args.leaf]
+    loss_fn = target = None
     if isinstance(made, torch.nn.Module):
         if not args.inputs:
             raise UsageError(f"{args.factory} returned a module; give its inputs with --input SHAPE")
@@ -98,6 +138,8 @@ def _profile(args: argparse.Namespace) -> Profile:
         model = made.model
         inputs = parse_inputs(args.inputs) if args.inputs else tuple(made.example_inputs)
         leaf += list(getattr(made, "leaf_modules", ()))
+        if not args.inputs:  # a zoo-style bundle: its loss and target make the cross-check's step real
+            loss_fn, target = getattr(made, "loss_fn", None), getattr(made, "target", None)
     else:
         raise UsageError(f"{args.factory} returned {type(made).__name__}; it must return an "
                          f"nn.Module or an object with .model and .example_inputs")
@@ -107,11 +149,16 @@ def _profile(args: argparse.Namespace) -> Profile:
         raise UsageError(f"--device {args.device!r}: {e}") from None
     model = model.to(device)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
-    return profile_model(
+    prof = profile_model(
         model, inputs, mode=args.mode, leaf_modules=tuple(leaf), device_spec=args.device_spec,
         optimizer=args.optimizer, repeats=args.repeats, warmup=args.warmup,
         symbolic=not args.no_symbolic, name=getattr(made, "name", None) or type(model).__name__,
     )
+    if loss_fn is None or target is None:
+        loss_fn = target = None
+    else:
+        target = target.to(device)
+    return _Profiled(prof, model, inputs, tuple(leaf), loss_fn, target)
 
 
 def _call_factory(spec: str, kv: Sequence[str]) -> Any:
