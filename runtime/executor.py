@@ -109,6 +109,7 @@ class StageExecutor:
                  *, accumulation: int, data: Callable[[int], tuple[Sequence[torch.Tensor], torch.Tensor]] | None,
                  replica_group: Any = None, tied_groups: Sequence[tuple[Any, ...]] = (),
                  lr_scheduler: Any = None, weight_store: WeightStore | None = None,
+                 local_targets: bool = False, target_check: Sequence[int] = (0,),
                  recorder: Callable[[str, float, float], None] | None = None,
                  device: torch.device | str = "cpu", fail_at: str | None = None) -> None:
         self.program = program
@@ -129,6 +130,11 @@ class StageExecutor:
         self.recorder = recorder
         self.device = torch.device(device)
         self.fail_at = fail_at  # "RANK:ACTION", e.g. "1:1B3": raise there (tests the no-hang path)
+        # local_targets: the last stage takes targets from its own copy of the data (``data``); the
+        # targets of the microbatches in ``target_check`` (the run's first one per last-stage
+        # replica) are still sent by the first stage and compared (see _local_target)
+        self.local_targets = local_targets and not (self.is_first and self.is_last)
+        self.target_check = frozenset(target_check)
         self.mbs: dict[int, _Mb] = {}
         self.sends: list[Any] = []
         self.losses: list[float] = []
@@ -206,6 +212,8 @@ class StageExecutor:
 
     def _post_target(self, k: int) -> None:
         st = self._mb(k)
+        if self.local_targets and k not in self.target_check:
+            return
         if self.is_last and not self.is_first and st.recv_target is None:
             st.recv_target = comm.post_recv([self.program.target.empty(self.device)], self.peer(0, k), k, comm.TARGET)
 
@@ -218,7 +226,7 @@ class StageExecutor:
             target = target.to(self.device)
             if self.is_last:
                 st.target = target
-            else:
+            elif not self.local_targets or k in self.target_check:
                 self.sends += comm.post_send([target], self.peer(self.program.num_stages - 1, k), k, comm.TARGET)
         else:
             if st.recv_act is None:
@@ -233,6 +241,8 @@ class StageExecutor:
             out = torch.func.functional_call(self.module, params, tuple(st.inputs))
         if self.is_last:
             self._post_target(k)
+            if st.target is None and self.local_targets:
+                st.target = self._local_target(k, st)
             if st.target is None:
                 st.target = st.recv_target.wait()[0]  # type: ignore[union-attr]
             loss = self.loss_fn(out, st.target)  # type: ignore[misc]
@@ -241,6 +251,21 @@ class StageExecutor:
             st.outputs = []
         else:
             st.outputs = list(out)
+
+    def _local_target(self, k: int, st: _Mb) -> torch.Tensor:
+        """Microbatch ``k``'s target from this rank's copy of the data. Those in ``target_check`` are
+        also received from the first stage and compared: a data source that gives ranks different
+        minibatches would otherwise train on wrong targets, silently."""
+        _, target = self.data(k)  # type: ignore[misc]
+        target = target.to(self.device)
+        if k in self.target_check:
+            sent = st.recv_target.wait()[0]  # type: ignore[union-attr]
+            if sent.shape != target.shape or not torch.equal(sent, target):
+                raise RuntimeError(
+                    f"--targets local: the target of microbatch {k} read here differs from the one the first stage "
+                    f"read: the data source does not give every rank the same minibatches (unseeded shuffling?). "
+                    f"Seed it, or run with --targets send")
+        return target
 
     def _send_act(self, a: Action) -> None:
         st = self.mbs[a.microbatch]

@@ -58,6 +58,11 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                    help="microbatches per minibatch")
     p.add_argument("--data", default=None, help="MODULE:FUNCTION yielding (inputs, target) minibatches")
     p.add_argument("--seed", type=int, default=0, help="seed of the built-in random data")
+    p.add_argument("--targets", choices=("auto", "send", "local"), default="auto",
+                   help="where the last stage gets each microbatch's target: 'send' (the first stage sends it), "
+                        "'local' (the last stage reads the same data itself: the data source must give every "
+                        "rank the same minibatches; checked on the first one), 'auto' (local for the built-in "
+                        "random data and data saved by CompiledPipeline.run, send for --data / plan.json factories)")
     p.add_argument("--timeout", type=float, default=float(os.environ.get("PDCOMPILE_TIMEOUT", 120)),
                    help="seconds before a stuck peer fails the job")
     p.add_argument("--save-final", default=None, help="folder for each rank's final weights")
@@ -79,6 +84,18 @@ def _data_source(program: Program, args: argparse.Namespace, batch_size: int) ->
     if spec:
         return iter(import_object(spec["factory"])(batch_size, **spec.get("kwargs", {})))
     return random_batches(program, batch_size, args.seed)
+
+
+DETERMINISTIC_SOURCES = ("pdcompile.runtime.data:from_file", "pdcompile.zoo:batches")  # seeded, same on every rank
+
+
+def local_targets(program: Program, args: argparse.Namespace) -> bool:
+    """Whether the last stage reads targets from the data itself instead of receiving them (see
+    ``--targets``): a message per microbatch saved, ~7% of a small GPT's step on this machine."""
+    if args.targets != "auto":
+        return args.targets == "local"
+    spec = program.raw.get("data")
+    return not args.data and (not spec or spec.get("factory") in DETERMINISTIC_SOURCES)
 
 
 def random_batches(program: Program, batch_size: int, seed: int) -> Iterator[Any]:
@@ -174,7 +191,9 @@ def _train(program: Program, args: argparse.Namespace, rank: int, timeout: datet
     loss_fn = build(program.raw["loss"]) if spec.index == program.num_stages - 1 else None
     M = args.microbatches
     b = program.raw["microbatch_size"]
-    data_iter = _data_source(program, args, b * M) if spec.index == 0 else None
+    local = local_targets(program, args) and program.num_stages > 1
+    reads_data = spec.index == 0 or (local and spec.index == program.num_stages - 1)
+    data_iter = _data_source(program, args, b * M) if reads_data else None
     current: dict[str, Any] = {"index": -1, "micro": None}
 
     def data(k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -190,7 +209,8 @@ def _train(program: Program, args: argparse.Namespace, rank: int, timeout: datet
     events: list[tuple[str, float, float]] = []
     executor = StageExecutor(
         program, rank, module, optimizer, loss_fn, accumulation=accumulation(args.schedule, M),
-        data=data, replica_group=replica_group, tied_groups=tied_groups, lr_scheduler=lr_scheduler,
+        data=data if reads_data else None, local_targets=local,
+        replica_group=replica_group, tied_groups=tied_groups, lr_scheduler=lr_scheduler,
         weight_store=_weight_store(args.schedule, module, program),
         recorder=(lambda n, s, e: events.append((n, s, e))) if args.trace else None,
         device=_device(), fail_at=args.fail_at,
@@ -198,6 +218,9 @@ def _train(program: Program, args: argparse.Namespace, rank: int, timeout: datet
     replicas = [len(st.ranks) for st in program.stages]
     tied = bool(program.raw.get("tied"))
     resumed = _resume(program, args, rank, executor, lr_scheduler)
+    first_mb = resumed.step * M if resumed is not None else 0  # this run's first microbatch
+    # --targets local: the first microbatch of each last-stage replica still has its target sent, to compare
+    executor.target_check = frozenset(range(first_mb, first_mb + len(program.stages[-1].ranks)))
     if resumed is not None and data_iter is not None:  # the data is deterministic: skip what was consumed
         for _ in range(resumed.data_consumed):
             next(data_iter)

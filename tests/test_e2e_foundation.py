@@ -70,12 +70,15 @@ def test_pipeline_equals_single_process(tmp_path: Path, name: str, stages: int, 
     assert moved > len(list(init_model.parameters())) // 2  # training really changed the weights
 
 
-def test_tied_weights_across_a_replicated_stage(tmp_path: Path) -> None:
-    """GPT's tied embedding in stage 0 (2 replicas) and stage 1: the replicas' all-reduce, then the
-    tied-gradient sum (each replica contributing 1/replicas), equal single-process training."""
+@pytest.mark.parametrize("replicas", [[2, 1], [1, 2]])
+def test_tied_weights_across_a_replicated_stage(tmp_path: Path, replicas: list[int]) -> None:
+    """GPT's tied embedding in stage 0 and stage 1, one of them with 2 replicas: the replicas'
+    all-reduce, then the tied-gradient sum (each replica contributing 1/replicas), equal
+    single-process training. With the last stage replicated, each replica reads its targets from
+    the data itself and checks its first one against the first stage's (--targets auto)."""
     z = get("gpt", batch_size=8, seed=0)
     pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
-                     optimizer=_opt, stages=2, replicas=[2, 1], schedule="flush", num_microbatches=4)
+                     optimizer=_opt, stages=2, replicas=replicas, schedule="flush", num_microbatches=4)
     assert pipe.split.tied and pipe.world_size == 3
     result = pipe.run(batches(8, "gpt"), steps=STEPS, out=tmp_path)
     trained = get("gpt", batch_size=8, seed=0).model

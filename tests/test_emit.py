@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib.util
 import json
@@ -119,3 +120,36 @@ def test_a_broken_stage_fails_the_job_fast_naming_rank_and_action(tmp_path: Path
     assert rc != 0
     assert "rank 1 (stage 1) failed in action 1F0" in log and "boom" in log
     assert took < 45, f"the job took {took:.0f}s to fail"
+
+
+RANK_DATA = '''
+import os
+import torch
+
+
+def make(batch_size):
+    """Minibatches seeded by the rank: what an unseeded shuffle does to --targets local."""
+    g = torch.Generator().manual_seed(int(os.environ["RANK"]))
+    while True:
+        yield (torch.randn(batch_size, 16, generator=g),), torch.randint(0, 10, (batch_size,), generator=g)
+'''
+
+
+@pytest.mark.multiproc
+def test_local_targets_refuse_a_data_source_that_differs_between_ranks(tmp_path: Path) -> None:
+    from pdcompile.runtime.launch import local_targets
+    from pdcompile.runtime.program import Program
+
+    _, pipe = _pipe("mlp", stages=2)
+    out = pipe.emit(tmp_path / "prog")
+    (out / "rank_data.py").write_text(RANK_DATA)
+    # auto: the built-in data is local, a user's factory is sent
+    prog = Program.load(out)
+    auto = lambda **kw: local_targets(prog, argparse.Namespace(**{"targets": "auto", "data": None, **kw}))  # noqa: E731
+    assert auto() and not auto(data="rank_data:make")
+    # forced local on a source that differs per rank: the first target is compared, the job fails naming the fix
+    rc, log = launch(out, 2, ["--steps", "2", "--timeout", "20", "--data", "rank_data:make", "--targets", "local"],
+                     timeout=90)
+    assert rc != 0 and "differs from the one the first stage read" in log and "--targets send" in log
+    rc, log = launch(out, 2, ["--steps", "2", "--timeout", "20", "--data", "rank_data:make"], timeout=90)
+    assert rc == 0, log[-2000:]
