@@ -191,3 +191,13 @@ def test_1f1b_on_nccl(emit: Any, tmp_path: Path) -> None:
     got, metrics = _run(tmp_path, prog, "1f1b")
     got = {r: {k: v.cpu() for k, v in t.items()} for r, t in got.items()}
     _assert_matches(prog, got, _reference(prog, "mlp", reference.pipedream_1f1b([1, 1]), 1.0), "1f1b nccl")
+
+
+def test_boundary_tensors_are_packed_one_message_per_dtype() -> None:
+    import torch
+
+    from pdcompile.runtime import comm
+
+    ts = [torch.zeros(2, 3), torch.zeros(4, dtype=torch.int64), torch.zeros(5), torch.zeros(1, dtype=torch.int64)]
+    assert comm._groups(ts) == [[0, 2], [1, 3]]
+    assert comm._groups(ts[:1]) == [[0]]
