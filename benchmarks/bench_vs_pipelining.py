@@ -1,6 +1,6 @@
 """pdcompile's runtime against ``torch.distributed.pipelining`` on the same stages: throughput ratio.
 
-    python benchmarks/bench_vs_pipelining.py            # ~3-5 minutes on 2 cores
+    python benchmarks/bench_vs_pipelining.py            # ~5-7 minutes on 2 cores
     python benchmarks/bench_vs_pipelining.py --quick    # a smaller run, nothing written
 
 Setup. For each model (GPT-style: 4 pre-LN blocks, d=96, T=32, tied embeddings; VGG-style: six 3x3
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=16, help="minibatches per launch")
     p.add_argument("--warmup", type=int, default=4, help="steps dropped at the start of each launch")
-    p.add_argument("--rounds", type=int, default=4, help="rounds of back-to-back launches of ours and theirs")
+    p.add_argument("--rounds", type=int, default=6, help="rounds of back-to-back launches of ours and theirs")
     p.add_argument("--models", default="gpt,vgg")
     p.add_argument("--quick", action="store_true", help="tiny models, one round, nothing written")
     args = p.parse_args(argv)
