@@ -297,7 +297,9 @@ def _visit_medians(fns: dict[Any, Callable[[], Any] | None], device: torch.devic
     ``max(2, repeats // visits)`` samples; the function's cost is the smallest of its visits'
     medians. Interference only ever slows a call down, and a burst long enough to cover all the
     samples of one visit (tens of milliseconds: a node is timed for about a millisecond) rarely
-    covers the same node in every visit."""
+    covers the same node in every visit. As with ``timeit``, the result is what the node costs
+    without interference (a lower bound; the median of visits was tried and agreed worse between
+    two profiles on this shared machine); the benchmarks time whole steps the same way."""
     numbers = {k: _calibrate(fn, device, warmup) for k, fn in fns.items() if fn is not None}
     per_visit = max(2, repeats // visits)
     best: dict[Any, float] = {}
