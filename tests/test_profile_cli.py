@@ -91,6 +91,7 @@ def test_show_text(capsys: pytest.CaptureFixture[str]) -> None:
         (["profile", "--show", "/nonexistent/p.json"], "cannot read profile"),
         (["profile", "cli_models_for_test:make", "--input", "5x7:int64,5x7x3", "--mode", "analytic",
           "--cross-check"], "use --mode measured"),
+        (["profile", "zoo:nope"], "unknown zoo model 'nope'"),
     ],
 )
 def test_bad_input_exit_2(factory_dir: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
@@ -109,3 +110,9 @@ def test_profile_cross_check_with_torch_profiler(factory_dir: Path, capsys: pyte
     assert check["profiler_sum_s"] > 0 and check["measured_sum_s"] > 0
     assert check["heavy"] >= 2 and 0 <= check["heavy_within"] <= check["heavy"]
     assert check["step_under_profiler_s"] > check["profiler_sum_s"] * 0.5
+
+
+def test_profile_a_zoo_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", "zoo:mlp", "--mode", "analytic", "--no-symbolic", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [l["name"] for l in data["layers"]][:2] == ["layers_0", "layers_1"]

@@ -38,7 +38,7 @@ def register(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("factory", nargs="?", metavar="MODULE:FACTORY", help="model factory to profile")
+    p.add_argument("factory", nargs="?", metavar="MODEL", help="zoo:NAME or MODULE:FACTORY, the model to profile")
     p.add_argument("--input", dest="inputs", metavar="SHAPE[,SHAPE]",
                    help="example input shapes, e.g. 8x3x32x32 or 8x50:int64,8x50:int64")
     p.add_argument("--arg", dest="factory_args", action="append", default=[], metavar="KEY=VALUE",
@@ -127,7 +127,14 @@ def _profile(args: argparse.Namespace) -> _Profiled:
 
     from pdcompile.passes.annotate_costs import profile_model
 
-    made = _call_factory(args.factory, args.factory_args)
+    if args.factory.startswith("zoo:"):
+        from pdcompile.zoo import get, names
+
+        if args.factory[4:] not in names():
+            raise UsageError(f"unknown zoo model {args.factory[4:]!r}; choose one of {names()}")
+        made = get(args.factory[4:])
+    else:
+        made = _call_factory(args.factory, args.factory_args)
     leaf: list[Any] = [_leaf(name) for name in args.leaf]
     loss_fn = target = None
     if isinstance(made, torch.nn.Module):
