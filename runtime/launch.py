@@ -231,6 +231,9 @@ def _train(program: Program, args: argparse.Namespace, rank: int, timeout: datet
     # so a full collection during training doesn't walk torch's and the modules' objects (~10 ms).
     gc.collect()
     gc.freeze()
+    # Start together: a rank that finished setting up first would otherwise count the others'
+    # start-up (~0.1-1 s) in its first step's time.
+    dist.barrier()
     # 1F1B steps after every microbatch: log once per minibatch of M, as the other schedules do.
     log_every = M if args.schedule.startswith("1f1b") else 1
     t_run = time.perf_counter()
