@@ -225,6 +225,8 @@ def _train(program: Program, args: argparse.Namespace, rank: int, timeout: datet
         for _ in range(resumed.data_consumed):
             next(data_iter)
         current["index"] = resumed.data_consumed - 1
+    if data_iter is not None and args.steps > (resumed.step if resumed is not None else 0):
+        data(first_mb)  # the data source's start-up (imports, opening files) is not the first step's time
     step_times: list[float] = []
     actions: list[schedules.Action] = []  # metrics: one segment's (each segment starts from a flush)
     # Everything built so far lives for the whole run: move it out of the cyclic collector's sight,
