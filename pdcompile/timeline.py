@@ -112,6 +112,21 @@ def read_chrome_trace(path: str | os.PathLike[str]) -> list[Event]:
             for e in data["traceEvents"] if e.get("ph") == "X"]
 
 
+def time_by_category(events: Iterable[Event | tuple]) -> dict[int, dict[str, float]]:
+    """Rank -> category -> seconds its actions took (link time, ``transfer``, is not a rank's).
+
+    >>> time_by_category([(0, "0F0", 0.0, 1.0), (0, "0B0", 1.0, 3.0), (1, "1RF0", 0.0, 0.5)])
+    {0: {'forward': 1.0, 'backward': 2.0}, 1: {'recv': 0.5}}
+    """
+    out: dict[int, dict[str, float]] = {}
+    for e in _as_events(events):
+        if e.category in COMM_CATEGORIES:
+            continue
+        per = out.setdefault(e.rank, {})
+        per[e.category] = per.get(e.category, 0.0) + float(e.end_s - e.start_s)
+    return out
+
+
 def _time_unit(span_s: float) -> tuple[float, str]:
     if span_s >= 10:
         return 1.0, "s"

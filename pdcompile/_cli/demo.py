@@ -67,6 +67,24 @@ def _one_step(events: list[Any], step: int, steps: int) -> list[Any]:
     return [Event(e.rank, e.name, e.start_s - t0, e.end_s - t0, e.category) for e in out]
 
 
+def _where_the_time_goes(predicted: list[Any], measured: list[Any]) -> str:
+    """Per category, the busiest rank's time in one step, predicted beside measured: says which
+    part of the step the cost model misses (on CPU: gloo's per-message latency, the optimizer)."""
+    from pdcompile.timeline import time_by_category
+
+    p, m = time_by_category(predicted), time_by_category(measured)
+    cats = [c for c in ("forward", "backward", "recv", "send", "allreduce", "tied", "step")
+            if any(c in d for d in (*p.values(), *m.values()))]
+    rows = ["where the time goes (one step, the busiest rank, ms):   predicted   measured"]
+    for c in cats:
+        pv = max((d.get(c, 0.0) for d in p.values()), default=0.0)
+        mv = max((d.get(c, 0.0) for d in m.values()), default=0.0)
+        rows.append(f"  {c:<12} {pv * 1e3:41.2f} {mv * 1e3:10.2f}")
+    rows.append("  (the cost model charges compute and bandwidth; a gloo message's fixed latency and the "
+                "optimizer step are measured by benchmarks/bench_predicted_vs_measured.py, not here)")
+    return "\n".join(rows)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
@@ -156,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"step time: predicted {predicted * 1e3:.2f} ms, measured median {measured * 1e3:.2f} ms "
                   f"({measured / predicted:.2f}x the prediction; bubble predicted {float(sim.bubble_fraction):.0%})")
     measured_events = _one_step(read_runtime_events(out / "runtime_events"), step=args.steps // 2, steps=args.steps)
+    console.print(_where_the_time_goes(sim.events, measured_events))
     write_chrome_trace(measured_events, out / "trace.json", process_name="pdcompile (measured)")
     write_chrome_trace(sim.events, out / "trace_predicted.json", process_name="pdcompile (predicted)")
     plot_timeline(sim.events, measured_events, out / "timeline.png",
