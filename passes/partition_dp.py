@@ -700,6 +700,13 @@ def _build_plan(
         ))
     dp = model.data_parallel_time()
     b = chain.batch_size
+    notes = list(notes)
+    if model.memory_on and model.N > 0:
+        need = model.memory(0, model.N - 1, 1)  # the whole model, its gradients, optimizer state, one minibatch
+        if need > model.mem_budget * (1 + _EPS):
+            notes.append(f"data parallelism does not fit: it needs {format_quantity(need, 'memory')} per worker, over "
+                         f"the {format_quantity(model.mem_budget, 'memory')} limit; the speedup compares with "
+                         f"what it would do if it did")
     return Plan(
         stages=tuple(stages),
         solver=solver,

@@ -482,3 +482,17 @@ def test_plan_chooses_the_microbatch_size_under_memory():
         plan(chain_for, flat_cluster(4, 1e9, memory=1.0), microbatch_sizes=[2, 8])
     with pytest.raises(UsageError):
         plan(chain_for, cluster)
+
+
+def test_plan_says_when_data_parallelism_would_not_fit() -> None:
+    # two heavy layers: all of them on one worker needs more than the limit, one per worker fits
+    chain = make_chain([1.0, 1.0], [2.0, 2.0], [100.0, 100.0], [1.0, 1.0], [1.0])
+    whole = stage_memory(chain, 0, 1, 1)
+    half = stage_memory(chain, 0, 0, 2)
+    assert half < whole
+    tight = two_level(2, 1, 10.0, 10.0, memory=(half + whole) / 2)
+    plan = partition_dp(chain, tight, cost_model="default")
+    assert len(plan.stages) == 2
+    assert any("data parallelism does not fit" in n for n in plan.notes), plan.notes
+    roomy = partition_dp(chain, two_level(2, 1, 10.0, 10.0, memory=10 * whole), cost_model="default")
+    assert not any("does not fit" in n for n in roomy.notes)
