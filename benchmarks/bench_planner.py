@@ -82,7 +82,8 @@ def run(quick: bool, ilp: bool, ilp_limit: float, ilp_max_layers: int) -> tuple[
                 rows.append(
                     f"| {cname} | {name} | {len(chain)} | {cm} | {wall:.3f} | {cpu:.3f} | "
                     f"{'yes' if ok else '**no**'} | {_config(p)}{exact} | {p.workers_used} | "
-                    f"{p.speedup_vs_data_parallel:.2f}x |"
+                    f"{p.speedup_vs_data_parallel:.2f}x"
+                    f"{' (DP does not fit)' if any('data parallelism does not fit' in n for n in p.notes) else ''} |"
                 )
                 if ilp and cname != "C (8x128)" and len(chain) <= ilp_max_layers:
                     from pdcompile.passes.partition_ilp import partition_ilp
@@ -104,8 +105,8 @@ def run(quick: bool, ilp: bool, ilp_limit: float, ilp_max_layers: int) -> tuple[
         "with `passes/linearize.py`; no coarsening: every chain is planned at full length). "
         "Wall and CPU seconds per plan; target: under 1 s on A and B, under 10 s on C. "
         "Speedup: predicted samples/s over pure data parallelism on all workers under the same cost model "
-        "(under `default`, data parallelism is not checked against memory, so a memory-bound plan can be "
-        "below 1x). Configuration: workers per stage, PipeDream's notation. Memory limit: 16 GiB per "
+        "(under `default`, a plan below 1x is marked where data parallelism itself would not fit the memory "
+        "limit: the plan's note says so, and the baseline is then one that cannot run). Configuration: workers per stage, PipeDream's notation. Memory limit: 16 GiB per "
         "V100 under `default`, none under `paper`.",
         "",
         "| cluster | profile | layers | model | wall s | CPU s | on target | configuration | workers | speedup |",
