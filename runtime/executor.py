@@ -21,6 +21,7 @@ schedules).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -139,6 +140,7 @@ class StageExecutor:
         self.sends: list[Any] = []
         self.losses: list[float] = []
         self._compute_start: float | None = None
+        self._upcoming: list[Action] = []
 
     # peers -----------------------------------------------------------------------------------
     def peer(self, stage: int, microbatch: int) -> int:
@@ -146,12 +148,15 @@ class StageExecutor:
         return ranks[microbatch % len(ranks)]
 
     # actions ---------------------------------------------------------------------------------
-    def run(self, actions: Sequence[Action]) -> None:
+    def run(self, actions: Sequence[Action], upcoming: Sequence[Action] = ()) -> None:
         """Run ``actions`` in order. With a recorder, each action is recorded as ``(name, start, end)``;
         when a forward or backward first waits for its received tensors, the wait is recorded as the
         receive (``1RF3``/``1RB3``, a second slice after the posting one) and the action from the end
-        of the wait, so a trace shows compute and waiting apart."""
+        of the wait, so a trace shows compute and waiting apart. ``upcoming``: the actions the next
+        ``run`` will get (the next step's), so receives can be posted ahead across the step
+        boundary (:meth:`_prepost`)."""
         actions = list(actions)
+        self._upcoming = list(upcoming)
         for i, a in enumerate(actions):
             start = 0.0
             self._compute_start = None
@@ -176,9 +181,12 @@ class StageExecutor:
         actions after it, so its data can land while this rank computes instead of after the
         schedule's ``RF``/``RB`` (which then finds it posted). Receives never block and carry their
         microbatch in the tag, so posting early changes timing only; buffers for one more
-        microbatch are allocated a little earlier."""
+        microbatch are allocated a little earlier. It matters on CPU: gloo receives only into posted
+        buffers, so a large message whose receive is not posted yet stalls half-written in the
+        sender's socket, and finishing it later needs the sender's core while it computes (1F1B,
+        which steps after every microbatch, lost ~3 ms per microbatch so)."""
         wanted = {Kind.RECV_ACT, Kind.RECV_GRAD}
-        for b in actions[i + 1:]:
+        for b in itertools.chain(actions[i + 1:], self._upcoming):
             if not wanted:
                 break
             if b.kind in wanted:

@@ -248,10 +248,11 @@ def _train(program: Program, args: argparse.Namespace, rank: int, timeout: datet
                 executor.weights = _weight_store(args.schedule, module, program) or WeightStore(module)
             executor.weights.expect(seg)
             actions = max(actions, seg, key=len)
-            for chunk in _split_at_steps(seg):
+            chunks = _split_at_steps(seg)
+            for c, chunk in enumerate(chunks):
                 _maybe_fail(args, rank, chunk, M)
                 t0 = time.perf_counter()
-                executor.run(chunk)
+                executor.run(chunk, upcoming=chunks[c + 1] if c + 1 < len(chunks) else ())
                 step_times.append(time.perf_counter() - t0)
                 if (executor.losses and spec.index == program.num_stages - 1 and rank == spec.ranks[0]
                         and len(step_times) % log_every == 0):
