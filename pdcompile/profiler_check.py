@@ -32,7 +32,8 @@ import torch
 import torch.fx as fx
 from torch.profiler import ProfilerActivity, profile, record_function
 
-_COMPUTE_OPS = ("call_module", "call_function", "call_method")
+from pdcompile.passes.annotate_costs import _COMPUTE_OPS  # the nodes annotate-costs times
+
 _PREFIX = "pd::"
 _ENGINE = "autograd::engine::evaluate_function: "
 

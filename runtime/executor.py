@@ -158,7 +158,6 @@ class StageExecutor:
         actions = list(actions)
         self._upcoming = list(upcoming)
         for i, a in enumerate(actions):
-            start = 0.0
             self._compute_start = None
             try:
                 if a.kind in (Kind.FORWARD, Kind.BACKWARD):
@@ -186,7 +185,7 @@ class StageExecutor:
         sender's socket, and finishing it later needs the sender's core while it computes (1F1B,
         which steps after every microbatch, lost ~3 ms per microbatch so)."""
         wanted = {Kind.RECV_ACT, Kind.RECV_GRAD}
-        for b in itertools.chain(actions[i + 1:], self._upcoming):
+        for b in itertools.chain(itertools.islice(actions, i + 1, None), self._upcoming):
             if not wanted:
                 break
             if b.kind in wanted:

@@ -166,12 +166,17 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
     sys.exit(code)
 
 
-def _exit_now(code: int) -> None:
-    """Flush what this rank wrote and end the process without running C++ teardown."""
+def _flush_output() -> None:
+    """Flush this rank's log handlers and standard streams (before it ends abruptly)."""
     for h in logging.getLogger().handlers:
         h.flush()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _exit_now(code: int) -> None:
+    """Flush what this rank wrote and end the process without running C++ teardown."""
+    _flush_output()
     os._exit(code)
 
 
@@ -358,10 +363,7 @@ def _inject_fault(args: argparse.Namespace, rank: int, where: str) -> None:
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return
     log.warning("fault injection: rank %d %s %s", rank, "hangs" if args.fail_mode == "hang" else "is killed", where)
-    for h in logging.getLogger().handlers:
-        h.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush_output()
     if args.fail_mode == "hang":
         while True:
             time.sleep(3600)

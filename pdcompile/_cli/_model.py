@@ -39,6 +39,15 @@ def add_model_args(p: argparse.ArgumentParser, *, training: bool = True) -> None
         p.add_argument("--batch-size", type=int, default=16, help="zoo models: minibatch size (default 16)")
 
 
+def zoo_model(name: str, **kwargs: Any) -> Any:
+    """The zoo bundle ``name`` (``pdcompile.zoo.get``), or a UsageError listing the names."""
+    from pdcompile.zoo import get, names
+
+    if name not in names():
+        raise UsageError(f"unknown zoo model {name!r}; choose one of {names()}")
+    return get(name, **kwargs)
+
+
 def load_model(args: argparse.Namespace) -> LoadedModel:
     import torch
 
@@ -47,12 +56,8 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
     spec: str = args.model
     leaf = [_leaf(n) for n in args.leaf]
     if spec.startswith("zoo:"):
-        from pdcompile.zoo import get, names
-
         name = spec[4:]
-        if name not in names():
-            raise UsageError(f"unknown zoo model {name!r}; choose one of {names()}")
-        z = get(name, batch_size=getattr(args, "batch_size", 16))
+        z = zoo_model(name, batch_size=getattr(args, "batch_size", 16))
         return LoadedModel(name, z.model, z.example_inputs, z.target, z.loss_fn, tuple(leaf) + z.leaf_modules,
                            {"factory": "pdcompile.zoo:batches", "kwargs": {"name": name, "cycle": 4}})
     made = _call_factory(spec, args.factory_args)

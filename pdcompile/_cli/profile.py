@@ -128,11 +128,9 @@ def _profile(args: argparse.Namespace) -> _Profiled:
     from pdcompile.passes.annotate_costs import profile_model
 
     if args.factory.startswith("zoo:"):
-        from pdcompile.zoo import get, names
+        from pdcompile._cli._model import zoo_model
 
-        if args.factory[4:] not in names():
-            raise UsageError(f"unknown zoo model {args.factory[4:]!r}; choose one of {names()}")
-        made = get(args.factory[4:])
+        made = zoo_model(args.factory[4:])
     else:
         made = _call_factory(args.factory, args.factory_args)
     leaf: list[Any] = [_leaf(name) for name in args.leaf]
