@@ -202,6 +202,7 @@ def measure_overheads(steps: int = 12) -> dict[str, float]:
     trace = Path(tempfile.mkdtemp(prefix="pd-pvm-overhead-trace-"))
     run_program(prog, 2, "flush", steps, trace)
     events = read_runtime_events(trace, drop_versions=False)
+    split = _split_names(events)
     chain, plan = pipe.state.chain, pipe.plan
     scale = plan.microbatch_size / chain.batch_size
     first, last = plan.stages[0], plan.stages[-1]
@@ -215,6 +216,8 @@ def measure_overheads(steps: int = 12) -> dict[str, float]:
         kind = e.name.lstrip("0123456789").rstrip("0123456789")
         if kind == "F" and e.rank != 0 or kind == "B" and e.rank != len(plan.stages) - 1:
             continue  # these wait for a peer inside the action
+        if kind in ("B", "W") and e.name in split:
+            continue  # a split backward's parts: not the whole backward the profile has
         durations.setdefault(kind, []).append(e.end_s - e.start_s)
     gaps = []
     for r in {e.rank for e in events}:
@@ -289,13 +292,17 @@ class Setup:
     overhead_s: dict[str, float]
     recv_progress: str  # "on_wait" when every core runs a stage (gloo's I/O thread waits for a core)
     copy_bandwidth: float  # bytes/s of cloning weights (weight stashing's copies)
+    input_grad_share: float | None = None  # a split backward's parts (None: simulate_plan's defaults)
+    weight_grad_share: float | None = None
 
 
 def simulate(plan: Any, chain: Any, setup: Setup, schedule: str, num_steps: int) -> Any:
     """:func:`pdcompile.simulate.simulate_plan` with the measured link, step, tied weights and overheads."""
     from pdcompile.simulate import simulate_plan
 
-    return simulate_plan(plan, chain, setup.cluster, schedule, M, num_steps=num_steps, step_s=setup.step_s,
+    shares = {k: v for k, v in (("input_grad_share", setup.input_grad_share),
+                                ("weight_grad_share", setup.weight_grad_share)) if v is not None}
+    return simulate_plan(plan, chain, setup.cluster, schedule, M, num_steps=num_steps, step_s=setup.step_s, **shares,
                          tied_bytes=setup.tied_bytes, tied_stages=setup.tied_stages, latency_s=setup.latency_s,
                          collective_latency_s=setup.collective_latency_s, overhead_s=setup.overhead_s,
                          recv_progress=setup.recv_progress, copy_bandwidth=setup.copy_bandwidth,
@@ -346,20 +353,51 @@ def compute_slowdown(events: list[Any], chain: Any, plan: Any, overhead: dict[st
     step is the sum of its actions, slow ones included — each action less its measured
     per-action overhead (and, for a backward that hands a stashed version's gradients over, its copy:
     ``copy_s[stage]`` times ``copies[name]``), warm-up minibatches excluded. The runtime records a
-    forward or backward from the end of its receive's wait, so these are compute only."""
+    forward or backward from the end of its receive's wait, so these are compute only. Split
+    backwards (``B`` followed by ``W``) are left out here: :func:`split_shares` measures them."""
     from pdcompile.trace_convert import microbatch_of
 
     scale = plan.microbatch_size / chain.batch_size
+    split = _split_names(events)
     out = []
     for s, st in enumerate(plan.stages):
         ratios = []
         for kind, attr in (("forward", "forward_s"), ("backward", "backward_s")):
             prof = sum(getattr(l, attr) for l in chain.layers[st.first:st.last + 1]) * scale
             d = [e.end_s - e.start_s - (copy_s[s] * copies.get(e.name, 0) if copy_s and copies else 0.0)
-                 for e in events if e.rank == s and e.category == kind and (microbatch_of(e.name) or 0) >= WARMUP * M]
+                 for e in events if e.rank == s and e.category == kind and (microbatch_of(e.name) or 0) >= WARMUP * M
+                 and e.name not in split]
             ratios.append(max(statistics.fmean(d) - overhead.get(kind[0].upper(), 0.0), 0.0) / prof)
         out.append((ratios[0], ratios[1]))
     return out
+
+
+def _split_names(events: list[Any]) -> set[str]:
+    """Names of the split backwards' parts in a trace: every ``sW k`` and its ``sB k``."""
+    ws = {e.name for e in events if e.category == "backward" and "W" in e.name}
+    return ws | {w.replace("W", "B") for w in ws}
+
+
+def split_shares(events: list[Any], chain: Any, plan: Any, overhead: dict[str, float]) -> tuple[float, float] | None:
+    """A split backward's measured parts as shares of the stage's backward in the same run (the mean
+    unsplit ``B`` of the stage): (input gradients ``B``, weight gradients ``W``), averaged over the
+    stages that split; None when none did. Warm-up minibatches excluded."""
+    from pdcompile.trace_convert import microbatch_of
+
+    split = _split_names(events)
+    ins, ws = [], []
+    for s in range(1, len(plan.stages)):
+        def mean(pred: Any) -> float | None:
+            d = [e.end_s - e.start_s - overhead.get("B", 0.0) for e in events if e.rank == s
+                 and e.category == "backward" and (microbatch_of(e.name) or 0) >= WARMUP * M and pred(e.name)]
+            return statistics.fmean(d) if d else None
+        whole = mean(lambda n: n not in split)
+        b_in = mean(lambda n: n in split and "B" in n)
+        w = mean(lambda n: n in split and "W" in n)
+        if whole and b_in is not None and w is not None:
+            ins.append(max(b_in, 0.0) / whole)
+            ws.append(max(w, 0.0) / whole)
+    return (statistics.fmean(ins), statistics.fmean(ws)) if ins else None
 
 
 def geomean(xs: list[float]) -> float:
@@ -453,7 +491,9 @@ def main(argv: list[str] | None = None) -> int:
                                        copies_by_action(sched, S, args.steps, bool(pipe.split.tied)))
             slow = geomean([x for fb in factors for x in fb])
             cal_chain = scaled_chain(chain, plan, factors)
-            cal_setup = dataclasses.replace(setup, step_s=[x * geomean(list(fb)) for x, fb in zip(step_s, factors)])
+            shares = split_shares(events, chain, plan, overhead) or (None, None)
+            cal_setup = dataclasses.replace(setup, step_s=[x * geomean(list(fb)) for x, fb in zip(step_s, factors)],
+                                            input_grad_share=shares[0], weight_grad_share=shares[1])
             cal = predict(plan, cal_chain, cal_setup, sched)
             rows.append(dict(model=name, S=S, schedule=sched, raw=raw, adj=cal, meas=meas, spread=spread, slow=slow,
                              comm=comm_per_step(events, args.steps), load=os.getloadavg()[0]))

@@ -4,7 +4,9 @@ Pure Python over the schedule data (:mod:`pdcompile.runtime.schedules`); no torc
 
 * every rank runs its actions in order, one at a time;
 * ``F``/``B``/``ST`` of stage ``s`` take ``forward_s[s]``/``backward_s[s]``/``step_s[s]`` seconds
-  (per microbatch);
+  (per microbatch); a split backward (a ``W k`` follows ``B k`` on the rank) costs
+  ``input_grad_s[s]`` for its ``B`` and ``weight_grad_s[s]`` for its ``W`` (defaults: ``backward_s``
+  and 0, i.e. as if it were not split);
 * a send (``SF``/``SB``) puts the microbatch's tensor on the directed link from the sender to the
   receiving replica (``rank_of``); a link carries one transfer at a time, in the sender's order,
   each taking ``send_s(stage_from, stage_to, rank_a, rank_b)`` (or ``boundary_bytes[b] /
@@ -58,6 +60,12 @@ from pdcompile.runtime.schedules import (
 from pdcompile.timeline import Event, category_of
 
 SendCost = Callable[[int, int, int, int], Any]  # (stage_from, stage_to, rank_a, rank_b) -> seconds
+
+# A split backward's parts as shares of the whole backward, as the runtime computes them (measured on
+# the benchmark models' second stages, CPU: input gradients alone 0.5 (VGG) - 0.65 (GPT) of a
+# backward; the weight pass walks the retained graph again towards the parameters, 0.8 - 0.9).
+INPUT_GRAD_SHARE = 0.6
+WEIGHT_GRAD_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -160,6 +168,8 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
              allreduce_s: Sequence[Any] | None = None,
              step_s: Sequence[Any] | None = None,
              version_s: Sequence[Any] | None = None,
+             input_grad_s: Sequence[Any] | None = None,
+             weight_grad_s: Sequence[Any] | None = None,
              tied_s: Any = 0,
              tied_stages: Sequence[int] | None = None,
              overhead_s: Mapping[str, Any] | Any = 0,
@@ -189,6 +199,8 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     ar = _per_stage("allreduce_s", allreduce_s, S)
     st = _per_stage("step_s", step_s, S)
     ver = _per_stage("version_s", version_s, S)
+    b_in = bwd if input_grad_s is None else _per_stage("input_grad_s", input_grad_s, S)
+    b_w = _per_stage("weight_grad_s", weight_grad_s, S)
     stage_of = {r: s for s, rs in enumerate(ranks) for r in rs}
     tg_stages = set(range(S)) if tied_stages is None else set(tied_stages)
     if not tg_stages <= set(range(S)):
@@ -228,6 +240,7 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     events: list[Event] = []
 
     copies = {r: version_copies(acts) if version_s is not None else [0] * len(acts) for r, acts in sched.items()}
+    split = {r: {a.microbatch for a in acts if a.kind is Kind.WEIGHT_GRAD} for r, acts in sched.items()}
 
     def execute(parts: list[tuple[int, int]], a: Action) -> None:
         if a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
@@ -248,8 +261,11 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
             busy[r] += over[a.kind.value]
             clock[r] += over[a.kind.value]
         t = clock[r]
-        if a.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.STEP):
-            dur = {Kind.FORWARD: fwd, Kind.BACKWARD: bwd, Kind.STEP: st}[a.kind][a.stage]
+        if a.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD, Kind.STEP):
+            if a.kind is Kind.BACKWARD and a.microbatch in split[r]:
+                dur = b_in[a.stage]
+            else:
+                dur = {Kind.FORWARD: fwd, Kind.BACKWARD: bwd, Kind.WEIGHT_GRAD: b_w, Kind.STEP: st}[a.kind][a.stage]
             if copies[r][parts[0][1]]:
                 dur = dur + ver[a.stage] * copies[r][parts[0][1]]
             events.append(Event(r, name, t, t + dur, category_of(name)))
@@ -324,10 +340,11 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
 
 
 def simulate_schedule(name: str, replicas: Sequence[int], num_microbatches: int, *, num_steps: int = 1,
-                      vertical_sync: bool = False, tied: bool = False, **costs: Any) -> SimResult:
+                      vertical_sync: bool = False, tied: bool = False, split_backward: bool = True,
+                      **costs: Any) -> SimResult:
     """Build the named schedule (:func:`~pdcompile.runtime.schedules.make_schedule`) and simulate it."""
     sched = make_schedule(name, replicas, num_microbatches, tied=tied, vertical_sync=vertical_sync,
-                          num_steps=num_steps)
+                          num_steps=num_steps, split_backward=split_backward)
     return simulate(sched, replicas=replicas, num_steps=num_steps, **costs)
 
 
@@ -344,7 +361,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                   tied_bytes: float = 0.0, tied_stages: Sequence[int] = (),
                   latency_s: float = 0.0, collective_latency_s: float | None = None,
                   overhead_s: Mapping[str, float] | float = 0.0, recv_progress: str = "background",
-                  copy_bandwidth: float | None = None) -> SimResult:
+                  copy_bandwidth: float | None = None, split_backward: bool = True,
+                  input_grad_share: float = INPUT_GRAD_SHARE, weight_grad_share: float = WEIGHT_GRAD_SHARE) -> SimResult:
     """Simulate a :class:`pdcompile.plan.Plan` of ``chain`` on ``cluster``.
 
     ``tied_bytes``: bytes of parameters tied across ``tied_stages`` (a GPT's embedding and output
@@ -354,7 +372,9 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     ``latency_s``) to every all-reduce (a link's fixed cost per message); ``overhead_s`` is the
     runtime's fixed cost per action and ``recv_progress`` when a receive's transfer may run (see
     :func:`simulate`). ``copy_bandwidth`` (bytes/s of a memory copy on the workers): weight stashing's
-    copies of a stage's ``param_bytes`` are charged (``version_s``).
+    copies of a stage's ``param_bytes`` are charged (``version_s``). ``split_backward`` (gpipe, flush;
+    the runtime's default): a stage's split backward costs ``input_grad_share`` of its backward for
+    ``B`` and ``weight_grad_share`` for ``W`` (see :data:`INPUT_GRAD_SHARE`).
 
     Stage ``s`` (chain layers ``first..last``) costs the sum of its layers' ``forward_s`` /
     ``backward_s``; its boundary sends ``chain.cut_bytes[last]`` forward (and as many gradient
@@ -397,6 +417,9 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
         bw = min((cluster.bandwidth_between(a, b) for a in cr for b in cr if a != b), default=math.inf)
         tied_s = ring_allreduce_s(tied_bytes, len(cr), bw) + coll_lat
     return simulate_schedule(name, reps, num_microbatches, num_steps=num_steps, vertical_sync=vertical_sync,
+                             split_backward=split_backward,
+                             input_grad_s=[b * input_grad_share for b in bwd],
+                             weight_grad_s=[b * weight_grad_share for b in bwd],
                              tied=bool(tied_bytes and tied_stages), tied_s=tied_s,
                              tied_stages=list(tied_stages) if tied_bytes and tied_stages else None,
                              overhead_s=overhead_s, recv_progress=recv_progress,

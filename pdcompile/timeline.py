@@ -45,8 +45,8 @@ CATEGORIES: dict[str, tuple[str, str]] = {
 COMM_CATEGORIES = frozenset({"transfer"})
 _US = 1e6
 _KIND_CATEGORY = {"F": "forward", "B": "backward", "ST": "step", "AR": "allreduce", "TG": "tied", "SF": "send",
-                  "SB": "send", "RF": "recv", "RB": "recv", "WV": "version"}
-_NAME_RE = re.compile(r"^\d+(SF|RF|SB|RB|AR|TG|ST|WV|F|B)\d*$")
+                  "SB": "send", "RF": "recv", "RB": "recv", "WV": "version", "W": "backward"}
+_NAME_RE = re.compile(r"^\d+(SF|RF|SB|RB|AR|TG|ST|WV|F|B|W)\d*$")
 
 
 def category_of(name: str) -> str:

@@ -25,7 +25,7 @@ from pdcompile.timeline import Event, category_of, write_chrome_trace
 
 __all__ = ["read_runtime_events", "runtime_trace_to_chrome", "microbatch_of", "select_microbatches"]
 
-_MB_RE = re.compile(r"^\d+(SF|RF|SB|RB|F|B)(\d+)$")
+_MB_RE = re.compile(r"^\d+(SF|RF|SB|RB|F|B|W)(\d+)$")
 
 
 def _files(source: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[Path]:

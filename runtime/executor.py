@@ -8,7 +8,9 @@ One executor per rank. It owns the stage module, the optimizer and the per-micro
 * ``F``: run the stage (first stage: on data; last stage: also the loss, scaled by
   ``1/accumulation``); ``SF`` sends the outputs downstream;
 * ``B``: backpropagate (last stage from the loss, others from the received gradients);
-  ``SB`` sends the input gradients upstream;
+  ``SB`` sends the input gradients upstream; when a ``W`` of the same microbatch follows in the
+  actions, ``B`` computes only the input gradients (keeping the autograd graph) and ``W`` the
+  weight gradients, so ``SB`` goes out a weight-gradient pass sooner (the drain's split backward);
 * ``AR``: all-reduce (sum) gradients among the stage's replicas; ``TG``: sum gradients of
   parameters tied across stages; ``ST``: optimizer step (and LR scheduler), then zero grads;
   ``WV``: later forwards use another weight version (told to the weight store).
@@ -33,6 +35,7 @@ import torch.distributed as dist
 from pdcompile.runtime import comm
 from pdcompile.runtime.program import Program, StageSpec
 from pdcompile.runtime.schedules import Action, Kind
+from pdcompile.runtime.weight_grads import WeightPass
 
 
 def allreduce_flat(tensors: Sequence[torch.Tensor], group: Any) -> None:
@@ -98,6 +101,7 @@ class _Mb:
     recv_act: comm.Pending | None = None
     recv_grad: comm.Pending | None = None
     recv_target: comm.Pending | None = None
+    input_grads: list[torch.Tensor] | None = None  # computed by a split B (``W`` follows)
 
 
 class ActionError(RuntimeError):
@@ -141,6 +145,10 @@ class StageExecutor:
         self.losses: list[float] = []
         self._compute_start: float | None = None
         self._upcoming: list[Action] = []
+        self._split: set[int] = set()  # microbatches whose B is split (a W follows in the actions)
+        self._weight_pass: dict[int, Any] = {}  # microbatch -> what its W needs
+        self._notes: dict[int, Any] = {}  # microbatch -> submodule outputs noted in its forward
+        self._wpass = WeightPass(module)
 
     # peers -----------------------------------------------------------------------------------
     def peer(self, stage: int, microbatch: int) -> int:
@@ -157,6 +165,7 @@ class StageExecutor:
         boundary (:meth:`_prepost`)."""
         actions = list(actions)
         self._upcoming = list(upcoming)
+        self._split = {a.microbatch for a in actions if a.kind is Kind.WEIGHT_GRAD}  # type: ignore[misc]
         for i, a in enumerate(actions):
             self._compute_start = None
             try:
@@ -242,10 +251,17 @@ class StageExecutor:
             for t, spec in zip(st.inputs, self.spec.inputs):
                 t.requires_grad_(spec.requires_grad)
         params = self.weights.params_for_forward(k)
-        if params is None:
-            out = self.module(*st.inputs)
-        else:
-            out = torch.func.functional_call(self.module, params, tuple(st.inputs))
+        handles: list[Any] = []
+        if k in self._split and not self.is_first:  # W follows: note what the weight pass needs
+            handles, self._notes[k] = self._wpass.capture()
+        try:
+            if params is None:
+                out = self.module(*st.inputs)
+            else:
+                out = torch.func.functional_call(self.module, params, tuple(st.inputs))
+        finally:
+            for h in handles:
+                h.remove()
         if self.is_last:
             self._post_target(k)
             if st.target is None and self.local_targets:
@@ -289,15 +305,22 @@ class StageExecutor:
     def _backward(self, a: Action) -> None:
         st = self.mbs[a.microbatch]
         if self.is_last:
-            st.loss.backward()  # type: ignore[union-attr]
+            roots: list[torch.Tensor] = [st.loss]  # type: ignore[list-item]
+            seeds: list[torch.Tensor] | None = None
         else:
             if st.recv_grad is None:
                 raise RuntimeError(f"backward of microbatch {a.microbatch} before its gradients were received (missing RB)")
             grads = self._wait(st.recv_grad, a, "RB")
             outs = [o for o, spec in zip(st.outputs, self.spec.outputs) if spec.requires_grad]
             pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+        ins = [t for t, spec in zip(st.inputs, self.spec.inputs) if spec.requires_grad]
+        notes = self._notes.pop(a.microbatch, {})  # type: ignore[arg-type]
+        if a.microbatch in self._split and not self.is_first and roots and ins:
+            # input gradients only, for SB to send now; the graph stays for W's weight gradients
+            st.input_grads, self._weight_pass[a.microbatch] = self._wpass.input_grads(roots, seeds, ins, notes)  # type: ignore[index]
+        elif roots:
+            torch.autograd.backward(roots, seeds)
         st.outputs, st.loss = [], None  # free the graph (and the weight version it holds)
         self.weights.after_backward(a.microbatch)
         if self.is_first:
@@ -305,9 +328,19 @@ class StageExecutor:
 
     def _send_grad(self, a: Action) -> None:
         st = self.mbs.pop(a.microbatch)
-        grads = [(t.grad if t.grad is not None else torch.zeros_like(t))
-                 for t, spec in zip(st.inputs, self.spec.inputs) if spec.requires_grad]
+        grads = st.input_grads if st.input_grads is not None else \
+            [(t.grad if t.grad is not None else torch.zeros_like(t))
+             for t, spec in zip(st.inputs, self.spec.inputs) if spec.requires_grad]
         self.sends += comm.post_send(grads, self.peer(self.stage - 1, a.microbatch), a.microbatch, comm.GRAD)
+
+    def _weight_grad(self, a: Action) -> None:
+        """``W``: the weight gradients of a split ``B``, accumulated into ``.grad`` as an unsplit
+        backward would (:class:`~pdcompile.runtime.weight_grads.WeightPass`); then the graph is freed."""
+        if a.microbatch not in self._split:
+            raise RuntimeError(f"{a} without its backward in the same step (a W must follow its B before the ST)")
+        work = self._weight_pass.pop(a.microbatch, None)  # type: ignore[arg-type]
+        if work is not None:  # None: nothing needed a gradient (the B had no roots)
+            self._wpass.weight_grads(work)
 
     def _allreduce(self, a: Action) -> None:
         if self.replica_group is None:

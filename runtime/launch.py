@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
     p.add_argument("--trace", default=None, help="folder for each rank's action timeline (Chrome trace events)")
     p.add_argument("--vertical-sync", action="store_true", default=bool(program.raw.get("vertical_sync", False)),
                    help="1f1b: every stage uses the weight version the input stage had when a minibatch entered")
+    p.add_argument("--split-backward", action=argparse.BooleanOptionalAction, default=True,
+                   help="gpipe/flush: every stage but the first computes its last backward of a step as input "
+                        "gradients first (sent at once), weight gradients after (W), so the drain finishes sooner")
     p.add_argument("--fail-at", default=None, metavar="RANK:ACTION",
                    help="raise in this rank's action (e.g. 1:1B3): tests that a failing rank ends the job")
     p.add_argument("--log-level", default="INFO")
@@ -120,14 +123,14 @@ def accumulation(schedule: str, num_microbatches: int) -> int:
 
 
 def run_actions(schedule: str, replicas: list[int], num_microbatches: int, steps: int, tied: bool,
-                rank: int, vertical_sync: bool = False) -> list[schedules.Action]:
+                rank: int, vertical_sync: bool = False, split_backward: bool = True) -> list[schedules.Action]:
     """This rank's actions for the whole run: ``steps`` minibatches of ``num_microbatches`` each.
 
     Microbatch ``k`` is microbatch ``k % M`` of data minibatch ``k // M``. For 1f1b every
     microbatch is one PipeDream minibatch with its own update (per ``r_s`` on a replicated stage).
     """
     return schedules.make_schedule(schedule, replicas, num_microbatches, tied=tied, vertical_sync=vertical_sync,
-                                   num_steps=steps)[rank]
+                                   num_steps=steps, split_backward=split_backward)[rank]
 
 
 def main(folder: Path, argv: list[str] | None = None) -> None:
@@ -261,7 +264,8 @@ def _train(program: Program, args: argparse.Namespace, rank: int, timeout: datet
     try:
         # One schedule per segment between checkpoints: a checkpoint falls on a flush point.
         for first, end in _segments(resumed.step if resumed else 0, args.steps, args.checkpoint_every):
-            seg = _shift(run_actions(args.schedule, replicas, M, end - first, tied, rank, args.vertical_sync),
+            seg = _shift(run_actions(args.schedule, replicas, M, end - first, tied, rank, args.vertical_sync,
+                                     args.split_backward),
                          first * M)
             if actions:  # the pipeline drained: weight versions start afresh
                 executor.weights = _weight_store(args.schedule, module, program) or WeightStore(module)

@@ -7,7 +7,8 @@ An action prints compactly as ``{stage}{kind}{microbatch}``: ``1F3`` (stage 1, f
 microbatch 3), ``2B0``, ``0SF1`` (stage 0 sends microbatch 1's activations downstream), ``1RF1``
 (stage 1 receives them), ``1SB1`` / ``0RB1`` (gradients back), ``0AR`` (all-reduce gradients among
 the stage's replicas), ``0TG`` (sum gradients of parameters tied across stages), ``0ST`` (optimizer
-step), ``0WV2`` (from the next forward on, forwards use weight version 2). ``Action.from_str``
+step), ``0WV2`` (from the next forward on, forwards use weight version 2), ``1W3`` (stage 1 computes
+microbatch 3's weight gradients; see below). ``Action.from_str``
 parses every printed form back; :func:`format_grid` / :func:`parse_grid` do the same for a whole
 schedule (a rank x step grid).
 
@@ -41,6 +42,19 @@ Where a schedule places ``WV``: as early as possible, i.e. right after the later
 forward that used the previous version, the ``ST`` that created the new one). Schedules differ only
 in which version each forward uses (documented per schedule below) and in where ``ST`` falls.
 
+Split backward (``W``)
+----------------------
+A ``W k`` after ``B k`` on the same rank splits that backward in two: ``B k`` computes only the
+gradients of the stage's inputs, so ``SB k`` can send them at once, and ``W k`` the gradients of the
+stage's weights. GPipe and Flush end every step with a drain in which each stage's last backward
+waits for the stage after it: splitting the last backward of every stage but the first lets the
+stage before start its own last backward a weight-gradient pass sooner (the drain's critical path
+loses that pass on every later stage), while the later stage computes its weight gradients at the
+same time. ``make_schedule(..., split_backward=True)`` (the default for gpipe and flush) places
+``W`` right after the ``SB`` of each such backward. Rules: ``W k`` at most once, after ``B k`` (and
+its ``SB``) on the same rank, before the rank's next ``AR``/``TG``/``ST``, only on stages after the
+first and only in gpipe/flush (no weight stashing: ``W`` uses the live weights).
+
 Use :func:`make_schedule` to build one by name (:data:`SCHEDULES`), :func:`validate` to check one.
 """
 
@@ -68,15 +82,17 @@ class Kind(str, Enum):
     TIED_GRADS = "TG"
     STEP = "ST"
     WEIGHT_VERSION = "WV"
+    WEIGHT_GRAD = "W"
 
     def __str__(self) -> str:
         return self.value
 
 
 _NEEDS_MB = {Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD, Kind.RECV_GRAD,
-             Kind.WEIGHT_VERSION}
-_ACTION_RE = re.compile(r"^(\d+)(SF|RF|SB|RB|AR|TG|ST|WV|F|B)(\d+)?$")
-_COMPUTE = (Kind.FORWARD, Kind.BACKWARD, Kind.STEP)
+             Kind.WEIGHT_VERSION, Kind.WEIGHT_GRAD}
+_ACTION_RE = re.compile(r"^(\d+)(SF|RF|SB|RB|AR|TG|ST|WV|F|B|W)(\d+)?$")
+_COMPUTE = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD, Kind.STEP)
+SPLIT_BACKWARD_SCHEDULES = ("gpipe", "flush")  # the schedules that may split a backward (``W``)
 
 
 @dataclass(frozen=True)
@@ -175,6 +191,7 @@ class _Layout:
     num_microbatches: int
     num_steps: int
     vertical_sync: bool = False
+    split_backward: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -214,7 +231,7 @@ class _Layout:
 
 
 def _layout(name: str, replicas: Sequence[int], num_microbatches: int, num_steps: int,
-            vertical_sync: bool = False) -> _Layout:
+            vertical_sync: bool = False, split_backward: bool = False) -> _Layout:
     if name not in SCHEDULES:
         raise UsageError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     stage_ranks(replicas)  # checks the replica counts
@@ -223,7 +240,8 @@ def _layout(name: str, replicas: Sequence[int], num_microbatches: int, num_steps
     if int(num_steps) != num_steps or num_steps < 1:
         raise UsageError(f"num_steps must be a positive integer, got {num_steps!r}")
     return _Layout(name, tuple(int(r) for r in replicas), int(num_microbatches), int(num_steps),
-                   bool(vertical_sync) and name in ("1f1b", "1f1b-rr"))
+                   bool(vertical_sync) and name in ("1f1b", "1f1b-rr"),
+                   bool(split_backward) and name in SPLIT_BACKWARD_SCHEDULES)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -270,6 +288,8 @@ def _rank_program(lay: _Layout, stage: int, replica: int, tied: bool) -> list[Ac
     def step_upto(groups: int) -> None:
         nonlocal stepped
         while stepped < groups:
+            if lay.split_backward and stage > 0 and acts and acts[-1].kind is Kind.SEND_GRAD:
+                acts.append(Action(stage, Kind.WEIGHT_GRAD, acts[-1].microbatch))  # the drain's last backward
             acts.extend(_step(stage, r > 1, tied))
             stepped += 1
 
@@ -366,7 +386,7 @@ def _insert_versions(acts: list[Action], version_of: Callable[[int], int]) -> li
 
 
 def make_schedule(name: str, replicas: Sequence[int], num_microbatches: int, *, tied: bool = False,
-                  vertical_sync: bool = False, num_steps: int = 1) -> Schedule:
+                  vertical_sync: bool = False, num_steps: int = 1, split_backward: bool = True) -> Schedule:
     """Build the named schedule (:data:`SCHEDULES`) for a pipeline with ``replicas[s]`` replicas of stage s.
 
     ``num_microbatches`` (``M``) is the number of microbatches per optimizer step for ``gpipe``,
@@ -375,8 +395,11 @@ def make_schedule(name: str, replicas: Sequence[int], num_microbatches: int, *, 
     ``M * num_steps`` of them. ``tied``: a ``TG`` before every ``ST`` on every rank. ``vertical_sync``
     changes ``1f1b``'s weight versions (see :func:`one_f_one_b`); ``gpipe``, ``flush`` and ``2bw``
     already use one version per microbatch across stages, so it changes nothing there.
+    ``split_backward`` (gpipe and flush; ignored by the others): every stage but the first splits
+    its last backward of each step into ``B`` (input gradients, sent at once) and ``W`` (weight
+    gradients) — see the module docstring.
     """
-    lay = _layout(name, replicas, num_microbatches, num_steps, vertical_sync)
+    lay = _layout(name, replicas, num_microbatches, num_steps, vertical_sync, split_backward)
     if tied and lay.is_1f1b and len(set(lay.replicas)) > 1:
         raise UsageError(
             f"1F1B steps every r_s microbatches on a stage with r_s replicas, so with replicas "
@@ -764,6 +787,23 @@ def _deadlock(sched: Schedule, name: str, ranks: list[list[int]], pcs: dict[int,
 # validation
 
 
+def _check_split(sched: Schedule, name: str, r: int, s: int, k: int, b: int, sb: int, w: int,
+                 fail: Callable[[str, int | None, int | None, str], ScheduleError]) -> None:
+    """Rule 'split backward' for ``W k`` at index ``w`` of rank ``r`` (``B k`` at ``b``, ``SB k`` at ``sb``)."""
+    a = sched[r][w]
+    if name not in SPLIT_BACKWARD_SCHEDULES:
+        raise fail("split backward", r, w, f"{a}: only {' and '.join(SPLIT_BACKWARD_SCHEDULES)} split a backward "
+                   f"({name} keeps weight versions, which W does not)")
+    if s == 0:
+        raise fail("split backward", r, w, f"{a}: stage 0 sends no input gradients, so it has no backward to split")
+    if w < max(b, sb):
+        raise fail("split backward", r, w, f"{a} must come after {sched[r][max(b, sb)]} (step {max(b, sb)})")
+    between = [i for i in range(b + 1, w) if sched[r][i].kind in (Kind.ALLREDUCE, Kind.TIED_GRADS, Kind.STEP)]
+    if between:
+        raise fail("split backward", r, w, f"{a} comes after {sched[r][between[0]]} (step {between[0]}): the "
+                   f"weight gradients of {s}B{k} must be complete before the stage's gradients are reduced or stepped")
+
+
 def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, name: str, *,
              num_steps: int = 1, vertical_sync: bool = False) -> None:
     """Check ``sched`` against the rules of schedule ``name``; raise :class:`ScheduleError` on the first broken one.
@@ -780,7 +820,9 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
     4. 'send/recv pairs matched': ``RF k`` on every stage but the first and ``SF k`` on every stage
        but the last, ``SB``/``RB`` likewise, exactly once each; each receive before the compute that
        uses it, each send after the compute that produces it.
-    5. 'backward after forward': ``B k`` after ``F k`` on the same rank.
+    5. 'backward after forward': ``B k`` after ``F k`` on the same rank. 'split backward': a ``W k``
+       (optional) comes once, after ``B k`` and its ``SB k``, before the rank's next ``AR``/``TG``/``ST``,
+       on a stage after the first, in gpipe or flush only.
     6. 'forward order': every rank forwards its microbatches in increasing order (so every stage
        sees them in the order the stage before sent them).
     7. 'in-flight bound': microbatches in flight on a replica (F done, B not) never exceed the
@@ -860,6 +902,9 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
                                f"{sched[r][at]} must come {rel} {sched[r][anchor]} (step {anchor})")
             if b < f:
                 raise fail("backward after forward", r, b, f"{sched[r][b]} comes before {sched[r][f]} (step {f})")
+            w = pos.get((Kind.WEIGHT_GRAD, k))
+            if w is not None:
+                _check_split(sched, name, r, s, k, b, pos.get((Kind.SEND_GRAD, k), b), w, fail)
         last = -1
         for i, a in enumerate(sched[r]):
             if a.kind is Kind.FORWARD:
@@ -916,7 +961,8 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
                 continue
             j = at - 1
             while j >= 0 and acts[j].kind in (Kind.SEND_GRAD, Kind.ALLREDUCE, Kind.TIED_GRADS, Kind.STEP,
-                                              Kind.WEIGHT_VERSION, Kind.RECV_ACT, Kind.RECV_GRAD):
+                                              Kind.WEIGHT_VERSION, Kind.RECV_ACT, Kind.RECV_GRAD,
+                                              Kind.WEIGHT_GRAD):
                 j -= 1
             if j >= 0 and acts[j].kind is not Kind.BACKWARD:
                 raise fail("steps", r, at, f"step {g} of rank {r} comes after {acts[j]}: a step follows "

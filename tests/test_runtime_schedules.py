@@ -201,3 +201,23 @@ def test_boundary_tensors_are_packed_one_message_per_dtype() -> None:
     ts = [torch.zeros(2, 3), torch.zeros(4, dtype=torch.int64), torch.zeros(5), torch.zeros(1, dtype=torch.int64)]
     assert comm._groups(ts) == [[0, 2], [1, 3]]
     assert comm._groups(ts[:1]) == [[0]]
+
+
+def test_split_backward_is_bitwise_the_unsplit_one(emit: Any, tmp_path: Path) -> None:
+    """Flush splits every later stage's last backward of a step (B: input gradients, sent at once;
+    W: weight gradients): the weights it trains are bitwise those of unsplit backwards, and the
+    trace shows the W actions where the schedule puts them."""
+    prog = emit("gpt", 3)
+    split, _ = _run(tmp_path / "split", prog, "flush", ["--trace", str(tmp_path / "trace")])
+    plain, _ = _run(tmp_path / "plain", prog, "flush", ["--no-split-backward"])
+    for rank in plain:
+        assert plain[rank].keys() == split[rank].keys()
+        for k in plain[rank]:
+            assert torch.equal(plain[rank][k], split[rank][k]), f"rank {rank} {k} differs with a split backward"
+    names = {r: [e["name"] for e in json.loads((tmp_path / "trace" / f"rank_{r}.events.json").read_text())]
+             for r in range(3)}
+    want = {r: [str(a) for a in schedules.make_schedule("flush", [1, 1, 1], MICRO, num_steps=STEPS)[r]
+                if a.kind is schedules.Kind.WEIGHT_GRAD] for r in range(3)}
+    assert want[0] == [] and len(want[1]) == len(want[2]) == STEPS
+    for r in range(3):
+        assert [n for n in names[r] if "W" in n and "WV" not in n] == want[r]

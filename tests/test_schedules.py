@@ -22,6 +22,7 @@ from pdcompile.runtime.schedules import (
     peak_weight_versions,
     rank_of,
     replay,
+    stage_of_rank,
     stage_ranks,
     validate,
     warmup_depth,
@@ -96,13 +97,24 @@ rank 2: 1RF0 1F0  1B0  1SB0 1ST  1WV1 1RF1 1F1  1B1  1SB1 1ST  1WV2 1RF2 1F2  1B
 
 
 def test_golden_flush_and_gpipe() -> None:
-    assert format_grid(make_schedule("flush", [1, 1, 1], 4)) == """\
+    assert format_grid(make_schedule("flush", [1, 1, 1], 4, split_backward=False)) == """\
 rank 0: 0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3 0ST
 rank 1: 1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3 1ST
 rank 2: 2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3 2ST"""
-    assert format_grid(make_schedule("gpipe", [1, 1], 3)) == """\
+    assert format_grid(make_schedule("gpipe", [1, 1], 3, split_backward=False)) == """\
 rank 0: 0F0 0F1 0F2 0B2 0B1 0B0 0ST
 rank 1: 1F0 1F1 1F2 1B2 1B1 1B0 1ST"""
+    # the default splits every later stage's last backward of a step: W right after its SB
+    assert format_grid(make_schedule("flush", [1, 1, 1], 4), compute_only=False).splitlines()[1:] == [
+        "rank 1: 1RF0 1F0  1SF0 1RF1 1F1  1SF1 1RB0 1B0  1SB0 1RF2 1F2  1SF2 1RB1 1B1  1SB1 1RF3 1F3  1SF3 "
+        "1RB2 1B2  1SB2 1RB3 1B3  1SB3 1W3  1ST",
+        "rank 2: 2RF0 2F0  2B0  2SB0 2RF1 2F1  2B1  2SB1 2RF2 2F2  2B2  2SB2 2RF3 2F3  2B3  2SB3 2W3  2ST"]
+    assert format_grid(make_schedule("gpipe", [1, 2], 3, num_steps=2)) == """\
+rank 0: 0F0 0F1 0F2 0B2 0B1 0B0 0ST 0F3 0F4 0F5 0B5 0B4 0B3 0ST
+rank 1: 1F0 1F2 1B2 1B0 1W0 1ST 1F4 1B4 1W4 1ST
+rank 2: 1F1 1B1 1W1 1ST 1F3 1F5 1B5 1B3 1W3 1ST"""
+    for name in ("1f1b", "2bw"):  # weight versions: nothing to split
+        assert make_schedule(name, [1, 1], 4) == make_schedule(name, [1, 1], 4, split_backward=False)
     assert gpipe(2, 3) == make_schedule("gpipe", [1, 1], 3)
     assert flush(3, 4, tied=True) == make_schedule("flush", [1, 1, 1], 4, tied=True)
 
@@ -125,7 +137,7 @@ def test_grid_round_trip(name: str, replicas: list[int]) -> None:
     sched = make_schedule(name, replicas, 5, num_steps=2)
     assert parse_grid(format_grid(sched, compute_only=False)) == sched
     compute = parse_grid(format_grid(sched))
-    assert compute == {r: [a for a in acts if a.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.STEP)]
+    assert compute == {r: [a for a in acts if a.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD, Kind.STEP)]
                        for r, acts in sched.items()}
 
 
@@ -472,3 +484,54 @@ def test_version_copies_match_the_versioned_store(name: str, replicas: list[int]
         assert sum(got) == sum(want), (rank, got, want)
         assert [g for g, a in zip(got, acts) if a.kind is Kind.BACKWARD] == \
                [w for w, a in zip(want, acts) if a.kind is Kind.BACKWARD], rank
+
+
+# ------------------------------------------------------------------------------------------------
+# split backward (W)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "flush"])
+@pytest.mark.parametrize("replicas", [[1, 1], [1, 1, 1], [2, 1], [1, 2, 2]])
+def test_split_backward_placement(name: str, replicas: list[int]) -> None:
+    # every rank of a stage after the first splits exactly its last backward of each step; W sits
+    # right after that backward's SB, before the step's collectives; stage 0 never splits
+    sched = make_schedule(name, replicas, 4, num_steps=2, tied=True)
+    validate(sched, replicas, 4, name, num_steps=2)
+    ranks = stage_ranks(replicas)
+    for r, acts in sched.items():
+        s = stage_of_rank(r, ranks)
+        text = [str(a) for a in acts]
+        ws = [a for a in acts if a.kind is Kind.WEIGHT_GRAD]
+        if s == 0:
+            assert not ws
+            continue
+        steps = [i for i, a in enumerate(acts) if a.kind is Kind.STEP]
+        assert len(ws) == len(steps) == 2
+        lo = 0
+        for w, st_at in zip(ws, steps):
+            last_b = max(i for i in range(lo, st_at) if acts[i].kind is Kind.BACKWARD)
+            assert acts[last_b].microbatch == w.microbatch
+            assert text[last_b + 1:last_b + 3] == [f"{s}SB{w.microbatch}", str(w)]
+            lo = st_at
+    assert make_schedule(name, replicas, 4, split_backward=False) == {
+        r: [a for a in acts if a.kind is not Kind.WEIGHT_GRAD] for r, acts in make_schedule(name, replicas, 4).items()}
+
+
+def test_rejects_misplaced_weight_grad() -> None:
+    sched = make_schedule("flush", [1, 1], 2)
+    # W before its SB
+    _expect("split backward", {0: sched[0], 1: _swap(sched[1], "1SB1", "1W1")}, [1, 1], 2, "flush", at="1W1")
+    # W after the step that needs its gradients
+    _expect("split backward", {0: sched[0], 1: _swap(sched[1], "1W1", "1ST")}, [1, 1], 2, "flush", at="1W1")
+    # W twice
+    _expect("send/recv pairs matched", {0: sched[0], 1: sched[1][:-1] + [Action.from_str("1W1"), sched[1][-1]]},
+            [1, 1], 2, "flush", at="1W1")
+    # on stage 0 (nothing to send early)
+    plain = make_schedule("flush", [1, 1], 2, split_backward=False)
+    _expect("split backward", {0: plain[0][:-1] + [Action.from_str("0W1"), plain[0][-1]], 1: plain[1]},
+            [1, 1], 2, "flush", at="0W1")
+    # in a schedule with weight versions
+    one = make_schedule("1f1b", [1, 1], 2)
+    i = [str(a) for a in one[1]].index("1SB1")
+    _expect("split backward", {0: one[0], 1: one[1][:i + 1] + [Action.from_str("1W1")] + one[1][i + 1:]},
+            [1, 1], 2, "1f1b", at="1W1")

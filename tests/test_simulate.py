@@ -169,7 +169,8 @@ def test_every_schedule_simulates(cfg: tuple) -> None:
     res = simulate_schedule(name, replicas, m, num_steps=steps, forward_s=fwd, backward_s=bwd,
                             send_s=Fr(costs[0], 4), allreduce_s=[Fr(1, 3)] * S, step_s=[Fr(1, 5)] * S,
                             overlap_comm=overlap)
-    compute = Counter((e.name, e.rank) for e in res.events if e.category in ("forward", "backward"))
+    compute = Counter((e.name, e.rank) for e in res.events if e.category in ("forward", "backward")
+                      and Action.from_str(e.name).kind is not Kind.WEIGHT_GRAD)
     assert len(compute) == 2 * S * m * steps and set(compute.values()) == {1}
     assert all(Action.from_str(e.name).kind is Kind.FORWARD for e in res.events if e.category == "forward")
     # the makespan is at least one microbatch's way through the pipeline and every rank's busy time
@@ -193,7 +194,9 @@ def test_events_name_actions_and_summary() -> None:
     res = simulate_schedule("flush", [1, 2], 4, forward_s=[1, 1], backward_s=[2, 2], allreduce_s=[0, 1],
                             send_s=0.25, activation_bytes=[2**20, 2**20], weight_bytes=[2**22, 2**22])
     cats = Counter(e.category for e in res.events)
-    assert cats["forward"] == cats["backward"] == 8
+    # 8 backwards and one W per replica of stage 1 (its last backward is split)
+    assert cats["forward"] == 8 and cats["backward"] == 8 + 2
+    assert sorted(e.name for e in res.events if "W" in e.name) == ["1W2", "1W3"]
     assert cats["allreduce"] == 2 and cats["step"] == 3
     assert {e.name for e in res.events if e.category == "allreduce"} == {"1AR"}
     text = res.summary()
@@ -233,9 +236,33 @@ def test_simulate_plan_uses_the_cluster_levels() -> None:
     inside = simulate_plan(_plan([(0, 1, (0,)), (2, 3, (1,))]), chain, cluster, None, 1)
     assert inside.makespan_s == pytest.approx(2 * 3 + 2 * 0.125)
     # chain costs are per minibatch of chain.batch_size: a microbatch half as big costs half
-    half = simulate_plan(_plan([(0, 1, (0,)), (2, 3, (1,))], microbatch=2), chain, cluster, "gpipe", 1)
+    half = simulate_plan(_plan([(0, 1, (0,)), (2, 3, (1,))], microbatch=2), chain, cluster, "gpipe", 1,
+                         split_backward=False)
     assert half.makespan_s == pytest.approx(2 * 1.5 + 2 * 0.0625)
     assert half.throughput == pytest.approx(2 / half.makespan_s)
+    # the runtime's default splits stage 1's backward: its input gradients (share 0.6 of b = 1) go
+    # back first, stage 0's backward starts 0.4 sooner; stage 1's W (0.9) ends before it does
+    split = simulate_plan(_plan([(0, 1, (0,)), (2, 3, (1,))], microbatch=2), chain, cluster, "gpipe", 1)
+    assert split.makespan_s == pytest.approx(0.5 + 0.0625 + 0.5 + 0.6 + 0.0625 + 1.0)
+
+
+def test_split_backward_closed_form() -> None:
+    # flush, 2 stages, 2 microbatches, f = 1, b = 2, free sends. Unsplit: 0F0 0F1 | 1F0 [1,2] 1B0
+    # [2,4] 1F1 [4,5] 1B1 [5,7] | 0B0 [4,6] 0B1 [7,9]: 9. Split (B1 = input gradients, 1; W1 = 1.5):
+    # 1B1 [5,6] 1W1 [6,7.5], 0B1 [6,8]: 8 — the saving is b - input_grad_s on the drain's path.
+    kw = dict(forward_s=[Fr(1)] * 2, backward_s=[Fr(2)] * 2)
+    plain = simulate_schedule("flush", [1, 1], 2, split_backward=False, **kw)
+    assert plain.makespan_s == 9
+    res = simulate_schedule("flush", [1, 1], 2, input_grad_s=[Fr(1)] * 2, weight_grad_s=[Fr(3, 2)] * 2, **kw)
+    assert res.makespan_s == 8
+    ev = {e.name: (e.start_s, e.end_s) for e in res.events}
+    assert ev["1B1"] == (5, 6) and ev["1W1"] == (6, Fr(15, 2)) and ev["0B1"] == (6, 8)
+    assert ev["1B0"] == (2, 4)  # only the step's last backward is split
+    # without split costs, a split schedule simulates as the unsplit one (W costs nothing)
+    assert simulate_schedule("flush", [1, 1], 2, **kw).makespan_s == 9
+    # a long W becomes the critical path: 1W1 [6, 10]
+    assert simulate_schedule("flush", [1, 1], 2, input_grad_s=[Fr(1)] * 2, weight_grad_s=[Fr(4)] * 2,
+                             **kw).makespan_s == 10
 
 
 def test_simulate_plan_replicated_stage_all_reduces() -> None:

@@ -76,7 +76,7 @@ def _simulate_plan_alone(plan: Any, schedule: str, m: int, steps: int, overlap: 
     """Simulate from the plan's own per-stage totals (no layer costs): forward:backward = 1:2,
     each boundary's ``send_s`` split evenly between activations and gradients, and an all-reduce
     of ``comm_s x replicas`` per step (``comm_s`` is per minibatch)."""
-    from pdcompile.simulate import simulate_schedule
+    from pdcompile.simulate import INPUT_GRAD_SHARE, WEIGHT_GRAD_SHARE, simulate_schedule
 
     fwd, bwd, send, ar = [], [], [], []
     for st in plan.stages:
@@ -89,6 +89,8 @@ def _simulate_plan_alone(plan: Any, schedule: str, m: int, steps: int, overlap: 
         ar.append(st.comm_s * st.replicas)
     return simulate_schedule(schedule, [st.replicas for st in plan.stages], m, num_steps=steps,
                              forward_s=fwd, backward_s=bwd, allreduce_s=ar, overlap_comm=overlap,
+                             input_grad_s=[b * INPUT_GRAD_SHARE for b in bwd],
+                             weight_grad_s=[b * WEIGHT_GRAD_SHARE for b in bwd],
                              send_s=lambda sa, sb, ra, rb: send[min(sa, sb)],
                              microbatch_size=plan.microbatch_size)
 

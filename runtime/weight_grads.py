@@ -1,0 +1,135 @@
+"""The weight half of a split backward (``W``), without walking the stage's graph twice.
+
+A split backward (``B k`` then ``W k``, see :mod:`pdcompile.runtime.schedules`) first computes only
+the gradients of the stage's inputs; ``W`` then needs the gradients of the weights. Walking the
+retained graph again from the stage's outputs towards the parameters would recompute every
+activation gradient (about the whole backward once more). Instead, while the microbatch's forward
+runs, :class:`WeightPass` notes the output of every submodule that owns parameters (a Linear, a
+LayerNorm, a Conv...); the input-gradient pass also returns the gradients of those outputs (the
+engine computes them anyway on its way to the inputs); ``W`` then runs one short backward per
+submodule, from its output to its own parameters only.
+
+That is exact when each parameter is used inside its own submodule's single call, and nowhere else.
+Rather than trust it, the first ``W`` of a run also computes every weight gradient the plain way
+(from the stage's outputs) and compares them bitwise: equal, and the fast path is used from then on
+(an emitted stage's forward is straight-line code: the same every step); different, and every later
+``W`` walks the whole graph (correct, slower), which is logged once.
+
+Before (one walk of the graph per pass, the second redoing the first's activation gradients)::
+
+    B:  grad(outputs -> inputs, retain_graph)      W:  backward(outputs -> parameters)
+
+After::
+
+    F:  outputs of parameter-owning submodules noted
+    B:  grad(outputs -> inputs + noted outputs)     W:  per submodule: backward(its output -> its parameters)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("pdcompile.runtime")
+
+
+def _owners(module: nn.Module) -> list[tuple[nn.Module, list[torch.nn.Parameter]]]:
+    """Each submodule (the root too) with the trainable parameters it owns directly."""
+    out = []
+    for m in module.modules():
+        own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+        if own:
+            out.append((m, own))
+    return out
+
+
+class WeightPass:
+    """Per stage module: capture during a forward, input gradients in ``B``, weight gradients in ``W``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        owners = _owners(module)
+        self.root_params = next((ps for m, ps in owners if m is module), [])
+        self.children = [(m, ps) for m, ps in owners if m is not module]
+        # a parameter object owned by two submodules (tied inside the stage): only the plain walk is exact
+        ids = [id(p) for _, ps in owners for p in ps]
+        self.trusted: bool | None = None if len(ids) == len(set(ids)) else False
+
+    # F -----------------------------------------------------------------------------------------
+    def capture(self) -> tuple[list[Any], dict[nn.Module, list[torch.Tensor]]]:
+        """Start noting submodule outputs (for the next forward); returns (handles, notes)."""
+        notes: dict[nn.Module, list[torch.Tensor]] = {}
+        if self.trusted is False:
+            return [], notes
+
+        def hook(m: nn.Module, _args: Any, out: Any) -> None:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            notes.setdefault(m, []).append([t for t in outs if isinstance(t, torch.Tensor)])
+
+        return [m.register_forward_hook(hook) for m, _ in self.children], notes
+
+    # B -----------------------------------------------------------------------------------------
+    def input_grads(self, roots: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor] | None,
+                    inputs: Sequence[torch.Tensor], notes: dict[nn.Module, list[Any]]) -> tuple[list[torch.Tensor], Any]:
+        """The gradients of ``inputs``; and what :meth:`weight_grads` needs (the graph is retained)."""
+        groups: list[Any] = []
+        if self.trusted is not False:
+            for m, ps in self.children:
+                calls = notes.get(m, [])
+                if len(calls) > 1:  # called twice: its parameters' gradient is not one output's
+                    self.trusted, groups = False, []
+                    break
+                if calls:  # a submodule never called gets no gradient either way
+                    groups.append(([y for y in calls[0] if y.requires_grad], ps))
+        extra = [y for ys, _ in groups for y in ys] if groups else []
+        got = torch.autograd.grad(list(roots), list(inputs) + extra, seeds, retain_graph=True, allow_unused=True)
+        dinputs = [g if g is not None else torch.zeros_like(t) for g, t in zip(got, inputs)]
+        if groups:
+            it = iter(got[len(inputs):])
+            groups = [(ys, [next(it) for _ in ys], ps) for ys, ps in groups]
+        return dinputs, (list(roots), seeds, groups)
+
+    # W -----------------------------------------------------------------------------------------
+    def weight_grads(self, work: Any) -> None:
+        """Accumulate the weight gradients into ``.grad``, as an unsplit backward would."""
+        roots, seeds, groups = work
+        if not self.params:
+            return
+        if not groups or self.trusted is False:
+            torch.autograd.backward(roots, seeds, inputs=self.params)
+            return
+        fast: dict[int, torch.Tensor] = {}
+        for ys, dys, ps in groups:
+            pairs = [(y, g) for y, g in zip(ys, dys) if g is not None]
+            if not pairs:
+                continue
+            got = torch.autograd.grad([y for y, _ in pairs], ps, [g for _, g in pairs], retain_graph=True,
+                                      allow_unused=True)
+            for p, g in zip(ps, got):
+                if g is not None:
+                    fast[id(p)] = g
+        if self.root_params:  # used by the stage's own code: their gradient from the outputs
+            got = torch.autograd.grad(roots, self.root_params, seeds, retain_graph=True, allow_unused=True)
+            fast.update({id(p): g for p, g in zip(self.root_params, got) if g is not None})
+        if self.trusted is None:
+            plain = torch.autograd.grad(roots, self.params, seeds, retain_graph=True, allow_unused=True)
+            ok = all((g is None and id(p) not in fast) or (g is not None and id(p) in fast and torch.equal(g, fast[id(p)]))
+                     for p, g in zip(self.params, plain))
+            self.trusted = ok
+            if not ok:
+                log.warning("split backward: this stage's parameters are not each used by one submodule call; "
+                            "its W passes walk the whole graph (exact, slower)")
+                fast = {id(p): g for p, g in zip(self.params, plain) if g is not None}
+        for p in self.params:
+            g = fast.get(id(p))
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
