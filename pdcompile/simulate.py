@@ -62,10 +62,12 @@ from pdcompile.timeline import Event, category_of
 SendCost = Callable[[int, int, int, int], Any]  # (stage_from, stage_to, rank_a, rank_b) -> seconds
 
 # A split backward's parts as shares of the whole backward, as the runtime computes them (measured on
-# the benchmark models' second stages, CPU: input gradients alone 0.5 (VGG) - 0.65 (GPT) of a
-# backward; the weight pass walks the retained graph again towards the parameters, 0.8 - 0.9).
+# the benchmark models' second stages, CPU, one thread: input gradients 0.53 (VGG) - 0.74 (GPT) of
+# an unsplit backward, the per-submodule weight pass 0.56 (GPT) - 0.64 (VGG); together a little
+# more than one backward: two engine calls, and the input pass also hands back submodule outputs'
+# gradients).
 INPUT_GRAD_SHARE = 0.6
-WEIGHT_GRAD_SHARE = 0.9
+WEIGHT_GRAD_SHARE = 0.6
 
 
 @dataclass(frozen=True)

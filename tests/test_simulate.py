@@ -241,7 +241,7 @@ def test_simulate_plan_uses_the_cluster_levels() -> None:
     assert half.makespan_s == pytest.approx(2 * 1.5 + 2 * 0.0625)
     assert half.throughput == pytest.approx(2 / half.makespan_s)
     # the runtime's default splits stage 1's backward: its input gradients (share 0.6 of b = 1) go
-    # back first, stage 0's backward starts 0.4 sooner; stage 1's W (0.9) ends before it does
+    # back first, stage 0's backward starts 0.4 sooner; stage 1's W (0.6) ends before it does
     split = simulate_plan(_plan([(0, 1, (0,)), (2, 3, (1,))], microbatch=2), chain, cluster, "gpipe", 1)
     assert split.makespan_s == pytest.approx(0.5 + 0.0625 + 0.5 + 0.6 + 0.0625 + 1.0)
 
