@@ -292,6 +292,7 @@ class Setup:
     overhead_s: dict[str, float]
     recv_progress: str  # "on_wait" when every core runs a stage (gloo's I/O thread waits for a core)
     copy_bandwidth: float  # bytes/s of cloning weights (weight stashing's copies)
+    split_backward: bool = True  # as the runtime decides (off with more processes than cores)
     input_grad_share: float | None = None  # a split backward's parts (None: simulate_plan's defaults)
     weight_grad_share: float | None = None
 
@@ -303,6 +304,7 @@ def simulate(plan: Any, chain: Any, setup: Setup, schedule: str, num_steps: int)
     shares = {k: v for k, v in (("input_grad_share", setup.input_grad_share),
                                 ("weight_grad_share", setup.weight_grad_share)) if v is not None}
     return simulate_plan(plan, chain, setup.cluster, schedule, M, num_steps=num_steps, step_s=setup.step_s, **shares,
+                         split_backward=setup.split_backward,
                          tied_bytes=setup.tied_bytes, tied_stages=setup.tied_stages, latency_s=setup.latency_s,
                          collective_latency_s=setup.collective_latency_s, overhead_s=setup.overhead_s,
                          recv_progress=setup.recv_progress, copy_bandwidth=setup.copy_bandwidth,
@@ -476,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         tied_stages = tuple(sorted({s_ for g in pipe.split.tied for s_, _ in g}))
         progress = "on_wait" if S >= (os.cpu_count() or 1) else "background"
         setup = Setup(cluster, lat, link.allreduce_latency_s, step_s, tied_bytes, tied_stages, overhead, progress,
-                      copy_bandwidth([st.gm for st in pipe.split.stages]))
+                      copy_bandwidth([st.gm for st in pipe.split.stages]),
+                      split_backward=S <= (os.cpu_count() or 1))  # the runtime's --split-backward default
         print(f"{name} S={S}: stages {[(st.first, st.last) for st in plan.stages]} of {len(chain)} layers, boundary "
               f"{format_quantity(cut, 'memory')}", flush=True)
         for sched in scheds:

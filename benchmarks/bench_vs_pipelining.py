@@ -9,7 +9,10 @@ convolutions and three Linear layers on 32x32 images), pdcompile compiles ONE tw
 program's stage modules (``stage_K.py`` + ``stage_K.pt``: the same split, the same weights) on two
 CPU processes over gloo, with random data of the same shapes:
 
-* ours: the emitted ``train.py`` (``--schedule gpipe`` or ``flush``);
+* ours: the emitted ``train.py`` (``--schedule gpipe`` or ``flush``), as users run it: the last
+  backward of each step on stage 1 is split (input gradients sent first, weight gradients after: the
+  runtime's default, ``--no-split-backward`` turns it off), which shortens the drain that both
+  schedules end every minibatch with; the rest of the schedule is torch's, action for action;
 * theirs: ``benchmarks/_pipelining_worker.py``, which wraps each stage module in ``PipelineStage``
   and steps torch's ``ScheduleGPipe`` or ``Schedule1F1B`` (which *is* 1F1B with a flush per
   minibatch: what we call ``flush``). GPT's tied embedding gets its gradient all-reduced between the
@@ -134,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
             f"runtime and by torch.distributed.pipelining on 2 CPU processes (gloo), launched back to back "
             f"({args.rounds} rounds, who goes first alternating; {args.steps} steps per launch, first {args.warmup} "
             f"dropped). Step = slowest rank. Throughput ratio = their median step / ours, per round, and the "
-            f"median over rounds; > 1: ours faster. GPT: 4 blocks, d=96, T=32, vocab 256, "
+            f"median over rounds; > 1: ours faster. Ours splits stage 1's last backward of each step (input "
+            f"gradients sent first, weight gradients after; the runtime's default). GPT: 4 blocks, d=96, T=32, vocab 256, "
             f"tied embedding summed on both sides; VGG: convs 16-16-M-32-32-M-64-64-M on 32x32, hidden 256.\n"
             f"Load: {before} at the start, {load_note()} at the end.\n\n" + table(rows))
     if not args.quick:

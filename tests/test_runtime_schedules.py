@@ -208,7 +208,7 @@ def test_split_backward_is_bitwise_the_unsplit_one(emit: Any, tmp_path: Path) ->
     W: weight gradients): the weights it trains are bitwise those of unsplit backwards, and the
     trace shows the W actions where the schedule puts them."""
     prog = emit("gpt", 3)
-    split, _ = _run(tmp_path / "split", prog, "flush", ["--trace", str(tmp_path / "trace")])
+    split, _ = _run(tmp_path / "split", prog, "flush", ["--split-backward", "--trace", str(tmp_path / "trace")])
     plain, _ = _run(tmp_path / "plain", prog, "flush", ["--no-split-backward"])
     for rank in plain:
         assert plain[rank].keys() == split[rank].keys()
@@ -221,3 +221,18 @@ def test_split_backward_is_bitwise_the_unsplit_one(emit: Any, tmp_path: Path) ->
     assert want[0] == [] and len(want[1]) == len(want[2]) == STEPS
     for r in range(3):
         assert [n for n in names[r] if "W" in n and "WV" not in n] == want[r]
+
+
+def test_split_backward_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--split-backward as given; by default on, except for more CPU ranks than cores on this machine."""
+    from pdcompile.runtime.launch import split_backward
+
+    cpu, gpu = torch.device("cpu"), torch.device("meta")  # any non-CPU device
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    for flag in (True, False):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+        assert split_backward(flag, cpu) is flag and split_backward(flag, gpu) is flag
+    for local, want in (("1", True), ("2", True), ("3", False), ("8", False)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        assert split_backward(None, cpu) is want
+        assert split_backward(None, gpu) is True  # one device per rank: the weight pass has its own
