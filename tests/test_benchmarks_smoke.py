@@ -62,6 +62,10 @@ def test_step_times_tables_and_boundary_bytes(tmp_path: Path) -> None:
     assert row.ratio == 2.0 and "Schedule1F1B" in bench_vs_pipelining.table([row])
     paired = bench_vs_pipelining.Row("gpt", "flush", "1f1b", 0.01, 0.02, 4, (0.9, 1.2, 1.1))
     assert paired.ratio == 1.1 and "0.90 1.20 1.10" in bench_vs_pipelining.table([paired])
+    # the bootstrap interval of the median lies within the rounds' range and holds the median
+    lo, hi = paired.interval()
+    assert 0.9 <= lo <= 1.1 <= hi <= 1.2 and f"{lo:.2f} - {hi:.2f}" in bench_vs_pipelining.table([paired])
+    assert bench_vs_pipelining.Row("gpt", "flush", "1f1b", 0.01, 0.02, 4, (1.3,)).interval() == (1.3, 1.3)
     plan = {"num_microbatches": 4, "stages": [
         {"inputs": [{"shape": [8, 16], "dtype": "float32", "requires_grad": False}]},
         {"inputs": [{"shape": [8, 16], "dtype": "float32", "requires_grad": True}]}]}
