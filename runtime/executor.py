@@ -141,7 +141,11 @@ class StageExecutor:
         self.local_targets = local_targets and not (self.is_first and self.is_last)
         self.target_check = frozenset(target_check)
         self.mbs: dict[int, _Mb] = {}
-        self.sends: list[Any] = []
+        # sends in flight, by the action that posted them; waited for once the schedule says their
+        # receiver has taken them (``release``: schedules.send_release), the rest at the end of the run
+        self.sends: dict[Action, list[Any]] = {}
+        self.release: dict[Action, list[Action]] = {}
+        self.peak_sends = 0  # the most sends in flight at once (metrics: bounded by the schedule, not the run)
         self.losses: list[float] = []
         self._compute_start: float | None = None
         self._upcoming: list[Action] = []
@@ -175,6 +179,8 @@ class StageExecutor:
                 if self.fail_at is not None and self.fail_at == f"{self.rank}:{a}":
                     raise RuntimeError("injected failure (--fail-at)")
                 getattr(self, "_" + a.kind.name.lower())(a)
+                if self.release:
+                    self._release_sends(a)
                 self.weights.observe()
             except ActionError:
                 raise
@@ -243,7 +249,7 @@ class StageExecutor:
             if self.is_last:
                 st.target = target
             elif not self.local_targets or k in self.target_check:
-                self.sends += comm.post_send([target], self.peer(self.program.num_stages - 1, k), k, comm.TARGET)
+                self._posted(a, comm.post_send([target], self.peer(self.program.num_stages - 1, k), k, comm.TARGET))
         else:
             if st.recv_act is None:
                 raise RuntimeError(f"forward of microbatch {k} before its activations were received (missing RF)")
@@ -292,8 +298,8 @@ class StageExecutor:
 
     def _send_act(self, a: Action) -> None:
         st = self.mbs[a.microbatch]
-        self.sends += comm.post_send([o.detach() for o in st.outputs], self.peer(self.stage + 1, a.microbatch),
-                                     a.microbatch, comm.ACT)
+        self._posted(a, comm.post_send([o.detach() for o in st.outputs], self.peer(self.stage + 1, a.microbatch),
+                                       a.microbatch, comm.ACT))
 
     def _recv_grad(self, a: Action) -> None:
         st = self._mb(a.microbatch)
@@ -331,7 +337,7 @@ class StageExecutor:
         grads = st.input_grads if st.input_grads is not None else \
             [(t.grad if t.grad is not None else torch.zeros_like(t))
              for t, spec in zip(st.inputs, self.spec.inputs) if spec.requires_grad]
-        self.sends += comm.post_send(grads, self.peer(self.stage - 1, a.microbatch), a.microbatch, comm.GRAD)
+        self._posted(a, comm.post_send(grads, self.peer(self.stage - 1, a.microbatch), a.microbatch, comm.GRAD))
 
     def _weight_grad(self, a: Action) -> None:
         """``W``: the weight gradients of a split ``B``, accumulated into ``.grad`` as an unsplit
@@ -372,12 +378,23 @@ class StageExecutor:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.weights.after_step()
-        # Sends never block the schedule (validate's replay assumes so): waiting here for a send
-        # whose receive the peer posts after a collective (TG, AR) would deadlock. Drop the
-        # completed ones; the rest are waited for at the end of the run.
-        self.sends = [w for w in self.sends if not w.is_completed()]
+
+    def _posted(self, a: Action, works: list[Any]) -> None:
+        self.sends.setdefault(a, []).extend(works)
+        self.peak_sends = max(self.peak_sends, sum(map(len, self.sends.values())))
+
+    def _release_sends(self, a: Action) -> None:
+        """After ``a``: wait for the sends whose receivers have taken them (the schedule proves it, so
+        this returns at once). A send's buffer lives until its wait; on gloo nothing tells completion
+        without waiting (``is_completed`` stays false), and waiting for a send whose receive is not
+        posted yet blocks — possibly forever, if the peer posts it after a collective this rank is
+        in — so sends are never waited for anywhere else but here and at the end."""
+        for b in self.release.get(a, ()):
+            for w in self.sends.pop(b, ()):
+                w.wait()
 
     def wait_sends(self) -> None:
-        for w in self.sends:
-            w.wait()
-        self.sends = []
+        for works in self.sends.values():
+            for w in works:
+                w.wait()
+        self.sends = {}

@@ -124,15 +124,15 @@ def accumulation(schedule: str, num_microbatches: int) -> int:
     return 1 if schedule.startswith("1f1b") else num_microbatches
 
 
-def run_actions(schedule: str, replicas: list[int], num_microbatches: int, steps: int, tied: bool,
-                rank: int, vertical_sync: bool = False, split_backward: bool = True) -> list[schedules.Action]:
-    """This rank's actions for the whole run: ``steps`` minibatches of ``num_microbatches`` each.
+def run_schedule(schedule: str, replicas: list[int], num_microbatches: int, steps: int, tied: bool,
+                 vertical_sync: bool = False, split_backward: bool = True) -> schedules.Schedule:
+    """Every rank's actions for ``steps`` minibatches of ``num_microbatches`` each.
 
     Microbatch ``k`` is microbatch ``k % M`` of data minibatch ``k // M``. For 1f1b every
     microbatch is one PipeDream minibatch with its own update (per ``r_s`` on a replicated stage).
     """
     return schedules.make_schedule(schedule, replicas, num_microbatches, tied=tied, vertical_sync=vertical_sync,
-                                   num_steps=steps, split_backward=split_backward)[rank]
+                                   num_steps=steps, split_backward=split_backward)
 
 
 def main(folder: Path, argv: list[str] | None = None) -> None:
@@ -266,9 +266,12 @@ def _train(program: Program, args: argparse.Namespace, rank: int, timeout: datet
     try:
         # One schedule per segment between checkpoints: a checkpoint falls on a flush point.
         for first, end in _segments(resumed.step if resumed else 0, args.steps, args.checkpoint_every):
-            seg = _shift(run_actions(args.schedule, replicas, M, end - first, tied, rank, args.vertical_sync,
-                                     split_backward(args.split_backward, _device())),
-                         first * M)
+            full = run_schedule(args.schedule, replicas, M, end - first, tied, args.vertical_sync,
+                                split_backward(args.split_backward, _device()))
+            seg = _shift(full[rank], first * M)
+            # when each send's buffer may be let go (its receiver has taken it): schedules.send_release
+            executor.release = {_shift([a], first * M)[0]: _shift(bs, first * M)
+                                for a, bs in schedules.send_release(full, replicas)[rank].items()}
             if actions:  # the pipeline drained: weight versions start afresh
                 executor.weights = _weight_store(args.schedule, module, program) or WeightStore(module)
             executor.weights.expect(seg)
@@ -302,7 +305,7 @@ def _train(program: Program, args: argparse.Namespace, rank: int, timeout: datet
         (out / f"rank_{rank}.json").write_text(json.dumps({
             "rank": rank, "stage": spec.index, "schedule": args.schedule, "steps": args.steps,
             "losses": executor.losses, "step_times_s": step_times, "wall_s": wall,
-            "weight_versions": executor.weights.peak_versions(),
+            "weight_versions": executor.weights.peak_versions(), "sends_in_flight": executor.peak_sends,
             "weight_versions_promised": schedules.peak_weight_versions({rank: actions})[rank],
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }, indent=1))

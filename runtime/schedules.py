@@ -751,6 +751,82 @@ def replay(sched: Schedule, replicas: Sequence[int],
         raise _deadlock(sched, name, ranks, pcs, arrived, blocked)
 
 
+def send_release(sched: Schedule, replicas: Sequence[int]) -> dict[int, dict[Action, list[Action]]]:
+    """Per rank: after which of its actions the sends of earlier actions are known to be complete.
+
+    A send's buffer must stay alive until the receiver has taken the message, and on gloo nothing
+    says so without blocking (``Work.is_completed()`` stays false until ``wait()``, and ``wait()``
+    blocks until the receiver posts its receive). So a rank waits for a send only once the schedule
+    guarantees the receiver has already *waited* for it: the receiver's consuming action (``F k``
+    for ``SF k``, ``B k`` for ``SB k``; the last stage's ``F k`` for the target the first stage
+    sends inside its ``F k``) happens-before an action of this rank through the messages and
+    collectives of the schedule (vector clocks over :func:`replay`; knowledge carried by a message
+    counts from the action that waits for it, ``F``/``B``, not from the posting ``RF``/``RB``). Such
+    a wait returns at once; every other send is left alone until the end of the run.
+
+    Returns ``{rank: {action: [earlier actions whose sends are complete after it]}}``.
+
+    >>> sched = make_schedule("gpipe", [1, 1], 2, split_backward=False)
+    >>> {str(a): [str(b) for b in bs] for a, bs in send_release(sched, [1, 1])[0].items()}
+    {'0B1': ['0F0', '0SF0', '0F1', '0SF1']}
+    """
+    ranks = stage_ranks(replicas)
+    last = len(ranks) - 1
+    all_ranks = sorted(sched)
+    n = max(all_ranks, default=-1) + 1
+    pos = {r: {(a.kind, a.microbatch): i for i, a in enumerate(acts)} for r, acts in sched.items()}
+    vc = {r: [-1] * n for r in all_ranks}
+    snapshot: dict[tuple[Kind, int, int], list[int]] = {}  # a send -> its sender's clock then
+    merge_at: dict[int, dict[tuple[Kind, int], list[int]]] = {r: {} for r in all_ranks}
+    open_: dict[int, list[tuple[int, int, Action]]] = {r: [] for r in all_ranks}  # (peer, its index, send)
+    out: dict[int, dict[Action, list[Action]]] = {r: {} for r in all_ranks}
+
+    def merge(into: list[int], other: list[int]) -> None:
+        for q in range(n):
+            if other[q] > into[q]:
+                into[q] = other[q]
+
+    def release(r: int, a: Action) -> None:
+        keep = []
+        for peer, at, send in open_[r]:
+            if vc[r][peer] >= at:
+                out[r].setdefault(a, []).append(send)
+            else:
+                keep.append((peer, at, send))
+        open_[r] = keep
+
+    def execute(parts: list[tuple[int, int]], a: Action) -> None:
+        if a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
+            both = [-1] * n
+            for q, i in parts:
+                vc[q][q] = i
+                merge(both, vc[q])
+            for q, i in parts:
+                vc[q] = list(both)
+                release(q, sched[q][i])
+            return
+        (r, i), k = parts[0], a.microbatch
+        vc[r][r] = i
+        if a.kind in (Kind.FORWARD, Kind.BACKWARD) and (a.kind, k) in merge_at[r]:
+            merge(vc[r], merge_at[r].pop((a.kind, k)))  # type: ignore[arg-type]
+        if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+            use = Kind.FORWARD if a.kind is Kind.RECV_ACT else Kind.BACKWARD
+            merge_at[r][(use, k)] = snapshot[_sender_key(a)]  # type: ignore[index]
+        elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+            snapshot[(a.kind, a.stage, k)] = list(vc[r])  # type: ignore[index]
+            to = a.stage + 1 if a.kind is Kind.SEND_ACT else a.stage - 1
+            peer = rank_of(to, k, ranks)  # type: ignore[arg-type]
+            use = Kind.FORWARD if a.kind is Kind.SEND_ACT else Kind.BACKWARD
+            open_[r].append((peer, pos[peer][(use, k)], a))
+        elif a.kind is Kind.FORWARD and a.stage == 0 and last > 0:  # the target, sent to the last stage
+            peer = rank_of(last, k, ranks)  # type: ignore[arg-type]
+            open_[r].append((peer, pos[peer][(Kind.FORWARD, k)], a))
+        release(r, a)
+
+    replay(sched, replicas, execute, name="send release")
+    return out
+
+
 def _deadlock(sched: Schedule, name: str, ranks: list[list[int]], pcs: dict[int, int],
               arrived: dict[tuple, dict[int, int]], blocked: list[int]) -> ScheduleError:
     def waits_for(r: int) -> tuple[list[int], str]:

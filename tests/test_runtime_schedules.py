@@ -63,6 +63,9 @@ def _run(tmp: Path, prog: Path, schedule: str,
                for p in (tmp / "final").glob("stage_*.rank_*.pt")}
     metrics = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in (tmp / "metrics").glob("rank_*.json")}
     assert sorted(weights) == sorted(metrics) == list(range(nproc))
+    # sends are let go once their receivers took them (schedules.send_release): a rank holds about
+    # one step's worth, however long the run (it held all STEPS * MICRO of them before)
+    assert all(m["sends_in_flight"] <= MICRO + 2 for m in metrics.values()), {r: m["sends_in_flight"] for r, m in metrics.items()}
     return weights, metrics
 
 

@@ -535,3 +535,85 @@ def test_rejects_misplaced_weight_grad() -> None:
     i = [str(a) for a in one[1]].index("1SB1")
     _expect("split backward", {0: one[0], 1: one[1][:i + 1] + [Action.from_str("1W1")] + one[1][i + 1:]},
             [1, 1], 2, "1f1b", at="1W1")
+
+
+# ------------------------------------------------------------------------------------------------
+# send release (when a rank may wait for its sends without blocking)
+
+
+def _happens_before(sched: dict, replicas: list[int]) -> tuple[dict, object]:
+    """Brute force: the dependency graph of a schedule (program order; a send -> the action that
+    waits for its message, F for SF, B for SB, the last stage's F for stage 0's target; every rank's
+    matching collective -> the others') and a reachability test on it."""
+    ranks = stage_ranks(replicas)
+    last = len(replicas) - 1
+    pos = {r: {(a.kind, a.microbatch): i for i, a in enumerate(acts)} for r, acts in sched.items()}
+    edges: dict = {}
+    for r, acts in sched.items():
+        for i, a in enumerate(acts):
+            if i + 1 < len(acts):
+                edges.setdefault((r, i), []).append((r, i + 1))
+            if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+                to = a.stage + 1 if a.kind is Kind.SEND_ACT else a.stage - 1
+                peer = rank_of(to, a.microbatch, ranks)
+                use = Kind.FORWARD if a.kind is Kind.SEND_ACT else Kind.BACKWARD
+                edges.setdefault((r, i), []).append((peer, pos[peer][(use, a.microbatch)]))
+    for kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):  # matching collectives: by ordinal and group
+        groups: dict = {}
+        for r, acts in sched.items():
+            seen = 0
+            for i, a in enumerate(acts):
+                if a.kind is kind:
+                    groups.setdefault((a.stage if kind is Kind.ALLREDUCE else -1, seen), []).append((r, i))
+                    seen += 1
+        for members in groups.values():
+            for x in members:
+                for y in members:
+                    if x != y and x[1] > 0:
+                        edges.setdefault((x[0], x[1] - 1), []).append(y)  # everything before one precedes all
+
+    def reaches(src: tuple, dst: tuple) -> bool:
+        todo, seen = [src], {src}
+        while todo:
+            x = todo.pop()
+            if x == dst:
+                return True
+            for y in edges.get(x, ()):
+                if y not in seen:
+                    seen.add(y)
+                    todo.append(y)
+        return False
+    return pos, reaches
+
+
+@pytest.mark.parametrize("name", ["gpipe", "flush", "1f1b", "2bw"])
+@pytest.mark.parametrize("replicas", [[1, 1], [2, 1], [1, 1, 1]])
+def test_send_release_only_after_the_receiver_waited(name: str, replicas: list[int]) -> None:
+    from pdcompile.runtime.schedules import send_release
+
+    tied = not (name == "1f1b" and len(set(replicas)) > 1)  # 1F1B can't tie unequal replica counts
+    sched = make_schedule(name, replicas, 3, num_steps=2, tied=tied)
+    release = send_release(sched, replicas)
+    pos, reaches = _happens_before(sched, replicas)
+    ranks = stage_ranks(replicas)
+    last = len(replicas) - 1
+    n_released = 0
+    for r, rel in release.items():
+        index = {a: i for i, a in enumerate(sched[r])}
+        seen = set()
+        for after, sends in rel.items():
+            for send in sends:
+                assert send not in seen and index[send] < index[after]
+                seen.add(send)
+                if send.kind is Kind.FORWARD:  # stage 0's target, waited for by the last stage's F
+                    peer, use = rank_of(last, send.microbatch, ranks), Kind.FORWARD
+                else:
+                    to = send.stage + 1 if send.kind is Kind.SEND_ACT else send.stage - 1
+                    peer = rank_of(to, send.microbatch, ranks)
+                    use = Kind.FORWARD if send.kind is Kind.SEND_ACT else Kind.BACKWARD
+                # the receiver's waiting action happens-before the release point
+                assert reaches((peer, pos[peer][(use, send.microbatch)]), (r, index[after])), (r, after, send)
+                n_released += 1
+    # most sends are released before the run ends (the last step's are waited for at the end)
+    n_sends = sum(a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD) for acts in sched.values() for a in acts)
+    assert n_released >= n_sends // 3
