@@ -5,7 +5,8 @@
 
 Each rank builds exactly the stage module our runtime builds (``stage_K.py`` + ``stage_K.pt`` of the
 emitted folder: the same split, the same weights), wraps it in ``PipelineStage`` and steps it with
-torch's ``ScheduleGPipe`` or ``Schedule1F1B`` over the plan's number of microbatches. Tied parameters
+torch's ``ScheduleGPipe`` or ``Schedule1F1B`` over the plan's number of microbatches. A step's time
+includes drawing its random minibatch on the first and last rank, as ours reads it there. Tied parameters
 (GPT's embedding and output projection) get their gradients summed across stages before the step,
 as our runtime's ``TG`` action does, so both sides do the same work. Rank 0 writes per-rank step
 times (optimizer step included) to ``--out``.
@@ -72,9 +73,11 @@ def main() -> None:
 
     times: list[float] = []
     for _ in range(args.steps):
-        xs = tuple(draw(s.shape, s.dtype) for s in spec0)
-        y = draw(tgt.shape, tgt.dtype)
         t0 = time.perf_counter()
+        # a step includes reading its minibatch, as in ours: the first stage reads the inputs and
+        # (local targets) the last stage its own copy of the minibatch
+        xs = tuple(draw(s.shape, s.dtype) for s in spec0) if rank in (0, world - 1) else ()
+        y = draw(tgt.shape, tgt.dtype) if rank in (0, world - 1) else None
         opt.zero_grad(set_to_none=True)
         if rank == 0:
             sched.step(*xs)

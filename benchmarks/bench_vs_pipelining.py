@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     body = (f"Same emitted 2-stage program (minibatch 32 = 4 microbatches of 8, SGD) trained by pdcompile's "
             f"runtime and by torch.distributed.pipelining on 2 CPU processes (gloo), launched back to back "
             f"({args.rounds} rounds, who goes first alternating; {args.steps} steps per launch, first {args.warmup} "
-            f"dropped). Step = slowest rank. Throughput ratio = their median step / ours, per round, and the "
+            f"dropped). Step = slowest rank, reading its random minibatch included on both sides. Throughput ratio = their median step / ours, per round, and the "
             f"median over rounds; > 1: ours faster. The interval is a bootstrap over the rounds: where it holds "
             f"1.0, this machine's launch-to-launch noise (±15% per launch) cannot tell the two apart. Ours splits stage 1's last backward of each step (input "
             f"gradients sent first, weight gradients after; the runtime's default). GPT: 4 blocks, d=96, T=32, vocab 256, "
