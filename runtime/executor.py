@@ -342,10 +342,8 @@ class StageExecutor:
     def _weight_grad(self, a: Action) -> None:
         """``W``: the weight gradients of a split ``B``, accumulated into ``.grad`` as an unsplit
         backward would (:class:`~pdcompile.runtime.weight_grads.WeightPass`); then the graph is freed."""
-        if a.microbatch not in self._split:
-            raise RuntimeError(f"{a} without its backward in the same step (a W must follow its B before the ST)")
         work = self._weight_pass.pop(a.microbatch, None)  # type: ignore[arg-type]
-        if work is not None:  # None: nothing needed a gradient (the B had no roots)
+        if work is not None:  # None: the B was not split (nothing needed a gradient, or stage 0)
             self._wpass.weight_grads(work)
 
     def _allreduce(self, a: Action) -> None:
