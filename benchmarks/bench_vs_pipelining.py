@@ -1,6 +1,6 @@
 """pdcompile's runtime against ``torch.distributed.pipelining`` on the same stages: throughput ratio.
 
-    python benchmarks/bench_vs_pipelining.py            # ~5-7 minutes on 2 cores
+    python benchmarks/bench_vs_pipelining.py            # ~2 minutes on 2 cores
     python benchmarks/bench_vs_pipelining.py --quick    # a smaller run, nothing written
 
 Setup. For each model (GPT-style: 4 pre-LN blocks, d=96, T=32, tied embeddings; VGG-style: six 3x3
@@ -9,23 +9,27 @@ convolutions and three Linear layers on 32x32 images), pdcompile compiles ONE tw
 program's stage modules (``stage_K.py`` + ``stage_K.pt``: the same split, the same weights) on two
 CPU processes over gloo, with random data of the same shapes:
 
-* ours: the emitted ``train.py`` (``--schedule gpipe`` or ``flush``), as users run it: the last
-  backward of each step on stage 1 is split (input gradients sent first, weight gradients after: the
-  runtime's default, ``--no-split-backward`` turns it off), which shortens the drain that both
-  schedules end every minibatch with; the rest of the schedule is torch's, action for action;
-* theirs: ``benchmarks/_pipelining_worker.py``, which wraps each stage module in ``PipelineStage``
-  and steps torch's ``ScheduleGPipe`` or ``Schedule1F1B`` (which *is* 1F1B with a flush per
-  minibatch: what we call ``flush``). GPT's tied embedding gets its gradient all-reduced between the
-  two stages before the step on their side too (our runtime's ``TG``), so both do the same work.
+* ours: the emitted ``train.py``'s own ``Trainer`` (``--schedule gpipe`` or ``flush``), as users run
+  it: the last backward of each step on stage 1 is split (input gradients sent first, weight
+  gradients after: the runtime's default, ``--no-split-backward`` turns it off), which shortens the
+  drain that both schedules end every minibatch with; the rest of the schedule is torch's, action for
+  action;
+* theirs: ``PipelineStage`` around a second copy of each stage module, stepped by torch's
+  ``ScheduleGPipe`` or ``Schedule1F1B`` (which *is* 1F1B with a flush per minibatch: what we call
+  ``flush``). GPT's tied embedding gets its gradient all-reduced between the two stages before the
+  step on their side too (our runtime's ``TG``), so both do the same work.
 
-The two are launched alternately by this one script (``--rounds`` rounds of ours-then-theirs, so
-load from other jobs on this shared machine hits both alike). A step is the slowest rank's time
-for one minibatch (forwards, backwards, sends, optimizer step); the first ``--warmup`` steps of
-every launch are dropped; the table gives the median over all rounds.
+Both run in ONE torchrun launch per model and schedule pair (``benchmarks/_ab_worker.py``), taking
+turns in blocks of ``--block-steps`` minibatches (ours, theirs, theirs, ours, ...: who goes first
+alternates, so a trend in the machine's load favours neither). Pairing neighbouring blocks is what
+makes the ratio trustworthy on this shared machine: separate launches differ by ±15% among
+themselves (process placement, other jobs), blocks a second apart do not. A step is the slowest
+rank's time for one minibatch (reading it on the first and last rank, forwards, backwards, sends,
+optimizer step); the first step of every block and the first block of each side are dropped.
 
-Reading the table: ``ours/theirs`` is throughput ours over theirs (= their median step time over
-ours); above 1.0 means pdcompile's runtime is faster on the same pipeline. The load average is
-printed with the table: with other jobs on the two cores, absolute times are inflated, ratios less so.
+Reading the table: ``ours/theirs`` is throughput ours over theirs (their median step time over ours
+in each pair of neighbouring blocks, then the median over pairs); above 1.0 means pdcompile's
+runtime is faster on the same pipeline. The interval is a bootstrap over the block pairs.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import bench_model, compile_bench, load_note, median, ms, run_ours, step_times, torchrun
+from benchmarks._common import bench_model, compile_bench, load_note, median, ms, step_times, torchrun
 
 PAIRS = (("gpipe", "gpipe"), ("flush", "1f1b"))  # (ours, torch's schedule of the same kind)
 THEIR_NAME = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
@@ -49,8 +53,8 @@ THEIR_NAME = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 @dataclass
 class Row:
-    """One model x schedule comparison: medians of the slowest rank's step time, and per round the
-    ratio of the two launches made back to back (what load changes between rounds cannot bias)."""
+    """One model x schedule comparison: medians of the slowest rank's step time, and per pair of
+    neighbouring blocks the ratio of their medians (what load changes over the run cannot bias)."""
 
     model: str
     ours: str
@@ -61,7 +65,7 @@ class Row:
     round_ratios: tuple[float, ...] = ()
 
     def interval(self, level: float = 0.9, resamples: int = 2000) -> tuple[float, float]:
-        """A bootstrap ``level`` interval of :attr:`ratio` (the rounds resampled with replacement):
+        """A bootstrap ``level`` interval of :attr:`ratio` (the block pairs resampled with replacement):
         how far launch-to-launch noise on this machine leaves the median uncertain."""
         rs = list(self.round_ratios)
         if len(rs) < 2:
@@ -79,81 +83,81 @@ class Row:
         return self.theirs_s / self.ours_s
 
 
-def run_theirs(program: Path, schedule: str, steps: int, timeout: float = 300) -> list[list[float]]:
-    """Launch the torch.distributed.pipelining worker on ``program``; per-rank step times."""
-    out = Path(tempfile.mkdtemp(prefix="pd-bench-theirs-")) / "times.json"
+def run_pair(program: Path, ours: str, theirs: str, *, blocks: int, block_steps: int, warmup: int,
+             timeout: float = 400) -> tuple[list[list[float]], list[list[float]]]:
+    """One launch of ``benchmarks._ab_worker`` on ``program``: ours and theirs take turns for
+    ``blocks`` blocks each. Per block, the slowest rank's step times with the block's first
+    ``warmup`` steps dropped: (ours, theirs), block ``i`` of each side run next to each other."""
+    out = Path(tempfile.mkdtemp(prefix="pd-bench-ab-")) / "times.json"
     nproc = len(json.loads((program / "plan.json").read_text())["stages"])
-    rc, log = torchrun("benchmarks._pipelining_worker", nproc,
-                       ["--program", str(program), "--schedule", schedule, "--steps", str(steps), "--out", str(out),
-                        "--watchdog", str(timeout - 10)], timeout=timeout)
+    rc, log = torchrun("benchmarks._ab_worker", nproc,
+                       ["--program", str(program), "--ours", ours, "--theirs", theirs, "--blocks", str(blocks),
+                        "--block-steps", str(block_steps), "--out", str(out), "--watchdog", str(timeout - 10)],
+                       timeout=timeout)
     if rc != 0:
-        raise RuntimeError(f"torch.distributed.pipelining worker failed ({rc}):\n{log[-3000:]}")
-    return json.loads(out.read_text())["step_times_s"]
+        raise RuntimeError(f"benchmarks._ab_worker failed ({rc}):\n{log[-3000:]}")
+    got = json.loads(out.read_text())
+
+    def side(name: str) -> list[list[float]]:
+        return [step_times([per_rank[i] for per_rank in got[name]], warmup) for i in range(blocks)]
+
+    return side("ours"), side("theirs")
 
 
 def compare(model: str, *, size: str = "bench", batch_size: int = 32, num_microbatches: int = 4,
-            stages: int = 2, steps: int = 20, warmup: int = 4, rounds: int = 2,
+            stages: int = 2, blocks: int = 24, block_steps: int = 6, warmup: int = 1, skip_blocks: int = 1,
             pairs: tuple[tuple[str, str], ...] = PAIRS) -> list[Row]:
-    """Compile ``model`` once, then time ours and theirs alternately for every schedule pair."""
+    """Compile ``model`` once, then for every schedule pair one launch where ours and theirs take
+    turns; the first ``skip_blocks`` blocks of each side (the process warming up) are dropped."""
     b = bench_model(model, batch_size=batch_size, size=size)
     pipe = compile_bench(b, stages, "flush", num_microbatches)
     program = pipe.emit(Path(tempfile.mkdtemp(prefix=f"pd-bench-{model}-")) / "program")
-    samples: dict[tuple[str, str], tuple[list[float], list[float]]] = {p: ([], []) for p in pairs}
-    ratios: dict[tuple[str, str], list[float]] = {p: [] for p in pairs}
-    for i in range(rounds):
-        for ours, theirs in pairs:
-            # alternate who goes first, so a trend in the machine's load favours neither
-            got: dict[str, list[float]] = {}
-            for who in (("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")):
-                if who == "ours":
-                    mine = run_ours(program, stages, steps, schedule=ours)
-                    got[who] = step_times([r["step_times_s"] for r in mine], warmup)
-                else:
-                    got[who] = step_times(run_theirs(program, theirs, steps), warmup)
-            samples[(ours, theirs)][0].extend(got["ours"])
-            samples[(ours, theirs)][1].extend(got["theirs"])
-            ratios[(ours, theirs)].append(median(got["theirs"]) / median(got["ours"]))
-    return [Row(model, o, t, median(samples[(o, t)][0]), median(samples[(o, t)][1]), len(samples[(o, t)][0]),
-                tuple(ratios[(o, t)])) for o, t in pairs]
+    rows = []
+    for ours, theirs in pairs:
+        mine, other = run_pair(program, ours, theirs, blocks=blocks, block_steps=block_steps, warmup=warmup)
+        mine, other = mine[skip_blocks:], other[skip_blocks:]
+        ratios = tuple(median(t) / median(o) for o, t in zip(mine, other))
+        rows.append(Row(model, ours, theirs, median([x for blk in mine for x in blk]),
+                        median([x for blk in other for x in blk]), sum(map(len, mine)), ratios))
+    return rows
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| model | ours | theirs | ours step (ms) | theirs step (ms) | ours/theirs throughput (median of rounds) "
-             "| 90% interval (bootstrap over rounds) | per round | steps timed |",
+    lines = ["| model | ours | theirs | ours step (ms) | theirs step (ms) | ours/theirs throughput (median of block pairs) "
+             "| 90% interval (bootstrap over block pairs) | block pairs | steps timed per side |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        per = " ".join(f"{x:.2f}" for x in r.round_ratios) or "-"
         lo, hi = r.interval()
         lines.append(f"| {r.model} | {r.ours} | {THEIR_NAME[r.theirs]} | {ms(r.ours_s)} | {ms(r.theirs_s)} | "
-                     f"{r.ratio:.2f} | {lo:.2f} - {hi:.2f} | {per} | {r.samples} |")
+                     f"{r.ratio:.2f} | {lo:.2f} - {hi:.2f} | {len(r.round_ratios)} | {r.samples} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=16, help="minibatches per launch")
-    p.add_argument("--warmup", type=int, default=4, help="steps dropped at the start of each launch")
-    p.add_argument("--rounds", type=int, default=6, help="rounds of back-to-back launches of ours and theirs")
+    p.add_argument("--blocks", type=int, default=24, help="blocks per side in each launch")
+    p.add_argument("--block-steps", type=int, default=6, help="minibatches per block")
     p.add_argument("--models", default="gpt,vgg")
-    p.add_argument("--quick", action="store_true", help="tiny models, one round, nothing written")
+    p.add_argument("--quick", action="store_true", help="tiny models, a few blocks, nothing written")
     args = p.parse_args(argv)
     rows: list[Row] = []
     before = load_note()
     for m in args.models.split(","):
         if args.quick:
-            rows += compare(m, size="tiny", batch_size=8, steps=6, warmup=2, rounds=1)
+            rows += compare(m, size="tiny", batch_size=8, blocks=3, block_steps=3)
         else:
-            rows += compare(m, steps=args.steps, warmup=args.warmup, rounds=args.rounds)
+            rows += compare(m, blocks=args.blocks, block_steps=args.block_steps)
         print(table(rows), flush=True)
     body = (f"Same emitted 2-stage program (minibatch 32 = 4 microbatches of 8, SGD) trained by pdcompile's "
-            f"runtime and by torch.distributed.pipelining on 2 CPU processes (gloo), launched back to back "
-            f"({args.rounds} rounds, who goes first alternating; {args.steps} steps per launch, first {args.warmup} "
-            f"dropped). Step = slowest rank, reading its random minibatch included on both sides. Throughput ratio = their median step / ours, per round, and the "
-            f"median over rounds; > 1: ours faster. The interval is a bootstrap over the rounds: where it holds "
-            f"1.0, this machine's launch-to-launch noise (±15% per launch) cannot tell the two apart. Ours splits stage 1's last backward of each step (input "
-            f"gradients sent first, weight gradients after; the runtime's default). GPT: 4 blocks, d=96, T=32, vocab 256, "
-            f"tied embedding summed on both sides; VGG: convs 16-16-M-32-32-M-64-64-M on 32x32, hidden 256.\n"
-            f"Load: {before} at the start, {load_note()} at the end.\n\n" + table(rows))
+            f"runtime and by torch.distributed.pipelining on 2 CPU processes (gloo), both in one torchrun launch "
+            f"per row, taking turns in blocks of {args.block_steps} minibatches ({args.blocks} blocks each, who goes "
+            f"first alternating; the first step of each block and the first block of each side dropped). Step = "
+            f"slowest rank, reading its random minibatch included on both sides. Throughput ratio = their median "
+            f"step / ours in each pair of neighbouring blocks, and the median over pairs; > 1: ours faster. The "
+            f"interval is a bootstrap over the block pairs. Ours splits stage 1's last backward of each step "
+            f"(input gradients sent first, weight gradients after; the runtime's default). GPT: 4 blocks, d=96, "
+            f"T=32, vocab 256, tied embedding summed on both sides; VGG: convs 16-16-M-32-32-M-64-64-M on 32x32, "
+            f"hidden 256.\nLoad: {before} at the start, {load_note()} at the end.\n\n" + table(rows))
     if not args.quick:
         from benchmarks._results import write_section
 

@@ -157,7 +157,7 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
     timeout = datetime.timedelta(seconds=args.timeout)
     init_process_group(backend, timeout)
     try:
-        code = _train(program, args, rank, timeout)
+        code = Trainer(program, args, rank, timeout).train()
     except CheckpointError as e:
         print(f"train.py: rank {rank}: CheckpointError: {e}", file=sys.stderr, flush=True)
         # Every rank refuses together (checkpoint.agree), then leaves at once. Tearing gloo down here
@@ -185,138 +185,161 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _train(program: Program, args: argparse.Namespace, rank: int, timeout: datetime.timedelta) -> int:
-    spec = program.stage_of_rank(rank)
-    torch.manual_seed(args.seed)
-    module = program.build_stage(spec.index).to(_device())
-    if _device().type == "cuda":
-        torch.cuda.set_device(_device())
-    module.train()
-    # Groups: every rank creates every group, in the same order.
-    replica_group = None
-    for st in program.stages:
-        if len(st.ranks) > 1:
-            g = dist.new_group(list(st.ranks), timeout=timeout)
-            if rank in st.ranks:
-                replica_group = g
-    tied_groups = []
-    for group in program.raw.get("tied", []):
-        # Every replica of every stage holding the parameter joins; after the replicas' all-reduce
-        # each replica holds its stage's whole gradient, so each contributes 1/replicas of it.
-        stages = sorted({s for s, _ in group})
-        ranks = sorted(r for s in stages for r in program.stages[s].ranks)
-        g = dist.new_group(ranks, timeout=timeout)
-        mine = [n for s, n in group if s == spec.index]
-        if mine:
-            tied_groups.append((g, mine, 1.0 / len(spec.ranks)))
-    optimizer = build(program.raw["optimizer"], module.parameters())
-    sched_spec = program.raw.get("lr_scheduler")
-    lr_scheduler = build(sched_spec, optimizer) if sched_spec else None
-    loss_fn = build(program.raw["loss"]) if spec.index == program.num_stages - 1 else None
-    M = args.microbatches
-    b = program.raw["microbatch_size"]
-    local = local_targets(program, args) and program.num_stages > 1
-    reads_data = spec.index == 0 or (local and spec.index == program.num_stages - 1)
-    data_iter = _data_source(program, args, b * M) if reads_data else None
-    current: dict[str, Any] = {"index": -1, "micro": None}
+class Trainer:
+    """One rank's training run: :meth:`__init__` builds everything once (the stage module, its
+    process groups, optimizer, data and executor); :meth:`segment` runs minibatches ``[first, end)``
+    as one schedule (a segment ends at a flush point, where a checkpoint may follow); :meth:`train`
+    is the whole run ``train.py`` makes. Benchmarks that alternate our runtime with another system
+    in one process call :meth:`segment` directly (benchmarks/_ab_worker.py)."""
 
-    def data(k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        idx = k // M
-        while current["index"] < idx:
-            inputs, target = next(data_iter)  # type: ignore[arg-type]
-            current["index"] += 1
-            current["micro"] = ([x.split(b) for x in inputs], target.split(b))
-        ins, tgt = current["micro"]
-        j = k % M
+    def __init__(self, program: Program, args: argparse.Namespace, rank: int, timeout: datetime.timedelta) -> None:
+        self.program, self.args, self.rank = program, args, rank
+        self.spec = spec = program.stage_of_rank(rank)
+        torch.manual_seed(args.seed)
+        module = program.build_stage(spec.index).to(_device())
+        if _device().type == "cuda":
+            torch.cuda.set_device(_device())
+        module.train()
+        # Groups: every rank creates every group, in the same order.
+        replica_group = None
+        for st in program.stages:
+            if len(st.ranks) > 1:
+                g = dist.new_group(list(st.ranks), timeout=timeout)
+                if rank in st.ranks:
+                    replica_group = g
+        tied_groups = []
+        for group in program.raw.get("tied", []):
+            # Every replica of every stage holding the parameter joins; after the replicas' all-reduce
+            # each replica holds its stage's whole gradient, so each contributes 1/replicas of it.
+            stages = sorted({s for s, _ in group})
+            ranks = sorted(r for s in stages for r in program.stages[s].ranks)
+            g = dist.new_group(ranks, timeout=timeout)
+            mine = [n for s, n in group if s == spec.index]
+            if mine:
+                tied_groups.append((g, mine, 1.0 / len(spec.ranks)))
+        optimizer = build(program.raw["optimizer"], module.parameters())
+        sched_spec = program.raw.get("lr_scheduler")
+        self.lr_scheduler = lr_scheduler = build(sched_spec, optimizer) if sched_spec else None
+        loss_fn = build(program.raw["loss"]) if spec.index == program.num_stages - 1 else None
+        self.M = M = args.microbatches
+        local = local_targets(program, args) and program.num_stages > 1
+        reads_data = spec.index == 0 or (local and spec.index == program.num_stages - 1)
+        self.data_iter = _data_source(program, args, program.raw["microbatch_size"] * M) if reads_data else None
+        self.data_index = -1  # the last minibatch read from data_iter
+        self._micro: Any = None  # that minibatch, cut into microbatches
+        self.events: list[tuple[str, float, float]] = []
+        self.executor = StageExecutor(
+            program, rank, module, optimizer, loss_fn, accumulation=accumulation(args.schedule, M),
+            data=self.data if reads_data else None, local_targets=local,
+            replica_group=replica_group, tied_groups=tied_groups, lr_scheduler=lr_scheduler,
+            weight_store=_weight_store(args.schedule, module, program),
+            recorder=(lambda n, s, e: self.events.append((n, s, e))) if args.trace else None,
+            device=_device(), fail_at=args.fail_at,
+        )
+        self.replicas = [len(st.ranks) for st in program.stages]
+        self.tied = bool(program.raw.get("tied"))
+        self.resumed = _resume(program, args, rank, self.executor, lr_scheduler)
+        self.start = self.resumed.step if self.resumed is not None else 0  # this run's first minibatch
+        first_mb = self.start * M
+        # --targets local: the first microbatch of each last-stage replica still has its target sent, to compare
+        self.executor.target_check = frozenset(range(first_mb, first_mb + len(program.stages[-1].ranks)))
+        if self.resumed is not None and self.data_iter is not None:  # the data is deterministic: skip what was consumed
+            for _ in range(self.resumed.data_consumed):
+                next(self.data_iter)
+            self.data_index = self.resumed.data_consumed - 1
+        if self.data_iter is not None and args.steps > self.start:
+            self.data(first_mb)  # the data source's start-up (imports, opening files) is not the first step's time
+        self.step_times: list[float] = []
+        self.actions: list[schedules.Action] = []  # metrics: the longest segment's (each starts from a flush)
+        # 1F1B steps after every microbatch: log once per minibatch of M, as the other schedules do.
+        self.log_every = M if args.schedule.startswith("1f1b") else 1
+
+    def data(self, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Microbatch ``k``'s inputs and target (minibatch ``k // M`` is read when first asked for)."""
+        b = self.program.raw["microbatch_size"]
+        idx = k // self.M
+        while self.data_index < idx:
+            inputs, target = next(self.data_iter)  # type: ignore[arg-type]
+            self.data_index += 1
+            self._micro = ([x.split(b) for x in inputs], target.split(b))
+        ins, tgt = self._micro
+        j = k % self.M
         return tuple(x[j] for x in ins), tgt[j]
 
-    events: list[tuple[str, float, float]] = []
-    executor = StageExecutor(
-        program, rank, module, optimizer, loss_fn, accumulation=accumulation(args.schedule, M),
-        data=data if reads_data else None, local_targets=local,
-        replica_group=replica_group, tied_groups=tied_groups, lr_scheduler=lr_scheduler,
-        weight_store=_weight_store(args.schedule, module, program),
-        recorder=(lambda n, s, e: events.append((n, s, e))) if args.trace else None,
-        device=_device(), fail_at=args.fail_at,
-    )
-    replicas = [len(st.ranks) for st in program.stages]
-    tied = bool(program.raw.get("tied"))
-    resumed = _resume(program, args, rank, executor, lr_scheduler)
-    first_mb = resumed.step * M if resumed is not None else 0  # this run's first microbatch
-    # --targets local: the first microbatch of each last-stage replica still has its target sent, to compare
-    executor.target_check = frozenset(range(first_mb, first_mb + len(program.stages[-1].ranks)))
-    if resumed is not None and data_iter is not None:  # the data is deterministic: skip what was consumed
-        for _ in range(resumed.data_consumed):
-            next(data_iter)
-        current["index"] = resumed.data_consumed - 1
-    if data_iter is not None and args.steps > (resumed.step if resumed is not None else 0):
-        data(first_mb)  # the data source's start-up (imports, opening files) is not the first step's time
-    step_times: list[float] = []
-    actions: list[schedules.Action] = []  # metrics: one segment's (each segment starts from a flush)
-    # Everything built so far lives for the whole run: move it out of the cyclic collector's sight,
-    # so a full collection during training doesn't walk torch's and the modules' objects (~10 ms).
-    gc.collect()
-    gc.freeze()
-    # Start together: a rank that finished setting up first would otherwise count the others'
-    # start-up (~0.1-1 s) in its first step's time.
-    dist.barrier()
-    # 1F1B steps after every microbatch: log once per minibatch of M, as the other schedules do.
-    log_every = M if args.schedule.startswith("1f1b") else 1
-    t_run = time.perf_counter()
-    try:
-        # One schedule per segment between checkpoints: a checkpoint falls on a flush point.
-        for first, end in _segments(resumed.step if resumed else 0, args.steps, args.checkpoint_every):
-            full = run_schedule(args.schedule, replicas, M, end - first, tied, args.vertical_sync,
-                                split_backward(args.split_backward, _device()))
-            seg = _shift(full[rank], first * M)
-            # when each send's buffer may be let go (its receiver has taken it): schedules.send_release
-            executor.release = {_shift([a], first * M)[0]: _shift(bs, first * M)
-                                for a, bs in schedules.send_release(full, replicas)[rank].items()}
-            if actions:  # the pipeline drained: weight versions start afresh
-                executor.weights = _weight_store(args.schedule, module, program) or WeightStore(module)
-            executor.weights.expect(seg)
-            actions = max(actions, seg, key=len)
-            chunks = _split_at_steps(seg)
-            for c, chunk in enumerate(chunks):
-                _maybe_fail(args, rank, chunk, M)
-                t0 = time.perf_counter()
-                executor.run(chunk, upcoming=chunks[c + 1] if c + 1 < len(chunks) else ())
-                step_times.append(time.perf_counter() - t0)
-                if (executor.losses and spec.index == program.num_stages - 1 and rank == spec.ranks[0]
-                        and len(step_times) % log_every == 0):
-                    log.info("step %d (minibatches %d-%d) loss %.6f (%.3f s)", len(step_times), first + 1, end,
-                             executor.losses[-1], step_times[-1])
-            executor.wait_sends()
-            _maybe_checkpoint(program, args, rank, executor, lr_scheduler, end, current["index"] + 1)
-    except ActionError as e:
-        log.error("%s", e)
-        raise
-    dist.barrier()
-    wall = time.perf_counter() - t_run
-    if args.save_final:
-        out = Path(args.save_final)
-        out.mkdir(parents=True, exist_ok=True)
-        tensors = {n: t.detach().cpu() for n, t in module.named_parameters()}
-        tensors.update({n: t.detach().cpu() for n, t in module.named_buffers()})
-        torch.save(tensors, out / f"stage_{spec.index}.rank_{rank}.pt")
-    if args.metrics:
-        out = Path(args.metrics)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank_{rank}.json").write_text(json.dumps({
-            "rank": rank, "stage": spec.index, "schedule": args.schedule, "steps": args.steps,
-            "losses": executor.losses, "step_times_s": step_times, "wall_s": wall,
-            "weight_versions": executor.weights.peak_versions(), "sends_in_flight": executor.peak_sends,
-            "weight_versions_promised": schedules.peak_weight_versions({rank: actions})[rank],
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        }, indent=1))
-    if args.trace:
-        out = Path(args.trace)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank_{rank}.events.json").write_text(json.dumps(
-            # origin_s: this rank's start on the shared monotonic clock, so ranks can be aligned
-            [{"rank": rank, "name": n, "start_s": s - t_run, "end_s": e - t_run, "origin_s": t_run}
-             for n, s, e in events]))
-    return 0
+    def segment(self, first: int, end: int) -> list[float]:
+        """Run minibatches ``[first, end)`` as one schedule, from a flush to a flush; their step times."""
+        args, rank, M, executor = self.args, self.rank, self.M, self.executor
+        full = run_schedule(args.schedule, self.replicas, M, end - first, self.tied, args.vertical_sync,
+                            split_backward(args.split_backward, _device()))
+        seg = _shift(full[rank], first * M)
+        # when each send's buffer may be let go (its receiver has taken it): schedules.send_release
+        executor.release = {_shift([a], first * M)[0]: _shift(bs, first * M)
+                            for a, bs in schedules.send_release(full, self.replicas)[rank].items()}
+        if self.actions:  # the pipeline drained: weight versions start afresh
+            executor.weights = _weight_store(args.schedule, executor.module, self.program) or WeightStore(executor.module)
+        executor.weights.expect(seg)
+        self.actions = max(self.actions, seg, key=len)
+        chunks = _split_at_steps(seg)
+        times: list[float] = []
+        last = self.spec.index == self.program.num_stages - 1 and rank == self.spec.ranks[0]
+        for c, chunk in enumerate(chunks):
+            _maybe_fail(args, rank, chunk, M)
+            t0 = time.perf_counter()
+            executor.run(chunk, upcoming=chunks[c + 1] if c + 1 < len(chunks) else ())
+            times.append(time.perf_counter() - t0)
+            self.step_times.append(times[-1])
+            if executor.losses and last and len(self.step_times) % self.log_every == 0:
+                log.info("step %d (minibatches %d-%d) loss %.6f (%.3f s)", len(self.step_times), first + 1, end,
+                         executor.losses[-1], times[-1])
+        executor.wait_sends()
+        return times
+
+    def train(self) -> int:
+        """The whole run: every segment between checkpoints, then the final weights, metrics and trace."""
+        program, args, rank, executor = self.program, self.args, self.rank, self.executor
+        # Everything built so far lives for the whole run: move it out of the cyclic collector's sight,
+        # so a full collection during training doesn't walk torch's and the modules' objects (~10 ms).
+        gc.collect()
+        gc.freeze()
+        # Start together: a rank that finished setting up first would otherwise count the others'
+        # start-up (~0.1-1 s) in its first step's time.
+        dist.barrier()
+        t_run = time.perf_counter()
+        try:
+            # One schedule per segment between checkpoints: a checkpoint falls on a flush point.
+            for first, end in _segments(self.start, args.steps, args.checkpoint_every):
+                self.segment(first, end)
+                _maybe_checkpoint(program, args, rank, executor, self.lr_scheduler, end, self.data_index + 1)
+        except ActionError as e:
+            log.error("%s", e)
+            raise
+        dist.barrier()
+        wall = time.perf_counter() - t_run
+        module = executor.module
+        if args.save_final:
+            out = Path(args.save_final)
+            out.mkdir(parents=True, exist_ok=True)
+            tensors = {n: t.detach().cpu() for n, t in module.named_parameters()}
+            tensors.update({n: t.detach().cpu() for n, t in module.named_buffers()})
+            torch.save(tensors, out / f"stage_{self.spec.index}.rank_{rank}.pt")
+        if args.metrics:
+            out = Path(args.metrics)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"rank_{rank}.json").write_text(json.dumps({
+                "rank": rank, "stage": self.spec.index, "schedule": args.schedule, "steps": args.steps,
+                "losses": executor.losses, "step_times_s": self.step_times, "wall_s": wall,
+                "weight_versions": executor.weights.peak_versions(), "sends_in_flight": executor.peak_sends,
+                "weight_versions_promised": schedules.peak_weight_versions({rank: self.actions})[rank],
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            }, indent=1))
+        if args.trace:
+            out = Path(args.trace)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"rank_{rank}.events.json").write_text(json.dumps(
+                # origin_s: this rank's start on the shared monotonic clock, so ranks can be aligned
+                [{"rank": rank, "name": n, "start_s": s - t_run, "end_s": e - t_run, "origin_s": t_run}
+                 for n, s, e in self.events]))
+        return 0
 
 
 def _split_at_steps(actions: list[schedules.Action]) -> list[list[schedules.Action]]:

@@ -1,0 +1,143 @@
+"""torchrun worker: pdcompile's runtime and ``torch.distributed.pipelining`` on the same stages, in
+one launch, taking turns block by block.
+
+    torchrun --nproc-per-node=S -m benchmarks._ab_worker --program DIR --ours flush --theirs 1f1b \
+        --blocks 20 --block-steps 8 --out FILE.json
+
+Each rank builds two copies of exactly the stage module our runtime builds (``stage_K.py`` +
+``stage_K.pt`` of the emitted folder: the same split, the same weights). Ours is the emitted
+``train.py``'s own :class:`~pdcompile.runtime.launch.Trainer` (flags as train.py's, e.g. its
+default split backward), run one segment of ``--block-steps`` minibatches at a time. Theirs
+(:class:`TorchPipeline`) wraps the other copy in ``PipelineStage`` and steps torch's
+``ScheduleGPipe`` or ``Schedule1F1B`` over the plan's number of microbatches. Blocks alternate
+ours, theirs, theirs, ours, ... (who goes first alternates, so a trend in the machine's load favours
+neither), every block starting at a barrier. Both sides read a random minibatch on the first and
+last rank inside each timed step. GPT's tied embedding gets its gradient all-reduced between the
+stages before the step on their side too (our runtime's ``TG``), so both do the same work.
+
+Why one launch: on this shared 2-core machine the step time of one launch differs from the next by
+±15% (process placement, other jobs), while blocks a second apart see the same machine; pairing
+neighbouring blocks measures the ratio, not the launch. Rank 0 writes
+``{"ours": [[block of rank 0], ...] per rank, "theirs": ...}`` (per-step seconds) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import gc
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from pdcompile.runtime import launch
+from pdcompile.runtime.program import Program, build
+
+
+class TorchPipeline:
+    """One rank of ``torch.distributed.pipelining`` training a fresh copy of an emitted program's stage."""
+
+    def __init__(self, prog: Program, schedule: str) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        assert prog.num_stages == world, "one stage per process"
+        self.rank, self.world = rank, world
+        module = prog.build_stage(rank)
+        module.train()
+        self.n_micro = n_micro = int(prog.raw["num_microbatches"])
+        self.b = int(prog.raw["microbatch_size"])
+        # Static shapes from plan.json (shape inference at the first step is skipped).
+        ins = tuple(torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad and t.dtype.is_floating_point)
+                    for t in prog.stages[rank].inputs)
+        outs = module(*ins)  # with autograd on: which outputs carry gradients back is read from these
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        stage = PipelineStage(module, rank, world, torch.device("cpu"), input_args=ins,
+                              output_args=tuple(o.detach().requires_grad_(o.requires_grad) for o in outs))
+        loss_fn = build(prog.raw["loss"])  # every rank: a schedule without loss_fn runs no backward
+        cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        self.sched = cls(stage, n_micro, loss_fn=loss_fn)
+        self.opt = build(prog.raw["optimizer"], module.parameters())
+        self.tied = []
+        for group in prog.raw.get("tied", []):
+            ranks = sorted({prog.stages[s].ranks[0] for s, _ in group})
+            g = dist.new_group(ranks)
+            self.tied += [(g, dict(module.named_parameters())[n]) for s, n in group if s == rank]
+        self.gen = torch.Generator().manual_seed(0)
+        self.inputs, self.target = prog.stages[0].inputs, prog.target
+
+    def draw(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        shape = (self.b * self.n_micro,) + tuple(shape[1:])
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=self.gen, dtype=dtype)
+        return torch.randint(0, 2, shape, generator=self.gen, dtype=dtype)
+
+    def step(self) -> float:
+        """One minibatch (reading it, the pipeline, the tied all-reduce, the optimizer step); seconds."""
+        t0 = time.perf_counter()
+        # a step includes reading its minibatch, as in ours: the first stage reads the inputs and
+        # (local targets) the last stage its own copy of the minibatch
+        ends = self.rank in (0, self.world - 1)
+        xs = tuple(self.draw(s.shape, s.dtype) for s in self.inputs) if ends else ()
+        y = self.draw(self.target.shape, self.target.dtype) if ends else None
+        self.opt.zero_grad(set_to_none=True)
+        if self.rank == 0:
+            self.sched.step(*xs)
+        elif self.rank == self.world - 1:
+            self.sched.step(target=y, losses=[])
+        else:
+            self.sched.step()
+        for g, prm in self.tied:
+            if prm.grad is not None:
+                dist.all_reduce(prm.grad, group=g)
+        self.opt.step()
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--program", required=True)
+    p.add_argument("--ours", default="flush", help="our schedule (train.py --schedule)")
+    p.add_argument("--theirs", choices=("gpipe", "1f1b"), default="1f1b")
+    p.add_argument("--blocks", type=int, default=20, help="blocks per side")
+    p.add_argument("--block-steps", type=int, default=8, help="minibatches per block")
+    p.add_argument("--out", required=True)
+    p.add_argument("--watchdog", type=float, default=280, help="dump stacks and exit after this many seconds")
+    args, ours_flags = p.parse_known_args()
+    faulthandler.dump_traceback_later(args.watchdog, exit=True)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", timeout=timeout)
+    prog = Program.load(args.program)
+    total = args.blocks * args.block_steps
+    ours = launch.Trainer(prog, launch.parse_args(["--schedule", args.ours, "--steps", str(total), *ours_flags], prog),
+                          dist.get_rank(), timeout)
+    theirs = TorchPipeline(prog, args.theirs)
+    gc.collect()
+    gc.freeze()  # as train.py does: what was built lives for the whole run
+    times: dict[str, list[list[float]]] = {"ours": [], "theirs": []}
+    done = 0
+    for i in range(args.blocks):
+        for who in (("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")):
+            dist.barrier()
+            if who == "ours":
+                times[who].append(ours.segment(done, done + args.block_steps))
+                done += args.block_steps
+            else:
+                times[who].append([theirs.step() for _ in range(args.block_steps)])
+    gathered: list[dict[str, list[list[float]]]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, times)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps({k: [g[k] for g in gathered] for k in ("ours", "theirs")}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
