@@ -15,6 +15,11 @@ neither), every block starting at a barrier. Both sides read a random minibatch 
 last rank inside each timed step. GPT's tied embedding gets its gradient all-reduced between the
 stages before the step on their side too (our runtime's ``TG``), so both do the same work.
 
+Memory: the process keeps freed memory as ``train.py`` sets it up on CPU
+(``runtime/allocator.py``); it is process-wide, so both sides get it. ``--theirs ours
+--theirs-flags "..."`` instead pits our runtime against itself with other train.py flags (e.g.
+``--no-split-backward``; not the allocator's, which only separate launches can compare).
+
 Why one launch: on this shared 2-core machine the step time of one launch differs from the next by
 ±15% (process placement, other jobs), while blocks a second apart see the same machine; pairing
 neighbouring blocks measures the ratio, not the launch. Rank 0 writes
@@ -30,6 +35,7 @@ import gc
 import json
 import logging
 import os
+import shlex
 import time
 from pathlib import Path
 
@@ -37,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from pdcompile.runtime import launch
+from pdcompile.runtime import allocator, launch
 from pdcompile.runtime.program import Program, build
 
 
@@ -103,7 +109,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--program", required=True)
     p.add_argument("--ours", default="flush", help="our schedule (train.py --schedule)")
-    p.add_argument("--theirs", choices=("gpipe", "1f1b"), default="1f1b")
+    p.add_argument("--theirs", choices=("gpipe", "1f1b", "ours"), default="1f1b",
+                   help="torch's schedule, or 'ours': our runtime again, with --theirs-flags added to train.py's")
+    p.add_argument("--theirs-flags", default="", help="with --theirs ours: train.py flags of that side")
     p.add_argument("--blocks", type=int, default=20, help="blocks per side")
     p.add_argument("--block-steps", type=int, default=8, help="minibatches per block")
     p.add_argument("--out", required=True)
@@ -116,24 +124,37 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timeout)
     prog = Program.load(args.program)
     total = args.blocks * args.block_steps
-    ours = launch.Trainer(prog, launch.parse_args(["--schedule", args.ours, "--steps", str(total), *ours_flags], prog),
-                          dist.get_rank(), timeout)
-    theirs = TorchPipeline(prog, args.theirs)
+    rank = dist.get_rank()
+
+    def trainer(flags: list[str]) -> launch.Trainer:
+        return launch.Trainer(prog, launch.parse_args(["--schedule", args.ours, "--steps", str(total), *flags], prog),
+                              rank, timeout)
+
+    ours = trainer(ours_flags)
+    # process-wide, so both sides run with train.py's setting (set once: glibc's default adapts its
+    # thresholds as a process runs, which setting them back by hand would not restore)
+    if launch.keep_freed_memory(ours.args.keep_freed_memory, torch.device("cpu")):
+        allocator.keep_freed_memory(True)
+    if args.theirs == "ours":
+        other = trainer(ours_flags + shlex.split(args.theirs_flags))
+    else:
+        theirs = TorchPipeline(prog, args.theirs)
     gc.collect()
     gc.freeze()  # as train.py does: what was built lives for the whole run
     times: dict[str, list[list[float]]] = {"ours": [], "theirs": []}
-    done = 0
+    done = {"ours": 0, "theirs": 0}
     for i in range(args.blocks):
         for who in (("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")):
             dist.barrier()
-            if who == "ours":
-                times[who].append(ours.segment(done, done + args.block_steps))
-                done += args.block_steps
+            if who == "ours" or args.theirs == "ours":
+                t = ours if who == "ours" else other
+                times[who].append(t.segment(done[who], done[who] + args.block_steps))
+                done[who] += args.block_steps
             else:
                 times[who].append([theirs.step() for _ in range(args.block_steps)])
     gathered: list[dict[str, list[list[float]]]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, times)
-    if dist.get_rank() == 0:
+    if rank == 0:
         Path(args.out).write_text(json.dumps({k: [g[k] for g in gathered] for k in ("ours", "theirs")}))
     dist.barrier()
     dist.destroy_process_group()

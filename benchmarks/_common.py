@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -117,6 +118,17 @@ def step_times(ranks: Sequence[Sequence[float]], warmup: int, per_step: int = 1)
 def median(xs: Sequence[float]) -> float:
     """Median, NaN for no data."""
     return statistics.median(xs) if xs else math.nan
+
+
+def bootstrap_median(values: Sequence[float], level: float = 0.9, resamples: int = 2000) -> tuple[float, float]:
+    """A bootstrap ``level`` interval of the median of ``values`` (resampled with replacement, seeded):
+    how far this machine's noise leaves a median of paired ratios uncertain."""
+    vs = list(values)
+    if len(vs) < 2:
+        return (median(vs), median(vs))
+    rng = random.Random(0)
+    meds = sorted(median(rng.choices(vs, k=len(vs))) for _ in range(resamples))
+    return meds[int((1 - level) / 2 * resamples)], meds[int((1 + level) / 2 * resamples) - 1]
 
 
 def load_note() -> str:

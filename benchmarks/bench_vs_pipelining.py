@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import bench_model, compile_bench, load_note, median, ms, step_times, torchrun
+from benchmarks._common import bench_model, bootstrap_median, compile_bench, load_note, median, ms, step_times, torchrun
 
 PAIRS = (("gpipe", "gpipe"), ("flush", "1f1b"))  # (ours, torch's schedule of the same kind)
 THEIR_NAME = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
@@ -64,15 +63,10 @@ class Row:
     samples: int
     round_ratios: tuple[float, ...] = ()
 
-    def interval(self, level: float = 0.9, resamples: int = 2000) -> tuple[float, float]:
+    def interval(self, level: float = 0.9) -> tuple[float, float]:
         """A bootstrap ``level`` interval of :attr:`ratio` (the block pairs resampled with replacement):
-        how far launch-to-launch noise on this machine leaves the median uncertain."""
-        rs = list(self.round_ratios)
-        if len(rs) < 2:
-            return (self.ratio, self.ratio)
-        rng = random.Random(0)
-        meds = sorted(median(rng.choices(rs, k=len(rs))) for _ in range(resamples))
-        return meds[int((1 - level) / 2 * resamples)], meds[int((1 + level) / 2 * resamples) - 1]
+        how far this machine's noise leaves the median uncertain."""
+        return bootstrap_median(self.round_ratios, level) if self.round_ratios else (self.ratio, self.ratio)
 
     @property
     def ratio(self) -> float:

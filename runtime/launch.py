@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from pdcompile.errors import CheckpointError
-from pdcompile.runtime import checkpoint, schedules
+from pdcompile.runtime import allocator, checkpoint, schedules
 from pdcompile.runtime.executor import ActionError, StageExecutor, WeightStore
 from pdcompile.runtime.program import Program, build, import_object
 
@@ -75,6 +75,10 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                         "gradients first (sent at once), weight gradients after (W), so the drain finishes sooner. "
                         "Default: on, except on CPU with more processes than cores (there the weight pass "
                         "waits for a core that the stage before needs)")
+    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep memory a step frees for the next one instead of returning it to the system "
+                        "(glibc malloc thresholds, runtime/allocator.py; each step otherwise page-faults its "
+                        "buffers in afresh). Default: on when training on CPU")
     p.add_argument("--fail-at", default=None, metavar="RANK:ACTION",
                    help="raise in this rank's action (e.g. 1:1B3): tests that a failing rank ends the job")
     p.add_argument("--log-level", default="INFO")
@@ -156,6 +160,8 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("PDCOMPILE_BACKEND") != "gloo" else "gloo"
     timeout = datetime.timedelta(seconds=args.timeout)
     init_process_group(backend, timeout)
+    if keep_freed_memory(args.keep_freed_memory, _device()):
+        allocator.keep_freed_memory(True)
     try:
         code = Trainer(program, args, rank, timeout).train()
     except CheckpointError as e:
@@ -305,6 +311,7 @@ class Trainer:
         # start-up (~0.1-1 s) in its first step's time.
         dist.barrier()
         t_run = time.perf_counter()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         try:
             # One schedule per segment between checkpoints: a checkpoint falls on a flush point.
             for first, end in _segments(self.start, args.steps, args.checkpoint_every):
@@ -315,6 +322,7 @@ class Trainer:
             raise
         dist.barrier()
         wall = time.perf_counter() - t_run
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         module = executor.module
         if args.save_final:
             out = Path(args.save_final)
@@ -331,6 +339,8 @@ class Trainer:
                 "weight_versions": executor.weights.peak_versions(), "sends_in_flight": executor.peak_sends,
                 "weight_versions_promised": schedules.peak_weight_versions({rank: self.actions})[rank],
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                # pages the run touched afresh (each a fault that zero-fills it): see runtime/allocator.py
+                "page_faults_per_step": faults / max(1, args.steps - self.start),
             }, indent=1))
         if args.trace:
             out = Path(args.trace)
@@ -361,6 +371,12 @@ def split_backward(flag: bool | None, device: torch.device) -> bool:
         return flag
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     return device.type != "cpu" or local <= (os.cpu_count() or 1)
+
+
+def keep_freed_memory(flag: bool | None, device: torch.device) -> bool:
+    """``--keep-freed-memory``'s default: on when the stages train on CPU (where every buffer lives
+    in malloc's memory), off on GPU (host memory is small there) unless asked for."""
+    return flag if flag is not None else device.type == "cpu"
 
 
 def _device() -> torch.device:

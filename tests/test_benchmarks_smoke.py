@@ -61,7 +61,7 @@ def test_step_times_tables_and_boundary_bytes(tmp_path: Path) -> None:
     row = bench_vs_pipelining.Row("gpt", "flush", "1f1b", 0.01, 0.02, 4)
     assert row.ratio == 2.0 and "Schedule1F1B" in bench_vs_pipelining.table([row])
     paired = bench_vs_pipelining.Row("gpt", "flush", "1f1b", 0.01, 0.02, 4, (0.9, 1.2, 1.1))
-    assert paired.ratio == 1.1 and "0.90 1.20 1.10" in bench_vs_pipelining.table([paired])
+    assert paired.ratio == 1.1 and "| 1.10 | 0.90 - 1.20 | 3 | 4 |" in bench_vs_pipelining.table([paired])
     # the bootstrap interval of the median lies within the rounds' range and holds the median
     lo, hi = paired.interval()
     assert 0.9 <= lo <= 1.1 <= hi <= 1.2 and f"{lo:.2f} - {hi:.2f}" in bench_vs_pipelining.table([paired])
@@ -72,6 +72,16 @@ def test_step_times_tables_and_boundary_bytes(tmp_path: Path) -> None:
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     assert bench_vs_ddp.boundary_mb(tmp_path) == pytest.approx(8 * 16 * 4 * 2 * 4 / 1e6)
     assert "loopback" in bench_vs_ddp.table([bench_vs_ddp.Row("loopback", 0.02, 0.01, 1.0, 0.1, 3)])
+
+
+def test_ours_and_torch_pipelining_take_turns_in_one_launch() -> None:
+    """benchmarks/_ab_worker.py: train.py's Trainer and torch's Schedule1F1B alternate blocks in one
+    process group (neither leaves a message the other could take), each block timed per rank."""
+    rows = bench_vs_pipelining.compare("gpt", size="tiny", batch_size=8, blocks=3, block_steps=2,
+                                       pairs=(("flush", "1f1b"),))
+    (row,) = rows
+    assert len(row.round_ratios) == 2 and row.samples == 2  # 3 blocks, the first dropped; 1 step each kept
+    assert row.ours_s > 0 and row.theirs_s > 0 and all(r > 0 for r in row.round_ratios)
 
 
 def test_bench_models_build_and_run() -> None:
