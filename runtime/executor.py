@@ -60,8 +60,9 @@ class WeightStore:
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
 
-    def expect(self, actions: Sequence[Action]) -> None:
-        """The rank's whole action list, before the run (lets a store free versions early)."""
+    def expect(self, actions: Sequence[Action], *, more: bool = False) -> None:
+        """The rank's actions, read before they run (lets a store free versions early): all of them,
+        or a long run's in parts (``more=True`` while more follow)."""
 
     def set_forward_version(self, version: int) -> None:
         """``WV``: forwards from now on use ``version`` (the default store has only the live one)."""
@@ -142,9 +143,8 @@ class StageExecutor:
         self.target_check = frozenset(target_check)
         self.mbs: dict[int, _Mb] = {}
         # sends in flight, by the action that posted them; waited for once the schedule says their
-        # receiver has taken them (``release``: schedules.send_release), the rest at the end of the run
+        # receiver has taken them (``run``'s ``release``: schedules.send_release), the rest at the end
         self.sends: dict[Action, list[Any]] = {}
-        self.release: dict[Action, list[Action]] = {}
         self.peak_sends = 0  # the most sends in flight at once (metrics: bounded by the schedule, not the run)
         self.losses: list[float] = []
         self._compute_start: float | None = None
@@ -160,13 +160,16 @@ class StageExecutor:
         return ranks[microbatch % len(ranks)]
 
     # actions ---------------------------------------------------------------------------------
-    def run(self, actions: Sequence[Action], upcoming: Sequence[Action] = ()) -> None:
+    def run(self, actions: Sequence[Action], upcoming: Sequence[Action] = (),
+            release: Sequence[Sequence[Action]] | None = None) -> None:
         """Run ``actions`` in order. With a recorder, each action is recorded as ``(name, start, end)``;
         when a forward or backward first waits for its received tensors, the wait is recorded as the
         receive (``1RF3``/``1RB3``, a second slice after the posting one) and the action from the end
         of the wait, so a trace shows compute and waiting apart. ``upcoming``: the actions the next
         ``run`` will get (the next step's), so receives can be posted ahead across the step
-        boundary (:meth:`_prepost`)."""
+        boundary (:meth:`_prepost`). ``release[i]``: the earlier actions whose sends are taken by their
+        receivers once ``actions[i]`` is done (:func:`~pdcompile.runtime.schedules.send_release`);
+        they are waited for then (it returns at once), the others by :meth:`wait_sends`."""
         actions = list(actions)
         self._upcoming = list(upcoming)
         self._split = {a.microbatch for a in actions if a.kind is Kind.WEIGHT_GRAD}  # type: ignore[misc]
@@ -179,8 +182,8 @@ class StageExecutor:
                 if self.fail_at is not None and self.fail_at == f"{self.rank}:{a}":
                     raise RuntimeError("injected failure (--fail-at)")
                 getattr(self, "_" + a.kind.name.lower())(a)
-                if self.release:
-                    self._release_sends(a)
+                if release is not None and release[i]:
+                    self._release_sends(release[i])
                 self.weights.observe()
             except ActionError:
                 raise
@@ -381,13 +384,13 @@ class StageExecutor:
         self.sends.setdefault(a, []).extend(works)
         self.peak_sends = max(self.peak_sends, sum(map(len, self.sends.values())))
 
-    def _release_sends(self, a: Action) -> None:
-        """After ``a``: wait for the sends whose receivers have taken them (the schedule proves it, so
+    def _release_sends(self, done: Sequence[Action]) -> None:
+        """Wait for the sends of ``done``, whose receivers have taken them (the schedule proves it, so
         this returns at once). A send's buffer lives until its wait; on gloo nothing tells completion
         without waiting (``is_completed`` stays false), and waiting for a send whose receive is not
         posted yet blocks — possibly forever, if the peer posts it after a collective this rank is
         in — so sends are never waited for anywhere else but here and at the end."""
-        for b in self.release.get(a, ()):
+        for b in done:
             for w in self.sends.pop(b, ()):
                 w.wait()
 

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import itertools
 import json
 import logging
 import os
@@ -126,17 +127,6 @@ def random_batches(program: Program, batch_size: int, seed: int) -> Iterator[Any
 def accumulation(schedule: str, num_microbatches: int) -> int:
     """Backward passes whose gradients one optimizer step sums (the loss is scaled by 1/this)."""
     return 1 if schedule.startswith("1f1b") else num_microbatches
-
-
-def run_schedule(schedule: str, replicas: list[int], num_microbatches: int, steps: int, tied: bool,
-                 vertical_sync: bool = False, split_backward: bool = True) -> schedules.Schedule:
-    """Every rank's actions for ``steps`` minibatches of ``num_microbatches`` each.
-
-    Microbatch ``k`` is microbatch ``k % M`` of data minibatch ``k // M``. For 1f1b every
-    microbatch is one PipeDream minibatch with its own update (per ``r_s`` on a replicated stage).
-    """
-    return schedules.make_schedule(schedule, replicas, num_microbatches, tied=tied, vertical_sync=vertical_sync,
-                                   num_steps=steps, split_backward=split_backward)
 
 
 def main(folder: Path, argv: list[str] | None = None) -> None:
@@ -256,7 +246,8 @@ class Trainer:
         if self.data_iter is not None and args.steps > self.start:
             self.data(first_mb)  # the data source's start-up (imports, opening files) is not the first step's time
         self.step_times: list[float] = []
-        self.actions: list[schedules.Action] = []  # metrics: the longest segment's (each starts from a flush)
+        self.ran = False  # a segment ran (the next starts from a flush, with fresh weight versions)
+        self.promised_versions = 1  # metrics: the most weight versions the schedule keeps at once
         # 1F1B steps after every microbatch: log once per minibatch of M, as the other schedules do.
         self.log_every = M if args.schedule.startswith("1f1b") else 1
 
@@ -273,30 +264,49 @@ class Trainer:
         return tuple(x[j] for x in ins), tgt[j]
 
     def segment(self, first: int, end: int) -> list[float]:
-        """Run minibatches ``[first, end)`` as one schedule, from a flush to a flush; their step times."""
+        """Run minibatches ``[first, end)`` as one schedule, from a flush to a flush; their step times.
+
+        The schedule comes step by step (:func:`schedules.rank_run`: memory and set-up time do not
+        grow with the run), each step with the sends it lets go (``send_release``); the weight store
+        reads the actions ``reach`` ahead of the one running."""
         args, rank, M, executor = self.args, self.rank, self.M, self.executor
-        full = run_schedule(args.schedule, self.replicas, M, end - first, self.tied, args.vertical_sync,
-                            split_backward(args.split_backward, _device()))
-        seg = _shift(full[rank], first * M)
-        # when each send's buffer may be let go (its receiver has taken it): schedules.send_release
-        executor.release = {_shift([a], first * M)[0]: _shift(bs, first * M)
-                            for a, bs in schedules.send_release(full, self.replicas)[rank].items()}
-        if self.actions:  # the pipeline drained: weight versions start afresh
+        run = schedules.rank_run(args.schedule, self.replicas, M, end - first, rank, tied=self.tied,
+                                 vertical_sync=args.vertical_sync,
+                                 split_backward=split_backward(args.split_backward, _device()))
+        if self.ran:  # the pipeline drained: weight versions start afresh
             executor.weights = _weight_store(args.schedule, executor.module, self.program) or WeightStore(executor.module)
-        executor.weights.expect(seg)
-        self.actions = max(self.actions, seg, key=len)
-        chunks = _split_at_steps(seg)
+        self.ran = True
+        self.promised_versions = max(self.promised_versions, run.promised_versions)
+        offset = first * M
+        reading = (_shift_one(a, offset) for a, _ in run)  # the weight store's read-ahead
+        read, total = 0, len(run)
+
+        def read_to(n: int) -> None:
+            nonlocal read
+            n = min(n, total)
+            if n > read:
+                executor.weights.expect(list(itertools.islice(reading, n - read)), more=n < total)
+                read = n
+
+        steps = _steps(run, offset)
         times: list[float] = []
         last = self.spec.index == self.program.num_stages - 1 and rank == self.spec.ranks[0]
-        for c, chunk in enumerate(chunks):
-            _maybe_fail(args, rank, chunk, M)
+        done = 0
+        chunk = next(steps, None)
+        while chunk is not None:
+            upcoming = next(steps, None)
+            actions, release = chunk
+            _maybe_fail(args, rank, actions, M)
+            read_to(done + len(actions) + run.reach + 1)
             t0 = time.perf_counter()
-            executor.run(chunk, upcoming=chunks[c + 1] if c + 1 < len(chunks) else ())
+            executor.run(actions, upcoming=upcoming[0] if upcoming else (), release=release)
             times.append(time.perf_counter() - t0)
             self.step_times.append(times[-1])
+            done += len(actions)
             if executor.losses and last and len(self.step_times) % self.log_every == 0:
                 log.info("step %d (minibatches %d-%d) loss %.6f (%.3f s)", len(self.step_times), first + 1, end,
                          executor.losses[-1], times[-1])
+            chunk = upcoming
         executor.wait_sends()
         return times
 
@@ -337,7 +347,7 @@ class Trainer:
                 "rank": rank, "stage": self.spec.index, "schedule": args.schedule, "steps": args.steps,
                 "losses": executor.losses, "step_times_s": self.step_times, "wall_s": wall,
                 "weight_versions": executor.weights.peak_versions(), "sends_in_flight": executor.peak_sends,
-                "weight_versions_promised": schedules.peak_weight_versions({rank: self.actions})[rank],
+                "weight_versions_promised": self.promised_versions,
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 # pages the run touched afresh (each a fault that zero-fills it): see runtime/allocator.py
                 "page_faults_per_step": faults / max(1, args.steps - self.start),
@@ -352,14 +362,19 @@ class Trainer:
         return 0
 
 
-def _split_at_steps(actions: list[schedules.Action]) -> list[list[schedules.Action]]:
-    """Cut the run's actions after each optimizer step (for per-step timing and logging)."""
-    chunks: list[list[schedules.Action]] = [[]]
-    for a in actions:
-        chunks[-1].append(a)
-        if a.kind == schedules.Kind.STEP:
-            chunks.append([])
-    return [c for c in chunks if c]
+def _steps(run: schedules.RankRun, offset: int) -> Iterator[tuple[list[schedules.Action], list[tuple[schedules.Action, ...]]]]:
+    """A run's actions cut after each optimizer step (for per-step timing and logging), each with
+    the sends released after it; microbatches shifted by ``offset`` (:func:`_shift_one`)."""
+    actions: list[schedules.Action] = []
+    release: list[tuple[schedules.Action, ...]] = []
+    for a, sends in run:
+        actions.append(_shift_one(a, offset))
+        release.append(tuple(_shift_one(b, offset) for b in sends) if sends else ())
+        if a.kind is schedules.Kind.STEP:
+            yield actions, release
+            actions, release = [], []
+    if actions:
+        yield actions, release
 
 
 def split_backward(flag: bool | None, device: torch.device) -> bool:
@@ -445,12 +460,11 @@ def _segments(start: int, steps: int, every: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def _shift(actions: list[schedules.Action], offset: int) -> list[schedules.Action]:
-    """Renumber a segment's microbatches to global indices (weight versions stay per segment)."""
-    if offset == 0:
-        return actions
-    return [a if a.microbatch is None or a.kind is schedules.Kind.WEIGHT_VERSION
-            else dataclasses.replace(a, microbatch=a.microbatch + offset) for a in actions]
+def _shift_one(a: schedules.Action, offset: int) -> schedules.Action:
+    """Renumber a segment's microbatch to its global index (weight versions stay per segment)."""
+    if offset == 0 or a.microbatch is None or a.kind is schedules.Kind.WEIGHT_VERSION:
+        return a
+    return dataclasses.replace(a, microbatch=a.microbatch + offset)
 
 
 def _stage_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -61,10 +61,12 @@ Use :func:`make_schedule` to build one by name (:data:`SCHEDULES`), :func:`valid
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
 import math
 import re
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -751,7 +753,7 @@ def replay(sched: Schedule, replicas: Sequence[int],
         raise _deadlock(sched, name, ranks, pcs, arrived, blocked)
 
 
-def send_release(sched: Schedule, replicas: Sequence[int]) -> dict[int, dict[Action, list[Action]]]:
+def send_release(sched: Schedule, replicas: Sequence[int]) -> dict[int, dict[int, list[Action]]]:
     """Per rank: after which of its actions the sends of earlier actions are known to be complete.
 
     A send's buffer must stay alive until the receiver has taken the message, and on gloo nothing
@@ -764,10 +766,11 @@ def send_release(sched: Schedule, replicas: Sequence[int]) -> dict[int, dict[Act
     counts from the action that waits for it, ``F``/``B``, not from the posting ``RF``/``RB``). Such
     a wait returns at once; every other send is left alone until the end of the run.
 
-    Returns ``{rank: {action: [earlier actions whose sends are complete after it]}}``.
+    Returns ``{rank: {index: [earlier actions whose sends are complete after action index]}}``
+    (by index: ``ST``, ``AR`` and ``TG`` occur once per step).
 
     >>> sched = make_schedule("gpipe", [1, 1], 2, split_backward=False)
-    >>> {str(a): [str(b) for b in bs] for a, bs in send_release(sched, [1, 1])[0].items()}
+    >>> {str(sched[0][i]): [str(b) for b in bs] for i, bs in send_release(sched, [1, 1])[0].items()}
     {'0B1': ['0F0', '0SF0', '0F1', '0SF1']}
     """
     ranks = stage_ranks(replicas)
@@ -779,18 +782,18 @@ def send_release(sched: Schedule, replicas: Sequence[int]) -> dict[int, dict[Act
     snapshot: dict[tuple[Kind, int, int], list[int]] = {}  # a send -> its sender's clock then
     merge_at: dict[int, dict[tuple[Kind, int], list[int]]] = {r: {} for r in all_ranks}
     open_: dict[int, list[tuple[int, int, Action]]] = {r: [] for r in all_ranks}  # (peer, its index, send)
-    out: dict[int, dict[Action, list[Action]]] = {r: {} for r in all_ranks}
+    out: dict[int, dict[int, list[Action]]] = {r: {} for r in all_ranks}
 
     def merge(into: list[int], other: list[int]) -> None:
         for q in range(n):
             if other[q] > into[q]:
                 into[q] = other[q]
 
-    def release(r: int, a: Action) -> None:
+    def release(r: int, i: int) -> None:
         keep = []
         for peer, at, send in open_[r]:
             if vc[r][peer] >= at:
-                out[r].setdefault(a, []).append(send)
+                out[r].setdefault(i, []).append(send)
             else:
                 keep.append((peer, at, send))
         open_[r] = keep
@@ -803,7 +806,7 @@ def send_release(sched: Schedule, replicas: Sequence[int]) -> dict[int, dict[Act
                 merge(both, vc[q])
             for q, i in parts:
                 vc[q] = list(both)
-                release(q, sched[q][i])
+                release(q, i)
             return
         (r, i), k = parts[0], a.microbatch
         vc[r][r] = i
@@ -821,10 +824,141 @@ def send_release(sched: Schedule, replicas: Sequence[int]) -> dict[int, dict[Act
         elif a.kind is Kind.FORWARD and a.stage == 0 and last > 0:  # the target, sent to the last stage
             peer = rank_of(last, k, ranks)  # type: ignore[arg-type]
             open_[r].append((peer, pos[peer][(Kind.FORWARD, k)], a))
-        release(r, a)
+        release(r, i)
 
     replay(sched, replicas, execute, name="send release")
     return out
+
+
+def _shift(a: Action, steps: int, microbatches: int, versions: int) -> Action:
+    """``a`` moved ``steps`` steps later: ``microbatches`` per step (a ``WV`` moves ``versions`` per step)."""
+    if a.microbatch is None or steps == 0:
+        return a
+    return Action(a.stage, a.kind, a.microbatch + steps * (versions if a.kind is Kind.WEIGHT_VERSION else microbatches))
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """One rank's actions for a run of any length, with the sends each lets go (:func:`send_release`),
+    held in memory that does not grow with the run: ``head``, then ``period`` ``repeats`` times (copy
+    ``k`` shifted ``k`` steps later), then ``tail`` (shifted ``repeats`` steps). Iterating gives
+    ``(action, sends released after it)`` in order. Built by :func:`rank_run`.
+
+    >>> run = rank_run("gpipe", [1, 1], 2, 1000, 1, split_backward=False)
+    >>> len(run), len(run.head) + len(run.period) + len(run.tail) < 100
+    (10000, True)
+    >>> import itertools
+    >>> [str(a) for a, _ in itertools.islice(iter(run), 5000, 5010)]
+    ['1RF1000', '1F1000', '1RF1001', '1F1001', '1RB1001', '1B1001', '1SB1001', '1RB1000', '1B1000', '1SB1000']
+    """
+
+    head: tuple[Action, ...]
+    period: tuple[Action, ...]
+    tail: tuple[Action, ...]
+    repeats: int
+    microbatches: int  # microbatches per step: what one period shifts microbatch numbers by
+    versions: int  # weight versions per step on this rank: what one period shifts a WV by
+    release_head: tuple[tuple[Action, ...], ...]  # per action of head
+    release_period: tuple[tuple[Action, ...], ...]  # per action of period, as in its first copy
+    release_tail: tuple[tuple[Action, ...], ...]  # per action of tail, unshifted
+    promised_versions: int = 1  # peak_weight_versions of this rank over the run
+    reach: int = 0  # the most actions from an F to its B on this rank
+
+    def __len__(self) -> int:
+        return len(self.head) + self.repeats * len(self.period) + len(self.tail)
+
+    def __iter__(self) -> Iterator[tuple[Action, tuple[Action, ...]]]:
+        yield from zip(self.head, self.release_head)
+        m, v = self.microbatches, self.versions
+        for k in range(self.repeats):
+            for a, rel in zip(self.period, self.release_period):
+                yield _shift(a, k, m, v), tuple(_shift(b, k, m, v) for b in rel)
+        for a, rel in zip(self.tail, self.release_tail):
+            yield _shift(a, self.repeats, m, v), tuple(_shift(b, self.repeats, m, v) for b in rel)
+
+
+MAX_PERIODIC_BASE = 64  # steps: past this, a schedule that does not repeat is laid out whole
+
+
+def _base(name: str, replicas: tuple[int, ...], m: int, steps: int, rank: int, kw: tuple) -> tuple[list[Action], dict[int, list[Action]], int]:
+    sched = make_schedule(name, replicas, m, num_steps=steps, **dict(kw))
+    return sched[rank], send_release(sched, replicas)[rank], peak_weight_versions({rank: sched[rank]})[rank]
+
+
+def _reach(acts: Sequence[Action]) -> int:
+    first: dict[int, int] = {}
+    far = 0
+    for i, a in enumerate(acts):
+        if a.kind is Kind.FORWARD:
+            first[a.microbatch] = i  # type: ignore[index]
+        elif a.kind is Kind.BACKWARD and a.microbatch in first:
+            far = max(far, i - first.pop(a.microbatch))  # type: ignore[arg-type]
+    return far
+
+
+def _whole(acts: list[Action], rel: dict[int, list[Action]], m: int, promised: int) -> RankRun:
+    return RankRun(tuple(acts), (), (), 0, m, 0, tuple(tuple(rel.get(i, ())) for i in range(len(acts))), (), (),
+                   promised, _reach(acts))
+
+
+def _derive(name: str, replicas: tuple[int, ...], m: int, base: int, unit: int, rank: int,
+            kw: tuple) -> RankRun | None:
+    """The periodic form from the schedules of ``base`` and ``base + unit`` steps, checked against
+    those of ``base + 2 unit`` and ``base + 3 unit`` (None if the schedule does not repeat every
+    ``unit`` steps from ``base``)."""
+    a0, r0, _ = _base(name, replicas, m, base, rank, kw)
+    a1, r1, _ = _base(name, replicas, m, base + unit, rank, kw)
+    m *= unit  # microbatches per period
+    p = len(a1) - len(a0)
+    versions = sum(a.kind is Kind.STEP for a in a1) - sum(a.kind is Kind.STEP for a in a0)
+    lcp = 0
+    while lcp < len(a0) and a0[lcp] == a1[lcp]:
+        lcp += 1
+    for h in range(lcp, -1, -1):
+        if all(a1[h + p + j] == _shift(a0[h + j], 1, m, versions) for j in range(len(a0) - h)):
+            break
+    else:
+        return None
+    run = RankRun(tuple(a1[:h]), tuple(a1[h:h + p]), tuple(a0[h:]), 0, m, versions,
+                  tuple(tuple(r1.get(i, ())) for i in range(h)), tuple(tuple(r1.get(i, ())) for i in range(h, h + p)),
+                  tuple(tuple(r0.get(i, ())) for i in range(h, len(a0))), 1, _reach(a1))
+    for extra in (2, 3):
+        acts, rel, promised = _base(name, replicas, m // unit, base + extra * unit, rank, kw)
+        want = [(a, tuple(rel.get(i, ()))) for i, a in enumerate(acts)]
+        if list(dataclasses.replace(run, repeats=extra)) != want:
+            return None
+    return dataclasses.replace(run, promised_versions=promised)
+
+
+def rank_run(name: str, replicas: Sequence[int], num_microbatches: int, num_steps: int, rank: int, *,
+             tied: bool = False, vertical_sync: bool = False, split_backward: bool = True) -> RankRun:
+    """``make_schedule(...)[rank]`` with its :func:`send_release`, for a run of ``num_steps`` steps,
+    in memory and time that do not grow with ``num_steps``.
+
+    Every schedule here repeats itself once past its warm-up: the schedule of ``n + u`` steps is
+    that of ``n`` steps with ``u`` more steps' actions (the previous ``u`` steps', shifted by ``u M``
+    microbatches and, in weight versions, by the rank's optimizer steps in them) inserted before the
+    drain; ``u`` is 1 unless a replicated stage's round robin needs several minibatches to come back
+    to its first replica (``u M`` a multiple of every replica count). The period is read off the
+    schedules of a few steps and checked against two longer ones; a schedule that does not repeat
+    so is laid out whole. Laid out whole, a 2000-step run of 4 stages took 2.6 s and 140 MB in
+    every process (linear in the steps).
+    """
+    reps = tuple(replicas)
+    kw = (("tied", tied), ("vertical_sync", vertical_sync), ("split_backward", split_backward))
+    unit = math.lcm(*(r // math.gcd(num_microbatches, r) for r in reps))
+    base = 2 + math.ceil(2 * sum(reps) / num_microbatches)  # past the warm-up (at most ~2 x world microbatches)
+    while base <= MAX_PERIODIC_BASE and num_steps > base + 3 * unit:
+        base += (num_steps - base) % unit  # a whole number of periods to the end
+        run = _cached_derive(name, reps, num_microbatches, base, unit, rank, kw)
+        if run is not None:
+            return dataclasses.replace(run, repeats=(num_steps - base) // unit)
+        base *= 2
+    acts, rel, promised = _base(name, reps, num_microbatches, num_steps, rank, kw)
+    return _whole(acts, rel, num_microbatches, promised)
+
+
+_cached_derive = functools.lru_cache(maxsize=32)(_derive)
 
 
 def _deadlock(sched: Schedule, name: str, ranks: list[list[int]], pcs: dict[int, int],

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from pdcompile.runtime.executor import WeightStore
-from pdcompile.runtime.schedules import Action, Kind, forward_versions
+from pdcompile.runtime.schedules import Action, Kind
 
 
 class VersionedStore(WeightStore):
@@ -48,24 +48,44 @@ class VersionedStore(WeightStore):
         self.future: Counter[int] | None = None  # versions of the forwards still to run (None: unknown)
         self.direct_ok: set[int] = set()  # microbatches with no ST between their F and B
         self.expected: dict[int, int] = {}
+        self.horizon: int | None = None  # reading in parts: versions from this one on may still be used
+        self._reading: dict[str, Any] | None = None  # state between parts of a read
         self.peak = 1
 
     # the schedule ------------------------------------------------------------------------------
-    def expect(self, actions: Sequence[Action]) -> None:
-        """Read this rank's whole action list: which versions later forwards need, and which
-        microbatches may run on the live parameters (no ``ST`` between their ``F`` and ``B``)."""
-        self.expected = forward_versions(actions)
-        self.future = Counter(self.expected.values())
-        open_f: set[int] = set()
-        crossed: set[int] = set()
+    def expect(self, actions: Sequence[Action], *, more: bool = False) -> None:
+        """Read this rank's actions before they run: which versions later forwards need, and which
+        microbatches may run on the live parameters (no ``ST`` between their ``F`` and ``B``).
+
+        A long run is read in parts (``more=True`` while more follow), each before its actions run
+        and far enough ahead that every forward's backward is read before the forward runs (the
+        runtime reads ``RankRun.reach`` actions ahead). Until the last part, a version some unread
+        forward may still use (the one the reading has switched forwards to, or newer) is kept."""
+        if self._reading is None:  # a fresh read (a new segment)
+            self._reading = {"version": 0, "open": set(), "crossed": set()}
+            self.expected, self.future, self.direct_ok = {}, Counter(), set()
+        r = self._reading
+        opened: set[int] = r["open"]
+        crossed: set[int] = r["crossed"]
         for a in actions:
-            if a.kind is Kind.FORWARD:
-                open_f.add(a.microbatch)  # type: ignore[arg-type]
+            if a.kind is Kind.WEIGHT_VERSION:
+                r["version"] = a.version
+            elif a.kind is Kind.FORWARD:
+                self.expected[a.microbatch] = r["version"]  # type: ignore[index]
+                self.future[r["version"]] += 1  # type: ignore[index]
+                opened.add(a.microbatch)  # type: ignore[arg-type]
             elif a.kind is Kind.STEP:
-                crossed |= open_f
-            elif a.kind is Kind.BACKWARD:
-                open_f.discard(a.microbatch)  # type: ignore[arg-type]
-        self.direct_ok = set(self.expected) - crossed
+                crossed |= opened
+            elif a.kind is Kind.BACKWARD and a.microbatch in opened:
+                opened.discard(a.microbatch)  # type: ignore[arg-type]
+                if a.microbatch in crossed:
+                    crossed.discard(a.microbatch)  # type: ignore[arg-type]
+                else:
+                    self.direct_ok.add(a.microbatch)  # type: ignore[arg-type]
+        self.horizon = r["version"] if more else None
+        if not more:
+            self.direct_ok |= opened - crossed  # a forward without a backward on this rank
+            self._reading = None
 
     def set_forward_version(self, version: int) -> None:
         if not self.forward_version <= version <= self.newest:
@@ -77,13 +97,17 @@ class VersionedStore(WeightStore):
     # executor hooks ----------------------------------------------------------------------------
     def params_for_forward(self, microbatch: int) -> dict[str, torch.Tensor] | None:
         v = self.forward_version
-        if self.expected and self.expected.get(microbatch) != v:
+        if self.expected and self.expected.pop(microbatch, None) != v:
             raise RuntimeError(f"forward of microbatch {microbatch} would use weight version {v}, the schedule "
-                               f"says {self.expected.get(microbatch)}")
+                               f"says otherwise (or was not read this far ahead)")
         self.inflight[microbatch] = v
         if self.future is not None:
             self.future[v] -= 1
-        if v == self.newest and microbatch in self.direct_ok:
+            if self.future[v] <= 0:
+                del self.future[v]
+        direct = microbatch in self.direct_ok
+        self.direct_ok.discard(microbatch)
+        if v == self.newest and direct:
             return None
         self.cloned.add(microbatch)
         return self._materialize(v)
@@ -142,7 +166,7 @@ class VersionedStore(WeightStore):
             return True
         if self.future is None:
             return v >= self.forward_version
-        return self.future[v] > 0
+        return self.future[v] > 0 or (self.horizon is not None and v >= self.horizon)
 
     def _release(self) -> None:
         for v in list(self.clones):

@@ -434,13 +434,17 @@ def test_replay_reports_missing_sender() -> None:
 # version_copies: what the simulator charges for weight stashing, against the real store
 
 
+@pytest.mark.parametrize("parts", [False, True], ids=["read-whole", "read-in-parts"])
 @pytest.mark.parametrize("name,replicas,m,steps", [
     ("1f1b", [1, 1, 1], 4, 2), ("1f1b", [2, 1], 4, 2), ("2bw", [1, 1], 4, 3), ("flush", [1, 1], 4, 2),
-    ("gpipe", [1, 1, 1], 3, 2), ("1f1b-rr", [2, 1], 4, 1)])
-def test_version_copies_match_the_versioned_store(name: str, replicas: list[int], m: int, steps: int) -> None:
+    ("gpipe", [1, 1, 1], 3, 2), ("1f1b-rr", [2, 1], 4, 1), ("1f1b", [1, 1, 1], 1, 9), ("2bw", [1, 1, 1], 2, 6)])
+def test_version_copies_match_the_versioned_store(name: str, replicas: list[int], m: int, steps: int,
+                                                  parts: bool) -> None:
+    """The store clones exactly what version_copies charges, whether it reads the whole action list
+    first or, as the runtime does on a long run, in parts RankRun.reach ahead of the running action."""
     import torch
 
-    from pdcompile.runtime.schedules import Kind, version_copies
+    from pdcompile.runtime.schedules import Kind, rank_run, version_copies
     from pdcompile.runtime.weights import VersionedStore
 
     class Counting(VersionedStore):
@@ -455,9 +459,16 @@ def test_version_copies_match_the_versioned_store(name: str, replicas: list[int]
     for rank, acts in sched.items():
         store = Counting(torch.nn.Linear(2, 2))
         store.made = 0
-        store.expect(acts)
+        reach = rank_run(name, replicas, m, steps, rank).reach
+        read = 0
+        if not parts:
+            store.expect(acts)
         got = []
-        for a in acts:
+        for i, a in enumerate(acts):
+            if parts and read < min(len(acts), i + reach + 1):  # in uneven parts, as steps come
+                n = min(len(acts), i + reach + 1 + i % 3)
+                store.expect(acts[read:n], more=n < len(acts))
+                read = n
             before, accumulates = store.made, False
             if a.kind is Kind.WEIGHT_VERSION:
                 store.set_forward_version(a.version)
@@ -603,7 +614,7 @@ def test_send_release_only_after_the_receiver_waited(name: str, replicas: list[i
         seen = set()
         for after, sends in rel.items():
             for send in sends:
-                assert send not in seen and index[send] < index[after]
+                assert send not in seen and index[send] < after
                 seen.add(send)
                 if send.kind is Kind.FORWARD:  # stage 0's target, waited for by the last stage's F
                     peer, use = rank_of(last, send.microbatch, ranks), Kind.FORWARD
@@ -612,8 +623,44 @@ def test_send_release_only_after_the_receiver_waited(name: str, replicas: list[i
                     peer = rank_of(to, send.microbatch, ranks)
                     use = Kind.FORWARD if send.kind is Kind.SEND_ACT else Kind.BACKWARD
                 # the receiver's waiting action happens-before the release point
-                assert reaches((peer, pos[peer][(use, send.microbatch)]), (r, index[after])), (r, after, send)
+                assert reaches((peer, pos[peer][(use, send.microbatch)]), (r, after)), (r, sched[r][after], send)
                 n_released += 1
     # most sends are released before the run ends (the last step's are waited for at the end)
     n_sends = sum(a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD) for acts in sched.values() for a in acts)
     assert n_released >= n_sends // 3
+
+
+# ------------------------------------------------------------------------------------------------
+# rank_run: a long run's schedule, step by step
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("replicas,m", [([1, 1], 4), ([1, 1, 1, 1], 2), ([2, 1], 3), ([1, 2, 1], 1), ([3, 2], 2)])
+def test_rank_run_is_the_whole_schedule_step_by_step(name: str, replicas: list[int], m: int) -> None:
+    """Against make_schedule + send_release laid out whole: the same actions, the same releases, the
+    same promised weight versions; and built from a repeating period (not laid out whole)."""
+    from pdcompile.runtime.schedules import peak_weight_versions, rank_run, send_release
+
+    tied = not (name.startswith("1f1b") and len(set(replicas)) > 1)
+    steps = 41
+    sched = make_schedule(name, replicas, m, num_steps=steps, tied=tied)
+    release = send_release(sched, replicas)
+    peaks = peak_weight_versions(sched)
+    for rank, acts in sched.items():
+        run = rank_run(name, replicas, m, steps, rank, tied=tied)
+        assert run.repeats > 0 and len(run) == len(acts)
+        assert list(run) == [(a, tuple(release[rank].get(i, ()))) for i, a in enumerate(acts)], rank
+        assert run.promised_versions == peaks[rank]
+
+
+def test_rank_run_holds_the_same_whatever_the_run_length() -> None:
+    from pdcompile.runtime.schedules import rank_run
+
+    short, long = (rank_run("1f1b", [1, 1, 1, 1], 8, n, 1, tied=True) for n in (100, 10**6))
+    assert (short.head, short.period, short.tail) == (long.head, long.period, long.tail)
+    assert len(long) == len(short) + (10**6 - 100) * len(short.period)
+    # the last actions are the drain of the millionth step
+    *_, (last, _) = iter(rank_run("flush", [1, 1], 4, 10**4, 1))
+    assert str(last) == "1ST"
+    tail = [str(a) for a, _ in rank_run("flush", [1, 1], 4, 10**4, 1)][-6:]
+    assert tail == [str(a) for a in make_schedule("flush", [1, 1], 4, num_steps=10**4)[1][-6:]]
