@@ -846,10 +846,10 @@ class RankRun:
 
     >>> run = rank_run("gpipe", [1, 1], 2, 1000, 1, split_backward=False)
     >>> len(run), len(run.head) + len(run.period) + len(run.tail) < 100
-    (10000, True)
+    (9999, True)
     >>> import itertools
     >>> [str(a) for a, _ in itertools.islice(iter(run), 5000, 5010)]
-    ['1RF1000', '1F1000', '1RF1001', '1F1001', '1RB1001', '1B1001', '1SB1001', '1RB1000', '1B1000', '1SB1000']
+    ['1RF1000', '1F1000', '1RF1001', '1F1001', '1B1001', '1SB1001', '1B1000', '1SB1000', '1ST', '1WV501']
     """
 
     head: tuple[Action, ...]

@@ -664,3 +664,12 @@ def test_rank_run_holds_the_same_whatever_the_run_length() -> None:
     assert str(last) == "1ST"
     tail = [str(a) for a, _ in rank_run("flush", [1, 1], 4, 10**4, 1)][-6:]
     assert tail == [str(a) for a in make_schedule("flush", [1, 1], 4, num_steps=10**4)[1][-6:]]
+
+
+def test_the_module_examples_hold() -> None:
+    import doctest
+
+    from pdcompile.runtime import schedules
+
+    result = doctest.testmod(schedules)
+    assert result.attempted >= 5 and result.failed == 0
