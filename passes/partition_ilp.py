@@ -116,7 +116,9 @@ def partition_ilp(
         ub = float(C.max()) + 2.0 * float(W.max()) * (m1 + m2) / min(B1, B2) + 2.0 * float(
             np.nanmax(np.where(np.isfinite(model.cut), model.cut, 0.0), initial=0.0)) / min(B1, B2)
     ub *= 1 + 1e-6
-    unit = ub / _RESOLUTION if ub > 0 else 1.0
+    unit = ub / _RESOLUTION
+    if not unit > 0:  # nothing costs anything (or so little that the unit underflows, e.g. ub = 5e-324)
+        unit = 1.0
 
     def q(t: float) -> int:
         return int(math.ceil(t / unit - 1e-6))

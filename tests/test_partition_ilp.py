@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("ortools")
@@ -40,6 +40,8 @@ def test_ilp_equals_dp_one_level(chain, workers, bw, model):
 @SETTINGS
 @given(chain=chains(5), m1=st.integers(1, 3), m2=st.integers(1, 3), model=st.sampled_from(["paper", "default"]),
        b2=st.sampled_from([1.0, 5.0]))
+@example(chain=make_chain([0.0], [5e-324], [0.0], [0.0], [], name="denormal"), m1=1, m2=1, model="paper", b2=1.0)  # the
+# ILP's time unit (upper bound / resolution) underflowed to 0: ZeroDivisionError
 def test_ilp_equals_dp_two_levels(chain, m1, m2, model, b2):
     cluster = two_level(m1, m2, 20.0, b2)
     d = partition_dp(chain, cluster, cost_model=model, memory_limit=False)
