@@ -23,7 +23,7 @@ from pdcompile.zoo import batches, get
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.multiproc]
 
-STEPS = 6
+STEPS = 10  # past rank_run's layout-whole threshold: the runtime runs the repeating period
 MICRO = 2
 BATCH = 8
 LR = 0.05
@@ -142,6 +142,9 @@ def test_schedule_trains_its_reference(emit: Any, tmp_path: Path, name: str, sta
                                        replicas: list[int] | None) -> None:
     reps = replicas or [1] * stages
     prog = emit(name, stages, replicas)
+    tied = bool(Program.load(prog).raw.get("tied"))
+    # every rank's actions come step by step from a repeating period (schedules.rank_run), not laid out whole
+    assert all(schedules.rank_run(schedule, reps, MICRO, STEPS, r, tied=tied).repeats > 0 for r in range(sum(reps)))
     got, metrics = _run(tmp_path, prog, schedule)
     _assert_matches(prog, got, _reference(prog, name, _versions(schedule, reps), _scale(schedule)), schedule)
     _versions_promised(metrics, schedule, reps)
