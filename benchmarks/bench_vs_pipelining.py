@@ -13,7 +13,7 @@ CPU processes over gloo, with random data of the same shapes:
   it: the last backward of each step on stage 1 is split (input gradients sent first, weight
   gradients after: the runtime's default, ``--no-split-backward`` turns it off), which shortens the
   drain that both schedules end every minibatch with; the rest of the schedule is torch's, action for
-  action;
+  action. A third row per model runs ours with ``--no-split-backward``: what the split contributes;
 * theirs: ``PipelineStage`` around a second copy of each stage module, stepped by torch's
   ``ScheduleGPipe`` or ``Schedule1F1B`` (which *is* 1F1B with a flush per minibatch: what we call
   ``flush``). GPT's tied embedding gets its gradient all-reduced between the two stages before the
@@ -46,7 +46,10 @@ if __package__ in (None, ""):
 
 from benchmarks._common import bench_model, bootstrap_median, compile_bench, load_note, median, ms, step_times, torchrun
 
-PAIRS = (("gpipe", "gpipe"), ("flush", "1f1b"))  # (ours, torch's schedule of the same kind)
+# (ours: train.py's --schedule and flags, torch's schedule of the same kind). The unsplit row is the
+# ablation: the same runtime without the split backward, to show what the split contributes.
+PAIRS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("gpipe", (), "gpipe"), ("flush", (), "1f1b"), ("flush", ("--no-split-backward",), "1f1b"))
 THEIR_NAME = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 
@@ -78,7 +81,7 @@ class Row:
 
 
 def run_pair(program: Path, ours: str, theirs: str, *, blocks: int, block_steps: int, warmup: int,
-             timeout: float = 400) -> tuple[list[list[float]], list[list[float]]]:
+             flags: tuple[str, ...] = (), timeout: float = 400) -> tuple[list[list[float]], list[list[float]]]:
     """One launch of ``benchmarks._ab_worker`` on ``program``: ours and theirs take turns for
     ``blocks`` blocks each. Per block, the slowest rank's step times with the block's first
     ``warmup`` steps dropped: (ours, theirs), block ``i`` of each side run next to each other."""
@@ -86,7 +89,8 @@ def run_pair(program: Path, ours: str, theirs: str, *, blocks: int, block_steps:
     nproc = len(json.loads((program / "plan.json").read_text())["stages"])
     rc, log = torchrun("benchmarks._ab_worker", nproc,
                        ["--program", str(program), "--ours", ours, "--theirs", theirs, "--blocks", str(blocks),
-                        "--block-steps", str(block_steps), "--out", str(out), "--watchdog", str(timeout - 10)],
+                        "--block-steps", str(block_steps), "--out", str(out), "--watchdog", str(timeout - 10),
+                        *flags],
                        timeout=timeout)
     if rc != 0:
         raise RuntimeError(f"benchmarks._ab_worker failed ({rc}):\n{log[-3000:]}")
@@ -100,18 +104,20 @@ def run_pair(program: Path, ours: str, theirs: str, *, blocks: int, block_steps:
 
 def compare(model: str, *, size: str = "bench", batch_size: int = 32, num_microbatches: int = 4,
             stages: int = 2, blocks: int = 24, block_steps: int = 6, warmup: int = 1, skip_blocks: int = 1,
-            pairs: tuple[tuple[str, str], ...] = PAIRS) -> list[Row]:
+            pairs: tuple[tuple[str, tuple[str, ...], str], ...] = PAIRS) -> list[Row]:
     """Compile ``model`` once, then for every schedule pair one launch where ours and theirs take
     turns; the first ``skip_blocks`` blocks of each side (the process warming up) are dropped."""
     b = bench_model(model, batch_size=batch_size, size=size)
     pipe = compile_bench(b, stages, "flush", num_microbatches)
     program = pipe.emit(Path(tempfile.mkdtemp(prefix=f"pd-bench-{model}-")) / "program")
     rows = []
-    for ours, theirs in pairs:
-        mine, other = run_pair(program, ours, theirs, blocks=blocks, block_steps=block_steps, warmup=warmup)
+    for ours, flags, theirs in pairs:
+        mine, other = run_pair(program, ours, theirs, blocks=blocks, block_steps=block_steps, warmup=warmup,
+                               flags=flags)
         mine, other = mine[skip_blocks:], other[skip_blocks:]
         ratios = tuple(median(t) / median(o) for o, t in zip(mine, other))
-        rows.append(Row(model, ours, theirs, median([x for blk in mine for x in blk]),
+        label = ours + ("" if not flags else " " + " ".join(flags))
+        rows.append(Row(model, label, theirs, median([x for blk in mine for x in blk]),
                         median([x for blk in other for x in blk]), sum(map(len, mine)), ratios))
     return rows
 
@@ -149,7 +155,9 @@ def main(argv: list[str] | None = None) -> None:
             f"slowest rank, reading its random minibatch included on both sides. Throughput ratio = their median "
             f"step / ours in each pair of neighbouring blocks, and the median over pairs; > 1: ours faster. The "
             f"interval is a bootstrap over the block pairs. Ours splits stage 1's last backward of each step "
-            f"(input gradients sent first, weight gradients after; the runtime's default). GPT: 4 blocks, d=96, "
+            f"(input gradients sent first, weight gradients after; the runtime's default); the "
+            f"'--no-split-backward' row is the same runtime without it. Both sides run with train.py's CPU "
+            f"malloc setting (runtime/allocator.py, process-wide; see the Allocator section). GPT: 4 blocks, d=96, "
             f"T=32, vocab 256, tied embedding summed on both sides; VGG: convs 16-16-M-32-32-M-64-64-M on 32x32, "
             f"hidden 256.\nLoad: {before} at the start, {load_note()} at the end.\n\n" + table(rows))
     if not args.quick:

@@ -78,7 +78,7 @@ def test_ours_and_torch_pipelining_take_turns_in_one_launch() -> None:
     """benchmarks/_ab_worker.py: train.py's Trainer and torch's Schedule1F1B alternate blocks in one
     process group (neither leaves a message the other could take), each block timed per rank."""
     rows = bench_vs_pipelining.compare("gpt", size="tiny", batch_size=8, blocks=3, block_steps=2,
-                                       pairs=(("flush", "1f1b"),))
+                                       pairs=(("flush", ("--no-split-backward",), "1f1b"),))
     (row,) = rows
     assert len(row.round_ratios) == 2 and row.samples == 2  # 3 blocks, the first dropped; 1 step each kept
     assert row.ours_s > 0 and row.theirs_s > 0 and all(r > 0 for r in row.round_ratios)
