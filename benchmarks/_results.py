@@ -51,3 +51,10 @@ def write_section(name: str, body: str, command: str | None = None) -> None:
     else:
         text = text.rstrip() + "\n\n" + section
     RESULTS.write_text(text.rstrip() + "\n")
+
+
+def publish(name: str, body: str, command: str, *, write: bool = True) -> None:
+    """Print a benchmark's ``body`` and (``write``; not for ``--quick`` runs) put it in RESULTS.md."""
+    if write:
+        write_section(name, body, command=command)
+    print(body)

@@ -27,6 +27,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import bench_model, bootstrap_median, compile_bench, load_note, median, ms, run_ours, step_times
+from benchmarks._results import publish
 
 FLAGS = {"kept": "--keep-freed-memory", "default": "--no-keep-freed-memory"}
 
@@ -80,12 +81,8 @@ def main(argv: list[str] | None = None) -> None:
             f"alternating). Page faults per step: minor faults over the training loop / steps, the busier rank; step: "
             f"slowest rank's median, first 5 steps dropped; ratio > 1: keeping freed memory is faster.\n"
             f"Load: {before} at the start, {load_note()} at the end.\n\n" + table(rows))
-    if not args.quick:
-        from benchmarks._results import write_section
-
-        write_section("Allocator: keeping freed memory (bench_allocator)", body,
-                      command="python benchmarks/bench_allocator.py")
-    print(body)
+    publish("Allocator: keeping freed memory (bench_allocator)", body,
+            "python benchmarks/bench_allocator.py", write=not args.quick)
 
 
 if __name__ == "__main__":

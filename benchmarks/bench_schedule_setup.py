@@ -27,6 +27,8 @@ if __package__ in (None, ""):
 
 from pdcompile.runtime import schedules  # noqa: E402
 
+from benchmarks._results import publish  # noqa: E402
+
 REPLICAS, M = [1, 1, 1, 1], 8
 
 
@@ -77,12 +79,8 @@ def main(argv: list[str] | None = None) -> None:
             f"\n\nIterating a step-by-step run: {per * 1e6:.2f} us per action (1F1B, rank 1, {n} actions); a "
             f"CPU action here takes 0.1-5 ms. '-': not measured (laid out whole, 10^5 steps would take minutes "
             f"and GBs in every process).")
-    if not args.quick:
-        from benchmarks._results import write_section
-
-        write_section("Schedule set-up by run length (bench_schedule_setup)", body,
-                      command="python benchmarks/bench_schedule_setup.py")
-    print(body)
+    publish("Schedule set-up by run length (bench_schedule_setup)", body,
+            "python benchmarks/bench_schedule_setup.py", write=not args.quick)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import bench_model, bootstrap_median, compile_bench, load_note, median, ms, step_times, torchrun
+from benchmarks._results import publish
 
 # (ours: train.py's --schedule and flags, torch's schedule of the same kind). The unsplit row is the
 # ablation: the same runtime without the split backward, to show what the split contributes.
@@ -160,12 +161,8 @@ def main(argv: list[str] | None = None) -> None:
             f"malloc setting (runtime/allocator.py, process-wide; see the Allocator section). GPT: 4 blocks, d=96, "
             f"T=32, vocab 256, tied embedding summed on both sides; VGG: convs 16-16-M-32-32-M-64-64-M on 32x32, "
             f"hidden 256.\nLoad: {before} at the start, {load_note()} at the end.\n\n" + table(rows))
-    if not args.quick:
-        from benchmarks._results import write_section
-
-        write_section("Against torch.distributed.pipelining (bench_vs_pipelining)", body,
-                      command="python benchmarks/bench_vs_pipelining.py")
-    print(body)
+    publish("Against torch.distributed.pipelining (bench_vs_pipelining)", body,
+            "python benchmarks/bench_vs_pipelining.py", write=not args.quick)
 
 
 if __name__ == "__main__":
