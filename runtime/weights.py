@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
+from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,15 @@ import torch
 
 from pdcompile.runtime.executor import WeightStore
 from pdcompile.runtime.schedules import Action, Kind
+
+
+@dataclass
+class _Reading:
+    """Where a read of the schedule in parts stands (see :meth:`VersionedStore.expect`)."""
+
+    version: int = 0  # the weight version forwards use at this point of the actions
+    open: set[int] = field(default_factory=set)  # microbatches whose F was read, their B not yet
+    crossed: set[int] = field(default_factory=set)  # of those, the ones an ST came after
 
 
 class VersionedStore(WeightStore):
@@ -49,7 +59,7 @@ class VersionedStore(WeightStore):
         self.direct_ok: set[int] = set()  # microbatches with no ST between their F and B
         self.expected: dict[int, int] = {}
         self.horizon: int | None = None  # reading in parts: versions from this one on may still be used
-        self._reading: dict[str, Any] | None = None  # state between parts of a read
+        self._reading: _Reading | None = None  # between the parts of a read
         self.peak = 1
 
     # the schedule ------------------------------------------------------------------------------
@@ -62,17 +72,16 @@ class VersionedStore(WeightStore):
         runtime reads ``RankRun.reach`` actions ahead). Until the last part, a version some unread
         forward may still use (the one the reading has switched forwards to, or newer) is kept."""
         if self._reading is None:  # a fresh read (a new segment)
-            self._reading = {"version": 0, "open": set(), "crossed": set()}
+            self._reading = _Reading()
             self.expected, self.future, self.direct_ok = {}, Counter(), set()
         r = self._reading
-        opened: set[int] = r["open"]
-        crossed: set[int] = r["crossed"]
+        opened, crossed = r.open, r.crossed
         for a in actions:
             if a.kind is Kind.WEIGHT_VERSION:
-                r["version"] = a.version
+                r.version = a.version
             elif a.kind is Kind.FORWARD:
-                self.expected[a.microbatch] = r["version"]  # type: ignore[index]
-                self.future[r["version"]] += 1  # type: ignore[index]
+                self.expected[a.microbatch] = r.version  # type: ignore[index]
+                self.future[r.version] += 1
                 opened.add(a.microbatch)  # type: ignore[arg-type]
             elif a.kind is Kind.STEP:
                 crossed |= opened
@@ -82,7 +91,7 @@ class VersionedStore(WeightStore):
                     crossed.discard(a.microbatch)  # type: ignore[arg-type]
                 else:
                     self.direct_ok.add(a.microbatch)  # type: ignore[arg-type]
-        self.horizon = r["version"] if more else None
+        self.horizon = r.version if more else None
         if not more:
             self.direct_ok |= opened - crossed  # a forward without a backward on this rank
             self._reading = None
