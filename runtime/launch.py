@@ -273,6 +273,9 @@ class Trainer:
         run = schedules.rank_run(args.schedule, self.replicas, M, end - first, rank, tied=self.tied,
                                  vertical_sync=args.vertical_sync,
                                  split_backward=split_backward(args.split_backward, _device()))
+        if run.repeats == 0 and len(run) > 100_000:
+            log.warning("the %s schedule of %d steps does not repeat step by step here: laid out whole (%d actions "
+                        "in memory); please report it", args.schedule, end - first, len(run))
         if self.ran:  # the pipeline drained: weight versions start afresh
             executor.weights = _weight_store(args.schedule, executor.module, self.program) or WeightStore(executor.module)
         self.ran = True
