@@ -82,8 +82,10 @@ class Row:
 
 
 def run_pair(program: Path, ours: str, theirs: str, *, blocks: int, block_steps: int, warmup: int,
-             flags: tuple[str, ...] = (), timeout: float = 400) -> tuple[list[list[float]], list[list[float]]]:
-    """One launch of ``benchmarks._ab_worker`` on ``program``: ours and theirs take turns for
+             flags: tuple[str, ...] = (), theirs_flags: str = "",
+             timeout: float = 400) -> tuple[list[list[float]], list[list[float]]]:
+    """One launch of ``benchmarks._ab_worker`` on ``program``: ours (train.py ``flags``) and theirs
+    (torch's schedule ``theirs``, or ``"ours"`` with ``theirs_flags`` added) take turns for
     ``blocks`` blocks each. Per block, the slowest rank's step times with the block's first
     ``warmup`` steps dropped: (ours, theirs), block ``i`` of each side run next to each other."""
     out = Path(tempfile.mkdtemp(prefix="pd-bench-ab-")) / "times.json"
@@ -91,7 +93,7 @@ def run_pair(program: Path, ours: str, theirs: str, *, blocks: int, block_steps:
     rc, log = torchrun("benchmarks._ab_worker", nproc,
                        ["--program", str(program), "--ours", ours, "--theirs", theirs, "--blocks", str(blocks),
                         "--block-steps", str(block_steps), "--out", str(out), "--watchdog", str(timeout - 10),
-                        *flags],
+                        *([f"--theirs-flags={theirs_flags}"] if theirs_flags else []), *flags],
                        timeout=timeout)
     if rc != 0:
         raise RuntimeError(f"benchmarks._ab_worker failed ({rc}):\n{log[-3000:]}")
