@@ -92,12 +92,14 @@ class TorchPipeline:
         xs = tuple(self.draw(s.shape, s.dtype) for s in self.inputs) if ends else ()
         y = self.draw(self.target.shape, self.target.dtype) if ends else None
         self.opt.zero_grad(set_to_none=True)
+        # return_outputs=False: ours keeps no outputs either (only the losses), so theirs need not
+        # save and concatenate the last stage's outputs
         if self.rank == 0:
-            self.sched.step(*xs)
+            self.sched.step(*xs, return_outputs=False)
         elif self.rank == self.world - 1:
-            self.sched.step(target=y, losses=[])
+            self.sched.step(target=y, losses=[], return_outputs=False)
         else:
-            self.sched.step()
+            self.sched.step(return_outputs=False)
         for g, prm in self.tied:
             if prm.grad is not None:
                 dist.all_reduce(prm.grad, group=g)
