@@ -16,7 +16,8 @@ CPU processes over gloo, with random data of the same shapes:
   action. A third row per model runs ours with ``--no-split-backward``: what the split contributes;
 * theirs: ``PipelineStage`` around a second copy of each stage module, stepped by torch's
   ``ScheduleGPipe`` or ``Schedule1F1B`` (which *is* 1F1B with a flush per minibatch: what we call
-  ``flush``). GPT's tied embedding gets its gradient all-reduced between the two stages before the
+  ``flush``), with ``return_outputs=False`` (ours keeps no outputs either). GPT's tied embedding
+  gets its gradient all-reduced between the two stages before the
   step on their side too (our runtime's ``TG``), so both do the same work.
 
 Both run in ONE torchrun launch per model and schedule pair (``benchmarks/_ab_worker.py``), taking
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
             f"runtime and by torch.distributed.pipelining on 2 CPU processes (gloo), both in one torchrun launch "
             f"per row, taking turns in blocks of {args.block_steps} minibatches ({args.blocks} blocks each, who goes "
             f"first alternating; the first step of each block and the first block of each side dropped). Step = "
-            f"slowest rank, reading its random minibatch included on both sides. Throughput ratio = their median "
+            f"slowest rank, reading its random minibatch included on both sides; theirs steps with return_outputs=False "
+            f"(ours keeps no outputs either). Throughput ratio = their median "
             f"step / ours in each pair of neighbouring blocks, and the median over pairs; > 1: ours faster. The "
             f"interval is a bootstrap over the block pairs. Ours splits stage 1's last backward of each step "
             f"(input gradients sent first, weight gradients after; the runtime's default); the "
