@@ -104,6 +104,30 @@ def run_ours(program: Path, nproc: int, steps: int, schedule: str | None = None,
     return [json.loads(p.read_text()) for p in sorted(metrics.glob("rank_*.json"))]
 
 
+def run_pair(program: Path, ours: str, theirs: str, *, blocks: int, block_steps: int, warmup: int,
+             flags: tuple[str, ...] = (), theirs_flags: str = "",
+             timeout: float = 400) -> tuple[list[list[float]], list[list[float]]]:
+    """One launch of ``benchmarks._ab_worker`` on ``program``: ours (train.py ``flags``) and theirs
+    (torch's schedule ``theirs``, or ``"ours"`` with ``theirs_flags`` added) take turns for
+    ``blocks`` blocks each. Per block, the slowest rank's step times with the block's first
+    ``warmup`` steps dropped: (ours, theirs), block ``i`` of each side run next to each other."""
+    out = Path(tempfile.mkdtemp(prefix="pd-bench-ab-")) / "times.json"
+    nproc = len(json.loads((program / "plan.json").read_text())["stages"])
+    rc, log = torchrun("benchmarks._ab_worker", nproc,
+                       ["--program", str(program), "--ours", ours, "--theirs", theirs, "--blocks", str(blocks),
+                        "--block-steps", str(block_steps), "--out", str(out), "--watchdog", str(timeout - 10),
+                        *([f"--theirs-flags={theirs_flags}"] if theirs_flags else []), *flags],
+                       timeout=timeout)
+    if rc != 0:
+        raise RuntimeError(f"benchmarks._ab_worker failed ({rc}):\n{log[-3000:]}")
+    got = json.loads(out.read_text())
+
+    def side(name: str) -> list[list[float]]:
+        return [step_times([per_rank[i] for per_rank in got[name]], warmup) for i in range(blocks)]
+
+    return side("ours"), side("theirs")
+
+
 def step_times(ranks: Sequence[Sequence[float]], warmup: int, per_step: int = 1) -> list[float]:
     """Per-step times from per-rank lists: ``per_step`` consecutive entries form one step (1F1B
     records one entry per microbatch-minibatch), the slowest rank counts, the first ``warmup``

@@ -75,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from benchmarks._common import bench_model, bootstrap_median, compile_bench, load_note, median
-    from benchmarks.bench_vs_pipelining import run_pair
+    from benchmarks._common import bench_model, bootstrap_median, compile_bench, load_note, median, run_pair
     from pdcompile.runtime.schedules import make_schedule
 
     torch.set_num_threads(1)

@@ -36,7 +36,6 @@ runtime is faster on the same pipeline. The interval is a bootstrap over the blo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import bench_model, bootstrap_median, compile_bench, load_note, median, ms, step_times, torchrun
+from benchmarks._common import bench_model, bootstrap_median, compile_bench, load_note, median, ms, run_pair
 from benchmarks._results import publish
 
 # (ours: train.py's --schedule and flags, torch's schedule of the same kind). The unsplit row is the
@@ -80,30 +79,6 @@ class Row:
         if self.round_ratios:
             return median(list(self.round_ratios))
         return self.theirs_s / self.ours_s
-
-
-def run_pair(program: Path, ours: str, theirs: str, *, blocks: int, block_steps: int, warmup: int,
-             flags: tuple[str, ...] = (), theirs_flags: str = "",
-             timeout: float = 400) -> tuple[list[list[float]], list[list[float]]]:
-    """One launch of ``benchmarks._ab_worker`` on ``program``: ours (train.py ``flags``) and theirs
-    (torch's schedule ``theirs``, or ``"ours"`` with ``theirs_flags`` added) take turns for
-    ``blocks`` blocks each. Per block, the slowest rank's step times with the block's first
-    ``warmup`` steps dropped: (ours, theirs), block ``i`` of each side run next to each other."""
-    out = Path(tempfile.mkdtemp(prefix="pd-bench-ab-")) / "times.json"
-    nproc = len(json.loads((program / "plan.json").read_text())["stages"])
-    rc, log = torchrun("benchmarks._ab_worker", nproc,
-                       ["--program", str(program), "--ours", ours, "--theirs", theirs, "--blocks", str(blocks),
-                        "--block-steps", str(block_steps), "--out", str(out), "--watchdog", str(timeout - 10),
-                        *([f"--theirs-flags={theirs_flags}"] if theirs_flags else []), *flags],
-                       timeout=timeout)
-    if rc != 0:
-        raise RuntimeError(f"benchmarks._ab_worker failed ({rc}):\n{log[-3000:]}")
-    got = json.loads(out.read_text())
-
-    def side(name: str) -> list[list[float]]:
-        return [step_times([per_rank[i] for per_rank in got[name]], warmup) for i in range(blocks)]
-
-    return side("ours"), side("theirs")
 
 
 def compare(model: str, *, size: str = "bench", batch_size: int = 32, num_microbatches: int = 4,

@@ -17,7 +17,6 @@ restarted job continues from the newest complete one. ``--fail-at-step`` injects
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import gc
 import itertools
@@ -281,7 +280,7 @@ class Trainer:
         self.ran = True
         self.promised_versions = max(self.promised_versions, run.promised_versions)
         offset = first * M
-        reading = (_shift_one(a, offset) for a, _ in run)  # the weight store's read-ahead
+        reading = (schedules.shift(a, offset) for a, _ in run)  # the weight store's read-ahead
         read, total = 0, len(run)
 
         def read_to(n: int) -> None:
@@ -367,12 +366,12 @@ class Trainer:
 
 def _steps(run: schedules.RankRun, offset: int) -> Iterator[tuple[list[schedules.Action], list[tuple[schedules.Action, ...]]]]:
     """A run's actions cut after each optimizer step (for per-step timing and logging), each with
-    the sends released after it; microbatches shifted by ``offset`` (:func:`_shift_one`)."""
+    the sends released after it; microbatches shifted by ``offset`` (:func:`schedules.shift`)."""
     actions: list[schedules.Action] = []
     release: list[tuple[schedules.Action, ...]] = []
     for a, sends in run:
-        actions.append(_shift_one(a, offset))
-        release.append(tuple(_shift_one(b, offset) for b in sends) if sends else ())
+        actions.append(schedules.shift(a, offset))
+        release.append(tuple(schedules.shift(b, offset) for b in sends) if sends else ())
         if a.kind is schedules.Kind.STEP:
             yield actions, release
             actions, release = [], []
@@ -461,13 +460,6 @@ def _segments(start: int, steps: int, every: int) -> list[tuple[int, int]]:
     cuts = {start, steps} | ({s for s in range(every, steps, every) if s > start} if every > 0 else set())
     bounds = sorted(c for c in cuts if c >= start)
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
-def _shift_one(a: schedules.Action, offset: int) -> schedules.Action:
-    """Renumber a segment's microbatch to its global index (weight versions stay per segment)."""
-    if offset == 0 or a.microbatch is None or a.kind is schedules.Kind.WEIGHT_VERSION:
-        return a
-    return dataclasses.replace(a, microbatch=a.microbatch + offset)
 
 
 def _stage_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -830,11 +830,17 @@ def send_release(sched: Schedule, replicas: Sequence[int]) -> dict[int, dict[int
     return out
 
 
-def _shift(a: Action, steps: int, microbatches: int, versions: int) -> Action:
-    """``a`` moved ``steps`` steps later: ``microbatches`` per step (a ``WV`` moves ``versions`` per step)."""
-    if a.microbatch is None or steps == 0:
+def shift(a: Action, microbatches: int, versions: int = 0) -> Action:
+    """``a`` renumbered ``microbatches`` later (a ``WV`` moves ``versions`` later instead): a later
+    copy of a repeating period, or a segment's actions in the run's global numbering.
+
+    >>> [str(shift(Action.from_str(x), 4)) for x in ("0WV1", "0F0", "0ST")]
+    ['0WV1', '0F4', '0ST']
+    """
+    if a.microbatch is None:
         return a
-    return Action(a.stage, a.kind, a.microbatch + steps * (versions if a.kind is Kind.WEIGHT_VERSION else microbatches))
+    by = versions if a.kind is Kind.WEIGHT_VERSION else microbatches
+    return Action(a.stage, a.kind, a.microbatch + by) if by else a
 
 
 @dataclass(frozen=True)
@@ -856,8 +862,8 @@ class RankRun:
     period: tuple[Action, ...]
     tail: tuple[Action, ...]
     repeats: int
-    microbatches: int  # microbatches per step: what one period shifts microbatch numbers by
-    versions: int  # weight versions per step on this rank: what one period shifts a WV by
+    microbatches: int  # what one period shifts microbatch numbers by (its steps x M)
+    versions: int  # what one period shifts a WV by (this rank's optimizer steps in it)
     release_head: tuple[tuple[Action, ...], ...]  # per action of head
     release_period: tuple[tuple[Action, ...], ...]  # per action of period, as in its first copy
     release_tail: tuple[tuple[Action, ...], ...]  # per action of tail, unshifted
@@ -872,9 +878,10 @@ class RankRun:
         m, v = self.microbatches, self.versions
         for k in range(self.repeats):
             for a, rel in zip(self.period, self.release_period):
-                yield _shift(a, k, m, v), tuple(_shift(b, k, m, v) for b in rel)
+                yield shift(a, k * m, k * v), tuple(shift(b, k * m, k * v) for b in rel)
+        k = self.repeats
         for a, rel in zip(self.tail, self.release_tail):
-            yield _shift(a, self.repeats, m, v), tuple(_shift(b, self.repeats, m, v) for b in rel)
+            yield shift(a, k * m, k * v), tuple(shift(b, k * m, k * v) for b in rel)
 
 
 MAX_PERIODIC_BASE = 64  # steps: past this, a schedule that does not repeat is laid out whole
@@ -908,22 +915,22 @@ def _derive(name: str, replicas: tuple[int, ...], m: int, base: int, unit: int, 
     ``unit`` steps from ``base``)."""
     a0, r0, _ = _base(name, replicas, m, base, rank, kw)
     a1, r1, _ = _base(name, replicas, m, base + unit, rank, kw)
-    m *= unit  # microbatches per period
+    per = m * unit  # microbatches per period
     p = len(a1) - len(a0)
     versions = sum(a.kind is Kind.STEP for a in a1) - sum(a.kind is Kind.STEP for a in a0)
     lcp = 0
     while lcp < len(a0) and a0[lcp] == a1[lcp]:
         lcp += 1
     for h in range(lcp, -1, -1):
-        if all(a1[h + p + j] == _shift(a0[h + j], 1, m, versions) for j in range(len(a0) - h)):
+        if all(a1[h + p + j] == shift(a0[h + j], per, versions) for j in range(len(a0) - h)):
             break
     else:
         return None
-    run = RankRun(tuple(a1[:h]), tuple(a1[h:h + p]), tuple(a0[h:]), 0, m, versions,
+    run = RankRun(tuple(a1[:h]), tuple(a1[h:h + p]), tuple(a0[h:]), 0, per, versions,
                   tuple(tuple(r1.get(i, ())) for i in range(h)), tuple(tuple(r1.get(i, ())) for i in range(h, h + p)),
                   tuple(tuple(r0.get(i, ())) for i in range(h, len(a0))), 1, _reach(a1))
     for extra in (2, 3):
-        acts, rel, promised = _base(name, replicas, m // unit, base + extra * unit, rank, kw)
+        acts, rel, promised = _base(name, replicas, m, base + extra * unit, rank, kw)
         want = [(a, tuple(rel.get(i, ()))) for i, a in enumerate(acts)]
         if list(dataclasses.replace(run, repeats=extra)) != want:
             return None

@@ -86,11 +86,10 @@ def test_ours_and_torch_pipelining_take_turns_in_one_launch() -> None:
 
 def test_our_runtime_against_itself_with_other_flags(tmp_path: Path) -> None:
     """_ab_worker --theirs ours: two Trainers of train.py in one launch (bench_trace_overhead's way)."""
-    from benchmarks._common import bench_model, compile_bench
-
-    program = compile_bench(bench_model("gpt", batch_size=8, size="tiny"), 2, "flush", 4).emit(tmp_path / "prog")
-    off, on = bench_vs_pipelining.run_pair(program, "flush", "ours", blocks=2, block_steps=2, warmup=1,
-                                           theirs_flags="--trace " + str(tmp_path / "trace"))
+    b = _common.bench_model("gpt", batch_size=8, size="tiny")
+    program = _common.compile_bench(b, 2, "flush", 4).emit(tmp_path / "prog")
+    off, on = _common.run_pair(program, "flush", "ours", blocks=2, block_steps=2, warmup=1,
+                               theirs_flags="--trace " + str(tmp_path / "trace"))
     assert [len(b) for b in off] == [len(b) for b in on] == [1, 1] and all(x > 0 for b in off + on for x in b)
 
 

@@ -14,7 +14,8 @@ import torch
 
 from pdcompile.errors import CheckpointError
 from pdcompile.runtime import checkpoint
-from pdcompile.runtime.launch import _segments, _shift_one
+from pdcompile.runtime.launch import _segments
+from pdcompile.runtime.schedules import shift
 from pdcompile.runtime.schedules import Action, Kind
 
 pytestmark = pytest.mark.timeout(60)
@@ -217,7 +218,7 @@ def test_segments_cut_at_checkpoints() -> None:
 
 def test_shift_renumbers_microbatches_not_versions() -> None:
     acts = [Action(0, Kind.WEIGHT_VERSION, 1), Action(0, Kind.FORWARD, 0), Action(0, Kind.STEP)]
-    assert [str(_shift_one(a, 4)) for a in acts] == [str(acts[0]), str(Action(0, Kind.FORWARD, 4)), str(acts[2])]
+    assert [str(shift(a, 4)) for a in acts] == [str(acts[0]), str(Action(0, Kind.FORWARD, 4)), str(acts[2])]
 
 
 @pytest.fixture(scope="module")
