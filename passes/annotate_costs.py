@@ -58,6 +58,7 @@ from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 from pdcompile.errors import PassError, UsageError
 from pdcompile.ir import TensorMeta, meta_bytes
 from pdcompile.profile import Profile, ProfileInput, ProfileLayer, optimizer_state_factor
+from pdcompile.runtime.timing import sync
 
 MODES = ("measured", "analytic")
 FIT_BATCH_SIZES = (2, 3)
@@ -242,8 +243,7 @@ class _NodeCall:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)  # the runtime's (pdcompile.runtime.timing): one definition of a measured boundary
 
 
 def _calibrate(fn: Callable[[], Any], device: torch.device, warmup: int,

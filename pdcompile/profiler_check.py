@@ -33,6 +33,7 @@ import torch.fx as fx
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from pdcompile.passes.annotate_costs import _COMPUTE_OPS  # the nodes annotate-costs times
+from pdcompile.runtime.timing import sync
 
 _PREFIX = "pd::"
 _ENGINE = "autograd::engine::evaluate_function: "
@@ -129,8 +130,7 @@ def profiler_cross_check(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
             for _ in range(steps):
                 with record_function("pd::step"):
                     step()
-                if cuda:
-                    torch.cuda.synchronize(device)
+                    sync(device)  # inside the range: the step's time is the GPU's, not the queueing's
     finally:
         gm.train(was_training)
     events = list(prof.events())

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdcompile.errors import CheckpointError
-from pdcompile.runtime import allocator, checkpoint, schedules
+from pdcompile.errors import CheckpointError, UsageError
+from pdcompile.runtime import allocator, checkpoint, schedules, timing
 from pdcompile.runtime.executor import ActionError, StageExecutor, WeightStore
 from pdcompile.runtime.program import Program, build, import_object
 
@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                         "random data and data saved by CompiledPipeline.run, send for --data / plan.json factories)")
     p.add_argument("--timeout", type=float, default=float(os.environ.get("PDCOMPILE_TIMEOUT", 120)),
                    help="seconds before a stuck peer fails the job")
+    p.add_argument("--device", choices=DEVICE_FLAGS, default="auto",
+                   help="auto: each rank on its GPU (cuda:LOCAL_RANK, NCCL) when CUDA is available, else the CPU "
+                        "(gloo); cuda: require the GPUs; cpu: the CPU and gloo even on a GPU machine")
     p.add_argument("--save-final", default=None, help="folder for each rank's final weights")
     p.add_argument("--metrics", default=None, help="folder for each rank's metrics JSON")
     p.add_argument("--trace", default=None, help="folder for each rank's action timeline (Chrome trace events)")
@@ -146,7 +149,17 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
     if world != program.world_size:
         sys.exit(f"train.py: plan.json needs {program.world_size} processes, torchrun started {world}: "
                  f"use --nproc-per-node={program.world_size}")
-    backend = "nccl" if torch.cuda.is_available() and os.environ.get("PDCOMPILE_BACKEND") != "gloo" else "gloo"
+    flag = "cpu" if args.device == "auto" and os.environ.get("PDCOMPILE_BACKEND") == "gloo" else args.device
+    try:
+        device, backend = choose_device(flag, torch.cuda.is_available(), torch.cuda.device_count(),
+                                        int(os.environ.get("LOCAL_RANK", 0)),
+                                        int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    except UsageError as e:  # the same answer on every rank of a node: said once per node
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before the group: NCCL binds this rank's communicators to its GPU
     timeout = datetime.timedelta(seconds=args.timeout)
     init_process_group(backend, timeout)
     if keep_freed_memory(args.keep_freed_memory, _device()):
@@ -228,7 +241,7 @@ class Trainer:
             data=self.data if reads_data else None, local_targets=local,
             replica_group=replica_group, tied_groups=tied_groups, lr_scheduler=lr_scheduler,
             weight_store=_weight_store(args.schedule, module, program),
-            recorder=(lambda n, s, e: self.events.append((n, s, e))) if args.trace else None,
+            recorder=timing.recorder(self.events.append, _device()) if args.trace else None,
             device=_device(), fail_at=args.fail_at,
         )
         self.replicas = [len(st.ranks) for st in program.stages]
@@ -251,13 +264,16 @@ class Trainer:
         self.log_every = M if args.schedule.startswith("1f1b") else 1
 
     def data(self, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """Microbatch ``k``'s inputs and target (minibatch ``k // M`` is read when first asked for)."""
+        """Microbatch ``k``'s inputs and target (minibatch ``k // M`` is read when first asked for).
+        Bound for a GPU, the minibatch is put in pinned memory (:func:`pinned`) once, its
+        microbatches being views of it."""
         b = self.program.raw["microbatch_size"]
         idx = k // self.M
         while self.data_index < idx:
             inputs, target = next(self.data_iter)  # type: ignore[arg-type]
             self.data_index += 1
-            self._micro = ([x.split(b) for x in inputs], target.split(b))
+            dev = _device()
+            self._micro = ([pinned(x, dev).split(b) for x in inputs], pinned(target, dev).split(b))
         ins, tgt = self._micro
         j = k % self.M
         return tuple(x[j] for x in ins), tgt[j]
@@ -294,20 +310,24 @@ class Trainer:
         times: list[float] = []
         last = self.spec.index == self.program.num_stages - 1 and rank == self.spec.ranks[0]
         done = 0
+        timer = timing.StepTimer(_device())
         chunk = next(steps, None)
         while chunk is not None:
             upcoming = next(steps, None)
             actions, release = chunk
             _maybe_fail(args, rank, actions, M)
             read_to(done + len(actions) + run.reach + 1)
-            t0 = time.perf_counter()
+            timer.start()
             executor.run(actions, upcoming=upcoming[0] if upcoming else (), release=release)
-            times.append(time.perf_counter() - t0)
-            self.step_times.append(times[-1])
+            timer.stop()
             done += len(actions)
-            if executor.losses and last and len(self.step_times) % self.log_every == 0:
-                log.info("step %d (minibatches %d-%d) loss %.6f (%.3f s)", len(self.step_times), first + 1, end,
-                         executor.losses[-1], times[-1])
+            if (len(self.step_times) + timer.pending) % self.log_every == 0 or upcoming is None:
+                new = timer.collect()  # a logging point: on a GPU the step times are read here (timing.StepTimer)
+                times += new
+                self.step_times += new
+                if executor.losses and last and len(self.step_times) % self.log_every == 0:
+                    log.info("step %d (minibatches %d-%d) loss %.6f (%.3f s)", len(self.step_times), first + 1,
+                             end, executor.losses[-1], times[-1])
             chunk = upcoming
         executor.wait_sends()
         return times
@@ -322,7 +342,7 @@ class Trainer:
         # Start together: a rank that finished setting up first would otherwise count the others'
         # start-up (~0.1-1 s) in its first step's time.
         dist.barrier()
-        t_run = time.perf_counter()
+        t_run = timing.now(_device())
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         try:
             # One schedule per segment between checkpoints: a checkpoint falls on a flush point.
@@ -333,7 +353,7 @@ class Trainer:
             log.error("%s", e)
             raise
         dist.barrier()
-        wall = time.perf_counter() - t_run
+        wall = timing.now(_device()) - t_run
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         module = executor.module
         if args.save_final:
@@ -396,8 +416,41 @@ def keep_freed_memory(flag: bool | None, device: torch.device) -> bool:
     return flag if flag is not None else device.type == "cpu"
 
 
+DEVICE_FLAGS = ("auto", "cpu", "cuda")
+
+
+def choose_device(flag: str, cuda_available: bool, device_count: int, local_rank: int,
+                  local_world_size: int) -> tuple[torch.device, str]:
+    """``--device`` -> (this rank's device, process-group backend); the backend follows the device:
+    NCCL for a GPU, gloo for the CPU. ``auto`` takes the GPUs when CUDA is available. NCCL refuses
+    two ranks on one GPU, so a node needs a GPU per local rank; with fewer the job stops with the
+    cause and the fix rather than failing later inside NCCL. Pure (counts given), for unit tests."""
+    if flag not in DEVICE_FLAGS:
+        raise UsageError(f"--device {flag!r}: use one of {', '.join(DEVICE_FLAGS)}")
+    if flag == "cpu" or (flag == "auto" and not cuda_available):
+        return torch.device("cpu"), "gloo"
+    if not cuda_available:
+        raise UsageError("--device cuda, but CUDA is not available here (torch.cuda.is_available() is False). "
+                         "Fix: run on a GPU machine with a CUDA build of torch, or pass --device cpu")
+    if device_count < local_world_size or not 0 <= local_rank < device_count:
+        raise UsageError(f"this node has {device_count} GPU(s) for {local_world_size} local ranks (this is "
+                         f"LOCAL_RANK {local_rank}): NCCL needs one GPU per rank. Fix: start at most {device_count} "
+                         f"processes per node (torchrun --nproc-per-node, with a plan for that many), or pass "
+                         f"--device cpu to train on the CPU with gloo")
+    return torch.device("cuda", local_rank), "nccl"
+
+
+def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` in page-locked host memory when it is bound for a GPU (so its copy there can be
+    ``non_blocking``: asynchronous, without a staging copy); as it is otherwise."""
+    if device.type != "cuda" or t.device.type != "cpu" or t.is_pinned():
+        return t
+    return t.pin_memory()
+
+
 def _device() -> torch.device:
-    """This rank's device: its GPU (``LOCAL_RANK``) under nccl, else the CPU."""
+    """This rank's device: its GPU (``LOCAL_RANK``) under nccl, else the CPU (the backend follows
+    the device, :func:`choose_device`)."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
