@@ -36,10 +36,6 @@ from pdcompile.passes.partition_dp import data_parallel_time, evaluate  # noqa: 
 from pdcompile.plan import Plan, plan  # noqa: E402
 from pdcompile.profile import load  # noqa: E402
 
-PIPEDREAM = Path(__file__).resolve().parent.parent.parent / "shared" / "profiles" / "pipedream"
-if not PIPEDREAM.exists():
-    PIPEDREAM = Path("/work/shared/profiles/pipedream")
-
 MODELS = [("VGG-16", "vgg16"), ("ResNet-50", "resnet50"), ("AlexNet", "alexnet"), ("GNMT-16", "gnmt_large")]
 #: (model, cluster) -> (the paper's configuration, its reported speedup over data parallelism); SOSP'19 Table 1.
 PAPER: dict[tuple[str, str], tuple[str, float]] = {
@@ -114,7 +110,7 @@ def collect() -> list[Row]:
     """Plan every (model, cluster, cost model)."""
     rows = []
     for label, fname in MODELS:
-        chain = linearize(load(PIPEDREAM / f"{fname}.txt"))
+        chain = linearize(load(f"pipedream:{fname}"))
         for cname in ("A", "B"):
             cluster = paper_cluster(cname)
             paper_cfg, paper_x = PAPER.get((label, cname), (None, None))
@@ -221,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = collect()
     body = ("Predicted speedup over data parallelism on all 16 workers, from PipeDream's own profiles "
-            "(`shared/profiles/pipedream/*.txt`, GNMT-16 = `gnmt_large.txt`), planner = DP solver, schedule "
+            "(`pipedream:NAME`, shipped in `pdcompile/profiles/pipedream/`; GNMT-16 = `pipedream:gnmt_large`), planner = DP solver, schedule "
             "1F1B with weight stashing, memory limit as each cost model's default (on for `default`, off for "
             "`paper`). Paper figures: SOSP'19 Table 1 (measured on the clusters; — where the paper's figure is "
             "not quoted here). \"Paper's shape\": this cost model's prediction for the best configuration of the "

@@ -23,7 +23,7 @@ after warm-up; all strategies of a model are launched in one run, alternately fo
 How a split is run: pdcompile's API has no ``assignment=`` option yet, so the benchmark builds the
 CompiledPipeline, then replaces its split with ``split_stages(gm, assignment, model)``.
 
-Predicted (PipeDream's own profiles, ``/work/shared/profiles/pipedream``). VGG-16, AlexNet,
+Predicted (PipeDream's own profiles, ``pipedream:NAME``, shipped in the package). VGG-16, AlexNet,
 ResNet-50 and GNMT-16 profiles, linearized, split each way into 4 stages, priced by the planner's
 cost model (``partition_dp.pipeline_time``) on 4 workers at 10 Gbit/s; plus the planner with
 replication allowed, for reference.
@@ -48,7 +48,6 @@ if __package__ in (None, ""):
 
 from benchmarks._common import bench_model, compile_bench, load_note, median, ms, run_ours, step_times
 
-PROFILES = Path("/work/shared/profiles/pipedream")
 STRATEGIES = ("uniform", "parameters", "time", "planner")
 
 
@@ -225,7 +224,7 @@ def predicted(names: Sequence[str] = ("vgg16", "alexnet", "resnet50", "gnmt"), s
     cluster = flat_cluster(stages, bandwidth)
     out = []
     for name in names:
-        chain = linearize(load_pipedream(PROFILES / f"{name}.txt"))
+        chain = linearize(load_pipedream(f"pipedream:{name}"))
         for strat, bounds in strategy_bounds(chain, cluster, stages).items():
             out.append((name, strat, bounds, predicted_seconds(chain, cluster, bounds)))
         plan = partition_dp(chain, cluster, memory_limit=False)

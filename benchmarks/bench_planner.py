@@ -30,11 +30,7 @@ from pdcompile.cluster import ClusterSpec, paper_cluster  # noqa: E402
 from pdcompile.errors import PdcompileError  # noqa: E402
 from pdcompile.passes.linearize import linearize  # noqa: E402
 from pdcompile.passes.partition_dp import partition_dp  # noqa: E402
-from pdcompile.profile import load  # noqa: E402
-
-PIPEDREAM = Path(__file__).resolve().parent.parent.parent / "shared" / "profiles" / "pipedream"
-if not PIPEDREAM.exists():
-    PIPEDREAM = Path("/work/shared/profiles/pipedream")
+from pdcompile.profile import load, pipedream_profiles  # noqa: E402
 
 CLUSTERS: dict[str, tuple[ClusterSpec, float]] = {
     "A (4x4)": (paper_cluster("A"), 1.0),
@@ -50,10 +46,10 @@ def _config(plan) -> str:
 
 
 def run(quick: bool, ilp: bool, ilp_limit: float, ilp_max_layers: int) -> tuple[str, bool]:
-    names = sorted(p.stem for p in PIPEDREAM.glob("*.txt"))
+    names = pipedream_profiles()
     if quick:
         names = [n for n in names if n in ("alexnet", "vgg16", "resnet50", "gnmt")]
-    chains = {n: linearize(load(PIPEDREAM / f"{n}.txt")) for n in names}
+    chains = {n: linearize(load(f"pipedream:{n}")) for n in names}
     rows = []
     ilp_rows = []
     all_ok = True
@@ -101,7 +97,7 @@ def run(quick: bool, ilp: bool, ilp_limit: float, ilp_max_layers: int) -> tuple[
                                     f"{verdict} |")
                     all_ok &= not better
     lines = [
-        "Planner (`partition_dp`) on PipeDream's fourteen profiles (`shared/profiles/pipedream/`, linearized "
+        "Planner (`partition_dp`) on PipeDream's fourteen profiles (`pipedream:NAME`, shipped in `pdcompile/profiles/pipedream/`; linearized "
         "with `passes/linearize.py`; no coarsening: every chain is planned at full length). "
         "Wall and CPU seconds per plan; target: under 1 s on A and B, under 10 s on C. "
         "Speedup: predicted samples/s over pure data parallelism on all workers under the same cost model "

@@ -28,12 +28,10 @@ from benchmarks._results import write_section  # noqa: E402
 from pdcompile.passes.annotate_costs import profile_model  # noqa: E402
 from pdcompile.profiler_check import cross_check_model, summary  # noqa: E402
 from pdcompile.passes.linearize import linearize, order_layers  # noqa: E402
-from pdcompile.profile import load  # noqa: E402
+from pdcompile.profile import PIPEDREAM_DIR, load  # noqa: E402
 from pdcompile.zoo import get, names  # noqa: E402
 
-PIPEDREAM = Path(__file__).resolve().parent.parent.parent / "shared" / "profiles" / "pipedream"
-if not PIPEDREAM.exists():
-    PIPEDREAM = Path("/work/shared/profiles/pipedream")
+PIPEDREAM = PIPEDREAM_DIR  # PipeDream's fourteen profiles, shipped in the package (pipedream:NAME)
 
 
 def robust(times: list[float], visits: int = 3) -> float:

@@ -18,16 +18,20 @@ def free_port() -> int:
 
 def torchrun_command(folder: str | os.PathLike[str], nproc: int, args: Sequence[str] = (),
                      max_restarts: int = 0) -> list[str]:
+    """The torchrun command line for ``folder``'s train.py (an absolute path: it runs from any cwd)."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
             "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.5", str(Path(folder) / "train.py"), *args]
+            "--monitor-interval=0.5", str(Path(folder).resolve() / "train.py"), *args]
 
 
 def launch(folder: str | os.PathLike[str], nproc: int, args: Sequence[str] = (), *, timeout: float = 600,
            max_restarts: int = 0, on_line: Callable[[str], None] | None = None,
            env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run ``torchrun train.py args`` in ``folder``; return (exit status, combined output).
+    """Run ``torchrun folder/train.py args``; return (exit status, combined output).
 
+    The job runs in the caller's working directory, so relative paths in ``args`` (``--save-final``,
+    ``--metrics``, ``--trace``, ``--checkpoint-dir``) mean what they mean to the caller, as when the
+    user types the torchrun command; train.py finds its program folder from its own path.
     ``on_line`` sees each output line as it arrives (progress). The whole run is bounded by
     ``timeout`` seconds: past it the job is killed and the status is 124.
     """
@@ -35,7 +39,7 @@ def launch(folder: str | os.PathLike[str], nproc: int, args: Sequence[str] = (),
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env.update(env or {})
-    proc = subprocess.Popen(torchrun_command(folder, nproc, args, max_restarts), cwd=str(folder),
+    proc = subprocess.Popen(torchrun_command(folder, nproc, args, max_restarts),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
                             start_new_session=True)
     lines: list[str] = []

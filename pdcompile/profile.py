@@ -281,6 +281,29 @@ def _validate(profile: Profile, where: str, lines: Mapping[str, int] | None = No
     for name in profile.outputs:
         if name not in all_names:
             raise ProfileError(f"{where}: output {name!r} is not a layer or input")
+    _check_totals(profile, where)
+
+
+#: Headroom the planner needs above a profile's totals: it multiplies them by worker, replica and
+#: microbatch counts (and by 4 for a ring all-reduce's traffic) without overflowing a float.
+_TOTAL_HEADROOM = 1e6
+
+
+def _check_totals(profile: Profile, where: str) -> None:
+    """Refuse costs whose sums overflow: each finite, but their total is inf (or near it), so every
+    plan would cost inf and the planner's answers (infeasible, or 'fits in 32 B') would be noise."""
+    for key, unit in (("forward_s", "s"), ("backward_s", "s"), ("output_bytes", "B"), ("param_bytes", "B")):
+        values = [(layer.name, float(getattr(layer, key))) for layer in profile.layers]
+        if key == "output_bytes":
+            values += [(i.name, float(i.output_bytes)) for i in profile.inputs]
+        total = sum((v for _, v in values), 0.0)  # plain floats: an overflow gives inf, no exception
+        if not (math.isfinite(total) and math.isfinite(total * _TOTAL_HEADROOM)):
+            name, big = max(values, key=lambda nv: nv[1])
+            raise ProfileError(
+                f"{where}: the layers' {key} sum to {total:.3g} {unit}, too large to plan with (overflows a "
+                f"float; e.g. {name!r} has {key}={big:.3g}); costs are per minibatch in seconds and bytes: "
+                f"fix the profile's units or measure it again"
+            )
 
 
 def topological_order(
@@ -426,13 +449,61 @@ def save(profile: Profile, path: str | Path) -> None:
     Path(path).write_text(json.dumps(to_json(profile), indent=1) + "\n")
 
 
-def load(path: str | Path) -> Profile:
-    """Read a profile: our JSON, or a PipeDream ``graph.txt`` (detected from the content)."""
-    p = Path(path)
+# -- PipeDream's published profiles, shipped in the package ------------------------------------
+
+#: The folder of PipeDream's fourteen ``graph.txt`` profiles (MIT, msr-fiddle/pipedream).
+PIPEDREAM_DIR = Path(__file__).resolve().parent / "profiles" / "pipedream"
+PIPEDREAM_PREFIX = "pipedream:"
+
+
+def pipedream_profiles() -> list[str]:
+    """Names of the shipped PipeDream profiles (``vgg16``, ``gnmt``, ...), sorted."""
+    return sorted(p.stem for p in PIPEDREAM_DIR.glob("*.txt"))
+
+
+def resolve_path(path: str | Path) -> Path:
+    """``pipedream:NAME`` -> the shipped profile's file; any other path unchanged.
+
+    An unknown NAME raises :class:`ProfileError` listing the available ones."""
+    text = str(path)
+    if not isinstance(path, Path) and text.startswith(PIPEDREAM_PREFIX):
+        name = text[len(PIPEDREAM_PREFIX):].removesuffix(".txt")
+        names = pipedream_profiles()
+        if name not in names:
+            raise ProfileError(f"{text!r}: no such PipeDream profile; use one of "
+                               f"{', '.join(PIPEDREAM_PREFIX + n for n in names)}")
+        return PIPEDREAM_DIR / f"{name}.txt"
+    if not text:
+        raise ProfileError("no profile given (an empty path); give a profile JSON, a PipeDream graph.txt "
+                           "or pipedream:NAME")
+    return Path(path)
+
+
+def _read_profile_text(path: str | Path) -> tuple[Path, str]:
+    """(the resolved path, its text); a missing, unreadable or empty file is a ProfileError."""
+    p = resolve_path(path)
+    if p.is_dir():
+        raise ProfileError(f"{p}: is a folder, not a profile; give a profile JSON, a PipeDream graph.txt "
+                           f"or pipedream:NAME")
     try:
         text = p.read_text()
-    except OSError as e:
-        raise ProfileError(f"{p}: cannot read profile ({e.strerror})") from None
+    except FileNotFoundError:
+        raise ProfileError(f"{p}: cannot read profile (no such file); give a profile JSON (pdcompile profile "
+                           f"-o FILE), a PipeDream graph.txt or pipedream:NAME") from None
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not text"
+        raise ProfileError(f"{p}: cannot read profile ({why})") from None
+    if not text.strip():
+        what = "is empty (0 bytes)" if not text else f"holds only whitespace ({len(text.encode())} bytes)"
+        raise ProfileError(f"{p}: the file {what}, not a profile; write one into it (pdcompile profile MODEL "
+                           f"-o {p.name}) or give another file")
+    return p, text
+
+
+def load(path: str | Path) -> Profile:
+    """Read a profile: our JSON, or a PipeDream ``graph.txt`` (detected from the content), or
+    ``pipedream:NAME`` (one of PipeDream's published profiles, shipped in the package)."""
+    p, text = _read_profile_text(path)
     if text.lstrip().startswith("{"):
         try:
             data = json.loads(text)
@@ -452,12 +523,9 @@ _INPUT_DESC = re.compile(r"^Input\d*$")
 
 
 def load_pipedream(path: str | Path, batch_size: int | None = None) -> Profile:
-    """Read a PipeDream profiler ``graph.txt`` (times in ms per minibatch, stored as seconds)."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ProfileError(f"{p}: cannot read profile ({e.strerror})") from None
+    """Read a PipeDream profiler ``graph.txt`` (times in ms per minibatch, stored as seconds), or
+    ``pipedream:NAME``."""
+    p, text = _read_profile_text(path)
     return parse_pipedream(text, str(p), batch_size=batch_size)
 
 
@@ -588,6 +656,6 @@ def _natural_key(name: str) -> tuple[Any, ...]:
 
 __all__ = [
     "FORMAT", "VERSION", "OPTIMIZER_STATE_FACTOR", "Profile", "ProfileInput", "ProfileLayer",
-    "eval_expr", "from_json", "load", "load_pipedream", "optimizer_state_factor",
-    "parse_pipedream", "save", "to_json", "topological_order",
+    "PIPEDREAM_DIR", "eval_expr", "from_json", "load", "load_pipedream", "optimizer_state_factor",
+    "parse_pipedream", "pipedream_profiles", "resolve_path", "save", "to_json", "topological_order",
 ]

@@ -22,6 +22,7 @@ import gc
 import itertools
 import json
 import logging
+import math
 import os
 import resource
 import signal
@@ -88,6 +89,39 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
     add_reliability_flags(p)
     return p.parse_args(argv)
 
+def check_args(args: argparse.Namespace, program: Program, world: int | None = None) -> None:
+    """Refuse flags that cannot train (``--steps -3`` would train nothing and exit 0) and a process
+    count the plan was not made for, before anything starts: a :class:`UsageError` naming the flag
+    and the fix. ``world``: the number of processes (default: ``WORLD_SIZE``, 1 without torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
+
+    def at_least(flag: str, value: Any, what: str, least: int = 1) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise UsageError(f"{flag} {value!r}: must be an integer >= {least} ({what})")
+
+    at_least("--steps", args.steps, "optimizer steps to train; e.g. --steps 10")
+    at_least("--microbatches", args.microbatches, "microbatches per minibatch; e.g. --microbatches 4")
+    at_least("--checkpoint-every", args.checkpoint_every, "minibatches between checkpoints; 0: never", least=0)
+    at_least("--keep-checkpoints", args.keep_checkpoints, "complete checkpoints kept")
+    if args.schedule not in schedules.SCHEDULES:
+        raise UsageError(f"--schedule {args.schedule!r}: unknown schedule; use one of {', '.join(schedules.SCHEDULES)}")
+    if not (isinstance(args.timeout, (int, float)) and math.isfinite(args.timeout) and args.timeout > 0):
+        raise UsageError(f"--timeout {args.timeout!r}: must be a positive number of seconds; e.g. --timeout 120")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise UsageError("--checkpoint-every needs --checkpoint-dir DIR (a folder every rank can see)")
+    if args.resume == "auto" and not args.checkpoint_dir:
+        raise UsageError("--resume needs --checkpoint-dir DIR (or --resume STEP_DIR)")
+    if args.fail_at_step is not None:
+        at_least("--fail-at-step", args.fail_at_step, "the 1-based step a fault is injected at")
+    if not 0 <= args.fail_rank < program.world_size:
+        raise UsageError(f"--fail-rank {args.fail_rank}: the plan has ranks 0..{program.world_size - 1}")
+    if not isinstance(logging.getLevelName(args.log_level), int):  # what logging.basicConfig accepts
+        raise UsageError(f"--log-level {args.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
+    if world != program.world_size:
+        raise UsageError(f"plan.json needs {program.world_size} processes, this job has {world}: run "
+                         f"torchrun --nproc-per-node={program.world_size} train.py (or re-plan for {world})")
+
+
 
 def _data_source(program: Program, args: argparse.Namespace, batch_size: int) -> Iterator[Any]:
     spec = program.raw.get("data")
@@ -134,6 +168,12 @@ def accumulation(schedule: str, num_microbatches: int) -> int:
 def main(folder: Path, argv: list[str] | None = None) -> None:
     program = Program.load(folder)
     args = parse_args(argv, program)
+    try:
+        check_args(args, program)
+    except UsageError as e:  # the same answer on every rank: say it once
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     logging.basicConfig(level=args.log_level, format="%(asctime)s rank%(rank)s %(levelname)s %(message)s")
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -146,9 +186,6 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
         return rec
 
     logging.setLogRecordFactory(factory)
-    if world != program.world_size:
-        sys.exit(f"train.py: plan.json needs {program.world_size} processes, torchrun started {world}: "
-                 f"use --nproc-per-node={program.world_size}")
     flag = "cpu" if args.device == "auto" and os.environ.get("PDCOMPILE_BACKEND") == "gloo" else args.device
     try:
         device, backend = choose_device(flag, torch.cuda.is_available(), torch.cuda.device_count(),

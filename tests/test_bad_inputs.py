@@ -176,6 +176,22 @@ CASES: list[Case] = [
     profile_case("bad_json.json", ("bad_json.json:3", "invalid JSON")),
     profile_case("string_time.json", ("'fc1'", "forward_s='10 ms'")),
     profile_case("layers_not_list.json", ("layers",)),
+    profile_case("overflow.json", ("'fc1'", "forward_s sum to inf", "too large to plan with", "fix the profile's units")),
+    profile_case("overflow.txt", ("'node2'", "output_bytes sum to inf", "too large to plan with")),
+    profile_case("empty.txt", ("the file is empty (0 bytes)", "pdcompile profile MODEL -o empty.txt")),
+    profile_case("empty.json", ("holds only whitespace", "not a profile")),
+    Case("plan_overflow_json", "profiles/overflow.json", errors.ProfileError,  # was: numpy overflow warnings, then
+         ("overflow.json", "forward_s sum to inf", "too large to plan with"),  # InfeasiblePlanError "fits in 32 B"
+         api=lambda c: load_profile(PROFILES / "overflow.json"),
+         cli=lambda c: ["plan", "--profile", str(PROFILES / "overflow.json"), "--cluster", "paper:A"]),
+    Case("plan_overflow_txt", "profiles/overflow.txt", errors.ProfileError,  # was: planned with inf times, exit 0
+         ("overflow.txt", "output_bytes sum to inf"),
+         api=lambda c: load_profile(PROFILES / "overflow.txt"),
+         cli=lambda c: ["plan", "--profile", str(PROFILES / "overflow.txt"), "--cluster", "paper:A"]),
+    Case("profile_unknown_pipedream", "(arguments)", errors.ProfileError,
+         ("'pipedream:vgg17'", "no such PipeDream profile", "pipedream:vgg16", "pipedream:gnmt_large"),
+         api=lambda c: load_profile("pipedream:vgg17"),
+         cli=lambda c: ["plan", "--profile", "pipedream:vgg17", "--cluster", "paper:A"]),
     # infeasible plans and microbatching ---------------------------------------------------
     Case("infeasible_memory", "clusters/tiny_memory.toml", errors.InfeasiblePlanError,
          ("[partition pass]", "fits in 1 KiB per worker", "the smallest per-worker memory that fits"),
@@ -421,3 +437,87 @@ def test_train_resume_refuses(name: str, causes: tuple[str, ...], ckpts: Ctx, tm
     assert not (tmp_path / "final").exists(), "a refused resume still saved final weights"
     assert _snapshot(ck_dir) == before, "a refused resume changed the checkpoint folder"
     assert "resumed from" not in log
+
+
+# --- train.py's flags: refused before anything starts (with or without torchrun) ------------
+
+@dataclass(frozen=True)
+class TrainCase:
+    """A train.py command line that cannot train: exit 2 and one ``train.py: error:`` line."""
+
+    name: str
+    argv: tuple[str, ...]
+    causes: tuple[str, ...]
+    world: int | None = None  # WORLD_SIZE as torchrun would set it (None: run as plain `python train.py`)
+
+
+TRAIN_CASES: list[TrainCase] = [
+    TrainCase("train_steps_negative", ("--steps", "-3"), ("--steps -3", "must be an integer >= 1")),  # was: exit 0
+    TrainCase("train_steps_zero", ("--steps", "0"), ("--steps 0", ">= 1")),
+    TrainCase("train_microbatches_zero", ("--microbatches", "0"), ("--microbatches 0", ">= 1")),
+    TrainCase("train_checkpoint_every_negative", ("--checkpoint-every", "-1", "--checkpoint-dir", "ck"),
+              ("--checkpoint-every -1", ">= 0")),
+    TrainCase("train_checkpoint_every_without_dir", ("--checkpoint-every", "2"), ("needs --checkpoint-dir",)),
+    TrainCase("train_timeout_zero", ("--timeout", "0"), ("--timeout 0.0", "positive number of seconds")),
+    TrainCase("train_timeout_nan", ("--timeout", "nan"), ("--timeout nan", "positive number of seconds")),
+    TrainCase("train_schedule_unknown", ("--schedule", "zigzag"), ("--schedule 'zigzag'", "1f1b", "gpipe")),
+    TrainCase("train_world_without_torchrun", ("--steps", "2"),
+              ("needs 2 processes", "this job has 1", "torchrun --nproc-per-node=2")),  # was: exit 1
+    TrainCase("train_world_mismatch", ("--steps", "2"), ("needs 2 processes", "this job has 3"), world=3),
+]
+
+
+@pytest.fixture(scope="module")
+def two_stage_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-stage MLP program (flush, 2 microbatches) for train.py's flag checks."""
+    return _emit(tmp_path_factory.mktemp("train_flags") / "prog", 2)
+
+
+def test_train_cases_are_indexed() -> None:
+    index = (BAD / "README.md").read_text()
+    for case in TRAIN_CASES:
+        assert f"`{case.name}`" in index, f"{case.name} missing from tests/bad_inputs/README.md"
+
+
+def test_default_train_flags_pass_the_check(two_stage_program: Path) -> None:
+    """The check refuses only what cannot train: every default, and the plan's own process count, pass."""
+    from pdcompile.runtime.launch import check_args, parse_args
+    from pdcompile.runtime.program import Program
+
+    program = Program.load(two_stage_program)
+    check_args(parse_args([], program), program, world=2)
+    check_args(parse_args(["--steps", "1", "--checkpoint-every", "1", "--checkpoint-dir", "ck", "--schedule", "1f1b",
+                           "--microbatches", "4", "--timeout", "0.5"], program), program, world=2)
+    with pytest.raises(errors.UsageError, match="this job has 1"):
+        check_args(parse_args([], program), program, world=1)
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES, ids=lambda c: c.name)
+def test_train_py_refuses_bad_flags(case: TrainCase, two_stage_program: Path, tmp_path: Path) -> None:
+    """``python train.py FLAGS`` (no torchrun): exit 2, one line naming the flag and the fix, nothing written."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    if case.world is not None:
+        env.update(WORLD_SIZE=str(case.world), RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(case.world))
+    argv = [*case.argv, "--save-final", "final", "--metrics", "metrics"]
+    p = subprocess.run([sys.executable, str(two_stage_program / "train.py"), *argv], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, f"exit {p.returncode}\n{p.stderr[-2000:]}"
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: "), p.stderr[-2000:]
+    for cause in case.causes:
+        assert cause in lines[0], f"{cause!r} not in {lines[0]!r}"
+    assert p.stdout == "" and list(tmp_path.iterdir()) == [], "a refused run wrote something"
+
+
+@pytest.mark.multiproc
+def test_train_py_wrong_process_count_under_torchrun(two_stage_program: Path, tmp_path: Path) -> None:
+    """A 2-rank plan started on 1 process: the rank exits 2 (bad input) with one line, before any group forms."""
+    rc, log = launch(two_stage_program, 1, ["--steps", "2", "--save-final", str(tmp_path / "final")],
+                     timeout=RUN_TIMEOUT)
+    assert rc != 0
+    assert re.findall(r"exitcode\s*:\s*(-?\d+)", log) in (["2"], ["2", "2"]), log[-3000:]
+    assert log.count("train.py: error: plan.json needs 2 processes, this job has 1") == 1, log[-3000:]
+    assert "[rank0]: Traceback" not in log and not (tmp_path / "final").exists()

@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdcompile.passes.linearize import RULES, cut_bytes, linearize, order_layers
-from pdcompile.profile import Profile, ProfileInput, ProfileLayer, load
+from pdcompile.profile import PIPEDREAM_DIR, Profile, ProfileInput, ProfileLayer, load
 
 pytestmark = pytest.mark.timeout(120)
 
-PIPEDREAM = Path("/work/shared/profiles/pipedream")
+PIPEDREAM = PIPEDREAM_DIR  # PipeDream's fourteen profiles, shipped in the package
 
 
 def brute_force_cuts(prof: Profile, names: list[str]) -> list[float]:

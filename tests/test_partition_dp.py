@@ -29,9 +29,6 @@ from pdcompile.passes.partition_dp import (
 )
 from pdcompile.plan import Plan
 
-PROFILES = Path(__file__).resolve().parent.parent.parent / "shared" / "profiles" / "pipedream"
-if not PROFILES.exists():  # a clone next to ../shared
-    PROFILES = Path("/work/shared/profiles/pipedream")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,12 +416,11 @@ def test_plan_json_round_trip_and_table():
 
 
 def _pipedream_chain(name: str) -> Chain:
-    profile = pytest.importorskip("pdcompile.profile")
-    linearize = pytest.importorskip("pdcompile.passes.linearize")
-    path = PROFILES / f"{name}.txt"
-    if not path.exists():
-        pytest.skip(f"{path} not found")
-    return linearize.linearize(profile.load(path))
+    """PipeDream's profile ``name``, shipped in the package (``pipedream:NAME``), as a chain."""
+    from pdcompile.passes.linearize import linearize
+    from pdcompile.profile import load
+
+    return linearize(load(f"pipedream:{name}"))
 
 
 def test_vgg16_on_four_workers_is_three_one():

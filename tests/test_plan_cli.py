@@ -9,9 +9,7 @@ import pytest
 
 from pdcompile.cli import main
 
-from test_partition_dp import PROFILES
-
-VGG = PROFILES / "vgg16.txt"
+VGG = "pipedream:vgg16"  # PipeDream's profile, shipped in the package
 
 CLUSTER_1GBS = """\
 [device]
@@ -41,13 +39,7 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out, err
 
 
-def _needs_vgg() -> None:
-    if not VGG.exists():
-        pytest.skip(f"{VGG} not found")
-
-
 def test_json_output_schema_and_vgg_three_one(capsys, cluster4):
-    _needs_vgg()
     rc, out, err = _run(capsys, "plan", "--profile", str(VGG), "--cluster", str(cluster4),
                         "--cost-model", "paper", "--json")
     assert rc == 0, err
@@ -65,14 +57,12 @@ def test_json_output_schema_and_vgg_three_one(capsys, cluster4):
 
 
 def test_table_output(capsys, cluster4):
-    _needs_vgg()
     rc, out, _ = _run(capsys, "plan", "--profile", str(VGG), "--cluster", str(cluster4), "--cost-model", "paper")
     assert rc == 0
     assert "configuration 3-1" in out and "bottleneck:" in out and "speedup" in out
 
 
 def test_ilp_solver_and_builtin_clusters(capsys):
-    _needs_vgg()
     rc, out, err = _run(capsys, "plan", "--profile", str(VGG), "--cluster", "local:2", "--solver", "ilp",
                         "--cost-model", "paper", "--json", "--time-limit", "60")
     assert rc == 0, err
@@ -113,7 +103,6 @@ BAD_TOML = {
 
 @pytest.mark.parametrize("case", sorted(BAD_TOML))
 def test_bad_cluster_files(capsys, tmp_path, case):
-    _needs_vgg()
     text, where, key = BAD_TOML[case]
     p = tmp_path / "bad.toml"
     p.write_text(text)
@@ -124,7 +113,6 @@ def test_bad_cluster_files(capsys, tmp_path, case):
 
 
 def test_bad_inputs_exit_2_with_one_line(capsys, tmp_path, cluster4):
-    _needs_vgg()
     bad_profile = tmp_path / "bad.txt"
     bad_profile.write_text("node1 -- Conv -- forward_compute_time=oops\n")
     no_mem = tmp_path / "nomem.toml"

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from pdcompile.errors import ProfileError
 from pdcompile.profile import (
+    PIPEDREAM_DIR,
     Profile,
     ProfileInput,
     ProfileLayer,
@@ -21,13 +22,14 @@ from pdcompile.profile import (
     load,
     load_pipedream,
     optimizer_state_factor,
+    pipedream_profiles,
     save,
     to_json,
 )
 
 pytestmark = pytest.mark.timeout(120)
 
-PIPEDREAM = Path("/work/shared/profiles/pipedream")
+PIPEDREAM = PIPEDREAM_DIR  # PipeDream's fourteen profiles, shipped in the package (pipedream:NAME)
 FILES = sorted(PIPEDREAM.glob("*.txt"))
 
 
@@ -76,7 +78,7 @@ def test_pipedream_import_totals(path: Path) -> None:
 
 
 def test_multi_output_activation_is_summed() -> None:
-    prof = load_pipedream(PIPEDREAM / "gnmt.txt")
+    prof = load_pipedream("pipedream:gnmt")
     lstm = prof.layer("node7")
     assert lstm.op == "LSTM"
     assert lstm.output_bytes == 6291456.0 + 131072.0 + 131072.0
@@ -86,7 +88,7 @@ def test_multi_output_activation_is_summed() -> None:
 
 
 def test_json_round_trip_pipedream(tmp_path: Path) -> None:
-    prof = load(PIPEDREAM / "inception_v3.txt")
+    prof = load("pipedream:inception_v3")
     out = tmp_path / "p.json"
     save(prof, out)
     back = load(out)

@@ -14,7 +14,7 @@ from pdcompile.profile import load
 
 pytestmark = pytest.mark.timeout(120)
 
-VGG = "/work/shared/profiles/pipedream/vgg16.txt"
+VGG = "pipedream:vgg16"  # shipped in the package
 
 FACTORY = textwrap.dedent("""
     import torch

@@ -15,9 +15,6 @@ from pdcompile.profile import load
 from pdcompile.timeline import read_chrome_trace
 from pdcompile.trace_convert import microbatch_of, read_runtime_events, runtime_trace_to_chrome, select_microbatches
 
-PIPEDREAM = Path("/work/shared/profiles/pipedream")
-if not PIPEDREAM.exists():  # pragma: no cover
-    PIPEDREAM = Path(__file__).resolve().parent.parent.parent / "shared" / "profiles" / "pipedream"
 
 
 def _cluster_toml(tmp_path: Path, workers: int = 4) -> Path:
@@ -28,7 +25,7 @@ def _cluster_toml(tmp_path: Path, workers: int = 4) -> Path:
 
 def test_simulate_a_pipedream_profile_writes_trace_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace, png = tmp_path / "trace.json", tmp_path / "step.png"
-    rc = main(["simulate", str(PIPEDREAM / "alexnet.txt"), "--cluster", str(_cluster_toml(tmp_path)),
+    rc = main(["simulate", "pipedream:alexnet", "--cluster", str(_cluster_toml(tmp_path)),
                "--schedule", "flush", "--microbatches", "4", "--trace", str(trace), "--png", str(png), "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
@@ -42,7 +39,7 @@ def test_simulate_a_pipedream_profile_writes_trace_and_png(tmp_path: Path, capsy
 
 
 def test_simulate_a_plan_json_alone_and_with_its_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    chain = linearize(load(PIPEDREAM / "vgg16.txt"))
+    chain = linearize(load("pipedream:vgg16"))
     cluster = flat_cluster(4, 10e9, 64 * 2.0**30)
     p = plan(chain, cluster, schedule="1f1b")
     path = tmp_path / "plan.json"
@@ -53,7 +50,7 @@ def test_simulate_a_plan_json_alone_and_with_its_profile(tmp_path: Path, capsys:
     assert any("1:2" in n for n in alone["notes"])
     toml = tmp_path / "c.toml"
     toml.write_text(cluster.to_toml())
-    assert main(["simulate", str(path), "--profile", str(PIPEDREAM / "vgg16.txt"), "--cluster", str(toml),
+    assert main(["simulate", str(path), "--profile", "pipedream:vgg16", "--cluster", str(toml),
                  "--schedule", "2bw", "--json"]) == 0
     exact = json.loads(capsys.readouterr().out)
     assert exact["schedule"] == "2bw" and exact["notes"] == []
@@ -62,12 +59,12 @@ def test_simulate_a_plan_json_alone_and_with_its_profile(tmp_path: Path, capsys:
 
 
 def test_simulate_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", str(PIPEDREAM / "vgg16.txt")]) == 2  # a profile without a cluster
+    assert main(["simulate", "pipedream:vgg16"]) == 2  # a profile without a cluster
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--cluster" in err and "Traceback" not in err
     assert main(["simulate", str(tmp_path / "missing.json"), "--cluster", "paper:A"]) == 2
     assert "no such file" in capsys.readouterr().err
-    assert main(["simulate", str(PIPEDREAM / "alexnet.txt"), "--cluster", "paper:A", "--schedule", "zigzag"]) == 2
+    assert main(["simulate", "pipedream:alexnet", "--cluster", "paper:A", "--schedule", "zigzag"]) == 2
     assert "zigzag" in capsys.readouterr().err
 
 
@@ -106,10 +103,10 @@ def test_runtime_events_convert_to_a_chrome_trace(tmp_path: Path) -> None:
 def test_simulate_draws_measured_under_predicted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _fake_runtime_trace(tmp_path / "trace")
     png = tmp_path / "both.png"
-    assert main(["simulate", str(PIPEDREAM / "alexnet.txt"), "--cluster", "local:2", "--microbatches", "2",
+    assert main(["simulate", "pipedream:alexnet", "--cluster", "local:2", "--microbatches", "2",
                  "--measured", str(tmp_path / "trace"), "--png", str(png)]) == 0
     assert "wrote timeline" in capsys.readouterr().out and png.stat().st_size > 10_000
-    assert main(["simulate", str(PIPEDREAM / "alexnet.txt"), "--cluster", "local:2",
+    assert main(["simulate", "pipedream:alexnet", "--cluster", "local:2",
                  "--measured", str(tmp_path / "nothing")]) == 2
 
 

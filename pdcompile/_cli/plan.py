@@ -11,13 +11,15 @@ from pdcompile.errors import UsageError
 
 EXAMPLES = """\
 Examples:
-  pdcompile plan --profile ../shared/profiles/pipedream/vgg16.txt --cluster cluster.toml
-  pdcompile plan --profile vgg16.txt --cluster paper:A --cost-model paper --json
+  pdcompile plan --profile pipedream:vgg16 --cluster paper:A
+  pdcompile plan --profile graph.txt --cluster cluster.toml --cost-model paper --json
   pdcompile plan --profile gpt.json --cluster local:4 --solver ilp --schedule flush
   pdcompile plan --profile gpt.json --cluster cluster.toml --microbatch 4,8,16
   pdcompile plan mypkg.models:make_net --input 32x3x224x224 --cluster cluster.toml
 
---profile FILE is our profile JSON (pdcompile profile ... -o FILE) or a PipeDream graph.txt.
+--profile FILE is our profile JSON (pdcompile profile ... -o FILE), a PipeDream graph.txt, or
+pipedream:NAME, one of PipeDream's fourteen published profiles shipped with pdcompile (alexnet,
+vgg16, resnet50, gnmt, gnmt_large, ...; an unknown NAME lists them).
 --cluster is a TOML file ([device] memory, [[levels]] count and bandwidth, innermost first),
 paper:A (4 servers x 4 V100, 10 GB/s inside, 10 Gbit/s between), paper:B (2 x 8 V100,
 300 GB/s NVLink, 25 Gbit/s) or local:N (N processes on this machine).
@@ -39,7 +41,8 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("model", nargs="?", metavar="MODULE:FACTORY",
                    help="a model to trace and profile here (instead of --profile)")
-    p.add_argument("--profile", metavar="FILE", help="profile JSON or PipeDream graph.txt")
+    p.add_argument("--profile", metavar="FILE", help="profile JSON, PipeDream graph.txt, or pipedream:NAME "
+                   "(PipeDream's published profiles, e.g. pipedream:vgg16)")
     p.add_argument("--input", dest="inputs", metavar="SHAPE[,SHAPE]",
                    help="with MODULE:FACTORY: example input shapes, e.g. 32x3x224x224")
     p.add_argument("--arg", dest="factory_args", action="append", default=[], metavar="KEY=VALUE",
@@ -89,9 +92,7 @@ def _profile(args: argparse.Namespace) -> Any:
     if args.profile:
         if args.inputs or args.factory_args:
             raise UsageError("--input and --arg go with MODULE:FACTORY, not with --profile")
-        if not Path(args.profile).is_file():
-            raise UsageError(f"--profile {args.profile!r}: no such file")
-        return profile_mod.load(args.profile)
+        return profile_mod.load(args.profile)  # a file or pipedream:NAME; a missing one names the fix
     if not args.model:
         raise UsageError("nothing to plan: give --profile FILE (profile JSON or PipeDream graph.txt) "
                          "or MODULE:FACTORY --input SHAPE")

@@ -20,7 +20,7 @@ Examples:
       --device-spec a100 -o s2s.json
   pdcompile profile pdcompile.zoo:get --arg name=gpt --arg batch_size=8 -o gpt.json
   pdcompile profile --show gpt.json
-  pdcompile profile --show ../shared/profiles/pipedream/vgg16.txt --top 5 --json
+  pdcompile profile --show pipedream:vgg16 --top 5 --json
 
 MODULE:FACTORY names a function called with the --arg values; it returns an nn.Module (then
 --input gives the example inputs) or an object with .model, .example_inputs and, optionally,
@@ -57,7 +57,7 @@ def register(subparsers: Any) -> None:
                    help="measured mode: also time the nodes inside a whole step with torch.profiler and "
                         "print both side by side")
     p.add_argument("-o", "--output", metavar="PATH", help="write the profile JSON here")
-    p.add_argument("--show", metavar="PATH", help="print a profile file (JSON or graph.txt)")
+    p.add_argument("--show", metavar="PATH", help="print a profile file (JSON or graph.txt), or pipedream:NAME")
     p.add_argument("--top", type=int, default=10, help="rows per table in --show")
     p.add_argument("--json", action="store_true", help="print data as JSON")
     p.set_defaults(func=run)

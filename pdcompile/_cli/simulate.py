@@ -13,14 +13,15 @@ from pdcompile.errors import UsageError
 
 EXAMPLES = """\
 Examples:
-  pdcompile simulate ../shared/profiles/pipedream/vgg16.txt --cluster paper:A --schedule 1f1b
+  pdcompile simulate pipedream:vgg16 --cluster paper:A --schedule 1f1b
   pdcompile simulate net.json --cluster cluster.toml --microbatches 8 --trace trace.json --png step.png
   pdcompile simulate plan.json --schedule flush --json
   pdcompile simulate out/plan.json --measured out/trace --png compare.png
 
 PLAN_OR_PROFILE is a plan (Plan.to_json(), or an emitted program's plan.json, whose schedule and
-microbatches become the defaults) or a profile (our JSON or a PipeDream graph.txt), which is planned
-for --cluster first. A plan alone carries per-stage totals, not the forward/backward split: give
+microbatches become the defaults) or a profile (our JSON, a PipeDream graph.txt, or pipedream:NAME,
+one of PipeDream's published profiles shipped with pdcompile), which is planned for --cluster first.
+A plan alone carries per-stage totals, not the forward/backward split: give
 --profile to simulate it from the layer costs, else forward:backward is taken as 1:2.
 --cluster is a TOML file, or paper:A / paper:B (the PipeDream paper's clusters), or local:N.
 """
@@ -54,8 +55,10 @@ def register(subparsers: Any) -> None:
 def _read_source(path: Path) -> tuple[str, Any, dict[str, Any]]:
     """("plan", Plan, program fields) or ("profile", Profile, {})."""
     from pdcompile.plan import PLAN_FORMAT, Plan
-    from pdcompile.profile import load
+    from pdcompile.profile import PIPEDREAM_PREFIX, load
 
+    if str(path).startswith(PIPEDREAM_PREFIX):
+        return "profile", load(str(path)), {}
     if not path.is_file():
         raise UsageError(f"{path}: no such file; give a plan JSON (pdcompile plan --json, Plan.to_json()) "
                          f"or a profile (pdcompile profile -o, or a PipeDream graph.txt)")
