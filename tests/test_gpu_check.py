@@ -1,0 +1,62 @@
+"""benchmarks/gpu_check.py --dry-run: the GPU check's CPU part, as CI runs it (from an empty folder)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(400), pytest.mark.multiproc, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+
+
+def _section() -> str | None:
+    """The GPU check's section of RESULTS.md, if there is one."""
+    text = RESULTS.read_text() if RESULTS.exists() else ""
+    m = re.search(r"^## GPU check\n.*?(?=^## |\Z)", text, re.S | re.M)
+    return m.group(0) if m else None
+
+
+def test_gpu_check_dry_run(tmp_path: Path) -> None:
+    before = _section()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU part, whatever machine CI runs on
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=360)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert "dry run: RESULTS.md is not written" in out
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    profile = next(line for name, line in rows.items() if name.startswith("profile: gpt (small)"))
+    assert re.search(r"measured \d+\.\d+ ms, torch\.profiler \d+\.\d+ ms", profile), profile
+    chain = next(line for name, line in rows.items() if name.startswith("2 stages (tied embedding in both)"))
+    runtime = next(line for name, line in rows.items() if name.startswith("runtime: 1 stage through torchrun, gloo"))
+    for line in (chain, runtime):  # each equality checked, and it held, with training really moving the weights
+        assert line.endswith("| yes |"), line
+        diff = float(re.search(r"training (\S+) \(tolerance", line).group(1))  # type: ignore[union-attr]
+        assert diff <= 1e-5, line
+        trained, total = map(int, re.search(r"(\d+)/(\d+) parameters trained", line).groups())  # type: ignore[union-attr]
+        assert total > 10 and trained > total // 2, line
+    split = next(line for name, line in rows.items() if name.startswith("split backward's weight pass"))
+    assert "trusted by its check (bitwise): yes" in split and split.endswith("| yes |"), split
+    step = next(line for name, line in rows.items() if name.startswith("step time on cpu"))
+    predicted, measured = (float(x) for x in re.search(r"predicted (\S+) ms .* measured median (\S+) ms", step).groups())  # type: ignore[union-attr]
+    assert predicted > 0 and measured > 0, step
+    assert "All equalities hold: yes." in out
+    assert list(tmp_path.iterdir()) == []  # nothing left in the working folder
+    assert _section() == before  # --dry-run never writes RESULTS.md
+
+
+def test_gpu_check_without_a_gpu_says_so(tmp_path: Path) -> None:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "no GPU here" in err[0] and "--dry-run" in err[0], proc.stderr
