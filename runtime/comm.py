@@ -1,25 +1,30 @@
-"""Point-to-point transfers between stage ranks and the process groups of a pipeline.
+"""Point-to-point transfers between stage ranks, and a mode in which gloo follows NCCL's rules.
 
 Shapes and dtypes of every boundary tensor are known from plan.json, so receivers allocate buffers
 up front and no handshake is needed. Transfers are asynchronous (``isend``/``irecv``); the
-executor waits on a receive only when the computation needs it.
+executor waits on a receive only when the computation needs it. No tags: messages between two
+ranks are told apart by their order alone, which both sides issue identically
+(runtime/transfers.py), as NCCL requires.
+
+:func:`configure` ``(nccl_rules=True)`` (``PDCOMPILE_NCCL_RULES=1`` for train.py) makes gloo
+behave as NCCL does with point-to-point transfers, so the test suite can catch on CPU what would
+hang on GPUs: per peer, one transfer at a time in issue order (the next starts once the previous
+completed), callers not blocked, and a wait that gives up with a named error after the timeout.
+The runtime issues no ``batch_isend_irecv`` groups, so the mode has none to start together.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-ACT, GRAD, TARGET = 0, 1, 2
-
-
-def tag(microbatch: int, channel: int) -> int:
-    """Message tag: distinct per microbatch and channel (activations, gradients, targets)."""
-    return (microbatch % (1 << 26)) * 4 + channel
+NCCL_RULES_ENV = "PDCOMPILE_NCCL_RULES"
 
 
 @dataclass
@@ -36,6 +41,75 @@ class Pending:
         return self.tensors
 
 
+class _Queued:
+    """A transfer queued behind the earlier ones to the same peer (NCCL-rules mode)."""
+
+    def __init__(self, what: str, peer: int, timeout: float) -> None:
+        self.what, self.peer, self.timeout = what, peer, timeout
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> bool:
+        if not self.done.wait(self.timeout):
+            raise RuntimeError(
+                f"{self.what} with rank {self.peer} did not complete within {self.timeout:g} s under NCCL's rules "
+                f"(PDCOMPILE_NCCL_RULES=1: transfers with one peer run one at a time, in issue order): the two ranks "
+                f"issue their transfers in different orders, which hangs on NCCL")
+        if self.error is not None:
+            raise RuntimeError(f"{self.what} with rank {self.peer} failed: {self.error}") from self.error
+        return True
+
+
+class _PeerLine:
+    """One peer's transfers, run one after another by a thread of their own."""
+
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+        self.ops: queue.SimpleQueue[tuple[Callable[[], Any], _Queued]] = queue.SimpleQueue()
+        threading.Thread(target=self._work, name=f"pdcompile-p2p-{peer}", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            start, op = self.ops.get()
+            try:
+                start().wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                op.error = e
+            op.done.set()
+
+
+@dataclass
+class _Mode:
+    nccl_rules: bool = False
+    timeout: float = 120.0
+    lines: dict[int, _PeerLine] = field(default_factory=dict)
+
+
+_mode = _Mode()
+
+
+def configure(*, nccl_rules: bool, timeout: float) -> None:
+    """Choose plain transfers, or gloo following NCCL's rules (see the module docstring)."""
+    global _mode
+    _mode = _Mode(nccl_rules, timeout)
+
+
+def nccl_rules() -> bool:
+    return _mode.nccl_rules
+
+
+def _issue(kind: str, tensor: torch.Tensor, peer: int) -> Any:
+    fn = dist.isend if kind == "send" else dist.irecv
+    if not _mode.nccl_rules:
+        return fn(tensor, peer)
+    op = _Queued(f"{kind} of {tensor.numel()} x {tensor.dtype}", peer, _mode.timeout)
+    line = _mode.lines.get(peer)
+    if line is None:
+        line = _mode.lines[peer] = _PeerLine(peer)
+    line.ops.put((lambda: fn(tensor, peer), op))
+    return op
+
+
 def _groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     """Indices of ``tensors`` by dtype, in order of first appearance: one message per group."""
     by: dict[torch.dtype, list[int]] = {}
@@ -44,15 +118,14 @@ def _groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     return list(by.values())
 
 
-def post_recv(buffers: Sequence[torch.Tensor], src: int, microbatch: int, channel: int) -> Pending:
+def post_recv(buffers: Sequence[torch.Tensor], src: int) -> Pending:
     """Post the receives of one message: the tensors of each dtype arrive packed in one flat buffer
     (as :func:`post_send` packs them) and are handed out as views of it, shaped like ``buffers``."""
-    t = tag(microbatch, channel)
     out: list[torch.Tensor] = list(buffers)
     works = []
     for group in _groups(buffers):
         if len(group) == 1:
-            works.append(dist.irecv(out[group[0]], src=src, tag=t))
+            works.append(_issue("recv", out[group[0]], src))
             continue
         flat = torch.empty(sum(out[i].numel() for i in group), dtype=out[group[0]].dtype,
                            device=out[group[0]].device)
@@ -61,18 +134,17 @@ def post_recv(buffers: Sequence[torch.Tensor], src: int, microbatch: int, channe
             n = out[i].numel()
             out[i] = flat[offset:offset + n].view(out[i].shape)
             offset += n
-        works.append(dist.irecv(flat, src=src, tag=t))
+        works.append(_issue("recv", flat, src))
     return Pending(out, works)
 
 
-def post_send(tensors: Sequence[torch.Tensor], dst: int, microbatch: int, channel: int) -> list[Any]:
+def post_send(tensors: Sequence[torch.Tensor], dst: int) -> list[Any]:
     """Send one message: the tensors of each dtype packed into one flat buffer (one transfer, one
     latency, instead of one per tensor; a stage boundary inside a residual block carries two)."""
-    t = tag(microbatch, channel)
     works = []
     for group in _groups(tensors):
         if len(group) == 1:
-            works.append(dist.isend(tensors[group[0]].contiguous(), dst=dst, tag=t))
+            works.append(_issue("send", tensors[group[0]].contiguous(), dst))
         else:
-            works.append(dist.isend(torch.cat([tensors[i].reshape(-1) for i in group]), dst=dst, tag=t))
+            works.append(_issue("send", torch.cat([tensors[i].reshape(-1) for i in group]), dst))
     return works

@@ -3,8 +3,10 @@
 One executor per rank. It owns the stage module, the optimizer and the per-microbatch state
 (inputs received, outputs computed, gradients), and interprets each Action:
 
-* ``RF``/``RB``: post receives for a microbatch's activations / output gradients (from the
-  neighbouring stage's replica that handles that microbatch, ``k % replicas``);
+* ``RF``/``RB``: receives for a microbatch's activations / output gradients (from the
+  neighbouring stage's replica that handles that microbatch, ``k % replicas``), posted where the
+  run's transfer plan says (``run``'s ``posts``; runtime/transfers.py), so that both sides of every
+  pair of ranks issue their transfers in the same order, as NCCL requires;
 * ``F``: run the stage (first stage: on data; last stage: also the loss, scaled by
   ``1/accumulation``); ``SF`` sends the outputs downstream;
 * ``B``: backpropagate (last stage from the loss, others from the received gradients);
@@ -23,7 +25,6 @@ schedules).
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from pdcompile.runtime import comm
 from pdcompile.runtime.program import Program, StageSpec
 from pdcompile.runtime.schedules import Action, Kind
+from pdcompile.runtime.transfers import TargetPosts
 from pdcompile.runtime.weight_grads import WeightPass
 
 
@@ -146,13 +148,32 @@ class StageExecutor:
         # receiver has taken them (``run``'s ``release``: schedules.send_release), the rest at the end
         self.sends: dict[Action, list[Any]] = {}
         self.peak_sends = 0  # the most sends in flight at once (metrics: bounded by the schedule, not the run)
-        self.losses: list[float] = []
+        self._losses: list[float] = []
+        self._pending_losses: list[torch.Tensor] = []  # on the device: read at logging points, not per microbatch
         self._compute_start: float | None = None
-        self._upcoming: list[Action] = []
+        self._targets = TargetPosts(0, 1)
+        self.begin(0)
         self._split: set[int] = set()  # microbatches whose B is split (a W follows in the actions)
         self._weight_pass: dict[int, Any] = {}  # microbatch -> what its W needs
         self._notes: dict[int, Any] = {}  # microbatch -> submodule outputs noted in its forward
         self._wpass = WeightPass(module)
+
+    def begin(self, first_microbatch: int) -> None:
+        """A run of the schedule starts at ``first_microbatch`` (its targets are posted in order from there)."""
+        reps = self.program.stages[-1].ranks
+        if self.rank in reps:
+            j = reps.index(self.rank)
+            first = first_microbatch + (j - first_microbatch) % len(reps)
+            sent = self.target_check if self.local_targets else None
+            self._targets = TargetPosts(first, len(reps), sent)
+
+    @property
+    def losses(self) -> list[float]:
+        """The last stage's loss of every microbatch so far (reading them waits for the device)."""
+        if self._pending_losses:
+            self._losses.extend(torch.stack(self._pending_losses).tolist())
+            self._pending_losses = []
+        return self._losses
 
     # peers -----------------------------------------------------------------------------------
     def peer(self, stage: int, microbatch: int) -> int:
@@ -160,24 +181,24 @@ class StageExecutor:
         return ranks[microbatch % len(ranks)]
 
     # actions ---------------------------------------------------------------------------------
-    def run(self, actions: Sequence[Action], upcoming: Sequence[Action] = (),
-            release: Sequence[Sequence[Action]] | None = None) -> None:
-        """Run ``actions`` in order. With a recorder, each action is recorded as ``(name, start, end)``;
-        when a forward or backward first waits for its received tensors, the wait is recorded as the
-        receive (``1RF3``/``1RB3``, a second slice after the posting one) and the action from the end
-        of the wait, so a trace shows compute and waiting apart. ``upcoming``: the actions the next
-        ``run`` will get (the next step's), so receives can be posted ahead across the step
-        boundary (:meth:`_prepost`). ``release[i]``: the earlier actions whose sends are taken by their
-        receivers once ``actions[i]`` is done (:func:`~pdcompile.runtime.schedules.send_release`);
-        they are waited for then (it returns at once), the others by :meth:`wait_sends`."""
+    def run(self, actions: Sequence[Action], release: Sequence[Sequence[Action]] | None = None,
+            posts: Sequence[Sequence[Action]] | None = None) -> None:
+        """Run ``actions`` in order. ``posts[i]``: the receives (``RF``/``RB`` actions, usually later
+        ones) to post before ``actions[i]`` (:func:`~pdcompile.runtime.transfers.transfer_plan`);
+        without it each ``RF``/``RB`` posts its own receive. ``release[i]``: the earlier actions whose
+        sends are taken by their receivers once ``actions[i]`` is done
+        (:func:`~pdcompile.runtime.schedules.send_release`); they are waited for then (it returns at
+        once), the others by :meth:`wait_sends`. With a recorder, each action is recorded as ``(name,
+        start, end)``; when a forward or backward first waits for its received tensors, the wait is
+        recorded as the receive (``1RF3``/``1RB3``) and the action from the end of the wait, so a
+        trace shows compute and waiting apart."""
         actions = list(actions)
-        self._upcoming = list(upcoming)
         self._split = {a.microbatch for a in actions if a.kind is Kind.WEIGHT_GRAD}  # type: ignore[misc]
         for i, a in enumerate(actions):
             self._compute_start = None
             try:
-                if a.kind in (Kind.FORWARD, Kind.BACKWARD):
-                    self._prepost(actions, i)
+                if posts is not None and posts[i]:
+                    self._post(posts[i])
                 start = time.perf_counter()
                 if self.fail_at is not None and self.fail_at == f"{self.rank}:{a}":
                     raise RuntimeError("injected failure (--fail-at)")
@@ -193,27 +214,15 @@ class StageExecutor:
             if self.recorder is not None:
                 self.recorder(str(a), self._compute_start or start, time.perf_counter())
 
-    def _prepost(self, actions: list[Action], i: int) -> None:
-        """Before a forward or backward, post the next receive of each kind (``RF``, ``RB``) among the
-        actions after it, so its data can land while this rank computes instead of after the
-        schedule's ``RF``/``RB`` (which then finds it posted). Receives never block and carry their
-        microbatch in the tag, so posting early changes timing only; buffers for one more
-        microbatch are allocated a little earlier. It matters on CPU: gloo receives only into posted
-        buffers, so a large message whose receive is not posted yet stalls half-written in the
-        sender's socket, and finishing it later needs the sender's core while it computes (1F1B,
-        which steps after every microbatch, lost ~3 ms per microbatch so)."""
-        wanted = {Kind.RECV_ACT, Kind.RECV_GRAD}
-        for b in itertools.chain(itertools.islice(actions, i + 1, None), self._upcoming):
-            if not wanted:
-                break
-            if b.kind in wanted:
-                wanted.discard(b.kind)
-                st = self.mbs.get(b.microbatch)  # type: ignore[arg-type]
-                if st is None or (st.recv_act if b.kind is Kind.RECV_ACT else st.recv_grad) is None:
-                    t0 = time.perf_counter()
-                    (self._recv_act if b.kind is Kind.RECV_ACT else self._recv_grad)(b)
-                    if self.recorder is not None:
-                        self.recorder(str(b), t0, time.perf_counter())
+    def _post(self, receives: Sequence[Action]) -> None:
+        """Post receives ahead of their ``RF``/``RB`` (which then find them posted), so their data can
+        land while this rank computes: gloo receives only into posted buffers, and on NCCL a pair's
+        transfers run in the order posted, which the plan makes the same on both sides."""
+        for b in receives:
+            t0 = time.perf_counter()
+            (self._recv_act if b.kind is Kind.RECV_ACT else self._recv_grad)(b)
+            if self.recorder is not None:
+                self.recorder(str(b), t0, time.perf_counter())
 
     def _wait(self, pending: comm.Pending, a: Action, kind: str) -> list[torch.Tensor]:
         """Wait for a receive inside ``a``; record the wait as the receive (see :meth:`run`)."""
@@ -230,29 +239,24 @@ class StageExecutor:
     def _recv_act(self, a: Action) -> None:
         st = self._mb(a.microbatch)
         if st.recv_act is not None:
-            return  # posted ahead (_prepost)
+            return  # posted ahead (run's posts)
+        if self.is_last:  # the targets up to this microbatch first, in the order the first stage sends them
+            for k in self._targets.upto(a.microbatch):  # type: ignore[arg-type]
+                self._mb(k).recv_target = comm.post_recv([self.program.target.empty(self.device)], self.peer(0, k))
         bufs = [t.empty(self.device) for t in self.spec.inputs]
-        st.recv_act = comm.post_recv(bufs, self.peer(self.stage - 1, a.microbatch), a.microbatch, comm.ACT)
-        self._post_target(a.microbatch)
-
-    def _post_target(self, k: int) -> None:
-        st = self._mb(k)
-        if self.local_targets and k not in self.target_check:
-            return
-        if self.is_last and not self.is_first and st.recv_target is None:
-            st.recv_target = comm.post_recv([self.program.target.empty(self.device)], self.peer(0, k), k, comm.TARGET)
+        st.recv_act = comm.post_recv(bufs, self.peer(self.stage - 1, a.microbatch))
 
     def _forward(self, a: Action) -> None:
         k = a.microbatch
         st = self._mb(k)
         if self.is_first:
             inputs, target = self.data(k)  # type: ignore[misc]
-            st.inputs = [x.to(self.device) for x in inputs]
-            target = target.to(self.device)
+            st.inputs = [x.to(self.device, non_blocking=True) for x in inputs]
+            target = target.to(self.device, non_blocking=True)
             if self.is_last:
                 st.target = target
-            elif not self.local_targets or k in self.target_check:
-                self._posted(a, comm.post_send([target], self.peer(self.program.num_stages - 1, k), k, comm.TARGET))
+            elif not self.local_targets or k in self.target_check:  # before the activations (SF k)
+                self._posted(a, comm.post_send([target], self.peer(self.program.num_stages - 1, k)))
         else:
             if st.recv_act is None:
                 raise RuntimeError(f"forward of microbatch {k} before its activations were received (missing RF)")
@@ -272,13 +276,14 @@ class StageExecutor:
             for h in handles:
                 h.remove()
         if self.is_last:
-            self._post_target(k)
             if st.target is None and self.local_targets:
                 st.target = self._local_target(k, st)
             if st.target is None:
-                st.target = st.recv_target.wait()[0]  # type: ignore[union-attr]
+                if st.recv_target is None:
+                    raise RuntimeError(f"forward of microbatch {k} before its target's receive was posted")
+                st.target = st.recv_target.wait()[0]
             loss = self.loss_fn(out, st.target)  # type: ignore[misc]
-            self.losses.append(float(loss.detach()))
+            self._pending_losses.append(loss.detach())
             st.loss = loss / self.accumulation
             st.outputs = []
         else:
@@ -289,7 +294,7 @@ class StageExecutor:
         also received from the first stage and compared: a data source that gives ranks different
         minibatches would otherwise train on wrong targets, silently."""
         _, target = self.data(k)  # type: ignore[misc]
-        target = target.to(self.device)
+        target = target.to(self.device, non_blocking=True)
         if k in self.target_check:
             sent = st.recv_target.wait()[0]  # type: ignore[union-attr]
             if sent.shape != target.shape or not torch.equal(sent, target):
@@ -301,15 +306,14 @@ class StageExecutor:
 
     def _send_act(self, a: Action) -> None:
         st = self.mbs[a.microbatch]
-        self._posted(a, comm.post_send([o.detach() for o in st.outputs], self.peer(self.stage + 1, a.microbatch),
-                                       a.microbatch, comm.ACT))
+        self._posted(a, comm.post_send([o.detach() for o in st.outputs], self.peer(self.stage + 1, a.microbatch)))
 
     def _recv_grad(self, a: Action) -> None:
         st = self._mb(a.microbatch)
         if st.recv_grad is not None:
-            return  # posted ahead (_prepost)
+            return  # posted ahead (run's posts)
         bufs = [t.empty(self.device) for t in self.spec.outputs if t.requires_grad]
-        st.recv_grad = comm.post_recv(bufs, self.peer(self.stage + 1, a.microbatch), a.microbatch, comm.GRAD)
+        st.recv_grad = comm.post_recv(bufs, self.peer(self.stage + 1, a.microbatch))
 
     def _backward(self, a: Action) -> None:
         st = self.mbs[a.microbatch]
@@ -340,7 +344,7 @@ class StageExecutor:
         grads = st.input_grads if st.input_grads is not None else \
             [(t.grad if t.grad is not None else torch.zeros_like(t))
              for t, spec in zip(st.inputs, self.spec.inputs) if spec.requires_grad]
-        self._posted(a, comm.post_send(grads, self.peer(self.stage - 1, a.microbatch), a.microbatch, comm.GRAD))
+        self._posted(a, comm.post_send(grads, self.peer(self.stage - 1, a.microbatch)))
 
     def _weight_grad(self, a: Action) -> None:
         """``W``: the weight gradients of a split ``B``, accumulated into ``.grad`` as an unsplit

@@ -848,7 +848,8 @@ class RankRun:
     """One rank's actions for a run of any length, with the sends each lets go (:func:`send_release`),
     held in memory that does not grow with the run: ``head``, then ``period`` ``repeats`` times (copy
     ``k`` shifted ``k`` steps later), then ``tail`` (shifted ``repeats`` steps). Iterating gives
-    ``(action, sends released after it)`` in order. Built by :func:`rank_run`.
+    ``(action, sends released after it)`` in order; :meth:`steps` adds the receives posted before
+    it (:func:`~pdcompile.runtime.transfers.transfer_plan`). Built by :func:`rank_run`.
 
     >>> run = rank_run("gpipe", [1, 1], 2, 1000, 1, split_backward=False)
     >>> len(run), len(run.head) + len(run.period) + len(run.tail) < 100
@@ -869,27 +870,44 @@ class RankRun:
     release_tail: tuple[tuple[Action, ...], ...]  # per action of tail, unshifted
     promised_versions: int = 1  # peak_weight_versions of this rank over the run
     reach: int = 0  # the most actions from an F to its B on this rank
+    posts_head: tuple[tuple[Action, ...], ...] = ()  # per action of head: receives posted before it
+    posts_period: tuple[tuple[Action, ...], ...] = ()  # (runtime/transfers.py: transfer_plan)
+    posts_tail: tuple[tuple[Action, ...], ...] = ()
 
     def __len__(self) -> int:
         return len(self.head) + self.repeats * len(self.period) + len(self.tail)
 
     def __iter__(self) -> Iterator[tuple[Action, tuple[Action, ...]]]:
-        yield from zip(self.head, self.release_head)
+        """``(action, sends released after it)`` in order."""
+        for a, rel, _ in self.steps():
+            yield a, rel
+
+    def steps(self) -> Iterator[tuple[Action, tuple[Action, ...], tuple[Action, ...]]]:
+        """``(action, sends released after it, receives posted before it)`` in order."""
+        yield from zip(self.head, self.release_head, self.posts_head)
         m, v = self.microbatches, self.versions
         for k in range(self.repeats):
-            for a, rel in zip(self.period, self.release_period):
-                yield shift(a, k * m, k * v), tuple(shift(b, k * m, k * v) for b in rel)
+            for a, rel, post in zip(self.period, self.release_period, self.posts_period):
+                yield shift(a, k * m, k * v), tuple(shift(b, k * m, k * v) for b in rel), \
+                    tuple(shift(b, k * m, k * v) for b in post)
         k = self.repeats
-        for a, rel in zip(self.tail, self.release_tail):
-            yield shift(a, k * m, k * v), tuple(shift(b, k * m, k * v) for b in rel)
+        for a, rel, post in zip(self.tail, self.release_tail, self.posts_tail):
+            yield shift(a, k * m, k * v), tuple(shift(b, k * m, k * v) for b in rel), \
+                tuple(shift(b, k * m, k * v) for b in post)
 
 
 MAX_PERIODIC_BASE = 64  # steps: past this, a schedule that does not repeat is laid out whole
 
 
-def _base(name: str, replicas: tuple[int, ...], m: int, steps: int, rank: int, kw: tuple) -> tuple[list[Action], dict[int, list[Action]], int]:
+_Base = tuple[list[Action], dict[int, list[Action]], int, list[tuple[Action, ...]]]
+
+
+def _base(name: str, replicas: tuple[int, ...], m: int, steps: int, rank: int, kw: tuple) -> _Base:
+    from pdcompile.runtime.transfers import transfer_plan
+
     sched = make_schedule(name, replicas, m, num_steps=steps, **dict(kw))
-    return sched[rank], send_release(sched, replicas)[rank], peak_weight_versions({rank: sched[rank]})[rank]
+    return (sched[rank], send_release(sched, replicas)[rank], peak_weight_versions({rank: sched[rank]})[rank],
+            transfer_plan(sched, replicas)[rank])
 
 
 def _reach(acts: Sequence[Action]) -> int:
@@ -903,9 +921,10 @@ def _reach(acts: Sequence[Action]) -> int:
     return far
 
 
-def _whole(acts: list[Action], rel: dict[int, list[Action]], m: int, promised: int) -> RankRun:
+def _whole(acts: list[Action], rel: dict[int, list[Action]], m: int, promised: int,
+           posts: list[tuple[Action, ...]]) -> RankRun:
     return RankRun(tuple(acts), (), (), 0, m, 0, tuple(tuple(rel.get(i, ())) for i in range(len(acts))), (), (),
-                   promised, _reach(acts))
+                   promised, _reach(acts), tuple(posts))
 
 
 def _derive(name: str, replicas: tuple[int, ...], m: int, base: int, unit: int, rank: int,
@@ -913,14 +932,15 @@ def _derive(name: str, replicas: tuple[int, ...], m: int, base: int, unit: int, 
     """The periodic form from the schedules of ``base`` and ``base + unit`` steps, checked against
     those of ``base + 2 unit`` and ``base + 3 unit`` (None if the schedule does not repeat every
     ``unit`` steps from ``base``)."""
-    a0, r0, _ = _base(name, replicas, m, base, rank, kw)
-    a1, r1, _ = _base(name, replicas, m, base + unit, rank, kw)
+    a0, r0, _, p0 = _base(name, replicas, m, base, rank, kw)
+    a1, r1, _, p1 = _base(name, replicas, m, base + unit, rank, kw)
     per = m * unit  # microbatches per period
     p = len(a1) - len(a0)
     versions = sum(a.kind is Kind.STEP for a in a1) - sum(a.kind is Kind.STEP for a in a0)
     lcp = 0
     while lcp < len(a0) and a0[lcp] == a1[lcp]:
         lcp += 1
+    lcp = min(lcp, next((i for i in range(lcp) if p0[i] != p1[i]), lcp))
     for h in range(lcp, -1, -1):
         if all(a1[h + p + j] == shift(a0[h + j], per, versions) for j in range(len(a0) - h)):
             break
@@ -928,18 +948,20 @@ def _derive(name: str, replicas: tuple[int, ...], m: int, base: int, unit: int, 
         return None
     run = RankRun(tuple(a1[:h]), tuple(a1[h:h + p]), tuple(a0[h:]), 0, per, versions,
                   tuple(tuple(r1.get(i, ())) for i in range(h)), tuple(tuple(r1.get(i, ())) for i in range(h, h + p)),
-                  tuple(tuple(r0.get(i, ())) for i in range(h, len(a0))), 1, _reach(a1))
+                  tuple(tuple(r0.get(i, ())) for i in range(h, len(a0))), 1, _reach(a1),
+                  tuple(p1[:h]), tuple(p1[h:h + p]), tuple(p0[h:]))
     for extra in (2, 3):
-        acts, rel, promised = _base(name, replicas, m, base + extra * unit, rank, kw)
-        want = [(a, tuple(rel.get(i, ()))) for i, a in enumerate(acts)]
-        if list(dataclasses.replace(run, repeats=extra)) != want:
+        acts, rel, promised, posts = _base(name, replicas, m, base + extra * unit, rank, kw)
+        want = [(a, tuple(rel.get(i, ())), posts[i]) for i, a in enumerate(acts)]
+        if list(dataclasses.replace(run, repeats=extra).steps()) != want:
             return None
     return dataclasses.replace(run, promised_versions=promised)
 
 
 def rank_run(name: str, replicas: Sequence[int], num_microbatches: int, num_steps: int, rank: int, *,
              tied: bool = False, vertical_sync: bool = False, split_backward: bool = True) -> RankRun:
-    """``make_schedule(...)[rank]`` with its :func:`send_release`, for a run of ``num_steps`` steps,
+    """``make_schedule(...)[rank]`` with its :func:`send_release` and where it posts its receives
+    (:func:`~pdcompile.runtime.transfers.transfer_plan`), for a run of ``num_steps`` steps,
     in memory and time that do not grow with ``num_steps``.
 
     Every schedule here repeats itself once past its warm-up: the schedule of ``n + u`` steps is
@@ -961,8 +983,8 @@ def rank_run(name: str, replicas: Sequence[int], num_microbatches: int, num_step
         if run is not None:
             return dataclasses.replace(run, repeats=(num_steps - base) // unit)
         base *= 2
-    acts, rel, promised = _base(name, reps, num_microbatches, num_steps, rank, kw)
-    return _whole(acts, rel, num_microbatches, promised)
+    acts, rel, promised, posts = _base(name, reps, num_microbatches, num_steps, rank, kw)
+    return _whole(acts, rel, num_microbatches, promised, posts)
 
 
 _cached_derive = functools.lru_cache(maxsize=32)(_derive)
@@ -1051,6 +1073,9 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
     9. 'weight versions': ``WV`` names an existing version, never goes back, and every ``F`` uses the
        version the schedule defines (see the schedule's function docstring).
     10. 'no deadlock': replaying with blocking receives and collectives (:func:`replay`) completes.
+    11. 'transfer order': with its receives posted as
+        :func:`~pdcompile.runtime.transfers.transfer_plan` says, the schedule completes under NCCL's
+        rules (:func:`~pdcompile.runtime.transfers.check_transfers`), with targets sent or not.
     """
     lay = _layout(name, replicas, num_microbatches, num_steps, vertical_sync)
     ranks = stage_ranks(lay.replicas)
@@ -1208,3 +1233,10 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
 
     # 10. no deadlock
     replay(sched, lay.replicas, name=name)
+
+    # 11. transfer order
+    from pdcompile.runtime.transfers import check_transfers, transfer_plan
+
+    posts = transfer_plan(sched, lay.replicas)
+    for targets in (None, (), range(lay.replicas[-1])):  # all sent, none (--targets local), the first only
+        check_transfers(sched, lay.replicas, posts, targets=targets, name=name)

@@ -13,6 +13,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every launched program runs its point-to-point transfers under NCCL's rules (runtime/comm.py): an
+# order that would hang on GPUs fails here; tests/test_nccl_rules.py compares with plain gloo.
+os.environ.setdefault("PDCOMPILE_NCCL_RULES", "1")
 
 # Property tests draw the same examples on every run (CI must not fail on an example no earlier run
 # saw); PDC_HYPOTHESIS_EXPLORE=1 draws fresh ones, to hunt for new counterexamples (a new find goes

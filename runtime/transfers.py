@@ -1,0 +1,334 @@
+"""Point-to-point transfers in the order NCCL needs: one order per pair of ranks, from the schedule.
+
+NCCL ignores tags and runs a rank's transfers to one peer one after another, in the order they
+were issued (each pair has one communicator and one stream); a send completes only once the peer's
+matching receive runs. So both sides of every pair must issue their transfers in the same order.
+
+The executor's issue rules (identical here, in the checker and in ``runtime/executor.py``):
+
+* ``SF k`` / ``SB k`` send a microbatch's activations / input gradients; the first stage's ``F k``
+  sends the target to the last stage first (before it computes), so ``T k`` precedes ``A k``.
+* A receive is posted where :func:`transfer_plan` puts it: before some action at or before its
+  ``RF``/``RB``. The last stage's ``RF k`` first posts the receives of the targets up to ``k``
+  (:class:`TargetPosts`), then the activations'.
+* ``F``/``B`` wait for what they consume; ``AR``/``TG`` wait for their group; sends are waited for
+  only once the schedule proves their receiver has them (``send_release``).
+
+:func:`transfer_plan` orders each pair's messages by happens-before (ties: the one sent sooner in a
+unit-cost timing) and posts every receive as early as the order allows, at most one computation ahead of
+its ``RF``/``RB``, so its data can land while the rank computes. :func:`check_transfers` replays a
+schedule with its plan under NCCL's rules and names the first mismatch or stuck pair.
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, deque
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from pdcompile.errors import ScheduleError
+from pdcompile.runtime.schedules import Action, Kind, Schedule, rank_of, replay, stage_ranks
+
+Posts = dict[int, list[tuple[Action, ...]]]  # rank -> per action index, the receives posted before it
+
+
+@dataclass(frozen=True, order=True)
+class Message:
+    """One point-to-point message: ``kind`` "A" (activations), "G" (input gradients) or "T" (the
+    target, first stage to last), sent by ``stage`` for ``microbatch``. Prints as ``0A3``."""
+
+    microbatch: int
+    kind: str
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+def _receiver_stage(m: Message, num_stages: int) -> int:
+    return {"A": m.stage + 1, "G": m.stage - 1, "T": num_stages - 1}[m.kind]
+
+
+def endpoints(m: Message, ranks: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(sending rank, receiving rank) of ``m``."""
+    return rank_of(m.stage, m.microbatch, ranks), rank_of(_receiver_stage(m, len(ranks)), m.microbatch, ranks)
+
+
+def sends_of(a: Action, num_stages: int, targets: Collection[int] | None = None) -> list[Message]:
+    """The messages action ``a`` sends (``targets``: the microbatches whose target is sent; None: all)."""
+    k = a.microbatch
+    if a.kind is Kind.SEND_ACT:
+        return [Message(k, "A", a.stage)]  # type: ignore[arg-type]
+    if a.kind is Kind.SEND_GRAD:
+        return [Message(k, "G", a.stage)]  # type: ignore[arg-type]
+    if a.kind is Kind.FORWARD and a.stage == 0 and num_stages > 1 and (targets is None or k in targets):
+        return [Message(k, "T", 0)]  # type: ignore[arg-type]
+    return []
+
+
+def receives_of(a: Action, num_stages: int) -> list[Message]:
+    """The message that posting receive action ``a`` (``RF``/``RB``) receives (targets: :class:`TargetPosts`)."""
+    k = a.microbatch
+    if a.kind is Kind.RECV_ACT:
+        return [Message(k, "A", a.stage - 1)]  # type: ignore[arg-type]
+    if a.kind is Kind.RECV_GRAD:
+        return [Message(k, "G", a.stage + 1)]  # type: ignore[arg-type]
+    return []
+
+
+class TargetPosts:
+    """The last stage's target receives: posting ``RF k`` first posts the receive of the target of
+    every microbatch up to ``k`` of this replica not posted yet, in order, so the targets (sent by
+    the first stage in its forward order) are received in the order they are sent, whatever order
+    the plan posts the activations in (they come from several replicas' pairs)."""
+
+    def __init__(self, first: int, replicas: int, targets: Collection[int] | None = None) -> None:
+        self.next, self.step, self.targets = first, replicas, targets
+
+    def upto(self, k: int) -> list[int]:
+        """Microbatches whose target receive to post now, before ``RF k``'s activations."""
+        out = []
+        while self.next <= k:
+            if self.targets is None or self.next in self.targets:
+                out.append(self.next)
+            self.next += self.step
+        return out
+
+
+def waits_of(a: Action, num_stages: int, targets: Collection[int] | None = None) -> list[Message]:
+    """The messages compute action ``a`` waits for."""
+    k = a.microbatch
+    if a.kind is Kind.FORWARD and a.stage > 0:
+        target = a.stage == num_stages - 1 and (targets is None or k in targets)
+        return [Message(k, "A", a.stage - 1)] + ([Message(k, "T", 0)] if target else [])  # type: ignore[arg-type]
+    if a.kind is Kind.BACKWARD and a.stage < num_stages - 1:
+        return [Message(k, "G", a.stage + 1)]  # type: ignore[arg-type]
+    return []
+
+
+_UNIT = {Kind.FORWARD: 1, Kind.BACKWARD: 2, Kind.WEIGHT_GRAD: 1}  # rough relative costs, for ties only
+
+
+@dataclass(frozen=True)
+class _Sent:
+    rank: int
+    index: int  # of the sending action
+    clock: list[int]  # the sender's vector clock then
+    time: int  # when it is sent if F, B and W took 1, 2 and 1 units and transfers none
+
+
+def _send_clocks(sched: Schedule, replicas: Sequence[int]) -> dict[Message, _Sent]:
+    """Each message -> who sends it, when, and what its sender knows then (vector clock; knowledge
+    a message carries counts from the action that waits for it, ``F``/``B``)."""
+    S = len(replicas)
+    n = max(sched, default=-1) + 1
+    vc = {r: [-1] * n for r in sched}
+    now = {r: 0 for r in sched}
+    out: dict[Message, _Sent] = {}
+
+    def execute(parts: list[tuple[int, int]], a: Action) -> None:
+        if a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
+            both, t = [-1] * n, max(now[q] for q, _ in parts)
+            for q, i in parts:
+                vc[q][q] = i
+                both = [max(x, y) for x, y in zip(both, vc[q])]
+            for q, _ in parts:
+                vc[q], now[q] = list(both), t
+            return
+        (r, i) = parts[0]
+        vc[r][r] = i
+        for m in waits_of(a, S):
+            if m in out:
+                vc[r] = [max(x, y) for x, y in zip(vc[r], out[m].clock)]
+                now[r] = max(now[r], out[m].time)
+        for m in sends_of(a, S):  # a target counts as sent with its activations (at F's end): they stay adjacent
+            out[m] = _Sent(r, i, list(vc[r]), now[r] + _UNIT.get(a.kind, 0))
+        now[r] += _UNIT.get(a.kind, 0)
+
+    replay(sched, replicas, execute, name="transfer order")
+    return out
+
+
+def link_order(sched: Schedule, replicas: Sequence[int]) -> dict[tuple[int, int], list[Message]]:
+    """Per pair of ranks ``(low, high)``, the order in which both issue their messages: a linear
+    extension of happens-before (either side's sends in its own issue order; of two messages
+    neither of which happens before the other, the one sent sooner if ``F``, ``B`` and ``W`` took
+    1, 2 and 1 units, then the smaller microbatch)."""
+    ranks = stage_ranks(replicas)
+    clocks = _send_clocks(sched, replicas)
+    chains: dict[tuple[int, int], dict[int, list[Message]]] = {}
+    for m, sent in sorted(clocks.items(), key=lambda kv: (kv[1].rank, kv[1].index, kv[0].kind != "T")):
+        src, dst = endpoints(m, ranks)
+        chains.setdefault((min(src, dst), max(src, dst)), {}).setdefault(src, []).append(m)
+
+    def before(x: Message, y: Message) -> bool:  # x happens-before y
+        return clocks[y].clock[clocks[x].rank] >= clocks[x].index
+
+    def first(x: Message, y: Message) -> bool:  # x goes first: it must, or neither must and it is sent sooner
+        if before(x, y) or before(y, x):
+            return before(x, y)
+        return (clocks[x].time, x) < (clocks[y].time, y)
+
+    out: dict[tuple[int, int], list[Message]] = {}
+    for pair, by in chains.items():
+        a, b = by.get(pair[0], []), by.get(pair[1], [])
+        i = j = 0
+        seq: list[Message] = []
+        while i < len(a) or j < len(b):
+            if j == len(b) or (i < len(a) and first(a[i], b[j])):
+                seq.append(a[i])
+                i += 1
+            else:
+                seq.append(b[j])
+                j += 1
+        out[pair] = seq
+    return out
+
+
+def transfer_plan(sched: Schedule, replicas: Sequence[int]) -> Posts:
+    """Per rank and action index, the receive actions (``RF``/``RB``) to post just before that action.
+
+    On each pair's :func:`link_order`, a receive goes after this rank's sends that precede it and
+    before those that follow it, and after the pair's earlier receives; within that, as early as
+    one computation (``F``/``B``) before its own ``RF``/``RB``. Every ``RF``/``RB`` is posted exactly
+    once, at or before its own index.
+    """
+    ranks = stage_ranks(replicas)
+    S = len(replicas)
+    order = link_order(sched, replicas)
+    index: dict[Message, int] = {m: i for seq in order.values() for i, m in enumerate(seq)}
+    posts: Posts = {r: [() for _ in acts] for r, acts in sched.items()}
+    for r, acts in sched.items():
+        computes = [i for i, a in enumerate(acts) if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
+        own_send: dict[Message, int] = {}
+        recvs: dict[int, list[tuple[Message, int]]] = {}  # peer -> (primary message, its RF/RB index)
+        for i, a in enumerate(acts):
+            for m in sends_of(a, S):
+                own_send[m] = i
+            for m in receives_of(a, S):  # the activations or gradients; targets ride with activations
+                recvs.setdefault(endpoints(m, ranks)[0], []).append((m, i))
+        chosen: list[tuple[int, int, Action]] = []
+        for peer, items in recvs.items():
+            seq = order[(min(r, peer), max(r, peer))]
+            mine = [(index[m], own_send[m]) for m in seq if m in own_send]  # (order index, action index)
+            keys = [x for x, _ in mine]
+            items.sort(key=lambda it: index[it[0]])
+            lo, hi = [], []
+            for m, own in items:
+                j = bisect.bisect_left(keys, index[m])
+                lo.append(mine[j - 1][1] + 1 if j > 0 else 0)
+                hi.append(min(own, mine[j][1]) if j < len(mine) else own)
+            for t in range(len(items) - 2, -1, -1):
+                hi[t] = min(hi[t], hi[t + 1])
+            prev = 0
+            for t, (m, own) in enumerate(items):
+                c = bisect.bisect_left(computes, own)
+                want = computes[c - 1] if c > 0 else own
+                pos = min(max(want, lo[t], prev), hi[t])
+                if pos < max(lo[t], prev):
+                    raise ScheduleError(f"internal: no place on rank {r} to post the receive of {m} "
+                                        f"between steps {max(lo[t], prev)} and {hi[t]}")
+                prev = pos
+                chosen.append((pos, index[m], acts[own]))
+        for pos, _, a in sorted(chosen, key=lambda c: (c[0], c[1])):
+            posts[r][pos] = posts[r][pos] + (a,)
+    return posts
+
+
+def check_transfers(sched: Schedule, replicas: Sequence[int], posts: Posts | None = None, *,
+                    targets: Collection[int] | None = None, name: str = "schedule") -> None:
+    """Replay ``sched`` with its receives posted as ``posts`` says (default: :func:`transfer_plan`)
+    under NCCL's rules: per pair of ranks each side runs its transfers one at a time in issue order,
+    a send completes together with the peer's receive of the same message when both are next in
+    line, ``F``/``B`` wait for what they consume, ``AR``/``TG`` for their group. Tags play no part.
+    Raises :class:`ScheduleError` (rule 'transfer order') at the first pair whose next transfers
+    are different messages, or naming what every stuck rank and pair waits for."""
+    ranks = stage_ranks(replicas)
+    S = len(replicas)
+    posts = transfer_plan(sched, replicas) if posts is None else posts
+    queues: dict[tuple[int, int], deque[tuple[str, Message]]] = {}  # (rank, peer) -> issued, unfinished
+    received: dict[int, set[Message]] = {r: set() for r in sched}
+    posted: dict[int, set[Action]] = {r: set() for r in sched}
+    last = ranks[-1]
+    tposts = {r: TargetPosts(last.index(r), len(last), targets) for r in last if S > 1}
+    pcs = {r: 0 for r in sched}
+    issued = {r: False for r in sched}
+    ordinal: dict[int, list[int]] = {}
+    for r, acts in sched.items():
+        seen: Counter[Kind] = Counter()
+        ordinal[r] = []
+        for a in acts:
+            ordinal[r].append(seen[a.kind])
+            seen[a.kind] += 1
+    arrived: dict[tuple[Kind, int, int], set[int]] = {}
+
+    def fail(detail: str) -> ScheduleError:
+        return ScheduleError(f"{name}: rule 'transfer order' broken: {detail}")
+
+    def issue(r: int, kind: str, m: Message) -> None:
+        src, dst = endpoints(m, ranks)
+        queues.setdefault((r, dst if kind == "send" else src), deque()).append((kind, m))
+
+    def post(r: int, a: Action) -> None:
+        if a not in posted[r]:
+            posted[r].add(a)
+            if a.kind is Kind.RECV_ACT and r in tposts:
+                for k in tposts[r].upto(a.microbatch):  # type: ignore[arg-type]
+                    issue(r, "recv", Message(k, "T", 0))
+            for m in receives_of(a, S):
+                issue(r, "recv", m)
+
+    def issue_action(r: int, i: int) -> None:
+        a = sched[r][i]
+        for b in posts[r][i]:
+            post(r, b)
+        if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD) and a not in posted[r]:
+            raise fail(f"rank {r}: {a} (step {i}) was never posted by the plan")
+        for m in sends_of(a, S, targets):
+            issue(r, "send", m)
+
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in sched.items():
+            while pcs[r] < len(acts):
+                i = pcs[r]
+                if not issued[r]:
+                    issue_action(r, i)
+                    issued[r] = progress = True
+                a = acts[i]
+                if any(m not in received[r] for m in waits_of(a, S, targets)):
+                    break
+                if a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
+                    group = list(ranks[a.stage]) if a.kind is Kind.ALLREDUCE else sorted(sched)
+                    key = (a.kind, a.stage if a.kind is Kind.ALLREDUCE else -1, ordinal[r][i])
+                    got = arrived.setdefault(key, set())
+                    got.add(r)
+                    if len(got) < len(group):
+                        break
+                    del arrived[key]
+                    for q in group:
+                        if q != r:
+                            pcs[q] += 1
+                            issued[q] = False
+                pcs[r] += 1
+                issued[r] = False
+                progress = True
+        for (r, q), mine in list(queues.items()):
+            theirs = queues.get((q, r))
+            while mine and theirs and mine[0][0] != theirs[0][0]:
+                (k1, m1), (_, m2) = mine[0], theirs[0]
+                if m1 != m2:
+                    raise fail(f"rank {r}'s next transfer with rank {q} is to {k1} {m1}, but rank {q}'s is to "
+                               f"{'receive' if k1 == 'send' else 'send'} {m2}: NCCL pairs them (tags are ignored)")
+                mine.popleft()
+                theirs.popleft()
+                received[q if k1 == "send" else r].add(m1)
+                progress = True
+    stuck = [r for r in sched if pcs[r] < len(sched[r])]
+    lines = [f"rank {r} at {sched[r][pcs[r]]} (step {pcs[r]})" for r in stuck]
+    lines += [f"rank {r} -> {q}: next {q_[0][0]} {q_[0][1]}" for (r, q), q_ in sorted(queues.items()) if q_]
+    if lines:
+        raise fail("stuck: " + "; ".join(lines))
