@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from pdcompile.errors import CheckpointError, UsageError
-from pdcompile.runtime import allocator, checkpoint, schedules, timing
+from pdcompile.runtime import allocator, checkpoint, comm, schedules, timing
 from pdcompile.runtime.executor import ActionError, StageExecutor, WeightStore
 from pdcompile.runtime.program import Program, build, import_object
 
@@ -89,6 +89,7 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
     add_reliability_flags(p)
     return p.parse_args(argv)
 
+
 def check_args(args: argparse.Namespace, program: Program, world: int | None = None) -> None:
     """Refuse flags that cannot train (``--steps -3`` would train nothing and exit 0) and a process
     count the plan was not made for, before anything starts: a :class:`UsageError` naming the flag
@@ -120,7 +121,6 @@ def check_args(args: argparse.Namespace, program: Program, world: int | None = N
     if world != program.world_size:
         raise UsageError(f"plan.json needs {program.world_size} processes, this job has {world}: run "
                          f"torchrun --nproc-per-node={program.world_size} train.py (or re-plan for {world})")
-
 
 
 def _data_source(program: Program, args: argparse.Namespace, batch_size: int) -> Iterator[Any]:
@@ -199,6 +199,8 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
         torch.cuda.set_device(device)  # before the group: NCCL binds this rank's communicators to its GPU
     timeout = datetime.timedelta(seconds=args.timeout)
     init_process_group(backend, timeout)
+    # PDCOMPILE_NCCL_RULES=1: gloo runs point-to-point as NCCL does (the tests' check that no transfer order hangs)
+    comm.configure(nccl_rules=backend == "gloo" and os.environ.get(comm.NCCL_RULES_ENV) == "1", timeout=args.timeout)
     if keep_freed_memory(args.keep_freed_memory, _device()):
         allocator.keep_freed_memory(True)
     try:
@@ -344,6 +346,7 @@ class Trainer:
                 read = n
 
         steps = _steps(run, offset)
+        executor.begin(offset)
         times: list[float] = []
         last = self.spec.index == self.program.num_stages - 1 and rank == self.spec.ranks[0]
         done = 0
@@ -351,11 +354,11 @@ class Trainer:
         chunk = next(steps, None)
         while chunk is not None:
             upcoming = next(steps, None)
-            actions, release = chunk
+            actions, release, posts = chunk
             _maybe_fail(args, rank, actions, M)
             read_to(done + len(actions) + run.reach + 1)
             timer.start()
-            executor.run(actions, upcoming=upcoming[0] if upcoming else (), release=release)
+            executor.run(actions, release=release, posts=posts)
             timer.stop()
             done += len(actions)
             if (len(self.step_times) + timer.pending) % self.log_every == 0 or upcoming is None:
@@ -421,19 +424,25 @@ class Trainer:
         return 0
 
 
-def _steps(run: schedules.RankRun, offset: int) -> Iterator[tuple[list[schedules.Action], list[tuple[schedules.Action, ...]]]]:
+_Chunk = tuple[list[schedules.Action], list[tuple[schedules.Action, ...]], list[tuple[schedules.Action, ...]]]
+
+
+def _steps(run: schedules.RankRun, offset: int) -> Iterator[_Chunk]:
     """A run's actions cut after each optimizer step (for per-step timing and logging), each with
-    the sends released after it; microbatches shifted by ``offset`` (:func:`schedules.shift`)."""
+    the sends released after it and the receives posted before it; microbatches shifted by
+    ``offset`` (:func:`schedules.shift`)."""
     actions: list[schedules.Action] = []
     release: list[tuple[schedules.Action, ...]] = []
-    for a, sends in run:
+    posts: list[tuple[schedules.Action, ...]] = []
+    for a, sends, recvs in run.steps():
         actions.append(schedules.shift(a, offset))
         release.append(tuple(schedules.shift(b, offset) for b in sends) if sends else ())
+        posts.append(tuple(schedules.shift(b, offset) for b in recvs) if recvs else ())
         if a.kind is schedules.Kind.STEP:
-            yield actions, release
-            actions, release = [], []
+            yield actions, release, posts
+            actions, release, posts = [], [], []
     if actions:
-        yield actions, release
+        yield actions, release, posts
 
 
 def split_backward(flag: bool | None, device: torch.device) -> bool:
