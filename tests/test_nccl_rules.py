@@ -209,3 +209,37 @@ def test_nccl_rules_train_bitwise_as_plain_gloo(tmp_path: Path, name: str, stage
             assert torch.equal(plain[rank][k], ruled[rank][k]), f"rank {rank} {k} differs under NCCL rules"
         s = program.stage_of_rank(rank).index
         assert any(not torch.equal(plain[rank][k], p) for k, p in initial[s].items()), f"rank {rank} never trained"
+
+
+def test_no_transfer_carries_a_tag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Messages are told apart by order alone: comm never passes a tag (NCCL would ignore it), and
+    the packed message of several tensors of one dtype is one transfer."""
+    from pdcompile.runtime import comm
+
+    calls: list[tuple[str, int, dict[str, Any]]] = []
+
+    class _Done:
+        def wait(self) -> bool:
+            return True
+
+    def fake(kind: str) -> Any:
+        def op(tensor: torch.Tensor, peer: int, **kw: Any) -> _Done:
+            calls.append((kind, tensor.numel(), kw))
+            return _Done()
+        return op
+
+    monkeypatch.setattr(comm.dist, "isend", fake("send"))
+    monkeypatch.setattr(comm.dist, "irecv", fake("recv"))
+    comm.configure(nccl_rules=False, timeout=5)
+    comm.post_send([torch.zeros(2, 3), torch.zeros(4, dtype=torch.int64), torch.zeros(5)], 1)
+    got = comm.post_recv([torch.zeros(2, 3), torch.zeros(4, dtype=torch.int64), torch.zeros(5)], 1).wait()
+    assert [(k, n) for k, n, _ in calls] == [("send", 11), ("send", 4), ("recv", 11), ("recv", 4)]
+    assert all(kw == {} for _, _, kw in calls)
+    assert [t.shape for t in got] == [torch.Size([2, 3]), torch.Size([4]), torch.Size([5])]
+    comm.configure(nccl_rules=True, timeout=5)  # the emulation's queue calls the same ops, also untagged
+    try:
+        calls.clear()
+        works = comm.post_send([torch.zeros(3)], 1)
+        assert all(w.wait() for w in works) and calls == [("send", 3, {})]
+    finally:
+        comm.configure(nccl_rules=False, timeout=120)
