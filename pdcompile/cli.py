@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdcompile",
         description="PipeDream as a compiler: trace, profile, plan and emit pipeline-parallel training.",
-        epilog="Examples:\n  pdcompile demo\n  pdcompile plan --profile graph.txt --cluster cluster.toml\n"
+        epilog="Examples:\n  pdcompile demo\n  pdcompile plan --profile pipedream:vgg16 --cluster paper:A\n"
+        "  pdcompile plan --profile graph.txt --cluster cluster.toml\n"
         "\nExit status: 0 ok, 1 the job failed, 2 bad input.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -466,7 +466,7 @@ def resolve_path(path: str | Path) -> Path:
 
     An unknown NAME raises :class:`ProfileError` listing the available ones."""
     text = str(path)
-    if not isinstance(path, Path) and text.startswith(PIPEDREAM_PREFIX):
+    if text.startswith(PIPEDREAM_PREFIX):
         name = text[len(PIPEDREAM_PREFIX):].removesuffix(".txt")
         names = pipedream_profiles()
         if name not in names:
