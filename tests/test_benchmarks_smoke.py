@@ -36,9 +36,8 @@ def test_minmax_bounds_balance_and_respect_illegal_cuts() -> None:
     assert len(bench_partitions.minmax_bounds([1.0] * 9, 3, [True] * 8)) == 2
 
 
-@pytest.mark.skipif(not (bench_partitions.PROFILES / "alexnet.txt").exists(), reason="PipeDream profiles absent")
 def test_predicted_partitions_on_a_pipedream_profile() -> None:
-    pytest.importorskip("pdcompile.passes.partition_dp")
+    """On pipedream:alexnet, shipped in the package (never skipped)."""
     rows = bench_partitions.predicted(("alexnet",), stages=2)
     assert {r[1] for r in rows} >= {"uniform", "parameters", "time", "planner"}
     _finite_positive(*(r[3] for r in rows))
