@@ -205,7 +205,21 @@ def _flatten_program(model: torch.nn.Module, ep: torch.export.ExportedProgram,
     g.eliminate_dead_code()
     g.lint()
     gm = fx.GraphModule(attrs, g, name)
+    # The key the model's output structure names the tensor by ("logits"), so a loss written
+    # against the model's own output (``out.logits``) can be traced onto the tensor the last stage returns.
+    gm.meta["pd.output_key"] = _output_key(ep.call_spec.out_spec, output)
     return gm
+
+
+def _output_key(spec: Any, output: str | int | None) -> str | None:
+    """The key (of a mapping / ``ModelOutput`` output) of the selected tensor; None for a tensor or a position."""
+    if spec.is_leaf() or isinstance(output, int):
+        return None
+    keys = _keys(spec)
+    if isinstance(output, str):
+        return output
+    found = next((k for k in DEFAULT_OUTPUT_KEYS if keys and k in keys), None)
+    return found if isinstance(found, str) else None
 
 
 def _model_tensor(model: torch.nn.Module, ep: torch.export.ExportedProgram, target: str) -> torch.Tensor:

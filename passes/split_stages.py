@@ -36,6 +36,7 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
+import keyword
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,6 +96,8 @@ def _indent(text: str, n: int) -> str:
 
 def _flat(target: str, used: dict[str, str]) -> str:
     name = target.replace(".", "_")
+    if not name.isidentifier() or keyword.iskeyword(name):  # nn.Sequential's "0" -> "_0" (a Python name)
+        name = f"_{name}"
     base, i = name, 1
     while name in used and used[name] != target:
         name, i = f"{base}_{i}", i + 1

@@ -11,6 +11,12 @@
 
 ``example_inputs`` is one *minibatch*; it is split along dim 0 into ``num_microbatches``
 microbatches of ``microbatch_size`` samples.
+
+``loss_fn`` is any callable ``(output, target) -> scalar tensor`` (a function, a lambda, a closure,
+``functools.partial(F.cross_entropy, label_smoothing=0.1)``, an nn.Module); it is traced into the
+last stage's emitted source (:mod:`pdcompile.passes.trace_loss`). It may read ``out.logits`` of a
+Hugging Face model's output. Tracing needs one target: ``example_target=``, ``emit(target=)``, or,
+for ``run(data)``, the first minibatch of ``data``.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import functools
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +41,7 @@ from pdcompile.passes.linearize import linearize, report
 from pdcompile.passes.shapes import format_graph_with_shapes, propagate_shapes
 from pdcompile.passes.split_stages import StageSplit, split_stages
 from pdcompile.passes.export_frontend import trace_any
+from pdcompile.passes.trace_loss import LossTraceError, TracedLoss, example_output, loss_name, trace_loss
 from pdcompile.runtime import schedules
 
 SCHEDULE_NAMES = tuple(schedules.SCHEDULES)  # gpipe, flush, 1f1b, 1f1b-rr, 2bw
@@ -46,7 +53,7 @@ _PLANNER_SCHEDULE = {"gpipe": "flush", "1f1b-rr": "1f1b"}
 class Options:
     """Everything ``pdcompile`` was asked for, checked up front."""
 
-    loss_fn: torch.nn.Module
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]  # any (output, target) -> scalar; traced (trace-loss)
     optimizer: Callable[[Any], torch.optim.Optimizer]
     cluster: Any = None
     schedule: str = "flush"
@@ -79,9 +86,14 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
     example_inputs = tuple(example_inputs)
     if not all(isinstance(x, torch.Tensor) and x.dim() > 0 for x in example_inputs):
         raise UsageError("pdcompile: example_inputs must be tensors with a batch dimension (dim 0)")
-    if not isinstance(opts.loss_fn, torch.nn.Module):
-        raise UsageError("pdcompile: loss_fn must be an nn.Module such as torch.nn.CrossEntropyLoss() "
-                         "(the emitted program rebuilds it from its class)")
+    if not callable(opts.loss_fn):
+        raise UsageError(f"pdcompile: loss_fn must be callable as loss_fn(output, target) -> scalar tensor, "
+                         f"got {type(opts.loss_fn).__name__}. Fix: pass a function, a lambda, "
+                         f"functools.partial(F.cross_entropy, ...) or an nn.Module")
+    if opts.example_target is not None and (not isinstance(opts.example_target, torch.Tensor)
+                                            or opts.example_target.dim() == 0):
+        raise UsageError("pdcompile: example_target must be a tensor with a batch dimension (one minibatch "
+                         "of targets)")
     if opts.schedule not in SCHEDULE_NAMES:
         raise UsageError(f"pdcompile: schedule must be one of {SCHEDULE_NAMES}, got {opts.schedule!r}")
     batch = example_inputs[0].shape[0]
@@ -116,13 +128,16 @@ class CompiledPipeline:
         micro = tuple(x[: self.microbatch_size] for x in self.example_inputs)
         state = CompileState(model=model, example_inputs=micro)
         self.state, self.records = passmanager.run_passes(self._passes(), state, dump_dir)
+        self._losses: dict[tuple[tuple[int, ...], str], tuple[TracedLoss | None, dict[str, Any]]] = {}
+        if "loss" in self.state.extra:
+            t = self._micro_target(opts.example_target)
+            self._losses[_target_key(t)] = self.state.extra["loss"]
 
     # passes -----------------------------------------------------------------------------------
     def _passes(self) -> list[passmanager.Pass]:
         opts = self.options
         return [
-            passmanager.Pass("trace", lambda s: s.replace(gm=trace_any(s.model, s.example_inputs, opts.leaf_modules,
-                                                                       opts.frontend, output=opts.output)),
+            passmanager.Pass("trace", self._trace,
                              lambda s: s.gm.code.strip() + "\n\n" + str(s.gm.graph)),
             passmanager.Pass("propagate-shapes", lambda s: s.replace(gm=propagate_shapes(s.gm, s.example_inputs)),
                              lambda s: format_graph_with_shapes(s.gm)),
@@ -131,7 +146,62 @@ class CompiledPipeline:
             passmanager.Pass("partition", self._partition, lambda s: _fmt_partition(s)),
             passmanager.Pass("split-stages", self._split, lambda s: str(s.stages)),
             passmanager.Pass("schedule", self._schedule, lambda s: schedules.format_grid(s.schedule, compute_only=False)),
-        ]
+        ] + ([passmanager.Pass("trace-loss", self._trace_loss, lambda s: _fmt_loss(s.extra["loss"]))]
+             if opts.example_target is not None else [])
+
+    def _trace_loss(self, s: CompileState) -> CompileState:
+        """Trace loss_fn on the last stage's output and one microbatch of targets (see trace_loss)."""
+        micro = self._micro_target(self.options.example_target)
+        return s.replace(extra={**s.extra, "loss": self._loss_program(s, micro)})
+
+    def _loss_program(self, s: CompileState, target: torch.Tensor) -> tuple[TracedLoss | None, dict[str, Any]]:
+        """(the traced loss, its plan.json entry). An nn.Module loss neither fx nor export can capture
+        (a .item() for logging) but whose class rebuilds it is named by class path, as before losses
+        were traced: (None, {"class", "kwargs", ...})."""
+        loss_fn = self.options.loss_fn
+        last = s.stages.stages[-1]
+        out_node = last.gm.graph.output_node()
+        meta = _output_meta(out_node.args[0])
+        try:
+            traced = trace_loss(loss_fn, example_output(meta), target, output_key=s.extra.get("output_key"))
+        except LossTraceError as e:
+            if not isinstance(loss_fn, torch.nn.Module):
+                raise
+            try:
+                return None, {**codegen.object_spec(loss_fn).to_json(), "traced": None, "why": str(e)}
+            except Exception:  # noqa: BLE001 - neither way: the tracing error says what to fix
+                raise e from None
+        return traced, {"traced": traced.frontend, "from": loss_name(loss_fn)}
+
+    def _micro_target(self, target: torch.Tensor) -> torch.Tensor:
+        return target[: self.microbatch_size]
+
+    def loss(self, target: torch.Tensor | None = None) -> TracedLoss | None:
+        """The traced loss for targets like ``target`` (one minibatch; default example_target)."""
+        return self._loss_for(self._target_or_error(target))[0]
+
+    def _loss_for(self, target: torch.Tensor) -> tuple[TracedLoss | None, dict[str, Any]]:
+        micro = self._micro_target(target)
+        key = _target_key(micro)
+        if key not in self._losses:
+            self._losses[key] = self._loss_program(self.state, micro)
+        return self._losses[key]
+
+    def _target_or_error(self, target: torch.Tensor | None) -> torch.Tensor:
+        target = target if target is not None else self.options.example_target
+        if target is None:
+            raise UsageError("pdcompile: the last stage must know the target's shape: pass example_target= "
+                             "(one minibatch of targets) to pdcompile, or target= to emit(); run(data) reads it "
+                             "from the data")
+        if not isinstance(target, torch.Tensor) or target.dim() == 0:
+            raise UsageError("pdcompile: the target must be a tensor with a batch dimension (one minibatch)")
+        return target
+
+    def _trace(self, s: CompileState) -> CompileState:
+        opts = self.options
+        gm = trace_any(s.model, s.example_inputs, opts.leaf_modules, opts.frontend, output=opts.output)
+        # the key of the model's output structure the graph returns ("logits"): the loss may read out.logits
+        return s.replace(gm=gm, extra={**s.extra, "output_key": gm.meta.get("pd.output_key")})
 
     def _annotate(self, s: CompileState) -> CompileState:
         opts = self.options
@@ -290,16 +360,13 @@ class CompiledPipeline:
     def program_fields(self, data: dict[str, Any] | None = None,
                        target: torch.Tensor | None = None) -> dict[str, Any]:
         """plan.json fields beyond the split: schedule, microbatching, loss, optimizer, data, target."""
-        target = target if target is not None else self.options.example_target
-        if target is None:
-            raise UsageError("pdcompile: the last stage must know the target's shape: pass example_target= "
-                             "(one minibatch of targets) to pdcompile, or target= to emit()")
-        t = target[: self.microbatch_size]
+        target = self._target_or_error(target)
+        t = self._micro_target(target)
         return {
             "schedule": self.options.schedule,
             "microbatch_size": self.microbatch_size,
             "num_microbatches": self.num_microbatches,
-            "loss": codegen.object_spec(self.options.loss_fn).to_json(),
+            "loss": self._loss_for(target)[1],
             "optimizer": codegen.optimizer_spec(self.options.optimizer).to_json(),
             "target": {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "requires_grad": False},
             "data": data if data is not None else self.options.data,
@@ -310,8 +377,10 @@ class CompiledPipeline:
     def emit(self, folder: str | os.PathLike[str], *, data: dict[str, Any] | None = None,
              target: torch.Tensor | None = None) -> Path:
         """Write the torchrun program (stage modules, weights, plan.json, train.py) into ``folder``."""
-        return codegen.emit(self.split, folder, program=self.program_fields(data, target),
-                            model_name=type(self.model).__name__)
+        fields = self.program_fields(data, target)
+        traced = self._loss_for(self._target_or_error(target))[0]
+        return codegen.emit(self.split, folder, program=fields, model_name=type(self.model).__name__,
+                            loss=traced.gm if traced is not None else None)
 
 
     def run(self, data: Iterable[Any], steps: int, *, out: str | os.PathLike[str] | None = None,
@@ -320,6 +389,7 @@ class CompiledPipeline:
 
         ``data``: a DataLoader or any iterable of ``(inputs, target)`` minibatches of the size the
         pipeline was compiled for. They are saved next to the program and read by the first stage.
+        The target's shape and dtype come from the first minibatch (no example_target= needed).
         """
         from pdcompile.launcher import launch
         from pdcompile.runtime.data import save_batches
@@ -328,13 +398,15 @@ class CompiledPipeline:
             raise UsageError("run: steps must be at least 1")
         folder = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="pdcompile-run-"))
         folder.mkdir(parents=True, exist_ok=True)
-        size = save_batches(data, steps, folder / "data.pt")
+        first: list[torch.Tensor] = []
+        size = save_batches(_noting_first_target(data, first), steps, folder / "data.pt")
         want = self.microbatch_size * self.num_microbatches
         if size != want:
             raise UsageError(f"run: minibatches have {size} samples, the pipeline was compiled for {want} "
                              f"({self.num_microbatches} x {self.microbatch_size}); recompile or rebatch")
         prog = self.emit(folder / "program", data={"factory": "pdcompile.runtime.data:from_file",
-                                                   "kwargs": {"path": str((folder / "data.pt").resolve())}})
+                                                   "kwargs": {"path": str((folder / "data.pt").resolve())}},
+                         target=self._data_target(first[0]))
         on_line = (lambda line: print(line, flush=True)) if progress else None
         rc, log = launch(prog, self.world_size, ["--steps", str(steps), "--save-final", str(folder / "final"),
                                                  "--metrics", str(folder / "metrics"), *extra_args],
@@ -344,6 +416,30 @@ class CompiledPipeline:
             raise RuntimeError(f"run: training failed with exit status {rc}; log in {folder / 'train.log'}:\n"
                                + log[-2000:])
         return RunResult(folder, prog, _aliases(self.model))
+
+    def _data_target(self, target: torch.Tensor) -> torch.Tensor:
+        """The first minibatch's target, checked against example_target= when that was given too."""
+        given = self.options.example_target
+        if given is not None and _target_key(self._micro_target(given)) != _target_key(self._micro_target(target)):
+            g, t = self._micro_target(given), self._micro_target(target)
+            raise UsageError(f"run: the data's targets are {t.dtype} {tuple(t.shape)} per microbatch, but "
+                             f"example_target= is {g.dtype} {tuple(g.shape)}; drop example_target= (run reads "
+                             f"the target from the data) or make them agree")
+        return target
+
+
+def _noting_first_target(data: Iterable[Any], first: list[torch.Tensor]) -> Iterator[Any]:
+    """``data``'s minibatches, appending the first one's target to ``first`` as it passes."""
+    for batch in data:
+        if not first:
+            try:
+                _, target = batch
+            except (TypeError, ValueError):
+                raise UsageError("run: data must yield (inputs, target) pairs") from None
+            if not isinstance(target, torch.Tensor) or target.dim() == 0:
+                raise UsageError("run: each minibatch's target must be a tensor with a batch dimension")
+            first.append(target)
+        yield batch
 
 
 def _aliases(model: torch.nn.Module) -> dict[str, str]:
@@ -388,6 +484,22 @@ def device_spec_for(cluster: Any) -> DeviceSpec:
     if dev.peak_flops:
         return DeviceSpec(dev.name, dev.peak_flops, dev.memory_bandwidth or base.mem_bandwidth)
     return base
+
+
+def _output_meta(arg: Any) -> Any:
+    """The ``pd.tensor`` metas of a graph's output argument, in its structure (tuple, dict, one tensor)."""
+    import torch.fx as fx
+
+    return fx.node.map_aggregate(arg, lambda a: a.meta.get("pd.tensor") if isinstance(a, fx.Node) else a)
+
+
+def _target_key(t: torch.Tensor) -> tuple[tuple[int, ...], str]:
+    return tuple(t.shape), str(t.dtype)
+
+
+def _fmt_loss(loss: tuple[TracedLoss | None, dict[str, Any]]) -> str:
+    traced, entry = loss
+    return str(traced) if traced is not None else f"loss by class path (not traced): {json.dumps(entry)}"
 
 
 def _fmt_partition(s: CompileState) -> str:
@@ -435,7 +547,7 @@ def balanced_bounds(chain: Any, num_stages: int) -> list[int]:
 
 
 def pdcompile(model: Any = None, cluster: Any = None, *, example_inputs: Any = None,
-              loss_fn: torch.nn.Module | None = None,
+              loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
               optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, schedule: str = "flush",
               microbatch_size: int | None = None, num_microbatches: int | None = None,
               stages: int | None = None, leaf_modules: Sequence[Any] = (), dump_dir: str | None = None,

@@ -267,7 +267,7 @@ class Trainer:
         optimizer = build(program.raw["optimizer"], module.parameters())
         sched_spec = program.raw.get("lr_scheduler")
         self.lr_scheduler = lr_scheduler = build(sched_spec, optimizer) if sched_spec else None
-        loss_fn = build(program.raw["loss"]) if spec.index == program.num_stages - 1 else None
+        loss_fn = program.build_loss(_device()) if spec.index == program.num_stages - 1 else None
         self.M = M = args.microbatches
         local = local_targets(program, args) and program.num_stages > 1
         reads_data = spec.index == 0 or (local and spec.index == program.num_stages - 1)

@@ -82,13 +82,35 @@ class Program:
 
     def build_stage(self, index: int) -> torch.nn.Module:
         st = self.stages[index]
-        spec = importlib.util.spec_from_file_location(f"pdcompile_stage_{index}", self.folder / st.module)
-        assert spec and spec.loader
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        module: torch.nn.Module = getattr(mod, st.cls)()
+        module: torch.nn.Module = getattr(_load_file(self.folder / st.module, f"pdcompile_stage_{index}"), st.cls)()
         load_weights(module, self.folder / st.weights)
         return module
+
+    def build_loss(self, device: torch.device | str | None = None) -> Any:
+        """The training loss ``loss(output, target)``: the traced ``class Loss`` of the emitted source
+        (``{"module", "class", "weights"}``), or, in programs that name it by class path
+        (``{"class", "kwargs"}``), that class rebuilt. Moved to ``device`` when given."""
+        spec = self.raw.get("loss")
+        if spec is None:
+            return None
+        if "module" in spec:
+            loss = getattr(_load_file(self.folder / spec["module"], "pdcompile_loss"), spec["class"])()
+            if spec.get("weights"):
+                load_weights(loss, self.folder / spec["weights"])
+        else:
+            loss = build(spec)
+        if device is not None and isinstance(loss, torch.nn.Module):
+            loss = loss.to(device)
+        return loss
+
+
+def _load_file(path: Path, name: str) -> Any:
+    """Import the Python file ``path`` as a fresh module called ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def load_weights(module: torch.nn.Module, path: str | Path) -> None:

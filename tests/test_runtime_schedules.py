@@ -83,7 +83,7 @@ def _reference(prog: Path, name: str, versions: tuple[Any, Any, Any], scale: flo
         micro += [(tuple(x[j] for x in ins), target.split(b)[j]) for j in range(MICRO)]
     fwd, bwd, group = versions
     tied = [[(s, n) for s, n in grp] for grp in program.raw.get("tied", [])]
-    reference.train_versioned(stages, optimizers, build(program.raw["loss"]), micro, fwd=fwd, bwd=bwd,
+    reference.train_versioned(stages, optimizers, program.build_loss(), micro, fwd=fwd, bwd=bwd,
                               group=group, scale=scale, tied=tied)
     return [{k: p.detach() for k, p in m.named_parameters()} for m in stages]
 

@@ -1,0 +1,273 @@
+"""trace-loss: the user's ``loss_fn(output, target)`` -> a GraphModule the last stage runs as code.
+
+``loss_fn`` may be any callable returning a scalar tensor: a function, a lambda, a closure, a
+``functools.partial``, an ``nn.Module``. It is traced like the model, so the emitted program holds
+the loss as Python source (a ``Loss`` class in the last stage's ``stage_K.py``, its captured tensors
+in ``loss.pt``) instead of a pickled object or a class path that must be importable.
+
+Before::
+
+    loss_fn = functools.partial(F.cross_entropy, label_smoothing=0.1)
+
+After::
+
+    def forward(self, output, target):
+        cross_entropy = torch.nn.functional.cross_entropy(output, target, ..., label_smoothing = 0.1)
+        return cross_entropy
+
+Rules:
+
+* ``output`` is what the last stage returns. The export front end returns one tensor of the model's
+  output structure (``ModelOutput.logits``); a loss written against the model's own output reads it
+  as ``out.logits`` or ``out["logits"]``, and both are that tensor here (``out["logits"]`` with fx
+  only). Reading any other entry (``out.hidden_states``) is refused: the pipeline does not compute it.
+* torch.fx first (``symbolic_trace`` of a wrapper ``(output, target) -> loss``, tracing through every
+  module, ``torch.nn`` losses included, so the code shows ``cross_entropy``); if fx can't
+  (shape-dependent Python), ``torch.export`` at the example's shapes.
+* Captured tensors (class weights) become buffers; parameters that require grad are refused (the
+  pipeline's optimizer trains only the model).
+* Refused with :class:`UsageError` naming the construct and the fix: host syncs (``.item()``,
+  ``.tolist()``, ``float(t)``), Python control flow on tensor values, a result that is not a scalar
+  tensor, a traced loss that disagrees with calling ``loss_fn`` on the example.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from pdcompile.errors import PdcompileError, UsageError
+from pdcompile.ir import TensorMeta
+from pdcompile.passes.trace import _host_syncs, _user_frame
+
+_HOST_SYNC_OPS = ("aten::_local_scalar_dense", "aten::item")
+_FIX = ("write the loss with tensor operations only: no .item()/float()/.tolist(), no Python if/while on a "
+        "tensor's value (use torch.where), nothing read from outside but constants")
+
+
+class LossTraceError(UsageError):
+    """Neither torch.fx nor torch.export can capture the loss (host syncs, control flow on values)."""
+
+
+@dataclass(frozen=True)
+class TracedLoss:
+    """The loss as a GraphModule ``forward(output, target) -> scalar``, and the front end that traced it."""
+
+    gm: fx.GraphModule
+    frontend: str  # "fx" or "export"
+
+    def __str__(self) -> str:
+        return f"loss traced by {self.frontend}\n" + self.gm.code.strip()
+
+
+class _LossWrapper(torch.nn.Module):
+    """``(output, target) -> loss_fn(output, target)``, with ``output.<key>`` being ``output`` itself."""
+
+    def __init__(self, fn: Callable[..., Any], key: str | None) -> None:
+        super().__init__()
+        self.fn = fn  # an nn.Module is registered (and traced through); a function is kept as is
+        self.pd_key = key
+
+    def forward(self, output: Any, target: Any) -> Any:
+        if self.pd_key is not None:  # the model's out.logits is the tensor the last stage returns
+            object.__setattr__(output, self.pd_key, output)
+        return self.fn(output, target)
+
+
+class _ThroughTracer(fx.Tracer):
+    """fx.Tracer that traces through every module: the loss ends as functional code."""
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return False
+
+
+def loss_name(fn: Any) -> str:
+    """A readable name of the loss for messages."""
+    if isinstance(fn, torch.nn.Module):
+        return type(fn).__name__
+    inner = getattr(fn, "func", fn)  # functools.partial
+    return getattr(inner, "__qualname__", None) or type(fn).__name__
+
+
+def example_output(meta: Any, seed: int = 0) -> Any:
+    """A tensor (or the structure of tensors) ``meta`` describes, with seeded random values."""
+    g = torch.Generator().manual_seed(seed)
+    if isinstance(meta, TensorMeta):
+        dtype = getattr(torch, meta.dtype.replace("torch.", ""))
+        if dtype.is_floating_point or dtype.is_complex:
+            return torch.randn(meta.shape, generator=g).to(dtype)
+        return torch.zeros(meta.shape, dtype=dtype)
+    if isinstance(meta, dict):
+        return {k: example_output(v, seed + i) for i, (k, v) in enumerate(meta.items())}
+    if isinstance(meta, (tuple, list)):
+        values = [example_output(v, seed + i) for i, v in enumerate(meta)]
+        return tuple(values) if isinstance(meta, tuple) else values
+    return meta
+
+
+def trace_loss(loss_fn: Any, output: Any, target: torch.Tensor, *, output_key: str | None = None) -> TracedLoss:
+    """Trace ``loss_fn`` applied to the last stage's ``output`` (an example value) and ``target``
+    (one microbatch of targets) into a :class:`TracedLoss`, or raise :class:`UsageError` saying why."""
+    name = loss_name(loss_fn)
+    if not callable(loss_fn):
+        raise UsageError(f"pdcompile: loss_fn must be a callable (output, target) -> scalar tensor, "
+                         f"got {type(loss_fn).__name__}")
+    key = output_key if output_key is not None and not hasattr(torch.Tensor, output_key) else None
+    try:
+        traced = _fx(loss_fn, key, isinstance(output, torch.Tensor))
+    except UsageError:
+        raise
+    except Exception as fx_error:  # noqa: BLE001 - try torch.export below, report both
+        if not isinstance(output, torch.Tensor):
+            raise LossTraceError(f"pdcompile: loss_fn {name} can't be traced: torch.fx: {_why(fx_error)}. "
+                                 f"Fix: {_FIX}") from fx_error
+        try:
+            traced = _export(loss_fn, key, output, target)
+        except UsageError:
+            raise
+        except Exception as ex_error:  # noqa: BLE001
+            raise LossTraceError(f"pdcompile: loss_fn {name} can't be traced: torch.fx: {_why(fx_error)}; "
+                                 f"torch.export: {_why(ex_error)}. Fix: {_FIX}") from ex_error
+    _check(traced, loss_fn, key, output, target, name)
+    return traced
+
+
+def _why(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    where = _user_frame(e.__traceback__)
+    return f"{type(e).__name__}: {msg}" + (f" (at {where})" if where else "")
+
+
+def _private(loss_fn: Any) -> Any:
+    """A copy of an nn.Module loss to trace: tracing runs its forward on proxies, and whatever it assigns
+    (``self.last = loss.item()``) must not land on the user's module."""
+    if not isinstance(loss_fn, torch.nn.Module):
+        return loss_fn
+    try:
+        return copy.deepcopy(loss_fn)
+    except Exception:  # noqa: BLE001 - an uncopyable module is traced as it is
+        return loss_fn
+
+
+def _fx(loss_fn: Any, key: str | None, tensor_output: bool) -> TracedLoss:
+    wrapper = _LossWrapper(_private(loss_fn), key)
+    tracer = _ThroughTracer()
+    tracer.record_stack_traces = True
+    graph = tracer.trace(wrapper)
+    gm = fx.GraphModule(tracer.root, graph, "Loss")
+    out_ph = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    for n in list(gm.graph.nodes):  # out["logits"]: the output itself, like out.logits
+        if n.op != "call_function" or n.target not in (getattr, operator.getitem) or len(n.args) < 2 \
+                or n.args[0] is not out_ph or not isinstance(n.args[1], str):
+            continue
+        field = n.args[1]
+        if field == key:
+            n.replace_all_uses_with(out_ph)
+            gm.graph.erase_node(n)
+        elif tensor_output and not hasattr(torch.Tensor, field):
+            raise UsageError(
+                f"pdcompile: loss_fn {loss_name(loss_fn)} reads output.{field} (or output[{field!r}]), but the "
+                f"last stage returns only one tensor of the model's output"
+                f"{f' (its {key!r})' if key else ''}. Fix: compute the loss from that tensor, or choose "
+                f"another model output with output=")
+    gm.graph.eliminate_dead_code()  # what the loss computes but never uses (a .item() kept for logging) goes
+    syncs = _host_syncs(gm)
+    if syncs:
+        found = "; ".join(f"{o.detail}{f' at {o.where}' if o.where else ''}" for o in syncs)
+        raise LossTraceError(f"pdcompile: loss_fn {loss_name(loss_fn)} can't be traced: host sync: {found}. "
+                             f"Fix: {_FIX}")
+    return TracedLoss(_flat(gm), "fx")
+
+
+def _export(loss_fn: Any, key: str | None, output: torch.Tensor, target: torch.Tensor) -> TracedLoss:
+    from pdcompile.passes.export_frontend import export_trace
+
+    try:
+        gm = export_trace(_LossWrapper(_private(loss_fn), key), (output, target))
+    except PdcompileError as e:
+        cause = e.__cause__ if e.__cause__ is not None else e
+        raise RuntimeError(_why(cause) if cause is not e else str(e).split(". Fix:")[0]) from cause
+    for n in gm.graph.nodes:
+        if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.name in _HOST_SYNC_OPS:
+            raise LossTraceError(f"pdcompile: loss_fn {loss_name(loss_fn)} can't be traced: host sync "
+                                 f"({n.target._schema.name}: .item() or float() of a tensor). Fix: {_FIX}")
+    return TracedLoss(_flat(gm), "export")
+
+
+def _flat(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose tensors are top-level attributes (``fn.weight`` -> ``fn_weight``), the
+    form the emitted class declares them in."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    attrs: dict[str, Any] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            obj: Any = gm
+            for part in str(n.target).split("."):
+                obj = getattr(obj, part)
+            flat = str(n.target).replace(".", "_")
+            while flat in attrs and attrs[flat] is not obj:
+                flat += "_"
+            attrs[flat] = obj
+            env[n] = g.get_attr(flat)
+        elif n.op == "call_module":  # pragma: no cover - the tracer traces through every module
+            raise UsageError(f"pdcompile: loss_fn keeps module {n.target!r} whole; it can't be emitted")
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
+        env[n].meta = {k: v for k, v in n.meta.items() if k in ("stack_trace",)}
+        env[n].type = None  # the wrapper's annotations (Any) are not the emitted code's business
+    return fx.GraphModule(attrs, g, "Loss")
+
+
+def _check(traced: TracedLoss, loss_fn: Any, key: str | None, output: Any, target: torch.Tensor, name: str) -> None:
+    """The traced loss must train nothing of its own, return a scalar, and equal ``loss_fn`` on the example."""
+    trainable = [n for n, p in traced.gm.named_parameters() if p.requires_grad]
+    if trainable:
+        raise UsageError(f"pdcompile: loss_fn {name} has trainable parameters {trainable}; the pipeline trains "
+                         f"only the model's. Fix: make them part of the model, or requires_grad_(False)")
+    dev = next((t.device for t in traced.gm.buffers()), torch.device("cpu"))
+    out = _to(output, dev)
+    tgt = target.to(dev)
+    try:
+        got = traced.gm(out, tgt)
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"pdcompile: the traced loss_fn {name} fails on the example output and target: "
+                         f"{_why(e)}. Fix: check the loss against the model's output and the target's shape") from e
+    if not isinstance(got, torch.Tensor) or got.numel() != 1 or not got.is_floating_point():
+        what = f"a tensor of shape {tuple(got.shape)}, {got.dtype}" if isinstance(got, torch.Tensor) \
+            else type(got).__name__
+        raise UsageError(f"pdcompile: loss_fn {name} returns {what}; a pipeline needs a scalar floating-point "
+                         f"tensor. Fix: reduce it (reduction='mean', .mean() or .sum())")
+    try:
+        view = _to(output, dev)
+        if key is not None and isinstance(view, torch.Tensor):
+            view = view.clone()
+            object.__setattr__(view, key, view)
+        with warnings.catch_warnings():  # out["logits"] on the plain tensor warns, then fails
+            warnings.simplefilter("ignore")
+            want = loss_fn(view, tgt)
+    except Exception:  # noqa: BLE001 - e.g. out["logits"] on the plain tensor: the graph already says what it does
+        return
+    if isinstance(want, torch.Tensor) and want.numel() == 1:
+        a, b = float(got.detach()), float(want.detach())
+        if not (math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) or (math.isnan(a) and math.isnan(b))):
+            raise UsageError(f"pdcompile: the traced loss_fn {name} gives {a} on the example, calling it gives {b}: "
+                             f"it depends on something tracing can't see (global state, randomness). Fix: {_FIX}")
+
+
+def _to(value: Any, dev: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dev)
+    if isinstance(value, dict):
+        return {k: _to(v, dev) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, dev) for v in value)
+    return copy.copy(value)
