@@ -36,7 +36,7 @@ import torch.distributed as dist
 from pdcompile.runtime import comm
 from pdcompile.runtime.program import Program, StageSpec
 from pdcompile.runtime.schedules import Action, Kind
-from pdcompile.runtime.transfers import TargetPosts
+from pdcompile.runtime.schedules.transfers import TargetPosts
 from pdcompile.runtime.weight_grads import WeightPass
 
 

@@ -217,7 +217,7 @@ def test_segments_cut_at_checkpoints() -> None:
 
 
 def test_shift_renumbers_microbatches_not_versions() -> None:
-    acts = [Action(0, Kind.WEIGHT_VERSION, 1), Action(0, Kind.FORWARD, 0), Action(0, Kind.STEP)]
+    acts = [Action(0, Kind.WEIGHT_VERSION, version=1), Action(0, Kind.FORWARD, 0), Action(0, Kind.STEP)]
     assert [str(shift(a, 4)) for a in acts] == [str(acts[0]), str(Action(0, Kind.FORWARD, 4)), str(acts[2])]
 
 

@@ -22,7 +22,7 @@ from pdcompile.launcher import free_port, launch
 from pdcompile.runtime import schedules
 from pdcompile.runtime.program import Program
 from pdcompile.runtime.schedules import Kind, make_schedule
-from pdcompile.runtime.transfers import Message, check_transfers, link_order, transfer_plan
+from pdcompile.runtime.schedules.transfers import Message, check_transfers, link_order, transfer_plan
 from pdcompile.zoo import get
 
 # ------------------------------------------------------------------------------------------------

@@ -46,10 +46,14 @@ def test_action_rejects(text: str) -> None:
 
 
 def test_weight_version_action() -> None:
-    a = Action(0, Kind.WEIGHT_VERSION, 2)
-    assert a.version == 2 and str(a) == "0WV2"
-    with pytest.raises(ValueError):
-        Action(0, Kind.FORWARD, 1).version
+    """A weight version is its own field: WV has one and no microbatch, the others the reverse."""
+    a = Action(0, Kind.WEIGHT_VERSION, version=2)
+    assert a.version == 2 and a.microbatch is None and str(a) == "0WV2" and Action.from_str("0WV2") == a
+    assert Action(0, Kind.FORWARD, 1).version is None and Action(0, Kind.FORWARD, 1).mb == 1
+    for bad in (lambda: Action(0, Kind.WEIGHT_VERSION, 2), lambda: Action(0, Kind.FORWARD, 1, version=1),
+                lambda: Action(0, Kind.STEP).mb):
+        with pytest.raises(ValueError):
+            bad()
 
 
 def test_stage_ranks_and_round_robin() -> None:
@@ -88,7 +92,7 @@ rank 3: 3F0 3B0 3ST 3F1 3B1 3ST 3F2 3B2 3ST 3F3 3B3 3ST 3F4 3B4 3ST 3F5 3B5 3ST 
 def test_golden_1f1b_rr_2_1() -> None:
     # stage 0 on ranks 0 and 1 (even / odd microbatches), stage 1 on rank 2; NOAM = ceil(3/2) = 2;
     # the replicas all-reduce after each backward and step together, once per 2 microbatches.
-    sched = make_schedule("1f1b-rr", [2, 1], 6)
+    sched = make_schedule("1f1b", [2, 1], 6)
     assert format_grid(sched, compute_only=False) == """\
 rank 0: 0F0  0SF0 0F2  0SF2 0RB0 0B0  0AR  0ST  0WV1 0F4  0SF4 0RB2 0B2  0AR  0ST  0RB4 0B4  0AR  0ST
 rank 1: 0F1  0SF1 0F3  0SF3 0RB1 0B1  0AR  0ST  0WV1 0F5  0SF5 0RB3 0B3  0AR  0ST  0RB5 0B5  0AR  0ST
@@ -328,11 +332,11 @@ def test_rejects_wrong_rank_set_and_stage() -> None:
 
 
 def test_rejects_round_robin_violation() -> None:
-    sched = make_schedule("1f1b-rr", [2, 1], 4)
+    sched = make_schedule("1f1b", [2, 1], 4)
     bad = dict(sched)
     # replica 0 receives microbatch 1's gradient, which belongs to replica 1
     bad[0] = [Action(0, Kind.RECV_GRAD, 1) if str(a) == "0RB0" else a for a in sched[0]]
-    _expect("round-robin routing", bad, [2, 1], 4, "1f1b-rr", at="0RB1")
+    _expect("round-robin routing", bad, [2, 1], 4, "1f1b", at="0RB1")
 
 
 def test_rejects_duplicate_or_missing_compute() -> None:
@@ -385,16 +389,16 @@ def test_rejects_misplaced_steps() -> None:
     _expect("steps", bad, [1, 1], 4, "1f1b", at="0ST")
     sched = make_schedule("flush", [1, 1], 2, tied=True)
     _expect("steps", {0: sched[0], 1: [a for a in sched[1] if a.kind is not Kind.TIED_GRADS]}, [1, 1], 2, "flush")
-    sched = make_schedule("1f1b-rr", [2, 1], 4)
+    sched = make_schedule("1f1b", [2, 1], 4)
     bad = dict(sched)
     bad[0] = [a for a in sched[0] if a.kind is not Kind.ALLREDUCE]
-    _expect("steps", bad, [2, 1], 4, "1f1b-rr", at="0ST")
+    _expect("steps", bad, [2, 1], 4, "1f1b", at="0ST")
 
 
 def test_rejects_wrong_weight_version() -> None:
     sched = make_schedule("2bw", [1, 1], 2, num_steps=3)
     bad = dict(sched)
-    bad[0] = [Action(0, Kind.WEIGHT_VERSION, 2) if str(a) == "0WV1" else a for a in sched[0]]
+    bad[0] = [Action(0, Kind.WEIGHT_VERSION, version=2) if str(a) == "0WV1" else a for a in sched[0]]
     _expect("weight versions", bad, [1, 1], 2, "2bw", at="0WV2", num_steps=3)
     bad[0] = [a for a in sched[0] if a.kind is not Kind.WEIGHT_VERSION]  # no stashing switch at all
     _expect("weight versions", bad, [1, 1], 2, "2bw", at="0F4", num_steps=3)
@@ -437,7 +441,7 @@ def test_replay_reports_missing_sender() -> None:
 @pytest.mark.parametrize("parts", [False, True], ids=["read-whole", "read-in-parts"])
 @pytest.mark.parametrize("name,replicas,m,steps", [
     ("1f1b", [1, 1, 1], 4, 2), ("1f1b", [2, 1], 4, 2), ("2bw", [1, 1], 4, 3), ("flush", [1, 1], 4, 2),
-    ("gpipe", [1, 1, 1], 3, 2), ("1f1b-rr", [2, 1], 4, 1), ("1f1b", [1, 1, 1], 1, 9), ("2bw", [1, 1, 1], 2, 6)])
+    ("gpipe", [1, 1, 1], 3, 2), ("1f1b", [2, 1], 4, 1), ("1f1b", [1, 1, 1], 1, 9), ("2bw", [1, 1, 1], 2, 6)])
 def test_version_copies_match_the_versioned_store(name: str, replicas: list[int], m: int, steps: int,
                                                   parts: bool) -> None:
     """The store clones exactly what version_copies charges, whether it reads the whole action list
@@ -669,7 +673,14 @@ def test_rank_run_holds_the_same_whatever_the_run_length() -> None:
 def test_the_module_examples_hold() -> None:
     import doctest
 
+    import importlib
+    import pkgutil
+
     from pdcompile.runtime import schedules
 
-    result = doctest.testmod(schedules)
-    assert result.attempted >= 5 and result.failed == 0
+    attempted = 0
+    for info in pkgutil.iter_modules(schedules.__path__):
+        result = doctest.testmod(importlib.import_module(f"{schedules.__name__}.{info.name}"))
+        assert result.failed == 0, info.name
+        attempted += result.attempted
+    assert attempted >= 5

@@ -83,7 +83,7 @@ def test_data_parallel_stage(r: int, m: int) -> None:
         res = simulate_schedule(name, [r], m, forward_s=[F], backward_s=[B], allreduce_s=[a], step_s=[step])
         assert res.makespan_s == -(-m // r) * (F + B) + a + step
     # 1F1B-RR: the replicas all-reduce after every backward: one group of r minibatches at a time
-    res = simulate_schedule("1f1b-rr", [r], m, forward_s=[F], backward_s=[B], allreduce_s=[a], step_s=[step])
+    res = simulate_schedule("1f1b", [r], m, forward_s=[F], backward_s=[B], allreduce_s=[a], step_s=[step])
     assert res.makespan_s == -(-m // r) * (F + B + a + step)
 
 
@@ -93,7 +93,7 @@ def test_replicated_input_stage_balances_a_slow_stage() -> None:
     #   stage 1: F0 2-3 B0 3-5 F1 5-6 B1 6-8 F2 8-9 B2 9-11 F3 11-12 B3 12-14 F4 14-15 B4 15-17 ...
     #   replica 0: F0 0-2 F2 2-4 B0 5-9 (AR at 12, after replica 1's B1 8-12) F4 12-14 B2 14-18 ...
     #   the last all-reduce follows replica 1's B7 26-30.
-    res = simulate_schedule("1f1b-rr", [2, 1], 8, forward_s=[Fr(2), Fr(1)], backward_s=[Fr(4), Fr(2)])
+    res = simulate_schedule("1f1b", [2, 1], 8, forward_s=[Fr(2), Fr(1)], backward_s=[Fr(4), Fr(2)])
     assert res.makespan_s == 30
     assert res.utilization == {0: Fr(24, 30), 1: Fr(24, 30), 2: Fr(24, 30)}
     assert res.bubble_fraction == Fr(1, 5)
@@ -142,7 +142,7 @@ def test_send_cost_sees_stages_and_ranks() -> None:
         calls.append((sa, sb, ra, rb))
         return 0.0
 
-    simulate_schedule("1f1b-rr", [2, 1], 2, forward_s=[1, 1], backward_s=[1, 1], send_s=send)
+    simulate_schedule("1f1b", [2, 1], 2, forward_s=[1, 1], backward_s=[1, 1], send_s=send)
     assert sorted(calls) == [(0, 1, 0, 2), (0, 1, 1, 2), (1, 0, 2, 0), (1, 0, 2, 1)]
 
 
@@ -270,7 +270,7 @@ def test_simulate_plan_replicated_stage_all_reduces() -> None:
     from pdcompile.simulate import ring_allreduce_s, simulate_plan
 
     chain = _chain(2, cut=0.0, params=1e9)
-    res = simulate_plan(_plan([(0, 0, (0, 1)), (1, 1, (2,))]), chain, flat_cluster(3, 1e9), "1f1b-rr", 4)
+    res = simulate_plan(_plan([(0, 0, (0, 1)), (1, 1, (2,))]), chain, flat_cluster(3, 1e9), "1f1b", 4)
     assert ring_allreduce_s(1e9, 2, 1e9) == 1.0
     ar = [e for e in res.events if e.category == "allreduce"]
     assert len(ar) == 4 and all(e.end_s - e.start_s == pytest.approx(1.0) for e in ar)

@@ -12,16 +12,16 @@ from pdcompile.timeline import Event, chrome_trace, plot_timeline, read_chrome_t
 
 
 def _events() -> list[Event]:
-    return simulate_schedule("1f1b-rr", [2, 1], 4, forward_s=[0.002, 0.001], backward_s=[0.004, 0.002],
+    return simulate_schedule("1f1b", [2, 1], 4, forward_s=[0.002, 0.001], backward_s=[0.004, 0.002],
                              send_s=0.0005, allreduce_s=[0.0003, 0], step_s=[0.0001, 0.0001]).events
 
 
 def test_chrome_trace_rows_and_slices(tmp_path: Path) -> None:
     events = _events()
     path = tmp_path / "trace.json"
-    write_chrome_trace(events, path, metadata={"schedule": "1f1b-rr"})
+    write_chrome_trace(events, path, metadata={"schedule": "1f1b"})
     data = json.loads(path.read_text())
-    assert data["otherData"]["schedule"] == "1f1b-rr"
+    assert data["otherData"]["schedule"] == "1f1b"
     names = {(e["pid"], e["args"]["name"]) for e in data["traceEvents"] if e["name"] == "process_name"}
     assert names == {(0, "rank 0"), (1, "rank 1"), (2, "rank 2")}
     slices = [e for e in data["traceEvents"] if e["ph"] == "X"]

@@ -29,7 +29,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from pdcompile.errors import ScheduleError
-from pdcompile.runtime.schedules import Action, Kind, Schedule, rank_of, replay, stage_ranks
+from pdcompile.runtime.schedules.actions import Action, Kind, Schedule, rank_of, stage_ranks
+from pdcompile.runtime.schedules.replay import replay
 
 Posts = dict[int, list[tuple[Action, ...]]]  # rank -> per action index, the receives posted before it
 

@@ -1,0 +1,101 @@
+"""Building a schedule: a policy's action order per rank, then the weight-version switches (``WV``)
+placed as early as possible, so each forward runs with the version its policy defines."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from pdcompile.errors import ScheduleError, UsageError
+from pdcompile.runtime.schedules.actions import Action, Kind, Schedule, stage_of_rank, stage_ranks
+from pdcompile.runtime.schedules.policy import Layout
+from pdcompile.runtime.schedules.registry import layout
+
+
+def expected_versions(lay: Layout, sched: Schedule) -> dict[tuple[int, int], int]:
+    """(stage, microbatch) -> the weight version the schedule's definition says ``F`` uses.
+
+    Counts ``ST`` actions in ``sched`` (``WV`` actions are ignored), so it works on generated and
+    on given schedules alike.
+    """
+    steps_before: dict[tuple[int, int], int] = {}  # (stage, mb) -> STs on its rank before its F
+    for rank, acts in sched.items():
+        n = 0
+        for a in acts:
+            if a.kind is Kind.STEP:
+                n += 1
+            elif a.kind is Kind.FORWARD:
+                steps_before[(a.stage, a.mb)] = n
+    out: dict[tuple[int, int], int] = {}
+    lag = lay.policy.version_lag
+    for (stage, mb), n in steps_before.items():
+        if lag is not None:
+            v = max(0, lay.group_of(stage, mb) - lag)
+        elif lay.vertical_sync:
+            c0 = steps_before.get((0, mb), 0)  # updates the input stage had applied when mb entered
+            v = (c0 * lay.replicas[0]) // lay.replicas[stage]
+        else:
+            v = n
+        out[(stage, mb)] = v
+    return out
+
+
+def insert_versions(acts: list[Action], version_of: Callable[[int], int]) -> list[Action]:
+    """Insert ``WV`` actions as early as possible so each ``F`` runs with ``version_of(mb)``."""
+    st_pos = [i for i, a in enumerate(acts) if a.kind is Kind.STEP]
+    inserts: dict[int, Action] = {}  # insert after this index (-1: at the start)
+    current, last_f_end = 0, -1
+    for i, a in enumerate(acts):
+        if a.kind is not Kind.FORWARD:
+            continue
+        v = version_of(a.mb)
+        if v != current:
+            if v < current or v > len(st_pos) or st_pos[v - 1] > i:
+                raise ScheduleError(f"internal: {a} needs weight version {v}, which does not exist yet")
+            inserts[max(last_f_end, st_pos[v - 1])] = Action(a.stage, Kind.WEIGHT_VERSION, version=v)
+            current = v
+        nxt = acts[i + 1] if i + 1 < len(acts) else None
+        last_f_end = i + 1 if nxt is not None and nxt.kind is Kind.SEND_ACT and nxt.microbatch == a.microbatch else i
+    out = [inserts[-1]] if -1 in inserts else []
+    for i, a in enumerate(acts):
+        out.append(a)
+        if i in inserts:
+            out.append(inserts[i])
+    return out
+
+
+def make_schedule(name: str, replicas: Sequence[int], num_microbatches: int, *, tied: bool = False,
+                  vertical_sync: bool = False, num_steps: int = 1, split_backward: bool = True) -> Schedule:
+    """Build the named schedule (:data:`SCHEDULES`) for a pipeline with ``replicas[s]`` replicas of stage s.
+
+    ``num_microbatches`` (``M``) is the number of microbatches per optimizer step for ``gpipe``,
+    ``flush`` and ``2bw``; ``num_steps`` such steps are laid out (microbatches ``0 .. M*num_steps-1``).
+    For ``1f1b`` every microbatch is one PipeDream minibatch with its own step, and the run covers
+    ``M * num_steps`` of them. ``tied``: a ``TG`` before every ``ST`` on every rank. ``vertical_sync``
+    changes ``1f1b``'s weight versions (see :func:`one_f_one_b`); ``gpipe``, ``flush`` and ``2bw``
+    already use one version per microbatch across stages, so it changes nothing there.
+    ``split_backward`` (gpipe and flush; ignored by the others): every stage but the first splits
+    its last backward of each step into ``B`` (input gradients, sent at once) and ``W`` (weight
+    gradients) — see the package docstring.
+    """
+    lay = layout(name, replicas, num_microbatches, num_steps, vertical_sync, split_backward)
+    if tied and lay.policy.update_per_microbatch and len(set(lay.replicas)) > 1:
+        raise UsageError(
+            f"1F1B steps every r_s microbatches on a stage with r_s replicas, so with replicas "
+            f"{list(lay.replicas)} the stages' steps don't line up and tied gradients can't be summed "
+            f"step by step; use equal replica counts, or flush/gpipe/2bw")
+    ranks = stage_ranks(lay.replicas)
+    base: Schedule = {}
+    for s, rs in enumerate(ranks):
+        for i, rank in enumerate(rs):
+            base[rank] = lay.policy.order(lay, s, i, tied)
+    versions = expected_versions(lay, base)
+    return {rank: insert_versions(acts, lambda mb, s=stage_of_rank(rank, ranks): versions[(s, mb)])
+            for rank, acts in base.items()}
+
+
+def replicas_for(num_stages: int, replicas: Sequence[int] | None) -> list[int]:
+    if replicas is None:
+        return [1] * num_stages
+    if len(replicas) != num_stages:
+        raise UsageError(f"replicas {list(replicas)} has {len(replicas)} stages, num_stages is {num_stages}")
+    return list(replicas)

@@ -1,0 +1,118 @@
+"""What a schedule is, as one object that the generator, validate, the simulator, the planner,
+the runtime and the reference all read: its :class:`Policy`. A :class:`Layout` is a policy with
+its parameters (replicas, microbatches, steps), answering the questions they share."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pdcompile.runtime.schedules.actions import Action
+
+
+def warmup_depth(replicas: Sequence[int], stage: int) -> int:
+    """PipeDream's in-flight bound per replica of ``stage``: ``ceil(workers from stage on / r_stage)``.
+
+    For the input stage this is NOAM = ``ceil(workers / r_0)``; with one replica per stage it is
+    ``S - stage``. (PipeDream's runtime: ``num_warmup_minibatches + 1``.)
+    """
+    return math.ceil(sum(replicas[stage:]) / replicas[stage])
+
+
+Order = Callable[["Layout", int, int, bool], list[Action]]  # (layout, stage, replica, tied) -> F/B/... actions
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One schedule's rules.
+
+    * ``order``: the F/B/transfer/step actions of one rank (no ``WV``; versions are placed after).
+    * ``update_per_microbatch``: every microbatch is a minibatch with its own update (PipeDream
+      1F1B; a replicated stage's replicas step together per ``r_s`` microbatches); else one update
+      per ``M`` microbatches (gradient accumulation).
+    * ``version_lag``: a forward of update group ``g`` uses weight version ``g - lag`` (0: the
+      synchronous schedules; 1: 2BW's delayed update); None: the newest version when it starts
+      (weight stashing).
+    * ``holds_step``: a replica keeps all its microbatches of a step in flight (GPipe); else at most
+      :func:`warmup_depth`.
+    * ``split_backward``: may split a backward into ``B`` (input gradients) and ``W`` (no versions).
+    * ``vertical_sync``: has the vertical-sync variant.
+    * ``synchronous``: trains exactly single-process SGD with accumulation (the planner's model and
+      equality tests rely on it).
+    """
+
+    name: str
+    order: Order
+    update_per_microbatch: bool
+    version_lag: int | None
+    holds_step: bool
+    split_backward: bool
+    vertical_sync: bool
+    synchronous: bool
+    summary: str
+
+    def accumulation(self, num_microbatches: int) -> int:
+        """Backward passes one update sums (the loss is scaled by 1/this)."""
+        return 1 if self.update_per_microbatch else num_microbatches
+
+    def microbatches_per_log(self, num_microbatches: int) -> int:
+        """Updates per minibatch of ``M`` microbatches: the runtime logs once per minibatch."""
+        return num_microbatches if self.update_per_microbatch else 1
+
+    def weight_versions(self, replicas: Sequence[int], stage: int) -> int:
+        """The most weight versions a replica of ``stage`` keeps (memory: weights x this)."""
+        if self.version_lag == 0:
+            return 1
+        if self.version_lag is not None:
+            return self.version_lag + 1
+        return warmup_depth(replicas, stage)
+
+    def in_flight(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
+        """The most microbatches whose activations a replica of ``stage`` keeps at once."""
+        if self.holds_step:
+            return -(-num_microbatches // replicas[stage])
+        return warmup_depth(replicas, stage)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A policy with its parameters: what one schedule instance promises."""
+
+    policy: Policy
+    replicas: tuple[int, ...]
+    num_microbatches: int
+    num_steps: int
+    vertical_sync: bool = False
+    split_backward: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def total(self) -> int:
+        return self.num_microbatches * self.num_steps
+
+    def group_of(self, stage: int, mb: int) -> int:
+        """The update (0-based, per rank) whose gradient ``mb`` contributes to on ``stage``."""
+        if self.policy.update_per_microbatch:
+            return mb // self.replicas[stage]
+        return mb // self.num_microbatches
+
+    def num_groups(self, stage: int) -> int:
+        if self.policy.update_per_microbatch:
+            return -(-self.total // self.replicas[stage])
+        return self.num_steps
+
+    def required_steps(self, stage: int, mb: int) -> int:
+        """How many ``ST`` must precede ``F mb`` on its rank (the version it uses must exist)."""
+        lag = self.policy.version_lag
+        return 0 if lag is None else max(0, self.group_of(stage, mb) - lag)
+
+    def in_flight_bound(self, stage: int) -> int:
+        return self.policy.in_flight(self.replicas, stage, self.num_microbatches)

@@ -1,0 +1,192 @@
+"""Replaying a schedule: every rank's actions in an order that respects blocking receives and
+collectives (deadlock detection, shared by validate and the simulator), and which sends each
+action lets go (:func:`send_release`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from pdcompile.errors import ScheduleError
+from pdcompile.runtime.schedules.actions import Action, Kind, Schedule, rank_of, schedule_error, stage_ranks
+
+
+def _sender_key(a: Action) -> tuple[Kind, int, int]:
+    """The send that a receive action waits for: (send kind, sender stage, microbatch)."""
+    if a.kind is Kind.RECV_ACT:
+        return (Kind.SEND_ACT, a.stage - 1, a.microbatch)  # type: ignore[return-value]
+    return (Kind.SEND_GRAD, a.stage + 1, a.microbatch)  # type: ignore[return-value]
+
+
+def replay(sched: Schedule, replicas: Sequence[int],
+           execute: Callable[[list[tuple[int, int]], Action], None] | None = None, *, name: str = "schedule") -> None:
+    """Run every rank's actions in order, as the executor would, and detect deadlock.
+
+    A receive waits until its matching send has run; ``AR`` waits for all replicas of the stage to
+    reach their matching (same ordinal) ``AR``; ``TG`` waits for every rank's matching ``TG``.
+    Sends never block. ``execute(participants, action)`` is called for each action once it can run
+    (``participants`` is ``[(rank, index)]``, all of them for a collective), in an order that
+    respects those dependencies. Raises :class:`ScheduleError` (rule 'no deadlock') naming the
+    ranks that wait on each other, with the grid.
+    """
+    ranks = stage_ranks(replicas)
+    all_ranks = sorted(sched)
+    pcs = {r: 0 for r in all_ranks}
+    sent: set[tuple[Kind, int, int]] = set()
+    ordinal: dict[int, list[int]] = {}  # rank -> per index, ordinal of that AR/TG on the rank
+    for r in all_ranks:
+        seen: Counter[Kind] = Counter()
+        ords = []
+        for a in sched[r]:
+            ords.append(seen[a.kind])
+            seen[a.kind] += 1
+        ordinal[r] = ords
+    arrived: dict[tuple, dict[int, int]] = {}
+
+    def participants(a: Action) -> list[int]:
+        return list(ranks[a.stage]) if a.kind is Kind.ALLREDUCE else all_ranks
+
+    progress = True
+    while progress:
+        progress = False
+        for r in all_ranks:
+            acts = sched[r]
+            while pcs[r] < len(acts):
+                i = pcs[r]
+                a = acts[i]
+                if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                    if _sender_key(a) not in sent:
+                        break
+                elif a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
+                    key = (a.kind, a.stage if a.kind is Kind.ALLREDUCE else -1, ordinal[r][i])
+                    group = participants(a)
+                    got = arrived.setdefault(key, {})
+                    got[r] = i
+                    if len(got) < len(group):
+                        break
+                    if execute is not None:
+                        execute([(q, got[q]) for q in group], a)
+                    for q in group:
+                        pcs[q] += 1
+                    del arrived[key]
+                    progress = True
+                    continue
+                if execute is not None:
+                    execute([(r, i)], a)
+                if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+                    sent.add((a.kind, a.stage, a.microbatch))  # type: ignore[arg-type]
+                pcs[r] += 1
+                progress = True
+    blocked = [r for r in all_ranks if pcs[r] < len(sched[r])]
+    if blocked:
+        raise _deadlock(sched, name, ranks, pcs, arrived, blocked)
+
+
+def send_release(sched: Schedule, replicas: Sequence[int]) -> dict[int, dict[int, list[Action]]]:
+    """Per rank: after which of its actions the sends of earlier actions are known to be complete.
+
+    A send's buffer must stay alive until the receiver has taken the message, and on gloo nothing
+    says so without blocking (``Work.is_completed()`` stays false until ``wait()``, and ``wait()``
+    blocks until the receiver posts its receive). So a rank waits for a send only once the schedule
+    guarantees the receiver has already *waited* for it: the receiver's consuming action (``F k``
+    for ``SF k``, ``B k`` for ``SB k``; the last stage's ``F k`` for the target the first stage
+    sends inside its ``F k``) happens-before an action of this rank through the messages and
+    collectives of the schedule (vector clocks over :func:`replay`; knowledge carried by a message
+    counts from the action that waits for it, ``F``/``B``, not from the posting ``RF``/``RB``). Such
+    a wait returns at once; every other send is left alone until the end of the run.
+
+    Returns ``{rank: {index: [earlier actions whose sends are complete after action index]}}``
+    (by index: ``ST``, ``AR`` and ``TG`` occur once per step).
+
+    >>> from pdcompile.runtime.schedules import make_schedule
+    >>> sched = make_schedule("gpipe", [1, 1], 2, split_backward=False)
+    >>> {str(sched[0][i]): [str(b) for b in bs] for i, bs in send_release(sched, [1, 1])[0].items()}
+    {'0B1': ['0F0', '0SF0', '0F1', '0SF1']}
+    """
+    ranks = stage_ranks(replicas)
+    last = len(ranks) - 1
+    all_ranks = sorted(sched)
+    n = max(all_ranks, default=-1) + 1
+    pos = {r: {(a.kind, a.microbatch): i for i, a in enumerate(acts)} for r, acts in sched.items()}
+    vc = {r: [-1] * n for r in all_ranks}
+    snapshot: dict[tuple[Kind, int, int], list[int]] = {}  # a send -> its sender's clock then
+    merge_at: dict[int, dict[tuple[Kind, int], list[int]]] = {r: {} for r in all_ranks}
+    open_: dict[int, list[tuple[int, int, Action]]] = {r: [] for r in all_ranks}  # (peer, its index, send)
+    out: dict[int, dict[int, list[Action]]] = {r: {} for r in all_ranks}
+
+    def merge(into: list[int], other: list[int]) -> None:
+        for q in range(n):
+            if other[q] > into[q]:
+                into[q] = other[q]
+
+    def release(r: int, i: int) -> None:
+        keep = []
+        for peer, at, send in open_[r]:
+            if vc[r][peer] >= at:
+                out[r].setdefault(i, []).append(send)
+            else:
+                keep.append((peer, at, send))
+        open_[r] = keep
+
+    def execute(parts: list[tuple[int, int]], a: Action) -> None:
+        if a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
+            both = [-1] * n
+            for q, i in parts:
+                vc[q][q] = i
+                merge(both, vc[q])
+            for q, i in parts:
+                vc[q] = list(both)
+                release(q, i)
+            return
+        (r, i), k = parts[0], a.microbatch
+        vc[r][r] = i
+        if a.kind in (Kind.FORWARD, Kind.BACKWARD) and (a.kind, k) in merge_at[r]:
+            merge(vc[r], merge_at[r].pop((a.kind, k)))  # type: ignore[arg-type]
+        if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+            use = Kind.FORWARD if a.kind is Kind.RECV_ACT else Kind.BACKWARD
+            merge_at[r][(use, k)] = snapshot[_sender_key(a)]  # type: ignore[index]
+        elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+            snapshot[(a.kind, a.stage, k)] = list(vc[r])  # type: ignore[index]
+            to = a.stage + 1 if a.kind is Kind.SEND_ACT else a.stage - 1
+            peer = rank_of(to, k, ranks)  # type: ignore[arg-type]
+            use = Kind.FORWARD if a.kind is Kind.SEND_ACT else Kind.BACKWARD
+            open_[r].append((peer, pos[peer][(use, k)], a))
+        elif a.kind is Kind.FORWARD and a.stage == 0 and last > 0:  # the target, sent to the last stage
+            peer = rank_of(last, k, ranks)  # type: ignore[arg-type]
+            open_[r].append((peer, pos[peer][(Kind.FORWARD, k)], a))
+        release(r, i)
+
+    replay(sched, replicas, execute, name="send release")
+    return out
+
+
+def _deadlock(sched: Schedule, name: str, ranks: list[list[int]], pcs: dict[int, int],
+              arrived: dict[tuple, dict[int, int]], blocked: list[int]) -> ScheduleError:
+    def waits_for(r: int) -> tuple[list[int], str]:
+        a = sched[r][pcs[r]]
+        if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+            kind, stage, mb = _sender_key(a)
+            if not 0 <= stage < len(ranks):
+                return [], f"rank {r} waits at {a} for a send from stage {stage}, which does not exist"
+            q = rank_of(stage, mb, ranks)
+            return [q], f"rank {r} waits at {a} (step {pcs[r]}) for {stage}{kind.value}{mb} from rank {q}"
+        group = list(ranks[a.stage]) if a.kind is Kind.ALLREDUCE else sorted(sched)
+        here = next((got for got in arrived.values() if r in got), {})
+        missing = [q for q in group if q not in here]
+        return missing, f"rank {r} waits at {a} (step {pcs[r]}) for ranks {missing} to join"
+
+    start = blocked[0]
+    chain, r = [], start
+    seen: dict[int, int] = {}
+    while r not in seen:
+        seen[r] = len(chain)
+        peers, text = waits_for(r)
+        chain.append(text)
+        nxt = next((q for q in peers if q in pcs and pcs[q] < len(sched[q])), None)
+        if nxt is None:
+            done = [q for q in peers if q in pcs]
+            why = (f"; rank {done[0]} finished without it" if done else "")
+            return schedule_error(sched, name, "no deadlock", r, pcs[r], "; ".join(chain[-1:]) + why)
+        r = nxt
+    cycle = chain[seen[r]:]
+    return schedule_error(sched, name, "no deadlock", r, pcs[r], "these ranks wait on each other: " + "; ".join(cycle))

@@ -1,0 +1,227 @@
+"""Checking a schedule against its policy's rules (:func:`validate`): each broken rule is named,
+with the rank, the step and the grid marked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from pdcompile.errors import ScheduleError
+from pdcompile.runtime.schedules.actions import Kind, Schedule, rank_of, schedule_error, stage_ranks
+from pdcompile.runtime.schedules.generate import expected_versions
+from pdcompile.runtime.schedules.registry import SPLIT_BACKWARD_SCHEDULES, layout, policy
+from pdcompile.runtime.schedules.replay import replay
+from pdcompile.runtime.schedules.transfers import check_transfers, transfer_plan
+
+
+def _check_split(sched: Schedule, name: str, r: int, s: int, k: int, b: int, sb: int, w: int,
+                 fail: Callable[[str, int | None, int | None, str], ScheduleError]) -> None:
+    """Rule 'split backward' for ``W k`` at index ``w`` of rank ``r`` (``B k`` at ``b``, ``SB k`` at ``sb``)."""
+    a = sched[r][w]
+    if not policy(name).split_backward:
+        raise fail("split backward", r, w, f"{a}: only {' and '.join(SPLIT_BACKWARD_SCHEDULES)} split a backward "
+                   f"({name} keeps weight versions, which W does not)")
+    if s == 0:
+        raise fail("split backward", r, w, f"{a}: stage 0 sends no input gradients, so it has no backward to split")
+    if w < max(b, sb):
+        raise fail("split backward", r, w, f"{a} must come after {sched[r][max(b, sb)]} (step {max(b, sb)})")
+    between = [i for i in range(b + 1, w) if sched[r][i].kind in (Kind.ALLREDUCE, Kind.TIED_GRADS, Kind.STEP)]
+    if between:
+        raise fail("split backward", r, w, f"{a} comes after {sched[r][between[0]]} (step {between[0]}): the "
+                   f"weight gradients of {s}B{k} must be complete before the stage's gradients are reduced or stepped")
+
+
+def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, name: str, *,
+             num_steps: int = 1, vertical_sync: bool = False) -> None:
+    """Check ``sched`` against the rules of schedule ``name``; raise :class:`ScheduleError` on the first broken one.
+
+    The message names the rule, the rank and step, and shows the full grid with ``<-- ERROR HERE``
+    under the bad action. Rules, in the order checked:
+
+    1. 'ranks': one action list per rank ``0 .. sum(replicas)-1``; every action on a rank is of that
+       rank's stage.
+    2. 'round-robin routing': every action of microbatch ``k`` on stage ``s`` (F, B, and both sides
+       of every transfer) is on ``rank_of(s, k)``.
+    3. 'each forward and backward once': microbatches ``0 .. M*num_steps-1`` each have exactly one
+       ``F`` and one ``B`` on every stage, and no other microbatch appears.
+    4. 'send/recv pairs matched': ``RF k`` on every stage but the first and ``SF k`` on every stage
+       but the last, ``SB``/``RB`` likewise, exactly once each; each receive before the compute that
+       uses it, each send after the compute that produces it.
+    5. 'backward after forward': ``B k`` after ``F k`` on the same rank. 'split backward': a ``W k``
+       (optional) comes once, after ``B k`` and its ``SB k``, before the rank's next ``AR``/``TG``/``ST``,
+       on a stage after the first, in gpipe or flush only.
+    6. 'forward order': every rank forwards its microbatches in increasing order (so every stage
+       sees them in the order the stage before sent them).
+    7. 'in-flight bound': microbatches in flight on a replica (F done, B not) never exceed the
+       schedule's bound (``warmup_depth``; for gpipe the replica's share of a step).
+    8. 'steps': each rank has one ``ST`` per group the schedule defines (per step for gpipe, flush,
+       2bw; per ``r_s`` microbatches for 1f1b), placed after the group's last local backward and
+       before the next forward or backward; ``AR`` before each ``ST`` exactly on replicated stages;
+       ``TG`` before each ``ST`` on every rank or on none.
+    9. 'weight versions': ``WV`` names an existing version, never goes back, and every ``F`` uses the
+       version the schedule defines (see the schedule's function docstring).
+    10. 'no deadlock': replaying with blocking receives and collectives (:func:`replay`) completes.
+    11. 'transfer order': with its receives posted as
+        :func:`~pdcompile.runtime.transfers.transfer_plan` says, the schedule completes under NCCL's
+        rules (:func:`~pdcompile.runtime.transfers.check_transfers`), with targets sent or not.
+    """
+    lay = layout(name, replicas, num_microbatches, num_steps, vertical_sync)
+    ranks = stage_ranks(lay.replicas)
+    S, T = lay.num_stages, lay.total
+
+    def fail(rule: str, rank: int | None, step: int | None, detail: str) -> ScheduleError:
+        return schedule_error(sched, name, rule, rank, step, detail)
+
+    # 1. ranks
+    want = set(range(sum(lay.replicas)))
+    if set(sched) != want:
+        extra, missing = sorted(set(sched) - want), sorted(want - set(sched))
+        raise fail("ranks", None, None, f"expected ranks {sorted(want)} for replicas {list(lay.replicas)}; "
+                   f"missing {missing}, unexpected {extra}")
+    stage_of = {r: s for s, rs in enumerate(ranks) for r in rs}
+    for r in sorted(sched):
+        for i, a in enumerate(sched[r]):
+            if a.stage != stage_of[r]:
+                raise fail("ranks", r, i, f"{a} is an action of stage {a.stage}, but rank {r} runs stage {stage_of[r]}")
+
+    # 2. routing
+    for r in sorted(sched):
+        for i, a in enumerate(sched[r]):
+            if a.microbatch is not None and a.kind is not Kind.WEIGHT_VERSION:
+                if not 0 <= a.microbatch < T:
+                    raise fail("each forward and backward once", r, i,
+                               f"{a}: microbatch {a.microbatch} is outside 0..{T - 1}")
+                owner = rank_of(a.stage, a.microbatch, ranks)
+                if owner != r:
+                    raise fail("round-robin routing", r, i, f"{a} belongs on rank {owner} "
+                               f"(replica {a.microbatch} % {lay.replicas[a.stage]} of stage {a.stage})")
+
+    # 3-6. per rank, positions of each microbatch's actions
+    for r in sorted(sched):
+        s = stage_of[r]
+        pos: dict[tuple[Kind, int], int] = {}
+        for i, a in enumerate(sched[r]):
+            if a.microbatch is None or a.kind is Kind.WEIGHT_VERSION:
+                continue
+            key = (a.kind, a.microbatch)
+            if key in pos:
+                rule = "each forward and backward once" if a.kind in (Kind.FORWARD, Kind.BACKWARD) \
+                    else "send/recv pairs matched"
+                raise fail(rule, r, i, f"{a} appears twice (first at step {pos[key]})")
+            pos[key] = i
+        end = len(sched[r])
+        for k in range(T):
+            if rank_of(s, k, ranks) != r:
+                continue
+            for kind in (Kind.FORWARD, Kind.BACKWARD):
+                if (kind, k) not in pos:
+                    raise fail("each forward and backward once", r, end - 1 if end else None,
+                               f"{s}{kind.value}{k} is missing on rank {r}")
+            f, b = pos[(Kind.FORWARD, k)], pos[(Kind.BACKWARD, k)]
+            pairs = [(Kind.RECV_ACT, s > 0, "before", f), (Kind.SEND_ACT, s < S - 1, "after", f),
+                     (Kind.RECV_GRAD, s < S - 1, "before", b), (Kind.SEND_GRAD, s > 0, "after", b)]
+            for kind, needed, rel, anchor in pairs:
+                at = pos.get((kind, k))
+                if needed and at is None:
+                    raise fail("send/recv pairs matched", r, anchor, f"{s}{kind.value}{k} is missing on rank {r}")
+                if not needed and at is not None:
+                    raise fail("send/recv pairs matched", r, at,
+                               f"{sched[r][at]} has no peer (stage {s} is the {'first' if s == 0 else 'last'})")
+                if at is not None and (at > anchor if rel == "before" else at < anchor):
+                    raise fail("send/recv pairs matched", r, at,
+                               f"{sched[r][at]} must come {rel} {sched[r][anchor]} (step {anchor})")
+            if b < f:
+                raise fail("backward after forward", r, b, f"{sched[r][b]} comes before {sched[r][f]} (step {f})")
+            w = pos.get((Kind.WEIGHT_GRAD, k))
+            if w is not None:
+                _check_split(sched, name, r, s, k, b, pos.get((Kind.SEND_GRAD, k), b), w, fail)
+        last = -1
+        for i, a in enumerate(sched[r]):
+            if a.kind is Kind.FORWARD:
+                if a.microbatch < last:  # type: ignore[operator]
+                    raise fail("forward order", r, i, f"{a} after {s}F{last}: forwards must be in increasing order")
+                last = a.microbatch  # type: ignore[assignment]
+
+    # 7. in-flight bound
+    for r in sorted(sched):
+        s, n = stage_of[r], 0
+        bound = lay.in_flight_bound(s)
+        for i, a in enumerate(sched[r]):
+            n += (a.kind is Kind.FORWARD) - (a.kind is Kind.BACKWARD)
+            if n > bound:
+                raise fail("in-flight bound", r, i, f"{n} microbatches in flight on stage {s}, "
+                           f"{name} allows {bound} per replica")
+
+    # 8. steps
+    tg_ranks = {r for r in sched if any(a.kind is Kind.TIED_GRADS for a in sched[r])}
+    tied = bool(tg_ranks)
+    for r in sorted(sched):
+        s, acts = stage_of[r], sched[r]
+        replicated = lay.replicas[s] > 1
+        if tied and r not in tg_ranks:
+            raise fail("steps", r, None, f"rank {r} has no TG but ranks {sorted(tg_ranks)} do")
+        n_st, pending = 0, []  # collectives since the last ST
+        done_groups_at: list[int] = []
+        for i, a in enumerate(acts):
+            if a.kind is Kind.ALLREDUCE and not replicated:
+                raise fail("steps", r, i, f"{a}: stage {s} has one replica, nothing to all-reduce")
+            if a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
+                pending.append(a.kind)
+            if a.kind is Kind.STEP:
+                wanted = ([Kind.ALLREDUCE] if replicated else []) + ([Kind.TIED_GRADS] if tied else [])
+                if pending != wanted:
+                    raise fail("steps", r, i, f"{a} must be preceded by exactly "
+                               f"{' '.join(f'{s}{k.value}' for k in wanted) or 'no collective'} since the last step")
+                pending = []
+                n_st += 1
+                done_groups_at.append(i)
+            if a.kind is Kind.BACKWARD:
+                g = lay.group_of(s, a.microbatch)  # type: ignore[arg-type]
+                if n_st != g:
+                    raise fail("steps", r, i, f"{a} belongs to step {g} of stage {s}, but {n_st} steps came before it")
+        if pending:
+            raise fail("steps", r, len(acts) - 1, f"{' '.join(k.value for k in pending)} without a following ST")
+        if n_st != lay.num_groups(s):
+            raise fail("steps", r, done_groups_at[-1] if done_groups_at else None,
+                       f"rank {r} takes {n_st} steps, {name} takes {lay.num_groups(s)}")
+        # each ST right after the group's last local backward (only sends/collectives between)
+        busy = {lay.group_of(s, a.microbatch) for a in acts if a.kind is Kind.BACKWARD}  # type: ignore[arg-type]
+        for g, at in enumerate(done_groups_at):
+            if g not in busy:  # a group with no local microbatch: stepped (with zeros) when needed
+                continue
+            j = at - 1
+            while j >= 0 and acts[j].kind in (Kind.SEND_GRAD, Kind.ALLREDUCE, Kind.TIED_GRADS, Kind.STEP,
+                                              Kind.WEIGHT_VERSION, Kind.RECV_ACT, Kind.RECV_GRAD,
+                                              Kind.WEIGHT_GRAD):
+                j -= 1
+            if j >= 0 and acts[j].kind is not Kind.BACKWARD:
+                raise fail("steps", r, at, f"step {g} of rank {r} comes after {acts[j]}: a step follows "
+                           f"its group's last backward directly")
+
+    # 9. weight versions
+    expected = expected_versions(lay, sched)
+    for r in sorted(sched):
+        s, acts = stage_of[r], sched[r]
+        current = n_st = 0
+        for i, a in enumerate(acts):
+            if a.kind is Kind.STEP:
+                n_st += 1
+            elif a.kind is Kind.WEIGHT_VERSION:
+                if a.version < current:
+                    raise fail("weight versions", r, i, f"{a} goes back from version {current}")
+                if a.version > n_st:
+                    raise fail("weight versions", r, i, f"{a}: version {a.version} does not exist yet "
+                               f"({n_st} steps so far)")
+                current = a.version
+            elif a.kind is Kind.FORWARD:
+                want_v = expected[(s, a.microbatch)]  # type: ignore[index]
+                if current != want_v:
+                    raise fail("weight versions", r, i, f"{a} uses weight version {current}, {name}"
+                               f"{' with vertical sync' if lay.vertical_sync else ''} defines version {want_v}")
+
+    # 10. no deadlock
+    replay(sched, lay.replicas, name=name)
+
+    # 11. transfer order
+    posts = transfer_plan(sched, lay.replicas)
+    for targets in (None, (), range(lay.replicas[-1])):  # all sent, none (--targets local), the first only
+        check_transfers(sched, lay.replicas, posts, targets=targets, name=name)
