@@ -161,7 +161,7 @@ class Measured:
     model: str
     strategy: str
     bounds: list[int]
-    stage_ms: list[float]  # the chain's measured fwd+bwd per stage (ms per minibatch)
+    stage_ms: list[float]  # the chain's profiled fwd+bwd per stage (ms per minibatch, from compiling)
     step_s: float
     predicted_s: float
 
@@ -200,8 +200,9 @@ def measure(model: str, *, size: str = "bench", stages: int = 2, steps: int = 15
 
 
 def measured_table(rows: list[Measured]) -> str:
-    lines = ["| model | strategy | cut before chain layer | measured fwd+bwd per stage (ms, one microbatch) | "
-             "step (ms) | vs planner | planner's prediction (ms) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | strategy | cut before chain layer | profiled fwd+bwd per stage (ms per minibatch of 32) | "
+             "measured step (ms, median) | vs planner (measured) | predicted for this split (ms per minibatch) |",
+             "|---|---|---|---|---|---|---|"]
     ref = {r.model: r.step_s for r in rows if r.strategy == "planner"}
     for r in rows:
         rel = ref.get(r.model, math.nan) / r.step_s
@@ -249,6 +250,23 @@ def predicted_table(rows: list[tuple[str, str, list[int], float]]) -> str:
     return "\n".join(lines)
 
 
+def wins(rows: list[Measured], pred: list[tuple[str, str, list[int], float]]) -> str:
+    """Where a naive split beats the planner's: measured (a different split, faster step) and predicted."""
+    ref = {r.model: r for r in rows if r.strategy == "planner"}
+    out = []
+    for r in rows:
+        p = ref.get(r.model)
+        if p is not None and r.strategy != "planner" and r.bounds != p.bounds and r.step_s < p.step_s:
+            out.append(f"{r.model} {r.strategy} ({p.step_s / r.step_s:.2f}x the planner's throughput; predicted "
+                       f"{ms(r.predicted_s)} vs the planner's {ms(p.predicted_s)} ms)")
+    text = ("Measured, a naive split faster than the planner's: " + ("; ".join(out) if out else "none") + ". ")
+    pref = {n: s for n, st, _, s in pred if st == "planner"}
+    pw = [f"{n} {st}" for n, st, _, s in pred if st in ("uniform", "parameters", "time") and s < pref[n] * (1 - 1e-9)]
+    text += ("Predicted, a naive straight split faster than the planner's: " + (", ".join(pw) if pw else "none")
+             + " (the planner's straight split is optimal under the cost model; equal rows found the same split).")
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=15)
@@ -267,18 +285,21 @@ def main(argv: list[str] | None = None) -> None:
     body = (f"Measured: benchmark GPT (4 blocks, d=96, T=32) and VGG-style (convs 16-16-M-32-32-M-64-64-M, hidden 256) "
             f"models, per-node costs measured on this CPU, 2 stages on 2 processes, flush, minibatch 32 = 4 x 8, "
             f"{args.rounds} alternating rounds x {args.steps} steps; step = slowest rank, median after warm-up. "
-            f"Splits that coincide share one run. 'vs planner' = planner step / this step (< 1: slower than the "
-            f"planner's split).\nLoad: {before} at the start, {load_note()} at the end.\n\n"
-            + measured_table(rows)
+            f"Splits that coincide share one run. Profiled fwd+bwd: the per-node costs pdcompile measured while "
+            f"compiling (cost_mode='measured'), summed per stage, for a whole minibatch of 32 (what the planner "
+            f"balances). Measured step: one flush step of 4 microbatches, slowest rank, median. 'vs planner' = "
+            f"planner step / this step (< 1: slower than the planner's split). Predicted: the `default` cost "
+            f"model's time per minibatch for this split on 2 local workers (its bottleneck; no fill or drain)."
+            f"\nLoad: {before} at the start, {load_note()} at the end.\n\n"
+            + measured_table(rows) + "\n\n" + wins(rows, pred)
             + "\n\nPredicted on PipeDream's profiles: straight pipelines of up to 4 stages on 4 workers at 10 Gbit/s "
               "(naive splits use all 4; the planner may use fewer when faster), the planner's cost model "
               "(partition_dp.pipeline_time, memory limit off); last row per profile: the planner with replication "
               "allowed (replicas per stage in brackets).\n\n" + predicted_table(pred))
-    if not args.quick:
-        from benchmarks._results import write_section
+    from benchmarks._results import publish
 
-        write_section("Against naive partitions (bench_partitions)", body, command="python benchmarks/bench_partitions.py")
-    print(body)
+    publish("Against naive partitions (bench_partitions)", body, command="python benchmarks/bench_partitions.py",
+            write=not args.quick)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ SOSP'19, section 3.1 (arXiv 1806.03377). Pure functions over numpy arrays; no to
 
 Cost models
 -----------
-``paper`` is the paper's model, exactly. For a chain with per-layer compute ``c_l = forward +
-backward``, parameter bytes ``w_l``, bytes ``a_s`` live across cut ``s`` and a level of
-bandwidth ``B``:
+``paper`` is section 3.1 of the SOSP'19 paper as written. For a chain with per-layer compute
+``c_l = forward + backward``, parameter bytes ``w_l``, bytes ``a_s`` live across cut ``s`` and
+a level of bandwidth ``B``:
 
 1. a stage of layers ``i..j`` replicated ``r`` times takes
    ``T = (1/r) * max(sum c_l, 2 (r-1) sum w_l / B)``;
@@ -21,6 +21,24 @@ bandwidth ``B``:
    (replicas may use fewer than all workers when that is faster);
 5. data parallelism: one stage of all layers replicated over every unit of every level.
 
+``pipedream`` is PipeDream's released optimizer (``optimizer/optimizer_graph_hierarchical.py`` in
+msr-fiddle/pipedream, run with ``--activation_compression_ratio 1`` as its README does), which
+differs from the paper's text; with ``C`` the range's compute at this level (level 1: the sum of
+``c_l``; above: the level below's best time), ``W`` its weights, ``r`` its replicas:
+
+1. a stage costs ``(C + 4 (r-1) W / (r B)) / r``: a sum where the paper takes the max, and
+   ``4 (r-1)/r W`` bytes (twice a ring all-reduce's) where the paper has ``2 (r-1) W``;
+2. in a level's pipeline, every block after the first also costs ``2 a / (B r)`` for the cut
+   before it and, unless it ends the chain, for the cut after it (``r``: that block's replicas);
+3. at level ``k >= 2`` the *first* block's weight term is divided by the count of level ``k-1``
+   (the released ``num_machines_within_machine``), later blocks' are not;
+4. every range uses exactly all its units (no ``--use_fewer_machines``), no memory limit;
+5. data parallelism: ``t = C``, then per level ``t = (t + 4 (m-1) W / (m B) / n) / m``.
+
+It is solved by its own DP (:func:`_solve_pipedream`), not the bisection below; ties between
+equally fast configurations may break differently (the released code's order varies from run to
+run). The ILP refuses it.
+
 ``default`` is ours: the same structure (and the same boundaries), plus
 
 - the **all-reduce** among ``r`` replicas is a ring all-reduce, ``2 (r-1)/r * W / B``, done once
@@ -32,7 +50,7 @@ bandwidth ``B``:
   is known, else 0;
 - the **memory limit** (on by default for this model; off by default for ``paper``).
 
-Memory (both models, when the limit is on)
+Memory (``default`` and ``paper``, when the limit is on)
 -------------------------------------------
 A worker of a stage holds ``W * (versions + 1 + f) + X * k`` bytes: ``W`` the stage's parameter
 bytes, ``versions`` the weight versions the schedule keeps (1F1B with stashing: ``k``; Flush: 1;
@@ -94,7 +112,7 @@ __all__ = [
     "flatten_blocks",
 ]
 
-COST_MODELS = ("default", "paper")
+COST_MODELS = ("default", "paper", "pipedream")
 SCHEDULES = ("1f1b", "flush", "2bw")
 #: With the memory limit on, levels with at most this many units try every downstream count.
 EXACT_MEMORY_MAX_UNITS = 16
@@ -251,6 +269,9 @@ class _Model:
             raise UsageError("the chain has no layers: nothing to plan")
         if optimizer_state_factor < 0:
             raise UsageError(f"optimizer_state_factor must be >= 0 (got {optimizer_state_factor})")
+        if cost_model == "pipedream" and memory_limit:
+            raise UsageError("the pipedream cost model reproduces PipeDream's released optimizer, which plans without "
+                             "a memory limit by default; use cost_model='default' (or 'paper') with memory_limit=True")
         self.chain = chain
         self.cluster = cluster
         self.cost_model = cost_model
@@ -348,6 +369,9 @@ class _Model:
             C = self.rng(self.PC, i, j)
             comm = 2.0 * (r - 1) * W / self.B[0]
             return max(C, comm) / r, comm / r
+        if self.cost_model == "pipedream":
+            comm = (4.0 * (r - 1) * W) / (self.B[0] * r)
+            return (self.rng(self.PC, i, j) + comm) / r, comm / r
         F = self.rng(self.PF, i, j)
         Bw = self.rng(self.PC, i, j) - F
         ar = 2.0 * (r - 1) * W / (r * self.B[0])
@@ -363,6 +387,8 @@ class _Model:
 
     # -- evaluation of a block tree -------------------------------------------------------------
     def evaluate(self, blocks: Sequence[Block]) -> Evaluation:
+        if self.cost_model == "pipedream":
+            return self._evaluate_pipedream(blocks)
         terms: list[tuple[str, float]] = []
         stages: list[StageCost] = []
         flat = flatten_blocks(blocks, self.cluster)
@@ -406,9 +432,82 @@ class _Model:
         peak = max((s.memory_bytes for s in stages), default=0.0)
         return Evaluation(seconds, bottleneck, tuple(terms), tuple(stages), peak)
 
+    def _pd_nmw(self, level: int) -> int:
+        """The released optimizer's ``num_machines_within_machine`` at ``level``: the count of the
+        level just below (not the product of all levels below), 1 at the innermost level."""
+        return self.counts[level - 2] if level > 1 else 1
+
+    def _evaluate_pipedream(self, blocks: Sequence[Block]) -> Evaluation:
+        """A block tree under the released optimizer's recursion (module doc, ``pipedream``).
+
+        A level-``k`` block's time is ``(X + comm) / r``, ``X`` the max of its inner terms, so every
+        inner term is carried up as ``(v + comm) / r``: the max of the flat terms is the cost."""
+        flat = flatten_blocks(blocks, self.cluster)
+        names = self.chain.layers
+        last_pos = self.N - 1
+        # entries: [name, value, stage index or -1, stage whose send it is or -1, compute, comm]
+        stage_info: list[tuple[int, int, int, float]] = []  # first, last, in-flight, memory
+
+        def rec(bs: Sequence[Block], level: int, e: Fraction) -> list[list[Any]]:
+            B = self.B[level - 1]
+            lvname = self.cluster.levels[level - 1].name
+            out: list[list[Any]] = []
+            ends: list[int] = []  # index of the last worker stage of each block
+            for p, b in enumerate(bs):
+                r = b.units
+                d_after = sum(x.units for x in bs[p + 1:])
+                comm = (4.0 * (r - 1) * self.rng(self.PW, b.first, b.last)) / (B * r)
+                if p == 0:
+                    comm /= self._pd_nmw(level)
+                if level == 1:
+                    C = self.rng(self.PC, b.first, b.last)
+                    k = math.ceil((b.units + d_after + e) / b.units)
+                    q = len(stage_info)
+                    stage_info.append((b.first, b.last, k, self.memory(b.first, b.last, k)))
+                    out.append([f"stage {q} ({_span(names, b.first, b.last)})", (C + comm) / r, q, -1, C / r, comm / r])
+                else:
+                    for ent in rec(b.inner, level - 1, (e + d_after * self.sizes[level - 1]) / b.units):
+                        ent[1] = (ent[1] + comm) / r
+                        if ent[2] >= 0:
+                            ent[4], ent[5] = ent[4] / r, ent[5] / r + comm / r
+                        out.append(ent)
+                ends.append(len(stage_info) - 1)
+                if p >= 1:  # a block after a split: its input (and its output, unless the chain ends)
+                    a_in = float(self.cut[bs[p - 1].last])
+                    q = ends[p - 1]
+                    out.append([f"link {q}->{q + 1} ({lvname}, {format_quantity(a_in, 'memory')})",
+                                (2.0 * a_in) / (B * r), -1, q, 0.0, 0.0])
+                    if b.last < last_pos:
+                        a_out = float(self.cut[b.last])
+                        q = ends[p]
+                        out.append([f"link {q}->{q + 1} ({lvname}, {format_quantity(a_out, 'memory')}, "
+                                    f"as the output of block {b.first}..{b.last})", (2.0 * a_out) / (B * r),
+                                    -1, q, 0.0, 0.0])
+            return out
+
+        entries = rec(blocks, self.L, Fraction(0))
+        terms = tuple((str(ent[0]), float(ent[1])) for ent in entries)
+        stages: list[StageCost] = []
+        for q, (first, last, k, mem) in enumerate(stage_info):
+            (st,) = [ent for ent in entries if ent[2] == q]
+            sends = [float(ent[1]) for ent in entries if ent[3] == q]
+            stages.append(StageCost(first, last, flat[q][2], compute_s=float(st[4]), comm_s=float(st[5]),
+                                    time_s=float(st[1]), send_s=max(sends, default=0.0), memory_bytes=mem,
+                                    in_flight=k, weight_versions=self.versions(k)))
+        seconds = max((t for _, t in terms), default=0.0)
+        bottleneck = max(terms, key=lambda kv: kv[1])[0] if terms else ""
+        peak = max((s.memory_bytes for s in stages), default=0.0)
+        return Evaluation(seconds, bottleneck, terms, tuple(stages), peak)
+
     def data_parallel_time(self) -> float:
         """One stage of all layers replicated over every unit of every level."""
         n = self.N - 1
+        if self.cost_model == "pipedream":  # the released optimizer's own baseline
+            t, W = self.rng(self.PC, 0, n), self.rng(self.PW, 0, n)
+            for level in range(1, self.L + 1):
+                m = self.counts[level - 1]
+                t = (t + (4.0 * (m - 1) * W) / (self.B[level - 1] * m) / self._pd_nmw(level)) / m
+            return t
         t, _ = self.level1_stage(0, n, self.counts[0])
         for level in range(2, self.L + 1):
             r = self.counts[level - 1]
@@ -627,7 +726,87 @@ def _span(layers: Sequence[Any], first: int, last: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def _minmax(P: np.ndarray, Q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``min_k max(P[i, k], Q[k, j])`` and its first argmin ``k``, in row chunks."""
+    R, N = P.shape[0], Q.shape[1]
+    val = np.empty((R, N))
+    arg = np.empty((R, N), dtype=np.int64)
+    step = max(1, 4_000_000 // max(1, Q.shape[0] * N))
+    for a in range(0, R, step):
+        T = np.maximum(P[a:a + step, :, None], Q[None, :, :])
+        arg[a:a + step] = T.argmin(axis=1)
+        val[a:a + step] = np.take_along_axis(T, arg[a:a + step, None, :], axis=1)[:, 0, :]
+    return val, arg
+
+
+def _solve_pipedream(model: _Model) -> tuple[Block, ...]:
+    """The released optimizer's DP (``optimizer_graph_hierarchical.compute_partitioning`` with
+    ``--activation_compression_ratio 1``), vectorized: per level, ``A[m][i, j]`` is the best time
+    of range ``i..j`` on exactly ``m`` units; the level above uses ``A[count]`` as its compute.
+    O(levels * count^2 * N^3) like the original (only row 0 at the top level)."""
+    N, L = model.N, model.L
+    idx = np.arange(N)
+    I, J = idx[:, None], idx[None, :]
+    valid = J >= I
+    X = np.where(valid, model.PC[np.minimum(J + 1, N)] - model.PC[I], np.inf)
+    Wm = np.where(valid, model.PW[np.minimum(J + 1, N)] - model.PW[I], 0.0)
+    a = np.append(model.cut, 0.0)  # a[j]: bytes across the cut after j
+    choices: list[dict[int, np.ndarray]] = []
+    best_time = math.inf
+    for level in range(1, L + 1):
+        M, B, nmw = model.counts[level - 1], model.B[level - 1], model._pd_nmw(level)
+        rows = slice(0, 1) if level == L else slice(None)
+        rmax = M if model.allow_replication else 1
+
+        def base(r: int) -> np.ndarray:
+            if r > rmax:
+                return np.full_like(X[rows], np.inf)
+            return (X[rows] + (4.0 * (r - 1) * Wm[rows]) / (B * r) / nmw) / r
+
+        A: dict[int, np.ndarray] = {1: base(1)}
+        ch: dict[int, np.ndarray] = {1: np.full(A[1].shape, -1, dtype=np.int64)}
+        last_q: dict[int, np.ndarray] = {}
+        for m in range(2, M + 1):
+            best = base(m)
+            arg = np.full(best.shape, -1, dtype=np.int64)
+            for mp in range(1, min(m - 1, rmax) + 1):
+                if mp not in last_q:  # Q[k, j]: a non-first stage k+1..j on mp units, with its transfers
+                    ts = (X[1:] + (4.0 * (mp - 1) * Wm[1:]) / (B * mp)) / mp
+                    recv = (2.0 * a[:N - 1]) / (B * mp)
+                    out = np.where(idx < N - 1, (2.0 * a[:N]) / (B * mp), 0.0)
+                    q = np.maximum(np.maximum(ts, recv[:, None]), out[None, :])
+                    last_q[mp] = np.vstack([q, np.full((1, N), np.inf)])
+                val, kk = _minmax(A[m - mp], last_q[mp])
+                better = val < best
+                best = np.where(better, val, best)
+                arg = np.where(better, kk * (M + 1) + mp, arg)
+            A[m], ch[m] = best, arg
+        choices.append(ch)
+        if level < L:
+            X = A[M]
+        else:
+            best_time = float(A[M][0, N - 1])
+    if not math.isfinite(best_time):
+        raise InfeasiblePlanError(
+            f"no plan of {model.chain.name} uses exactly all {model.cluster.num_workers} workers as the pipedream cost "
+            "model requires (a straight pipeline needs at least one layer per worker): allow replication, or use "
+            "cost_model='paper'")
+
+    def rebuild(level: int, i: int, j: int, m: int) -> list[Block]:
+        c = int(choices[level - 1][m][0 if level == L else i, j])
+        inner = (lambda f, l: tuple(rebuild(level - 1, f, l, model.counts[level - 2]))) if level > 1 else (lambda f, l: ())
+        if c < 0:
+            return [Block(i, j, m, inner(i, j))]
+        k, mp = divmod(c, model.counts[level - 1] + 1)
+        return rebuild(level, i, k, m - mp) + [Block(k + 1, j, mp, inner(k + 1, j))]
+
+    return tuple(rebuild(L, 0, N - 1, model.counts[L - 1]))
+
+
 def _solve(model: _Model) -> tuple[tuple[Block, ...], Evaluation]:
+    if model.cost_model == "pipedream":
+        blocks = _solve_pipedream(model)
+        return blocks, model.evaluate(blocks)
     if not model.feasible(math.inf):
         need = model.min_memory_to_fit()
         err = InfeasiblePlanError(
@@ -740,7 +919,8 @@ def partition_dp(
 ) -> Plan:
     """The best plan for ``chain`` on ``cluster`` under ``cost_model`` (see the module doc).
 
-    ``memory_limit``: None = the cost model's default (on for ``default``, off for ``paper``).
+    ``memory_limit``: None = the cost model's default (on for ``default``, off for ``paper`` and
+    ``pipedream``, which refuses it).
     Raises :class:`InfeasiblePlanError` (with the smallest per-worker memory that would fit)
     when no plan fits, and :class:`ClusterSpecError` when the limit is on but the device memory
     is unknown.

@@ -88,6 +88,9 @@ def partition_ilp(
     without one, the better of "one worker" and "data parallelism" (when it fits) is used."""
     from ortools.sat.python import cp_model
 
+    if cost_model == "pipedream":
+        raise UsageError("the ILP solver does not model the pipedream cost model (the released optimizer's sums "
+                         "and exact worker counts); use solver='dp' (--solver dp) for it")
     t0 = time.perf_counter()
     orig_levels = len(cluster.levels)
     cl2 = _two_level(cluster)

@@ -57,3 +57,37 @@ def test_python_snippets_run(index: int, tmp_path: Path, monkeypatch: pytest.Mon
     if "result" in namespace:
         assert len(namespace["result"].metrics["losses"]) > 0
         assert (tmp_path / "out" / "plan.json").is_file() and any((tmp_path / "ir").iterdir())
+
+
+def _normalise(text: str) -> str:
+    """Only the planning time varies between runs of ``pdcompile plan``."""
+    return re.sub(r"planned in [0-9.]+ (?:ns|us|ms|s)\b", "planned in <time>", text).rstrip()
+
+
+def test_reading_a_plan_is_what_the_cli_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    from pdcompile.cli import main
+
+    section = README.split("## Reading a plan", 1)[1].split("\n## ", 1)[0]
+    (block,) = _blocks_in(section, "console")
+    command, expected = block.split("\n", 1)
+    assert command.startswith("$ pdcompile plan ")
+    argv = command[len("$ pdcompile "):].split()
+    assert "../" not in command and not any(a.startswith("/") for a in argv)
+    assert main(argv) == 0
+    assert _normalise(capsys.readouterr().out) == _normalise(expected)
+
+
+def test_reading_a_plan_prose_figures_are_the_planners() -> None:
+    from pdcompile.cluster import paper_cluster
+    from pdcompile.passes.linearize import linearize
+    from pdcompile.passes.partition_dp import partition_dp
+    from pdcompile.profile import load
+
+    section = README.split("## Reading a plan", 1)[1].split("\n## ", 1)[0]
+    chain = linearize(load("pipedream:vgg16"))
+    claims = re.findall(r"([0-9]+(?:-[0-9]+)*)\s+at\s+([0-9.]+)x\s+under\s+`(\w+)`", section)
+    assert {m for _, _, m in claims} == {"default", "pipedream"}
+    for config, speedup, model in claims:
+        p = partition_dp(chain, paper_cluster("A"), cost_model=model)
+        assert p.configuration == config
+        assert f"{p.speedup_vs_data_parallel:.{len(speedup.split('.')[1])}f}" == speedup
