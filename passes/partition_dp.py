@@ -29,7 +29,8 @@ differs from the paper's text; with ``C`` the range's compute at this level (lev
 1. a stage costs ``(C + 4 (r-1) W / (r B)) / r``: a sum where the paper takes the max, and
    ``4 (r-1)/r W`` bytes (twice a ring all-reduce's) where the paper has ``2 (r-1) W``;
 2. in a level's pipeline, every block after the first also costs ``2 a / (B r)`` for the cut
-   before it and, unless it ends the chain, for the cut after it (``r``: that block's replicas);
+   before it and, unless it ends the chain, for the cut after it (``r``: that block's replicas;
+   without ``--activation_compression_ratio`` the released code charges no boundary at all);
 3. at level ``k >= 2`` the *first* block's weight term is divided by the count of level ``k-1``
    (the released ``num_machines_within_machine``), later blocks' are not;
 4. every range uses exactly all its units (no ``--use_fewer_machines``), no memory limit;
