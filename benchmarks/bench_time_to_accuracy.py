@@ -14,7 +14,7 @@ of 32 (44 per epoch, the same minibatches in the same order for every system), 3
 * 1F1B (PipeDream, weight stashing): a 3-stage program compiled with microbatch = minibatch = 32,
   so every update sees 32 samples like the others; stages use weights up to 2 updates stale.
 * 1F1B without stashing: the runtime has no such switch (it would be wrong on purpose), so it is
-  computed by ``runtime/reference.py``'s ``train_versioned`` with ``pipedream_1f1b(stash=False)``
+  computed by ``pdcompile/reference.py``'s ``train_versioned`` with ``pipedream_1f1b(stash=False)``
   in one process on the same stage modules and data: the same numbers the schedule would produce
   (backward at the newest weights, forward at the stale ones), but no wall time. The same reference
   with ``stash=True`` is run beside it as the control for that comparison.
@@ -119,7 +119,7 @@ def run_ddp(nproc: int, epochs: int, batch: int) -> Curve:
 
 def run_reference(program: Path, epochs: int, batch: int, stash: bool) -> Curve:
     """1F1B's weight versions (with or without stashing) in one process, one drain per epoch."""
-    from pdcompile.runtime import reference
+    from pdcompile import reference
     from pdcompile.runtime.program import Program
 
     prog = Program.load(program)

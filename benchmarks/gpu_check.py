@@ -5,7 +5,7 @@
    (:mod:`pdcompile.profiler_check`).
 2. **Every stage on the one GPU**: the emitted 2-stage program (GPT's tied embedding in both
    stages) trained in one process, its stage modules on the GPU, in the pipeline's synchronous
-   semantics (:func:`pdcompile.runtime.reference.train_versioned`: the stages in turn, tied
+   semantics (:func:`pdcompile.reference.train_versioned`: the stages in turn, tied
    gradients summed). Two ranks cannot share a GPU under NCCL, and gloo's point-to-point moves
    CPU tensors only, so this runs the emitted stages, not the runtime's executor. Its weights must
    equal single-process training of the model on the GPU.
@@ -155,7 +155,7 @@ def compile_program(size: str, stages: int, folder: Path) -> Path:
 def single_process(size: str, steps: int, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The model's (initial, trained) parameters: ``steps`` minibatches of plain synchronous SGD on
     ``device`` with ``M`` microbatches of accumulated gradients (what a flush pipeline computes)."""
-    from pdcompile.runtime.reference import train_sync
+    from pdcompile.reference import train_sync
     from pdcompile.zoo import get
 
     z = get(MODEL, size=size, batch_size=MICRO * M, seed=0)
@@ -170,7 +170,7 @@ def train_in_process(prog: Path, size: str, steps: int, device: torch.device, ou
     """Train the emitted program's stages on ``device`` in one process; their weights merged
     under the model's names (through the files train.py --save-final writes)."""
     from pdcompile.merge import merge_weights
-    from pdcompile.runtime import reference
+    from pdcompile import reference
     from pdcompile.runtime.program import Program, build
 
     program = Program.load(prog)

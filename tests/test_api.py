@@ -9,7 +9,7 @@ import torch
 
 from pdcompile.api import CompiledPipeline, pdcompile
 from pdcompile.errors import UsageError
-from pdcompile.runtime.reference import train_sync
+from pdcompile.reference import train_sync
 from pdcompile.zoo import batches, get
 from pdcompile.zoo.mlp import MLP, MLPConfig
 

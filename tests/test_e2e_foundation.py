@@ -11,7 +11,7 @@ import torch
 from pdcompile.api import pdcompile
 from pdcompile.launcher import launch
 from pdcompile.merge import merge_weights
-from pdcompile.runtime.reference import train_sync
+from pdcompile.reference import train_sync
 from pdcompile.zoo import batches, get
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.multiproc]

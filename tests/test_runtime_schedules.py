@@ -1,7 +1,7 @@
 """Every schedule, run through torchrun, trains what its paper defines (single-process reference).
 
 Each launch checks several things at once (a launch costs seconds): every rank's final weights
-against :mod:`pdcompile.runtime.reference`, and the weight versions each rank measured alive
+against :mod:`pdcompile.reference`, and the weight versions each rank measured alive
 against what the schedule promises.
 """
 
@@ -17,7 +17,8 @@ import torch
 
 from pdcompile.api import pdcompile
 from pdcompile.launcher import launch
-from pdcompile.runtime import reference, schedules
+from pdcompile import reference
+from pdcompile.runtime import schedules
 from pdcompile.runtime.program import Program, build
 from pdcompile.zoo import batches, get
 
