@@ -109,7 +109,7 @@ def ddp_main(argv: list[str] | None = None) -> None:
         curve.append({"accuracy": accuracy(model.module), "train_s": float(t)})
     if rank == 0:
         Path(args.out).write_text(json.dumps(curve))
-    del model, opt  # the DDP reducer holds the group: free it before the group (see _ddp_worker)
+    del model, opt  # the DDP reducer holds the group: free it before the group (see pdcompile/ddp_worker.py)
     gc.collect()
     dist.destroy_process_group()
 

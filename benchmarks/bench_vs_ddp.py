@@ -8,13 +8,13 @@ Setup. A VGG-style model whose parameters sit in its classifier as VGG-16's do (
 them in the Linear layers), SGD lr 0.01, a global minibatch of 32, on two CPU processes (gloo):
 
 * DDP: each rank holds the whole model and takes 16 of the 32 samples; gradients are all-reduced
-  in DDP's buckets, overlapped with backward (``benchmarks/_ddp_worker.py``).
+  in DDP's buckets, overlapped with backward (``pdcompile/ddp_worker.py``).
 * pdcompile: the model compiled into 2 stages (pdcompile's split), 4 microbatches of 8, the
   ``flush`` schedule (PipeDream-Flush: synchronous SGD, the same semantics as DDP); the emitted
-  ``train.py`` unchanged (``benchmarks/_slow_train.py`` only installs the link emulation).
+  ``train.py`` unchanged (``python -m pdcompile.slowlink`` only installs the link emulation).
 
 Link. ``loopback``: gloo over 127.0.0.1 as is. ``slow``: the documented emulation of
-``benchmarks/_slow_link.py`` (``PD_BENCH_LINK_BPS``, read only by these workers): every byte a rank
+``pdcompile/slowlink.py`` (``PDCOMPILE_LINK_BPS``, read only by these workers): every byte a rank
 receives occupies a serial link of ``--link-mbps`` MB/s (receives complete only when the link has
 carried them; an all-reduce costs the ring's 2(p-1)/p of its bytes). DDP moves its 8.7 MB of
 gradients every step; the pipeline moves only the activations and gradients at its cut. This is the
@@ -39,6 +39,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import bench_model, compile_bench, load_note, median, ms, step_times, torchrun
+from pdcompile import slowlink
 
 
 @dataclass
@@ -59,10 +60,13 @@ class Row:
 
 def run_ddp(model: str, size: str, batch: int, steps: int, nproc: int, bps: float, timeout: float = 300) -> list[list[float]]:
     out = Path(tempfile.mkdtemp(prefix="pd-bench-ddp-")) / "times.json"
-    rc, log = torchrun("benchmarks._ddp_worker", nproc,
-                       ["--model", model, "--size", size, "--batch", str(batch), "--steps", str(steps),
-                        "--out", str(out), "--watchdog", str(timeout - 10)],
-                       timeout=timeout, env={"PD_BENCH_LINK_BPS": str(bps)})
+    # SGD lr 0.01 (the worker's default) is the benchmarks' optimizer; every step trains the model's one batch
+    rc, log = torchrun("pdcompile.ddp_worker", nproc,
+                       ["--model", "benchmarks._common:bench_model",
+                        "--model-kwargs", json.dumps({"name": model, "batch_size": batch, "size": size}),
+                        "--batch", str(batch), "--steps", str(steps), "--out", str(out),
+                        "--watchdog", str(timeout - 10)],
+                       timeout=timeout, env={slowlink.ENV: str(bps)})
     if rc != 0:
         raise RuntimeError(f"DDP worker failed ({rc}):\n{log[-3000:]}")
     return json.loads(out.read_text())["step_times_s"]
@@ -70,9 +74,9 @@ def run_ddp(model: str, size: str, batch: int, steps: int, nproc: int, bps: floa
 
 def run_pipeline(program: Path, steps: int, nproc: int, bps: float, timeout: float = 300) -> list[list[float]]:
     metrics = Path(tempfile.mkdtemp(prefix="pd-bench-pipe-"))
-    rc, log = torchrun("benchmarks._slow_train", nproc,
+    rc, log = torchrun("pdcompile.slowlink", nproc,
                        [str(program), "--steps", str(steps), "--metrics", str(metrics), "--timeout", "120"],
-                       timeout=timeout, env={"PD_BENCH_LINK_BPS": str(bps)})
+                       timeout=timeout, env={slowlink.ENV: str(bps)})
     if rc != 0:
         raise RuntimeError(f"pipeline failed ({rc}):\n{log[-3000:]}")
     return [json.loads(p.read_text())["step_times_s"] for p in sorted(metrics.glob("rank_*.json"))]
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     body = (f"VGG-style model with VGG's parameter-heavy classifier (2.2M parameters), global minibatch 32, SGD, "
             f"2 CPU processes (gloo). DDP: 16 samples per rank, bucketed all-reduce. Pipeline: pdcompile's "
             f"2-stage split, flush schedule, 4 microbatches of 8. Slow link: receive-side serial-link emulation "
-            f"(benchmarks/_slow_link.py, PD_BENCH_LINK_BPS; DDP through a comm hook, ours by wrapping "
+            f"(pdcompile/slowlink.py, PDCOMPILE_LINK_BPS; DDP through a comm hook, ours by wrapping "
             f"torch.distributed's receives), not a real NIC. {args.rounds} alternating rounds x {args.steps} steps, "
             f"first {args.warmup} dropped; step = slowest rank, median. Throughput ratio > 1: pipeline faster.\n"
             f"Load: {before} at the start, {load_note()} at the end.\n\n" + table(rows))

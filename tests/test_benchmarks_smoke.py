@@ -19,7 +19,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import _common, _slow_link  # noqa: E402
+from benchmarks import _common  # noqa: E402
+from pdcompile import slowlink as _slow_link  # noqa: E402
 from benchmarks import bench_partitions, bench_time_to_accuracy, bench_vs_ddp, bench_vs_pipelining  # noqa: E402
 
 
@@ -45,13 +46,13 @@ def test_predicted_partitions_on_a_pipedream_profile() -> None:
 
 
 def test_slow_link_serializes_transfers(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PD_BENCH_LINK_BPS", "1e6")
+    monkeypatch.setenv(_slow_link.ENV, "1e6")
     monkeypatch.setattr(_slow_link, "_link_free", 0.0)
     t1 = _slow_link.occupy(1000)  # 1 ms
     t2 = _slow_link.occupy(1000)
     assert t2 - t1 == pytest.approx(1e-3)
     assert _slow_link.ring_bytes(100, 2) == 100 and _slow_link.ring_bytes(100, 1) == 0
-    monkeypatch.setenv("PD_BENCH_LINK_BPS", "0")
+    monkeypatch.setenv(_slow_link.ENV, "0")
     assert not _slow_link.install()
 
 

@@ -88,10 +88,3 @@ def test_run_trains_and_a_failing_job_exits_1(tmp_path: Path, capsys: pytest.Cap
     assert main(["run", str(prog), "--steps", "2", "--json"]) == 1
 
 
-@pytest.mark.multiproc
-def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "demo"
-    assert main(["demo", "--steps", "12", "--workers", "2", "--out", str(out), "--json"]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["loss_last"] < summary["loss_first"]  # it learns
-    assert (out / "program" / "train.py").is_file() and any((out / "ir").iterdir())

@@ -64,15 +64,9 @@ def test_plain_tuples_and_categories_from_names() -> None:
     assert [e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"] == ["forward", "backward"]
 
 
-def test_time_by_category_and_the_demos_breakdown() -> None:
-    from pdcompile._cli.demo import _where_the_time_goes
+def test_time_by_category() -> None:
     from pdcompile.timeline import Event, time_by_category
 
     measured = [Event(0, "0F0", 0.0, 0.002, "forward"), Event(0, "0AR", 0.002, 0.005, "allreduce"),
                 Event(1, "1F1", 0.0, 0.001, "forward"), Event(0, "0SF0", 0.002, 0.009, "transfer")]
     assert time_by_category(measured) == {0: {"forward": 0.002, "allreduce": 0.003}, 1: {"forward": 0.001}}
-    predicted = [Event(0, "0F0", 0.0, 0.001, "forward"), Event(1, "1F1", 0.0, 0.001, "forward")]
-    lines = _where_the_time_goes(predicted, measured).splitlines()
-    assert lines[1].split() == ["forward", "1.00", "2.00"]  # busiest rank per side
-    assert lines[2].split() == ["allreduce", "0.00", "3.00"]
-    assert not any(l.split()[:1] == ["backward"] for l in lines)  # only categories that occur

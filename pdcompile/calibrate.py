@@ -1,0 +1,325 @@
+"""This machine's constants for predicting a local run: the loopback link, the runtime's fixed cost
+per action, the optimizer step. Measured once and cached, so a prediction never peeks at the run it
+predicts.
+
+* link: a 2-process gloo send/recv ping-pong and all-reduce at 4 KiB - 4 MiB (torchrun of this
+  module with ``--link-worker``); latency from the smallest message, bandwidth from the slope;
+* overhead per action kind (``F``, ``B``, ``SF``, ...): a traced 2-stage Flush run of a model too
+  small to compute (an MLP 16-16-16-4), the median duration of each kind less its compute, plus the
+  median gap between a rank's consecutive actions (the executor's loop);
+* optimizer step: SGD with momentum (and zero_grad) over parameter tensors of 0.25 - 8 MiB, one
+  thread, fitted as ``fixed + bytes / rate`` per stage;
+* compute in a run against its profile: a traced 2-stage Flush run of an MLP 1024-4x1024-10
+  (microbatches of 8: a few milliseconds of compute each), each stage's median forward and backward
+  (less the per-action cost) against the costs profiled in this process. Processes that share the
+  cores, their caches and memory bandwidth compute slower than the profiler alone measured; this
+  factor carries that over to other models on this machine.
+
+The cache (``$PDCOMPILE_CACHE`` or ``~/.cache/pdcompile``, file ``machine-constants.json``) is keyed
+by host, core count, Python and torch version; ``refresh=True`` measures again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+OVERHEAD_KINDS = ("F", "B", "W", "SF", "SB", "RF", "RB", "ST", "WV")
+_M = 4  # microbatches of the overhead run
+_WARMUP = 4  # its steps left out
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineConstants:
+    """What a local prediction needs besides the profiled compute (seconds, bytes/s)."""
+
+    latency_s: float  # one-way send/recv of a tiny message over loopback
+    bandwidth: float  # loopback bytes/s
+    allreduce_latency_s: float  # fixed cost of a 2-rank all-reduce
+    overhead_s: dict[str, float]  # runtime's fixed cost per action kind
+    step_fixed_s: float  # optimizer step: fixed part
+    step_rate: float  # optimizer step: parameter bytes per second
+    forward_factor: float = 1.0  # a run's forward / its profiled forward
+    backward_factor: float = 1.0  # a run's backward / its profiled backward
+    key: str = ""
+    measured_at: str = ""
+
+    def step_s(self, param_bytes: float) -> float:
+        """Predicted optimizer step (SGD with momentum, zero_grad) over ``param_bytes`` of parameters."""
+        return self.step_fixed_s + param_bytes / self.step_rate if param_bytes else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def cache_path() -> Path:
+    """Where the constants are kept: ``$PDCOMPILE_CACHE/machine-constants.json`` (default ``~/.cache/pdcompile``)."""
+    root = os.environ.get("PDCOMPILE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdcompile")
+    return Path(root) / "machine-constants.json"
+
+
+def machine_key() -> str:
+    """Constants hold for one host, core count, Python and torch build."""
+    import torch
+
+    return f"{platform.node()}|{os.cpu_count()}|{platform.python_version()}|{torch.__version__}"
+
+
+def load_or_measure(refresh: bool = False, log: Any = None) -> tuple[MachineConstants, bool]:
+    """The cached constants for this machine, or freshly measured (and cached); and whether cached."""
+    path, key = cache_path(), machine_key()
+    if not refresh and path.is_file():
+        try:
+            d = json.loads(path.read_text())
+            if d.get("key") == key:
+                return MachineConstants(**d), True
+        except (OSError, ValueError, TypeError):
+            pass  # unreadable or from an older layout: measure again
+    c = measure(log)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(c.to_dict(), indent=1))
+    except OSError:
+        pass  # a read-only home: the constants serve this run only
+    return c, False
+
+
+def measure(log: Any = None) -> MachineConstants:
+    """Measure every constant now (two short torchrun launches and an in-process timing)."""
+    say = log or (lambda msg: None)
+    say("measuring the loopback link (2 processes, gloo ping-pong) ...")
+    lat, bw, ar_lat = measure_link()
+    say("measuring the runtime's cost per action (a traced 2-stage run of a tiny model) ...")
+    over = measure_overheads()
+    say("measuring compute in a run against its profile (a traced 2-stage run of an MLP) ...")
+    fwd, bwd = measure_compute_factors(over)
+    fixed, rate = measure_step()
+    return MachineConstants(lat, bw, ar_lat, over, fixed, rate, fwd, bwd, key=machine_key(),
+                            measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+
+
+def _torchrun_module(module: str, nproc: int, args: list[str], timeout: float) -> tuple[int, str]:
+    import subprocess
+
+    from pdcompile.launcher import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "--max-restarts=0", "--monitor-interval=0.5", "-m", module, *args]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        return 124, str(e.stdout or "") + str(e.stderr or "")
+    return p.returncode, p.stdout + p.stderr
+
+
+def _link_worker(out: str) -> None:
+    """Under torchrun (2 processes): ping-pong and all-reduce at several sizes; rank 0 writes
+    ``{"p2p": [[bytes, one-way s], ...], "allreduce": [[bytes, s], ...]}``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results: dict[str, list[tuple[int, float]]] = {"p2p": [], "allreduce": []}
+    for nbytes in (4 << 10, 64 << 10, 512 << 10, 4 << 20):
+        buf = torch.zeros(nbytes // 4)
+        p2p, ar = [], []
+        for i in range(25):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            t1 = time.perf_counter()
+            dist.barrier()
+            t2 = time.perf_counter()
+            dist.all_reduce(buf)
+            t3 = time.perf_counter()
+            if i >= 5:
+                p2p.append((t1 - t0) / 2)
+                ar.append(t3 - t2)
+        results["p2p"].append((nbytes, statistics.median(p2p)))
+        results["allreduce"].append((nbytes, statistics.median(ar)))
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def measure_link() -> tuple[float, float, float]:
+    """(latency s, bandwidth bytes/s, all-reduce latency s) of gloo over loopback between 2 processes."""
+    from pdcompile.simulate import ring_allreduce_s
+
+    out = Path(tempfile.mkdtemp(prefix="pdcompile-link-")) / "link.json"
+    rc, log = _torchrun_module("pdcompile.calibrate", 2, ["--link-worker", str(out)], timeout=180)
+    if rc != 0:
+        raise RuntimeError(f"the loopback measurement failed ({rc}):\n{log[-2000:]}")
+    raw = json.loads(out.read_text())
+    p2p = sorted((int(n), float(t)) for n, t in raw["p2p"])
+    (n0, t0), (n1, t1) = p2p[0], p2p[-1]
+    bw = (n1 - n0) / max(t1 - t0, 1e-9)
+    a0 = sorted((int(n), float(t)) for n, t in raw["allreduce"])[0]
+    return max(0.0, t0 - n0 / bw), bw, max(0.0, a0[1] - ring_allreduce_s(a0[0], 2, bw))
+
+
+def _traced_mlp_run(hidden: tuple[int, ...], in_features: int, classes: int, steps: int,
+                    what: str) -> tuple[Any, list[Any]]:
+    """Compile an MLP into 2 stages (costs profiled here, one thread), run it traced; (pipeline, events)."""
+    import torch
+
+    from pdcompile.api import pdcompile
+    from pdcompile.launcher import launch
+    from pdcompile.trace_convert import read_runtime_events
+    from pdcompile.zoo import mlp
+
+    torch.set_num_threads(1)  # profile as each runtime process runs (OMP_NUM_THREADS=1)
+    torch.manual_seed(0)
+    cfg = mlp.MLPConfig(in_features=in_features, hidden=hidden, num_classes=classes)
+    model = mlp.FAMILY.build(cfg)
+    inputs, target = mlp.FAMILY.make_batch(cfg, torch.device("cpu"), 0, 8 * _M)
+    pipe = pdcompile(model, example_inputs=inputs, example_target=target, loss_fn=mlp.FAMILY.loss(),
+                     optimizer=lambda p: torch.optim.SGD(p, lr=0.01), stages=2, schedule="flush",
+                     num_microbatches=_M, cost_mode="measured")
+    work = Path(tempfile.mkdtemp(prefix="pdcompile-calibrate-")).resolve()
+    prog = pipe.emit(work / "program")
+    # timed as a user's run is: not in the test suite's NCCL-rules mode (a thread per peer, runtime/comm.py)
+    rc, log = launch(prog, 2, ["--steps", str(steps), "--trace", str(work / "trace"), "--timeout", "60"],
+                     timeout=180, env={"PDCOMPILE_NCCL_RULES": "0"})
+    if rc != 0:
+        raise RuntimeError(f"the {what} run failed ({rc}):\n{log[-2000:]}")
+    return pipe, read_runtime_events(work / "trace", drop_versions=False)
+
+
+def _steady(events: list[Any]) -> list[Any]:
+    from pdcompile.trace_convert import microbatch_of
+
+    return [e for e in events if (microbatch_of(e.name) if microbatch_of(e.name) is not None
+                                  else _WARMUP * _M) >= _WARMUP * _M]
+
+
+def _split_names(events: list[Any]) -> set[str]:
+    """A split backward's parts (every ``sW k`` and its ``sB k``): not the whole backward the profile has."""
+    split = {e.name for e in events if e.category == "backward" and "W" in e.name}
+    return split | {w.replace("W", "B") for w in split}
+
+
+def measure_compute_factors(overhead_s: dict[str, float], steps: int = 12) -> tuple[float, float]:
+    """(forward, backward): a run's compute against its profile on this machine (module doc)."""
+    pipe, events = _traced_mlp_run((1024, 1024, 1024, 1024), 1024, 10, steps, "compute calibration")
+    chain, plan = pipe.state.chain, pipe.plan
+    scale = plan.microbatch_size / chain.batch_size
+    split = _split_names(events)
+    ratios: dict[str, list[float]] = {"forward": [], "backward": []}
+    for s, st in enumerate(plan.stages):
+        for cat, attr in (("forward", "forward_s"), ("backward", "backward_s")):
+            prof = sum(getattr(l, attr) for l in chain.layers[st.first:st.last + 1]) * scale
+            d = [e.end_s - e.start_s for e in _steady(events)
+                 if e.rank == s and e.category == cat and e.name not in split]
+            if d and prof > 0:
+                ratios[cat].append(max(statistics.median(d) - overhead_s.get(cat[0].upper(), 0.0), 0.0) / prof)
+    fwd, bwd = (statistics.fmean(ratios[c]) if ratios[c] else 1.0 for c in ("forward", "backward"))
+    return fwd, bwd
+
+
+def measure_overheads(steps: int = 12) -> dict[str, float]:
+    """The runtime's fixed cost per action kind: see the module doc."""
+    from pdcompile.trace_convert import microbatch_of
+
+    pipe, events = _traced_mlp_run((16, 16), 16, 4, steps, "overhead measurement")
+    chain, plan = pipe.state.chain, pipe.plan
+    scale = plan.microbatch_size / chain.batch_size
+    first, last = plan.stages[0], plan.stages[-1]
+    step = [s for s in step_seconds([st.gm for st in pipe.split.stages])]
+    compute = {"F": sum(l.forward_s for l in chain.layers[first.first:first.last + 1]) * scale,
+               "B": sum(l.backward_s for l in chain.layers[last.first:last.last + 1]) * scale,
+               "ST": statistics.fmean(step)}
+    split = _split_names(events)
+    durations: dict[str, list[float]] = {}
+    for e in events:
+        mb = microbatch_of(e.name)
+        if (mb if mb is not None else _WARMUP * _M) < _WARMUP * _M:
+            continue
+        kind = e.name.lstrip("0123456789").rstrip("0123456789")
+        if kind == "F" and e.rank != 0 or kind == "B" and e.rank != len(plan.stages) - 1:
+            continue  # these wait for a peer inside the action
+        if kind in ("B", "W") and e.name in split:
+            continue  # a split backward's parts: not the whole backward the profile has
+        durations.setdefault(kind, []).append(e.end_s - e.start_s)
+    gaps = []
+    for r in {e.rank for e in events}:
+        mine = sorted((e for e in events if e.rank == r), key=lambda e: e.start_s)
+        gaps += [max(0.0, b.start_s - a.end_s) for a, b in zip(mine, mine[1:])]
+    gap = statistics.median(gaps) if gaps else 0.0
+    return {k: max(0.0, statistics.median(durations[k]) - compute.get(k, 0.0)) + gap
+            for k in OVERHEAD_KINDS if k in durations}
+
+
+def _time_step(params: list[Any], repeats: int) -> float:
+    import torch
+
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.SGD(params, lr=0.0, momentum=0.9)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        times.append(time.perf_counter() - t0)
+    for p in params:
+        p.grad = None
+    return statistics.median(times)
+
+
+def step_seconds(stage_modules: list[Any], repeats: int = 20) -> list[float]:
+    """Measured optimizer step (SGD with momentum, zero_grad) of each module's parameters."""
+    out = []
+    for mod in stage_modules:
+        params = [p for p in mod.parameters() if p.requires_grad]
+        out.append(_time_step(params, repeats) if params else 0.0)
+    return out
+
+
+def measure_step() -> tuple[float, float]:
+    """(fixed s, bytes/s) of the optimizer step, fitted through a small and a large set of parameters."""
+    import torch
+
+    torch.set_num_threads(1)
+    small = [torch.nn.Parameter(torch.zeros(1 << 16))]  # 256 KiB
+    large = [torch.nn.Parameter(torch.zeros(1 << 20)) for _ in range(2)]  # 8 MiB
+    n0, n1 = 1 << 18, 8 << 20
+    t0, t1 = _time_step(small, 40), _time_step(large, 20)
+    rate = (n1 - n0) / max(t1 - t0, 1e-9)
+    return max(0.0, t0 - n0 / rate), rate
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m pdcompile.calibrate", description=__doc__.split("\n")[0])
+    ap.add_argument("--refresh", action="store_true", help="measure again even when cached")
+    ap.add_argument("--link-worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.link_worker:
+        _link_worker(args.link_worker)
+        return 0
+    c, cached = load_or_measure(refresh=args.refresh, log=print)
+    print(json.dumps({"cached": cached, "path": str(cache_path()), **c.to_dict()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
