@@ -55,33 +55,12 @@ STRATEGIES = ("uniform", "parameters", "time", "planner")
 
 def minmax_bounds(weights: Sequence[float], stages: int, allowed: Sequence[bool]) -> list[int]:
     """First positions of stages 1..S-1 minimizing the largest stage's weight sum (contiguous parts;
-    a stage may start at ``i`` only if ``allowed[i-1]``, i.e. the cut after layer ``i-1`` is legal).
+    a stage may start at ``i`` only if ``allowed[i-1]``): the compiler's one balanced split,
+    :func:`pdcompile.passes.partition.balanced_split`, with cut bytes ignored (ties: earliest cuts).
     The block partition torchgpipe's balance_by_time and DeepSpeed's ``parameters`` both solve."""
-    n = len(weights)
-    pre = [0.0]
-    for w in weights:
-        pre.append(pre[-1] + w)
-    inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    arg = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for i in range(k, n + 1):
-            if i < n and not allowed[i - 1]:
-                continue
-            for j in range(k - 1, i):
-                if best[k - 1][j] == inf or (j > 0 and not allowed[j - 1]):
-                    continue
-                v = max(best[k - 1][j], pre[i] - pre[j])
-                if v < best[k][i]:
-                    best[k][i], arg[k][i] = v, j
-    if best[stages][n] == inf:
-        raise ValueError(f"no legal split into {stages} stages")
-    bounds, i = [], n
-    for k in range(stages, 0, -1):
-        i = arg[k][i]
-        bounds.append(i)
-    return sorted(bounds)[1:]
+    from pdcompile.passes.partition import balanced_split
+
+    return balanced_split(weights, stages, [0.0 if ok else math.inf for ok in allowed])
 
 
 def uniform_bounds(chain: Any, stages: int, allowed: Sequence[bool]) -> list[int]:
@@ -151,8 +130,8 @@ def with_split(pipe: Any, assignment: dict[str, int]) -> Any:
 
     s = pipe.state
     n = max(assignment.values()) + 1  # the planner may choose fewer stages than workers
-    pipe.state = s.replace(stages=split_stages(s.gm, assignment, s.model),
-                           extra={**s.extra, "assignment": assignment, "stage_ranks": [[k] for k in range(n)]})
+    pipe.state = s.replace(stages=split_stages(s.gm, assignment, s.model), assignment=assignment,
+                           stage_ranks=tuple((k,) for k in range(n)))
     return pipe
 
 

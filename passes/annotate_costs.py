@@ -1,45 +1,12 @@
 """The ``annotate-costs`` pass: what every node of a traced model costs, measured or analytic,
 with activation bytes and FLOPs as sympy expressions of the microbatch size ``b``.
 
-Before (after ``trace`` and ``propagate-shapes``)::
-
-    %fc1 : call_module[target=fc1](args = (%x,))   # float32[8,32]
-
-After, ``node.meta["pd.cost"]`` (a :class:`NodeCost`), printed by :func:`format_costs`::
-
-    fc1  call_module  fwd 1.2e-05s bwd 2.3e-05s  flops 4096+8192  out 1024 B ("128*b")  param 4224 B
-
-How each cost is obtained (for each node, on the values a full forward run fed it):
-
-- **measured** — the node is called on copies of its real inputs, float inputs that come from
-  other nodes marked ``requires_grad`` as in training. Forward: the call itself, with autograd
-  recording, timed. Backward: ``torch.autograd.grad`` of the node's outputs (grad-outputs of ones)
-  with respect to its differentiable inputs and its parameters — the real backward kernels of this
-  node, measured, not guessed (``retain_graph`` lets the same graph be timed repeatedly). Each is
-  run ``warmup`` times, then timed ``repeats`` times (each sample repeating the call until it
-  lasts 0.2 ms) in three visits over the whole graph; each visit to a node starts with an untimed
-  call (its inputs warm in cache, as in a training step), and the node's cost is the smallest of
-  its visits' medians, so a burst of load from another process that covers one visit does not
-  reach the profile (:func:`_visit_medians`). The fixed cost of one ``autograd.grad`` call
-  (:func:`backward_call_overhead`: measured once, the part of a call beyond its nodes) is
-  subtracted from every backward: a step pays it once, not once per node. Every node's input
-  copies and backward graph stay alive until the timing ends (about a step's activations). With
-  ``interleave=True`` every sample is its own visit, without the untimed call, and the median is
-  kept (cold caches on CPU: the per-node sum then runs ~25% above a whole step on our 2-core
-  machine). On CUDA, CUDA events with a synchronisation; on CPU, ``time.perf_counter``.
-- **analytic** — FLOPs of the forward call and of that backward call, counted by
-  ``torch.utils.flop_counter.FlopCounterMode`` (recurrent leaves — LSTM, GRU, RNN, which the
-  counter can't see into — by the formula in :func:`rnn_flops`), turned into time by a
-  :class:`DeviceSpec` on a roofline: ``max(flops / (peak * efficiency), bytes / bandwidth)``. No
-  timing, so the result is the same on every run and machine.
-- **bytes** — output activation bytes from the real dtypes and shapes (``pd.tensor``); parameter
-  and buffer bytes of the module (each ``Parameter`` counted once, at the first node that uses it,
-  so totals equal the model's; ``get_attr`` nodes are folded into the node that reads them);
-  optimizer state as parameter bytes times :data:`pdcompile.profile.OPTIMIZER_STATE_FACTOR`.
-- **symbolic** — the graph is re-run at batch sizes 2 and 3 (inputs resized along dim 0, or by
-  ``batch_fn``), output bytes and FLOPs fitted as ``slope*b + intercept`` and the fit checked at 5
-  and at the example batch size. A node whose cost is not affine in ``b`` keeps a ``Piecewise``
-  table of what was measured and says so in ``symbolic_note``.
+Each node gets ``node.meta["pd.cost"]`` (a :class:`NodeCost`; :func:`format_costs` prints one a
+line). **measured**: the node called on copies of its real inputs, forward and its own backward
+(``torch.autograd.grad``) timed, the smallest of several visits' medians. **analytic**: FLOPs
+from ``FlopCounterMode`` (recurrent leaves by :func:`rnn_flops`) over a :class:`DeviceSpec`
+roofline, the same on every machine. **symbolic**: bytes and FLOPs refitted at other batch sizes
+as ``slope*b + intercept``. Details in :func:`annotate_costs`. :func:`run` also builds the Profile.
 """
 
 from __future__ import annotations
@@ -49,14 +16,15 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
+from pdcompile.cluster import ClusterSpec
 from pdcompile.errors import PassError, UsageError
-from pdcompile.ir import TensorMeta, meta_bytes
+from pdcompile.ir import CompileState, TensorMeta, meta_bytes, need
 from pdcompile.profile import Profile, ProfileInput, ProfileLayer, optimizer_state_factor
 from pdcompile.runtime.timing import sync
 
@@ -138,7 +106,7 @@ class NodeCost:
 
 # -- running single nodes ----------------------------------------------------------------------
 
-_COMPUTE_OPS = ("call_module", "call_function", "call_method")
+COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
 
 class _Capture(fx.Interpreter):
@@ -222,9 +190,9 @@ class _NodeCall:
         args, kwargs = self._fresh()
         n = self.node
         if n.op == "call_module":
-            return self.module(*args, **kwargs)
+            return cast(torch.nn.Module, self.module)(*args, **kwargs)
         if n.op == "call_function":
-            return n.target(*args, **kwargs)
+            return cast(Callable[..., Any], n.target)(*args, **kwargs)
         self_obj, *rest = args
         return getattr(self_obj, str(n.target))(*rest, **kwargs)
 
@@ -311,13 +279,17 @@ def _visit_medians(fns: dict[Any, Callable[[], Any] | None], device: torch.devic
     return {k: best.get(k, 0.0) for k in fns}
 
 
+def _grad_call(y: torch.Tensor, x: torch.Tensor, g: torch.Tensor) -> Callable[[], Any]:
+    return lambda: torch.autograd.grad([y], [x], [g], retain_graph=True)
+
+
 def backward_call_overhead(device: torch.device, warmup: int = 20, repeats: int = 15) -> float:
     """Seconds one ``torch.autograd.grad`` call costs whatever its graph: the graph task and engine
     start-up. Measured on chains of 1 and 11 one-element ``* 1`` nodes on ``device``: the call costs
     ``fixed + n * per_node``, and ``fixed`` is returned (the per-node part is real work a step does
     too). Every node's measured backward pays ``fixed`` once; a training step pays it once for the
     whole graph, so measured mode subtracts it from each node."""
-    calls = {}
+    calls: dict[Any, Callable[[], Any] | None] = {}
     for n in (1, 11):
         x = torch.ones(1, device=device, requires_grad=True)
         with torch.enable_grad():
@@ -325,7 +297,7 @@ def backward_call_overhead(device: torch.device, warmup: int = 20, repeats: int 
             for _ in range(n):
                 y = y * 1.0
         g = torch.ones_like(y)
-        calls[n] = (lambda y=y, x=x, g=g: torch.autograd.grad([y], [x], [g], retain_graph=True))
+        calls[n] = _grad_call(y, x, g)
     t = _interleaved_medians(calls, device, warmup, repeats)
     per_node = max(0.0, (t[11] - t[1]) / 10)
     return max(0.0, t[1] - per_node)
@@ -437,7 +409,7 @@ def _param_attribution(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
         return t.numel() * t.element_size()
 
     for node in gm.graph.nodes:
-        if node.op not in _COMPUTE_OPS:
+        if node.op not in COMPUTE_OPS:
             continue
         pb = bb = 0
         if node.op == "call_module":
@@ -480,7 +452,7 @@ def _is_tensor_output(meta: Any) -> bool:
 
 
 def _output_meta(value: Any) -> Any:
-    from pdcompile.passes.shapes import tensor_meta_of
+    from pdcompile.passes.propagate_shapes import tensor_meta_of
 
     return tensor_meta_of(value)
 
@@ -493,7 +465,7 @@ def _sizes_at(gm: fx.GraphModule, inputs: Sequence[Any], nodes: Sequence[fx.Node
     for node in nodes:
         nb = meta_bytes(_output_meta(values.get(node)))
         ff = bf = 0
-        if flops and node.op in _COMPUTE_OPS:
+        if flops and node.op in COMPUTE_OPS:
             ff, bf, _ = _node_flops(_NodeCall(gm, node, values), values)
         out[node] = (nb, ff, bf)
     return out
@@ -553,6 +525,37 @@ def annotate_costs(
     ``device_spec``). ``batch_fn(b)`` makes inputs at batch size ``b`` for the symbolic fit
     (default: ``example_inputs`` resized along dim 0); ``symbolic=False`` skips the fit.
     Runs ``propagate_shapes`` first when the nodes lack ``pd.tensor``.
+
+    How each cost is obtained (for each node, on the values a full forward run fed it):
+
+    - **measured** — the node is called on copies of its real inputs, float inputs that come from
+      other nodes marked ``requires_grad`` as in training. Forward: the call itself, with autograd
+      recording, timed. Backward: ``torch.autograd.grad`` of the node's outputs (grad-outputs of ones)
+      with respect to its differentiable inputs and its parameters — the real backward kernels of this
+      node, measured, not guessed (``retain_graph`` lets the same graph be timed repeatedly). Each is
+      run ``warmup`` times, then timed ``repeats`` times (each sample repeating the call until it
+      lasts 0.2 ms) in three visits over the whole graph; each visit to a node starts with an untimed
+      call (its inputs warm in cache, as in a training step), and the node's cost is the smallest of
+      its visits' medians, so a burst of load from another process that covers one visit does not
+      reach the profile (:func:`_visit_medians`). The fixed cost of one ``autograd.grad`` call
+      (:func:`backward_call_overhead`: measured once, the part of a call beyond its nodes) is
+      subtracted from every backward: a step pays it once, not once per node. Every node's input
+      copies and backward graph stay alive until the timing ends (about a step's activations). With
+      ``interleave=True`` every sample is its own visit, without the untimed call, and the median is
+      kept (cold caches). On CUDA, CUDA events with a synchronisation; on CPU, ``time.perf_counter``.
+    - **analytic** — FLOPs of the forward call and of that backward call, counted by
+      ``torch.utils.flop_counter.FlopCounterMode`` (recurrent leaves — LSTM, GRU, RNN, which the
+      counter can't see into — by the formula in :func:`rnn_flops`), turned into time by a
+      :class:`DeviceSpec` on a roofline: ``max(flops / (peak * efficiency), bytes / bandwidth)``. No
+      timing, so the result is the same on every run and machine.
+    - **bytes** — output activation bytes from the real dtypes and shapes (``pd.tensor``); parameter
+      and buffer bytes of the module (each ``Parameter`` counted once, at the first node that uses it,
+      so totals equal the model's; ``get_attr`` nodes are folded into the node that reads them);
+      optimizer state as parameter bytes times :data:`pdcompile.profile.OPTIMIZER_STATE_FACTOR`.
+    - **symbolic** — the graph is re-run at batch sizes 2 and 3 (inputs resized along dim 0, or by
+      ``batch_fn``), output bytes and FLOPs fitted as ``slope*b + intercept`` and the fit checked at 5
+      and at the example batch size. A node whose cost is not affine in ``b`` keeps a ``Piecewise``
+      table of what was measured and says so in ``symbolic_note``.
     """
     if mode not in MODES:
         raise UsageError(f"annotate-costs mode must be one of {MODES}, got {mode!r}")
@@ -574,7 +577,7 @@ def annotate_costs(
     inputs = tuple(example_inputs)
     device = _device_of(gm, inputs)
     nodes = list(gm.graph.nodes)
-    compute = [n for n in nodes if n.op in _COMPUTE_OPS]
+    compute = [n for n in nodes if n.op in COMPUTE_OPS]
     try:
         values = _capture(gm, inputs)
     except Exception as e:  # noqa: BLE001 - say which pass failed and why
@@ -593,9 +596,9 @@ def annotate_costs(
     try:
         for node in nodes:
             meta = _output_meta(values.get(node)) if node.op != "output" else None
-            out_bytes = meta_bytes(meta) if node.op in _COMPUTE_OPS + ("placeholder",) else 0
+            out_bytes = meta_bytes(meta) if node.op in COMPUTE_OPS + ("placeholder",) else 0
             e_out, e_f, e_b, note = exprs.get(node, (None, None, None, ""))
-            if node.op not in _COMPUTE_OPS:
+            if node.op not in COMPUTE_OPS:
                 note = note or ("folded into its readers" if node.op == "get_attr" else "")
                 node.meta["pd.cost"] = NodeCost(
                     output_bytes=out_bytes, mode=mode, tensor_output=_is_tensor_output(meta),
@@ -693,7 +696,7 @@ def profile_from_graph(gm: fx.GraphModule, *, batch_size: int, device: str,
         if node.op == "placeholder":
             inputs.append(ProfileInput(node.name, float(cost.output_bytes), cost.output_bytes_expr,
                                        cost.tensor_output))
-        elif node.op in _COMPUTE_OPS:
+        elif node.op in COMPUTE_OPS:
             mode = cost.mode
             layers.append(ProfileLayer(
                 name=node.name, op=_op_name(gm, node), forward_s=cost.forward_s,
@@ -752,7 +755,7 @@ def profile_model(
     name: str | None = None,
 ) -> Profile:
     """Trace, propagate shapes, annotate costs and build the Profile, in one call."""
-    from pdcompile.passes.shapes import propagate_shapes
+    from pdcompile.passes.propagate_shapes import propagate_shapes
     from pdcompile.passes.trace import trace
 
     inputs = tuple(example_inputs)
@@ -773,7 +776,39 @@ def device_spec_name(spec: DeviceSpec | str | None) -> str:
     return resolve_device_spec(spec).name
 
 
+def device_spec_for(cluster: ClusterSpec | None) -> DeviceSpec:
+    """Analytic costs for the cluster's device: its peak FLOP/s and memory bandwidth when the
+    cluster gives them, a preset of the same name (v100, a100, h100, h200), else this CPU."""
+    dev = getattr(cluster, "device", None)
+    if dev is None:
+        return DEVICE_SPECS["cpu"]
+    key = dev.name.lower().split("-")[0]
+    base = DEVICE_SPECS.get(key, DEVICE_SPECS["cpu"])
+    if dev.peak_flops:
+        return DeviceSpec(dev.name, dev.peak_flops, dev.memory_bandwidth or base.mem_bandwidth)
+    return base
+
+
+@dataclass(frozen=True)
+class AnnotateOptions:
+    microbatch_size: int
+    mode: str = "analytic"  # "measured" or "analytic"
+    cluster: ClusterSpec | None = None  # analytic costs use its device (device_spec_for)
+    symbolic: bool = False  # fit costs as expressions of the microbatch size (slower)
+
+
+def run(state: CompileState, opts: AnnotateOptions) -> CompileState:
+    """Annotates ``gm`` with ``pd.cost``; writes ``profile``."""
+    spec = device_spec_for(opts.cluster)
+    gm = annotate_costs(need(state.gm, "gm"), state.example_inputs, mode=opts.mode, device_spec=spec,
+                        progress=False, symbolic=opts.symbolic)
+    profile = profile_from_graph(gm, batch_size=opts.microbatch_size, device=spec.name,
+                                 name=type(state.model).__name__)
+    return state.replace(gm=gm, profile=profile)
+
+
 __all__ = [
-    "DEVICE_SPECS", "DeviceSpec", "MODES", "NodeCost", "annotate_costs", "device_name",
+    "COMPUTE_OPS", "DEVICE_SPECS", "AnnotateOptions", "DeviceSpec", "MODES", "NodeCost", "annotate_costs",
+    "device_name", "device_spec_for", "run",
     "resolve_device_spec", "format_costs", "profile_from_graph", "profile_model", "rnn_flops",
 ]

@@ -1,34 +1,23 @@
 """The ``linearize`` pass: a profile's layer DAG as a chain of cut points with the bytes live
 across each cut, so that branchy graphs can be partitioned into contiguous ranges.
 
-Cut ``i`` lies between ``layers[i]`` and ``layers[i+1]`` of the chosen topological order. A value
-is live across it when it is produced at or before layer ``i`` and read after it; its bytes count
-once however many later layers read it. Model inputs count as produced before layer 0 (a stage
-that reads one must be sent it), and the values named in ``Profile.outputs`` as read after the last
-layer (they must reach the loss). A non-tensor value (an ``int`` from ``x.size(0)``) live across a
-cut makes that cut ``math.inf``: it may not be a stage boundary.
-
-The order rule: several topological orders are built and the one with the fewest blocked
-(``inf``) cuts, then the narrowest widest cut, then the smallest sum of cut bytes wins (ties: the
-earlier rule in this list):
-
-1. ``greedy``: repeatedly place, among the ready layers, the one that leaves the fewest bytes live
-   after it (fewest live non-tensor values first), preferring a successor of the layer just placed
-   (finish a branch before opening another), then the profile's order;
-2. ``dfs``: depth-first: after placing a layer, its newly ready successors come next;
-3. ``profile``: the profile's own (topological) order.
-
-Pure Python on plain data: no torch.
+Cut ``i`` lies between ``layers[i]`` and ``layers[i+1]`` of a topological order; a value produced
+at or before layer ``i`` and read after it counts once (model inputs as produced before layer 0,
+``Profile.outputs`` as read after the last). A live non-tensor value makes the cut ``math.inf``.
+Of the orders in :data:`RULES` (``greedy`` fewest-bytes-live, ``dfs``, the ``profile``'s own) the
+one with the fewest blocked cuts, then the narrowest widest cut, then the smallest sum wins.
+Pure Python on plain data; only :func:`run` reads the graph (cuts split-stages can't make).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
 
 from pdcompile.errors import ProfileError
-from pdcompile.ir import Chain, ChainLayer
+from pdcompile.ir import Chain, ChainLayer, CompileState, need
 from pdcompile.profile import Profile
 
 RULES = ("greedy", "dfs", "profile")
@@ -246,4 +235,22 @@ def report(chain: Chain) -> str:
     )
 
 
-__all__ = ["RULES", "cut_bytes", "linearize", "order_layers", "report"]
+def run(state: CompileState) -> CompileState:
+    """Reads ``profile`` and ``gm``; writes ``chain``, blocking the cuts where more than single
+    tensors would cross a stage boundary."""
+    from pdcompile.passes.split_stages import blocked_cuts  # torch: this module stays pure data
+
+    chain = linearize(need(state.profile, "profile"))
+    order = [m for layer in chain.layers for m in (layer.members or (layer.name,))]
+    blocked = blocked_cuts(need(state.gm, "gm"), order)
+    if blocked:
+        pos, cuts = 0, list(chain.cut_bytes)
+        for i, layer in enumerate(chain.layers[:-1]):
+            pos += len(layer.members or (layer.name,))
+            if pos - 1 in blocked:
+                cuts[i] = math.inf
+        chain = dataclasses.replace(chain, cut_bytes=tuple(cuts))
+    return state.replace(chain=chain)
+
+
+__all__ = ["RULES", "cut_bytes", "linearize", "order_layers", "report", "run"]

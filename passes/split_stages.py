@@ -1,36 +1,12 @@
-"""split-stages: one GraphModule per pipeline stage, with explicit inputs and outputs.
+"""The ``split-stages`` pass: one GraphModule per pipeline stage, with explicit inputs and outputs.
 
-The only pass that rewrites the graph. The decision (node -> stage) comes from the partitioner as
-plain data; this pass does all the surgery (policy apart from mechanism).
-
-Before (one graph, stage of each node decided by the plan)::
-
-    x -> fc1 -> relu -> fc2 -> add(fc2, relu) -> out          stage: fc1,relu = 0; fc2,add = 1
-
-After (stage 0 and stage 1; values live across the cut are the boundary)::
-
-    stage 0: def forward(self, x):        ... return (relu,)
-    stage 1: def forward(self, relu):     ... return add
-
-Rules:
-
-* Every value crosses stage boundaries one hop at a time. A value produced in stage ``j`` and used
-  in stage ``k > j + 1`` (a residual that skips stages) is an output of ``j``, an input *and an
-  output* of ``j+1 .. k-1`` (passed through unchanged) and an input of ``k``. This is what the
-  planner's cost model charges (the bytes live across each cut) and keeps the runtime's
-  communication strictly between neighbours. (``torch.fx.passes.split_module`` instead routes such
-  values directly between distant partitions and places model inputs where they are first used;
-  we copy nodes with ``Graph.node_copy`` so the interface is exactly the cut.)
-* Model inputs (placeholders) enter at stage 0.
-* ``get_attr`` nodes are copied into every stage that uses them. A parameter used by several
-  stages (tied weights: a GPT's input embedding and output projection) then lives in each of
-  them; its copies start equal, and the runtime sums their gradients across those stages before
-  every optimizer step (the ``TG`` action), so identical updates keep them equal. The split
-  records such groups in ``StageSplit.tied``.
-* Module and attribute targets are flattened to readable names (``features.0`` -> ``features_0``)
-  and ``Stage.param_names`` maps each stage parameter/buffer name back to the original model's.
-* Only tensors may cross a boundary; a cut with a Python value (an int from ``x.size()``) or a
-  tuple live across it raises :class:`UnsupportedModelError` naming the value.
+The only pass that rewrites the graph; the decision (node -> stage) comes from partition as data.
+A value crosses boundaries one hop at a time (a residual that skips stages is passed through the
+ones between, as the planner charges it), model inputs enter at stage 0, and ``get_attr`` nodes are
+copied into every stage that uses them: a parameter used by several stages (tied weights) lives in
+each, its gradients summed across them (``TG``), recorded in ``StageSplit.tied``. Targets are
+flattened to readable names (``features.0`` -> ``features_0``), mapped back by
+``Stage.param_names``. Only tensors may cross a boundary, else :class:`UnsupportedModelError`.
 """
 
 from __future__ import annotations
@@ -45,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from pdcompile.errors import UnsupportedModelError
-from pdcompile.ir import TensorMeta
+from pdcompile.ir import CompileState, TensorMeta, need
 
 
 @dataclass(frozen=True)
@@ -181,8 +157,8 @@ def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.No
 
         def lookup(n: fx.Node) -> fx.Node:
             if n not in env and n.op == "get_attr":
-                flat = _flat(n.target, used_names)
-                attrs[flat] = _fetch(gm, n.target)
+                flat = _flat(str(n.target), used_names)
+                attrs[flat] = _fetch(gm, str(n.target))
                 env[n] = g.get_attr(flat)
                 env[n].meta = dict(n.meta)
             return env[n]
@@ -230,8 +206,13 @@ def _fetch(gm: fx.GraphModule, target: str) -> Any:
 
 
 def _flatten_meta(out_node: fx.Node) -> tuple[TensorMeta, ...]:
-    metas: list[TensorMeta] = []
-    fx.node.map_arg(out_node.args[0], lambda n: metas.append(n.meta.get("pd.tensor")) or n)
+    metas: list[Any] = []  # the TensorMeta of every output node, in order
+
+    def note(n: fx.Node) -> fx.Node:
+        metas.append(n.meta.get("pd.tensor"))
+        return n
+
+    fx.node.map_arg(out_node.args[0], note)
     return tuple(metas)
 
 
@@ -289,7 +270,7 @@ def nodes_needing_grad(gm: fx.GraphModule) -> set[str]:
 
 
 def _grad_meta(n: fx.Node, grad_nodes: set[str]) -> TensorMeta:
-    meta = n.meta.get("pd.tensor")
+    meta: Any = n.meta.get("pd.tensor")
     if isinstance(meta, TensorMeta):
         return dataclasses.replace(meta, requires_grad=meta.requires_grad and n.name in grad_nodes)
     return meta
@@ -311,3 +292,9 @@ def blocked_cuts(gm: fx.GraphModule, order: Sequence[str]) -> set[int]:
             end = len(order) - 1
         blocked.update(range(start, end))
     return blocked
+
+
+def run(state: CompileState) -> CompileState:
+    """Reads ``gm``, ``assignment`` and ``model``; writes ``stages``."""
+    return state.replace(stages=split_stages(need(state.gm, "gm"), need(state.assignment, "assignment"),
+                                             state.model))

@@ -1,27 +1,11 @@
-"""trace: nn.Module -> torch.fx.GraphModule, with a leaf-module policy and complete diagnostics.
+"""The ``trace`` pass: nn.Module -> torch.fx.GraphModule, with a leaf-module policy and full diagnostics.
 
-Before::
-
-    model = Net()          # any nn.Module
-
-After::
-
-    graph():
-        %x : [num_users=1] = placeholder[target=x]
-        %fc1 : [num_users=1] = call_module[target=fc1](args = (%x,))
-        %relu : [num_users=1] = call_function[target=torch.relu](args = (%fc1,))
-        ...
-
-Leaf policy: modules from ``torch.nn`` (except the containers ``Sequential``, ``ModuleList``,
-``ModuleDict``) and the modules the user names (by class, or by qualified name such as
-``"encoder.rnn"``) are kept whole as ``call_module`` nodes; everything else is traced through.
-
-When tracing fails we do not stop at fx's first exception. A diagnostic tracer records every
-data-dependent ``if``/``while`` and every iteration over a tensor, continues past them, and then
-each non-leaf submodule is traced on its own (children as leaves) so constructs that abort tracing
-(``len(tensor)``, ...) are found module by module. Host syncs that trace but cannot be split
-(``.item()``, ``.tolist()``, ``.numpy()``) are found in the traced graph. All of them are listed in
-one :class:`UnsupportedModelError`, each with its module path, source line and the fix.
+Modules from ``torch.nn`` (but its containers) and those the user names (by class or qualified name)
+stay whole as ``call_module`` nodes; everything else is traced through. When fx fails, a diagnostic
+tracer continues past data-dependent ``if``/``while`` and iteration over tensors, then traces each
+submodule on its own, so one :class:`UnsupportedModelError` lists every offending construct (with
+host syncs such as ``.item()``), each with its module path, source line and fix. :func:`run` picks
+the front end (fx, or ``torch.export`` through :mod:`.export_frontend`).
 """
 
 from __future__ import annotations
@@ -37,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from pdcompile.errors import UnsupportedModelError
+from pdcompile.ir import CompileState
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 _HOST_SYNC_METHODS = {"item": "`.item()`", "tolist": "`.tolist()`", "numpy": "`.numpy()`"}
@@ -89,7 +74,7 @@ class PdTracer(fx.Tracer):
     def to_bool(self, obj: fx.Proxy) -> bool:
         if not self.diagnose:
             return super().to_bool(obj)
-        where = _user_frame()
+        where = user_frame()
         seen = where in self.seen_branches
         self.seen_branches.add(where)
         if not seen:
@@ -106,10 +91,10 @@ class PdTracer(fx.Tracer):
         return iter(())
 
     def _record(self, kind: str, detail: str, fix: str) -> None:
-        self.offences.append(Offence(kind, self.scope.module_path, _user_frame(), detail, fix))
+        self.offences.append(Offence(kind, self.scope.module_path, user_frame(), detail, fix))
 
 
-def _user_frame(tb: Any = None) -> str:
+def user_frame(tb: Any = None) -> str:
     """The innermost stack frame outside torch and pdcompile's passes, as 'file:line: `src`'."""
     frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
     here = os.path.dirname(__file__)
@@ -134,7 +119,7 @@ def _classify(exc: BaseException) -> tuple[str, str, str]:
             "mark the module as a leaf (leaf_modules=[...]) or rewrite the construct with tensor ops")
 
 
-def _host_syncs(gm: fx.GraphModule, prefix: str = "") -> list[Offence]:
+def host_syncs(gm: fx.GraphModule, prefix: str = "") -> list[Offence]:
     out = []
     for node in gm.graph.nodes:
         if node.op == "call_method" and node.target in _HOST_SYNC_METHODS:
@@ -164,7 +149,7 @@ def diagnose(model: torch.nn.Module, leaf_modules: Sequence[type | str] = ()) ->
     try:
         graph = tracer.trace(model)
         offences += tracer.offences
-        offences += _host_syncs(fx.GraphModule(tracer.root, graph))
+        offences += host_syncs(fx.GraphModule(tracer.root, graph))
         if not offences:
             return []
     except Exception:  # noqa: BLE001 - a hard failure: look module by module below
@@ -178,10 +163,10 @@ def diagnose(model: torch.nn.Module, leaf_modules: Sequence[type | str] = ()) ->
         probe.leaf_names = probe.leaf_names | probe.extra_leaf_names
         try:
             g = probe.trace(sub)
-            found = probe.offences + _host_syncs(fx.GraphModule(probe.root, g), name)
+            found = probe.offences + host_syncs(fx.GraphModule(probe.root, g), name)
         except Exception as e:  # noqa: BLE001
             kind, detail, fix = _classify(e)
-            found = probe.offences + [Offence(kind, name, _user_frame(e.__traceback__), detail, fix)]
+            found = probe.offences + [Offence(kind, name, user_frame(e.__traceback__), detail, fix)]
         for o in found:
             o = Offence(o.kind, name, o.where, o.detail, o.fix)
             if o not in offences:
@@ -203,7 +188,7 @@ def trace(model: torch.nn.Module, leaf_modules: Sequence[type | str] = ()) -> fx
         gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
     except Exception:  # noqa: BLE001
         gm = None
-    offences = _host_syncs(gm) if gm is not None else diagnose(model, leaf_modules)
+    offences = host_syncs(gm) if gm is not None else diagnose(model, leaf_modules)
     if gm is not None and offences:
         offences = diagnose(model, leaf_modules) or offences
     if offences:
@@ -216,3 +201,19 @@ def format_offences(model_name: str, offences: Sequence[Offence]) -> str:
     lines = [f"{model_name} can't be traced into a pipeline: {len(offences)} construct(s) found"]
     lines += [f"  {i}. {o}" for i, o in enumerate(offences, 1)]
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    leaf_modules: tuple[type | str, ...] = ()
+    frontend: str = "auto"  # "fx", "export", or "auto": fx, else export
+    output: str | int | None = None  # export front end: which model output (e.g. "logits")
+
+
+def run(state: CompileState, opts: TraceOptions) -> CompileState:
+    """Writes ``gm`` and ``output_key`` (the key of the model output the graph returns: the loss may
+    read ``out.logits``)."""
+    from pdcompile.passes.export_frontend import trace_any  # it imports this module's trace()
+
+    gm = trace_any(state.model, state.example_inputs, opts.leaf_modules, opts.frontend, output=opts.output)
+    return state.replace(gm=gm, output_key=gm.meta.get("pd.output_key"))

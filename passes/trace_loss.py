@@ -1,39 +1,19 @@
-"""trace-loss: the user's ``loss_fn(output, target)`` -> a GraphModule the last stage runs as code.
+"""The ``trace-loss`` pass: the user's ``loss_fn(output, target)`` -> a GraphModule the last stage runs.
 
-``loss_fn`` may be any callable returning a scalar tensor: a function, a lambda, a closure, a
-``functools.partial``, an ``nn.Module``. It is traced like the model, so the emitted program holds
-the loss as Python source (a ``Loss`` class in the last stage's ``stage_K.py``, its captured tensors
-in ``loss.pt``) instead of a pickled object or a class path that must be importable.
-
-Before::
-
-    loss_fn = functools.partial(F.cross_entropy, label_smoothing=0.1)
-
-After::
-
-    def forward(self, output, target):
-        cross_entropy = torch.nn.functional.cross_entropy(output, target, ..., label_smoothing = 0.1)
-        return cross_entropy
-
-Rules:
-
-* ``output`` is what the last stage returns. The export front end returns one tensor of the model's
-  output structure (``ModelOutput.logits``); a loss written against the model's own output reads it
-  as ``out.logits`` or ``out["logits"]``, and both are that tensor here (``out["logits"]`` with fx
-  only). Reading any other entry (``out.hidden_states``) is refused: the pipeline does not compute it.
-* torch.fx first (``symbolic_trace`` of a wrapper ``(output, target) -> loss``, tracing through every
-  module, ``torch.nn`` losses included, so the code shows ``cross_entropy``); if fx can't
-  (shape-dependent Python), ``torch.export`` at the example's shapes.
-* Captured tensors (class weights) become buffers; parameters that require grad are refused (the
-  pipeline's optimizer trains only the model).
-* Refused with :class:`UsageError` naming the construct and the fix: host syncs (``.item()``,
-  ``.tolist()``, ``float(t)``), Python control flow on tensor values, a result that is not a scalar
-  tensor, a traced loss that disagrees with calling ``loss_fn`` on the example.
+Any callable returning a scalar tensor (function, lambda, closure, ``functools.partial``,
+``nn.Module``) is traced like the model, torch.fx first and ``torch.export`` when fx can't, so the
+emitted program holds the loss as source (class ``Loss`` in the last ``stage_K.py``, captured tensors
+in ``loss.pt``) rather than a pickle or an importable class path. The export front end returns one
+tensor of the model's output structure, read as ``out.logits``/``out["logits"]``; other entries are
+refused. Refused with :class:`UsageError` naming construct and fix: host syncs, Python control flow
+on tensor values, a non-scalar result, parameters that require grad, a trace that disagrees with
+calling ``loss_fn`` on the example.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import operator
 import warnings
@@ -45,8 +25,9 @@ import torch
 import torch.fx as fx
 
 from pdcompile.errors import PdcompileError, UsageError
-from pdcompile.ir import TensorMeta
-from pdcompile.passes.trace import _host_syncs, _user_frame
+from pdcompile.ir import CompileState, TensorMeta, need
+from pdcompile.passes.codegen import object_spec
+from pdcompile.passes.trace import host_syncs, user_frame
 
 _HOST_SYNC_OPS = ("aten::_local_scalar_dense", "aten::item")
 _FIX = ("write the loss with tensor operations only: no .item()/float()/.tolist(), no Python if/while on a "
@@ -142,7 +123,7 @@ def trace_loss(loss_fn: Any, output: Any, target: torch.Tensor, *, output_key: s
 
 def _why(e: BaseException) -> str:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    where = _user_frame(e.__traceback__)
+    where = user_frame(e.__traceback__)
     return f"{type(e).__name__}: {msg}" + (f" (at {where})" if where else "")
 
 
@@ -179,7 +160,7 @@ def _fx(loss_fn: Any, key: str | None, tensor_output: bool) -> TracedLoss:
                 f"{f' (its {key!r})' if key else ''}. Fix: compute the loss from that tensor, or choose "
                 f"another model output with output=")
     gm.graph.eliminate_dead_code()  # what the loss computes but never uses (a .item() kept for logging) goes
-    syncs = _host_syncs(gm)
+    syncs = host_syncs(gm)
     if syncs:
         found = "; ".join(f"{o.detail}{f' at {o.where}' if o.where else ''}" for o in syncs)
         raise LossTraceError(f"pdcompile: loss_fn {loss_name(loss_fn)} can't be traced: host sync: {found}. "
@@ -271,3 +252,46 @@ def _to(value: Any, dev: torch.device) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_to(v, dev) for v in value)
     return copy.copy(value)
+
+
+@dataclass(frozen=True)
+class LossProgram:
+    """The loss the last stage runs: ``traced``, and its ``plan.json`` entry. ``traced`` is None for an
+    nn.Module loss neither front end captures but whose class rebuilds it (named by class path)."""
+
+    traced: TracedLoss | None
+    entry: dict[str, Any]
+
+    def __str__(self) -> str:
+        if self.traced is not None:
+            return str(self.traced)
+        return f"loss by class path (not traced): {json.dumps(self.entry)}"
+
+
+def loss_program(loss_fn: Any, last_stage: fx.GraphModule, target: torch.Tensor,
+                 output_key: str | None) -> LossProgram:
+    """``loss_fn`` traced on what ``last_stage`` returns and one microbatch ``target``."""
+    meta = fx.node.map_aggregate(last_stage.graph.output_node().args[0],
+                                 lambda a: a.meta.get("pd.tensor") if isinstance(a, fx.Node) else a)
+    try:
+        traced = trace_loss(loss_fn, example_output(meta), target, output_key=output_key)
+    except LossTraceError as e:
+        if not isinstance(loss_fn, torch.nn.Module):
+            raise
+        try:
+            return LossProgram(None, {**object_spec(loss_fn).to_json(), "traced": None, "why": str(e)})
+        except Exception:  # noqa: BLE001 - neither way: the tracing error says what to fix
+            raise e from None
+    return LossProgram(traced, {"traced": traced.frontend, "from": loss_name(loss_fn)})
+
+
+@dataclass(frozen=True)
+class TraceLossOptions:
+    loss_fn: Any  # (output, target) -> scalar tensor
+    target: torch.Tensor  # one microbatch of targets
+
+
+def run(state: CompileState, opts: TraceLossOptions) -> CompileState:
+    """Reads the last stage of ``stages`` and ``output_key``; writes ``loss``."""
+    last = need(state.stages, "stages").stages[-1].gm
+    return state.replace(loss=loss_program(opts.loss_fn, last, opts.target, state.output_key))

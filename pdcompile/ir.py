@@ -1,15 +1,26 @@
 """IR types shared by the passes: tensor metadata, the layer chain the planners read, and the
-compile state that flows through the pass pipeline.
-
-All are frozen dataclasses on plain data with a deterministic ``__str__``.
+compile state that flows through the pass pipeline (frozen dataclasses, one typed field each).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pdcompile.errors import PassError
+
+if TYPE_CHECKING:  # types of CompileState's fields only; ir stays importable without them
+    import torch
+    import torch.fx as fx
+
+    from pdcompile.cluster import ClusterSpec
+    from pdcompile.passes.split_stages import StageSplit
+    from pdcompile.passes.trace_loss import LossProgram
+    from pdcompile.plan import Plan
+    from pdcompile.profile import Profile
+    from pdcompile.runtime.schedules import Schedule
 
 
 @dataclass(frozen=True)
@@ -108,22 +119,37 @@ class Chain:
 
 @dataclass(frozen=True)
 class CompileState:
-    """What flows through the pass pipeline. Each pass returns a new state (``replace``).
+    """What flows through the pass pipeline; each pass returns a new one (``replace``).
 
-    Fields fill in as passes run: ``gm`` after trace, ``chain`` after linearize, ``plan`` after
-    partition, ``stages`` after split-stages, ``schedule`` after schedule, ``out_dir`` after emit.
+    Fields start as ``None`` and fill in as passes run, each written by one pass (ARCHITECTURE.md):
+    trace writes ``gm`` and ``output_key``; propagate-shapes and annotate-costs annotate ``gm``;
+    annotate-costs writes ``profile``; linearize ``chain``; partition ``plan``, ``assignment``,
+    ``stage_ranks`` and ``cluster``; split-stages ``stages``; schedule ``schedule``; trace-loss ``loss``.
     """
 
-    model: Any
-    example_inputs: tuple[Any, ...]
-    gm: Any = None
-    profile: Any = None
+    model: torch.nn.Module
+    example_inputs: tuple[torch.Tensor, ...]  # one microbatch
+    gm: fx.GraphModule | None = None
+    output_key: str | None = None  # the model output's key the graph returns ("logits"), if any
+    profile: Profile | None = None
     chain: Chain | None = None
-    plan: Any = None
-    stages: Any = None
-    schedule: Any = None
-    out_dir: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    plan: Plan | None = None
+    assignment: dict[str, int] | None = None  # fx node name -> stage
+    stage_ranks: tuple[tuple[int, ...], ...] | None = None  # stage -> its ranks
+    cluster: ClusterSpec | None = None  # the cluster the plan is for
+    stages: StageSplit | None = None
+    schedule: Schedule | None = None
+    loss: LossProgram | None = None
 
     def replace(self, **changes: Any) -> "CompileState":
         return dataclasses.replace(self, **changes)
+
+
+T = TypeVar("T")
+
+
+def need(value: T | None, what: str) -> T:
+    """``value``, which an earlier pass must have written (``what`` names the field)."""
+    if value is None:
+        raise PassError(f"the compile state has no {what} yet; the pass that writes it must run first")
+    return value

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from pdcompile.passes.annotate_costs import _COMPUTE_OPS  # the nodes annotate-costs times
+from pdcompile.passes.annotate_costs import COMPUTE_OPS  # the nodes annotate-costs times
 from pdcompile.runtime.timing import sync
 
 _PREFIX = "pd::"
@@ -91,7 +91,7 @@ class _Ranges(fx.Interpreter):
     """Run the graph with one ``record_function`` range per compute node."""
 
     def run_node(self, n: fx.Node) -> Any:
-        if n.op in _COMPUTE_OPS:
+        if n.op in COMPUTE_OPS:
             with record_function(_PREFIX + n.name):
                 return super().run_node(n)
         return super().run_node(n)
@@ -166,7 +166,7 @@ def profiler_cross_check(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
             backward[owner[e.sequence_nr]] = backward.get(owner[e.sequence_nr], 0.0) + seconds(e)
     rows = []
     for n in gm.graph.nodes:
-        if n.op not in _COMPUTE_OPS:
+        if n.op not in COMPUTE_OPS:
             continue
         cost = n.meta.get("pd.cost")
         rows.append(CrossCheckRow(n.name, forward.get(n.name, 0.0) / steps, backward.get(n.name, 0.0) / steps,

@@ -17,7 +17,7 @@ from pdcompile.passes.annotate_costs import (
     rnn_flops,
 )
 from pdcompile.passes.linearize import linearize
-from pdcompile.passes.shapes import propagate_shapes
+from pdcompile.passes.propagate_shapes import propagate_shapes
 from pdcompile.passes.trace import trace
 from pdcompile.zoo import get, names
 

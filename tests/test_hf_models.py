@@ -22,7 +22,7 @@ from pdcompile.launcher import launch
 from pdcompile.merge import merge_weights
 from pdcompile.passes import codegen
 from pdcompile.passes.export_frontend import export_trace, trace_any
-from pdcompile.passes.shapes import propagate_shapes
+from pdcompile.passes.propagate_shapes import propagate_shapes
 from pdcompile.passes.split_stages import StageSplit, even_assignment, split_stages
 from pdcompile.reference import train_sync
 from pdcompile.zoo.losses import SequenceCrossEntropy

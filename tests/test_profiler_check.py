@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pdcompile.passes.annotate_costs import annotate_costs
-from pdcompile.passes.shapes import propagate_shapes
+from pdcompile.passes.propagate_shapes import propagate_shapes
 from pdcompile.passes.trace import trace
 from pdcompile.profiler_check import profiler_cross_check, summary
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pdcompile.errors import UnsupportedModelError
-from pdcompile.passes.shapes import propagate_shapes
+from pdcompile.passes.propagate_shapes import propagate_shapes
 from pdcompile.passes.split_stages import even_assignment, legal_cuts, split_stages
 from pdcompile.passes.trace import trace
 from pdcompile.zoo import get, names

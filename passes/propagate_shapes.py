@@ -1,18 +1,10 @@
-"""propagate-shapes: run the graph once on example inputs and record every value's tensor meta.
+"""The ``propagate-shapes`` pass: run the graph once on example inputs and record every value's meta.
 
-Analyses annotate, they don't rebuild: this pass only writes ``node.meta``.
-
-Before::
-
-    %fc1 : call_module[target=fc1](args = (%x,))
-
-After (``node.meta["pd.tensor"]``, printed)::
-
-    %fc1 : call_module[target=fc1](args = (%x,))   # float32[8,32]
-
-``pd.tensor`` is a :class:`pdcompile.ir.TensorMeta`, a tuple/dict of them for nodes that produce
-containers (an LSTM's ``(output, (h, c))``), or ``None`` for non-tensor values (ints, sizes).
-``nbytes`` is ``numel * element_size`` of the real dtype. fx's own ``tensor_meta`` is kept too.
+It only writes ``node.meta["pd.tensor"]`` (fx's own ``tensor_meta`` is kept too): a
+:class:`pdcompile.ir.TensorMeta`, a tuple/dict of them for nodes that produce containers (an
+LSTM's ``(output, (h, c))``), or ``None`` for non-tensor values. ``nbytes`` is
+``numel * element_size`` of the real dtype. Printed, a node reads
+``%fc1 : call_module[target=fc1](args = (%x,))  # float32[8,32]``.
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
-from pdcompile.ir import TensorMeta
+from pdcompile.ir import CompileState, TensorMeta, need
 
 
 def tensor_meta_of(value: Any) -> Any:
@@ -58,6 +50,11 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> fx.
     with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
         _PdShapeProp(gm).propagate(*example_inputs)
     return gm
+
+
+def run(state: CompileState) -> CompileState:
+    """Annotates ``gm`` (on ``example_inputs``)."""
+    return state.replace(gm=propagate_shapes(need(state.gm, "gm"), state.example_inputs))
 
 
 def format_graph_with_shapes(gm: fx.GraphModule) -> str:

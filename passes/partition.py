@@ -1,0 +1,113 @@
+"""The ``partition`` pass: the chain cut into stages, each with its ranks, as a :class:`Plan`.
+
+Without ``stages=`` the planner chooses stages, replicas and ranks on the cluster (PipeDream's DP,
+:mod:`.partition_dp`, or the CP-SAT ILP, :mod:`.partition_ilp`, through :func:`pdcompile.plan.plan`).
+With ``stages=S`` the chain is cut into ``S`` stages of balanced compute (:func:`balanced_split`,
+the one balanced split, which the benchmarks use too), one rank each or ``replicas=`` per stage.
+Without a cluster (or one too small for the replicas asked) the plan is for this machine's CPUs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdcompile.cluster import ClusterSpec, local_cpu_cluster
+from pdcompile.errors import UsageError
+from pdcompile.ir import Chain, CompileState, need
+from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
+from pdcompile.plan import Plan
+from pdcompile.plan import plan as choose_plan
+from pdcompile.runtime.schedules import stage_ranks
+
+# What the planner's memory model calls each schedule (GPipe keeps one weight version, like Flush).
+PLANNER_SCHEDULE = {"gpipe": "flush"}
+
+
+def planner_schedule(schedule: str) -> str:
+    """The schedule name the planners' cost and memory model knows ``schedule`` by."""
+    return PLANNER_SCHEDULE.get(schedule, schedule)
+
+
+def balanced_split(weights: Sequence[float], num_stages: int, cut_bytes: Sequence[float]) -> list[int]:
+    """First positions of stages 1..S-1 of ``weights`` cut into ``num_stages`` contiguous parts that
+    minimise the largest part's sum. ``cut_bytes[i]`` is what a cut after item ``i`` sends (``math.inf``:
+    no cut there); ties go to the narrowest widest cut, then to the earliest cuts."""
+    n = len(weights)
+    if num_stages > n:
+        raise UsageError(f"pdcompile: {num_stages} stages but the model has only {n} layers")
+    pre = [0.0]
+    for w in weights:
+        pre.append(pre[-1] + w)
+    ok = [True] + [math.isfinite(c) for c in cut_bytes]  # ok[i]: may a stage start at i?
+    inf = (math.inf, math.inf)
+    # best[k][i]: (largest part, widest cut) splitting weights[:i] into k parts
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    back = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                if best[k - 1][j] == inf or not ok[j]:
+                    continue
+                cut = cut_bytes[j - 1] if j > 0 else 0.0
+                cand = (max(best[k - 1][j][0], pre[i] - pre[j]), max(best[k - 1][j][1], cut))
+                if cand < best[k][i]:
+                    best[k][i], back[k][i] = cand, j
+    if best[num_stages][n] == inf:
+        raise UsageError(f"pdcompile: no way to cut the model into {num_stages} stages where only tensors "
+                         f"cross the cuts; use fewer stages")
+    bounds, i = [], n
+    for k in range(num_stages, 0, -1):
+        i = back[k][i]
+        bounds.append(i)
+    return sorted(b for b in bounds if b > 0)
+
+
+def balanced_bounds(chain: Chain, num_stages: int) -> list[int]:
+    """:func:`balanced_split` of ``chain`` by compute time (forward + backward) at its allowed cuts."""
+    return balanced_split([layer.compute_s for layer in chain.layers], num_stages, chain.cut_bytes)
+
+
+@dataclass(frozen=True)
+class PartitionOptions:
+    schedule: str = "flush"
+    stages: int | None = None  # None: the planner chooses
+    replicas: tuple[int, ...] | None = None  # per stage, with stages=; default one each
+    cluster: ClusterSpec | None = None
+    solver: str = "dp"  # "dp" or "ilp"
+    cost_model: str = "default"
+
+
+def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
+    """The plan for ``chain`` and the cluster it is for."""
+    sched = planner_schedule(opts.schedule)
+    if opts.stages is None:
+        cluster = opts.cluster if opts.cluster is not None else local_cpu_cluster(2)
+        return choose_plan(chain, cluster, solver=opts.solver, cost_model=opts.cost_model, schedule=sched), cluster
+    n = opts.stages
+    reps: Sequence[int] = opts.replicas if opts.replicas is not None else [1] * n
+    cluster = opts.cluster if opts.cluster is not None and opts.cluster.num_workers >= sum(reps) \
+        else local_cpu_cluster(sum(reps))
+    if opts.replicas is None:
+        return pipeline_plan(chain, balanced_bounds(chain, n), cluster, schedule=sched, memory_limit=False), cluster
+    # the same balanced split, stage k on ranks stage_ranks(replicas)[k]
+    bounds = [0, *balanced_bounds(chain, n), len(chain)]
+    assignment = [(a, b - 1, len(r), tuple(r)) for (a, b), r in zip(zip(bounds, bounds[1:]), stage_ranks(reps))]
+    return plan_from_assignment(chain, cluster, assignment, schedule=sched, memory_limit=False), cluster
+
+
+def run(state: CompileState, opts: PartitionOptions) -> CompileState:
+    """Reads ``chain``; writes ``plan``, ``assignment`` (fx node -> stage), ``stage_ranks`` and ``cluster``."""
+    plan, cluster = choose(need(state.chain, "chain"), opts)
+    assignment = {name: st.index for st in plan.stages for name in st.members}
+    return state.replace(plan=plan, assignment=assignment, cluster=cluster,
+                         stage_ranks=tuple(tuple(st.ranks) for st in plan.stages))
+
+
+def format_partition(state: CompileState) -> str:
+    """The plan, then every node's stage (the pass's IR dump)."""
+    lines = [str(state.plan), "", "node -> stage:"]
+    lines += [f"  {name}: {k}" for name, k in need(state.assignment, "assignment").items()]
+    return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""The partition pass's balanced split, and the pass list's shape (one file per pass, typed state)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import random
+
+import pytest
+import torch
+
+from pdcompile.cluster import local_cpu_cluster
+from pdcompile.errors import UsageError
+from pdcompile.ir import Chain, ChainLayer, CompileState
+from pdcompile.passes.annotate_costs import AnnotateOptions
+from pdcompile.passes.partition import PartitionOptions, balanced_bounds, balanced_split
+from pdcompile.passes.partition_dp import partition_dp
+from pdcompile.passes.schedule import ScheduleOptions
+from pdcompile.passes.trace import TraceOptions
+from pdcompile.passes.trace_loss import TraceLossOptions
+from pdcompile.pipeline import PassOptions, passes
+
+
+def _slowest(chain: Chain, bounds: list[int]) -> float:
+    edges = [0, *bounds, len(chain)]
+    return max(sum(chain.layers[i].compute_s for i in range(a, b)) for a, b in zip(edges, edges[1:]))
+
+
+def _random_chain(rng: random.Random) -> Chain:
+    n = rng.randint(2, 12)
+    layers = tuple(ChainLayer(f"l{i}", "op", rng.uniform(0.1, 1.0), rng.uniform(0.1, 2.0), 0.0,
+                              rng.choice([0.0, 1e6]), (f"l{i}",)) for i in range(n))
+    return Chain(layers, tuple(math.inf if rng.random() < 0.2 else 0.0 for _ in range(n - 1)))
+
+
+def test_balanced_split_and_the_planner_without_replication_agree() -> None:
+    """With free links, PipeDream's DP without replication minimises the same thing as the balanced
+    split: the slowest stage's compute. (It may use fewer stages when that ties.)"""
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(150):
+        chain = _random_chain(rng)
+        stages = rng.randint(2, min(4, len(chain)))
+        try:
+            bounds = balanced_bounds(chain, stages)
+        except UsageError:
+            continue
+        plan = partition_dp(chain, local_cpu_cluster(stages), allow_replication=False, memory_limit=False)
+        planned = sorted(s.first for s in plan.stages)[1:]
+        assert len(planned) <= stages - 1
+        assert _slowest(chain, bounds) == pytest.approx(_slowest(chain, planned), rel=1e-9)
+        assert plan.seconds_per_minibatch == pytest.approx(_slowest(chain, bounds), rel=1e-9)
+        checked += 1
+    assert checked > 100
+
+
+def test_balanced_split_respects_blocked_cuts_and_prefers_narrow_ones() -> None:
+    w = [1.0, 1.0, 1.0, 1.0, 4.0]
+    assert balanced_split(w, 2, [0.0] * 4) == [4]
+    assert balanced_split(w, 2, [0.0, 0.0, 0.0, math.inf]) == [3]
+    # [1 | 0, 1] and [1, 0 | 1] tie on the slowest part: the narrower cut wins, else the earlier one
+    assert balanced_split([1.0, 0.0, 1.0], 2, [5.0, 1.0]) == [2]
+    assert balanced_split([1.0, 0.0, 1.0], 2, [1.0, 5.0]) == [1]
+    assert balanced_split([1.0, 0.0, 1.0], 2, [0.0, 0.0]) == [1]
+    with pytest.raises(UsageError, match="has only 2 layers"):
+        balanced_split([1.0, 1.0], 3, [0.0])
+    with pytest.raises(UsageError, match="no way to cut"):
+        balanced_split([1.0, 1.0, 1.0], 2, [math.inf, math.inf])
+
+
+def test_every_pass_lives_in_the_file_its_name_spells() -> None:
+    """A pass named ``split-stages`` is ``run`` in ``passes/split_stages.py``."""
+    opts = PassOptions(trace=TraceOptions(), annotate=AnnotateOptions(microbatch_size=1),
+                       partition=PartitionOptions(), schedule=ScheduleOptions("flush", 2),
+                       loss=TraceLossOptions(torch.nn.MSELoss(), torch.zeros(1)))
+    names = [p.name for p in passes(opts)]
+    assert names == ["trace", "propagate-shapes", "annotate-costs", "linearize", "partition", "split-stages",
+                     "schedule", "trace-loss"]
+    for name in names:
+        module = importlib.import_module(f"pdcompile.passes.{name.replace('-', '_')}")
+        assert callable(module.run), name
+    assert "trace-loss" not in [p.name for p in passes(dataclasses.replace(opts, loss=None))]
+
+
+def test_compile_state_has_a_named_field_for_everything() -> None:
+    fields = {f.name for f in dataclasses.fields(CompileState)}
+    assert "extra" not in fields
+    assert fields >= {"gm", "output_key", "profile", "chain", "plan", "assignment", "stage_ranks", "cluster",
+                      "stages", "schedule", "loss"}
