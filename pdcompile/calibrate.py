@@ -9,14 +9,16 @@ predicts.
   median gap between a rank's consecutive actions (the executor's loop);
 * optimizer step: SGD with momentum (and zero_grad) over parameter tensors of 0.25 - 8 MiB, one
   thread, fitted as ``fixed + bytes / rate`` per stage;
-* compute in a run against its profile: a traced 2-stage Flush run of an MLP 1024-4x1024-10
-  (microbatches of 8: a few milliseconds of compute each), each stage's median forward and backward
-  (less the per-action cost) against the costs profiled in this process. Processes that share the
-  cores, their caches and memory bandwidth compute slower than the profiler alone measured; this
-  factor carries that over to other models on this machine.
+* compute in a run against its profile: a traced 2-stage Flush run of a small VGG-style network
+  (convolutions 16-16-M-32-32-M on 32x32 images, Linear 2048-512-512-10; microbatches of 8, about a
+  millisecond per action), each stage's median forward and backward (less the per-action cost)
+  against the costs profiled in this process, the median of the four. The profiler reports each
+  node's best time with its data in cache, alone; a run's actions, back to back beside another
+  process, take longer; this factor carries that over to other models on this machine.
 
 The cache (``$PDCOMPILE_CACHE`` or ``~/.cache/pdcompile``, file ``machine-constants.json``) is keyed
-by host, core count, Python and torch version; ``refresh=True`` measures again.
+by host, core count, Python and torch version and the runtime's source; ``refresh=True`` (``python -m
+pdcompile.calibrate --refresh``, ``pdcompile demo --refresh-constants``) measures again.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ from pathlib import Path
 from typing import Any
 
 OVERHEAD_KINDS = ("F", "B", "W", "SF", "SB", "RF", "RB", "ST", "WV")
+
+
+def _calibration_model() -> Any:
+    from pdcompile.zoo import vgg
+
+    return vgg.VGGConfig(layers=(16, 16, vgg.M, 32, 32, vgg.M), image_size=32, hidden=512, num_classes=10)
 _M = 4  # microbatches of the overhead run
 _WARMUP = 4  # its steps left out
 
@@ -47,8 +55,7 @@ class MachineConstants:
     overhead_s: dict[str, float]  # runtime's fixed cost per action kind
     step_fixed_s: float  # optimizer step: fixed part
     step_rate: float  # optimizer step: parameter bytes per second
-    forward_factor: float = 1.0  # a run's forward / its profiled forward
-    backward_factor: float = 1.0  # a run's backward / its profiled backward
+    compute_factor: float = 1.0  # a run's forward and backward / their profiled cost
     key: str = ""
     measured_at: str = ""
 
@@ -67,10 +74,19 @@ def cache_path() -> Path:
 
 
 def machine_key() -> str:
-    """Constants hold for one host, core count, Python and torch build."""
+    """Constants hold for one host, core count, Python and torch build, and one version of the runtime
+    (its per-action cost is its code's)."""
+    import hashlib
+
     import torch
 
-    return f"{platform.node()}|{os.cpu_count()}|{platform.python_version()}|{torch.__version__}"
+    import pdcompile.runtime as rt
+
+    h = hashlib.sha1()
+    for f in sorted(Path(rt.__file__).parent.rglob("*.py")):
+        h.update(f.read_bytes())
+    return (f"{platform.node()}|{os.cpu_count()}|{platform.python_version()}|{torch.__version__}|"
+            f"runtime {h.hexdigest()[:12]}")
 
 
 def load_or_measure(refresh: bool = False, log: Any = None) -> tuple[MachineConstants, bool]:
@@ -100,9 +116,9 @@ def measure(log: Any = None) -> MachineConstants:
     say("measuring the runtime's cost per action (a traced 2-stage run of a tiny model) ...")
     over = measure_overheads()
     say("measuring compute in a run against its profile (a traced 2-stage run of an MLP) ...")
-    fwd, bwd = measure_compute_factors(over)
+    factor = measure_compute_factor(over)
     fixed, rate = measure_step()
-    return MachineConstants(lat, bw, ar_lat, over, fixed, rate, fwd, bwd, key=machine_key(),
+    return MachineConstants(lat, bw, ar_lat, over, fixed, rate, factor, key=machine_key(),
                             measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
 
 
@@ -175,24 +191,22 @@ def measure_link() -> tuple[float, float, float]:
     return max(0.0, t0 - n0 / bw), bw, max(0.0, a0[1] - ring_allreduce_s(a0[0], 2, bw))
 
 
-def _traced_mlp_run(hidden: tuple[int, ...], in_features: int, classes: int, steps: int,
-                    what: str) -> tuple[Any, list[Any]]:
-    """Compile an MLP into 2 stages (costs profiled here, one thread), run it traced; (pipeline, events)."""
+def _traced_run(family: Any, cfg: Any, steps: int, what: str) -> tuple[Any, list[Any]]:
+    """Compile a zoo-family model into 2 stages (costs profiled here, one thread), run it traced;
+    (pipeline, events)."""
     import torch
 
     from pdcompile.api import pdcompile
     from pdcompile.launcher import launch
     from pdcompile.trace_convert import read_runtime_events
-    from pdcompile.zoo import mlp
 
     torch.set_num_threads(1)  # profile as each runtime process runs (OMP_NUM_THREADS=1)
     torch.manual_seed(0)
-    cfg = mlp.MLPConfig(in_features=in_features, hidden=hidden, num_classes=classes)
-    model = mlp.FAMILY.build(cfg)
-    inputs, target = mlp.FAMILY.make_batch(cfg, torch.device("cpu"), 0, 8 * _M)
-    pipe = pdcompile(model, example_inputs=inputs, example_target=target, loss_fn=mlp.FAMILY.loss(),
+    model = family.build(cfg)
+    inputs, target = family.make_batch(cfg, torch.device("cpu"), 0, 8 * _M)
+    pipe = pdcompile(model, example_inputs=inputs, example_target=target, loss_fn=family.loss(),
                      optimizer=lambda p: torch.optim.SGD(p, lr=0.01), stages=2, schedule="flush",
-                     num_microbatches=_M, cost_mode="measured")
+                     num_microbatches=_M, cost_mode="measured", leaf_modules=family.leaf_modules)
     work = Path(tempfile.mkdtemp(prefix="pdcompile-calibrate-")).resolve()
     prog = pipe.emit(work / "program")
     # timed as a user's run is: not in the test suite's NCCL-rules mode (a thread per peer, runtime/comm.py)
@@ -216,29 +230,34 @@ def _split_names(events: list[Any]) -> set[str]:
     return split | {w.replace("W", "B") for w in split}
 
 
-def measure_compute_factors(overhead_s: dict[str, float], steps: int = 12) -> tuple[float, float]:
-    """(forward, backward): a run's compute against its profile on this machine (module doc)."""
-    pipe, events = _traced_mlp_run((1024, 1024, 1024, 1024), 1024, 10, steps, "compute calibration")
+def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20) -> float:
+    """A run's compute against its profile on this machine (module doc): the median, over both stages'
+    forward and backward, of the run's median action (less its per-action cost) / the profiled cost."""
+    from pdcompile.zoo import vgg
+
+    pipe, events = _traced_run(vgg.FAMILY, _calibration_model(), steps, "compute calibration")
     chain, plan = pipe.state.chain, pipe.plan
     scale = plan.microbatch_size / chain.batch_size
     split = _split_names(events)
-    ratios: dict[str, list[float]] = {"forward": [], "backward": []}
+    ratios = []
     for s, st in enumerate(plan.stages):
         for cat, attr in (("forward", "forward_s"), ("backward", "backward_s")):
             prof = sum(getattr(l, attr) for l in chain.layers[st.first:st.last + 1]) * scale
             d = [e.end_s - e.start_s for e in _steady(events)
                  if e.rank == s and e.category == cat and e.name not in split]
             if d and prof > 0:
-                ratios[cat].append(max(statistics.median(d) - overhead_s.get(cat[0].upper(), 0.0), 0.0) / prof)
-    fwd, bwd = (statistics.fmean(ratios[c]) if ratios[c] else 1.0 for c in ("forward", "backward"))
-    return fwd, bwd
+                ratios.append(max(statistics.median(d) - overhead_s.get(cat[0].upper(), 0.0), 0.0) / prof)
+    return statistics.median(ratios) if ratios else 1.0
 
 
 def measure_overheads(steps: int = 12) -> dict[str, float]:
     """The runtime's fixed cost per action kind: see the module doc."""
     from pdcompile.trace_convert import microbatch_of
 
-    pipe, events = _traced_mlp_run((16, 16), 16, 4, steps, "overhead measurement")
+    from pdcompile.zoo import mlp
+
+    pipe, events = _traced_run(mlp.FAMILY, mlp.MLPConfig(in_features=16, hidden=(16, 16), num_classes=4), steps,
+                               "overhead measurement")
     chain, plan = pipe.state.chain, pipe.plan
     scale = plan.microbatch_size / chain.batch_size
     first, last = plan.stages[0], plan.stages[-1]

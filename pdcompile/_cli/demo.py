@@ -397,11 +397,10 @@ def part_c(args: argparse.Namespace, out: Path, console: Any, b: dict[str, Any])
                   f"{const.step_fixed_s * 1e6:.0f} us + {format_quantity(const.step_rate, 'bandwidth')} of "
                   f"parameters; runtime cost per action (us): "
                   + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in const.overhead_s.items())
-                  + f"; compute in a run x{const.forward_factor:.2f} forward, x{const.backward_factor:.2f} backward "
-                    f"of its profile")
+                  + f"; compute in a run x{const.compute_factor:.2f} its profile")
     pipe = b["pipe"]
     plan, profiled = pipe.plan, pipe.state.chain
-    chain = scaled_chain(profiled, const.forward_factor, const.backward_factor)
+    chain = scaled_chain(profiled, const.compute_factor, const.compute_factor)
     # The emulated link in series with loopback: a message waits for both.
     bw = 1.0 / (1.0 / b["link_bytes_per_s"] + 1.0 / const.bandwidth)
     params = [sum(p.numel() * p.element_size() for p in st.gm.parameters()) for st in pipe.split.stages]
@@ -451,7 +450,7 @@ def part_c(args: argparse.Namespace, out: Path, console: Any, b: dict[str, Any])
     ok = sum(r["within"] for r in judged)
     console.print(f"[bold]{ok} of {len(judged)} judged rows within {TOLERANCE:.0%}[/bold]")
     console.print("(compute: the profile taken in this process before the run, times this machine's run/profile "
-                  "factors; link, per-action cost and optimizer step: the constants; nothing is read from the run "
+                  "factor; link, per-action cost and optimizer step: the constants; nothing is read from the run "
                   "it predicts)")
     one = [e for r, ch in meas_steps.items() for e in ch[min(n - 1, WARMUP + 1)]]
     t0 = min(e.start_s for e in one)
