@@ -1,25 +1,57 @@
-"""The ``schedule`` pass: the action list every rank runs for one step of the split pipeline.
+"""The ``schedule`` pass: the schedule the program will run, as a :class:`ScheduleSpec` (the policy
+and every parameter; plan.json carries it and train.py runs it) and its action lists for one step.
 
-Built by :func:`pdcompile.runtime.schedules.make_schedule` from the schedule's name, the replicas
-per stage (``stage_ranks``), the microbatches per step and whether stages share tied weights.
+It decides the one parameter that depends on the machine: a split backward, which pays only when
+every worker has a core of its own (:func:`default_split_backward`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pdcompile.ir import CompileState, need
-from pdcompile.runtime.schedules import make_schedule
+from pdcompile.runtime.schedules import format_grid
+from pdcompile.runtime.schedules.spec import CHECK_STEPS, ScheduleSpec, default_split_backward
 
 
 @dataclass(frozen=True)
 class ScheduleOptions:
     schedule: str  # a name in pdcompile.runtime.schedules.SCHEDULES
     num_microbatches: int
+    vertical_sync: bool = False
+    split_backward: bool | None = None  # None: default_split_backward for the plan's cluster
 
 
 def run(state: CompileState, opts: ScheduleOptions) -> CompileState:
-    """Reads ``stage_ranks`` and ``stages`` (tied weights); writes ``schedule``."""
-    replicas = [len(r) for r in need(state.stage_ranks, "stage_ranks")]
+    """Reads ``stage_ranks``, ``stages`` (tied weights) and ``cluster``; writes ``schedule_spec`` and
+    ``schedule`` (one step's actions)."""
+    replicas = tuple(len(r) for r in need(state.stage_ranks, "stage_ranks"))
     tied = bool(need(state.stages, "stages").tied)
-    return state.replace(schedule=make_schedule(opts.schedule, replicas, opts.num_microbatches, tied=tied))
+    split = opts.split_backward
+    if split is None:
+        cluster = need(state.cluster, "cluster")
+        split = default_split_backward("cpu" if cluster.device.name == "cpu" else "gpu", sum(replicas),
+                                       os.cpu_count() or 1)
+    spec = ScheduleSpec(opts.schedule, replicas, opts.num_microbatches, tied, opts.vertical_sync, split)
+    return state.replace(schedule_spec=spec, schedule=spec.make(1))
+
+
+def format_schedule(state: CompileState) -> str:
+    """The dump: the spec, the periodic form every rank runs for a run of any length, and the action
+    lists of a short run exactly as plan.json spells them out (what train.py checks it rebuilds)."""
+    spec = need(state.schedule_spec, "schedule_spec")
+    lines = [f"schedule: {spec}", "",
+             "periodic form (any number of steps N; a period's later copies shift microbatches and versions):"]
+    steps = 64
+    for rank in range(sum(spec.replicas)):
+        run = spec.rank_run(steps, rank)
+        if run.repeats:
+            lines.append(f"rank {rank}: head {' '.join(map(str, run.head))}")
+            lines.append(f"        period (+{run.microbatches} microbatches each) {' '.join(map(str, run.period))}")
+            lines.append(f"        tail {' '.join(map(str, run.tail))}")
+        else:
+            lines.append(f"rank {rank}: laid out whole (no period)")
+    lines += ["", f"the first {CHECK_STEPS} steps, every action (plan.json schedule.check):",
+              format_grid(spec.make(CHECK_STEPS), compute_only=False)]
+    return "\n".join(lines)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # types of CompileState's fields only; ir stays importable wi
     from pdcompile.plan import Plan
     from pdcompile.profile import Profile
     from pdcompile.runtime.schedules import Schedule
+    from pdcompile.runtime.schedules.spec import ScheduleSpec
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class CompileState:
     Fields start as ``None`` and fill in as passes run, each written by one pass (ARCHITECTURE.md):
     trace writes ``gm`` and ``output_key``; propagate-shapes and annotate-costs annotate ``gm``;
     annotate-costs writes ``profile``; linearize ``chain``; partition ``plan``, ``assignment``,
-    ``stage_ranks`` and ``cluster``; split-stages ``stages``; schedule ``schedule``; trace-loss ``loss``.
+    ``stage_ranks`` and ``cluster``; split-stages ``stages``; schedule ``schedule_spec`` and ``schedule``; trace-loss ``loss``.
     """
 
     model: torch.nn.Module
@@ -138,6 +139,7 @@ class CompileState:
     stage_ranks: tuple[tuple[int, ...], ...] | None = None  # stage -> its ranks
     cluster: ClusterSpec | None = None  # the cluster the plan is for
     stages: StageSplit | None = None
+    schedule_spec: ScheduleSpec | None = None
     schedule: Schedule | None = None
     loss: LossProgram | None = None
 

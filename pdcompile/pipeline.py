@@ -23,7 +23,6 @@ from pdcompile.passes import (
     trace_loss,
 )
 from pdcompile.passmanager import Pass
-from pdcompile.runtime.schedules import format_grid
 
 O = TypeVar("O")
 
@@ -60,8 +59,7 @@ def passes(opts: PassOptions) -> list[Pass]:
              lambda s: linearize.report(need(s.chain, "chain")) + "\n" + str(s.chain)),
         Pass("partition", _with(partition.run, opts.partition), partition.format_partition),
         Pass("split-stages", split_stages.run, lambda s: str(s.stages)),
-        Pass("schedule", _with(schedule.run, opts.schedule),
-             lambda s: format_grid(need(s.schedule, "schedule"), compute_only=False)),
+        Pass("schedule", _with(schedule.run, opts.schedule), schedule.format_schedule),
     ]
     if opts.loss is not None:
         out.append(Pass("trace-loss", _with(trace_loss.run, opts.loss), lambda s: str(s.loss)))

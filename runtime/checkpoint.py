@@ -19,8 +19,8 @@ Weight versions: checkpoints are taken only at *flush points*, where every micro
 finished steps has run its backward and its optimizer step. Synchronous schedules (GPipe, Flush)
 flush after every step. For asynchronous schedules (1F1B, 2BW) launch.py drains the pipeline at
 each checkpoint boundary (the schedule is laid out per segment of ``--checkpoint-every`` steps), so
-no stashed weights or in-flight activations exist there; a weight store that still keeps state
-across a flush may expose ``state_dict()``/``load_state_dict()`` and it is saved too. We chose
+no stashed weights or in-flight activations exist there, and each segment starts a fresh weight
+store (``weight_store`` in the format stays None). We chose
 flush points over saving stash buffers and in-flight activations because the latter would tie the
 checkpoint format to each schedule's internals and to the exact action where the run stopped.
 

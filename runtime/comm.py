@@ -52,9 +52,9 @@ class _Queued:
     def wait(self) -> bool:
         if not self.done.wait(self.timeout):
             raise RuntimeError(
-                f"{self.what} with rank {self.peer} did not complete within {self.timeout:g} s under NCCL's rules "
-                f"(PDCOMPILE_NCCL_RULES=1: transfers with one peer run one at a time, in issue order): the two ranks "
-                f"issue their transfers in different orders, which hangs on NCCL")
+                f"{self.what} with rank {self.peer} timed out after {self.timeout:g} s under NCCL's rules "
+                f"(PDCOMPILE_NCCL_RULES=1: transfers with one peer run one at a time, in issue order): the peer is "
+                f"stuck, or the two ranks issue their transfers in different orders, which hangs on NCCL")
         if self.error is not None:
             raise RuntimeError(f"{self.what} with rank {self.peer} failed: {self.error}") from self.error
         return True

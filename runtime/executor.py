@@ -119,7 +119,8 @@ class StageExecutor:
                  lr_scheduler: Any = None, weight_store: WeightStore | None = None,
                  local_targets: bool = False, target_check: Sequence[int] = (0,),
                  recorder: Callable[[str, float, float], None] | None = None,
-                 device: torch.device | str = "cpu", fail_at: str | None = None) -> None:
+                 device: torch.device | str = "cpu", fail_at: str | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.program = program
         self.rank = rank
         self.spec: StageSpec = program.stage_of_rank(rank)
@@ -136,6 +137,7 @@ class StageExecutor:
         self.lr_scheduler = lr_scheduler
         self.weights = weight_store or WeightStore(module)
         self.recorder = recorder
+        self.clock = clock  # what the recorder's times come from (on a GPU: after the device caught up)
         self.device = torch.device(device)
         self.fail_at = fail_at  # "RANK:ACTION", e.g. "1:1B3": raise there (tests the no-hang path)
         # local_targets: the last stage takes targets from its own copy of the data (``data``); the
@@ -199,7 +201,7 @@ class StageExecutor:
             try:
                 if posts is not None and posts[i]:
                     self._post(posts[i])
-                start = time.perf_counter()
+                start = self.clock()
                 if self.fail_at is not None and self.fail_at == f"{self.rank}:{a}":
                     raise RuntimeError("injected failure (--fail-at)")
                 getattr(self, "_" + a.kind.name.lower())(a)
@@ -212,24 +214,24 @@ class StageExecutor:
                 raise ActionError(f"rank {self.rank} (stage {self.stage}) failed in action {a}: "
                                   f"{type(e).__name__}: {e}") from e
             if self.recorder is not None:
-                self.recorder(str(a), self._compute_start or start, time.perf_counter())
+                self.recorder(str(a), self._compute_start or start, self.clock())
 
     def _post(self, receives: Sequence[Action]) -> None:
         """Post receives ahead of their ``RF``/``RB`` (which then find them posted), so their data can
         land while this rank computes: gloo receives only into posted buffers, and on NCCL a pair's
         transfers run in the order posted, which the plan makes the same on both sides."""
         for b in receives:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             (self._recv_act if b.kind is Kind.RECV_ACT else self._recv_grad)(b)
             if self.recorder is not None:
-                self.recorder(str(b), t0, time.perf_counter())
+                self.recorder(str(b), t0, self.clock())
 
     def _wait(self, pending: comm.Pending, a: Action, kind: str) -> list[torch.Tensor]:
         """Wait for a receive inside ``a``; record the wait as the receive (see :meth:`run`)."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         tensors = pending.wait()
         if self.recorder is not None:
-            self._compute_start = time.perf_counter()
+            self._compute_start = self.clock()
             self.recorder(f"{a.stage}{kind}{a.microbatch}", t0, self._compute_start)
         return tensors
 

@@ -37,12 +37,12 @@ import torch.distributed as dist
 
 from pdcompile.errors import CheckpointError, UsageError
 from pdcompile.runtime import allocator, checkpoint, comm, schedules, timing
-from pdcompile.runtime.executor import ActionError, StageExecutor, WeightStore
+from pdcompile.runtime.executor import ActionError, StageExecutor
+from pdcompile.runtime.schedules.spec import ScheduleSpec, agrees, default_split_backward
+from pdcompile.runtime.weights import VersionedStore
 from pdcompile.runtime.program import Program, build, import_object
 
 log = logging.getLogger("pdcompile.runtime")
-
-SYNC_SCHEDULES = ("gpipe", "flush")
 
 
 def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
@@ -53,10 +53,11 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
         epilog=f"Example: torchrun --nproc-per-node={program.world_size} train.py --steps 10",
     )
     p.add_argument("--steps", type=int, default=10, help="optimizer steps (minibatches) to train")
-    p.add_argument("--schedule", default=program.raw.get("schedule", "flush"),
-                   help="gpipe, flush, 1f1b, 2bw (default: plan.json)")
-    p.add_argument("--microbatches", type=int, default=program.raw.get("num_microbatches", 1),
-                   help="microbatches per minibatch")
+    compiled = compiled_schedule(program)
+    p.add_argument("--schedule", default=compiled.name,
+                   help=f"{', '.join(schedules.SCHEDULES)} (default: the compiled one, {compiled.name})")
+    p.add_argument("--microbatches", type=int, default=compiled.num_microbatches,
+                   help=f"microbatches per minibatch (default: the compiled {compiled.num_microbatches})")
     p.add_argument("--data", default=None, help="MODULE:FUNCTION yielding (inputs, target) minibatches")
     p.add_argument("--seed", type=int, default=0, help="seed of the built-in random data")
     p.add_argument("--targets", choices=("auto", "send", "local"), default="auto",
@@ -72,12 +73,12 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
     p.add_argument("--save-final", default=None, help="folder for each rank's final weights")
     p.add_argument("--metrics", default=None, help="folder for each rank's metrics JSON")
     p.add_argument("--trace", default=None, help="folder for each rank's action timeline (Chrome trace events)")
-    p.add_argument("--vertical-sync", action="store_true", default=bool(program.raw.get("vertical_sync", False)),
+    p.add_argument("--vertical-sync", action=argparse.BooleanOptionalAction, default=compiled.vertical_sync,
                    help="1f1b: every stage uses the weight version the input stage had when a minibatch entered")
     p.add_argument("--split-backward", action=argparse.BooleanOptionalAction, default=None,
                    help="gpipe/flush: every stage but the first computes its last backward of a step as input "
                         "gradients first (sent at once), weight gradients after (W), so the drain finishes sooner. "
-                        "Default: on, except on CPU with more processes than cores (there the weight pass "
+                        "Default: as compiled (on, except for CPU workers sharing cores: there the weight pass "
                         "waits for a core that the stage before needs)")
     p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=None,
                    help="keep memory a step frees for the next one instead of returning it to the system "
@@ -160,16 +161,12 @@ def random_batches(program: Program, batch_size: int, seed: int) -> Iterator[Any
         yield tuple(draw(s) for s in program.stages[0].inputs), draw(program.target)
 
 
-def accumulation(schedule: str, num_microbatches: int) -> int:
-    """Backward passes whose gradients one optimizer step sums (the loss is scaled by 1/this)."""
-    return 1 if schedule.startswith("1f1b") else num_microbatches
-
-
 def main(folder: Path, argv: list[str] | None = None) -> None:
     program = Program.load(folder)
-    args = parse_args(argv, program)
     try:
+        args = parse_args(argv, program)
         check_args(args, program)
+        run_schedule(program, args, int(os.environ.get("RANK", 0)))
     except UsageError as e:  # the same answer on every rank: say it once
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
@@ -177,7 +174,6 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level, format="%(asctime)s rank%(rank)s %(levelname)s %(message)s")
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    logging.LoggerAdapter(log, {"rank": rank})
     old_factory = logging.getLogRecordFactory()
 
     def factory(*a: Any, **k: Any) -> logging.LogRecord:
@@ -268,6 +264,7 @@ class Trainer:
         sched_spec = program.raw.get("lr_scheduler")
         self.lr_scheduler = lr_scheduler = build(sched_spec, optimizer) if sched_spec else None
         loss_fn = program.build_loss(_device()) if spec.index == program.num_stages - 1 else None
+        self.schedule = run_schedule(program, args, rank, say=True)
         self.M = M = args.microbatches
         local = local_targets(program, args) and program.num_stages > 1
         reads_data = spec.index == 0 or (local and spec.index == program.num_stages - 1)
@@ -276,11 +273,12 @@ class Trainer:
         self._micro: Any = None  # that minibatch, cut into microbatches
         self.events: list[tuple[str, float, float]] = []
         self.executor = StageExecutor(
-            program, rank, module, optimizer, loss_fn, accumulation=accumulation(args.schedule, M),
+            program, rank, module, optimizer, loss_fn, accumulation=schedules.policy(self.schedule.name).accumulation(M),
             data=self.data if reads_data else None, local_targets=local,
             replica_group=replica_group, tied_groups=tied_groups, lr_scheduler=lr_scheduler,
-            weight_store=_weight_store(args.schedule, module, program),
+            weight_store=VersionedStore(module),
             recorder=timing.recorder(self.events.append, _device()) if args.trace else None,
+            clock=(lambda: timing.now(_device())) if args.trace else time.perf_counter,
             device=_device(), fail_at=args.fail_at,
         )
         self.replicas = [len(st.ranks) for st in program.stages]
@@ -300,7 +298,7 @@ class Trainer:
         self.ran = False  # a segment ran (the next starts from a flush, with fresh weight versions)
         self.promised_versions = 1  # metrics: the most weight versions the schedule keeps at once
         # 1F1B steps after every microbatch: log once per minibatch of M, as the other schedules do.
-        self.log_every = M if args.schedule.startswith("1f1b") else 1
+        self.log_every = schedules.policy(self.schedule.name).microbatches_per_log(M)
 
     def data(self, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """Microbatch ``k``'s inputs and target (minibatch ``k // M`` is read when first asked for).
@@ -324,14 +322,12 @@ class Trainer:
         grow with the run), each step with the sends it lets go (``send_release``); the weight store
         reads the actions ``reach`` ahead of the one running."""
         args, rank, M, executor = self.args, self.rank, self.M, self.executor
-        run = schedules.rank_run(args.schedule, self.replicas, M, end - first, rank, tied=self.tied,
-                                 vertical_sync=args.vertical_sync,
-                                 split_backward=split_backward(args.split_backward, _device()))
+        run = self.schedule.rank_run(end - first, rank)
         if run.repeats == 0 and len(run) > 100_000:
             log.warning("the %s schedule of %d steps does not repeat step by step here: laid out whole (%d actions "
                         "in memory); please report it", args.schedule, end - first, len(run))
         if self.ran:  # the pipeline drained: weight versions start afresh
-            executor.weights = _weight_store(args.schedule, executor.module, self.program) or WeightStore(executor.module)
+            executor.weights = VersionedStore(executor.module)
         self.ran = True
         self.promised_versions = max(self.promised_versions, run.promised_versions)
         offset = first * M
@@ -446,14 +442,43 @@ def _steps(run: schedules.RankRun, offset: int) -> Iterator[_Chunk]:
 
 
 def split_backward(flag: bool | None, device: torch.device) -> bool:
-    """``--split-backward``: as given, else on unless this machine runs more CPU ranks than it has
-    cores. A split backward's weight pass overlaps the stage before's backward only on a free core
-    (measured, GPT 3 stages on 2 cores: no gain, and the simulator, which assumes one core per rank,
-    then predicts it 16% too fast)."""
+    """``--split-backward`` for a plan.json without a compiled schedule (emitted before it had one):
+    as given, else :func:`~pdcompile.runtime.schedules.spec.default_split_backward` for the
+    processes of this machine."""
     if flag is not None:
         return flag
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-    return device.type != "cpu" or local <= (os.cpu_count() or 1)
+    return default_split_backward(device.type, local, os.cpu_count() or 1)
+
+
+def compiled_schedule(program: Program) -> ScheduleSpec:
+    """The schedule the compiler wrote into plan.json (an older plan.json names only the policy)."""
+    raw = program.raw.get("schedule", "flush")
+    if isinstance(raw, dict):
+        return ScheduleSpec.from_json(raw)
+    return ScheduleSpec({"1f1b-rr": "1f1b"}.get(str(raw), str(raw)),
+                        tuple(len(st.ranks) for st in program.stages), int(program.raw.get("num_microbatches", 1)),
+                        tied=bool(program.raw.get("tied")), vertical_sync=bool(program.raw.get("vertical_sync")),
+                        split_backward=True)
+
+
+def run_schedule(program: Program, args: argparse.Namespace, rank: int, *, say: bool = False) -> ScheduleSpec:
+    """The schedule this run executes: the compiled one, unless flags change it (``say``: log that
+    once). The compiled one is checked against the action lists plan.json spells out for it: this
+    runtime must rebuild exactly what the compiler printed."""
+    compiled = compiled_schedule(program)
+    raw = program.raw.get("schedule")
+    sb = args.split_backward
+    if sb is None:
+        sb = compiled.split_backward if isinstance(raw, dict) else split_backward(None, _device())
+    spec = ScheduleSpec(args.schedule, compiled.replicas, args.microbatches, compiled.tied, args.vertical_sync, sb)
+    if isinstance(raw, dict) and spec == compiled:
+        if not agrees(spec, raw, rank):
+            raise UsageError(f"plan.json: this runtime builds rank {rank}'s schedule ({spec}) differently from the "
+                             f"compiler that wrote it; re-emit the program with this pdcompile")
+    elif say and rank == 0 and isinstance(raw, dict):
+        log.info("running %s, not the compiled %s (flags)", spec, compiled)
+    return spec
 
 
 def keep_freed_memory(flag: bool | None, device: torch.device) -> bool:
@@ -500,14 +525,6 @@ def _device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
-
-
-def _weight_store(schedule: str, module: torch.nn.Module, program: Program) -> Any:
-    try:
-        from pdcompile.runtime import weights
-    except ImportError:
-        return None
-    return weights.store_for(schedule, module, program)
 
 
 # --- checkpoints, resume and fault injection (formats and checks: runtime/checkpoint.py) --------
@@ -612,8 +629,6 @@ def _resume(program: Program, args: argparse.Namespace, rank: int, executor: Sta
     executor.optimizer.load_state_dict(state.optimizer)
     if lr_scheduler is not None and state.lr_scheduler is not None:
         lr_scheduler.load_state_dict(state.lr_scheduler)
-    if state.weight_store is not None and hasattr(executor.weights, "load_state_dict"):
-        executor.weights.load_state_dict(state.weight_store)
     checkpoint.set_rng_state(state.rng)
     log.info("resumed from %s: step %d, %d minibatches consumed", folder, state.step, state.data_consumed)
     return state
@@ -624,12 +639,11 @@ def _maybe_checkpoint(program: Program, args: argparse.Namespace, rank: int, exe
     """Checkpoint after ``step`` minibatches if it is a multiple of --checkpoint-every (a flush point)."""
     if not args.checkpoint_every or step % args.checkpoint_every:
         return
-    store = executor.weights
     state = checkpoint.RankState(
         step=step, next_microbatch=step * args.microbatches, data_consumed=data_consumed,
         optimizer=executor.optimizer.state_dict(),
         lr_scheduler=lr_scheduler.state_dict() if lr_scheduler is not None else None,
-        weight_store=store.state_dict() if hasattr(store, "state_dict") else None,
+        weight_store=None,  # at a flush point every weight version but the live one is gone (checkpoint.py)
         rng=checkpoint.rng_state())
     hook = None
     if args.fail_while_checkpointing and args.fail_at_step == step and rank == args.fail_rank:

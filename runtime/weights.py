@@ -181,9 +181,3 @@ class VersionedStore(WeightStore):
         for v in list(self.clones):
             if not self._needed(v):
                 del self.clones[v]
-
-
-def store_for(schedule: str, module: torch.nn.Module, program: Any = None) -> WeightStore:
-    """The weight store for ``schedule``: versioned for every schedule (it clones only what the
-    schedule's ``WV`` and ``ST`` placement requires, so GPipe and Flush run on the live parameters)."""
-    return VersionedStore(module)

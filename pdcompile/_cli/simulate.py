@@ -106,14 +106,19 @@ def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
     from pdcompile.simulate import simulate_plan
 
     kind, obj, program = _read_source(Path(args.source))
-    schedule = args.schedule or program.get("schedule") or (obj.schedule if kind == "plan" else "1f1b")
+    compiled = program.get("schedule")
+    if isinstance(compiled, dict):  # plan.json carries the schedule as compiled (runtime/schedules/spec.py)
+        compiled = compiled.get("policy")
+    schedule = args.schedule or compiled or (obj.schedule if kind == "plan" else "1f1b")
     m = args.microbatches or program.get("num_microbatches") or 8
     if m < 1 or args.steps < 1:
         raise UsageError("--microbatches and --steps must be at least 1")
     overlap = not args.no_overlap
     notes: list[str] = []
     cluster = resolve_cluster(args.cluster) if args.cluster else None
-    planner_schedule = {"gpipe": "flush"}.get(schedule, schedule)
+    from pdcompile.passes.partition import planner_schedule as planner_model
+
+    planner_schedule = planner_model(schedule)
     if kind == "profile":
         if cluster is None:
             raise UsageError(f"{args.source} is a profile: it must be planned for a cluster first; "

@@ -1,0 +1,86 @@
+"""A schedule as the compiler made it: the policy's name and every parameter, enough to rebuild
+the exact action lists. plan.json carries it (with the action lists of a short run, which the
+runtime checks it rebuilds), and train.py runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdcompile.errors import UsageError
+from pdcompile.runtime.schedules.actions import Action, Schedule, stage_ranks
+from pdcompile.runtime.schedules.generate import make_schedule
+from pdcompile.runtime.schedules.periodic import RankRun, rank_run
+from pdcompile.runtime.schedules.registry import policy
+
+CHECK_STEPS = 2  # the run whose action lists plan.json spells out
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """Policy ``name`` on ``replicas`` with ``num_microbatches`` per step and its options."""
+
+    name: str
+    replicas: tuple[int, ...]
+    num_microbatches: int
+    tied: bool = False
+    vertical_sync: bool = False
+    split_backward: bool = True
+
+    def __post_init__(self) -> None:
+        pol = policy(self.name)  # checks the name
+        stage_ranks(self.replicas)
+        object.__setattr__(self, "vertical_sync", self.vertical_sync and pol.vertical_sync)
+        object.__setattr__(self, "split_backward", self.split_backward and pol.split_backward)
+
+    def __str__(self) -> str:
+        opts = [o for o, on in (("tied", self.tied), ("vertical sync", self.vertical_sync),
+                                ("split backward", self.split_backward)) if on]
+        return (f"{self.name} on replicas {list(self.replicas)}, {self.num_microbatches} microbatches per step"
+                + (f" ({', '.join(opts)})" if opts else ""))
+
+    def make(self, num_steps: int) -> Schedule:
+        """Every rank's actions for ``num_steps`` steps."""
+        return make_schedule(self.name, self.replicas, self.num_microbatches, tied=self.tied,
+                             vertical_sync=self.vertical_sync, num_steps=num_steps, split_backward=self.split_backward)
+
+    def rank_run(self, num_steps: int, rank: int) -> RankRun:
+        """One rank's actions for a run of any length (:func:`~.periodic.rank_run`)."""
+        return rank_run(self.name, self.replicas, self.num_microbatches, num_steps, rank, tied=self.tied,
+                        vertical_sync=self.vertical_sync, split_backward=self.split_backward)
+
+    def to_json(self) -> dict[str, Any]:
+        check = self.make(CHECK_STEPS)
+        return {"policy": self.name, "replicas": list(self.replicas), "num_microbatches": self.num_microbatches,
+                "tied": self.tied, "vertical_sync": self.vertical_sync, "split_backward": self.split_backward,
+                "check": {"steps": CHECK_STEPS,
+                          "ranks": {str(r): " ".join(map(str, acts)) for r, acts in sorted(check.items())}}}
+
+    @staticmethod
+    def from_json(raw: dict[str, Any]) -> ScheduleSpec:
+        try:
+            return ScheduleSpec(str(raw["policy"]), tuple(int(r) for r in raw["replicas"]),
+                                int(raw["num_microbatches"]), bool(raw.get("tied", False)),
+                                bool(raw.get("vertical_sync", False)), bool(raw.get("split_backward", True)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise UsageError(f"plan.json: the schedule entry is malformed ({type(e).__name__}: {e}); "
+                             f"re-emit the program with this pdcompile") from None
+
+
+def checked_lists(raw: dict[str, Any]) -> dict[int, list[Action]]:
+    """The action lists plan.json spells out for its check run, parsed."""
+    return {int(r): [Action.from_str(x) for x in text.split()] for r, text in raw["check"]["ranks"].items()}
+
+
+def agrees(spec: ScheduleSpec, raw: dict[str, Any], rank: int) -> bool:
+    """Whether this runtime rebuilds, for ``rank``, the very actions the compiler wrote."""
+    want = checked_lists(raw).get(rank)
+    steps = int(raw["check"]["steps"])
+    return want is not None and [a for a, _ in spec.rank_run(steps, rank)] == want
+
+
+def default_split_backward(device_type: str, processes: int, cores: int) -> bool:
+    """Whether to split the drain's backwards: yes, unless CPU workers share cores. A split
+    backward's weight pass overlaps the stage before's backward only on a free core (and the
+    simulator, which gives every rank its own core, then predicts it too fast)."""
+    return device_type != "cpu" or processes <= cores
