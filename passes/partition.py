@@ -19,15 +19,13 @@ from pdcompile.ir import Chain, CompileState, need
 from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
 from pdcompile.plan import Plan
 from pdcompile.plan import plan as choose_plan
-from pdcompile.runtime.schedules import stage_ranks
-
-# What the planner's memory model calls each schedule (GPipe keeps one weight version, like Flush).
-PLANNER_SCHEDULE = {"gpipe": "flush"}
+from pdcompile.runtime.schedules import policy, stage_ranks
 
 
 def planner_schedule(schedule: str) -> str:
-    """The schedule name the planners' cost and memory model knows ``schedule`` by."""
-    return PLANNER_SCHEDULE.get(schedule, schedule)
+    """The schedule name the planners' cost and memory model knows ``schedule`` by (its policy's
+    ``planner_model``: GPipe and ZB-H1 keep one weight version, like Flush)."""
+    return policy(schedule).planner_model or schedule
 
 
 def balanced_split(weights: Sequence[float], num_stages: int, cut_bytes: Sequence[float]) -> list[int]:

@@ -82,7 +82,7 @@ class SimResult:
       blocking sends); ``utilization[r]``: compute seconds / makespan; ``bubble_fraction``:
       ``1 - sum(busy) / (ranks * makespan)``, the idle share of all ranks' time.
     * ``peak_in_flight[s]``: most microbatches whose activations a replica of stage ``s`` holds
-      (F done, B not); ``peak_weight_versions[s]``: most weight versions alive on a replica
+      (F done, B not; W not, for a split backward); ``peak_weight_versions[s]``: most weight versions alive on a replica
       (:func:`~pdcompile.runtime.schedules.live_versions`); ``peak_memory_bytes[s]``, when sizes were
       given: ``static + activation * in_flight + weights * versions`` at the worst point.
     """
@@ -323,7 +323,8 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
         live = live_versions(acts)
         peak_v[s] = max(peak_v[s], max((len(x) for x in live), default=1))
         for a, versions in zip(acts, live or []):
-            n += (a.kind is Kind.FORWARD) - (a.kind is Kind.BACKWARD)
+            frees = Kind.WEIGHT_GRAD if a.microbatch in split[r] else Kind.BACKWARD  # a split one: at its W
+            n += (a.kind is Kind.FORWARD) - (a.kind is frees)
             peak_in[s] = max(peak_in[s], n)
             if sized:
                 mem = (static_b[s] or 0) + (act_b[s] or 0) * n + (w_b[s] or 0) * len(versions)

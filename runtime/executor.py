@@ -12,7 +12,8 @@ One executor per rank. It owns the stage module, the optimizer and the per-micro
 * ``B``: backpropagate (last stage from the loss, others from the received gradients);
   ``SB`` sends the input gradients upstream; when a ``W`` of the same microbatch follows in the
   actions, ``B`` computes only the input gradients (keeping the autograd graph) and ``W`` the
-  weight gradients, so ``SB`` goes out a weight-gradient pass sooner (the drain's split backward);
+  weight gradients, so ``SB`` goes out a weight-gradient pass sooner (the drain's split backward;
+  zero bubble splits every backward, on stage 0 too, where ``B`` computes the activations' gradients);
 * ``AR``: all-reduce (sum) gradients among the stage's replicas; ``TG``: sum gradients of
   parameters tied across stages; ``ST``: optimizer step (and LR scheduler), then zero grads;
   ``WV``: later forwards use another weight version (told to the weight store).
@@ -267,7 +268,7 @@ class StageExecutor:
                 t.requires_grad_(spec.requires_grad)
         params = self.weights.params_for_forward(k)
         handles: list[Any] = []
-        if k in self._split and not self.is_first:  # W follows: note what the weight pass needs
+        if k in self._split:  # W follows: note what the weight pass needs
             handles, self._notes[k] = self._wpass.capture()
         try:
             if params is None:
@@ -331,8 +332,9 @@ class StageExecutor:
             roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
         ins = [t for t, spec in zip(st.inputs, self.spec.inputs) if spec.requires_grad]
         notes = self._notes.pop(a.microbatch, {})  # type: ignore[arg-type]
-        if a.microbatch in self._split and not self.is_first and roots and ins:
-            # input gradients only, for SB to send now; the graph stays for W's weight gradients
+        if a.microbatch in self._split and roots:
+            # input gradients only, for SB to send now (on stage 0, none: the activations' gradients
+            # down to its first layer); the graph stays for W's weight gradients
             st.input_grads, self._weight_pass[a.microbatch] = self._wpass.input_grads(roots, seeds, ins, notes)  # type: ignore[index]
         elif roots:
             torch.autograd.backward(roots, seeds)

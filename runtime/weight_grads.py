@@ -96,6 +96,8 @@ class WeightPass:
                 if calls:  # a submodule never called gets no gradient either way
                     groups.append(([y for y in calls[0] if y.requires_grad], ps))
         extra = [y for ys, _ in groups for y in ys] if groups else []
+        if not inputs and not extra:  # nothing to hand back early: W walks the whole graph
+            return [], (list(roots), seeds, [])
         got = torch.autograd.grad(list(roots), list(inputs) + extra, seeds, retain_graph=True, allow_unused=True)
         dinputs = [g if g is not None else torch.zeros_like(t) for g, t in zip(got, inputs)]
         if groups:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdcompile.errors import ScheduleError
-from pdcompile.runtime.schedules import SCHEDULES, Action, Kind, make_schedule, parse_grid, warmup_depth
+from pdcompile.runtime.schedules import SCHEDULES, Action, Kind, make_schedule, parse_grid, policy
 from pdcompile.simulate import simulate, simulate_schedule
 
 F, B = Fr(1), Fr(2)  # forward and backward of one microbatch; backward twice the forward
@@ -178,7 +178,7 @@ def test_every_schedule_simulates(cfg: tuple) -> None:
     assert all(b <= res.makespan_s for b in res.busy.values())
     assert 0 <= res.bubble_fraction < 1
     for s in range(S):
-        assert 1 <= res.peak_in_flight[s] <= (-(-m // replicas[s]) if name == "gpipe" else warmup_depth(replicas, s))
+        assert 1 <= res.peak_in_flight[s] <= policy(name).held(replicas, s, m)  # held until B, or W when split
     for e in res.events:
         assert e.end_s >= e.start_s >= 0
 

@@ -2,12 +2,12 @@
 
 One module per concern: :mod:`.actions` (the IR, its text form, rank routing), :mod:`.policy`
 and :mod:`.registry` (what each schedule is, by name), :mod:`.gpipe` and :mod:`.one_f_one_b` (the
-families' action orders), :mod:`.generate` (weight-version placement), :mod:`.versions` (memory
-read off a rank's actions), :mod:`.replay` (deadlock-free replay, send release), :mod:`.validate`,
-:mod:`.periodic` (runs of any length) and :mod:`.transfers` (the order NCCL needs). A ``W k``
-after ``B k`` splits that backward: ``B`` computes only input gradients (sent at once by ``SB``),
-``W`` the weight gradients (gpipe and flush place it on the drain's last backward of every stage
-but the first). Use :func:`make_schedule` to build one by name, :func:`validate` to check one.
+families' action orders, :mod:`.zero_bubble` ZB-H1's), :mod:`.generate` (weight-version placement),
+:mod:`.versions` (memory read off a rank's actions), :mod:`.replay` (deadlock-free replay, send
+release), :mod:`.validate`, :mod:`.periodic` (runs of any length) and :mod:`.transfers` (the order
+NCCL needs). A ``W k`` after ``B k`` splits that backward: ``B`` computes only input gradients (sent
+at once by ``SB``), ``W`` the weight gradients (gpipe and flush split the drain's last backward of
+every stage but the first; zb-h1 every backward). :func:`make_schedule` builds one by name.
 """
 
 from pdcompile.runtime.schedules.actions import (

@@ -40,6 +40,9 @@ class Policy:
     * ``vertical_sync``: has the vertical-sync variant.
     * ``synchronous``: trains exactly single-process SGD with accumulation (the planner's model and
       equality tests rely on it).
+    * ``splits_every_backward``: every backward on every stage is split, its ``W`` placed by the
+      order (zero bubble); activations are held until the ``W`` (see :meth:`held`).
+    * ``planner_model``: the schedule whose memory model the partitioners apply (None: this one).
     """
 
     name: str
@@ -51,6 +54,8 @@ class Policy:
     vertical_sync: bool
     synchronous: bool
     summary: str
+    splits_every_backward: bool = False
+    planner_model: str | None = None
 
     def accumulation(self, num_microbatches: int) -> int:
         """Backward passes one update sums (the loss is scaled by 1/this)."""
@@ -73,6 +78,14 @@ class Policy:
         if self.holds_step:
             return -(-num_microbatches // replicas[stage])
         return warmup_depth(replicas, stage)
+
+    def held(self, replicas: Sequence[int], stage: int, num_microbatches: int) -> int:
+        """The most microbatches whose activations a replica of ``stage`` holds at once: F done and
+        B not, or, when every backward is split, W not (1F1B's peak over all stages, the ZB paper's
+        memory bound)."""
+        if self.splits_every_backward:
+            return max(self.in_flight(replicas, s, num_microbatches) for s in range(len(replicas)))
+        return self.in_flight(replicas, stage, num_microbatches)
 
 
 @dataclass(frozen=True)
@@ -116,3 +129,6 @@ class Layout:
 
     def in_flight_bound(self, stage: int) -> int:
         return self.policy.in_flight(self.replicas, stage, self.num_microbatches)
+
+    def held_bound(self, stage: int) -> int:
+        return self.policy.held(self.replicas, stage, self.num_microbatches)

@@ -9,10 +9,11 @@ from pdcompile.runtime.schedules.actions import stage_ranks
 from pdcompile.runtime.schedules.gpipe import gpipe_order
 from pdcompile.runtime.schedules.one_f_one_b import one_f_one_b_order
 from pdcompile.runtime.schedules.policy import Layout, Policy
+from pdcompile.runtime.schedules.zero_bubble import zb_h1_order
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("gpipe", gpipe_order, update_per_microbatch=False, version_lag=0, holds_step=True, split_backward=True,
-           vertical_sync=False, synchronous=True,
+           vertical_sync=False, synchronous=True, planner_model="flush",
            summary="all forwards, then all backwards, then one update (synchronous SGD)"),
     Policy("flush", one_f_one_b_order, update_per_microbatch=False, version_lag=0, holds_step=False,
            split_backward=True, vertical_sync=False, synchronous=True,
@@ -23,6 +24,10 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("2bw", one_f_one_b_order, update_per_microbatch=False, version_lag=1, holds_step=False,
            split_backward=False, vertical_sync=False, synchronous=False,
            summary="PipeDream-2BW: 1F1B without flushes, two weight versions, updates one step late"),
+    Policy("zb-h1", zb_h1_order, update_per_microbatch=False, version_lag=0, holds_step=False, split_backward=True,
+           vertical_sync=False, synchronous=True, splits_every_backward=True, planner_model="flush",
+           summary="zero bubble ZB-H1: 1F1B with every backward split, weight gradients delayed into the "
+                   "bubbles, one update per step (synchronous SGD)"),
 )}
 SCHEDULES: list[str] = list(POLICIES)
 SPLIT_BACKWARD_SCHEDULES = tuple(n for n, p in POLICIES.items() if p.split_backward)

@@ -20,7 +20,7 @@ def _check_split(sched: Schedule, name: str, r: int, s: int, k: int, b: int, sb:
     if not policy(name).split_backward:
         raise fail("split backward", r, w, f"{a}: only {' and '.join(SPLIT_BACKWARD_SCHEDULES)} split a backward "
                    f"({name} keeps weight versions, which W does not)")
-    if s == 0:
+    if s == 0 and not policy(name).splits_every_backward:
         raise fail("split backward", r, w, f"{a}: stage 0 sends no input gradients, so it has no backward to split")
     if w < max(b, sb):
         raise fail("split backward", r, w, f"{a} must come after {sched[r][max(b, sb)]} (step {max(b, sb)})")
@@ -47,12 +47,14 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
        but the last, ``SB``/``RB`` likewise, exactly once each; each receive before the compute that
        uses it, each send after the compute that produces it.
     5. 'backward after forward': ``B k`` after ``F k`` on the same rank. 'split backward': a ``W k``
-       (optional) comes once, after ``B k`` and its ``SB k``, before the rank's next ``AR``/``TG``/``ST``,
-       on a stage after the first, in gpipe or flush only.
+       comes once, after ``B k`` and its ``SB k``, before the rank's next ``AR``/``TG``/``ST``, in a
+       policy that splits backwards; optional and on a stage after the first (gpipe, flush), or on
+       every microbatch of every stage (``splits_every_backward``: zb-h1).
     6. 'forward order': every rank forwards its microbatches in increasing order (so every stage
        sees them in the order the stage before sent them).
     7. 'in-flight bound': microbatches in flight on a replica (F done, B not) never exceed the
-       schedule's bound (``warmup_depth``; for gpipe the replica's share of a step).
+       schedule's bound (``warmup_depth``; for gpipe the replica's share of a step); where every
+       backward is split, those held (F done, W not) never exceed :meth:`~.policy.Policy.held`.
     8. 'steps': each rank has one ``ST`` per group the schedule defines (per step for gpipe, flush,
        2bw; per ``r_s`` microbatches for 1f1b), placed after the group's last local backward and
        before the next forward or backward; ``AR`` before each ``ST`` exactly on replicated stages;
@@ -132,6 +134,8 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
             if b < f:
                 raise fail("backward after forward", r, b, f"{sched[r][b]} comes before {sched[r][f]} (step {f})")
             w = pos.get((Kind.WEIGHT_GRAD, k))
+            if w is None and lay.policy.splits_every_backward:
+                raise fail("split backward", r, b, f"{s}W{k} is missing on rank {r}: {name} splits every backward")
             if w is not None:
                 _check_split(sched, name, r, s, k, b, pos.get((Kind.SEND_GRAD, k), b), w, fail)
         last = -1
@@ -144,12 +148,19 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
     # 7. in-flight bound
     for r in sorted(sched):
         s, n = stage_of[r], 0
-        bound = lay.in_flight_bound(s)
+        bound, held_bound = lay.in_flight_bound(s), lay.held_bound(s)
+        split = {a.microbatch for a in sched[r] if a.kind is Kind.WEIGHT_GRAD}
+        held = 0
         for i, a in enumerate(sched[r]):
             n += (a.kind is Kind.FORWARD) - (a.kind is Kind.BACKWARD)
+            frees = Kind.WEIGHT_GRAD if a.microbatch in split else Kind.BACKWARD
+            held += (a.kind is Kind.FORWARD) - (a.kind is frees)
             if n > bound:
                 raise fail("in-flight bound", r, i, f"{n} microbatches in flight on stage {s}, "
                            f"{name} allows {bound} per replica")
+            if lay.policy.splits_every_backward and held > held_bound:
+                raise fail("in-flight bound", r, i, f"{held} microbatches' activations held (F done, W not) on "
+                           f"stage {s}, {name} allows {held_bound} per replica")
 
     # 8. steps
     tg_ranks = {r for r in sched if any(a.kind is Kind.TIED_GRADS for a in sched[r])}
