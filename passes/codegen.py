@@ -98,7 +98,7 @@ def ctor_kwargs(m: Any) -> dict[str, Any]:
     for klass in cls.__mro__:
         if klass is object or "__init__" not in vars(klass):
             continue
-        ps = list(inspect.signature(klass.__init__).parameters.values())
+        ps = list(inspect.signature(vars(klass)["__init__"]).parameters.values())
         if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in ps):
             continue  # e.g. LSTM(*args, **kwargs): its base RNNBase names the arguments
         params = ps

@@ -196,7 +196,7 @@ def _flatten_program(model: torch.nn.Module, ep: torch.export.ExportedProgram,
         new.meta = _clean_meta(node.meta)
         env[node] = new
     assert out_node is not None
-    flat_outs = list(out_node.args[0])
+    flat_outs = list(out_node.args[0])  # type: ignore[arg-type]  # an output node's args[0] is a sequence
     chosen = flat_outs[_output_index(ep.call_spec.out_spec, output, name)]
     if not isinstance(chosen, fx.Node) or chosen not in env or not isinstance(env[chosen], fx.Node):
         raise UnsupportedModelError(f"export-trace: the selected output of {name} is not a computed tensor "
@@ -257,9 +257,9 @@ def _output_index(spec: Any, output: str | int | None, model_name: str) -> int:
             raise UsageError(f"export-trace: {model_name} returns a single tensor; drop output={output!r}")
         return 0
     children = _children(spec)
-    keys = _keys(spec)
+    keys = _keys(spec) or []
     if output is None:
-        found = next((k for k in DEFAULT_OUTPUT_KEYS if keys and k in keys), None)
+        found = next((k for k in DEFAULT_OUTPUT_KEYS if k in keys), None)
         if found is None:
             raise UnsupportedModelError(
                 f"export-trace: {model_name} returns a {spec.type.__name__} with {len(children)} entries "

@@ -220,8 +220,11 @@ def _traced_run(family: Any, cfg: Any, steps: int, what: str) -> tuple[Any, list
 def _steady(events: list[Any]) -> list[Any]:
     from pdcompile.trace_convert import microbatch_of
 
-    return [e for e in events if (microbatch_of(e.name) if microbatch_of(e.name) is not None
-                                  else _WARMUP * _M) >= _WARMUP * _M]
+    def late(name: str) -> bool:
+        k = microbatch_of(name)
+        return k is None or k >= _WARMUP * _M
+
+    return [e for e in events if late(e.name)]
 
 
 def _split_names(events: list[Any]) -> set[str]:

@@ -334,7 +334,8 @@ def topological_order(
     if len(order) != len(names):
         stuck = sorted((n for n in names if indeg[n] > 0), key=index.__getitem__)
         cycle = _find_cycle(stuck, preds)
-        cycle_lines = [edge_lines[e] for e in zip(cycle, cycle[1:]) if e in (edge_lines or {})]
+        lines_of = edge_lines or {}
+        cycle_lines = [lines_of[e] for e in zip(cycle, cycle[1:]) if e in lines_of]
         loc = f"{where}:{max(cycle_lines)}" if cycle_lines else where
         raise ProfileError(
             f"{loc}: the layer graph has a cycle ({' -> '.join(cycle)}); a profile must be a DAG, "

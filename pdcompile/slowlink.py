@@ -105,8 +105,9 @@ def install() -> bool:
         sleep_until(occupy(tensor.numel() * tensor.element_size()))
         return r
 
-    def slow_all_reduce(tensor: torch.Tensor, *a: Any, group: Any = None, async_op: bool = False, **k: Any) -> Any:
-        r = all_reduce(tensor, *a, group=group, async_op=async_op, **k)
+    def slow_all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
+                        async_op: bool = False) -> Any:
+        r = all_reduce(tensor, op, group=group, async_op=async_op)
         n = ring_bytes(tensor.numel() * tensor.element_size(), dist.get_world_size(group))
         if async_op:
             return _SlowWork(r, int(n))

@@ -60,8 +60,8 @@ def _as_events(events: Iterable[Any]) -> list[Event]:
     out = []
     for e in events:
         if not isinstance(e, Event):
-            e = tuple(e)
-            e = Event(*e) if len(e) == 5 else Event(*e, category_of(e[1]))
+            t = tuple(e)
+            e = Event(*t) if len(t) == 5 else Event(t[0], t[1], t[2], t[3], category_of(t[1]))
         out.append(e)
     return out
 

@@ -68,12 +68,12 @@ def read_runtime_events(source: str | os.PathLike[str] | Iterable[str | os.PathL
     aligned = bool(rows) and all(r[4] == r[4] for r in rows)  # no NaN: every event has an origin
     base = min(r[4] for r in rows) if aligned else 0.0
     out = []
-    for rank, name, s, e, origin in rows:
+    for rank, name, s, end, origin in rows:
         cat = category_of(name)
         if drop_versions and cat == "version":
             continue
         off = origin - base if aligned else 0.0
-        out.append(Event(rank, name, s + off, e + off, cat))
+        out.append(Event(rank, name, s + off, end + off, cat))
     t0 = min((e.start_s for e in out), default=0.0)
     return sorted((e._replace(start_s=e.start_s - t0, end_s=e.end_s - t0) for e in out),
                   key=lambda e: (e.start_s, e.rank, e.end_s))

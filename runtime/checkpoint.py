@@ -318,7 +318,7 @@ def load_rank(folder: str | os.PathLike[str], plan: Mapping[str, Any], stage: in
 
 def restore_module(module: torch.nn.Module, weights: Mapping[str, torch.Tensor], where: str = "") -> None:
     """Copy checkpointed parameters and buffers into ``module`` in place (names must match exactly)."""
-    own = dict(module.named_parameters())
+    own: dict[str, torch.Tensor] = dict(module.named_parameters())
     own.update(dict(module.named_buffers()))
     if set(own) != set(weights):
         raise CheckpointError(f"{where}: tensors {sorted(set(own) ^ set(weights))[:5]} don't match the stage module")

@@ -116,7 +116,7 @@ def _load_file(path: Path, name: str) -> Any:
 def load_weights(module: torch.nn.Module, path: str | Path) -> None:
     """Copy saved tensors into a freshly built module (before training; names must match)."""
     saved = torch.load(path, weights_only=True, map_location="cpu")
-    own = dict(module.named_parameters())
+    own: dict[str, torch.Tensor] = dict(module.named_parameters())
     own.update(dict(module.named_buffers()))
     if set(saved) != set(own):
         raise ValueError(f"{path}: tensors {sorted(set(saved) ^ set(own))} don't match the stage module")

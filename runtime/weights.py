@@ -75,13 +75,15 @@ class VersionedStore(WeightStore):
             self._reading = _Reading()
             self.expected, self.future, self.direct_ok = {}, Counter(), set()
         r = self._reading
+        future = self.future if self.future is not None else Counter()
+        self.future = future
         opened, crossed = r.open, r.crossed
         for a in actions:
             if a.kind is Kind.WEIGHT_VERSION:
-                r.version = a.version
+                r.version = a.wv
             elif a.kind is Kind.FORWARD:
                 self.expected[a.microbatch] = r.version  # type: ignore[index]
-                self.future[r.version] += 1
+                future[r.version] += 1
                 opened.add(a.microbatch)  # type: ignore[arg-type]
             elif a.kind is Kind.STEP:
                 crossed |= opened

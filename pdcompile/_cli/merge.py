@@ -77,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_safetensors:
         try:
             from safetensors.torch import save as st_save
-        except ImportError:
-            st_save = None
+        except ImportError:  # safetensors is optional: the .pt file is always written
+            st_save = None  # type: ignore[assignment]  # optional import
         if st_save is not None:
             side = out.with_suffix(".safetensors")
             checkpoint.atomic_write(side, st_save({k: v.contiguous() for k, v in merged.items()}))

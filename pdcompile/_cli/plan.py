@@ -96,15 +96,9 @@ def _profile(args: argparse.Namespace) -> Any:
     if not args.model:
         raise UsageError("nothing to plan: give --profile FILE (profile JSON or PipeDream graph.txt) "
                          "or MODULE:FACTORY --input SHAPE")
-    profile_model = getattr(profile_mod, "profile_model", None)
-    if profile_model is None:
-        try:
-            from pdcompile.passes.annotate_costs import profile_model
-        except ImportError:
-            raise UsageError("profiling a model here needs the annotate-costs pass; profile it with "
-                             "`pdcompile profile MODULE:FACTORY --input SHAPE -o p.json`, then pass "
-                             "--profile p.json") from None
     import torch
+
+    from pdcompile.passes.annotate_costs import profile_model
 
     from pdcompile._cli.profile import _call_factory, parse_inputs
 

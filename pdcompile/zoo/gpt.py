@@ -63,7 +63,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(self.d_model, dim=2)
         q, k, v = self._heads(q), self._heads(k), self._heads(v)
         att = torch.matmul(q, k.transpose(-2, -1)) * self.scale
-        att = att.masked_fill(self.causal_mask, float("-inf"))
+        att = att.masked_fill(self.get_buffer("causal_mask"), float("-inf"))
         att = torch.softmax(att, dim=-1)
         y = torch.matmul(att, v).transpose(1, 2).reshape(-1, self.seq_len, self.d_model)
         return self.c_proj(y)

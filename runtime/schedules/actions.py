@@ -67,6 +67,13 @@ class Action:
             raise ValueError(f"{self} has no microbatch")
         return self.microbatch
 
+    @property
+    def wv(self) -> int:
+        """The weight version of a ``WV`` (a typed accessor: raises for other actions)."""
+        if self.version is None:
+            raise ValueError(f"{self} is not a weight-version action")
+        return self.version
+
     def __str__(self) -> str:
         n = self.microbatch if self.version is None else self.version
         return f"{self.stage}{self.kind.value}{'' if n is None else n}"

@@ -3,6 +3,7 @@ placed as early as possible, so each forward runs with the version its policy de
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 from pdcompile.errors import ScheduleError, UsageError
@@ -89,8 +90,11 @@ def make_schedule(name: str, replicas: Sequence[int], num_microbatches: int, *, 
         for i, rank in enumerate(rs):
             base[rank] = lay.policy.order(lay, s, i, tied)
     versions = expected_versions(lay, base)
-    return {rank: insert_versions(acts, lambda mb, s=stage_of_rank(rank, ranks): versions[(s, mb)])
-            for rank, acts in base.items()}
+    out: Schedule = {}
+    for rank, acts in base.items():
+        s = stage_of_rank(rank, ranks)
+        out[rank] = insert_versions(acts, functools.partial(_version_of, versions, s))
+    return out
 
 
 def replicas_for(num_stages: int, replicas: Sequence[int] | None) -> list[int]:
@@ -99,3 +103,7 @@ def replicas_for(num_stages: int, replicas: Sequence[int] | None) -> list[int]:
     if len(replicas) != num_stages:
         raise UsageError(f"replicas {list(replicas)} has {len(replicas)} stages, num_stages is {num_stages}")
     return list(replicas)
+
+
+def _version_of(versions: dict[tuple[int, int], int], stage: int, mb: int) -> int:
+    return versions[(stage, mb)]

@@ -176,7 +176,8 @@ def _deadlock(sched: Schedule, name: str, ranks: list[list[int]], pcs: dict[int,
         return missing, f"rank {r} waits at {a} (step {pcs[r]}) for ranks {missing} to join"
 
     start = blocked[0]
-    chain, r = [], start
+    chain: list[str] = []
+    r = start
     seen: dict[int, int] = {}
     while r not in seen:
         seen[r] = len(chain)

@@ -217,12 +217,12 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
             if a.kind is Kind.STEP:
                 n_st += 1
             elif a.kind is Kind.WEIGHT_VERSION:
-                if a.version < current:
+                if a.wv < current:
                     raise fail("weight versions", r, i, f"{a} goes back from version {current}")
-                if a.version > n_st:
-                    raise fail("weight versions", r, i, f"{a}: version {a.version} does not exist yet "
+                if a.wv > n_st:
+                    raise fail("weight versions", r, i, f"{a}: version {a.wv} does not exist yet "
                                f"({n_st} steps so far)")
-                current = a.version
+                current = a.wv
             elif a.kind is Kind.FORWARD:
                 want_v = expected[(s, a.microbatch)]  # type: ignore[index]
                 if current != want_v:

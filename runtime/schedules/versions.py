@@ -19,7 +19,7 @@ def forward_versions(actions: Sequence[Action]) -> dict[int, int]:
     current = 0
     for a in actions:
         if a.kind is Kind.WEIGHT_VERSION:
-            current = a.version
+            current = a.wv
         elif a.kind is Kind.FORWARD:
             out[a.mb] = current
     return out
