@@ -95,6 +95,9 @@ class NodeCost:
     forward_flops_expr: str | None = None
     backward_flops_expr: str | None = None
     symbolic_note: str = ""
+    # a split backward's parts: gradients of the inputs only, of the parameters only (None: not known)
+    input_grad_s: float | None = None
+    weight_grad_s: float | None = None
 
     def __str__(self) -> str:
         expr = f' ("{self.output_bytes_expr}")' if self.output_bytes_expr else ""
@@ -196,18 +199,44 @@ class _NodeCall:
         self_obj, *rest = args
         return getattr(self_obj, str(n.target))(*rest, **kwargs)
 
-    def backward_fn(self, out: Any) -> Callable[[], Any] | None:
-        """A closure running this node's backward once (None if nothing to differentiate)."""
+    def backward_fn(self, out: Any, wrt: str = "all") -> Callable[[], Any] | None:
+        """A closure running this node's backward once (None if nothing to differentiate): with
+        respect to its differentiable inputs and parameters (``wrt="all"``), or only its inputs
+        (``"inputs"``: a split backward's ``B``) or only its parameters (``"params"``: its ``W``)."""
         outs = [t for t in _flat_tensors(out) if t.requires_grad]
-        if not outs or not self.grad_inputs:
+        n_in = len(self.leaves)
+        inputs = {"all": self.grad_inputs, "inputs": self.grad_inputs[:n_in],
+                  "params": self.grad_inputs[n_in:]}[wrt]
+        if not outs or not inputs:
             return None
         grads = [torch.ones_like(t) for t in outs]
-        inputs = self.grad_inputs
 
         def run() -> Any:
             return torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
 
         return run
+
+
+def _splits(call: _NodeCall) -> bool:
+    """Whether the node's backward has both parts: gradients of inputs and of parameters."""
+    return 0 < len(call.leaves) < len(call.grad_inputs)
+
+
+def _input_grad_flop_share(call: _NodeCall, out: Any, backward_flops: int) -> float:
+    """The input gradients' share of the node's backward FLOPs (counted by ``FlopCounterMode`` on
+    each part; a recurrent leaf, which the counter can't see into, 0.5; no parameters: 1)."""
+    if not _splits(call):
+        return 1.0 if call.leaves else 0.0
+    if backward_flops <= 0:
+        return 0.5
+    with torch.enable_grad():
+        part = call.backward_fn(out, "inputs")
+        flops = _count_flops(part)[0] if part is not None else 0
+    return min(1.0, flops / backward_flops) if flops else 0.5
+
+
+def _split_parts(backward_s: float, input_share: float) -> dict[str, float]:
+    return {"input_grad_s": backward_s * input_share, "weight_grad_s": backward_s * (1.0 - input_share)}
 
 
 def _sync(device: torch.device) -> None:
@@ -591,6 +620,7 @@ def annotate_costs(
         exprs = _symbolic(gm, inputs, nodes, batch_fn)
 
     timed: dict[tuple[fx.Node, str], Callable[[], Any] | None] = {}
+    whole: dict[fx.Node, float] = {}  # a node whose backward is one part: 1 inputs only, 0 parameters only
     call_overhead = backward_call_overhead(device) if mode == "measured" else 0.0
     bar = _progress(len(compute), progress, f"annotate-costs ({mode})")
     try:
@@ -612,19 +642,25 @@ def annotate_costs(
                 fwd_s = bwd_s = 0.0
                 with torch.enable_grad():  # timed below, over all nodes at once
                     timed.update({(node, "fwd"): call.forward, (node, "bwd"): call.backward_fn(out)})
+                    if _splits(call):  # both parts non-empty: each timed on its own
+                        timed.update({(node, "in"): call.backward_fn(out, "inputs"),
+                                      (node, "w"): call.backward_fn(out, "params")})
+                    else:
+                        whole[node] = 1.0 if call.leaves else 0.0
             else:
                 assert spec is not None
                 in_bytes = sum(t.numel() * t.element_size()
                                for t in _flat_tensors((call.args, call.kwargs)))
                 fwd_s = spec.seconds(ff, in_bytes + out_bytes)
                 bwd_s = spec.seconds(bf, 2 * (in_bytes + out_bytes)) if call.backward_fn(out) else 0.0
+                share = _input_grad_flop_share(call, out, bf)
             pb, bb = attribution[node]
             node.meta["pd.cost"] = NodeCost(
                 forward_s=fwd_s, backward_s=bwd_s, forward_flops=ff, backward_flops=bf,
                 output_bytes=out_bytes, param_bytes=pb, buffer_bytes=bb,
                 optimizer_bytes=pb * opt_factor, mode=mode, tensor_output=_is_tensor_output(meta),
                 output_bytes_expr=e_out, forward_flops_expr=e_f, backward_flops_expr=e_b,
-                symbolic_note=note,
+                symbolic_note=note, **({} if mode == "measured" else _split_parts(bwd_s, share)),
             )
             if "pd.tensor" not in node.meta:
                 node.meta["pd.tensor"] = meta
@@ -637,8 +673,14 @@ def annotate_costs(
         with torch.enable_grad():
             medians = (_interleaved_medians if interleave else _visit_medians)(timed, device, warmup, repeats)
         for node in compute:
+            bwd_s = max(0.0, medians[(node, "bwd")] - call_overhead)
+            if (node, "in") in medians:  # each part pays the call's fixed cost once too
+                parts = {"input_grad_s": max(0.0, medians[(node, "in")] - call_overhead),
+                         "weight_grad_s": max(0.0, medians[(node, "w")] - call_overhead)}
+            else:
+                parts = _split_parts(bwd_s, whole.get(node, 1.0))
             node.meta["pd.cost"] = replace(node.meta["pd.cost"], forward_s=medians[(node, "fwd")],
-                                           backward_s=max(0.0, medians[(node, "bwd")] - call_overhead))
+                                           backward_s=bwd_s, **parts)
     return gm
 
 
@@ -709,6 +751,7 @@ def profile_from_graph(gm: fx.GraphModule, *, batch_size: int, device: str,
                 tensor_output=cost.tensor_output, output_bytes_expr=cost.output_bytes_expr,
                 forward_flops_expr=cost.forward_flops_expr,
                 backward_flops_expr=cost.backward_flops_expr, symbolic_note=cost.symbolic_note,
+                input_grad_s=cost.input_grad_s, weight_grad_s=cost.weight_grad_s,
             ))
     return Profile(layers=tuple(layers), batch_size=batch_size, device=device,
                    name=name or type(gm).__name__, mode=mode, optimizer=optimizer,

@@ -70,6 +70,8 @@ class ChainLayer:
     output_bytes: float
     param_bytes: float
     members: tuple[str, ...] = ()
+    input_grad_s: float | None = None  # a split backward's parts (None: not profiled; the simulator's shares)
+    weight_grad_s: float | None = None
 
     @property
     def compute_s(self) -> float:

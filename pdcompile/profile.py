@@ -94,6 +94,10 @@ class ProfileLayer:
     forward_flops_expr: str | None = None
     backward_flops_expr: str | None = None
     symbolic_note: str = ""
+    # a split backward's parts, input gradients only and parameter gradients only (None: not
+    # profiled, as in older and imported profiles; the simulator then uses fixed shares)
+    input_grad_s: float | None = None
+    weight_grad_s: float | None = None
 
     @property
     def compute_s(self) -> float:
@@ -186,9 +190,12 @@ class Profile:
                 bs = layer.backward_s * bf / layer.backward_flops
             else:
                 bs = layer.backward_s * ratio
+            b_scale = bs / layer.backward_s if layer.backward_s else ratio
+            parts = {k: None if getattr(layer, k) is None else getattr(layer, k) * b_scale
+                     for k in ("input_grad_s", "weight_grad_s")}
             layers.append(
                 replace(layer, forward_s=fs, backward_s=bs, output_bytes=out,
-                        forward_flops=ff, backward_flops=bf)
+                        forward_flops=ff, backward_flops=bf, **parts)
             )
         inputs = tuple(
             replace(i, output_bytes=_eval_or_scale(i.output_bytes_expr, b, i.output_bytes, ratio))
@@ -334,8 +341,7 @@ def topological_order(
     if len(order) != len(names):
         stuck = sorted((n for n in names if indeg[n] > 0), key=index.__getitem__)
         cycle = _find_cycle(stuck, preds)
-        lines_of = edge_lines or {}
-        cycle_lines = [lines_of[e] for e in zip(cycle, cycle[1:]) if e in lines_of]
+        cycle_lines = [edge_lines[e] for e in zip(cycle, cycle[1:]) if e in (edge_lines or {})]
         loc = f"{where}:{max(cycle_lines)}" if cycle_lines else where
         raise ProfileError(
             f"{loc}: the layer graph has a cycle ({' -> '.join(cycle)}); a profile must be a DAG, "

@@ -358,6 +358,11 @@ def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float) -> float:
     return 2 * (replicas - 1) / replicas * nbytes / bandwidth
 
 
+def _part(profiled: Any, backward_s: Any, share: float) -> Any:
+    """One part of a layer's split backward: as profiled, else ``share`` of its backward."""
+    return profiled if profiled is not None else backward_s * share
+
+
 def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None = None,
                   num_microbatches: int = 8, *, num_steps: int = 1, vertical_sync: bool = False,
                   overlap_comm: bool = True, step_s: Sequence[float] | None = None,
@@ -375,9 +380,11 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     ``latency_s``) to every all-reduce (a link's fixed cost per message); ``overhead_s`` is the
     runtime's fixed cost per action and ``recv_progress`` when a receive's transfer may run (see
     :func:`simulate`). ``copy_bandwidth`` (bytes/s of a memory copy on the workers): weight stashing's
-    copies of a stage's ``param_bytes`` are charged (``version_s``). ``split_backward`` (gpipe, flush;
-    the runtime's default): a stage's split backward costs ``input_grad_share`` of its backward for
-    ``B`` and ``weight_grad_share`` for ``W`` (see :data:`INPUT_GRAD_SHARE`).
+    copies of a stage's ``param_bytes`` are charged (``version_s``). A split backward (zb-h1's every
+    one; gpipe's and flush's drain with ``split_backward``) costs the sums of the stage's layers'
+    profiled ``input_grad_s`` for ``B`` and ``weight_grad_s`` for ``W``; a layer without them (an
+    older or imported profile) ``input_grad_share`` and ``weight_grad_share`` of its backward
+    (:data:`INPUT_GRAD_SHARE`).
 
     Stage ``s`` (chain layers ``first..last``) costs the sum of its layers' ``forward_s`` /
     ``backward_s``; its boundary sends ``chain.cut_bytes[last]`` forward (and as many gradient
@@ -392,11 +399,13 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     reps = [st_.replicas for st_ in plan.stages]
     scale = plan.microbatch_size / chain.batch_size
     layers = chain.layers
-    fwd, bwd, act, params, cut = [], [], [], [], []
+    fwd, bwd, act, params, cut, b_in, b_w = [], [], [], [], [], [], []
     for st_ in plan.stages:
         mine = layers[st_.first:st_.last + 1]
         fwd.append(sum(l.forward_s for l in mine) * scale)
         bwd.append(sum(l.backward_s for l in mine) * scale)
+        b_in.append(sum(_part(l.input_grad_s, l.backward_s, input_grad_share) for l in mine) * scale)
+        b_w.append(sum(_part(l.weight_grad_s, l.backward_s, weight_grad_share) for l in mine) * scale)
         act.append(sum(l.output_bytes for l in mine) * scale)
         params.append(sum(l.param_bytes for l in mine))
         cut.append(chain.cut_bytes[st_.last] * scale if st_.last < len(chain.cut_bytes) else 0.0)
@@ -421,8 +430,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
         tied_s = ring_allreduce_s(tied_bytes, len(cr), bw) + coll_lat
     return simulate_schedule(name, reps, num_microbatches, num_steps=num_steps, vertical_sync=vertical_sync,
                              split_backward=split_backward,
-                             input_grad_s=[b * input_grad_share for b in bwd],
-                             weight_grad_s=[b * weight_grad_share for b in bwd],
+                             input_grad_s=b_in, weight_grad_s=b_w,
                              tied=bool(tied_bytes and tied_stages), tied_s=tied_s,
                              tied_stages=list(tied_stages) if tied_bytes and tied_stages else None,
                              overhead_s=overhead_s, recv_progress=recv_progress,
