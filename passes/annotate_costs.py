@@ -95,6 +95,11 @@ class NodeCost:
     forward_flops_expr: str | None = None
     backward_flops_expr: str | None = None
     symbolic_note: str = ""
+    # what autograd saves for backward (saved-tensor hooks, :func:`saved_tensor_bytes`)
+    saved_bytes: int = 0
+    saved_input_bytes: int = 0
+    saved_output_bytes: int = 0
+    shared_param_bytes: int = 0  # parameters an earlier node uses too (tied: a later stage holds a copy)
     # a split backward's parts: gradients of the inputs only, of the parameters only (None: not known)
     input_grad_s: float | None = None
     weight_grad_s: float | None = None
@@ -104,7 +109,76 @@ class NodeCost:
         note = f"  [{self.symbolic_note}]" if self.symbolic_note else ""
         return (f"fwd {self.forward_s:.3e}s bwd {self.backward_s:.3e}s  flops "
                 f"{self.forward_flops}+{self.backward_flops}  out {self.output_bytes} B{expr}  "
-                f"param {self.param_bytes} B buf {self.buffer_bytes} B{note}")
+                f"param {self.param_bytes} B buf {self.buffer_bytes} B saved {self.saved_bytes} B{note}")
+
+
+# -- what autograd saves ------------------------------------------------------------------------
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+class _SavedRecorder(fx.Interpreter):
+    """Runs the graph with autograd on, noting per node the storages its ops save for backward
+    (``torch.autograd.graph.saved_tensors_hooks``) and the storages of its outputs."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.saved: dict[fx.Node, dict[int, int]] = {}
+        self.produced: dict[int, fx.Node] = {}  # storage -> the node whose output it is (latest)
+        self.keep: list[Any] = []  # every value stays alive, so no storage is reused during the run
+        self.static: set[int] = {_storage(t)[0] for t in [*gm.parameters(), *gm.buffers()]}
+
+    def run_node(self, n: fx.Node) -> Any:
+        mine: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr, nbytes = _storage(t)
+            mine[ptr] = nbytes
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = super().run_node(n)
+        self.saved[n] = mine
+        for t in _flat_tensors(result):
+            if n.op == "get_attr":
+                self.static.add(_storage(t)[0])
+            else:
+                self.produced.setdefault(_storage(t)[0], n)
+        self.keep.append(result)
+        return result
+
+
+def saved_tensor_bytes(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[fx.Node, tuple[int, int, int]]:
+    """Per node: (bytes autograd saves for backward, of them those whose storage an earlier node or
+    input produced, of the node's own output storages those it saves itself).
+
+    Measured with saved-tensor hooks during one forward with autograd on. Each storage counts once,
+    at the first node that saves it (views and in-place ops share their base's storage); parameters
+    and buffers are not activations and are left out. A stage ``i..j`` keeps ``sum saved`` per
+    microbatch; its first node's ``saved_input_bytes`` are (part of) what it receives and its last
+    node's ``saved_output_bytes`` (part of) what it sends."""
+    rec = _SavedRecorder(gm)
+    with torch.enable_grad():
+        rec.run(*inputs)
+    seen: set[int] = set(rec.static)
+    out: dict[fx.Node, tuple[int, int, int]] = {}
+    for n in gm.graph.nodes:
+        total = from_before = own = 0
+        for ptr, nbytes in rec.saved.get(n, {}).items():
+            if ptr in seen:
+                continue
+            seen.add(ptr)
+            total += nbytes
+            if rec.produced.get(ptr) is n:
+                own += nbytes
+            else:
+                from_before += nbytes
+        out[n] = (total, from_before, own)
+    rec.keep.clear()
+    return out
 
 
 # -- running single nodes ----------------------------------------------------------------------
@@ -425,6 +499,22 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
+def _shared_param_bytes(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Per compute node, bytes of the parameters it uses that an earlier node used already."""
+    seen: set[int] = set()
+    out: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        if node.op not in COMPUTE_OPS:
+            continue
+        params = list(gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module" else []
+        params += [t for a in node.all_input_nodes if a.op == "get_attr"
+                   for t in [_fetch_attr(gm, str(a.target))] if isinstance(t, torch.nn.Parameter)]
+        mine = {id(p): p for p in params}
+        out[node] = sum(p.numel() * p.element_size() for i, p in mine.items() if i in seen)
+        seen.update(mine)
+    return out
+
+
 def _param_attribution(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
     """(parameter bytes, buffer bytes) per compute node: each tensor once, at its first user;
     get_attr tensors go to the first compute node that reads them."""
@@ -613,6 +703,8 @@ def annotate_costs(
         raise PassError(f"annotate-costs: running the graph on the example inputs failed: "
                         f"{type(e).__name__}: {e}") from e
     attribution = _param_attribution(gm)
+    saved = saved_tensor_bytes(gm, inputs)
+    shared = _shared_param_bytes(gm)
 
     # symbolic sizes: re-run at other batch sizes
     exprs: dict[fx.Node, tuple[str | None, str | None, str | None, str]] = {}
@@ -661,6 +753,8 @@ def annotate_costs(
                 optimizer_bytes=pb * opt_factor, mode=mode, tensor_output=_is_tensor_output(meta),
                 output_bytes_expr=e_out, forward_flops_expr=e_f, backward_flops_expr=e_b,
                 symbolic_note=note, **({} if mode == "measured" else _split_parts(bwd_s, share)),
+                saved_bytes=saved[node][0], saved_input_bytes=saved[node][1],
+                saved_output_bytes=saved[node][2], shared_param_bytes=shared[node],
             )
             if "pd.tensor" not in node.meta:
                 node.meta["pd.tensor"] = meta
@@ -751,6 +845,9 @@ def profile_from_graph(gm: fx.GraphModule, *, batch_size: int, device: str,
                 tensor_output=cost.tensor_output, output_bytes_expr=cost.output_bytes_expr,
                 forward_flops_expr=cost.forward_flops_expr,
                 backward_flops_expr=cost.backward_flops_expr, symbolic_note=cost.symbolic_note,
+                saved_bytes=float(cost.saved_bytes), saved_input_bytes=float(cost.saved_input_bytes),
+                saved_output_bytes=float(cost.saved_output_bytes),
+                shared_param_bytes=float(cost.shared_param_bytes),
                 input_grad_s=cost.input_grad_s, weight_grad_s=cost.weight_grad_s,
             ))
     return Profile(layers=tuple(layers), batch_size=batch_size, device=device,
@@ -853,5 +950,5 @@ def run(state: CompileState, opts: AnnotateOptions) -> CompileState:
 __all__ = [
     "COMPUTE_OPS", "DEVICE_SPECS", "AnnotateOptions", "DeviceSpec", "MODES", "NodeCost", "annotate_costs",
     "device_name", "device_spec_for", "run",
-    "resolve_device_spec", "format_costs", "profile_from_graph", "profile_model", "rnn_flops",
+    "resolve_device_spec", "format_costs", "profile_from_graph", "profile_model", "rnn_flops", "saved_tensor_bytes",
 ]

@@ -216,6 +216,8 @@ def linearize(profile: Profile, *, rule: str = "best", include_inputs: bool = Tr
         ChainLayer(
             name=l.name, op=l.op, forward_s=l.forward_s, backward_s=l.backward_s,
             output_bytes=l.output_bytes, param_bytes=l.param_bytes, members=(l.name,),
+            saved_bytes=l.saved_bytes, saved_input_bytes=l.saved_input_bytes,
+            saved_output_bytes=l.saved_output_bytes, shared_param_bytes=l.shared_param_bytes,
             input_grad_s=l.input_grad_s, weight_grad_s=l.weight_grad_s,
         )
         for l in (profile.layers[k] for k in order)

@@ -76,24 +76,32 @@ class PartitionOptions:
     cluster: ClusterSpec | None = None
     solver: str = "dp"  # "dp" or "ilp"
     cost_model: str = "default"
+    num_microbatches: int = 1  # per minibatch (GPipe's memory holds them all)
+    recompute: str = "none"  # activation recomputation per stage: "none", "full" or "auto" (where memory needs it)
 
 
 def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
     """The plan for ``chain`` and the cluster it is for."""
-    sched = planner_schedule(opts.schedule)
+    # the DP's memory model reads every schedule's own Policy (GPipe: all M in flight); the ILP's knows fewer
+    sched = opts.schedule if opts.solver == "dp" else planner_schedule(opts.schedule)
+    mem = {"num_microbatches": opts.num_microbatches, "recompute": opts.recompute}
     if opts.stages is None:
         cluster = opts.cluster if opts.cluster is not None else local_cpu_cluster(2)
-        return choose_plan(chain, cluster, solver=opts.solver, cost_model=opts.cost_model, schedule=sched), cluster
+        extra = mem if opts.solver == "dp" else {}
+        return choose_plan(chain, cluster, solver=opts.solver, cost_model=opts.cost_model, schedule=sched,
+                           **extra), cluster
     n = opts.stages
     reps: Sequence[int] = opts.replicas if opts.replicas is not None else [1] * n
     cluster = opts.cluster if opts.cluster is not None and opts.cluster.num_workers >= sum(reps) \
         else local_cpu_cluster(sum(reps))
     if opts.replicas is None:
-        return pipeline_plan(chain, balanced_bounds(chain, n), cluster, schedule=sched, memory_limit=False), cluster
+        return pipeline_plan(chain, balanced_bounds(chain, n), cluster, schedule=opts.schedule, memory_limit=False,
+                             **mem), cluster
     # the same balanced split, stage k on ranks stage_ranks(replicas)[k]
     bounds = [0, *balanced_bounds(chain, n), len(chain)]
     assignment = [(a, b - 1, len(r), tuple(r)) for (a, b), r in zip(zip(bounds, bounds[1:]), stage_ranks(reps))]
-    return plan_from_assignment(chain, cluster, assignment, schedule=sched, memory_limit=False), cluster
+    return plan_from_assignment(chain, cluster, assignment, schedule=opts.schedule, memory_limit=False,
+                                **mem), cluster
 
 
 def run(state: CompileState, opts: PartitionOptions) -> CompileState:

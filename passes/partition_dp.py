@@ -94,6 +94,7 @@ from pdcompile.cluster import ClusterSpec, format_quantity, require_memory
 from pdcompile.errors import InfeasiblePlanError, UsageError
 from pdcompile.ir import Chain
 from pdcompile.plan import Plan, StagePlan
+from pdcompile.runtime.schedules import registry as schedule_registry
 
 __all__ = [
     "COST_MODELS",
@@ -114,7 +115,8 @@ __all__ = [
 ]
 
 COST_MODELS = ("default", "paper", "pipedream")
-SCHEDULES = ("1f1b", "flush", "2bw")
+SCHEDULES = tuple(schedule_registry.SCHEDULES)  # memory from each one's Policy (weight versions, in flight)
+RECOMPUTE = ("none", "full", "auto")  # activation recomputation: never, every stage, where memory needs it
 #: With the memory limit on, levels with at most this many units try every downstream count.
 EXACT_MEMORY_MAX_UNITS = 16
 _EPS = 1e-10  # relative slack in feasibility tests (floating sums); plans are re-evaluated exactly
@@ -234,6 +236,7 @@ class StageCost:
     memory_bytes: float
     in_flight: int
     weight_versions: int
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -261,7 +264,11 @@ class _Model:
         memory_limit: bool | None = None,
         optimizer_state_factor: float = 1.0,
         allow_replication: bool = True,
+        num_microbatches: int = 1,
+        recompute: str = "none",
     ) -> None:
+        if recompute not in RECOMPUTE:
+            raise UsageError(f"unknown recompute {recompute!r} (use one of {', '.join(RECOMPUTE)})")
         if cost_model not in COST_MODELS:
             raise UsageError(f"unknown cost model {cost_model!r} (use one of {', '.join(COST_MODELS)})")
         if schedule not in SCHEDULES:
@@ -277,6 +284,9 @@ class _Model:
         self.cluster = cluster
         self.cost_model = cost_model
         self.schedule = schedule
+        self.policy = schedule_registry.policy(schedule)
+        self.M = max(1, int(num_microbatches))
+        self.recompute = recompute if cost_model != "pipedream" else "none"
         self.opt_factor = float(optimizer_state_factor)
         self.allow_replication = allow_replication
         self.memory_on = (cost_model == "default") if memory_limit is None else bool(memory_limit)
@@ -321,9 +331,28 @@ class _Model:
         for i in range(1, N):
             inb[i] = min(cut[i - 1], inb[i - 1] + o[i - 1])
         self.inb = inb
+        # per-microbatch activation bytes X(i..j) = PX[j+1] - PX[i] + xin[i] + xout[j] (module doc)
+        known = all(l.saved_bytes is not None for l in layers)
+        sv = np.array([l.saved_bytes if known else l.output_bytes for l in layers], dtype=float)
+        self.PX = _cumsum0(sv)
+        outb = np.append(np.where(np.isfinite(cut), cut, 0.0), o[-1])  # last stage: the loss keeps a copy of its input
+        if known:
+            sin = np.array([l.saved_input_bytes for l in layers] + [0.0])
+            sout = np.array([l.saved_output_bytes for l in layers])
+            self.xin = np.maximum(inb - sin, 0.0)
+            self.xout = np.maximum(outb - sout, 0.0)
+        else:  # PipeDream's profiles: the stage's outputs plus what it receives
+            self.xin, self.xout = inb.copy(), np.zeros(N)
+        # full recomputation keeps only the inputs and outputs, and rebuilds one microbatch at its backward
+        self.xin_r, self.xout_r = inb.copy(), outb if known else np.zeros(N)
+        # weights a stage holds: its own and copies of those an earlier layer uses too (tied)
+        self.PWM = _cumsum0(w + np.array([l.shared_param_bytes for l in layers], dtype=float))
+        self.P1r = _cumsum0(self.c + f + self.kappa * w)
+        self.PCr = _cumsum0(self.c + f)
         # boundary thresholds per level: 2 a / B_k (inf: forbidden cut)
         self.tcut = [2.0 * cut / b for b in self.B]
         self._mem_table: np.ndarray | None = None
+        self._mem_table_r: np.ndarray | None = None
         self._tau: float | None = None
         self._nxt: dict[int, np.ndarray] = {}
         self._pair_cache: dict[tuple[int, int, bool, bool], tuple[np.ndarray, np.ndarray]] = {}
@@ -334,28 +363,53 @@ class _Model:
         return 2.0 * (r - 1) / (r * self.B[0]) + self.kappa if r >= 1 else 0.0
 
     def versions(self, k: int) -> int:
-        return {"1f1b": k, "flush": 1, "2bw": 2}[self.schedule]
+        """Weight versions a replica keeps with ``k`` workers at it and downstream per replica."""
+        return self.policy.weight_versions((1,) * max(1, k), 0)
+
+    def in_flight(self, depth: int, r: int) -> int:
+        """Microbatches in flight on a replica of a stage of ``r`` replicas with ``depth`` =
+        ceil(workers at and after it / r) (:meth:`Policy.in_flight`: GPipe holds its M / r)."""
+        return self.policy.in_flight((r,) + (1,) * (r * (max(1, depth) - 1)), 0, self.M)
 
     def rng(self, P: np.ndarray, i: int, j: int) -> float:
         return float(P[j + 1] - P[i])
 
-    def memory(self, i: int, j: int, k: int) -> float:
-        """Per-worker bytes of a stage ``i..j`` with ``k`` minibatches in flight."""
-        W = self.rng(self.PW, i, j)
-        X = self.rng(self.PO, i, j) + float(self.inb[i])
-        return W * (self.versions(k) + 1 + self.opt_factor) + X * k
+    def activations(self, i: int, j: int, recompute: bool = False) -> float:
+        """Bytes a stage ``i..j`` keeps per microbatch in flight (recompute: inputs and outputs only)."""
+        if recompute:
+            return float(self.xin_r[i] + self.xout_r[j])
+        return self.rng(self.PX, i, j) + float(self.xin[i] + self.xout[j])
+
+    def memory(self, i: int, j: int, k: int, recompute: bool = False, depth: int | None = None) -> float:
+        """Per-worker bytes of a stage ``i..j`` with ``k`` minibatches in flight: weights x versions
+        (``depth``: the stage's warmup depth, default ``k``), gradients, optimizer state, ``k``
+        microbatches' activations (with recomputation: their inputs and outputs, and one microbatch
+        rebuilt at its backward)."""
+        W = self.rng(self.PWM, i, j)
+        return max(W * cv + self.activations(i, j, recompute) * kk + (self.rng(self.PX, i, j) * rb if recompute else 0.0)
+                   for cv, kk, rb in self._memory_terms(k, depth))
+
+    def _memory_terms(self, k: int, depth: int | None = None) -> list[tuple[float, int, int]]:
+        """(weight-bytes factor, microbatches of activations, rebuilds) of the moments that may
+        peak: with an update per microbatch (1F1B) gradients live from a backward (where a rebuild
+        happens) to its update, while the microbatch is no longer in flight; a schedule that holds
+        the step (GPipe) has none until its first backward frees one; else all step long."""
+        v = self.versions(depth or k) + self.opt_factor
+        if self.policy.update_per_microbatch:
+            return [(v, k, 1), (v + 1, k - 1, 0)]
+        if self.policy.holds_step:
+            return [(v, k, 1), (v + 1, k - 1, 1)]
+        return [(v + 1, k, 1)]
 
     def max_in_flight(self, i: int, j: int) -> int:
         """The largest in-flight count whose memory fits (0: not even one)."""
         if not self.memory_on:
             return self.sizes[-1] + 1
         W = self.rng(self.PW, i, j)
-        X = self.rng(self.PO, i, j) + float(self.inb[i])
+        X = self.activations(i, j)
         M = self.mem_budget * (1 + _EPS)
-        if self.schedule == "1f1b":
-            fixed, per = W * (1 + self.opt_factor), W + X
-        else:
-            fixed, per = W * (self.versions(1) + 1 + self.opt_factor), X
+        dv = self.versions(2) - self.versions(1)  # versions grow with k by this (stashing: 1)
+        fixed, per = W * (self.versions(1) - dv + 1 + self.opt_factor), W * dv + X
         if fixed + per > M:
             return 0
         room = (M - fixed) / per if per > 0 else math.inf
@@ -363,18 +417,19 @@ class _Model:
             return self.sizes[-1] + 1
         return int(min(self.sizes[-1] + 1, math.floor(room)))
 
-    def level1_stage(self, i: int, j: int, r: int) -> tuple[float, float]:
-        """(stage time per minibatch, its weight-sync part) of a level-1 stage."""
+    def level1_stage(self, i: int, j: int, r: int, recompute: bool = False) -> tuple[float, float]:
+        """(stage time per minibatch, its weight-sync part) of a level-1 stage (recompute: the
+        forward runs again in the backward)."""
         W = self.rng(self.PW, i, j)
         if self.cost_model == "paper":
-            C = self.rng(self.PC, i, j)
+            C = self.rng(self.PCr if recompute else self.PC, i, j)
             comm = 2.0 * (r - 1) * W / self.B[0]
             return max(C, comm) / r, comm / r
         if self.cost_model == "pipedream":
             comm = (4.0 * (r - 1) * W) / (self.B[0] * r)
             return (self.rng(self.PC, i, j) + comm) / r, comm / r
         F = self.rng(self.PF, i, j)
-        Bw = self.rng(self.PC, i, j) - F
+        Bw = self.rng(self.PC, i, j) - F + (F if recompute else 0.0)
         ar = 2.0 * (r - 1) * W / (r * self.B[0])
         return (F + max(Bw, ar) + self.kappa * W) / r, ar / r
 
@@ -399,15 +454,20 @@ class _Model:
             for p, b in enumerate(bs):
                 d_after = sum(x.units for x in bs[p + 1:])
                 if level == 1:
-                    t, comm = self.level1_stage(b.first, b.last, b.units)
-                    k = math.ceil((b.units + d_after + e) / b.units)
+                    depth = math.ceil((b.units + d_after + e) / b.units)
+                    k = self.in_flight(depth, b.units)
+                    rc = self.recompute == "full" or (self.recompute == "auto" and self.memory_on and
+                                                      self.memory(b.first, b.last, k, depth=depth) >
+                                                      self.mem_budget * (1 + _EPS))
+                    t, comm = self.level1_stage(b.first, b.last, b.units, rc)
                     terms.append((f"stage {len(stages)} ({_span(names, b.first, b.last)})", float(t * scale)))
+                    PC = self.PCr if rc else self.PC
                     stages.append(StageCost(
                         b.first, b.last, flat[len(stages)][2],
-                        compute_s=float(self.rng(self.PC, b.first, b.last) / b.units * scale),
+                        compute_s=float(self.rng(PC, b.first, b.last) / b.units * scale),
                         comm_s=float(comm * scale), time_s=float(t * scale), send_s=0.0,
-                        memory_bytes=self.memory(b.first, b.last, k), in_flight=k,
-                        weight_versions=self.versions(k),
+                        memory_bytes=self.memory(b.first, b.last, k, rc, depth), in_flight=k,
+                        weight_versions=self.versions(depth), recompute=rc,
                     ))
                 else:
                     first_stage = len(stages)
@@ -537,30 +597,40 @@ class _Model:
             idx = np.where(ok, np.arange(N + 1), N)
             self._nxt[level] = np.minimum.accumulate(idx[:, ::-1], axis=1)[:, ::-1]
 
-    def _mem_rows(self) -> np.ndarray:
+    def _mem_rows(self, recompute: bool = False) -> np.ndarray:
         """``T[k, end]``: smallest start of a stage ending at ``end`` whose memory with ``k``
-        minibatches in flight fits (row 0: no limit; the last row: nothing fits)."""
-        if self._mem_table is not None:
-            return self._mem_table
+        minibatches in flight fits (row 0: no limit; the last row: nothing fits). Weight versions
+        are taken at depth ``k`` (a schedule whose in-flight count differs from its depth, GPipe,
+        keeps versions that do not grow with it)."""
+        cached = self._mem_table_r if recompute else self._mem_table
+        if cached is not None:
+            return cached
         N = self.N
         ends = np.arange(N)
         rows = [np.zeros(N, dtype=np.int64)]
         if self.memory_on:
-            kmax = self.sizes[-1]
+            kmax = max(self.sizes[-1], self.M if self.policy.holds_step else 0)
             budget = self.mem_budget * (1 + _EPS)
+            xin, xout = (self.xin_r, self.xout_r) if recompute else (self.xin, self.xout)
             for k in range(1, kmax + 1):
-                cv = self.versions(k) + 1 + self.opt_factor
-                g = -(self.PW * cv) - (self.PO - self.inb) * k  # mem(i..end) = H(end) + g(i)
-                H = self.PW[1:] * cv + self.PO[1:] * k
-                neg = np.maximum.accumulate(-g[:N])
-                start = np.searchsorted(neg, -(budget - H), side="left")
+                start = np.zeros(N, dtype=np.int64)
+                for cv, kk, rb in self._memory_terms(k):  # every moment that may peak must fit
+                    kx = float(rb) if recompute else float(kk)  # saved bytes: one rebuilt microbatch, or kk stashed
+                    g = -(self.PWM * cv) - self.PX * kx + xin * kk  # mem(i..end) = H(end) + g(i)
+                    H = self.PWM[1:] * cv + self.PX[1:] * kx + xout * kk
+                    neg = np.maximum.accumulate(-g[:N])
+                    start = np.maximum(start, np.searchsorted(neg, -(budget - H), side="left"))
                 start = np.minimum(start, ends + 1)
                 rows.append(start.astype(np.int64))
                 if np.all(start > ends):
                     break
         rows.append(np.arange(1, N + 1, dtype=np.int64))
-        self._mem_table = np.stack(rows)
-        return self._mem_table
+        table = np.stack(rows)
+        if recompute:
+            self._mem_table_r = table
+        else:
+            self._mem_table = table
+        return table
 
     @staticmethod
     def _ss(P: np.ndarray, end: np.ndarray, thr: np.ndarray) -> np.ndarray:
@@ -579,6 +649,30 @@ class _Model:
                    np.array([d for _, d in pairs], dtype=np.int64)[:, None])
             self._pair_cache[key] = got
         return got
+
+    def _level1_start(self, se_c: np.ndarray, thr: np.ndarray, rr: np.ndarray, dd: np.ndarray,
+                      e2: np.ndarray, recompute: bool) -> np.ndarray:
+        """Smallest start of level-1 stages ending at ``se_c`` within ``thr`` and the memory limit."""
+        if self.cost_model == "paper":
+            s = self._ss(self.PCr if recompute else self.PC, se_c, thr)
+            with np.errstate(divide="ignore"):
+                wthr = np.where(rr > 1, thr * self.B[0] / (2.0 * (rr - 1)), np.inf)
+            s = np.maximum(s, self._ss(self.PW, se_c, wthr))
+        else:
+            s = self._ss(self.P1r if recompute else self.P1, se_c, thr)
+            # F + AR_r + OPT <= thr on row r of the stacked, offset prefix arrays
+            row = rr * (self.N + 1)
+            v = self.P2flat[row + se_c + 1] - thr * (1 + _EPS)
+            s2 = np.searchsorted(self.P2flat, v, side="left") - row
+            s = np.maximum(s, s2)
+        if self.memory_on:
+            table = self._mem_rows(recompute)
+            depth = np.ceil((rr + dd + e2) / rr - 1e-9).astype(np.int64)
+            kin = -(-self.M // rr) if self.policy.holds_step else depth  # Policy.in_flight, vectorized
+            kin = np.broadcast_to(kin, depth.shape).copy()
+            np.minimum(kin, len(table) - 1, out=kin)
+            s = np.maximum(s, table[kin, se_c])
+        return s
 
     def _group_start(
         self, level: int, end: np.ndarray, mult: np.ndarray, e: np.ndarray, trace: list | None = None
@@ -607,23 +701,11 @@ class _Model:
             se_c = np.maximum(se, 0)
             thr = (rr * mult2) * tau  # the stage's units x its group's threshold
             if level == 1:
-                if self.cost_model == "paper":
-                    s = self._ss(self.PC, se_c, thr)
-                    with np.errstate(divide="ignore"):
-                        wthr = np.where(rr > 1, thr * self.B[0] / (2.0 * (rr - 1)), np.inf)
-                    s = np.maximum(s, self._ss(self.PW, se_c, wthr))
-                else:
-                    s = self._ss(self.P1, se_c, thr)
-                    # F + AR_r + OPT <= thr on row r of the stacked, offset prefix arrays
-                    row = rr * (self.N + 1)
-                    v = self.P2flat[row + se_c + 1] - thr * (1 + _EPS)
-                    s2 = np.searchsorted(self.P2flat, v, side="left") - row
-                    s = np.maximum(s, s2)
-                if self.memory_on:
-                    table = self._mem_rows()
-                    kin = np.ceil((rr + dd + e2) / rr - 1e-9).astype(np.int64)
-                    np.minimum(kin, len(table) - 1, out=kin)
-                    s = np.maximum(s, table[kin, se_c])
+                options = {"none": (False,), "full": (True,), "auto": (False, True)}[self.recompute]
+                s = None
+                for rc in options:  # recomputation: the furthest-reaching of the allowed choices
+                    s_rc = self._level1_start(se_c, thr, rr, dd, e2, rc)
+                    s = s_rc if s is None else np.minimum(s, s_rc)
             else:
                 B = self.B[level - 1]
                 with np.errstate(divide="ignore", invalid="ignore"):
@@ -698,6 +780,7 @@ class _Model:
     def min_memory_to_fit(self) -> float:
         """The smallest per-worker memory for which some plan fits (bisection)."""
         saved = self.mem_budget, self._mem_table
+        saved_r = self._mem_table_r
         try:
             lo = 0.0
             hi = self.memory(0, self.N - 1, 1)  # everything on one worker
@@ -705,7 +788,7 @@ class _Model:
                 if hi - lo <= 1e-4 * hi:
                     break
                 mid = 0.5 * (lo + hi)
-                self.mem_budget, self._mem_table = mid, None
+                self.mem_budget, self._mem_table, self._mem_table_r = mid, None, None
                 if self.feasible(math.inf):
                     hi = mid
                 else:
@@ -713,6 +796,7 @@ class _Model:
             return hi
         finally:
             self.mem_budget, self._mem_table = saved
+            self._mem_table_r = saved_r
             self._tau = None
 
 
@@ -877,6 +961,7 @@ def _build_plan(
             members=members, replicas=len(sc.ranks), ranks=sc.ranks, compute_s=sc.compute_s,
             comm_s=sc.comm_s, memory_bytes=sc.memory_bytes, time_s=sc.time_s, send_s=sc.send_s,
             in_flight=sc.in_flight, weight_versions=sc.weight_versions,
+            recompute="full" if sc.recompute else "none",
         ))
     dp = model.data_parallel_time()
     b = chain.batch_size
@@ -917,8 +1002,13 @@ def partition_dp(
     memory_limit: bool | None = None,
     optimizer_state_factor: float = 1.0,
     allow_replication: bool = True,
+    num_microbatches: int = 1,
+    recompute: str = "none",
 ) -> Plan:
     """The best plan for ``chain`` on ``cluster`` under ``cost_model`` (see the module doc).
+
+    ``num_microbatches``: per minibatch (a schedule that holds them all, GPipe, keeps ``M / r`` in
+    flight). ``recompute``: ``none``, ``full`` (every stage) or ``auto`` (where memory needs it).
 
     ``memory_limit``: None = the cost model's default (on for ``default``, off for ``paper`` and
     ``pipedream``, which refuses it).
@@ -927,7 +1017,8 @@ def partition_dp(
     is unknown.
     """
     t0 = time.perf_counter()
-    model = _Model(chain, cluster, cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication)
+    model = _Model(chain, cluster, cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication,
+                   num_microbatches, recompute)
     blocks, ev = _solve(model)
     notes = []
     optimal = True
@@ -941,7 +1032,8 @@ def partition_dp(
 
 
 def _model(chain: Chain, cluster: ClusterSpec, options: dict[str, Any]) -> _Model:
-    allowed = {"cost_model", "schedule", "memory_limit", "optimizer_state_factor", "allow_replication"}
+    allowed = {"cost_model", "schedule", "memory_limit", "optimizer_state_factor", "allow_replication",
+               "num_microbatches", "recompute"}
     bad = set(options) - allowed
     if bad:
         raise UsageError(f"unknown option(s) {sorted(bad)}; use {sorted(allowed)}")

@@ -63,6 +63,7 @@ class Options:
     frontend: str = "auto"  # "fx" (symbolic_trace), "export" (torch.export), "auto": fx, else export
     output: str | int | None = None  # export front end: which model output (e.g. "logits")
     replicas: Sequence[int] | None = None  # replicas per stage (e.g. [2, 1]); default one each
+    recompute: str = "auto"  # activation recomputation per stage: "none", "full", "auto" (the planner, where memory needs it)
 
 
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -87,6 +88,8 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
                                             or opts.example_target.dim() == 0):
         raise UsageError("pdcompile: example_target must be a tensor with a batch dimension (one minibatch "
                          "of targets)")
+    if opts.recompute not in ("none", "full", "auto"):
+        raise UsageError(f"pdcompile: recompute must be 'none', 'full' or 'auto', got {opts.recompute!r}")
     if opts.schedule not in SCHEDULE_NAMES:
         raise UsageError(f"pdcompile: schedule must be one of {SCHEDULE_NAMES}, got {opts.schedule!r}")
     if opts.stages is not None:
@@ -141,7 +144,8 @@ class CompiledPipeline:
             trace=TraceOptions(tuple(opts.leaf_modules), opts.frontend, opts.output),
             annotate=AnnotateOptions(self.microbatch_size, opts.cost_mode, opts.cluster, opts.symbolic_costs),
             partition=PartitionOptions(opts.schedule, stages, tuple(opts.replicas) if opts.replicas is not None
-                                       else None, opts.cluster, opts.solver, opts.cost_model),
+                                       else None, opts.cluster, opts.solver, opts.cost_model,
+                                       num_microbatches=self.num_microbatches, recompute=opts.recompute),
             schedule=ScheduleOptions(opts.schedule, self.num_microbatches),
             loss=TraceLossOptions(opts.loss_fn, self._micro_target(target)) if target is not None else None,
         )

@@ -70,6 +70,10 @@ class ChainLayer:
     output_bytes: float
     param_bytes: float
     members: tuple[str, ...] = ()
+    saved_bytes: float | None = None  # what autograd saves for backward (None: unknown; use output_bytes)
+    saved_input_bytes: float = 0.0  # of it, storages an earlier layer produced (received, at a stage's start)
+    saved_output_bytes: float = 0.0  # of its own output, what it saves itself (sent, at a stage's end)
+    shared_param_bytes: float = 0.0  # parameters an earlier layer uses too (a later stage holds a copy)
     input_grad_s: float | None = None  # a split backward's parts (None: not profiled; the simulator's shares)
     weight_grad_s: float | None = None
 

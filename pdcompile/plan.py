@@ -57,6 +57,7 @@ class StagePlan:
     send_s: float = 0.0
     in_flight: int = 1
     weight_versions: int = 1
+    recompute: str = "none"  # activation recomputation: "none" or "full" (the stage's forward, checkpointed)
 
     @property
     def layers(self) -> tuple[int, int]:

@@ -94,6 +94,12 @@ class ProfileLayer:
     forward_flops_expr: str | None = None
     backward_flops_expr: str | None = None
     symbolic_note: str = ""
+    # bytes autograd saves for backward (None: unknown, as in imported profiles; planners then use
+    # output_bytes), those of them an earlier layer produced, and of its own output (annotate-costs)
+    saved_bytes: float | None = None
+    saved_input_bytes: float = 0.0
+    saved_output_bytes: float = 0.0
+    shared_param_bytes: float = 0.0  # parameters an earlier layer uses too (tied across stages)
     # a split backward's parts, input gradients only and parameter gradients only (None: not
     # profiled, as in older and imported profiles; the simulator then uses fixed shares)
     input_grad_s: float | None = None
@@ -193,9 +199,11 @@ class Profile:
             b_scale = bs / layer.backward_s if layer.backward_s else ratio
             parts = {k: None if getattr(layer, k) is None else getattr(layer, k) * b_scale
                      for k in ("input_grad_s", "weight_grad_s")}
+            saved = {k: getattr(layer, k) * ratio for k in ("saved_input_bytes", "saved_output_bytes")}
             layers.append(
                 replace(layer, forward_s=fs, backward_s=bs, output_bytes=out,
-                        forward_flops=ff, backward_flops=bf, **parts)
+                        forward_flops=ff, backward_flops=bf, **saved, **parts,
+                        saved_bytes=None if layer.saved_bytes is None else layer.saved_bytes * ratio)
             )
         inputs = tuple(
             replace(i, output_bytes=_eval_or_scale(i.output_bytes_expr, b, i.output_bytes, ratio))
@@ -341,7 +349,8 @@ def topological_order(
     if len(order) != len(names):
         stuck = sorted((n for n in names if indeg[n] > 0), key=index.__getitem__)
         cycle = _find_cycle(stuck, preds)
-        cycle_lines = [edge_lines[e] for e in zip(cycle, cycle[1:]) if e in (edge_lines or {})]
+        lines_of = edge_lines or {}
+        cycle_lines = [lines_of[e] for e in zip(cycle, cycle[1:]) if e in lines_of]
         loc = f"{where}:{max(cycle_lines)}" if cycle_lines else where
         raise ProfileError(
             f"{loc}: the layer graph has a cycle ({' -> '.join(cycle)}); a profile must be a DAG, "

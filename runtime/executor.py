@@ -33,8 +33,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from pdcompile.runtime import comm
+from pdcompile.runtime.memory import MemoryMeter
 from pdcompile.runtime.program import Program, StageSpec
 from pdcompile.runtime.schedules import Action, Kind
 from pdcompile.runtime.schedules.transfers import TargetPosts
@@ -160,6 +162,11 @@ class StageExecutor:
         self._weight_pass: dict[int, Any] = {}  # microbatch -> what its W needs
         self._notes: dict[int, Any] = {}  # microbatch -> submodule outputs noted in its forward
         self._wpass = WeightPass(module)
+        # activation recomputation, as planned for this stage: "full" checkpoints the stage's forward
+        plan_stages = program.raw.get("plan", {}).get("stages", [])
+        self.recompute = (plan_stages[self.stage].get("recompute", "none") if self.stage < len(plan_stages)
+                          else "none") == "full"
+        self.meter = MemoryMeter(module, optimizer)  # the stage's own accounting (metrics "memory")
 
     def begin(self, first_microbatch: int) -> None:
         """A run of the schedule starts at ``first_microbatch`` (its targets are posted in order from there)."""
@@ -268,13 +275,19 @@ class StageExecutor:
                 t.requires_grad_(spec.requires_grad)
         params = self.weights.params_for_forward(k)
         handles: list[Any] = []
+        if self.recompute:
+            self._split.discard(k)  # its graph is rebuilt inside B: B is not split into B and W
+            if not self.meter.recompute_bytes:
+                self._probe_recompute(k, st.inputs, params)
         if k in self._split:  # W follows: note what the weight pass needs
             handles, self._notes[k] = self._wpass.capture()
         try:
-            if params is None:
-                out = self.module(*st.inputs)
-            else:
-                out = torch.func.functional_call(self.module, params, tuple(st.inputs))
+            with self.meter.saving(k, params.values() if params else ()):
+                if self.recompute:
+                    out = torch.utils.checkpoint.checkpoint(self._rebuilt_stage(), params, *st.inputs,
+                                                            use_reentrant=False)
+                else:
+                    out = self._run_stage(params, *st.inputs)
         finally:
             for h in handles:
                 h.remove()
@@ -285,12 +298,52 @@ class StageExecutor:
                 if st.recv_target is None:
                     raise RuntimeError(f"forward of microbatch {k} before its target's receive was posted")
                 st.target = st.recv_target.wait()[0]
-            loss = self.loss_fn(out, st.target)  # type: ignore[misc]
+            with self.meter.saving(k):  # what the loss saves counts with the microbatch
+                loss = self.loss_fn(out, st.target)  # type: ignore[misc]
             self._pending_losses.append(loss.detach())
             st.loss = loss / self.accumulation
             st.outputs = []
         else:
             st.outputs = list(out)
+        self.meter.add(k, [*st.inputs, *st.outputs])
+        self._measure()
+
+    def _run_stage(self, params: dict[str, torch.Tensor] | None, *inputs: torch.Tensor) -> Any:
+        if params is None:
+            return self.module(*inputs)
+        return torch.func.functional_call(self.module, params, tuple(inputs))
+
+    def _rebuilt_stage(self) -> Callable[..., Any]:
+        """The stage's forward for ``checkpoint``: its second call is the backward's rebuild, a measuring point."""
+        calls = [0]
+
+        def run(params: dict[str, torch.Tensor] | None, *inputs: torch.Tensor) -> Any:
+            calls[0] += 1
+            if calls[0] > 1:
+                self._measure(rebuilding=True)
+            return self._run_stage(params, *inputs)
+
+        return run
+
+    def _probe_recompute(self, k: int, inputs: Sequence[torch.Tensor], params: dict[str, torch.Tensor] | None) -> None:
+        """Measure once what a backward with recomputation rebuilds: one forward's saved tensors (the
+        random state and the buffers are restored, so training is unchanged)."""
+        buffers = {n: b.clone() for n, b in self.module.named_buffers()}
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            with self.meter.saving(-1, params.values() if params else ()) as probe:
+                self._run_stage(params, *inputs)
+            self.meter.recompute_bytes = sum(probe.values())
+        self.meter.activations.pop(-1, None)
+        with torch.no_grad():
+            for n, b in self.module.named_buffers():
+                b.copy_(buffers[n])
+
+    def _measure(self, rebuilding: bool = False) -> None:
+        """A measuring point of the stage's memory (:class:`~pdcompile.runtime.memory.MemoryMeter`)."""
+        live = [j for j, m in self.mbs.items() if m.outputs or m.loss is not None]
+        posted = [t for m in self.mbs.values() for p in (m.recv_grad, None if m.inputs else m.recv_act)
+                  if p is not None for t in p.tensors]
+        self.meter.measure(live, posted, self.weights.live_versions(), rebuilding)
 
     def _local_target(self, k: int, st: _Mb) -> torch.Tensor:
         """Microbatch ``k``'s target from this rank's copy of the data. Those in ``target_check`` are
@@ -381,6 +434,7 @@ class StageExecutor:
         self.weights.set_forward_version(a.version)
 
     def _step(self, a: Action) -> None:
+        self._measure()  # gradients of the whole update, and the optimizer state
         self.weights.before_step()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

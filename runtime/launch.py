@@ -409,6 +409,8 @@ class Trainer:
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 # pages the run touched afresh (each a fault that zero-fills it): see runtime/allocator.py
                 "page_faults_per_step": faults / max(1, args.steps - self.start),
+                # the stage's peak bytes at its measuring points, by category (runtime/memory.py)
+                "memory": executor.meter.report(),
             }, indent=1))
         if args.trace:
             out = Path(args.trace)
