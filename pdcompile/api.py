@@ -17,13 +17,13 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pdcompile import passmanager
+from pdcompile import autoschedule, passmanager
 from pdcompile.cluster import ClusterSpec
 from pdcompile.errors import UsageError
 from pdcompile.ir import CompileState, need
@@ -90,8 +90,8 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
                          "of targets)")
     if opts.recompute not in ("none", "full", "auto"):
         raise UsageError(f"pdcompile: recompute must be 'none', 'full' or 'auto', got {opts.recompute!r}")
-    if opts.schedule not in SCHEDULE_NAMES:
-        raise UsageError(f"pdcompile: schedule must be one of {SCHEDULE_NAMES}, got {opts.schedule!r}")
+    if opts.schedule not in SCHEDULE_NAMES + (autoschedule.AUTO,):
+        raise UsageError(f"pdcompile: schedule must be one of {SCHEDULE_NAMES} or 'auto', got {opts.schedule!r}")
     if opts.stages is not None:
         n = opts.stages
         if not isinstance(n, int) or n < 1:
@@ -126,14 +126,60 @@ class CompiledPipeline:
     def __init__(self, model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...], opts: Options,
                  dump_dir: str | os.PathLike[str] | None = None) -> None:
         self.model = model
+        # schedule="auto": compiled with flush first, then with the schedule and M the simulator picks
+        auto = opts.schedule == autoschedule.AUTO
+        self.schedule_choice: tuple[list[autoschedule.Candidate], autoschedule.Candidate, list[str]] | None = None
+        self._compile(model, example_inputs, replace(opts, schedule="flush") if auto else opts, dump_dir)
+        if auto:
+            self._choose_schedule(model, example_inputs, opts, dump_dir)
+        self._losses: dict[tuple[tuple[int, ...], str], LossProgram] = {}
+        if self.state.loss is not None and opts.example_target is not None:
+            self._losses[_target_key(self._micro_target(opts.example_target))] = self.state.loss
+
+    def _compile(self, model: torch.nn.Module, example_inputs: Any, opts: Options,
+                 dump_dir: str | os.PathLike[str] | None) -> None:
         self.options = opts
         self.example_inputs, self.microbatch_size, self.num_microbatches = _check(model, example_inputs, opts)
         micro = tuple(x[: self.microbatch_size] for x in self.example_inputs)
         state = CompileState(model=model, example_inputs=micro)
         self.state, self.records = passmanager.run_passes(passes(self._pass_options()), state, dump_dir)
-        self._losses: dict[tuple[tuple[int, ...], str], LossProgram] = {}
-        if self.state.loss is not None and opts.example_target is not None:
-            self._losses[_target_key(self._micro_target(opts.example_target))] = self.state.loss
+
+    def _choose_schedule(self, model: torch.nn.Module, example_inputs: Any, asked: Options,
+                         dump_dir: str | os.PathLike[str] | None) -> None:
+        """``schedule="auto"``: simulate the candidates on the plan (:mod:`pdcompile.autoschedule`),
+        recompile with the best when it is not the flush compiled first. M stays as given, if given."""
+        split = need(self.state.schedule_spec, "schedule_spec").split_backward  # the schedule pass's decision
+        names = autoschedule.auto_schedules(split)
+        skipped = [f"not considered: {n} (every backward split pays only when every worker has a core of its own)"
+                   for n in autoschedule.auto_schedules(True) if n not in names]
+        batch = int(self.example_inputs[0].shape[0])
+        fixed = self.num_microbatches if asked.num_microbatches is not None or asked.microbatch_size is not None \
+            else None
+        tied_bytes, tied_stages = self._tied()
+        overhead = _cached_overhead_s() if self.cluster.device.name == "cpu" else None
+        cands = autoschedule.candidates(self.plan, need(self.state.chain, "chain"), self.cluster, batch, names,
+                                        autoschedule.microbatch_counts(batch, fixed), split_backward=split,
+                                        tied_bytes=tied_bytes, tied_stages=tied_stages, overhead_s=overhead or 0.0)
+        chosen = autoschedule.best(cands)
+        if overhead is None:
+            skipped = [*skipped, "note: the runtime's per-action cost is not cached here (python -m "
+                                 "pdcompile.calibrate measures it), so more microbatches always look faster"]
+        self.schedule_choice = (cands, chosen, skipped)
+        if (chosen.schedule, chosen.num_microbatches) != (self.options.schedule, self.num_microbatches):
+            self._compile(model, example_inputs, replace(asked, schedule=chosen.schedule, microbatch_size=None,
+                                                         num_microbatches=chosen.num_microbatches), dump_dir)
+        else:
+            self.options = replace(asked, schedule=chosen.schedule)
+
+    def _tied(self) -> tuple[float, list[int]]:
+        """Bytes of the parameters tied across stages, and those stages."""
+        tied_bytes, tied_stages = 0.0, set[int]()
+        for group in self.split.tied:
+            st, name = group[0]
+            p = dict(self.split.stages[st].gm.named_parameters())[name]
+            tied_bytes += p.numel() * p.element_size()
+            tied_stages.update(s for s, _ in group)
+        return tied_bytes, sorted(tied_stages)
 
     def _pass_options(self) -> PassOptions:
         """The checked options, as each pass's options."""
@@ -198,15 +244,10 @@ class CompiledPipeline:
         """The predicted timeline of the plan (:class:`pdcompile.simulate.SimResult`)."""
         from pdcompile.simulate import simulate_plan
 
-        tied_bytes, tied_stages = 0.0, set[int]()
-        for group in self.split.tied:
-            st, name = group[0]
-            p = dict(self.split.stages[st].gm.named_parameters())[name]
-            tied_bytes += p.numel() * p.element_size()
-            tied_stages.update(s for s, _ in group)
+        tied_bytes, tied_stages = self._tied()
         return simulate_plan(self.plan, need(self.state.chain, "chain"), self.cluster,
                              schedule or self.options.schedule, num_microbatches or self.num_microbatches, num_steps=num_steps,
-                             tied_bytes=tied_bytes, tied_stages=sorted(tied_stages))
+                             tied_bytes=tied_bytes, tied_stages=tied_stages)
 
     def alternatives(self) -> list[tuple[str, Plan]]:
         """Other configurations on the same cluster, each as a Plan: pure data parallelism and
@@ -239,6 +280,8 @@ class CompiledPipeline:
             t = alt.seconds_per_minibatch
             note = "" if not alt.notes else f"  ({'; '.join(alt.notes)})"
             lines.append(f"  {name:<26} {t:.4g} s per minibatch  ({t / best:.2f}x the chosen plan's time){note}")
+        if self.schedule_choice is not None:
+            lines += ["", autoschedule.format_choice(*self.schedule_choice)]
         return "\n".join(lines)
 
     def dump_ir(self, folder: str | os.PathLike[str]) -> Path:
@@ -360,6 +403,18 @@ class RunResult:
 
         merged = merge_weights(self.program, self.folder / "final")
         return {k: merged[c] for k, c in self.aliases.items() if c in merged}
+
+
+def _cached_overhead_s() -> dict[str, float] | None:
+    """The runtime's per-action cost on this machine, if :mod:`pdcompile.calibrate` has it cached for
+    this very runtime (never measured here: compiling launches nothing)."""
+    from pdcompile import calibrate
+
+    try:
+        d = json.loads(calibrate.cache_path().read_text())
+        return dict(d["overhead_s"]) if d.get("key") == calibrate.machine_key() else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _target_key(t: torch.Tensor) -> tuple[tuple[int, ...], str]:

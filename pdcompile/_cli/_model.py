@@ -103,8 +103,10 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", metavar="FILE", help="cluster TOML (or paper:A, paper:B, local:N): the planner "
                                                    "chooses stages and replicas")
     p.add_argument("--stages", type=int, help="split into this many stages of similar size instead of planning")
-    p.add_argument("--schedule", default="flush", help="gpipe, flush, 1f1b, 2bw (default: flush)")
-    p.add_argument("--microbatches", type=int, default=None, help="microbatches per minibatch (default 4)")
+    p.add_argument("--schedule", default="flush", help="gpipe, flush, 1f1b, 2bw, zb-h1, or auto: the fastest "
+                                                       "synchronous schedule and M, simulated (default: flush)")
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches per minibatch (default 4; "
+                                                                  "with --schedule auto: chosen)")
     p.add_argument("--optimizer", default="torch.optim.SGD:lr=0.01",
                    help="CLASS[:KEY=VALUE,...], e.g. torch.optim.Adam:lr=0.001 (default SGD lr=0.01)")
 

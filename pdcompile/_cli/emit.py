@@ -32,9 +32,14 @@ def run(args: argparse.Namespace) -> int:
     if args.ir:
         pipe.dump_ir(args.ir)
     info = {"out": str(out), "stages": len(pipe.split.stages), "world_size": pipe.world_size,
+            "schedule": pipe.options.schedule, "num_microbatches": pipe.num_microbatches,
             "command": f"cd {out} && torchrun --nproc-per-node={pipe.world_size} train.py --steps 10"}
     if args.json:
         print(json.dumps(info))
     else:
+        if pipe.schedule_choice is not None:
+            from pdcompile.autoschedule import format_choice
+
+            print(format_choice(*pipe.schedule_choice))
         print(f"wrote {out}: {info['stages']} stages on {info['world_size']} processes\nrun it: {info['command']}")
     return 0

@@ -1,0 +1,88 @@
+"""``schedule="auto"``: the schedule and the number of microbatches, chosen by simulating every
+synchronous schedule (the same training as single-process SGD) at every microbatch count that
+divides the minibatch on the plan (:func:`~pdcompile.simulate.simulate_plan`); the fastest whose
+predicted peak memory fits a worker wins. Pure Python over plain data (no torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdcompile.runtime.schedules import POLICIES
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One schedule at one microbatch count, as the simulator predicts it."""
+
+    schedule: str
+    num_microbatches: int
+    step_s: float  # one minibatch (an optimizer step)
+    peak_memory_bytes: float  # the worst stage's (weights x versions + activations held)
+    fits: bool  # within the worker's memory (always, when the cluster does not say)
+
+
+def auto_schedules(split_backward: bool) -> list[str]:
+    """The schedules ``auto`` considers: the synchronous ones; those that split every backward only
+    when a split backward pays (``split_backward``: every worker has a core of its own)."""
+    return [n for n, p in POLICIES.items() if p.synchronous and (split_backward or not p.splits_every_backward)]
+
+
+def microbatch_counts(minibatch: int, fixed: int | None = None, most: int = 64) -> list[int]:
+    """Every ``M`` dividing ``minibatch`` (at most ``most``), or just ``fixed`` when the user set it."""
+    if fixed is not None:
+        return [fixed]
+    return [m for m in range(1, min(minibatch, most) + 1) if minibatch % m == 0]
+
+
+def candidates(plan: Any, chain: Any, cluster: Any, minibatch: int, schedules: Sequence[str],
+               counts: Sequence[int], **simulate_kw: Any) -> list[Candidate]:
+    """Every schedule in ``schedules`` at every count in ``counts``, simulated on ``plan`` (its
+    microbatch size set to ``minibatch // M``); ``simulate_kw`` goes to ``simulate_plan``."""
+    from pdcompile.simulate import simulate_plan
+
+    limit = cluster.device.memory
+    out = []
+    for name in schedules:
+        for m in counts:
+            res = simulate_plan(dataclasses.replace(plan, microbatch_size=minibatch // m), chain, cluster, name, m,
+                                **simulate_kw)
+            peak = max(res.peak_memory_bytes or [0.0])
+            out.append(Candidate(name, m, float(res.step_time_s), float(peak), limit is None or peak <= limit))
+    return out
+
+
+def best(cands: Sequence[Candidate]) -> Candidate:
+    """The fastest that fits (ties: less memory, fewer microbatches, the registry's order); if
+    none fits, the one needing the least memory."""
+    order = {n: i for i, n in enumerate(POLICIES)}
+    fitting = [c for c in cands if c.fits]
+    if not fitting:
+        return min(cands, key=lambda c: (c.peak_memory_bytes, c.step_s))
+    # step times equal to 9 digits tie (floating-point sums in another order)
+    return min(fitting, key=lambda c: (float(f"{c.step_s:.9g}"), c.peak_memory_bytes, c.num_microbatches,
+                                       order.get(c.schedule, len(order))))
+
+
+def best_per_schedule(cands: Sequence[Candidate]) -> dict[str, Candidate]:
+    """Each schedule's best candidate (by :func:`best` among its own)."""
+    names = list(dict.fromkeys(c.schedule for c in cands))
+    return {n: best([c for c in cands if c.schedule == n]) for n in names}
+
+
+def format_choice(cands: Sequence[Candidate], chosen: Candidate, skipped: Sequence[str] = ()) -> str:
+    """The lines ``explain()`` shows: each schedule's best plan with its predicted time and memory;
+    ``skipped``: notes (schedules left out and why)."""
+    lines = [f"schedule (auto): {chosen.schedule} with {chosen.num_microbatches} microbatches, the fastest "
+             f"synchronous schedule whose predicted memory fits; each schedule's best:"]
+    for name, c in best_per_schedule(cands).items():
+        mark = "*" if c == chosen else " "
+        lines.append(f" {mark} {name:<7} M={c.num_microbatches:<3} {c.step_s:.4g} s per minibatch "
+                     f"({c.step_s / chosen.step_s:.2f}x)  peak {c.peak_memory_bytes / 2**20:.1f} MiB"
+                     f"{'' if c.fits else '  (does not fit)'}")
+    lines += [f"   {note}" for note in skipped]
+    return "\n".join(lines)

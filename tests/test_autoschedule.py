@@ -1,0 +1,111 @@
+"""``schedule="auto"``: the candidates simulated on the plan, the fastest that fits chosen, the
+program compiled with it, and explain() showing each schedule's best."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pdcompile.autoschedule import Candidate, auto_schedules, best, candidates, format_choice, microbatch_counts
+from pdcompile.ir import Chain, ChainLayer
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@dataclass(frozen=True)
+class _Plan:  # what simulate_plan reads of a Plan
+    schedule: str
+    microbatch_size: int
+    stages: tuple[Any, ...]
+
+
+def _setup(p: int, memory: float | None = None) -> tuple[_Plan, Chain, SimpleNamespace]:
+    """p equal stages of one layer each: F = 1 s, B = 1 s, W = 1 s per minibatch of 12 samples, one
+    byte of activations per sample, free links."""
+    layers = tuple(ChainLayer(f"l{k}", "x", 1.0, 2.0, 12.0, 0.0, input_grad_s=1.0, weight_grad_s=1.0)
+                   for k in range(p))
+    chain = Chain(layers=layers, cut_bytes=(0.0,) * (p - 1), batch_size=12)
+    plan = _Plan("flush", 12, tuple(SimpleNamespace(first=k, last=k, replicas=1, ranks=[k]) for k in range(p)))
+    cluster = SimpleNamespace(device=SimpleNamespace(memory=memory), bandwidth_between=lambda a, b: 1e30)
+    return plan, chain, cluster
+
+
+def test_auto_considers_the_synchronous_schedules() -> None:
+    assert auto_schedules(True) == ["gpipe", "flush", "zb-h1"]
+    assert auto_schedules(False) == ["gpipe", "flush"]  # workers share cores: no schedule that splits every backward
+    assert microbatch_counts(12) == [1, 2, 3, 4, 6, 12] and microbatch_counts(12, 4) == [4]
+
+
+def test_auto_picks_zb_h1_with_the_most_microbatches_by_its_closed_form() -> None:
+    # F = B = W = 1/M per microbatch: ZB-H1 takes M(3/M) + (p-1)(1/M) = 3 + (p-1)/M, GPipe and Flush
+    # (M + p - 1)(3/M) (the simulator splits their drain's last backward: a little less); so ZB-H1
+    # with the most microbatches wins
+    p = 3
+    plan, chain, cluster = _setup(p)
+    cands = candidates(plan, chain, cluster, 12, auto_schedules(True), microbatch_counts(12))
+    zb = {c.num_microbatches: c.step_s for c in cands if c.schedule == "zb-h1"}
+    for m, t in zb.items():
+        if m >= p:
+            assert t == pytest.approx(3 + (p - 1) / m)
+    chosen = best(cands)
+    assert (chosen.schedule, chosen.num_microbatches) == ("zb-h1", 12)
+    assert chosen.step_s == pytest.approx(3 + (p - 1) / 12)
+    # without the split (shared cores), gpipe and flush tie; flush holds fewer activations
+    plain = candidates(plan, chain, cluster, 12, auto_schedules(False), microbatch_counts(12), split_backward=False)
+    chosen = best(plain)
+    assert (chosen.schedule, chosen.num_microbatches) == ("flush", 12)
+    assert chosen.step_s == pytest.approx((12 + p - 1) * 3 / 12)
+
+
+def test_auto_respects_the_memory_limit() -> None:
+    # GPipe holds the whole minibatch's activations (12 bytes), Flush and ZB-H1 min(p, M)
+    # microbatches' of 12/M bytes each: a 10-byte worker fits neither GPipe nor M <= p
+    p = 3
+    plan, chain, cluster = _setup(p, memory=10.0)
+    cands = candidates(plan, chain, cluster, 12, auto_schedules(True), microbatch_counts(12))
+    assert not any(c.fits for c in cands if c.schedule == "gpipe")
+    for c in cands:
+        want = 12.0 if c.schedule == "gpipe" else min(p, c.num_microbatches) * 12.0 / c.num_microbatches
+        assert c.peak_memory_bytes == pytest.approx(want) and c.fits == (want <= 10.0)
+    chosen = best(cands)
+    assert chosen.fits and chosen.schedule == "zb-h1"
+    # nothing fits: the one needing the least memory
+    assert best([Candidate("gpipe", 1, 1.0, 5.0, False), Candidate("flush", 2, 2.0, 3.0, False)]).schedule == "flush"
+    text = format_choice(cands, chosen, ["note: x"])
+    assert "gpipe" in text and "(does not fit)" in text and "* zb-h1" in text and "note: x" in text
+
+
+def test_api_schedule_auto_compiles_the_choice(tmp_path) -> None:  # noqa: ANN001
+    from pdcompile.api import pdcompile
+    from pdcompile.zoo import get
+
+    z = get("mlp", batch_size=8, seed=0)
+    pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
+                     stages=2, schedule="auto")
+    cands, chosen, _ = pipe.schedule_choice
+    assert chosen == best(cands) and chosen.schedule in auto_schedules(True)
+    assert {c.num_microbatches for c in cands} == {1, 2, 4, 8}
+    # the program is compiled with the choice: options, microbatching and the schedule plan.json carries
+    assert pipe.options.schedule == chosen.schedule and pipe.num_microbatches == chosen.num_microbatches
+    assert pipe.microbatch_size * pipe.num_microbatches == 8
+    spec = pipe.program_fields()["schedule"]
+    assert spec["policy"] == chosen.schedule and spec["num_microbatches"] == chosen.num_microbatches
+    text = pipe.explain()
+    assert "schedule (auto)" in text and all(f" {n} " in text for n in ("gpipe", "flush", "zb-h1"))
+    # M given: only the schedule is chosen
+    fixed = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
+                      stages=2, schedule="auto", num_microbatches=2)
+    assert {c.num_microbatches for c in fixed.schedule_choice[0]} == {2} and fixed.num_microbatches == 2
+
+
+def test_cli_schedule_auto(tmp_path) -> None:  # noqa: ANN001
+    from pdcompile.cli import main
+
+    out = tmp_path / "prog"
+    assert main(["emit", "zoo:mlp", "--stages", "2", "--schedule", "auto", "-o", str(out), "--json"]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["schedule"]["policy"] in auto_schedules(True)
