@@ -149,9 +149,9 @@ class CompiledPipeline:
         """``schedule="auto"``: simulate the candidates on the plan (:mod:`pdcompile.autoschedule`),
         recompile with the best when it is not the flush compiled first. M stays as given, if given."""
         split = need(self.state.schedule_spec, "schedule_spec").split_backward  # the schedule pass's decision
-        names = autoschedule.auto_schedules(split)
-        skipped = [f"not considered: {n} (every backward split pays only when every worker has a core of its own)"
-                   for n in autoschedule.auto_schedules(True) if n not in names]
+        names = autoschedule.auto_schedules(autoschedule.split_every_backward_pays(self.cluster.device.name, split))
+        skipped = [f"not considered: {n} (every backward split: on CPU workers it costs more than the bubble it "
+                   f"fills, see split_every_backward_pays)" for n in autoschedule.auto_schedules(True) if n not in names]
         batch = int(self.example_inputs[0].shape[0])
         fixed = self.num_microbatches if asked.num_microbatches is not None or asked.microbatch_size is not None \
             else None

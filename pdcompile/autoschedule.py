@@ -26,10 +26,18 @@ class Candidate:
     fits: bool  # within the worker's memory (always, when the cluster does not say)
 
 
-def auto_schedules(split_backward: bool) -> list[str]:
+def split_every_backward_pays(device_name: str, split_backward: bool) -> bool:
+    """Whether splitting every backward may pay: on accelerators where a split backward pays at all
+    (``split_backward``). Not on CPU workers: there the runtime's split backward (two engine calls,
+    a weight pass per submodule) costs more than the bubble it fills (ZB-H1 0.83-0.88x flush's
+    throughput, benchmarks/RESULTS.md, bench_zero_bubble), which the simulator does not model."""
+    return split_backward and device_name != "cpu"
+
+
+def auto_schedules(split_every: bool) -> list[str]:
     """The schedules ``auto`` considers: the synchronous ones; those that split every backward only
-    when a split backward pays (``split_backward``: every worker has a core of its own)."""
-    return [n for n, p in POLICIES.items() if p.synchronous and (split_backward or not p.splits_every_backward)]
+    when that may pay (``split_every``: :func:`split_every_backward_pays`)."""
+    return [n for n, p in POLICIES.items() if p.synchronous and (split_every or not p.splits_every_backward)]
 
 
 def microbatch_counts(minibatch: int, fixed: int | None = None, most: int = 64) -> list[int]:

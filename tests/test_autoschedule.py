@@ -87,7 +87,8 @@ def test_api_schedule_auto_compiles_the_choice(tmp_path) -> None:  # noqa: ANN00
     pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
                      stages=2, schedule="auto")
     cands, chosen, _ = pipe.schedule_choice
-    assert chosen == best(cands) and chosen.schedule in auto_schedules(True)
+    assert chosen == best(cands) and chosen.schedule in ("gpipe", "flush")  # CPU workers: no zb-h1
+    assert "zb-h1" not in {c.schedule for c in cands}
     assert {c.num_microbatches for c in cands} == {1, 2, 4, 8}
     # the program is compiled with the choice: options, microbatching and the schedule plan.json carries
     assert pipe.options.schedule == chosen.schedule and pipe.num_microbatches == chosen.num_microbatches
@@ -95,7 +96,8 @@ def test_api_schedule_auto_compiles_the_choice(tmp_path) -> None:  # noqa: ANN00
     spec = pipe.program_fields()["schedule"]
     assert spec["policy"] == chosen.schedule and spec["num_microbatches"] == chosen.num_microbatches
     text = pipe.explain()
-    assert "schedule (auto)" in text and all(f" {n} " in text for n in ("gpipe", "flush", "zb-h1"))
+    assert "schedule (auto)" in text and all(f" {n} " in text for n in ("gpipe", "flush"))
+    assert "not considered: zb-h1" in text
     # M given: only the schedule is chosen
     fixed = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
                       stages=2, schedule="auto", num_microbatches=2)
@@ -109,3 +111,24 @@ def test_cli_schedule_auto(tmp_path) -> None:  # noqa: ANN001
     assert main(["emit", "zoo:mlp", "--stages", "2", "--schedule", "auto", "-o", str(out), "--json"]) == 0
     plan = json.loads((out / "plan.json").read_text())
     assert plan["schedule"]["policy"] in auto_schedules(True)
+
+
+def test_auto_on_pipedreams_gnmt_profile_picks_zb_h1_on_gpus_never_on_cpus() -> None:
+    """On PipeDream's GNMT-16 profile planned for Cluster A (V100s) the simulator predicts ZB-H1
+    fastest, and auto takes it; CPU workers never get it (the measured split cost)."""
+    from pdcompile import profile
+    from pdcompile._cli.plan import resolve_cluster
+    from pdcompile.autoschedule import best_per_schedule, split_every_backward_pays
+    from pdcompile.passes.linearize import linearize
+    from pdcompile.plan import plan
+
+    chain, cluster = linearize(profile.load("pipedream:gnmt")), resolve_cluster("paper:A")
+    pl = plan(chain, cluster, schedule="flush")
+    mb = pl.microbatch_size * 8
+    assert split_every_backward_pays(cluster.device.name, True)
+    cands = candidates(pl, chain, cluster, mb, auto_schedules(True), microbatch_counts(mb, most=16))
+    per = best_per_schedule(cands)
+    chosen = best(cands)
+    assert chosen.schedule == "zb-h1" and chosen.step_s == min(c.step_s for c in per.values())
+    assert chosen.step_s < per["flush"].step_s
+    assert not split_every_backward_pays("cpu", True) and not split_every_backward_pays("V100-16GB", False)

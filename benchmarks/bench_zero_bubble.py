@@ -1,0 +1,127 @@
+"""ZB-H1 against flush, both pdcompile's runtime, on the same emitted program in one launch.
+
+    python benchmarks/bench_zero_bubble.py            # a few minutes on 2 cores
+    python benchmarks/bench_zero_bubble.py --quick    # tiny models, nothing written
+    python benchmarks/bench_zero_bubble.py --profiles # auto on PipeDream's profiles (simulated, seconds)
+
+Each model (bench_vs_pipelining's GPT and VGG) is compiled once into a 2-stage program; one torchrun
+launch per model and microbatch count runs ``train.py --schedule zb-h1`` and ``--schedule flush``
+(its default split of the drain's last backward) in alternating blocks (``benchmarks/_ab_worker.py
+--theirs ours``). The ratio is flush's median step over ZB-H1's in each pair of neighbouring blocks,
+then the median over pairs (> 1: ZB-H1 faster), with a bootstrap interval; beside it, the simulator's
+prediction from the compiled profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import bench_model, bootstrap_median, compile_bench, load_note, median, ms, run_pair
+from benchmarks._results import publish
+
+
+def compare(model: str, m: int, *, size: str, batch_size: int, blocks: int, block_steps: int) -> list[str]:
+    b = bench_model(model, batch_size=batch_size, size=size)
+    pipe = compile_bench(b, 2, "zb-h1", m)
+    program = pipe.emit(Path(tempfile.mkdtemp(prefix=f"pd-bench-zb-{model}-")) / "program")
+    zb, fl = run_pair(program, "zb-h1", "ours", blocks=blocks, block_steps=block_steps, warmup=1,
+                      theirs_flags="--schedule flush")
+    zb, fl = zb[1:], fl[1:]  # the first block of each side: the process warming up
+    ratios = [median(f) / median(z) for z, f in zip(zb, fl)]
+    lo, hi = bootstrap_median(ratios)
+    predicted = float(pipe.simulate(schedule="flush").step_time_s / pipe.simulate(schedule="zb-h1").step_time_s)
+    return [model, str(m), ms(median([x for blk in zb for x in blk])), ms(median([x for blk in fl for x in blk])),
+            f"{median(ratios):.3f}", f"{lo:.3f} - {hi:.3f}", f"{predicted:.3f}", str(len(ratios))]
+
+
+def on_profiles(names: list[str], clusters: list[str]) -> str:
+    """``schedule="auto"`` on PipeDream's profiles: the plan (flush's memory model), then every
+    synchronous schedule at every M dividing 8 microbatches' worth (up to 16), simulated."""
+    import dataclasses
+    import time
+
+    from pdcompile import profile
+    from pdcompile._cli.plan import resolve_cluster
+    from pdcompile.autoschedule import auto_schedules, best, best_per_schedule, candidates, microbatch_counts
+    from pdcompile.passes.linearize import linearize
+    from pdcompile.plan import plan
+    from pdcompile.simulate import simulate_plan
+
+    lines = ["| profile | cluster | configuration | auto: schedule, M | auto step (s) | flush M=4 step (s) | "
+             "auto speedup over flush M=4 | over the best other schedule | best gpipe / flush / zb-h1 (s) | "
+             "planning + choice (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        for cl in clusters:
+            t0 = time.perf_counter()
+            chain, cluster = linearize(profile.load(f"pipedream:{name}")), resolve_cluster(cl)
+            pl = plan(chain, cluster, schedule="flush")
+            mb = pl.microbatch_size * 8
+            cands = candidates(pl, chain, cluster, mb, auto_schedules(True), microbatch_counts(mb, most=16))
+            chosen, per = best(cands), best_per_schedule(cands)
+            dt = time.perf_counter() - t0
+            base = float(simulate_plan(dataclasses.replace(pl, microbatch_size=mb // 4), chain, cluster, "flush",
+                                       4).step_time_s)
+            lines.append(f"| {name} | {cl} | {pl.configuration} | {chosen.schedule}, {chosen.num_microbatches} | "
+                         f"{chosen.step_s:.4g} | {base:.4g} | {base / chosen.step_s:.3f} | "
+                         f"{min(c.step_s for n, c in per.items() if n != chosen.schedule) / chosen.step_s:.3f} | "
+                         + " / ".join(f"{per[n].step_s:.4g}" for n in ("gpipe", "flush", "zb-h1"))
+                         + f" | {dt:.2f} |")
+    return "\n".join(lines)
+
+
+def table(rows: list[list[str]]) -> str:
+    head = ["model", "microbatches", "zb-h1 step (ms)", "flush step (ms)", "flush/zb-h1 step (median of block pairs)",
+            "90% interval", "predicted (simulator)", "block pairs"]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
+                     ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--blocks", type=int, default=16, help="blocks per side in each launch")
+    p.add_argument("--block-steps", type=int, default=6, help="minibatches per block")
+    p.add_argument("--models", default="gpt,vgg")
+    p.add_argument("--microbatches", default="4,8")
+    p.add_argument("--quick", action="store_true", help="tiny models, a few blocks, nothing written")
+    p.add_argument("--profiles", action="store_true", help="only auto on PipeDream's profiles (simulated)")
+    args = p.parse_args(argv)
+    if args.profiles:
+        body = ("`schedule=\"auto\"` on PipeDream's profiles, planned for the paper's clusters (flush's memory "
+                "model), minibatch = 8 x the plan's microbatch, every M dividing it up to 16, every synchronous "
+                "schedule simulated (simulate_plan); the layers have no profiled split, so B and W cost the fixed "
+                "0.6 / 0.6 shares of the backward (what the CPU runtime's split measured). Predicted only.\n\n"
+                + on_profiles(["vgg16", "alexnet", "gnmt", "resnet50"], ["paper:A", "paper:B"]))
+        publish("schedule=auto on PipeDream's profiles (bench_zero_bubble --profiles)", body,
+                "python benchmarks/bench_zero_bubble.py --profiles", write=not args.quick)
+        return
+    before = load_note()
+    rows = []
+    for model in args.models.split(","):
+        for m in map(int, args.microbatches.split(",")):
+            if args.quick:
+                rows.append(compare(model, m, size="tiny", batch_size=8, blocks=3, block_steps=3))
+            else:
+                rows.append(compare(model, m, size="bench", batch_size=32, blocks=args.blocks,
+                                    block_steps=args.block_steps))
+            print(table(rows), flush=True)
+    body = (f"The same emitted 2-stage program (minibatch 32, SGD) trained by pdcompile's runtime with ZB-H1 and "
+            f"with flush (its default split of the drain's last backward) on 2 CPU processes (gloo), in one torchrun "
+            f"launch per row, taking turns in blocks of {args.block_steps} minibatches ({args.blocks} blocks each, "
+            f"who goes first alternating; the first step of each block and the first block of each side dropped). "
+            f"Step = slowest rank. Ratio = flush's median step / ZB-H1's in each pair of neighbouring blocks, median "
+            f"over pairs; > 1: ZB-H1 faster. 'predicted' is the simulator's flush/zb-h1 step ratio from the compiled "
+            f"(analytic) profile. Models as in bench_vs_pipelining.\nLoad: {before} at the start, {load_note()} at "
+            f"the end.\n\n" + table(rows))
+    publish("ZB-H1 against flush (bench_zero_bubble)", body, "python benchmarks/bench_zero_bubble.py",
+            write=not args.quick)
+
+
+if __name__ == "__main__":
+    main()
