@@ -47,7 +47,8 @@ def test_analytic_parts_are_the_matmul_flops() -> None:
     fc1, act, fc2 = costs["fc1"], costs["act"], costs["fc2"]
     # fc2 (40 -> 16, batch 8): dX = dY W is 2*8*16*40 FLOPs, dW = dY^T X as many: half each
     assert fc2.backward_flops == 2 * (2 * 8 * 16 * 40)
-    assert fc2.input_grad_s == pytest.approx(fc2.backward_s / 2) and fc2.weight_grad_s == pytest.approx(fc2.backward_s / 2)
+    assert fc2.input_grad_s == pytest.approx(fc2.backward_s / 2)
+    assert fc2.weight_grad_s == pytest.approx(fc2.backward_s / 2)
     # fc1 reads the model's input (no gradient wanted): its backward is the weights' only
     assert fc1.input_grad_s == 0 and fc1.weight_grad_s == pytest.approx(fc1.backward_s) and fc1.backward_s > 0
     # ReLU has no parameters: all of its backward is input gradients

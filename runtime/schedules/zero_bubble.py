@@ -18,7 +18,8 @@ def zb_h1_order(lay: Layout, stage: int, replica: int, tied: bool) -> list[Actio
     oldest pending W's run while more than ``delay = held - warmup_depth`` are pending
     (:meth:`~.policy.Policy.held`; stage ``s`` of ``S`` unreplicated ones delays ``s``), so no
     forward makes more than ``held`` microbatches held; a step's pending W's run right before its
-    update, after the step's last B. With F = B = W the makespan of one step is ``3m + S - 1`` (1F1B: ``3(m + S - 1)``).
+    update, after the step's last B. On equal stages and ``m >= S`` a step takes the paper's
+    ``m (F + B + W) + (S - 1)(F + B - W)`` (1F1B: ``(m + S - 1)(F + B + W)``).
     """
     S, r = lay.num_stages, lay.replicas[stage]
     local = list(range(replica, lay.total, r))
