@@ -226,3 +226,41 @@ def test_zb_h1_is_bitwise_flush_with_unsplit_backwards(tmp_path: Path) -> None:
     assert zb.keys() == plain.keys()
     for k in zb:
         assert torch.equal(zb[k], plain[k]), f"{k} differs between zb-h1 and flush"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_zb_h1_trains_a_hugging_face_gpt2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/test_hf_models.py's GPT-2 (export front end, tied LM head), launched with --schedule
+    zb-h1: the weights single-process SGD gives."""
+    import torch
+
+    hf = pytest.importorskip("test_hf_models")  # its model, data and reference (skips without transformers)
+    from pdcompile.launcher import launch
+    from pdcompile.merge import merge_weights
+    from pdcompile.reference import train_sync
+    from pdcompile.runtime.data import save_batches
+    from pdcompile.zoo.losses import SequenceCrossEntropy
+
+    data, loss_fn = hf._batches("gpt2"), SequenceCrossEntropy()
+    pipe = hf._compile(hf.gpt2(), data, loss_fn, monkeypatch)
+    save_batches(data, hf.STEPS, tmp_path / "data.pt")
+    prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
+                                              "kwargs": {"path": str(tmp_path / "data.pt")}})
+    rc, log = launch(prog, 2, ["--schedule", "zb-h1", "--steps", str(hf.STEPS), "--save-final",
+                               str(tmp_path / "final"), "--timeout", "60", "--trace", str(tmp_path / "trace")],
+                     timeout=150)
+    assert rc == 0, log[-3000:]
+    import json
+
+    names = [e["name"] for e in json.loads((tmp_path / "trace" / "rank_0.events.json").read_text())]
+    assert "0W0" in names  # zb-h1 ran: stage 0 splits its backwards too
+    got = merge_weights(prog, tmp_path / "final")
+    ref = hf.gpt2()
+    initial = {k: v.detach().clone() for k, v in ref.named_parameters()}
+    train_sync(hf.SelectedOutput(ref), loss_fn, hf._opt(ref.parameters()), data, steps=hf.STEPS,
+               num_microbatches=hf.MICRO)
+    want = dict(ref.named_parameters())
+    for k, w in want.items():
+        torch.testing.assert_close(got[k], w.detach(), rtol=1e-5, atol=1e-6, msg=f"gpt2: {k}")
+    assert sum(not torch.equal(got[k], initial[k]) for k in want) > len(want) // 2
