@@ -916,16 +916,18 @@ def device_spec_name(spec: DeviceSpec | str | None) -> str:
     return resolve_device_spec(spec).name
 
 
-def device_spec_for(cluster: ClusterSpec | None) -> DeviceSpec:
-    """Analytic costs for the cluster's device: its peak FLOP/s and memory bandwidth when the
-    cluster gives them, a preset of the same name (v100, a100, h100, h200), else this CPU."""
+def device_spec_for(cluster: ClusterSpec | None, precision: str = "fp32") -> DeviceSpec:
+    """Analytic costs for the cluster's device: its peak FLOP/s (under ``precision="bf16"`` its bf16
+    peak, where the cluster gives one) and memory bandwidth when the cluster gives them, a preset of
+    the same name (v100, a100, h100, h200), else this CPU."""
     dev = getattr(cluster, "device", None)
     if dev is None:
         return DEVICE_SPECS["cpu"]
     key = dev.name.lower().split("-")[0]
     base = DEVICE_SPECS.get(key, DEVICE_SPECS["cpu"])
-    if dev.peak_flops:
-        return DeviceSpec(dev.name, dev.peak_flops, dev.memory_bandwidth or base.mem_bandwidth)
+    peak = dev.peak_flops_bf16 if precision == "bf16" and dev.peak_flops_bf16 else dev.peak_flops
+    if peak:
+        return DeviceSpec(dev.name, peak, dev.memory_bandwidth or base.mem_bandwidth)
     return base
 
 
@@ -935,11 +937,12 @@ class AnnotateOptions:
     mode: str = "analytic"  # "measured" or "analytic"
     cluster: ClusterSpec | None = None  # analytic costs use its device (device_spec_for)
     symbolic: bool = False  # fit costs as expressions of the microbatch size (slower)
+    precision: str = "fp32"  # "bf16": analytic costs at the device's bf16 peak (device_spec_for)
 
 
 def run(state: CompileState, opts: AnnotateOptions) -> CompileState:
     """Annotates ``gm`` with ``pd.cost``; writes ``profile``."""
-    spec = device_spec_for(opts.cluster)
+    spec = device_spec_for(opts.cluster, opts.precision)
     gm = annotate_costs(need(state.gm, "gm"), state.example_inputs, mode=opts.mode, device_spec=spec,
                         progress=False, symbolic=opts.symbolic)
     profile = profile_from_graph(gm, batch_size=opts.microbatch_size, device=spec.name,

@@ -41,6 +41,7 @@ import torch.fx as fx
 
 from pdcompile.errors import UnsupportedModelError
 from pdcompile.ir import TensorMeta
+from pdcompile.runtime.program import wire_dtype
 from pdcompile.passes.split_stages import StageSplit
 
 _SKIP_ARGS = {"self", "device", "dtype", "mode"}
@@ -176,9 +177,11 @@ def optimizer_spec(make_optimizer: Any) -> ObjectSpec:
     return ObjectSpec(class_path(type(probe)), kwargs)
 
 
-def tensor_spec(meta: TensorMeta) -> dict[str, Any]:
-    return {"shape": list(meta.shape), "dtype": meta.dtype.replace("torch.", ""),
-            "requires_grad": meta.requires_grad}
+def tensor_spec(meta: TensorMeta, precision: str = "fp32") -> dict[str, Any]:
+    """A boundary tensor's spec in plan.json; ``wire_dtype``: what it is sent in (bf16 halves floating ones)."""
+    dtype = meta.dtype.replace("torch.", "")
+    wire = str(wire_dtype(getattr(torch, dtype), precision)).replace("torch.", "") if hasattr(torch, dtype) else dtype
+    return {"shape": list(meta.shape), "dtype": dtype, "requires_grad": meta.requires_grad, "wire_dtype": wire}
 
 
 _GLOBAL_IMPORTS = {
@@ -307,6 +310,7 @@ def _emit_into(out: Path, split: StageSplit, program: Mapping[str, Any], model_n
                loss: fx.GraphModule | None = None) -> None:
     """Write every file of the program into the (empty, temporary) folder ``out``."""
     stage_ranks = program.get("stage_ranks") or [[k] for k in range(len(split.stages))]
+    precision = str(program.get("precision", "fp32"))
     stages_json = []
     last = len(split.stages) - 1
     loss_json: dict[str, Any] | None = None
@@ -326,8 +330,8 @@ def _emit_into(out: Path, split: StageSplit, program: Mapping[str, Any], model_n
         stages_json.append({
             "index": k, "module": f"stage_{k}.py", "class": f"Stage{k}", "weights": f"stage_{k}.pt",
             "ranks": list(stage_ranks[k]), "replicas": len(stage_ranks[k]),
-            "inputs": [dict(name=n, **tensor_spec(m)) for n, m in zip(st.inputs, st.input_meta)],
-            "outputs": [dict(name=n, **tensor_spec(m)) for n, m in zip(st.outputs, st.output_meta)],
+            "inputs": [dict(name=n, **tensor_spec(m, precision)) for n, m in zip(st.inputs, st.input_meta)],
+            "outputs": [dict(name=n, **tensor_spec(m, precision)) for n, m in zip(st.outputs, st.output_meta)],
             "param_names": dict(st.param_names), "nodes": list(st.nodes),
         })
     doc = {

@@ -78,6 +78,7 @@ class PartitionOptions:
     cost_model: str = "default"
     num_microbatches: int = 1  # per minibatch (GPipe's memory holds them all)
     recompute: str = "none"  # activation recomputation per stage: "none", "full" or "auto" (where memory needs it)
+    precision: str = "fp32"  # "bf16": boundaries send half the bytes (Chain.on_the_wire)
 
 
 def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
@@ -106,7 +107,7 @@ def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
 
 def run(state: CompileState, opts: PartitionOptions) -> CompileState:
     """Reads ``chain``; writes ``plan``, ``assignment`` (fx node -> stage), ``stage_ranks`` and ``cluster``."""
-    plan, cluster = choose(need(state.chain, "chain"), opts)
+    plan, cluster = choose(need(state.chain, "chain").on_the_wire(opts.precision), opts)
     assignment = {name: st.index for st in plan.stages for name in st.members}
     return state.replace(plan=plan, assignment=assignment, cluster=cluster,
                          stage_ranks=tuple(tuple(st.ranks) for st in plan.stages))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -26,7 +27,7 @@ import torch
 from pdcompile import autoschedule, passmanager
 from pdcompile.cluster import ClusterSpec
 from pdcompile.errors import UsageError
-from pdcompile.ir import CompileState, need
+from pdcompile.ir import Chain, CompileState, need
 from pdcompile.passes import codegen
 from pdcompile.passes.annotate_costs import AnnotateOptions
 from pdcompile.passes.partition import PartitionOptions, balanced_bounds, planner_schedule
@@ -38,6 +39,7 @@ from pdcompile.passes.trace_loss import LossProgram, TracedLoss, TraceLossOption
 from pdcompile.pipeline import PassOptions, passes
 from pdcompile.plan import Plan
 from pdcompile.runtime import schedules
+from pdcompile.runtime.program import PRECISIONS
 
 SCHEDULE_NAMES = tuple(schedules.SCHEDULES)
 
@@ -64,6 +66,8 @@ class Options:
     output: str | int | None = None  # export front end: which model output (e.g. "logits")
     replicas: Sequence[int] | None = None  # replicas per stage (e.g. [2, 1]); default one each
     recompute: str = "auto"  # activation recomputation per stage: "none", "full", "auto" (the planner, where memory needs it)
+    precision: str = "fp32"  # "bf16": autocast, fp32 master weights, bf16 boundary tensors, bf16 costs
+    clip_grad_norm: float | None = None  # global-norm gradient clipping before each step (synchronous schedules)
 
 
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -92,6 +96,17 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
         raise UsageError(f"pdcompile: recompute must be 'none', 'full' or 'auto', got {opts.recompute!r}")
     if opts.schedule not in SCHEDULE_NAMES + (autoschedule.AUTO,):
         raise UsageError(f"pdcompile: schedule must be one of {SCHEDULE_NAMES} or 'auto', got {opts.schedule!r}")
+    if opts.precision not in PRECISIONS:
+        raise UsageError(f"pdcompile: precision must be one of {PRECISIONS}, got {opts.precision!r}")
+    if opts.clip_grad_norm is not None:
+        c = opts.clip_grad_norm
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not (math.isfinite(c) and c > 0):
+            raise UsageError(f"pdcompile: clip_grad_norm must be a positive number, got {c!r}")
+        if opts.schedule != autoschedule.AUTO and not schedules.policy(opts.schedule).synchronous:
+            raise UsageError(f"pdcompile: clip_grad_norm= with schedule={opts.schedule!r}: clipping by the global "
+                             f"norm needs every stage's gradients of one update at one step, which only synchronous "
+                             f"schedules have (this one steps each stage on its own microbatches' gradients, with "
+                             f"weight versions); use a synchronous schedule (e.g. 'flush') or drop clip_grad_norm=")
     if opts.stages is not None:
         n = opts.stages
         if not isinstance(n, int) or n < 1:
@@ -157,7 +172,7 @@ class CompiledPipeline:
             else None
         tied_bytes, tied_stages = self._tied()
         overhead = _cached_overhead_s() if self.cluster.device.name == "cpu" else None
-        cands = autoschedule.candidates(self.plan, need(self.state.chain, "chain"), self.cluster, batch, names,
+        cands = autoschedule.candidates(self.plan, self.wire_chain, self.cluster, batch, names,
                                         autoschedule.microbatch_counts(batch, fixed), split_backward=split,
                                         tied_bytes=tied_bytes, tied_stages=tied_stages, overhead_s=overhead or 0.0)
         chosen = autoschedule.best(cands)
@@ -188,10 +203,12 @@ class CompiledPipeline:
         target = opts.example_target
         return PassOptions(
             trace=TraceOptions(tuple(opts.leaf_modules), opts.frontend, opts.output),
-            annotate=AnnotateOptions(self.microbatch_size, opts.cost_mode, opts.cluster, opts.symbolic_costs),
+            annotate=AnnotateOptions(self.microbatch_size, opts.cost_mode, opts.cluster, opts.symbolic_costs,
+                                     opts.precision),
             partition=PartitionOptions(opts.schedule, stages, tuple(opts.replicas) if opts.replicas is not None
                                        else None, opts.cluster, opts.solver, opts.cost_model,
-                                       num_microbatches=self.num_microbatches, recompute=opts.recompute),
+                                       num_microbatches=self.num_microbatches, recompute=opts.recompute,
+                                       precision=opts.precision),
             schedule=ScheduleOptions(opts.schedule, self.num_microbatches),
             loss=TraceLossOptions(opts.loss_fn, self._micro_target(target)) if target is not None else None,
         )
@@ -239,20 +256,25 @@ class CompiledPipeline:
     def cluster(self) -> ClusterSpec:
         return need(self.state.cluster, "cluster")
 
+    @property
+    def wire_chain(self) -> Chain:
+        """The chain with the boundary bytes this precision sends (what the planner planned with)."""
+        return need(self.state.chain, "chain").on_the_wire(self.options.precision)
+
     def simulate(self, num_microbatches: int | None = None, schedule: str | None = None,
                  num_steps: int = 1) -> Any:
         """The predicted timeline of the plan (:class:`pdcompile.simulate.SimResult`)."""
         from pdcompile.simulate import simulate_plan
 
         tied_bytes, tied_stages = self._tied()
-        return simulate_plan(self.plan, need(self.state.chain, "chain"), self.cluster,
+        return simulate_plan(self.plan, self.wire_chain, self.cluster,
                              schedule or self.options.schedule, num_microbatches or self.num_microbatches, num_steps=num_steps,
                              tied_bytes=tied_bytes, tied_stages=tied_stages)
 
     def alternatives(self) -> list[tuple[str, Plan]]:
         """Other configurations on the same cluster, each as a Plan: pure data parallelism and
         straight pipelines of every depth (balanced by compute), for comparison with the choice."""
-        chain, cluster = need(self.state.chain, "chain"), self.cluster
+        chain, cluster = self.wire_chain, self.cluster
         sched = planner_schedule(self.options.schedule)
         n = cluster.num_workers
         out: list[tuple[str, Plan]] = []
@@ -305,6 +327,8 @@ class CompiledPipeline:
             "data": data if data is not None else self.options.data,
             "stage_ranks": [list(r) for r in need(self.state.stage_ranks, "stage_ranks")],
             "plan": json.loads(self.plan.to_json()),
+            "precision": self.options.precision,
+            "clip_grad_norm": self.options.clip_grad_norm,
         }
 
     def emit(self, folder: str | os.PathLike[str], *, data: dict[str, Any] | None = None,

@@ -156,15 +156,17 @@ class Level:
 class Device:
     """A worker: ``memory`` in bytes (None: unknown), ``peak_flops`` in FLOP/s (None: unknown),
     ``memory_bandwidth`` in bytes/s (None: unknown; the default cost model then leaves the
-    optimizer step's time out)."""
+    optimizer step's time out), ``peak_flops_bf16``: the bf16 peak (None: unknown; analytic costs
+    under ``precision="bf16"`` then use ``peak_flops``)."""
 
     name: str
     memory: float | None = None
     peak_flops: float | None = None
     memory_bandwidth: float | None = None
+    peak_flops_bf16: float | None = None
 
     def __post_init__(self) -> None:
-        for key in ("memory", "peak_flops", "memory_bandwidth"):
+        for key in ("memory", "peak_flops", "memory_bandwidth", "peak_flops_bf16"):
             v = getattr(self, key)
             if v is not None and not (isinstance(v, (int, float)) and v > 0 and not math.isnan(v)):
                 raise ClusterSpecError(f"device.{key} must be positive (got {v!r})")
@@ -251,7 +253,7 @@ class ClusterSpec:
 
     def to_dict(self) -> dict[str, Any]:
         device: dict[str, Any] = {"name": self.device.name}
-        for key in ("memory", "peak_flops", "memory_bandwidth"):
+        for key in ("memory", "peak_flops", "memory_bandwidth", "peak_flops_bf16"):
             v = getattr(self.device, key)
             if v is not None:
                 device[key] = v
@@ -277,7 +279,8 @@ class ClusterSpec:
 
     def with_memory(self, memory: float | None) -> "ClusterSpec":
         return ClusterSpec(
-            Device(self.device.name, memory, self.device.peak_flops, self.device.memory_bandwidth),
+            Device(self.device.name, memory, self.device.peak_flops, self.device.memory_bandwidth,
+                   self.device.peak_flops_bf16),
             self.levels,
         )
 
@@ -352,10 +355,11 @@ def _from_dict(d: Mapping[str, Any], where: str, text: str | None) -> ClusterSpe
     dev = d.get("device")
     if not isinstance(dev, Mapping):
         raise ClusterSpecError(f"{where}: device: missing [device] table (name, memory, ...)")
-    dev_unknown = set(dev) - {"name", "memory", "peak_flops", "memory_bandwidth"}
+    dev_unknown = set(dev) - {"name", "memory", "peak_flops", "memory_bandwidth", "peak_flops_bf16"}
     if dev_unknown:
         key = sorted(dev_unknown)[0]
-        raise _err(where, text, "device", None, key, "unknown key (use name, memory, peak_flops, memory_bandwidth)")
+        raise _err(where, text, "device", None, key,
+                   "unknown key (use name, memory, peak_flops, memory_bandwidth, peak_flops_bf16)")
 
     def quantity(table: str, index: int | None, key: str, value: Any, kind: str) -> float:
         try:
@@ -375,6 +379,8 @@ def _from_dict(d: Mapping[str, Any], where: str, text: str | None) -> ClusterSpe
         peak_flops=quantity("device", None, "peak_flops", dev["peak_flops"], "flops") if "peak_flops" in dev else None,
         memory_bandwidth=(quantity("device", None, "memory_bandwidth", dev["memory_bandwidth"], "bandwidth")
                           if "memory_bandwidth" in dev else None),
+        peak_flops_bf16=(quantity("device", None, "peak_flops_bf16", dev["peak_flops_bf16"], "flops")
+                         if "peak_flops_bf16" in dev else None),
     )
     raw_levels = d.get("levels")
     if not isinstance(raw_levels, list) or not raw_levels:

@@ -123,6 +123,13 @@ class Chain:
             )
         return "\n".join(lines)
 
+    def on_the_wire(self, precision: str) -> "Chain":
+        """This chain with the cut bytes a boundary sends under ``precision``: bf16 sends floating
+        tensors in half the bytes (the cuts don't record dtypes; boundaries are taken as floating)."""
+        if precision != "bf16":
+            return self
+        return dataclasses.replace(self, cut_bytes=tuple(c / 2 if math.isfinite(c) else c for c in self.cut_bytes))
+
 
 @dataclass(frozen=True)
 class CompileState:

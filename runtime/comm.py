@@ -138,10 +138,21 @@ def post_recv(buffers: Sequence[torch.Tensor], src: int) -> Pending:
     return Pending(out, works)
 
 
+_sent: dict[str, int] = {}
+
+
+def sent_bytes() -> dict[str, int]:
+    """Bytes this process has sent point-to-point so far, by dtype (metrics: what the wire carried)."""
+    return dict(_sent)
+
+
 def post_send(tensors: Sequence[torch.Tensor], dst: int) -> list[Any]:
     """Send one message: the tensors of each dtype packed into one flat buffer (one transfer, one
     latency, instead of one per tensor; a stage boundary inside a residual block carries two)."""
     works = []
+    for t in tensors:
+        key = str(t.dtype).replace("torch.", "")
+        _sent[key] = _sent.get(key, 0) + t.numel() * t.element_size()
     for group in _groups(tensors):
         if len(group) == 1:
             works.append(_issue("send", tensors[group[0]].contiguous(), dst))

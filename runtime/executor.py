@@ -123,7 +123,9 @@ class StageExecutor:
                  local_targets: bool = False, target_check: Sequence[int] = (0,),
                  recorder: Callable[[str, float, float], None] | None = None,
                  device: torch.device | str = "cpu", fail_at: str | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, precision: str = "fp32",
+                 clip_grad_norm: float | None = None, norm_group: Any = None, norm_counts: bool = True,
+                 norm_skip: frozenset[str] = frozenset()) -> None:
         self.program = program
         self.rank = rank
         self.spec: StageSpec = program.stage_of_rank(rank)
@@ -167,6 +169,17 @@ class StageExecutor:
         self.recompute = (plan_stages[self.stage].get("recompute", "none") if self.stage < len(plan_stages)
                           else "none") == "full"
         self.meter = MemoryMeter(module, optimizer)  # the stage's own accounting (metrics "memory")
+        # mixed precision: "bf16" runs forward and loss under autocast (the parameters and the optimizer
+        # stay fp32) and sends floating boundary tensors as bf16 (TensorSpec.wire)
+        self.precision = precision
+        # global-norm clipping at every ST (synchronous schedules): the sum of squares of the gradients this
+        # rank counts (norm_counts: replica 0 of its stage; norm_skip: tied copies another stage counts) is
+        # all-reduced over norm_group (every rank), then every gradient is scaled as clip_grad_norm_ does
+        self.clip_grad_norm = clip_grad_norm
+        self.norm_group = norm_group
+        self.norm_counts = norm_counts
+        self.norm_skip = norm_skip
+        self.grad_norms: list[torch.Tensor] = []  # the unclipped global norm at each ST (metrics)
 
     def begin(self, first_microbatch: int) -> None:
         """A run of the schedule starts at ``first_microbatch`` (its targets are posted in order from there)."""
@@ -253,7 +266,7 @@ class StageExecutor:
         if self.is_last:  # the targets up to this microbatch first, in the order the first stage sends them
             for k in self._targets.upto(a.microbatch):  # type: ignore[arg-type]
                 self._mb(k).recv_target = comm.post_recv([self.program.target.empty(self.device)], self.peer(0, k))
-        bufs = [t.empty(self.device) for t in self.spec.inputs]
+        bufs = [t.empty_wire(self.precision, self.device) for t in self.spec.inputs]
         st.recv_act = comm.post_recv(bufs, self.peer(self.stage - 1, a.microbatch))
 
     def _forward(self, a: Action) -> None:
@@ -270,7 +283,7 @@ class StageExecutor:
         else:
             if st.recv_act is None:
                 raise RuntimeError(f"forward of microbatch {k} before its activations were received (missing RF)")
-            st.inputs = self._wait(st.recv_act, a, "RF")
+            st.inputs = [t.to(spec.dtype) for t, spec in zip(self._wait(st.recv_act, a, "RF"), self.spec.inputs)]
             for t, spec in zip(st.inputs, self.spec.inputs):
                 t.requires_grad_(spec.requires_grad)
         params = self.weights.params_for_forward(k)
@@ -282,7 +295,7 @@ class StageExecutor:
         if k in self._split:  # W follows: note what the weight pass needs
             handles, self._notes[k] = self._wpass.capture()
         try:
-            with self.meter.saving(k, params.values() if params else ()):
+            with self.meter.saving(k, params.values() if params else ()), self._autocast():
                 if self.recompute:
                     out = torch.utils.checkpoint.checkpoint(self._rebuilt_stage(), params, *st.inputs,
                                                             use_reentrant=False)
@@ -298,7 +311,7 @@ class StageExecutor:
                 if st.recv_target is None:
                     raise RuntimeError(f"forward of microbatch {k} before its target's receive was posted")
                 st.target = st.recv_target.wait()[0]
-            with self.meter.saving(k):  # what the loss saves counts with the microbatch
+            with self.meter.saving(k), self._autocast():  # what the loss saves counts with the microbatch
                 loss = self.loss_fn(out, st.target)  # type: ignore[misc]
             self._pending_losses.append(loss.detach())
             st.loss = loss / self.accumulation
@@ -307,6 +320,10 @@ class StageExecutor:
             st.outputs = list(out)
         self.meter.add(k, [*st.inputs, *st.outputs])
         self._measure()
+
+    def _autocast(self) -> torch.autocast:
+        """Autocast to bf16 under ``precision="bf16"`` (a no-op context otherwise)."""
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
     def _run_stage(self, params: dict[str, torch.Tensor] | None, *inputs: torch.Tensor) -> Any:
         if params is None:
@@ -362,13 +379,14 @@ class StageExecutor:
 
     def _send_act(self, a: Action) -> None:
         st = self.mbs[a.microbatch]
-        self._posted(a, comm.post_send([o.detach() for o in st.outputs], self.peer(self.stage + 1, a.microbatch)))
+        outs = [o.detach().to(spec.wire(self.precision)) for o, spec in zip(st.outputs, self.spec.outputs)]
+        self._posted(a, comm.post_send(outs, self.peer(self.stage + 1, a.microbatch)))
 
     def _recv_grad(self, a: Action) -> None:
         st = self._mb(a.microbatch)
         if st.recv_grad is not None:
             return  # posted ahead (run's posts)
-        bufs = [t.empty(self.device) for t in self.spec.outputs if t.requires_grad]
+        bufs = [t.empty_wire(self.precision, self.device) for t in self.spec.outputs if t.requires_grad]
         st.recv_grad = comm.post_recv(bufs, self.peer(self.stage + 1, a.microbatch))
 
     def _backward(self, a: Action) -> None:
@@ -381,7 +399,7 @@ class StageExecutor:
                 raise RuntimeError(f"backward of microbatch {a.microbatch} before its gradients were received (missing RB)")
             grads = self._wait(st.recv_grad, a, "RB")
             outs = [o for o, spec in zip(st.outputs, self.spec.outputs) if spec.requires_grad]
-            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+            pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, grads) if o.requires_grad]
             roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
         ins = [t for t, spec in zip(st.inputs, self.spec.inputs) if spec.requires_grad]
         notes = self._notes.pop(a.microbatch, {})  # type: ignore[arg-type]
@@ -401,6 +419,8 @@ class StageExecutor:
         grads = st.input_grads if st.input_grads is not None else \
             [(t.grad if t.grad is not None else torch.zeros_like(t))
              for t, spec in zip(st.inputs, self.spec.inputs) if spec.requires_grad]
+        wires = [spec.wire(self.precision) for spec in self.spec.inputs if spec.requires_grad]
+        grads = [g.to(w) for g, w in zip(grads, wires)]
         self._posted(a, comm.post_send(grads, self.peer(self.stage - 1, a.microbatch)))
 
     def _weight_grad(self, a: Action) -> None:
@@ -435,12 +455,31 @@ class StageExecutor:
 
     def _step(self, a: Action) -> None:
         self._measure()  # gradients of the whole update, and the optimizer state
+        if self.clip_grad_norm is not None:
+            self._clip()
         self.weights.before_step()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.weights.after_step()
+
+    def _clip(self) -> None:
+        """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` the global L2 norm over
+        every stage's gradients (after AR and TG: each stage's once, each tied parameter once), as
+        ``torch.nn.utils.clip_grad_norm_`` does in one process. Every rank calls it at each ST, in order."""
+        grads = {n: p.grad for n, p in self.module.named_parameters() if p.grad is not None}
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.norm_counts:
+            for n, g in grads.items():
+                if n not in self.norm_skip:
+                    sq = sq + torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+        dist.all_reduce(sq, group=self.norm_group)
+        norm = sq.sqrt()
+        self.grad_norms.append(norm.detach())
+        coef = torch.clamp(self.clip_grad_norm / (norm + 1e-6), max=1.0)
+        for g in grads.values():
+            g.mul_(coef.to(g.dtype))
 
     def _posted(self, a: Action, works: list[Any]) -> None:
         self.sends.setdefault(a, []).extend(works)

@@ -40,7 +40,7 @@ from pdcompile.runtime import allocator, checkpoint, comm, schedules, timing
 from pdcompile.runtime.executor import ActionError, StageExecutor
 from pdcompile.runtime.schedules.spec import ScheduleSpec, agrees, default_split_backward
 from pdcompile.runtime.weights import VersionedStore
-from pdcompile.runtime.program import Program, build, import_object
+from pdcompile.runtime.program import PRECISIONS, Program, build, import_object
 
 log = logging.getLogger("pdcompile.runtime")
 
@@ -84,6 +84,14 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                    help="keep memory a step frees for the next one instead of returning it to the system "
                         "(glibc malloc thresholds, runtime/allocator.py; each step otherwise page-faults its "
                         "buffers in afresh). Default: on when training on CPU")
+    p.add_argument("--precision", choices=PRECISIONS, default=program.precision,
+                   help=f"bf16: autocast each stage's forward and the loss to bfloat16 (fp32 master weights, the "
+                        f"optimizer steps fp32 parameters) and send floating boundary tensors as bf16 (half the "
+                        f"bytes); fp32: neither (default: the compiled {program.precision})")
+    p.add_argument("--clip-grad-norm", type=float, default=program.clip_grad_norm, metavar="X",
+                   help="scale all gradients so their global L2 norm over every stage and replica is at most X, "
+                        "before each optimizer step, as torch.nn.utils.clip_grad_norm_ (synchronous schedules "
+                        f"only; default: the compiled {program.clip_grad_norm})")
     p.add_argument("--fail-at", default=None, metavar="RANK:ACTION",
                    help="raise in this rank's action (e.g. 1:1B3): tests that a failing rank ends the job")
     p.add_argument("--log-level", default="INFO")
@@ -107,6 +115,16 @@ def check_args(args: argparse.Namespace, program: Program, world: int | None = N
     at_least("--keep-checkpoints", args.keep_checkpoints, "complete checkpoints kept")
     if args.schedule not in schedules.SCHEDULES:
         raise UsageError(f"--schedule {args.schedule!r}: unknown schedule; use one of {', '.join(schedules.SCHEDULES)}")
+    if args.precision not in PRECISIONS:
+        raise UsageError(f"--precision {args.precision!r}: use one of {', '.join(PRECISIONS)}")
+    if args.clip_grad_norm is not None:
+        if not (math.isfinite(args.clip_grad_norm) and args.clip_grad_norm > 0):
+            raise UsageError(f"--clip-grad-norm {args.clip_grad_norm!r}: must be a positive number; e.g. --clip-grad-norm 1.0")
+        if not schedules.policy(args.schedule).synchronous:
+            raise UsageError(f"--clip-grad-norm with --schedule {args.schedule}: clipping by the global norm needs "
+                             f"every stage's gradients of one update at one step, which only synchronous schedules "
+                             f"have (this one steps each stage on its own microbatches' gradients, with weight "
+                             f"versions); use a synchronous schedule (e.g. flush) or drop --clip-grad-norm")
     if not (isinstance(args.timeout, (int, float)) and math.isfinite(args.timeout) and args.timeout > 0):
         raise UsageError(f"--timeout {args.timeout!r}: must be a positive number of seconds; e.g. --timeout 120")
     if args.checkpoint_every and not args.checkpoint_dir:
@@ -260,6 +278,12 @@ class Trainer:
             mine = [n for s, n in group if s == spec.index]
             if mine:
                 tied_groups.append((g, mine, 1.0 / len(spec.ranks)))
+        # global-norm clipping: one group over every rank; each stage's gradient is counted by its replica 0,
+        # each tied parameter by the first stage holding it
+        norm_group = dist.new_group(list(range(program.world_size)), timeout=timeout) \
+            if args.clip_grad_norm is not None else None
+        norm_skip = frozenset(n for group in program.raw.get("tied", []) for s, n in group
+                              if s == spec.index and s != min(t for t, _ in group))
         optimizer = build(program.raw["optimizer"], module.parameters())
         sched_spec = program.raw.get("lr_scheduler")
         self.lr_scheduler = lr_scheduler = build(sched_spec, optimizer) if sched_spec else None
@@ -279,7 +303,9 @@ class Trainer:
             weight_store=VersionedStore(module),
             recorder=timing.recorder(self.events.append, _device()) if args.trace else None,
             clock=(lambda: timing.now(_device())) if args.trace else time.perf_counter,
-            device=_device(), fail_at=args.fail_at,
+            device=_device(), fail_at=args.fail_at, precision=args.precision,
+            clip_grad_norm=args.clip_grad_norm, norm_group=norm_group, norm_counts=rank == spec.ranks[0],
+            norm_skip=norm_skip,
         )
         self.replicas = [len(st.ranks) for st in program.stages]
         self.tied = bool(program.raw.get("tied"))
@@ -411,6 +437,8 @@ class Trainer:
                 "page_faults_per_step": faults / max(1, args.steps - self.start),
                 # the stage's peak bytes at its measuring points, by category (runtime/memory.py)
                 "memory": executor.meter.report(),
+                "precision": args.precision, "p2p_bytes_sent": comm.sent_bytes(),
+                "grad_norms": [float(n) for n in executor.grad_norms],  # unclipped, at each ST (--clip-grad-norm)
             }, indent=1))
         if args.trace:
             out = Path(args.trace)

@@ -29,6 +29,23 @@ class TensorSpec:
     def empty(self, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
 
+    def wire(self, precision: str) -> torch.dtype:
+        """The dtype this tensor travels in between stages: bf16 for a floating tensor under
+        ``precision="bf16"`` (half the bytes), else its own."""
+        return wire_dtype(self.dtype, precision)
+
+    def empty_wire(self, precision: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A receive buffer in the dtype the tensor travels in (:meth:`wire`)."""
+        return torch.empty(self.shape, dtype=self.wire(precision), device=device)
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def wire_dtype(dtype: torch.dtype, precision: str) -> torch.dtype:
+    """The dtype a boundary tensor of ``dtype`` is sent in under ``precision`` (bf16 halves floating ones)."""
+    return torch.bfloat16 if precision == "bf16" and dtype.is_floating_point else dtype
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -75,6 +92,17 @@ class Program:
             if rank in st.ranks:
                 return st
         raise ValueError(f"rank {rank} runs no stage (world size {self.world_size})")
+
+    @property
+    def precision(self) -> str:
+        """The compiled precision (``"fp32"`` or ``"bf16"``: autocast and bf16 boundary tensors)."""
+        return str(self.raw.get("precision", "fp32"))
+
+    @property
+    def clip_grad_norm(self) -> float | None:
+        """The compiled global-norm clipping threshold (None: no clipping)."""
+        v = self.raw.get("clip_grad_norm")
+        return None if v is None else float(v)
 
     @property
     def target(self) -> TensorSpec:

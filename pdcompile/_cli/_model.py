@@ -109,6 +109,14 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                                                                   "with --schedule auto: chosen)")
     p.add_argument("--optimizer", default="torch.optim.SGD:lr=0.01",
                    help="CLASS[:KEY=VALUE,...], e.g. torch.optim.Adam:lr=0.001 (default SGD lr=0.01)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: autocast with fp32 master weights, bf16 boundary tensors, costs at the bf16 peak")
+
+
+def add_clip_arg(p: argparse.ArgumentParser) -> None:
+    """``--clip-grad-norm X`` for the commands that emit a program."""
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
+                   help="clip gradients to global L2 norm X before each step (synchronous schedules)")
 
 
 def optimizer_factory(text: str) -> Any:
@@ -143,5 +151,6 @@ def compile_from_args(args: argparse.Namespace) -> tuple[LoadedModel, Any]:
         cluster = resolve_cluster(args.cluster)
     pipe = pdcompile(m.model, cluster, example_inputs=m.example_inputs, example_target=m.target,
                      loss_fn=m.loss_fn, optimizer=optimizer_factory(args.optimizer), schedule=args.schedule,
-                     num_microbatches=args.microbatches, stages=args.stages, leaf_modules=m.leaf_modules)
+                     num_microbatches=args.microbatches, stages=args.stages, leaf_modules=m.leaf_modules,
+                     precision=getattr(args, "precision", "fp32"), clip_grad_norm=getattr(args, "clip_grad_norm", None))
     return m, pipe

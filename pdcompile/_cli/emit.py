@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from pdcompile._cli._model import add_compile_args, add_model_args, compile_from_args
+from pdcompile._cli._model import add_clip_arg, add_compile_args, add_model_args, compile_from_args
 
 
 def register(subparsers: Any) -> None:
@@ -20,6 +20,7 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_compile_args(p)
+    add_clip_arg(p)
     p.add_argument("-o", "--out", required=True, help="output folder")
     p.add_argument("--ir", metavar="DIR", help="also write the IR after every pass here")
     p.add_argument("--json", action="store_true", help="print a JSON summary")

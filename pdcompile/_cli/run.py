@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pdcompile._cli._model import add_compile_args, add_model_args, compile_from_args
+from pdcompile._cli._model import add_clip_arg, add_compile_args, add_model_args, compile_from_args
 from pdcompile.errors import UsageError
 
 
@@ -21,6 +21,7 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_compile_args(p)
+    add_clip_arg(p)
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument("--out", help="folder for the program and results (default: a temporary folder)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the whole run is stopped")
