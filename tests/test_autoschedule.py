@@ -29,7 +29,8 @@ def _setup(p: int, memory: float | None = None) -> tuple[_Plan, Chain, SimpleNam
     layers = tuple(ChainLayer(f"l{k}", "x", 1.0, 2.0, 12.0, 0.0, input_grad_s=1.0, weight_grad_s=1.0)
                    for k in range(p))
     chain = Chain(layers=layers, cut_bytes=(0.0,) * (p - 1), batch_size=12)
-    plan = _Plan("flush", 12, tuple(SimpleNamespace(first=k, last=k, replicas=1, ranks=[k]) for k in range(p)))
+    plan = _Plan("flush", 12, tuple(SimpleNamespace(first=k, last=k, replicas=1, ranks=[k], recompute="none")
+                                    for k in range(p)))
     cluster = SimpleNamespace(device=SimpleNamespace(memory=memory), bandwidth_between=lambda a, b: 1e30)
     return plan, chain, cluster
 

@@ -87,7 +87,8 @@ def test_an_older_profile_has_no_parts() -> None:
 
 def _plan(stages: list[tuple[int, int]]) -> SimpleNamespace:
     return SimpleNamespace(schedule="zb-h1", microbatch_size=1, stages=[
-        SimpleNamespace(first=a, last=b, replicas=1, ranks=[k]) for k, (a, b) in enumerate(stages)])
+        SimpleNamespace(first=a, last=b, replicas=1, ranks=[k], recompute="none")
+        for k, (a, b) in enumerate(stages)])
 
 
 class _Cluster:
