@@ -1,26 +1,11 @@
 """emit: write the torchrun program: one readable Python module per stage, weights, plan.json, train.py.
 
-Before: a :class:`~pdcompile.passes.split_stages.StageSplit` (one GraphModule per stage).
-
-After, on disk::
-
-    out/
-      plan.json        stages, their ranks and boundary tensors (shape, dtype at the microbatch
-                       size), tied parameters, loss, optimizer, schedule, data source
-      stage_0.py       class Stage0(torch.nn.Module): __init__ builds the stage's modules,
-                       forward() is the stage graph printed by torch.fx's code generator
-      stage_0.pt       the stage's initial parameters and buffers (torch.save of a tensor dict;
-                       loaded with weights_only=True)
-      stage_K.py       (the last stage) also ``class Loss``: the traced loss_fn, forward(output, target)
-      loss.pt          tensors the loss captured (class weights), when it has any
-      train.py         ``torchrun --nproc-per-node=N train.py`` (runs pdcompile.runtime)
-
-Nothing is generated from ``repr`` strings. Leaf modules are rebuilt from their class and the
-constructor arguments read back from the instance (``inspect.signature`` of the class, attributes
-of the same names), and each rebuilt module is checked against the original (same repr, same
-public attributes, same parameter shapes) before anything is written; a module that can't be
-rebuilt raises :class:`UnsupportedModelError` naming it. A module may also say how to rebuild it by
-defining ``pd_ctor_kwargs() -> dict``.
+From a :class:`~pdcompile.passes.split_stages.StageSplit` (one GraphModule per stage) it writes
+``plan.json``, ``stage_K.py`` (``class StageK``, forward() printed by torch.fx's code generator;
+the last stage's file also holds ``class Loss``), ``stage_K.pt`` (initial parameters and buffers,
+loaded with ``weights_only=True``), ``loss.pt`` and ``train.py``; README.md "The emitted folder"
+documents the layout. Nothing is generated from ``repr`` strings: leaf modules are rebuilt from
+their class and constructor arguments, and checked, by :func:`object_spec`.
 """
 
 from __future__ import annotations
@@ -145,7 +130,12 @@ def _public_state(m: Any) -> dict[str, Any]:
 
 
 def object_spec(m: Any) -> ObjectSpec:
-    """ObjectSpec for a module or loss, verified by rebuilding it."""
+    """ObjectSpec for a module or loss, verified by rebuilding it.
+
+    The constructor arguments are read back from the instance (``inspect.signature`` of the class,
+    attributes of the same names), or from its ``pd_ctor_kwargs() -> dict``. The rebuilt object
+    must match the original (same repr, same public attributes, same parameter shapes) before
+    anything is written; else :class:`UnsupportedModelError` names it."""
     spec = ObjectSpec(class_path(type(m)), ctor_kwargs(m))
     rebuilt = build_object(spec)
     same = repr(rebuilt) == repr(m) and _public_state(rebuilt) == _public_state(m)

@@ -4,62 +4,8 @@ The second front end of the trace pass, for models ``torch.fx.symbolic_trace`` c
 (Hugging Face ``transformers`` models: "co_varnames is too small", ``**kwargs`` plumbing, ...).
 ``torch.export.export(model, args, strict=False)`` runs the model once and records every aten op;
 this pass turns that program into the same IR the fx front end produces, so propagate-shapes,
-annotate-costs, linearize, split-stages and emit work on it unchanged.
-
-Before (``torch.export``'s ``ep.module()``: pytree plumbing, guards, a ModelOutput)::
-
-    def forward(self, input_ids):
-        input_ids, = fx_pytree.tree_flatten_spec(([input_ids], {}), self._in_spec)
-        lm_head_weight = self.lm_head.weight
-        _guards_fn = self._guards_fn(input_ids)
-        view = torch.ops.aten.view.default(input_ids, [-1, 8])
-        embedding = torch.ops.aten.embedding.default(lm_head_weight, view)
-        ...
-        return pytree.tree_unflatten((linear,), self._out_spec)   # CausalLMOutput(logits=...)
-
-After (what :func:`export_trace` returns)::
-
-    graph():
-        %input_ids : placeholder[target=input_ids]
-        %lm_head_weight : get_attr[target=lm_head.weight]          # the model's own Parameter
-        %view : call_function[target=torch.ops.aten.view.default](args = (%input_ids, [-1, 8]))
-        %embedding : call_function[target=torch.ops.aten.embedding.default](args = (%lm_head_weight, %view))
-        ...
-        return linear                                               # the logits tensor
-
-The flat graph is rebuilt from ``ep.graph`` and its graph signature (which placeholder is a
-parameter, a buffer, a constant or a model input), not from ``ep.module()``, so no pytree
-plumbing or guard call survives. The model is captured in its current mode (``train()``: dropout
-is an ``aten.dropout`` node that draws its own masks in each stage).
-
-Rules:
-
-* Placeholders are the model's tensor inputs, in order (``args`` then the tensors of ``kwargs``,
-  in the order given). Non-tensor inputs (``None``, ints, bools) are baked into the graph.
-* Parameters and buffers are ``get_attr`` nodes whose targets are the original model's qualified
-  names, holding the model's own tensor objects: tied weights (GPT-2's ``transformer.wte.weight``
-  and ``lm_head.weight``) are one Parameter, so split-stages records them as tied.
-  Tensor constants created inside ``forward`` become buffers named ``_pd_constant_<i>``.
-* Ops are ``call_function`` nodes on aten op overloads (``torch.ops.aten.linear.default``; the
-  training IR, not decomposed) and ``operator.getitem``. Runtime shape assertions
-  (``aten._assert_tensor_metadata`` and friends) are dropped: the shapes are fixed by the example
-  inputs, so the graph is specialised to their batch size (trace with one *microbatch*).
-* One tensor output. A model returning a mapping (a ``transformers`` ``ModelOutput``) gives its
-  ``"logits"`` entry, or else its ``"last_hidden_state"``; a plain tensor is kept; anything else
-  needs ``output=`` (a key or a position). Outputs not selected are dead code and removed.
-* ``node.meta`` keeps only plain data (``stack_trace``, ``nn_module_stack``, ``torch_fn``); the
-  fake tensors under ``val`` are dropped, so ``copy``, ``deepcopy`` and ``Graph.node_copy`` work.
-  propagate-shapes writes real metadata afterwards.
-* Leaf modules don't exist here: export inlines every module down to aten ops.
-
-* State updates stay in-place aten ops on the model's own buffers (``aten.batch_norm`` updating
-  ``running_mean``, ``aten.copy_`` for ``self.buf = ...``): the training IR is not functionalised,
-  and dead-code elimination keeps mutating ops. Each stage holds its own copy of a buffer, so one
-  updated in one stage and read in another is not kept in sync.
-
-Rejected, with the reason and the fix: graphs whose outputs write back state (a functionalised
-program), higher-order ops (``torch.cond``, ``torch.no_grad()`` regions inside ``forward``),
-script-object inputs.
+annotate-costs, linearize, split-stages and emit work on it unchanged. The rules of the graph it
+returns (inputs, parameters, ops, output, state updates, what is rejected): :func:`export_trace`.
 """
 
 from __future__ import annotations
@@ -110,7 +56,30 @@ def export_trace(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.T
 
     ``output`` picks the tensor the graph returns when the model returns a structure: a key of a
     mapping/``ModelOutput`` (default: ``"logits"``, else ``"last_hidden_state"``) or a position in a
-    tuple. Raises :class:`UnsupportedModelError` naming the construct and the fix.
+    tuple; a plain tensor is kept, anything else needs ``output=``. Raises
+    :class:`UnsupportedModelError` naming the construct and the fix.
+
+    The graph is rebuilt from ``ep.graph`` and its signature, not from ``ep.module()``, so no
+    pytree plumbing or guard call survives. The model is captured in its current mode
+    (``train()``: dropout is an ``aten.dropout`` node that draws its own masks in each stage).
+
+    * Placeholders are the tensor inputs, ``args`` then the tensors of ``kwargs``, in order;
+      non-tensor inputs (``None``, ints, bools) are baked into the graph.
+    * Parameters and buffers are ``get_attr`` nodes on the model's qualified names, holding its own
+      tensors: tied weights are one Parameter, so split-stages records them as tied. Tensor
+      constants created inside ``forward`` become buffers named ``_pd_constant_<i>``.
+    * Ops are ``call_function`` nodes on aten overloads (the training IR, not decomposed) and
+      ``operator.getitem``. Runtime shape assertions are dropped, so the graph is specialised to
+      the example's batch size (trace with one *microbatch*). Outputs not selected are removed.
+    * ``node.meta`` keeps only plain data (no fake tensors under ``val``), so ``copy``,
+      ``deepcopy`` and ``Graph.node_copy`` work; propagate-shapes writes real metadata afterwards.
+      There are no leaf modules: export inlines every module down to aten ops.
+    * State updates stay in-place aten ops on the model's buffers (``aten.batch_norm``'s running
+      stats, ``aten.copy_``): not functionalised, and kept by dead-code elimination. Each stage
+      holds its own copy of a buffer, so one updated in one stage and read in another drifts.
+    * Rejected, with the reason and the fix: outputs that write back state (a functionalised
+      program), higher-order ops (``torch.cond``, ``torch.no_grad()`` inside ``forward``),
+      script-object inputs.
     """
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     try:

@@ -1,24 +1,7 @@
 """This machine's constants for predicting a local run: the loopback link, the runtime's fixed cost
-per action, the optimizer step. Measured once and cached, so a prediction never peeks at the run it
-predicts.
-
-* link: a 2-process gloo send/recv ping-pong and all-reduce at 4 KiB - 4 MiB (torchrun of this
-  module with ``--link-worker``); latency from the smallest message, bandwidth from the slope;
-* overhead per action kind (``F``, ``B``, ``SF``, ...): a traced 2-stage Flush run of a model too
-  small to compute (an MLP 16-16-16-4), the median duration of each kind less its compute, plus the
-  median gap between a rank's consecutive actions (the executor's loop);
-* optimizer step: SGD with momentum (and zero_grad) over parameter tensors of 0.25 - 8 MiB, one
-  thread, fitted as ``fixed + bytes / rate`` per stage;
-* compute in a run against its profile: a traced 2-stage Flush run of a small VGG-style network
-  (convolutions 16-16-M-32-32-M on 32x32 images, Linear 2048-512-512-10; microbatches of 8, about a
-  millisecond per action), each stage's median forward and backward (less the per-action cost)
-  against the costs profiled in this process, the median of the four. The profiler reports each
-  node's best time with its data in cache, alone; a run's actions, back to back beside another
-  process, take longer; this factor carries that over to other models on this machine.
-
-The cache (``$PDCOMPILE_CACHE`` or ``~/.cache/pdcompile``, file ``machine-constants.json``) is keyed
-by host, core count, Python and torch version and the runtime's source; ``refresh=True`` (``python -m
-pdcompile.calibrate --refresh``, ``pdcompile demo --refresh-constants``) measures again.
+per action, the optimizer step, and a run's compute against its profile. Measured once and cached
+(:func:`load_or_measure`), so a prediction never peeks at the run it predicts; each ``measure_*``
+function says how it measures its constant.
 """
 
 from __future__ import annotations
@@ -90,7 +73,12 @@ def machine_key() -> str:
 
 
 def load_or_measure(refresh: bool = False, log: Any = None) -> tuple[MachineConstants, bool]:
-    """The cached constants for this machine, or freshly measured (and cached); and whether cached."""
+    """The cached constants for this machine, or freshly measured (and cached); and whether cached.
+
+    The cache (``$PDCOMPILE_CACHE`` or ``~/.cache/pdcompile``, file ``machine-constants.json``) is
+    keyed by host, core count, Python and torch version and the runtime's source; ``refresh=True``
+    (``python -m pdcompile.calibrate --refresh``, ``pdcompile demo --refresh-constants``) measures
+    again."""
     path, key = cache_path(), machine_key()
     if not refresh and path.is_file():
         try:
@@ -176,7 +164,10 @@ def _link_worker(out: str) -> None:
 
 
 def measure_link() -> tuple[float, float, float]:
-    """(latency s, bandwidth bytes/s, all-reduce latency s) of gloo over loopback between 2 processes."""
+    """(latency s, bandwidth bytes/s, all-reduce latency s) of gloo over loopback between 2 processes.
+
+    A send/recv ping-pong and all-reduce at 4 KiB - 4 MiB (torchrun of this module with
+    ``--link-worker``); latency from the smallest message, bandwidth from the slope."""
     from pdcompile.simulate import ring_allreduce_s
 
     out = Path(tempfile.mkdtemp(prefix="pdcompile-link-")) / "link.json"
@@ -234,8 +225,14 @@ def _split_names(events: list[Any]) -> set[str]:
 
 
 def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20) -> float:
-    """A run's compute against its profile on this machine (module doc): the median, over both stages'
-    forward and backward, of the run's median action (less its per-action cost) / the profiled cost."""
+    """A run's compute against its profile on this machine: the median, over both stages'
+    forward and backward, of the run's median action (less its per-action cost) / the profiled cost.
+
+    The run is a traced 2-stage Flush run of a small VGG-style network (convolutions
+    16-16-M-32-32-M on 32x32 images, Linear 2048-512-512-10; microbatches of 8), profiled in this
+    process. The profiler reports each node's best time with its data in cache, alone; a run's
+    actions, back to back beside another process, take longer; this factor carries that over to
+    other models on this machine."""
     from pdcompile.zoo import vgg
 
     pipe, events = _traced_run(vgg.FAMILY, _calibration_model(), steps, "compute calibration")
@@ -254,7 +251,11 @@ def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20) -> flo
 
 
 def measure_overheads(steps: int = 12) -> dict[str, float]:
-    """The runtime's fixed cost per action kind: see the module doc."""
+    """The runtime's fixed cost per action kind (``F``, ``B``, ``SF``, ...).
+
+    From a traced 2-stage Flush run of a model too small to compute (an MLP 16-16-16-4): the median
+    duration of each kind less its compute, plus the median gap between a rank's consecutive actions
+    (the executor's loop)."""
     from pdcompile.trace_convert import microbatch_of
 
     from pdcompile.zoo import mlp
@@ -316,7 +317,10 @@ def step_seconds(stage_modules: list[Any], repeats: int = 20) -> list[float]:
 
 
 def measure_step() -> tuple[float, float]:
-    """(fixed s, bytes/s) of the optimizer step, fitted through a small and a large set of parameters."""
+    """(fixed s, bytes/s) of the optimizer step, fitted through a small and a large set of parameters.
+
+    SGD with momentum (and zero_grad) over parameter tensors of 0.25 - 8 MiB, one thread, fitted as
+    ``fixed + bytes / rate`` per stage."""
     import torch
 
     torch.set_num_threads(1)

@@ -4,31 +4,8 @@ A cluster is a device (per-worker memory, optional peak FLOP/s and memory bandwi
 of a hierarchy, innermost first, each with a ``count`` and the ``bandwidth`` of its links: e.g.
 4 GPUs in a server at 10 GB/s, then 4 servers at 10 Gbit/s. The number of workers is the product
 of the counts. Ranks are laid out innermost-first: rank ``r`` sits at position ``r % c0`` of its
-server, server ``(r // c0) % c1``, and so on.
-
-From TOML (every quantity may be a plain number — bytes, bytes/s, FLOP/s — or a string with a
-unit)::
-
-    [device]
-    name = "V100"
-    memory = "16 GiB"            # per worker
-    peak_flops = "15.7 TFLOPS"   # optional
-    memory_bandwidth = "900 GB/s"  # optional; the default cost model times the optimizer step
-
-    [[levels]]
-    name = "gpus-in-server"
-    count = 4
-    bandwidth = "10 GB/s"
-
-    [[levels]]
-    name = "servers"
-    count = 4
-    bandwidth = "10 Gbit/s"
-
-Units: bandwidth ``B/s kB/s KB/s MB/s GB/s TB/s KiB/s MiB/s GiB/s TiB/s bit/s kbit/s Mbit/s
-Gbit/s Tbit/s`` (``Gb/s`` and ``Gbps`` read as Gbit/s); memory ``B kB KB MB GB TB KiB MiB GiB
-TiB``; FLOP/s ``FLOPS kFLOPS MFLOPS GFLOPS TFLOPS PFLOPS`` (``FLOP/s`` spellings too). Decimal
-prefixes are powers of 1000, binary ones (``Ki``, ``Mi``...) powers of 1024. Errors raise
+server, server ``(r // c0) % c1``, and so on. The TOML form and its units are documented for
+users in README.md ("Describing a cluster"; units: :func:`parse_quantity`); errors raise
 :class:`~pdcompile.errors.ClusterSpecError` naming the key and, from a file, its line.
 """
 
@@ -85,7 +62,12 @@ def parse_quantity(value: Any, kind: str) -> float:
     """``"10 GB/s"`` -> 1e10 (kind ``"bandwidth"``), ``"16 GiB"`` -> 17179869184.0 (``"memory"``),
     ``"15.7 TFLOPS"`` -> 1.57e13 (``"flops"``). Plain numbers (or unit-less strings) are taken in
     the base unit (bytes/s, bytes, FLOP/s). Raises :class:`ValueError` on an unknown unit or a
-    malformed value (callers add the key and line)."""
+    malformed value (callers add the key and line).
+
+    Units: bandwidth ``B/s kB/s KB/s MB/s GB/s TB/s KiB/s MiB/s GiB/s TiB/s bit/s kbit/s Mbit/s
+    Gbit/s Tbit/s`` (``Gb/s`` and ``Gbps`` read as Gbit/s); memory ``B kB KB MB GB TB KiB MiB GiB
+    TiB``; FLOP/s ``FLOPS kFLOPS MFLOPS GFLOPS TFLOPS PFLOPS`` (``FLOP/s`` spellings too). Decimal
+    prefixes are powers of 1000, binary ones (``Ki``, ``Mi``...) powers of 1024."""
     if kind not in _UNITS:
         raise ValueError(f"unknown quantity kind {kind!r} (use bandwidth, memory or flops)")
     if isinstance(value, bool):

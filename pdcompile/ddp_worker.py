@@ -3,15 +3,9 @@
     torchrun --nproc-per-node=N -m pdcompile.ddp_worker --model MODULE:FUNCTION --model-kwargs '{...}' \\
         --batch 32 --steps 20 --out times.json [--data MODULE:FUNCTION --data-kwargs '{...}']
 
-``--model`` names a factory whose result has ``.model`` (an ``nn.Module``) and ``.loss_fn``; every
-rank calls it with the same arguments, so all start from the same weights. ``--data`` is the
-emitted programs' data hook, ``f(batch_size, **kwargs) -> iterable of (inputs, target)`` of global
-minibatches (``--batch`` samples, the pipeline's minibatch); without it the factory's one batch
-(``.example_inputs`` or ``.inputs``, and ``.target``) is used every step. Each rank takes its
-``1/N`` share of each minibatch; DDP averages gradients with its bucketed all-reduce, overlapped
-with backward; ``--optimizer`` (default SGD) steps. With ``PDCOMPILE_LINK_BPS`` set, a comm hook adds the emulated link's delay
-(:mod:`pdcompile.slowlink`). Rank 0 writes ``{"step_times_s": [[rank 0's], ...], "losses": [...]}``
-(the minibatch loss per step: the mean of the ranks' equal shares).
+Every rank builds the model from the same factory and arguments, so all start from the same
+weights, and trains its share of each minibatch; DDP averages gradients with its bucketed
+all-reduce, overlapped with backward. Rank 0 writes the step times and losses (:func:`train`).
 """
 
 from __future__ import annotations
@@ -74,7 +68,16 @@ def _minibatches(args: argparse.Namespace, built: Any) -> Iterator[tuple[tuple[t
 
 
 def train(args: argparse.Namespace) -> tuple[list[float], list[float]]:
-    """Build the DDP model, run ``args.steps`` steps; return this rank's step times and shard losses."""
+    """Build the DDP model, run ``args.steps`` steps; return this rank's step times and shard losses.
+
+    ``--model`` names a factory whose result has ``.model`` (an ``nn.Module``) and ``.loss_fn``.
+    ``--data`` is the emitted programs' data hook, ``f(batch_size, **kwargs) -> iterable of
+    (inputs, target)`` of global minibatches (``--batch`` samples, the pipeline's minibatch);
+    without it the factory's one batch (``.example_inputs`` or ``.inputs``, and ``.target``) is used
+    every step. Each rank takes its ``1/N`` share of each minibatch; ``--optimizer`` (default SGD)
+    steps. With ``PDCOMPILE_LINK_BPS`` set, a comm hook adds the emulated link's delay
+    (:mod:`pdcompile.slowlink`). :func:`finish` then has rank 0 write ``{"step_times_s": [[rank
+    0's], ...], "losses": [...]}`` (the minibatch loss per step: the mean of the ranks' shares)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch % world:
         raise SystemExit(f"ddp_worker: --batch {args.batch} does not split into {world} equal shares")

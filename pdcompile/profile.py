@@ -4,27 +4,8 @@ imported from PipeDream's ``graph.txt``.
 A profile is what the planner needs to plan without the model: per layer, forward and backward
 time, output activation bytes and parameter bytes, and the names of the layers it reads. It is
 plain data (no torch), so a plan can be made on a laptop from a profile measured on a GPU server.
-
-JSON format (``version`` 1)::
-
-    {"format": "pdcompile-profile", "version": 1, "name": "vgg16", "device": "cuda:NVIDIA H100",
-     "batch_size": 64, "mode": "measured", "optimizer": "sgd-momentum",
-     "inputs": [{"name": "x", "output_bytes": 38535168, "output_bytes_expr": "602112*b"}],
-     "outputs": ["fc3"],
-     "layers": [{"name": "conv1", "op": "Conv2d", "forward_s": 0.0123, "backward_s": 0.0231,
-                 "output_bytes": 822083584, "param_bytes": 7168, "inputs": ["x"], ...}]}
-
-Times are seconds per minibatch of ``batch_size``; bytes are bytes per minibatch. Optional
-per-layer fields: ``desc``, ``buffer_bytes``, ``forward_flops``, ``backward_flops``,
-``tensor_output`` (false when the layer yields a non-tensor such as an ``int``), and the symbolic
-fields ``output_bytes_expr``, ``forward_flops_expr``, ``backward_flops_expr`` (sympy expressions
-of the microbatch size ``b``, as strings) with ``symbolic_note`` when a cost is not affine in
-``b``.
-
-Model inputs are kept apart from layers (``Profile.inputs``): they cost nothing to compute, but a
-layer may read them, so a layer's ``inputs`` names layers or model inputs. PipeDream's ``InputN``
-nodes become such model inputs; the time PipeDream recorded on them (data loading, up to 636 ms
-on some profiles) is dropped, as PipeDream's own optimizer zeroes it.
+The JSON format (``version`` 1) is documented for users in README.md ("The profile format");
+:class:`ProfileLayer` and :class:`ProfileInput` are its records.
 """
 
 from __future__ import annotations
@@ -63,7 +44,10 @@ def optimizer_state_factor(optimizer: str) -> float:
 
 @dataclass(frozen=True)
 class ProfileInput:
-    """A model input (an fx placeholder or a PipeDream ``InputN`` node): zero compute cost."""
+    """A model input (an fx placeholder or a PipeDream ``InputN`` node): zero compute cost.
+
+    Kept apart from layers, but a layer's ``inputs`` may name one. The time PipeDream recorded on
+    its ``InputN`` nodes (data loading) is dropped, as PipeDream's own optimizer zeroes it."""
 
     name: str
     output_bytes: float = 0.0
@@ -76,7 +60,11 @@ class ProfileInput:
 
 @dataclass(frozen=True)
 class ProfileLayer:
-    """One layer: costs per minibatch of the profile's batch size, and the names it reads."""
+    """One layer: costs per minibatch of the profile's batch size, and the names it reads.
+
+    ``tensor_output`` is false when the layer yields a non-tensor (an ``int``). The ``*_expr``
+    fields are sympy expressions of the microbatch size ``b``, as strings, with ``symbolic_note``
+    when a cost is not affine in ``b``."""
 
     name: str
     op: str

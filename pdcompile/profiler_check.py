@@ -1,25 +1,11 @@
 """Cross-check measured per-node costs against ``torch.profiler`` on a whole training step.
 
 ``annotate-costs`` (measured mode) times every node alone, on copies of its inputs. This module
-times them *inside* a real step instead: the traced graph is run by an ``fx.Interpreter`` that
-wraps every compute node in ``torch.profiler.record_function("pd::<node>")``; the loss's backward
-then runs as usual. From the profiler's events:
+times them *inside* a real step instead (:func:`profiler_cross_check`), so that a node whose two
+times differ by several times points at a measurement problem. Example::
 
-* a node's **forward** is the time of the operators directly inside its ``pd::<node>`` range (the
-  interpreter's Python around them is not the model's cost);
-* its **backward** is the sum of the autograd engine's ``evaluate_function: XBackward`` events
-  whose ``sequence_nr`` is that of an operator recorded inside the node's range (autograd links
-  each backward function to the forward op that created it by this number). Gradient
-  accumulation into parameters (``AccumulateGrad``) belongs to no operator and is reported apart.
-
-On CUDA the device time of the events (their kernels) is used instead of the CPU wall range.
-The profiler adds its own overhead per operator, so agreement within tens of percent on heavy
-nodes is what to expect; a node off by several times points at a measurement problem.
-
-Example::
-
-    rows = profiler_cross_check(gm, inputs, loss_fn=nn.CrossEntropyLoss(), target=y)
-    print(format_cross_check(rows))
+    check = profiler_cross_check(gm, inputs, loss_fn=nn.CrossEntropyLoss(), target=y)
+    print(summary(check))
 """
 
 from __future__ import annotations
@@ -108,8 +94,16 @@ def profiler_cross_check(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
                          loss_fn: Callable[..., torch.Tensor] | None = None, target: Any = None,
                          steps: int = 3, warmup: int = 2) -> CrossCheck:
     """Profile ``steps`` training steps (forward, loss, backward) of ``gm`` with ``torch.profiler``
-    and attribute the time to its nodes (see the module doc). Without ``loss_fn`` the loss is the
-    sum of the outputs. The ``pd.cost`` written by annotate-costs, when present, is put beside."""
+    and attribute the time to its nodes. Without ``loss_fn`` the loss is the sum of the outputs.
+    The ``pd.cost`` written by annotate-costs, when present, is put beside.
+
+    An ``fx.Interpreter`` wraps every compute node in ``record_function("pd::<node>")``. A node's
+    forward is the time of the operators directly inside its range (not the interpreter's Python);
+    its backward is the sum of the ``evaluate_function: XBackward`` events whose ``sequence_nr`` is
+    that of an operator recorded inside its range (autograd's link from backward to forward op).
+    ``AccumulateGrad`` belongs to no operator and is reported apart. On CUDA the events' device
+    time is used. The profiler adds overhead per operator, so expect agreement within tens of
+    percent on heavy nodes."""
     inputs = tuple(example_inputs)
     device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     cuda = device.type == "cuda"

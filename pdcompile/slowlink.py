@@ -2,25 +2,11 @@
 
     PDCOMPILE_LINK_BPS=20e6 torchrun --nproc-per-node=2 -m pdcompile.slowlink PROGRAM_DIR [train.py flags]
 
-Why: on one machine every process talks over loopback (GB/s), where data parallelism's all-reduce
-is cheap; PipeDream's case is a slow network between workers. This makes that case reproducible
-here without touching the runtime: enabled only by ``PDCOMPILE_LINK_BPS`` (bytes per second) in
-the processes that install it; nothing in ``runtime/`` knows about it, and emitted programs run
-unchanged.
-
-The model is one serial link per receiving rank: a message of ``n`` bytes occupies the link for
-``n / B`` seconds, starting when it arrived over loopback and the receiver waits for it, or when
-the link became free, whichever is later; the receiver's ``wait()`` returns only then. Sends stay
-asynchronous (the sender is not slowed; its data is "on the wire"). An all-reduce of ``n`` bytes
-among ``p`` ranks costs the ring algorithm's ``2 (p-1)/p * n / B`` on the same serial link.
-
-* Point-to-point (pdcompile's runtime): :func:`install` wraps ``torch.distributed.irecv``/``recv``/
-  ``all_reduce`` (the runtime calls them through the module, so the wrapper sees every transfer).
-* DistributedDataParallel: its reducer calls C++ directly, so :func:`ddp_hook` is a DDP comm hook
-  (``model.register_comm_hook(None, ddp_hook)``) that adds the same delay in the all-reduce
-  future's callback; backward keeps overlapping with communication as in stock DDP.
-
-Run as a module (above), it installs the wrappers and then runs ``PROGRAM_DIR/train.py``.
+On one machine every process talks over loopback, where data parallelism's all-reduce is cheap;
+PipeDream's case is a slow network between workers. This makes that case reproducible here without
+touching the runtime: only processes that install it with ``PDCOMPILE_LINK_BPS`` (bytes per second)
+set are slowed; nothing in ``runtime/`` knows about it. The link model is :func:`occupy`'s;
+:func:`install` and :func:`ddp_hook` apply it; run as a module, it installs and runs ``train.py``.
 """
 
 from __future__ import annotations
@@ -48,7 +34,13 @@ def bandwidth() -> float:
 
 
 def occupy(nbytes: float) -> float:
-    """Reserve the link for ``nbytes`` from now (or when it frees); return the finish time."""
+    """Reserve the link for ``nbytes`` from now (or when it frees); return the finish time.
+
+    One serial link per receiving rank: a message of ``n`` bytes occupies it for ``n / B`` seconds,
+    from when it arrived over loopback and the receiver waits for it, or when the link became free,
+    whichever is later; the receiver's ``wait()`` returns only then. Sends stay asynchronous (the
+    sender is not slowed). An all-reduce among ``p`` ranks costs the ring's ``2 (p-1)/p * n / B``
+    (:func:`ring_bytes`) on the same link."""
     global _link_free
     bps = bandwidth()
     now = time.perf_counter()
@@ -92,7 +84,10 @@ class _SlowWork:
 
 
 def install() -> bool:
-    """Wrap torch.distributed's receives and all-reduce with the link delay (only if the variable is set)."""
+    """Wrap torch.distributed's receives and all-reduce with the link delay (only if the variable is set).
+
+    The runtime calls ``irecv``/``recv``/``all_reduce`` through the module, so the wrappers see
+    every transfer."""
     if bandwidth() <= 0:
         return False
     irecv, recv, all_reduce = dist.irecv, dist.recv, dist.all_reduce
@@ -119,7 +114,11 @@ def install() -> bool:
 
 
 def ddp_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: average the bucket with an all-reduce, then hold it for the emulated link time."""
+    """DDP comm hook: average the bucket with an all-reduce, then hold it for the emulated link time.
+
+    DDP's reducer calls C++ directly, so :func:`install` can't see it; register this instead
+    (``model.register_comm_hook(None, ddp_hook)``). The delay is added in the future's callback,
+    so backward keeps overlapping with communication as in stock DDP."""
     world = dist.get_world_size()
     buf = bucket.buffer()
     buf.div_(world)

@@ -2,13 +2,11 @@
 
 The emitted program's ``train.py --trace DIR`` writes ``DIR/rank_R.events.json`` on every rank: a
 list of ``{"rank", "name", "start_s", "end_s"[, "origin_s"]}``, one per action (``1F3``), times in
-seconds from that rank's start of training. The runtime imports only torch and the standard library,
-so it writes these plain events; this module turns them into :class:`pdcompile.timeline.Event` s
-for :func:`~pdcompile.timeline.write_chrome_trace` and :func:`~pdcompile.timeline.plot_timeline`
-(measured under predicted).
-
-``origin_s`` is the rank's start on the machine's monotonic clock (shared by all processes of one
-machine), so ranks are put on one time axis; files without it are read rank by rank from 0.
+seconds from that rank's start of training (``origin_s``: that start on the machine's monotonic
+clock; without it ranks are read from 0 each). The runtime imports only torch and the standard
+library, so it writes these plain events; this module turns them into
+:class:`pdcompile.timeline.Event` s for :func:`~pdcompile.timeline.write_chrome_trace` and
+:func:`~pdcompile.timeline.plot_timeline` (measured under predicted).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """glibc malloc settings for training on CPU: keep freed memory instead of handing it back.
 
-A training step frees almost everything it allocated (activations, gradients, received buffers) and
-allocates the same sizes again in the next step. With glibc's defaults, blocks of 128 KiB and up are
-``mmap``-ed one by one and unmapped on free, and the top of the heap is trimmed back to the system
-once 128 KiB are free there, so every step touches fresh pages again: each first write to a page is
-a page fault that zero-fills it. On this machine's VGG stage that made a backward 20-30% slower than
-the same backward with the memory kept (runtime traces, benchmarks/RESULTS.md "Allocator").
-
-:func:`keep_freed_memory` raises both thresholds (``mallopt``), as PyTorch's CUDA caching
-allocator does on a GPU: the process keeps its peak footprint instead of returning it between steps
-(the peak itself is unchanged). ``train.py --no-keep-freed-memory`` keeps glibc's defaults. Not
-glibc (macOS, musl): nothing is changed.
+A training step frees almost everything it allocated and allocates the same sizes again in the
+next. With glibc's defaults, blocks of 128 KiB and up are ``mmap``-ed one by one and unmapped on
+free, and the heap's top is trimmed once 128 KiB are free there, so every step page-faults in fresh
+zero-filled pages again (benchmarks/RESULTS.md "Allocator"). :func:`keep_freed_memory` raises both
+thresholds (``mallopt``), as PyTorch's CUDA caching allocator keeps GPU memory: the process keeps
+its peak footprint (the peak itself is unchanged). ``train.py --no-keep-freed-memory`` keeps glibc's
+defaults. Not glibc (macOS, musl): nothing is changed.
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """Checkpoints of a pipeline run: per-rank files written atomically, then a manifest written last.
 
-Layout (``root`` is ``train.py --checkpoint-dir``; it must be one folder every rank can see)::
-
-    root/step_00000005/
-      stage_K.rank_R.pt        the rank's parameters and buffers: {local name: tensor} (the format
-                               of --save-final, so ``pdcompile.merge.merge_weights`` reads it)
-      stage_K.rank_R.state.pt  optimizer, LR scheduler, weight-store state, step, next microbatch,
-                               minibatches consumed, RNG states
-      plan.json                a copy of the program's plan (so the folder merges on its own)
-      manifest.json            written LAST, by rank 0, after every rank's files are on disk:
-                               every file with its SHA-256 and size, the step, the plan's hash
-
 A step folder without ``manifest.json`` is incomplete (a crash while writing) and is never resumed
-from; the newest ``keep`` complete checkpoints are kept, so such a crash leaves the previous one
-usable. Every file is written to a temporary name, fsynced, renamed, and its folder fsynced.
-
-Weight versions: checkpoints are taken only at *flush points*, where every microbatch of the
-finished steps has run its backward and its optimizer step. Synchronous schedules (GPipe, Flush)
-flush after every step. For asynchronous schedules (1F1B, 2BW) launch.py drains the pipeline at
-each checkpoint boundary (the schedule is laid out per segment of ``--checkpoint-every`` steps), so
-no stashed weights or in-flight activations exist there, and each segment starts a fresh weight
-store (``weight_store`` in the format stays None). We chose
-flush points over saving stash buffers and in-flight activations because the latter would tie the
-checkpoint format to each schedule's internals and to the exact action where the run stopped.
-
-Loading uses ``torch.load(weights_only=True)``: no arbitrary object is ever unpickled. Resuming
-refuses, with :class:`~pdcompile.errors.CheckpointError` naming the cause, a checkpoint whose
-manifest is missing entries or unreadable, whose files don't match their checksums, or whose plan
-(stages, their ranks, their parameter names) differs from the running program's.
+from, so such a crash leaves the previous checkpoint usable. Checkpoints fall only on flush points,
+where no stashed weights or in-flight activations exist, so the format does not depend on each
+schedule's internals or on the action where the run stopped. Loading uses
+``torch.load(weights_only=True)``; resuming refuses, with :class:`~pdcompile.errors.CheckpointError`
+naming the cause, a checkpoint that doesn't match its manifest or the running program's plan
+(:func:`verify`). The folder layout and the flush-point rule: :func:`save`.
 """
 
 from __future__ import annotations
@@ -366,6 +345,21 @@ def save(root: str | os.PathLike[str], plan: Mapping[str, Any], rank: int,
          weights: Mapping[str, torch.Tensor], state: RankState, *, keep: int = 2,
          device: torch.device | str = "cpu", before_manifest: Any = None) -> Path:
     """Collective: every rank calls this at the same step boundary (a flush point).
+
+    Writes ``root/step_00000005/`` (``root``: ``train.py --checkpoint-dir``, one folder every rank
+    can see): ``stage_K.rank_R.pt`` (the rank's parameters and buffers, {local name: tensor}: the
+    format of --save-final, read by ``pdcompile.merge.merge_weights``), ``stage_K.rank_R.state.pt``
+    (:class:`RankState`), ``plan.json`` (a copy, so the folder merges on its own) and, last, by rank
+    0, ``manifest.json`` (every file with its SHA-256 and size, the step, the plan's hash). Every
+    file goes to a temporary name, is fsynced and renamed, its folder fsynced; the newest ``keep``
+    complete checkpoints are kept.
+
+    A flush point is where every microbatch of the finished steps has run its backward and its
+    optimizer step. Synchronous schedules (GPipe, Flush) flush after every step; for asynchronous
+    ones (1F1B, 2BW) launch.py drains the pipeline at each checkpoint boundary (the schedule is laid
+    out per segment of ``--checkpoint-every`` steps) and each segment starts a fresh weight store
+    (``weight_store`` stays None). We chose this over saving stash buffers and in-flight
+    activations, which would tie the format to each schedule's internals.
 
     Each rank writes its files atomically; their checksums are gathered on rank 0 (which is also
     the barrier that says every file is on disk); ``before_manifest()`` runs on every rank (fault

@@ -4,13 +4,8 @@ Shapes and dtypes of every boundary tensor are known from plan.json, so receiver
 up front and no handshake is needed. Transfers are asynchronous (``isend``/``irecv``); the
 executor waits on a receive only when the computation needs it. No tags: messages between two
 ranks are told apart by their order alone, which both sides issue identically
-(runtime/transfers.py), as NCCL requires.
-
-:func:`configure` ``(nccl_rules=True)`` (``PDCOMPILE_NCCL_RULES=1`` for train.py) makes gloo
-behave as NCCL does with point-to-point transfers, so the test suite can catch on CPU what would
-hang on GPUs: per peer, one transfer at a time in issue order (the next starts once the previous
-completed), callers not blocked, and a wait that gives up with a named error after the timeout.
-The runtime issues no ``batch_isend_irecv`` groups, so the mode has none to start together.
+(runtime/schedules/transfers.py), as NCCL requires. :func:`configure` turns on the mode in which
+gloo follows NCCL's rules, so the test suite catches on CPU what would hang on GPUs.
 """
 
 from __future__ import annotations
@@ -89,7 +84,12 @@ _mode = _Mode()
 
 
 def configure(*, nccl_rules: bool, timeout: float) -> None:
-    """Choose plain transfers, or gloo following NCCL's rules (see the module docstring)."""
+    """Choose plain transfers, or gloo following NCCL's rules (``PDCOMPILE_NCCL_RULES=1`` for train.py).
+
+    With ``nccl_rules``, gloo behaves as NCCL does with point-to-point transfers: per peer, one
+    transfer at a time in issue order (the next starts once the previous completed), callers not
+    blocked, and a wait that gives up with a named error after ``timeout``. The runtime issues no
+    ``batch_isend_irecv`` groups, so the mode has none to start together."""
     global _mode
     _mode = _Mode(nccl_rules, timeout)
 

@@ -4,14 +4,9 @@ Each rank reads plan.json, builds its stage module from ``stage_K.py`` and ``sta
 the process groups it belongs to (one default group, one per replicated stage, one per group of
 tied parameters), and runs its schedule's actions step by step. Every process group and every
 transfer is bounded by ``--timeout``: a dead or stuck peer makes the job fail instead of hang.
-
-Data: the first stage reads minibatches from ``--data MODULE:FUNCTION`` (or plan.json's ``data``),
-a callable ``f(batch_size: int, **kwargs) -> Iterable[(inputs_tuple, target)]``; without one it
-uses seeded random data of the right shapes. Targets are sent to the last stage.
-
-Checkpoints (``--checkpoint-dir``, ``--checkpoint-every N``, ``--resume``; format in
-runtime/checkpoint.py) fall on flush points; under ``torchrun --max-restarts=K --resume`` a
-restarted job continues from the newest complete one. ``--fail-at-step`` injects faults for tests.
+The first stage reads ``--data MODULE:FUNCTION`` (or plan.json's ``data``, else seeded random
+data). Checkpoints (``--checkpoint-dir``; format in runtime/checkpoint.py) fall on flush points;
+under ``torchrun --max-restarts=K --resume`` a restarted job continues from the newest complete one.
 """
 
 from __future__ import annotations

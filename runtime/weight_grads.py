@@ -1,37 +1,12 @@
 """The weight half of a split backward (``W``), without walking the stage's graph twice.
 
 A split backward (``B k`` then ``W k``, see :mod:`pdcompile.runtime.schedules`) first computes only
-the gradients of the stage's inputs; ``W`` then needs the gradients of the weights. Walking the
-retained graph again from the stage's outputs towards the parameters would recompute every
-activation gradient (about the whole backward once more). Instead, while the microbatch's forward
-runs, :class:`WeightPass` notes the output of every submodule that owns parameters (a Linear, a
-LayerNorm, a Conv...); the input-gradient pass also returns the gradients of those outputs (the
-engine computes them anyway on its way to the inputs); ``W`` then runs one short backward per
-submodule, from its output to its own parameters only.
-
-That is exact when each parameter is used inside its own submodule's single call, and nowhere else.
-Rather than trust it, the first ``W`` of a run also computes every weight gradient the plain way
-(from the stage's outputs) and compares them bitwise: equal, and the fast path is used from then on
-(an emitted stage's forward is straight-line code: the same every step); different, and every later
-``W`` walks the whole graph (correct, slower), which is logged once.
-
-On a GPU with non-deterministic kernels allowed (``torch.are_deterministic_algorithms_enabled()``
-false: atomics in scatter/index_add-style backwards, cuDNN's algorithm choice), two walks of the
-same graph may differ in the last bits, and a bitwise check would distrust a stage whose fast path
-is exact, for the whole run. There the check compares within a tolerance instead (:func:`same_grads`:
-every entry within ``rtol`` times the gradient's largest entry, ``rtol`` from its dtype): what it
-must catch, a use of a parameter outside its submodule's call, leaves out a whole contribution to
-the gradient, far above the reassociation noise (and in that mode an unsplit backward is not
-bitwise reproducible either). On the CPU, and on a GPU in deterministic mode, it stays bitwise.
-
-Before (one walk of the graph per pass, the second redoing the first's activation gradients)::
-
-    B:  grad(outputs -> inputs, retain_graph)      W:  backward(outputs -> parameters)
-
-After::
-
-    F:  outputs of parameter-owning submodules noted
-    B:  grad(outputs -> inputs + noted outputs)     W:  per submodule: backward(its output -> its parameters)
+the gradients of the stage's inputs; ``W`` then needs the weights'. Walking the retained graph again
+from the stage's outputs would recompute every activation gradient. Instead :class:`WeightPass`
+notes the output of every parameter-owning submodule during the forward, ``B`` also returns the
+gradients of those outputs (the engine computes them anyway), and ``W`` runs one short backward per
+submodule, from its output to its own parameters. That is exact only when each parameter is used
+inside its own submodule's single call, so the first ``W`` of a run checks it (:class:`WeightPass`).
 """
 
 from __future__ import annotations
@@ -57,7 +32,12 @@ def _owners(module: nn.Module) -> list[tuple[nn.Module, list[torch.nn.Parameter]
 
 
 class WeightPass:
-    """Per stage module: capture during a forward, input gradients in ``B``, weight gradients in ``W``."""
+    """Per stage module: capture during a forward, input gradients in ``B``, weight gradients in ``W``.
+
+    The first ``W`` of a run also computes every weight gradient the plain way (from the stage's
+    outputs) and compares them (:func:`same_grads`): equal, and the fast path is used from then on
+    (an emitted stage's forward is straight-line code: the same every step); different, and every
+    later ``W`` walks the whole graph (correct, slower), which is logged once."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -156,7 +136,12 @@ def bitwise_check(device: torch.device) -> bool:
 
 def same_grads(plain: torch.Tensor, fast: torch.Tensor, exact: bool) -> bool:
     """The trust check's comparison of one parameter's gradient by the plain walk and by the fast
-    path: bitwise when ``exact``, else within a reassociation's noise (module doc)."""
+    path: bitwise when ``exact`` (:func:`bitwise_check`), else every entry within ``rtol`` (from the
+    dtype) times the gradient's largest entry. With non-deterministic GPU kernels (atomics in
+    scatter/index_add-style backwards, cuDNN's algorithm choice) two walks of one graph may differ in
+    the last bits, and a bitwise check would distrust an exact fast path for the whole run; what the
+    check must catch, a parameter used outside its submodule's call, leaves out a whole contribution
+    to the gradient, far above that noise."""
     if exact or plain.shape != fast.shape:
         return torch.equal(plain, fast)
     rtol = 1e-2 if plain.element_size() <= 2 else 1e-4  # half types carry about 3 digits, float32 about 7

@@ -1,23 +1,9 @@
 """Weight versions: which parameter tensors each microbatch's forward and backward use (weight stashing).
 
-The schedule says everything through its actions (see ``runtime/schedules.py``, "Weight
-versions"): ``WV v`` makes later forwards use version ``v``, ``B k`` uses the version ``F k`` used,
-``ST`` updates the newest version. :class:`VersionedStore` implements exactly that for every
-schedule:
-
-* The module's live parameters always hold the *newest* version; the optimizer updates them in
-  place, so its state (momentum, ...) stays where ``torch.optim`` expects it.
-* An older version, or the newest one when an ``ST`` will come while a microbatch that used it is
-  still in flight, lives as a *clone*: detached leaf tensors that are never modified in place. The
-  forward runs on them through ``torch.func.functional_call``, so the tensors autograd saves for the
-  backward *are* the stashed version (no ``load_state_dict`` on live parameters, which would break
-  autograd's version counters). After the backward, the clone's gradients are added into the live
-  parameters' ``.grad``, where ``AR``/``TG``/``ST`` find them.
-* A microbatch whose forward uses the newest version and whose backward comes before the next
-  ``ST`` runs on the live parameters directly (GPipe and Flush never clone).
-* A clone is dropped as soon as no microbatch in flight and no later forward uses it.
-  :meth:`VersionedStore.observe` counts versions alive by weak references to the clone tensors
-  (plus the newest, held by the live parameters), so the count measures what memory really holds.
+The schedule says everything through its actions (see :mod:`pdcompile.runtime.schedules.versions`):
+``WV v`` makes later forwards use version ``v``, ``B k`` uses the version ``F k`` used, ``ST``
+updates the newest version. :class:`VersionedStore` implements exactly that for every schedule,
+keeping a version other than the live parameters only while a microbatch needs it.
 """
 
 from __future__ import annotations
@@ -44,7 +30,21 @@ class _Reading:
 
 
 class VersionedStore(WeightStore):
-    """Versioned parameters driven by the schedule's ``WV``/``F``/``B``/``ST`` actions (see module doc)."""
+    """Versioned parameters driven by the schedule's ``WV``/``F``/``B``/``ST`` actions.
+
+    * The module's live parameters always hold the *newest* version; the optimizer updates them in
+      place, so its state (momentum, ...) stays where ``torch.optim`` expects it.
+    * An older version, or the newest one when an ``ST`` will come while a microbatch that used it
+      is still in flight, lives as a *clone*: detached leaf tensors never modified in place. The
+      forward runs on them through ``torch.func.functional_call``, so what autograd saves for the
+      backward *is* the stashed version (no ``load_state_dict`` on live parameters, which would
+      break autograd's version counters). After the backward, the clone's gradients are added into
+      the live parameters' ``.grad``, where ``AR``/``TG``/``ST`` find them.
+    * A microbatch whose forward uses the newest version and whose backward comes before the next
+      ``ST`` runs on the live parameters directly (GPipe and Flush never clone).
+    * A clone is dropped as soon as no microbatch in flight and no later forward uses it.
+      :meth:`observe` counts versions alive by weak references to the clone tensors (plus the
+      newest, held by the live parameters), so the count measures what memory really holds."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__(module)

@@ -1,10 +1,9 @@
 """The model of the demo's local run: VGG-shaped, with its parameters in the classifier as VGG-16's are.
 
-Three 3x3 convolutions (16-M-32-M-64-M on 32x32 images) then Linear 1024-1024-1024-10: 2.1M of its
-2.2M parameters sit in the Linear layers, while the activations after the convolutions are small
+Three 3x3 convolutions (16-M-32-M-64-M on 32x32 images) then Linear 1024-1024-1024-10: nearly all
+its parameters sit in the Linear layers, while the activations after the convolutions are small
 (64 x 4 x 4 per sample). That is the shape PipeDream wins on: data parallelism all-reduces every
 parameter each step, a pipeline cut after the convolutions sends only the small activations.
-
 The data is learnable in a few steps (each class is a fixed random image plus noise), so both the
 pipeline and the data-parallel baseline show their loss falling. ``build`` is the factory
 ``pdcompile.ddp_worker --model`` calls; ``batches`` is the emitted program's data hook.

@@ -1,18 +1,12 @@
 """``pdcompile demo``: what PipeDream is for, in three parts, no arguments needed.
 
-(a) The paper's headline case from PipeDream's own profile (``pipedream:vgg16``) on its Cluster A
-    (4 servers x 4 V100): the plan, its predicted speedup over data parallelism beside the paper's
-    measured 5.28x, the bytes it moves per minibatch against data parallelism's, a timeline PNG.
-(b) The same story measured here: a VGG-shaped model (parameters in the classifier) planned for two
-    CPU processes joined by an emulated slow link (:mod:`pdcompile.slowlink`), emitted, trained
-    through torchrun, and DistributedDataParallel trained beside it on the same link, data and
-    optimizer: step times, their ratio, both losses.
-(c) That pipeline's step predicted before it ran, from the profile and this machine's constants
-    (:mod:`pdcompile.calibrate`: measured once, cached), against the measured median, category by
-    category.
-
-Everything lands in ``--out`` (default ``pdcompile-out/demo``, relative to the working directory),
-with ``summary.json`` holding every number printed.
+(a) The paper's headline case, ``pipedream:vgg16`` on its Cluster A (4 servers x 4 V100): the plan,
+    its predicted speedup over data parallelism beside the paper's, bytes moved, a timeline PNG.
+(b) The same story measured here: a VGG-shaped model emitted for two CPU processes on an emulated
+    slow link (:mod:`pdcompile.slowlink`), trained beside DDP: step times, their ratio, both losses.
+(c) That pipeline's step predicted before it ran (:mod:`pdcompile.calibrate`) against the measured
+    median, category by category.
+Everything lands in ``--out`` (default ``pdcompile-out/demo``); ``summary.json`` holds every number.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """ResNet: convolutional blocks whose outputs are added to their inputs (He et al., 2015).
 
 Every skip connection is written ``out + identity`` in ``forward``, so it is an explicit edge of
-the traced graph (a branch the linearizer must carry across cuts).
-
-Normalisation: ``full`` is ResNet-50 with BatchNorm2d, as published (~25.6M parameters).
-``small`` uses GroupNorm instead. BatchNorm in training mode normalises with the statistics of
-the whole batch and updates running buffers on every forward, so a pipeline that splits the batch
-into microbatches would compute different outputs from the unsplit model. GroupNorm normalises
-each sample on its own and has no running state: a sample's output does not depend on the rest
-of its batch, which keeps the split-vs-whole comparisons in the tests exact. (GroupNorm has the
-same two parameters per channel, so parameter counts are unaffected by the choice.)
+the traced graph (a branch the linearizer must carry across cuts). ``full`` is ResNet-50 with
+BatchNorm2d, as published; ``small`` uses GroupNorm, which normalises each sample on its own with
+no running state, so the tests' split-vs-whole comparisons stay exact (BatchNorm in training mode
+uses the whole batch's statistics and updates running buffers, so microbatches would differ).
+GroupNorm has the same two parameters per channel, so parameter counts don't depend on the choice.
 """
 
 from __future__ import annotations

@@ -3,22 +3,9 @@
 NCCL ignores tags and runs a rank's transfers to one peer one after another, in the order they
 were issued (each pair has one communicator and one stream); a send completes only once the peer's
 matching receive runs. So both sides of every pair must issue their transfers in the same order.
-
-The executor's issue rules (identical here, in the checker and in ``runtime/executor.py``):
-
-* ``SF k`` / ``SB k`` send a microbatch's activations / input gradients; the first stage's ``F k``
-  sends the target to the last stage first (before it computes), so ``T k`` precedes ``A k``.
-* A receive is posted where :func:`transfer_plan` puts it: before some action at or before its
-  ``RF``/``RB``. The last stage's ``RF k`` first posts the receives of the targets up to ``k``
-  (:class:`TargetPosts`), then the activations'.
-* ``F``/``B`` wait for what they consume; ``AR``/``TG`` wait for their group; sends are waited for
-  only once the schedule proves their receiver has them (``send_release``).
-
-:func:`transfer_plan` orders each pair's messages by happens-before (ties: the one sent sooner in a
-unit-cost timing) and posts every receive as early as the order allows, at most one computation ahead of
-its ``RF``/``RB``, so its data can land while the rank computes. :func:`check_transfers` replays a
-schedule with its plan under NCCL's rules and names the first mismatch or stuck pair.
-Pure Python, no torch.
+:func:`transfer_plan` orders each pair's messages and places every receive; :func:`check_transfers`
+replays a schedule with its plan under NCCL's rules, issuing exactly as ``runtime/executor.py``
+does, and names the first mismatch or stuck pair. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -193,8 +180,9 @@ def transfer_plan(sched: Schedule, replicas: Sequence[int]) -> Posts:
 
     On each pair's :func:`link_order`, a receive goes after this rank's sends that precede it and
     before those that follow it, and after the pair's earlier receives; within that, as early as
-    one computation (``F``/``B``) before its own ``RF``/``RB``. Every ``RF``/``RB`` is posted exactly
-    once, at or before its own index.
+    one computation (``F``/``B``) before its own ``RF``/``RB``, so its data can land while the rank
+    computes. Every ``RF``/``RB`` is posted exactly once, at or before its own index. The pair order
+    is happens-before; ties go to the message sent sooner in a unit-cost timing.
     """
     ranks = stage_ranks(replicas)
     S = len(replicas)
@@ -245,7 +233,13 @@ def check_transfers(sched: Schedule, replicas: Sequence[int], posts: Posts | Non
     a send completes together with the peer's receive of the same message when both are next in
     line, ``F``/``B`` wait for what they consume, ``AR``/``TG`` for their group. Tags play no part.
     Raises :class:`ScheduleError` (rule 'transfer order') at the first pair whose next transfers
-    are different messages, or naming what every stuck rank and pair waits for."""
+    are different messages, or naming what every stuck rank and pair waits for.
+
+    The issue rules are the executor's: ``SF k``/``SB k`` send activations/input gradients; the
+    first stage's ``F k`` sends the target to the last stage before it computes (so ``T k`` precedes
+    ``A k``); receives are posted where ``posts`` puts them, the last stage's ``RF k`` first posting
+    the targets up to ``k`` (:class:`TargetPosts`); sends are waited for only once the schedule
+    proves their receiver has them (``send_release``)."""
     ranks = stage_ranks(replicas)
     S = len(replicas)
     posts = transfer_plan(sched, replicas) if posts is None else posts
