@@ -64,6 +64,19 @@ the workers of their groups (a safe upper bound); within a group the count is ex
 The bytes a stage starting at ``i`` receives are ``cut_bytes[i-1]``, capped to keep them
 monotone (``in[i+1] <= in[i] + output[i]``, which every chain from ``linearize`` satisfies).
 
+Pooled workers
+--------------
+A stage of the hierarchy nests: it takes whole units of a level or a share of one. With
+``pool=True`` the DP also plans the cluster's workers as one level at its slowest link
+(:func:`pool_cluster`), where a stage takes any ``r`` of them (the paper's 15-1 on 4 servers x 4)
+and every stage, weight sync and boundary is rated at that link (exact for a stage that spans
+servers, an upper bound for one that does not); the pooled plan is kept when strictly faster.
+Its ranks are consecutive; :func:`evaluate` rates such stages with ``pool=True``. The ILP refuses
+``pool=True`` on more than one level; the ``pipedream`` model refuses it.
+
+A plan made without the memory limit whose stage exceeds the device's memory says so in a note
+(the stage, its bytes, the device's).
+
 Algorithm
 ---------
 Bisection on the bottleneck value ``tau`` (in log space, then one exact step on the found
@@ -90,7 +103,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from pdcompile.cluster import ClusterSpec, format_quantity, require_memory
+from pdcompile.cluster import ClusterSpec, Level, format_quantity, require_memory
 from pdcompile.errors import InfeasiblePlanError, UsageError
 from pdcompile.ir import Chain
 from pdcompile.plan import Plan, StagePlan
@@ -107,6 +120,8 @@ __all__ = [
     "pipeline_time",
     "stage_time",
     "stage_memory",
+    "stage_memory_at",
+    "pool_cluster",
     "data_parallel_time",
     "evaluate",
     "plan_from_assignment",
@@ -385,16 +400,23 @@ class _Model:
         (``depth``: the stage's warmup depth, default ``k``), gradients, optimizer state, ``k``
         microbatches' activations (with recomputation: their inputs and outputs, and one microbatch
         rebuilt at its backward)."""
-        W = self.rng(self.PWM, i, j)
-        return max(W * cv + self.activations(i, j, recompute) * kk + (self.rng(self.PX, i, j) * rb if recompute else 0.0)
-                   for cv, kk, rb in self._memory_terms(k, depth))
+        return self.memory_at(i, j, k, self.versions(depth or k), recompute)
 
-    def _memory_terms(self, k: int, depth: int | None = None) -> list[tuple[float, int, int]]:
+    def memory_at(self, i: int, j: int, k: int, versions: int, recompute: bool = False,
+                  activation_scale: float = 1.0) -> float:
+        """Per-worker bytes of a stage ``i..j`` with ``k`` microbatches in flight and ``versions``
+        weight versions (activations scaled by ``activation_scale``, e.g. another microbatch size)."""
+        W = self.rng(self.PWM, i, j)
+        X = self.activations(i, j, recompute) * activation_scale
+        R = self.rng(self.PX, i, j) * activation_scale if recompute else 0.0
+        return max(W * cv + X * kk + R * rb for cv, kk, rb in self._memory_terms(k, versions=versions))
+
+    def _memory_terms(self, k: int, depth: int | None = None, versions: int | None = None) -> list[tuple[float, int, int]]:
         """(weight-bytes factor, microbatches of activations, rebuilds) of the moments that may
         peak: with an update per microbatch (1F1B) gradients live from a backward (where a rebuild
         happens) to its update, while the microbatch is no longer in flight; a schedule that holds
         the step (GPipe) has none until its first backward frees one; else all step long."""
-        v = self.versions(depth or k) + self.opt_factor
+        v = (self.versions(depth or k) if versions is None else versions) + self.opt_factor
         if self.policy.update_per_microbatch:
             return [(v, k, 1), (v + 1, k - 1, 0)]
         if self.policy.holds_step:
@@ -950,8 +972,11 @@ def _build_plan(
     optimal: bool,
     gap: float,
     notes: Iterable[str] = (),
+    baseline: _Model | None = None,
 ) -> Plan:
+    """The Plan of ``blocks``; ``baseline`` (default ``model``) rates data parallelism and names the cluster."""
     chain = model.chain
+    base = baseline or model
     stages = []
     for idx, sc in enumerate(ev.stages):
         layers = chain.layers[sc.first:sc.last + 1]
@@ -963,9 +988,17 @@ def _build_plan(
             in_flight=sc.in_flight, weight_versions=sc.weight_versions,
             recompute="full" if sc.recompute else "none",
         ))
-    dp = model.data_parallel_time()
+    dp = base.data_parallel_time()
     b = chain.batch_size
     notes = list(notes)
+    device_memory = model.cluster.device.memory
+    if not model.memory_on and device_memory:
+        for idx, sc in enumerate(ev.stages):
+            if sc.memory_bytes > device_memory * (1 + 1e-9):
+                notes.append(f"warning: stage {idx} needs "
+                             f"{format_quantity(sc.memory_bytes, 'memory')} per worker, over the device's "
+                             f"{format_quantity(device_memory, 'memory')} (the memory limit is off: "
+                             "use memory_limit=True or --memory-limit to plan within it)")
     if model.memory_on and model.N > 0:
         need = model.memory(0, model.N - 1, 1)  # the whole model, its gradients, optimizer state, one minibatch
         if need > model.mem_budget * (1 + _EPS):
@@ -987,7 +1020,7 @@ def _build_plan(
         gap=gap,
         num_workers=model.cluster.num_workers,
         model=chain.name,
-        cluster=str(model.cluster),
+        cluster=str(base.cluster),
         memory_limit_bytes=model.mem_budget if model.memory_on else None,
         notes=tuple(notes),
     )
@@ -1004,8 +1037,12 @@ def partition_dp(
     allow_replication: bool = True,
     num_microbatches: int = 1,
     recompute: str = "none",
+    pool: bool = False,
 ) -> Plan:
     """The best plan for ``chain`` on ``cluster`` under ``cost_model`` (see the module doc).
+
+    ``pool``: also plan the workers as one pool at the slowest link (:func:`pool_cluster`), where
+    stages need not nest in the hierarchy, and keep that plan when it is strictly faster.
 
     ``num_microbatches``: per minibatch (a schedule that holds them all, GPipe, keeps ``M / r`` in
     flight). ``recompute``: ``none``, ``full`` (every stage) or ``auto`` (where memory needs it).
@@ -1017,10 +1054,32 @@ def partition_dp(
     is unknown.
     """
     t0 = time.perf_counter()
-    model = _Model(chain, cluster, cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication,
-                   num_microbatches, recompute)
-    blocks, ev = _solve(model)
+    if pool and cost_model == "pipedream":
+        raise UsageError("the pipedream cost model reproduces PipeDream's released optimizer, whose stages nest in "
+                         "the cluster's levels; pool=True goes with cost_model='default' or 'paper'")
+    args = (cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication, num_microbatches, recompute)
+    model = _Model(chain, cluster, *args)
+    baseline = model
+    try:
+        blocks, ev = _solve(model)
+    except InfeasiblePlanError:
+        if not (pool and model.L > 1):
+            raise
+        blocks, ev = (), None
     notes = []
+    if pool and model.L > 1:  # the workers as one pool at the slowest link: stages need not nest
+        pooled = _Model(chain, pool_cluster(cluster), *args)
+        try:
+            pblocks, pev = _solve(pooled)
+        except InfeasiblePlanError:
+            if ev is None:
+                _solve(model)  # raises the hierarchy's error (it names the memory that fits)
+            pblocks, pev = (), None
+        if pev is not None and (ev is None or pev.seconds < ev.seconds * (1 - 1e-9)):
+            model, blocks, ev = pooled, pblocks, pev
+            notes.append(f"pooled: the stages need not nest in {cluster.levels[-1].name}; every stage and link "
+                         f"is rated at the slowest link ({format_quantity(pooled.B[0], 'bandwidth')})")
+    assert ev is not None
     optimal = True
     if model.conservative_levels:
         optimal = False
@@ -1028,15 +1087,26 @@ def partition_dp(
         notes.append(f"memory: downstream counts at level(s) {names} taken as all units of the budget "
                      f"(more than {EXACT_MEMORY_MAX_UNITS} units); the plan fits but may not be optimal")
     return _build_plan(model, blocks, ev, solver="dp", planning_seconds=time.perf_counter() - t0,
-                       optimal=optimal, gap=0.0 if optimal else math.nan, notes=notes)
+                       optimal=optimal, gap=0.0 if optimal else math.nan, notes=notes, baseline=baseline)
+
+
+def pool_cluster(cluster: ClusterSpec) -> ClusterSpec:
+    """The cluster's workers as one level at its slowest link: a stage may take any ``r`` of them
+    (15 of 4 servers x 4), rated by the slowest link it may span."""
+    if len(cluster.levels) == 1:
+        return cluster
+    return ClusterSpec(cluster.device, (Level("pool", cluster.num_workers, min(cluster.bandwidths)),))
 
 
 def _model(chain: Chain, cluster: ClusterSpec, options: dict[str, Any]) -> _Model:
     allowed = {"cost_model", "schedule", "memory_limit", "optimizer_state_factor", "allow_replication",
-               "num_microbatches", "recompute"}
+               "num_microbatches", "recompute", "pool"}
     bad = set(options) - allowed
     if bad:
         raise UsageError(f"unknown option(s) {sorted(bad)}; use {sorted(allowed)}")
+    options = dict(options)
+    if options.pop("pool", False):  # rate the stages on the pool (ranks need not nest)
+        cluster = pool_cluster(cluster)
     if options.get("memory_limit") is None and cluster.device.memory is None:
         options = {**options, "memory_limit": False}  # evaluating needs no limit
     return _Model(chain, cluster, **options)
@@ -1089,10 +1159,11 @@ def _check_cover(blocks: Sequence[Block], first: int, last: int, cluster: Cluste
 
 def evaluate(chain: Chain, cluster: ClusterSpec, stages: Any, **options: Any) -> Evaluation:
     """Evaluate a configuration (Plan, StagePlans, ``(first, last, replicas[, ranks])`` tuples, or
-    a Block tree) under the cost model: time, bottleneck, per-stage costs and memory."""
+    a Block tree) under the cost model: time, bottleneck, per-stage costs and memory
+    (``pool=True``: on :func:`pool_cluster`, where the ranks need not nest)."""
     model = _model(chain, cluster, {k: v for k, v in options.items()})
-    blocks = _to_blocks(stages, cluster)
-    _check_cover(blocks, 0, len(chain) - 1, cluster, len(cluster.levels))
+    blocks = _to_blocks(stages, model.cluster)
+    _check_cover(blocks, 0, len(chain) - 1, model.cluster, len(model.cluster.levels))
     return model.evaluate(blocks)
 
 
@@ -1118,6 +1189,20 @@ def stage_memory(chain: Chain, first: int, last: int, in_flight: int, *, schedul
     return model.memory(first, last, in_flight)
 
 
+def stage_memory_at(chain: Chain, first: int, last: int, *, in_flight: int, weight_versions: int,
+                    schedule: str = "1f1b", optimizer_state_factor: float = 1.0, recompute: bool = False,
+                    num_microbatches: int = 1, activation_scale: float = 1.0) -> float:
+    """Per-worker bytes of stage ``first..last`` at given in-flight and weight-version counts: the
+    planner's stage memory (module doc), for the simulator's counts; activations scaled by
+    ``activation_scale``."""
+    from pdcompile.cluster import Device
+
+    cluster = ClusterSpec(Device("any", memory=1.0), (Level("l", 1, 1.0),))
+    model = _Model(chain, cluster, "paper", schedule, False, optimizer_state_factor,
+                   num_microbatches=num_microbatches)
+    return model.memory_at(first, last, in_flight, weight_versions, recompute, activation_scale)
+
+
 def data_parallel_time(chain: Chain, cluster: ClusterSpec, cost_model: str = "default") -> float:
     """Seconds per minibatch of pure data parallelism over all workers under ``cost_model``."""
     return _Model(chain, cluster, cost_model, memory_limit=False).data_parallel_time()
@@ -1128,14 +1213,15 @@ def plan_from_assignment(chain: Chain, cluster: ClusterSpec, assignment: Any, *,
     """A Plan for a given configuration (see :func:`evaluate` for the accepted forms)."""
     t0 = time.perf_counter()
     model = _model(chain, cluster, options)
-    blocks = _to_blocks(assignment, cluster)
-    _check_cover(blocks, 0, len(chain) - 1, cluster, len(cluster.levels))
+    blocks = _to_blocks(assignment, model.cluster)
+    _check_cover(blocks, 0, len(chain) - 1, model.cluster, len(model.cluster.levels))
     ev = model.evaluate(blocks)
     notes = []
     if not model.memory_ok(ev):
         notes.append(f"exceeds the memory limit: {format_quantity(ev.peak_memory, 'memory')} per worker")
+    baseline = _model(chain, cluster, {k: v for k, v in options.items() if k != "pool"})
     return _build_plan(model, blocks, ev, solver=solver, planning_seconds=time.perf_counter() - t0,
-                       optimal=False, gap=math.nan, notes=notes)
+                       optimal=False, gap=math.nan, notes=notes, baseline=baseline)
 
 
 def pipeline_plan(chain: Chain, stage_bounds: Sequence[int], cluster: ClusterSpec, **options: Any) -> Plan:

@@ -79,6 +79,8 @@ def partition_ilp(
     time_limit_s: float = 30.0,
     hint: Plan | str | None = None,
     workers: int | None = None,
+    pool: bool = False,
+    recompute: str = "none",
 ) -> Plan:
     """The optimal plan by CP-SAT within ``time_limit_s`` (``Plan.optimal``; else ``Plan.gap``,
     the relative distance to the proven lower bound). Options as for ``partition_dp``.
@@ -91,6 +93,12 @@ def partition_ilp(
     if cost_model == "pipedream":
         raise UsageError("the ILP solver does not model the pipedream cost model (the released optimizer's sums "
                          "and exact worker counts); use solver='dp' (--solver dp) for it")
+    if pool and len(cluster.levels) > 1:
+        raise UsageError("the ILP solver models stages that nest in the cluster's levels only, not pooled workers "
+                         "(pool=True, stages that span servers); use solver='dp' (--solver dp) for it")
+    if recompute != "none":
+        raise UsageError(f"the ILP solver does not model activation recomputation (recompute={recompute!r}); "
+                         "use solver='dp' (--solver dp) for it")
     t0 = time.perf_counter()
     orig_levels = len(cluster.levels)
     cl2 = _two_level(cluster)

@@ -249,6 +249,9 @@ class Plan:
         )
         cols = ["stage", "layers", "names", "replicas", "ranks", "compute", "comm", "send",
                 "time", "memory", "in-flight"]
+        recomputes = any(s.recompute != "none" for s in self.stages)  # the column only when some stage does
+        if recomputes:
+            cols.append("recompute")
         rows = []
         for s in self.stages:
             names = _abbrev_names(s.layer_names)
@@ -256,7 +259,7 @@ class Plan:
                 str(s.index), f"{s.first}..{s.last}", names, str(s.replicas), _ranges(s.ranks),
                 _fmt_s(s.compute_s), _fmt_s(s.comm_s), _fmt_s(s.send_s), _fmt_s(s.time_s),
                 _fmt_bytes(s.memory_bytes), str(s.in_flight),
-            ])
+            ] + ([s.recompute] if recomputes else []))
         widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
         lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
         for r in rows:

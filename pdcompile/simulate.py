@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdcompile.errors import UsageError
@@ -370,7 +370,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                   latency_s: float = 0.0, collective_latency_s: float | None = None,
                   overhead_s: Mapping[str, float] | float = 0.0, recv_progress: str = "background",
                   copy_bandwidth: float | None = None, split_backward: bool = True,
-                  input_grad_share: float = INPUT_GRAD_SHARE, weight_grad_share: float = WEIGHT_GRAD_SHARE) -> SimResult:
+                  input_grad_share: float = INPUT_GRAD_SHARE, weight_grad_share: float = WEIGHT_GRAD_SHARE,
+                  optimizer_state_factor: float = 1.0) -> SimResult:
     """Simulate a :class:`pdcompile.plan.Plan` of ``chain`` on ``cluster``.
 
     ``tied_bytes``: bytes of parameters tied across ``tied_stages`` (a GPT's embedding and output
@@ -390,23 +391,25 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     ``backward_s``; its boundary sends ``chain.cut_bytes[last]`` forward (and as many gradient
     bytes back) at ``cluster.bandwidth_between`` the two ranks; a replicated stage all-reduces its
     ``param_bytes`` with a ring over the slowest link among its ranks. Chain costs are per
-    minibatch of ``chain.batch_size`` and are scaled linearly to ``plan.microbatch_size``. Memory:
-    activations in flight (the stage's layers' ``output_bytes`` per microbatch) and weight versions
-    (``param_bytes`` each). Schedule ranks are consecutive by stage; replica ``i`` of stage ``s``
+    minibatch of ``chain.batch_size`` and are scaled linearly to ``plan.microbatch_size``. A stage
+    that recomputes (``recompute="full"``) runs its forward again before its backward (``B``).
+    Memory: the planner's stage memory (:func:`pdcompile.passes.partition_dp.stage_memory_at`: saved
+    activations, weights x versions, gradients, ``optimizer_state_factor`` x weights of optimizer
+    state) at the simulated peak in-flight and weight-version counts. Schedule ranks are consecutive by stage; replica ``i`` of stage ``s``
     runs on ``plan.stages[s].ranks[i]`` of the cluster. ``schedule_name`` defaults to the plan's.
     """
     name = schedule_name or plan.schedule
     reps = [st_.replicas for st_ in plan.stages]
     scale = plan.microbatch_size / chain.batch_size
     layers = chain.layers
-    fwd, bwd, act, params, cut, b_in, b_w = [], [], [], [], [], [], []
+    fwd, bwd, params, cut, b_in, b_w = [], [], [], [], [], []
     for st_ in plan.stages:
         mine = layers[st_.first:st_.last + 1]
+        again = sum(l.forward_s for l in mine) * scale if st_.recompute == "full" else 0.0  # rebuilt at B
         fwd.append(sum(l.forward_s for l in mine) * scale)
-        bwd.append(sum(l.backward_s for l in mine) * scale)
-        b_in.append(sum(_part(l.input_grad_s, l.backward_s, input_grad_share) for l in mine) * scale)
+        bwd.append(sum(l.backward_s for l in mine) * scale + again)
+        b_in.append(sum(_part(l.input_grad_s, l.backward_s, input_grad_share) for l in mine) * scale + again)
         b_w.append(sum(_part(l.weight_grad_s, l.backward_s, weight_grad_share) for l in mine) * scale)
-        act.append(sum(l.output_bytes for l in mine) * scale)
         params.append(sum(l.param_bytes for l in mine))
         cut.append(chain.cut_bytes[st_.last] * scale if st_.last < len(chain.cut_bytes) else 0.0)
     sched_ranks = stage_ranks(reps)
@@ -428,7 +431,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
         cr = [cluster_rank[r] for s in tied_stages for r in sched_ranks[s]]
         bw = min((cluster.bandwidth_between(a, b) for a in cr for b in cr if a != b), default=math.inf)
         tied_s = ring_allreduce_s(tied_bytes, len(cr), bw) + coll_lat
-    return simulate_schedule(name, reps, num_microbatches, num_steps=num_steps, vertical_sync=vertical_sync,
+    res = simulate_schedule(name, reps, num_microbatches, num_steps=num_steps, vertical_sync=vertical_sync,
                              split_backward=split_backward,
                              input_grad_s=b_in, weight_grad_s=b_w,
                              tied=bool(tied_bytes and tied_stages), tied_s=tied_s,
@@ -436,5 +439,12 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                              overhead_s=overhead_s, recv_progress=recv_progress,
                              version_s=[p / copy_bandwidth for p in params] if copy_bandwidth else None,
                              forward_s=fwd, backward_s=bwd, send_s=send, allreduce_s=allreduce, step_s=step_s,
-                             overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size,
-                             activation_bytes=act, weight_bytes=params)
+                             overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size)
+    from pdcompile.passes.partition_dp import stage_memory_at  # pure data, as this module
+
+    memory = [stage_memory_at(chain, st_.first, st_.last, in_flight=res.peak_in_flight[s],
+                              weight_versions=res.peak_weight_versions[s], schedule=name,
+                              optimizer_state_factor=optimizer_state_factor, recompute=st_.recompute == "full",
+                              num_microbatches=num_microbatches, activation_scale=scale)
+              for s, st_ in enumerate(plan.stages)]
+    return replace(res, peak_memory_bytes=memory)

@@ -647,3 +647,81 @@ def test_pipedream_model_rates_the_released_optimizers_vgg16_plans_as_it_does() 
         assert math.isclose(pd_ref_time(chain, cluster, blocks), seconds, rel_tol=1e-9)
     p = partition_dp(chain, cluster, cost_model="pipedream")
     assert p.stages[0].replicas == 12 and p.stages[0].first == 0 and 30 <= p.stages[0].last <= 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooled workers: stages that need not nest in the hierarchy (issue 17 item 5)
+# ---------------------------------------------------------------------------------------------
+
+
+def _pooled(p: Plan) -> bool:
+    return any(n.startswith("pooled:") for n in p.notes)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=chains(5), m1=st.integers(1, 3), m2=st.integers(2, 3),
+       b1=st.sampled_from([10.0, 100.0]), b2=st.sampled_from([1.0, 5.0]),
+       model=st.sampled_from(["paper", "default"]))
+def test_pooled_dp_equals_the_better_brute_force(chain: Chain, m1: int, m2: int, b1: float, b2: float,
+                                                 model: str) -> None:
+    """pool=True: the best of the nested configurations and of any r workers of the pool at the
+    slowest link, each by its own brute force."""
+    cluster = two_level(m1, m2, b1, b2)
+    pool = flat_cluster(m1 * m2, min(b1, b2))
+    best = min(brute_force(chain, cluster, model), brute_force(chain, pool, model))
+    p = partition_dp(chain, cluster, cost_model=model, memory_limit=False, pool=True)
+    assert close(p.seconds_per_minibatch, best)
+    assert close(pipeline_time(chain, cluster, p, cost_model=model, memory_limit=False, pool=_pooled(p)),
+                 p.seconds_per_minibatch)
+    nested = partition_dp(chain, cluster, cost_model=model, memory_limit=False)  # the same baseline
+    assert p.data_parallel_samples_per_second == nested.data_parallel_samples_per_second
+    assert p.seconds_per_minibatch <= nested.seconds_per_minibatch
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=chains(5), m1=st.integers(1, 3), m2=st.integers(2, 3), frac=st.floats(0.1, 1.2))
+def test_pooled_dp_with_memory_equals_the_better_brute_force(chain: Chain, m1: int, m2: int, frac: float) -> None:
+    limit = max(frac * stage_memory(chain, 0, len(chain) - 1, 1), 1e-6)
+    cluster = two_level(m1, m2, 10.0, 2.0, memory=limit)
+    pool = ClusterSpec(Device("d", memory=limit), (Level("pool", m1 * m2, 2.0),))
+    best = min(brute_force(chain, cluster, "default", memory=limit),
+               brute_force(chain, pool, "default", memory=limit))
+    if math.isinf(best):
+        with pytest.raises(InfeasiblePlanError):
+            partition_dp(chain, cluster, pool=True)
+        return
+    p = partition_dp(chain, cluster, pool=True)
+    assert close(p.seconds_per_minibatch, best)
+    assert all(s.memory_bytes <= limit * (1 + 1e-9) for s in p.stages)
+
+
+def test_vgg16_on_cluster_a_pools_fifteen_one_within_memory() -> None:
+    """The paper's 15-1: the first stage spans all four servers; recomputation fits it in 16 GiB."""
+    from pdcompile.cluster import paper_cluster
+
+    chain = _pipedream_chain("vgg16")
+    cluster = paper_cluster("A")
+    nested = partition_dp(chain, cluster, recompute="auto")
+    p = partition_dp(chain, cluster, recompute="auto", pool=True)
+    assert p.configuration == "15-1" and _pooled(p)
+    assert p.stages[0].ranks == tuple(range(15)) and p.stages[0].recompute == "full"
+    assert all(s.memory_bytes <= 16 * 2**30 for s in p.stages)
+    assert p.seconds_per_minibatch < nested.seconds_per_minibatch
+    with pytest.raises(UsageError, match="do not nest|not the same positions"):
+        evaluate(chain, cluster, p)  # its ranks don't nest: only the pool rates them
+    assert close(evaluate(chain, cluster, p, recompute="auto", pool=True).seconds, p.seconds_per_minibatch)
+    with pytest.raises(UsageError, match="pipedream"):
+        partition_dp(chain, cluster, cost_model="pipedream", pool=True)
+
+
+def test_a_plan_over_device_memory_says_which_stage() -> None:
+    from pdcompile.cluster import paper_cluster
+
+    p = partition_dp(_pipedream_chain("vgg16"), paper_cluster("A"), cost_model="paper")
+    over = [s for s in p.stages if s.memory_bytes > 16 * 2**30]
+    assert over, "the paper model's VGG-16/A plan exceeds 16 GiB (README 'Reading a plan')"
+    warnings = [n for n in p.notes if n.startswith("warning:")]
+    assert [f"stage {s.index} needs" in w for s, w in zip(over, warnings)] == [True] * len(over)
+    assert all("over the device's 16 GiB" in w for w in warnings)
+    within = partition_dp(_pipedream_chain("vgg16"), paper_cluster("A"), cost_model="paper", memory_limit=True)
+    assert not any(n.startswith("warning:") for n in within.notes)

@@ -99,3 +99,17 @@ def test_vgg16_ilp_is_three_one_and_proven():
     chain = _pipedream_chain("vgg16")
     p = partition_ilp(chain, flat_cluster(4, 1e9), cost_model="paper", time_limit_s=120)
     assert p.optimal and p.configuration == "3-1"
+
+
+def test_ilp_refuses_pooled_workers_and_recomputation() -> None:
+    """What the DP can plan and the ILP does not model is refused, naming the DP (no silent gap)."""
+    chain = make_chain([1, 2, 3], [1, 2, 3], [5, 5, 5], [4, 4, 4], [4, 4])
+    cluster = two_level(2, 2, 10.0, 1.0)
+    with pytest.raises(UsageError, match="pooled workers.*solver='dp'"):
+        partition_ilp(chain, cluster, pool=True)
+    with pytest.raises(UsageError, match="recomputation.*solver='dp'"):
+        partition_ilp(chain, cluster, recompute="auto")
+    # one level: the pool is the cluster itself, so pool=True plans the same as the DP
+    flat = flat_cluster(3, 10.0)
+    _same(partition_dp(chain, flat, cost_model="paper", pool=True).seconds_per_minibatch,
+          partition_ilp(chain, flat, cost_model="paper", pool=True))

@@ -88,6 +88,7 @@ def test_reading_a_plan_prose_figures_are_the_planners() -> None:
     claims = re.findall(r"([0-9]+(?:-[0-9]+)*)\s+at\s+([0-9.]+)x\s+under\s+`(\w+)`", section)
     assert {m for _, _, m in claims} == {"default", "pipedream"}
     for config, speedup, model in claims:
-        p = partition_dp(chain, paper_cluster("A"), cost_model=model)
+        cli = {} if model == "pipedream" else {"recompute": "auto", "pool": True}  # the CLI's defaults with dp
+        p = partition_dp(chain, paper_cluster("A"), cost_model=model, **cli)
         assert p.configuration == config
         assert f"{p.speedup_vs_data_parallel:.{len(speedup.split('.')[1])}f}" == speedup

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from collections import Counter
 from fractions import Fraction as Fr
+from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdcompile.errors import ScheduleError
 from pdcompile.runtime.schedules import SCHEDULES, Action, Kind, make_schedule, parse_grid, policy
 from pdcompile.simulate import simulate, simulate_schedule
+from test_partition_dp import make_chain
 
 F, B = Fr(1), Fr(2)  # forward and backward of one microbatch; backward twice the forward
 
@@ -275,7 +277,9 @@ def test_simulate_plan_replicated_stage_all_reduces() -> None:
     ar = [e for e in res.events if e.category == "allreduce"]
     assert len(ar) == 4 and all(e.end_s - e.start_s == pytest.approx(1.0) for e in ar)
     assert res.peak_weight_versions == [2, 1]
-    assert res.peak_memory_bytes == [pytest.approx(2 * 10 + 2 * 1e9), pytest.approx(10 + 1e9)]
+    # the planner's stage memory: 1F1B's peak is after a backward, the gradient (1 x W) live with
+    # the versions and optimizer state (1 x W), one microbatch fewer in flight
+    assert res.peak_memory_bytes == [pytest.approx((2 + 1 + 1) * 1e9 + 1 * 10), pytest.approx((1 + 1 + 1) * 1e9)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -368,3 +372,67 @@ def test_version_copies_are_charged(name: str) -> None:
     for rank, acts in sched.items():
         assert copying.busy[rank] - plain.busy[rank] == sum(version_copies(acts)) * c * (rank + 1)
     assert (copying.makespan_s > plain.makespan_s) == (name != "flush")
+
+
+# ------------------------------------------------------------------------------------------------
+# memory: the simulator's prediction is the planner's stage memory at the simulated counts
+# ------------------------------------------------------------------------------------------------
+
+
+def _saved_chain(seed: int, layers: int) -> Any:
+    """A chain with saved-activation bytes that differ from its outputs (what annotate-costs records)."""
+    import random
+    from dataclasses import replace as _replace
+
+    rnd = random.Random(seed)
+    u = lambda a, b: [rnd.uniform(a, b) for _ in range(layers)]  # noqa: E731
+    chain = make_chain(u(1, 10), u(1, 10), u(1, 50), u(1, 50), u(1, 60)[:layers - 1])
+    return _replace(chain, layers=tuple(
+        _replace(l, saved_bytes=l.output_bytes * rnd.uniform(0.5, 2), saved_input_bytes=rnd.uniform(0, 5),
+                 saved_output_bytes=rnd.uniform(0, 5), shared_param_bytes=rnd.choice([0.0, l.param_bytes / 2]))
+        for l in chain.layers))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), layers=st.integers(1, 6), data=st.data(),
+       schedule=st.sampled_from(["gpipe", "flush", "1f1b", "2bw"]), recompute=st.sampled_from(["none", "full"]))
+def test_simulated_memory_is_the_planners(seed: int, layers: int, data: Any, schedule: str, recompute: str) -> None:
+    """Planner and simulator agree per stage: the simulated schedule's peak in-flight microbatches
+    and live weight versions (two steps: 2BW's second version) are the counts the planner's
+    closed form assumes, given enough microbatches to fill the pipeline."""
+    from pdcompile.cluster import flat_cluster
+    from pdcompile.passes.partition_dp import plan_from_assignment
+    from pdcompile.simulate import simulate_plan
+
+    chain = _saved_chain(seed, layers)
+    S = data.draw(st.integers(1, layers))
+    cuts = sorted(data.draw(st.lists(st.integers(1, max(1, layers - 1)), min_size=S - 1, max_size=S - 1,
+                                     unique=True))) if S > 1 else []
+    bounds = [0, *cuts, layers]
+    reps = data.draw(st.lists(st.integers(1, 2), min_size=S, max_size=S))
+    M = 4 * sum(reps)  # every replica fills its pipeline
+    cluster = flat_cluster(sum(reps), 10.0, memory=1e15)
+    plan = plan_from_assignment(chain, cluster, [(a, b - 1, r) for a, b, r in zip(bounds, bounds[1:], reps)],
+                                schedule=schedule, num_microbatches=M, recompute=recompute,
+                                optimizer_state_factor=2.0)
+    res = simulate_plan(plan, chain, cluster, schedule, M, num_steps=2, optimizer_state_factor=2.0)
+    assert res.peak_in_flight == [s.in_flight for s in plan.stages]
+    assert res.peak_weight_versions == [s.weight_versions for s in plan.stages]
+    assert res.peak_memory_bytes == [pytest.approx(s.memory_bytes, rel=1e-12) for s in plan.stages]
+
+
+def test_simulated_memory_uses_saved_bytes_not_outputs() -> None:
+    """Saved-activation bytes, not output bytes, size what a microbatch in flight keeps."""
+    from dataclasses import replace as _replace
+
+    from pdcompile.cluster import flat_cluster
+    from pdcompile.passes.partition_dp import plan_from_assignment
+    from pdcompile.simulate import simulate_plan
+
+    chain = _saved_chain(7, 3)
+    cluster = flat_cluster(1, 10.0, memory=1e15)
+    more = _replace(chain, layers=tuple(_replace(l, saved_bytes=l.saved_bytes + 100.0) for l in chain.layers))
+    plan = plan_from_assignment(chain, cluster, [(0, 2, 1)], schedule="flush")
+    a = simulate_plan(plan, chain, cluster, "flush", 2).peak_memory_bytes[0]
+    b = simulate_plan(plan, more, cluster, "flush", 2).peak_memory_bytes[0]
+    assert b - a == pytest.approx(3 * 100.0)  # one microbatch in flight, three layers

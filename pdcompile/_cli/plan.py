@@ -59,6 +59,14 @@ def register(subparsers: Any) -> None:
     mem.add_argument("--memory-limit", dest="memory_limit", action="store_true", default=None,
                      help="enforce device memory (default: on for the default model, off for paper)")
     mem.add_argument("--no-memory-limit", dest="memory_limit", action="store_false")
+    p.add_argument("--recompute", choices=("none", "full", "auto"), default=None,
+                   help="activation recomputation per stage: never, every stage, or where memory needs it "
+                   "(default: auto with dp, none with ilp)")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--pool", dest="pool", action="store_true", default=None,
+                      help="also plan the workers as one pool at the slowest link, so a stage may span servers "
+                      "without nesting (the paper's 15-1 on 4 x 4); default: on with dp, off with ilp")
+    pool.add_argument("--no-pool", dest="pool", action="store_false")
     p.add_argument("--microbatch", metavar="B[,B...]",
                    help="plan at these microbatch sizes (from the profile's symbolic costs) and keep the best")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ilp: seconds (default 60)")
@@ -147,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         schedule=args.schedule,
         memory_limit=args.memory_limit,
         optimizer_state_factor=optimizer_state_factor(prof.optimizer),
+        recompute=args.recompute or ("auto" if args.solver == "dp" else "none"),
+        pool=(args.solver == "dp") if args.pool is None else args.pool,
     )
     if args.solver == "ilp":
         options.update(time_limit_s=args.time_limit, hint="dp")
