@@ -64,18 +64,8 @@ the workers of their groups (a safe upper bound); within a group the count is ex
 The bytes a stage starting at ``i`` receives are ``cut_bytes[i-1]``, capped to keep them
 monotone (``in[i+1] <= in[i] + output[i]``, which every chain from ``linearize`` satisfies).
 
-Pooled workers
---------------
-A stage of the hierarchy nests: it takes whole units of a level or a share of one. With
-``pool=True`` the DP also plans the cluster's workers as one level at its slowest link
-(:func:`pool_cluster`), where a stage takes any ``r`` of them (the paper's 15-1 on 4 servers x 4)
-and every stage, weight sync and boundary is rated at that link (exact for a stage that spans
-servers, an upper bound for one that does not); the pooled plan is kept when strictly faster.
-Its ranks are consecutive; :func:`evaluate` rates such stages with ``pool=True``. The ILP refuses
-``pool=True`` on more than one level; the ``pipedream`` model refuses it.
-
-A plan made without the memory limit whose stage exceeds the device's memory says so in a note
-(the stage, its bytes, the device's).
+Pooled workers (``pool=True``): see :func:`pool_cluster`. A plan made without the memory limit
+whose stage exceeds the device's memory says so in a note (the stage, its bytes, the device's).
 
 Algorithm
 ---------
@@ -1092,7 +1082,14 @@ def partition_dp(
 
 def pool_cluster(cluster: ClusterSpec) -> ClusterSpec:
     """The cluster's workers as one level at its slowest link: a stage may take any ``r`` of them
-    (15 of 4 servers x 4), rated by the slowest link it may span."""
+    (15 of 4 servers x 4), rated by the slowest link it may span.
+
+    In the hierarchy a stage nests (whole units of a level, or a share of one). ``partition_dp(...,
+    pool=True)`` also plans on this pool, where every stage, weight sync and boundary is rated at the
+    slowest link (exact for a stage that spans servers, an upper bound for one that does not), and
+    keeps the pooled plan when strictly faster; its ranks are consecutive and :func:`evaluate` rates
+    them with ``pool=True``. The ILP refuses ``pool=True`` on more than one level; the ``pipedream``
+    model refuses it (the released optimizer's stages nest)."""
     if len(cluster.levels) == 1:
         return cluster
     return ClusterSpec(cluster.device, (Level("pool", cluster.num_workers, min(cluster.bandwidths)),))
