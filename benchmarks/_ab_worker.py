@@ -65,7 +65,7 @@ class TorchPipeline:
         outs = outs if isinstance(outs, tuple) else (outs,)
         stage = PipelineStage(module, rank, world, torch.device("cpu"), input_args=ins,
                               output_args=tuple(o.detach().requires_grad_(o.requires_grad) for o in outs))
-        loss_fn = build(prog.raw["loss"])  # every rank: a schedule without loss_fn runs no backward
+        loss_fn = prog.build_loss()  # every rank: a schedule without loss_fn runs no backward
         cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         self.sched = cls(stage, n_micro, loss_fn=loss_fn)
         self.opt = build(prog.raw["optimizer"], module.parameters())

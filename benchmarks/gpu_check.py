@@ -177,7 +177,7 @@ def train_in_process(prog: Path, size: str, steps: int, device: torch.device, ou
     stages = [program.build_stage(k).to(device) for k in range(program.num_stages)]
     opts = [build(program.raw["optimizer"], m.parameters()) for m in stages]
     # the loss as train.py builds it (Program.build_loss where the program emits its traced loss)
-    loss_fn = program.build_loss() if hasattr(program, "build_loss") else build(program.raw["loss"])
+    loss_fn = program.build_loss()
     loss_fn = loss_fn.to(device) if isinstance(loss_fn, torch.nn.Module) else loss_fn
     b = program.raw["microbatch_size"]
     it = data(size, device)
@@ -206,7 +206,7 @@ def split_backward_row(prog: Path, size: str, device: torch.device, tolerance: f
 
     program = Program.load(prog)
     first, last = program.build_stage(0).to(device), program.build_stage(program.num_stages - 1).to(device)
-    loss_fn = program.build_loss() if hasattr(program, "build_loss") else build(program.raw["loss"])
+    loss_fn = program.build_loss()
     loss_fn = loss_fn.to(device) if isinstance(loss_fn, torch.nn.Module) else loss_fn
     inputs, target = next(data(size, device))
     target = target[:MICRO]

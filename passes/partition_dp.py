@@ -414,20 +414,20 @@ class _Model:
         return [(v + 1, k, 1)]
 
     def max_in_flight(self, i: int, j: int) -> int:
-        """The largest in-flight count whose memory fits (0: not even one)."""
+        """The largest in-flight count whose memory (:meth:`memory`, nondecreasing in it) fits
+        (0: not even one); the ILP's memory constraint reads it, so both solvers see one model."""
+        top = self.sizes[-1] + 1
         if not self.memory_on:
-            return self.sizes[-1] + 1
-        W = self.rng(self.PW, i, j)
-        X = self.activations(i, j)
-        M = self.mem_budget * (1 + _EPS)
-        dv = self.versions(2) - self.versions(1)  # versions grow with k by this (stashing: 1)
-        fixed, per = W * (self.versions(1) - dv + 1 + self.opt_factor), W * dv + X
-        if fixed + per > M:
-            return 0
-        room = (M - fixed) / per if per > 0 else math.inf
-        if not math.isfinite(room):  # nothing (or next to nothing) to stash per minibatch
-            return self.sizes[-1] + 1
-        return int(min(self.sizes[-1] + 1, math.floor(room)))
+            return top
+        budget = self.mem_budget * (1 + _EPS)
+        lo, hi = 0, top  # memory(lo) fits (lo = 0: nothing needed), the answer is in lo..hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.memory(i, j, mid) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def level1_stage(self, i: int, j: int, r: int, recompute: bool = False) -> tuple[float, float]:
         """(stage time per minibatch, its weight-sync part) of a level-1 stage (recompute: the
