@@ -40,6 +40,58 @@ def compare(model: str, m: int, *, size: str, batch_size: int, blocks: int, bloc
             f"{median(ratios):.3f}", f"{lo:.3f} - {hi:.3f}", f"{predicted:.3f}", str(len(ratios))]
 
 
+def split_cost(model: str, *, size: str, batch_size: int, m: int, repeats: int = 15) -> list[str]:
+    """Per stage of the 2-stage program, in this process on one thread: a microbatch's backward
+    unsplit, and split as the runtime splits it (:class:`~pdcompile.runtime.weight_grads.WeightPass`:
+    B to the inputs and the noted submodule outputs, W per submodule); the best of ``repeats``."""
+    import time
+
+    import torch
+
+    from pdcompile.runtime.weight_grads import WeightPass
+
+    torch.set_num_threads(1)
+    b = bench_model(model, batch_size=batch_size, size=size)
+    pipe = compile_bench(b, 2, "flush", m)
+    micro = [x[: batch_size // m] for x in b.inputs]
+    cells = []
+    for s, st in enumerate(pipe.split.stages):
+        mod = st.gm
+        if s == 0:
+            ins = micro
+        else:
+            outs = pipe.split.stages[0].gm(*micro)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            ins = [o.detach().requires_grad_(o.is_floating_point()) for o in outs]
+        wp = WeightPass(mod)
+        grad_ins = [x for x in ins if x.requires_grad]
+
+        def forward(capture: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+            handles, notes = wp.capture() if capture else ([], {})
+            out = mod(*ins)
+            for h in handles:
+                h.remove()
+            roots = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+            return roots, [torch.ones_like(o) for o in roots], notes
+
+        def best(split: bool) -> float:
+            times = []
+            for _ in range(repeats + 3):
+                roots, seeds, notes = forward(split)
+                t0 = time.perf_counter()
+                if split:
+                    wp.weight_grads(wp.input_grads(roots, seeds, grad_ins, notes)[1])
+                else:
+                    torch.autograd.backward(roots, seeds)
+                times.append(time.perf_counter() - t0)
+            return min(times[3:])
+
+        plain, split = best(False), best(True)
+        mod.zero_grad(set_to_none=True)
+        cells.append(f"{plain * 1e3:.2f} -> {split * 1e3:.2f} ms ({split / plain:.2f}x)")
+    return [model, str(m), *cells]
+
+
 def on_profiles(names: list[str], clusters: list[str]) -> str:
     """``schedule="auto"`` on PipeDream's profiles: the plan (flush's memory model), then every
     synchronous schedule at every M dividing 8 microbatches' worth (up to 16), simulated."""
@@ -111,6 +163,11 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(compare(model, m, size="bench", batch_size=32, blocks=args.blocks,
                                     block_steps=args.block_steps))
             print(table(rows), flush=True)
+    costs = [split_cost(model, size="tiny" if args.quick else "bench", batch_size=8 if args.quick else 32, m=4)
+             for model in args.models.split(",")]
+    cost_table = "\n".join(["| model | microbatches | stage 0 backward: unsplit -> split (B + W) | stage 1 |",
+                            "|---|---|---|---|"]
+                           + ["| " + " | ".join(r) + " |" for r in costs])
     body = (f"The same emitted 2-stage program (minibatch 32, SGD) trained by pdcompile's runtime with ZB-H1 and "
             f"with flush (its default split of the drain's last backward) on 2 CPU processes (gloo), in one torchrun "
             f"launch per row, taking turns in blocks of {args.block_steps} minibatches ({args.blocks} blocks each, "
@@ -118,7 +175,12 @@ def main(argv: list[str] | None = None) -> None:
             f"Step = slowest rank. Ratio = flush's median step / ZB-H1's in each pair of neighbouring blocks, median "
             f"over pairs; > 1: ZB-H1 faster. 'predicted' is the simulator's flush/zb-h1 step ratio from the compiled "
             f"(analytic) profile. Models as in bench_vs_pipelining.\nLoad: {before} at the start, {load_note()} at "
-            f"the end.\n\n" + table(rows))
+            f"the end.\n\n" + table(rows) + "\n\nWhy: a microbatch's backward on each stage, unsplit and split as the "
+            f"runtime splits it (B: input and noted submodule-output gradients; W: one pass per parameter-owning "
+            f"submodule), in one process on one thread, best of 15. Where the split's extra cost exceeds the bubble "
+            f"it fills (a ratio below 1 above), the planner must not choose ZB-H1: `schedule=\"auto\"` leaves "
+            f"schedules that split every backward out on CPU workers (autoschedule.split_every_backward_pays)."
+            f"\n\n" + cost_table)
     publish("ZB-H1 against flush (bench_zero_bubble)", body, "python benchmarks/bench_zero_bubble.py",
             write=not args.quick)
 

@@ -29,8 +29,8 @@ class Candidate:
 def split_every_backward_pays(device_name: str, split_backward: bool) -> bool:
     """Whether splitting every backward may pay: on accelerators where a split backward pays at all
     (``split_backward``). Not on CPU workers: there the runtime's split backward (two engine calls,
-    a weight pass per submodule) costs more than the bubble it fills (ZB-H1 0.83-0.88x flush's
-    throughput, benchmarks/RESULTS.md, bench_zero_bubble), which the simulator does not model."""
+    a weight pass per submodule) costs more than the bubble it fills, which the simulator does not
+    model (measured: benchmarks/RESULTS.md, bench_zero_bubble)."""
     return split_backward and device_name != "cpu"
 
 
