@@ -163,23 +163,23 @@ def _opt(params):  # noqa: ANN001, ANN202
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def _emit(tmp: Path, name: str, stages: int) -> Path:
+def _emit(tmp: Path, name: str, stages: int, replicas: list[int] | None = None) -> Path:
     from pdcompile.api import pdcompile
     from pdcompile.zoo import get
 
     z = get(name, batch_size=8, seed=0)
     pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
                      optimizer=_opt, stages=stages, schedule="zb-h1", num_microbatches=MICRO,
-                     leaf_modules=z.leaf_modules)
+                     leaf_modules=z.leaf_modules, replicas=replicas)
     assert "0W0" in format_grid(pipe.state.schedule)  # stage 0 splits too
     return pipe.emit(tmp / "prog", data={"factory": "pdcompile.zoo:batches", "kwargs": {"name": name}})
 
 
-def _train(prog: Path, out: Path, stages: int, extra: tuple[str, ...] = ()) -> dict:
+def _train(prog: Path, out: Path, nproc: int, extra: tuple[str, ...] = ()) -> dict:
     from pdcompile.launcher import launch
     from pdcompile.merge import merge_weights
 
-    rc, log = launch(prog, stages, ["--steps", str(STEPS), "--save-final", str(out), "--timeout", "60",
+    rc, log = launch(prog, nproc, ["--steps", str(STEPS), "--save-final", str(out), "--timeout", "60",
                                     "--trace", str(out / "trace"), *extra], timeout=150)
     assert rc == 0, log[-3000:]
     return merge_weights(prog, out)
@@ -187,8 +187,9 @@ def _train(prog: Path, out: Path, stages: int, extra: tuple[str, ...] = ()) -> d
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name,stages", [("mlp", 2), ("resnet", 3), ("gpt", 4)])
-def test_zb_h1_trains_single_process_sgd(tmp_path: Path, name: str, stages: int) -> None:
+@pytest.mark.parametrize("name,stages,replicas", [("mlp", 2, None), ("resnet", 3, None), ("gpt", 4, None),
+                                                   ("mlp", 2, [2, 1])])
+def test_zb_h1_trains_single_process_sgd(tmp_path: Path, name: str, stages: int, replicas: list[int] | None) -> None:
     import json
 
     import torch
@@ -196,8 +197,9 @@ def test_zb_h1_trains_single_process_sgd(tmp_path: Path, name: str, stages: int)
     from pdcompile.reference import train_sync
     from pdcompile.zoo import batches, get
 
-    prog = _emit(tmp_path, name, stages)
-    got = _train(prog, tmp_path / "final", stages)
+    reps = replicas or [1] * stages
+    prog = _emit(tmp_path, name, stages, replicas)
+    got = _train(prog, tmp_path / "final", sum(reps))
     z = get(name, batch_size=8, seed=0)
     initial = {k: v.detach().clone() for k, v in z.model.named_parameters()}
     train_sync(z.model, z.loss_fn, _opt(z.model.parameters()), batches(8, name), steps=STEPS, num_microbatches=MICRO)
@@ -205,9 +207,10 @@ def test_zb_h1_trains_single_process_sgd(tmp_path: Path, name: str, stages: int)
     for k, w in want.items():
         torch.testing.assert_close(got[k], w.detach(), rtol=1e-5, atol=1e-6, msg=f"{name}: {k}")
     assert sum(not torch.equal(want[k].detach(), initial[k]) for k in want) > len(want) // 2
-    # every rank ran a W for every microbatch, where the schedule puts them
-    sched = make_schedule("zb-h1", [1] * stages, MICRO, num_steps=STEPS)
-    for r in range(stages):
+    # every rank ran a W for every microbatch, where the schedule puts them (a replicated stage
+    # all-reduces after its last W)
+    sched = make_schedule("zb-h1", reps, MICRO, num_steps=STEPS)
+    for r in range(sum(reps)):
         names = [e["name"] for e in json.loads((tmp_path / "final" / "trace" / f"rank_{r}.events.json").read_text())]
         assert [n for n in names if "W" in n and "WV" not in n] == \
                [str(a) for a in sched[r] if a.kind is Kind.WEIGHT_GRAD] and len(sched[r]) > 0
