@@ -4,12 +4,9 @@
     python benchmarks/bench_zero_bubble.py --quick    # tiny models, nothing written
     python benchmarks/bench_zero_bubble.py --profiles # auto on PipeDream's profiles (simulated, seconds)
 
-Each model (bench_vs_pipelining's GPT and VGG) is compiled once into a 2-stage program; one torchrun
-launch per model and microbatch count runs ``train.py --schedule zb-h1`` and ``--schedule flush``
-(its default split of the drain's last backward) in alternating blocks (``benchmarks/_ab_worker.py
---theirs ours``). The ratio is flush's median step over ZB-H1's in each pair of neighbouring blocks,
-then the median over pairs (> 1: ZB-H1 faster), with a bootstrap interval; beside it, the simulator's
-prediction from the compiled profile.
+Per model (bench_vs_pipelining's GPT and VGG), one 2-stage program; one torchrun launch per row runs
+``--schedule zb-h1`` and ``--schedule flush`` in alternating blocks (``_ab_worker.py --theirs ours``);
+the ratio (flush's step over ZB-H1's per block pair) beside the simulator's; and the split's cost.
 """
 
 from __future__ import annotations
