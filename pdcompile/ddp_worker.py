@@ -16,6 +16,7 @@ import gc
 import itertools
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +56,12 @@ def main(argv: list[str] | None = None) -> None:
     # tearing the group down under a live reducer aborted ~1 run in 8 ("terminate called ...").
     gc.collect()
     finish(times, losses, args.out)
+    # Everything is written and every rank is past the barrier. Tearing down the group and the
+    # interpreter after DDP still aborts now and then ("terminate called without an active
+    # exception": a gloo or reducer thread outlives its owner), which would fail a finished run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _minibatches(args: argparse.Namespace, built: Any) -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
@@ -106,14 +113,13 @@ def train(args: argparse.Namespace) -> tuple[list[float], list[float]]:
 
 
 def finish(times: list[float], losses: list[float], out: str | os.PathLike[str]) -> None:
-    """Gather every rank's step times and losses; rank 0 writes them to ``out``; leave the group."""
+    """Gather every rank's step times and losses; rank 0 writes them to ``out``; all wait for it."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (list(times), list(losses)))
     if dist.get_rank() == 0:
         per_step = [sum(ls) / len(ls) for ls in zip(*(g[1] for g in gathered))]
         Path(out).write_text(json.dumps({"step_times_s": [g[0] for g in gathered], "losses": per_step}))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
