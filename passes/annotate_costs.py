@@ -356,7 +356,7 @@ def _interleaved_medians(fns: dict[Any, Callable[[], Any] | None], device: torch
     samples: dict[Any, list[float]] = {k: [] for k in numbers}
     for _ in range(max(1, repeats)):
         for k, number in numbers.items():
-            samples[k].append(_sample(fns[k], device, number))  # type: ignore[arg-type]
+            samples[k].append(_sample(fns[k], device, number))  # type: ignore[arg-type]  # fns hold the timed callables
     return {k: statistics.median(samples[k]) if k in samples else 0.0 for k in fns}
 
 
@@ -376,8 +376,8 @@ def _visit_medians(fns: dict[Any, Callable[[], Any] | None], device: torch.devic
     best: dict[Any, float] = {}
     for _ in range(visits):
         for k, number in numbers.items():
-            fns[k]()  # type: ignore[misc]
-            m = statistics.median(_sample(fns[k], device, number) for _ in range(per_visit))  # type: ignore[arg-type]
+            fns[k]()  # type: ignore[misc]  # fns hold the timed callables
+            m = statistics.median(_sample(fns[k], device, number) for _ in range(per_visit))  # type: ignore[arg-type]  # fns hold the timed callables
             best[k] = min(best.get(k, math.inf), m)
     return {k: best.get(k, 0.0) for k in fns}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pdcompile.cluster import ClusterSpec, local_cpu_cluster
 from pdcompile.errors import UsageError
@@ -85,7 +86,7 @@ def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
     """The plan for ``chain`` and the cluster it is for."""
     # the DP's memory model reads every schedule's own Policy (GPipe: all M in flight); the ILP's knows fewer
     sched = opts.schedule if opts.solver == "dp" else planner_schedule(opts.schedule)
-    mem = {"num_microbatches": opts.num_microbatches, "recompute": opts.recompute}
+    mem: dict[str, Any] = {"num_microbatches": opts.num_microbatches, "recompute": opts.recompute}
     if opts.stages is None:
         cluster = opts.cluster if opts.cluster is not None else local_cpu_cluster(2)
         extra = mem if opts.solver == "dp" else {}

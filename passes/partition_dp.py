@@ -714,10 +714,9 @@ class _Model:
             thr = (rr * mult2) * tau  # the stage's units x its group's threshold
             if level == 1:
                 options = {"none": (False,), "full": (True,), "auto": (False, True)}[self.recompute]
-                s = None
-                for rc in options:  # recomputation: the furthest-reaching of the allowed choices
-                    s_rc = self._level1_start(se_c, thr, rr, dd, e2, rc)
-                    s = s_rc if s is None else np.minimum(s, s_rc)
+                s = self._level1_start(se_c, thr, rr, dd, e2, options[0])
+                for rc in options[1:]:  # recomputation: the furthest-reaching of the allowed choices
+                    s = np.minimum(s, self._level1_start(se_c, thr, rr, dd, e2, rc))
             else:
                 B = self.B[level - 1]
                 with np.errstate(divide="ignore", invalid="ignore"):
@@ -912,7 +911,7 @@ def _solve(model: _Model) -> tuple[tuple[Block, ...], Evaluation]:
             f"per-worker memory that fits is {format_quantity(need, 'memory')} ({need:.0f} bytes): "
             "use devices with more memory, a smaller microbatch, or the flush schedule (one weight version)"
         )
-        err.needed_memory_bytes = need  # type: ignore[attr-defined]
+        err.needed_memory_bytes = need  # type: ignore[attr-defined]  # an attribute for callers that read it
         raise err
     blocks = model.reconstruct(math.inf)
     ev = model.evaluate(blocks)

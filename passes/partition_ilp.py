@@ -135,7 +135,7 @@ def partition_ilp(
         return int(math.ceil(t / unit - 1e-6))
 
     cp = cp_model.CpModel()
-    T = cp.NewIntVar(0, _RESOLUTION + 1, "T")
+    T = cp.new_int_var(0, _RESOLUTION + 1, "T")
     allowed_end = np.ones(N, dtype=bool)
     allowed_end[:-1] = np.isfinite(model.cut)
 
@@ -154,17 +154,17 @@ def partition_ilp(
         for R in range(1, Rmax + 1):
             oc = model.outer_comm(i, j, R, 2)
             if oc <= ub:
-                xs[(i, j, R)] = cp.NewBoolVar(f"x_{i}_{j}_{R}")
+                xs[(i, j, R)] = cp.new_bool_var(f"x_{i}_{j}_{R}")
                 if R > 1:
-                    cp.Add(T >= q(oc)).OnlyEnforceIf(xs[(i, j, R)])
+                    cp.add(T >= q(oc)).only_enforce_if(xs[(i, j, R)])
             for r in range(1, rmax + 1 if fits else 1):
                 t = model.level1_stage(i, j, r)[0] / R
                 if t > ub:
                     continue
-                v = cp.NewBoolVar(f"y_{i}_{j}_{r}_{R}")
+                v = cp.new_bool_var(f"y_{i}_{j}_{r}_{R}")
                 ys[(i, j, r, R)] = v
                 y_time[(i, j, r, R)] = q(t)
-                cp.Add(T >= q(t)).OnlyEnforceIf(v)
+                cp.add(T >= q(t)).only_enforce_if(v)
 
     # -- paths ---------------------------------------------------------------------------------
     x_start: dict[int, list] = {p: [] for p in range(N)}
@@ -177,30 +177,30 @@ def partition_ilp(
     for (i, j, r, R), v in ys.items():
         y_start[i].append((r, R, v))
         y_end[j].append((r, R, v))
-    cp.Add(sum(v for _, v in x_start[0]) == 1)
-    cp.Add(sum(v for _, v in x_end[N - 1]) == 1)
+    cp.add(sum(v for _, v in x_start[0]) == 1)
+    cp.add(sum(v for _, v in x_end[N - 1]) == 1)
     for p in range(1, N):
-        cp.Add(sum(v for _, v in x_start[p]) == sum(v for _, v in x_end[p - 1]))
+        cp.add(sum(v for _, v in x_start[p]) == sum(v for _, v in x_end[p - 1]))
     for R in range(1, Rmax + 1):
         for p in range(N):
             opened = sum(v for RR, v in x_start[p] if RR == R)
             closed = sum(v for RR, v in x_end[p - 1] if RR == R) if p > 0 else 0
             ends = sum(v for _, RR, v in y_end[p - 1] if RR == R) if p > 0 else 0
-            cp.Add(sum(v for _, RR, v in y_start[p] if RR == R) == ends - closed + opened)
-        cp.Add(sum(v for _, RR, v in y_end[N - 1] if RR == R) == sum(v for RR, v in x_end[N - 1] if RR == R))
+            cp.add(sum(v for _, RR, v in y_start[p] if RR == R) == ends - closed + opened)
+        cp.add(sum(v for _, RR, v in y_end[N - 1] if RR == R) == sum(v for RR, v in x_end[N - 1] if RR == R))
     co = [sum(v for _, v in x_end[c]) for c in range(N)]  # outer cut after c (c < N-1)
     ci = [sum(v for _, _, v in y_end[c]) for c in range(N)]
     for c in range(N - 1):
-        cp.Add(co[c] <= ci[c])
+        cp.add(co[c] <= ci[c])
 
     # -- units -----------------------------------------------------------------------------------
-    cp.Add(sum(R * v for (_, _, R), v in xs.items()) <= m2)
-    acc = [cp.NewIntVar(0, m1, f"acc_{c}") for c in range(N)]
+    cp.add(sum(R * v for (_, _, R), v in xs.items()) <= m2)
+    acc = [cp.new_int_var(0, m1, f"acc_{c}") for c in range(N)]
     for c in range(N):
         er = sum(r * v for r, _, v in y_end[c])
-        cp.Add(acc[c] >= er)
+        cp.add(acc[c] >= er)
         if c > 0:
-            cp.Add(acc[c] >= acc[c - 1] + er - m1 * co[c - 1])
+            cp.add(acc[c] >= acc[c - 1] + er - m1 * co[c - 1])
 
     # -- boundaries ------------------------------------------------------------------------------
     for c in range(N - 1):
@@ -210,41 +210,41 @@ def partition_ilp(
         if m2 > 1 or orig_levels == 2:
             t_out = 2.0 * a / B2
             if t_out > ub:
-                cp.Add(co[c] == 0)
+                cp.add(co[c] == 0)
             elif t_out > 0:
-                cp.Add(T >= q(t_out) * co[c])
+                cp.add(T >= q(t_out) * co[c])
         for R in range(1, Rmax + 1):
             t_in = 2.0 * a / (R * B1)
             if t_in <= 0:
                 continue
             ciR = sum(v for _, RR, v in y_end[c] if RR == R)
             if t_in > ub:
-                cp.Add(ciR - co[c] <= 0)
+                cp.add(ciR - co[c] <= 0)
             else:
-                cp.Add(T >= q(t_in) * (ciR - co[c]))
+                cp.add(T >= q(t_in) * (ciR - co[c]))
 
     # -- memory ----------------------------------------------------------------------------------
     rem: list[Any] = []
     G: list[Any] = []
     if model.memory_on:
-        rem = [cp.NewIntVar(0, m1, f"rem_{c}") for c in range(N)]
-        G = [cp.NewIntVar(0, m2, f"G_{c}") for c in range(N)]
-        cp.Add(rem[N - 1] == 0)
-        cp.Add(G[N - 1] == 0)
+        rem = [cp.new_int_var(0, m1, f"rem_{c}") for c in range(N)]
+        G = [cp.new_int_var(0, m2, f"G_{c}") for c in range(N)]
+        cp.add(rem[N - 1] == 0)
+        cp.add(G[N - 1] == 0)
         for c in range(N - 1):
             sr = sum(r * v for r, _, v in y_start[c + 1])
-            cp.Add(rem[c] >= rem[c + 1] + sr - m1 * co[c])
-            cp.Add(G[c] == G[c + 1] + sum(R * v for R, v in x_start[c + 1]))
+            cp.add(rem[c] >= rem[c + 1] + sr - m1 * co[c])
+            cp.add(G[c] == G[c + 1] + sum(R * v for R, v in x_start[c + 1]))
         kidx = {(i, j): n_ for n_, (i, j) in enumerate(zip(I.tolist(), J.tolist()))}
         for (i, j, r, R), v in ys.items():
             k = int(K[kidx[(i, j)]])
             if k >= m1 * m2 + 1:
                 continue  # fits whatever is downstream
-            cp.Add(R * rem[j] + m1 * G[j] <= (k - 1) * R * r).OnlyEnforceIf(v)
+            cp.add(R * rem[j] + m1 * G[j] <= (k - 1) * R * r).only_enforce_if(v)
 
     # -- bounds that tighten the relaxation ------------------------------------------------------
     # every plan takes at least the total compute over the workers
-    cp.Add(T >= q(float(model.PC[-1]) / cluster.num_workers * (1 - 1e-12)))
+    cp.add(T >= q(float(model.PC[-1]) / cluster.num_workers * (1 - 1e-12)))
     # the stage (and block) covering a layer bounds T: T >= sum of their times over the layer
     if len(ys) <= _COVER_CUTS_MAX:
         cover: list[list[tuple[int, Any]]] = [[] for _ in range(N)]
@@ -252,9 +252,9 @@ def partition_ilp(
             for l in range(i, j + 1):
                 cover[l].append((y_time[(i, j, r, R)], v))
         for l in range(N):
-            cp.Add(T >= sum(t * v for t, v in cover[l] if t > 0))
+            cp.add(T >= sum(t * v for t, v in cover[l] if t > 0))
 
-    cp.Minimize(T)
+    cp.minimize(T)
 
     start = _hint_blocks(hint, cl2, orig_levels) if hint is not None else simple
     if start is not None:
@@ -268,7 +268,7 @@ def partition_ilp(
     solver.parameters.cp_model_probing_level = 0  # probing costs more than it saves here
     if os.environ.get("PDCOMPILE_ILP_LOG"):  # CP-SAT's own progress log, for debugging
         solver.parameters.log_search_progress = True
-    status = solver.Solve(cp)
+    status = solver.solve(cp)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE) and status != cp_model.INFEASIBLE and hint is not None:
         # out of time before even taking the warm start: return it, unproven
         blocks = _hint_blocks(hint, cl2, orig_levels) or ()
@@ -277,7 +277,7 @@ def partition_ilp(
         flat = blocks[0].inner if orig_levels == 1 else blocks
         return _build_plan(model_orig, flat, model_orig.evaluate(flat), solver="ilp",
                            planning_seconds=time.perf_counter() - t0, optimal=False, gap=math.nan,
-                           notes=[f"CP-SAT {solver.StatusName(status)} within {time_limit_s:g} s: the warm start "
+                           notes=[f"CP-SAT {solver.status_name(status)} within {time_limit_s:g} s: the warm start "
                                   "is returned, not proven optimal"])
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.INFEASIBLE:
@@ -286,12 +286,12 @@ def partition_ilp(
                 "partition_dp reports the smallest per-worker memory that would fit"
             )
         raise InfeasiblePlanError(
-            f"the ILP found no plan within {time_limit_s:g} s (status {solver.StatusName(status)}); "
+            f"the ILP found no plan within {time_limit_s:g} s (status {solver.status_name(status)}); "
             "raise time_limit_s or use the DP solver"
         )
 
-    outer = sorted((i, j, R) for (i, j, R), v in xs.items() if solver.Value(v))
-    inner = sorted((i, j, r, R) for (i, j, r, R), v in ys.items() if solver.Value(v))
+    outer = sorted((i, j, R) for (i, j, R), v in xs.items() if solver.value(v))
+    inner = sorted((i, j, r, R) for (i, j, r, R), v in ys.items() if solver.value(v))
     blocks2 = tuple(
         Block(i, j, R, tuple(Block(a, b, r) for a, b, r, _ in inner if i <= a and b <= j))
         for i, j, R in outer
@@ -299,13 +299,13 @@ def partition_ilp(
     blocks = blocks2[0].inner if orig_levels == 1 else blocks2
     model_orig = _Model(chain, cluster, cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication)
     ev = model_orig.evaluate(blocks)
-    obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
+    obj, bound = solver.objective_value, solver.best_objective_bound
     gap = max(0.0, (obj - bound) / obj) if obj > 0 else 0.0
     # proven optimal, or within the time resolution (a few of the ~1e7 time steps)
     optimal = status == cp_model.OPTIMAL or obj - bound <= 2
     if optimal:
         gap = 0.0
-    notes = [f"CP-SAT {solver.StatusName(status)} in {solver.WallTime():.2f} s "
+    notes = [f"CP-SAT {solver.status_name(status)} in {solver.wall_time:.2f} s "
              f"({len(xs)} block and {len(ys)} stage candidates)"]
     return _build_plan(model_orig, blocks, ev, solver="ilp", planning_seconds=time.perf_counter() - t0,
                        optimal=optimal, gap=gap, notes=notes)
@@ -331,10 +331,10 @@ def _add_hint(cp: Any, blocks: tuple[Block, ...], xs: dict, ys: dict, aux: dict[
     if not chosen_x <= set(xs) or not chosen_y <= set(ys):
         return  # the warm start uses a pruned candidate: let the solver search alone
     for k, v in xs.items():
-        cp.AddHint(v, int(k in chosen_x))
+        cp.add_hint(v, int(k in chosen_x))
     for k, v in ys.items():
-        cp.AddHint(v, int(k in chosen_y))
-    cp.AddHint(aux["T"], aux["t"])
+        cp.add_hint(v, int(k in chosen_y))
+    cp.add_hint(aux["T"], aux["t"])
     N = aux["N"]
     acc, rem, G = [0] * N, [0] * N, [0] * N
     for n_, b in enumerate(blocks):
@@ -348,7 +348,7 @@ def _add_hint(cp: Any, blocks: tuple[Block, ...], xs: dict, ys: dict, aux: dict[
                 G[c] = later
             used += s.units
     for c in range(N):
-        cp.AddHint(aux["acc"][c], acc[c])
+        cp.add_hint(aux["acc"][c], acc[c])
         if aux["rem"]:
-            cp.AddHint(aux["rem"][c], rem[c])
-            cp.AddHint(aux["G"][c], G[c])
+            cp.add_hint(aux["rem"][c], rem[c])
+            cp.add_hint(aux["G"][c], G[c])

@@ -31,7 +31,7 @@ def merge_weights(program_dir: str | os.PathLike[str], weights_dir: str | os.Pat
                               f"train.py --save-final (or a checkpoint folder)")
     seen_stages = set()
     for path in files:
-        stage = int(_FILE.match(path.name).group(1))  # type: ignore[union-attr]
+        stage = int(_FILE.match(path.name).group(1))  # type: ignore[union-attr]  # names were filtered by _FILE
         seen_stages.add(stage)
         tensors = _load(path)
         for local, t in tensors.items():

@@ -345,13 +345,15 @@ def plan(
     the solver (``cost_model``, ``schedule``, ``memory_limit``, ...).
     """
     import time
+    from collections.abc import Callable
 
-    if solver == "dp":
-        from pdcompile.passes.partition_dp import partition_dp as solve
-    elif solver == "ilp":
-        from pdcompile.passes.partition_ilp import partition_ilp as solve
-    else:
+    from pdcompile.passes.partition_dp import partition_dp
+    from pdcompile.passes.partition_ilp import partition_ilp
+
+    solvers: dict[str, Callable[..., Plan]] = {"dp": partition_dp, "ilp": partition_ilp}
+    if solver not in solvers:
         raise UsageError(f"unknown solver {solver!r} (use 'dp' or 'ilp')")
+    solve = solvers[solver]
     if not callable(chain):
         if microbatch_sizes:
             raise UsageError("microbatch_sizes needs a callable chain_for(b) -> Chain")

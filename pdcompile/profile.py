@@ -185,9 +185,9 @@ class Profile:
             else:
                 bs = layer.backward_s * ratio
             b_scale = bs / layer.backward_s if layer.backward_s else ratio
-            parts = {k: None if getattr(layer, k) is None else getattr(layer, k) * b_scale
-                     for k in ("input_grad_s", "weight_grad_s")}
-            saved = {k: getattr(layer, k) * ratio for k in ("saved_input_bytes", "saved_output_bytes")}
+            parts: dict[str, Any] = {k: None if getattr(layer, k) is None else getattr(layer, k) * b_scale
+                                     for k in ("input_grad_s", "weight_grad_s")}
+            saved: dict[str, Any] = {k: getattr(layer, k) * ratio for k in ("saved_input_bytes", "saved_output_bytes")}
             layers.append(
                 replace(layer, forward_s=fs, backward_s=bs, output_bytes=out,
                         forward_flops=ff, backward_flops=bf, **saved, **parts,

@@ -87,7 +87,7 @@ def _scalar_loss(out: Any) -> torch.Tensor:
     leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not leaves:
         raise ValueError("the graph's output carries no gradient: nothing to cross-check")
-    return sum(t.float().sum() for t in leaves)  # type: ignore[return-value]
+    return sum(t.float().sum() for t in leaves)  # type: ignore[return-value]  # sum of tensors is a tensor
 
 
 def profiler_cross_check(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
@@ -188,7 +188,7 @@ def cross_check_model(model: torch.nn.Module, example_inputs: Sequence[Any], pro
 def summary(check: CrossCheck, share: float = 0.01, tolerance: float = 0.25) -> dict[str, Any]:
     """Numbers for a table: node sums (measured / profiler) and heavy nodes within ``tolerance``."""
     heavy = [r for r in check.heavy(share) if r.measured_s is not None and r.profiler_s > 0]
-    within = [r for r in heavy if abs(r.measured_s / r.profiler_s - 1) <= tolerance]  # type: ignore[operator]
+    within = [r for r in heavy if abs(r.measured_s / r.profiler_s - 1) <= tolerance]  # type: ignore[operator]  # heavy rows have profiler times
     measured = sum(r.measured_s or 0.0 for r in check.rows)
     profiled = sum(r.profiler_s for r in check.rows)
     return {"measured_sum_s": measured, "profiler_sum_s": profiled,

@@ -92,7 +92,7 @@ def train_versioned(stages: Sequence[torch.nn.Module], optimizers: Sequence[torc
             if s == S - 1:
                 (loss_fn(out, target) * scale).backward()
             else:
-                pairs = [(o, g) for o, g in zip(out, grad_out) if o.requires_grad and g is not None]  # type: ignore[arg-type]
+                pairs = [(o, g) for o, g in zip(out, grad_out) if o.requires_grad and g is not None]  # type: ignore[arg-type]  # zip of optional gradients, filtered
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             grad_out = [t.grad for t in x]  # lines up with stage s-1's outputs
@@ -106,7 +106,7 @@ def train_versioned(stages: Sequence[torch.nn.Module], optimizers: Sequence[torc
                     raise ValueError(f"tied parameters {list(grp)} step in different groups at microbatch {n}")
                 total = sum(acc[s].get(k, torch.zeros_like(params[s][k])) for s, k in grp)
                 for s, k in grp:
-                    acc[s][k] = total.clone()  # type: ignore[union-attr]
+                    acc[s][k] = total.clone()  # type: ignore[union-attr]  # total is set by the first contribution
         for s in done:
             if group(s, n) != len(versions[s]) - 1:
                 raise ValueError(f"stage {s}: microbatch {n} closes group {group(s, n)}, but "

@@ -155,7 +155,7 @@ def _per_stage(name: str, values: Sequence[Any] | None, num_stages: int, default
     if values is None:
         return [default] * num_stages
     if isinstance(values, (int, float)) or not isinstance(values, Sequence):
-        return [values] * num_stages  # type: ignore[list-item]
+        return [values] * num_stages  # type: ignore[list-item]  # a scalar broadcast to every stage
     if len(values) != num_stages:
         raise UsageError(f"{name} has {len(values)} values, the schedule has {num_stages} stages")
     return list(values)
@@ -276,12 +276,12 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
             compute[r] += dur
         elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
             dst = a.stage + 1 if a.kind is Kind.SEND_ACT else a.stage - 1
-            peer = rank_of(dst, a.microbatch, ranks)  # type: ignore[arg-type]
+            peer = rank_of(dst, a.mb, ranks)
             start = max(t, link_free.get((r, peer), t))
             end = start + transfer(a.stage, dst, r, peer)
             link_free[(r, peer)] = end
-            arrival[(a.kind, a.stage, a.microbatch)] = end  # type: ignore[index]
-            duration[(a.kind, a.stage, a.microbatch)] = end - start  # type: ignore[index]
+            arrival[(a.kind, a.stage, a.mb)] = end
+            duration[(a.kind, a.stage, a.mb)] = end - start
             if overlap_comm:
                 events.append(Event(r, name, t, t, "send"))
                 if end > start:
@@ -294,9 +294,9 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
             src = a.stage - 1 if a.kind is Kind.RECV_ACT else a.stage + 1
             send_kind = Kind.SEND_ACT if a.kind is Kind.RECV_ACT else Kind.SEND_GRAD
             key = (send_kind, src, a.microbatch)
-            end = max(t, arrival[key])  # type: ignore[index]
+            end = max(t, arrival[key])  # type: ignore[index]  # keys of sends, filled before their receives
             if recv_progress == "on_wait":
-                end = max(end, t + duration[key])  # type: ignore[index]
+                end = max(end, t + duration[key])  # type: ignore[index]  # keys of sends, filled before their receives
             events.append(Event(r, name, t, end, "recv"))
             clock[r] = end
         # WV: bookkeeping only

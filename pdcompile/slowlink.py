@@ -109,7 +109,7 @@ def install() -> bool:
         sleep_until(occupy(n))
         return r
 
-    dist.irecv, dist.recv, dist.all_reduce = slow_irecv, slow_recv, slow_all_reduce  # type: ignore[assignment]
+    dist.irecv, dist.recv, dist.all_reduce = slow_irecv, slow_recv, slow_all_reduce  # type: ignore[assignment]  # patching torch.distributed on purpose
     return True
 
 

@@ -26,7 +26,7 @@ GLIBC_MMAP_THRESHOLD = GLIBC_TRIM_THRESHOLD = 128 * 1024  # glibc's defaults
 
 
 @functools.cache
-def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]  # ctypes has no public name for it
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)

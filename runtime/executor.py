@@ -216,7 +216,7 @@ class StageExecutor:
         recorded as the receive (``1RF3``/``1RB3``) and the action from the end of the wait, so a
         trace shows compute and waiting apart."""
         actions = list(actions)
-        self._split = {a.microbatch for a in actions if a.kind is Kind.WEIGHT_GRAD}  # type: ignore[misc]
+        self._split = {a.mb for a in actions if a.kind is Kind.WEIGHT_GRAD}
         for i, a in enumerate(actions):
             self._compute_start = None
             try:
@@ -253,27 +253,37 @@ class StageExecutor:
         tensors = pending.wait()
         if self.recorder is not None:
             self._compute_start = self.clock()
-            self.recorder(f"{a.stage}{kind}{a.microbatch}", t0, self._compute_start)
+            self.recorder(f"{a.stage}{kind}{a.mb}", t0, self._compute_start)
         return tensors
+
+    def _data(self, k: int) -> tuple[Sequence[torch.Tensor], torch.Tensor]:
+        if self.data is None:
+            raise RuntimeError(f"rank {self.rank} reads no data, but its schedule needs microbatch {k}'s")
+        return self.data(k)
+
+    def _loss(self, out: Any, target: torch.Tensor) -> torch.Tensor:
+        if self.loss_fn is None:
+            raise RuntimeError(f"rank {self.rank} runs the last stage without a loss function")
+        return self.loss_fn(out, target)
 
     def _mb(self, k: int) -> _Mb:
         return self.mbs.setdefault(k, _Mb())
 
     def _recv_act(self, a: Action) -> None:
-        st = self._mb(a.microbatch)
+        st = self._mb(a.mb)
         if st.recv_act is not None:
             return  # posted ahead (run's posts)
         if self.is_last:  # the targets up to this microbatch first, in the order the first stage sends them
-            for k in self._targets.upto(a.microbatch):  # type: ignore[arg-type]
+            for k in self._targets.upto(a.mb):
                 self._mb(k).recv_target = comm.post_recv([self.program.target.empty(self.device)], self.peer(0, k))
         bufs = [t.empty_wire(self.precision, self.device) for t in self.spec.inputs]
-        st.recv_act = comm.post_recv(bufs, self.peer(self.stage - 1, a.microbatch))
+        st.recv_act = comm.post_recv(bufs, self.peer(self.stage - 1, a.mb))
 
     def _forward(self, a: Action) -> None:
-        k = a.microbatch
+        k = a.mb
         st = self._mb(k)
         if self.is_first:
-            inputs, target = self.data(k)  # type: ignore[misc]
+            inputs, target = self._data(k)
             st.inputs = [x.to(self.device, non_blocking=True) for x in inputs]
             target = target.to(self.device, non_blocking=True)
             if self.is_last:
@@ -312,7 +322,7 @@ class StageExecutor:
                     raise RuntimeError(f"forward of microbatch {k} before its target's receive was posted")
                 st.target = st.recv_target.wait()[0]
             with self.meter.saving(k), self._autocast():  # what the loss saves counts with the microbatch
-                loss = self.loss_fn(out, st.target)  # type: ignore[misc]
+                loss = self._loss(out, st.target)
             self._pending_losses.append(loss.detach())
             st.loss = loss / self.accumulation
             st.outputs = []
@@ -366,10 +376,10 @@ class StageExecutor:
         """Microbatch ``k``'s target from this rank's copy of the data. Those in ``target_check`` are
         also received from the first stage and compared: a data source that gives ranks different
         minibatches would otherwise train on wrong targets, silently."""
-        _, target = self.data(k)  # type: ignore[misc]
+        _, target = self._data(k)
         target = target.to(self.device, non_blocking=True)
         if k in self.target_check:
-            sent = st.recv_target.wait()[0]  # type: ignore[union-attr]
+            sent = st.recv_target.wait()[0]  # type: ignore[union-attr]  # posted for every checked microbatch
             if sent.shape != target.shape or not torch.equal(sent, target):
                 raise RuntimeError(
                     f"--targets local: the target of microbatch {k} read here differs from the one the first stage "
@@ -378,55 +388,55 @@ class StageExecutor:
         return target
 
     def _send_act(self, a: Action) -> None:
-        st = self.mbs[a.microbatch]
+        st = self.mbs[a.mb]
         outs = [o.detach().to(spec.wire(self.precision)) for o, spec in zip(st.outputs, self.spec.outputs)]
-        self._posted(a, comm.post_send(outs, self.peer(self.stage + 1, a.microbatch)))
+        self._posted(a, comm.post_send(outs, self.peer(self.stage + 1, a.mb)))
 
     def _recv_grad(self, a: Action) -> None:
-        st = self._mb(a.microbatch)
+        st = self._mb(a.mb)
         if st.recv_grad is not None:
             return  # posted ahead (run's posts)
         bufs = [t.empty_wire(self.precision, self.device) for t in self.spec.outputs if t.requires_grad]
-        st.recv_grad = comm.post_recv(bufs, self.peer(self.stage + 1, a.microbatch))
+        st.recv_grad = comm.post_recv(bufs, self.peer(self.stage + 1, a.mb))
 
     def _backward(self, a: Action) -> None:
-        st = self.mbs[a.microbatch]
+        st = self.mbs[a.mb]
         if self.is_last:
-            roots: list[torch.Tensor] = [st.loss]  # type: ignore[list-item]
+            roots: list[torch.Tensor] = [st.loss]  # type: ignore[list-item]  # the last stage set the loss in its forward
             seeds: list[torch.Tensor] | None = None
         else:
             if st.recv_grad is None:
-                raise RuntimeError(f"backward of microbatch {a.microbatch} before its gradients were received (missing RB)")
+                raise RuntimeError(f"backward of microbatch {a.mb} before its gradients were received (missing RB)")
             grads = self._wait(st.recv_grad, a, "RB")
             outs = [o for o, spec in zip(st.outputs, self.spec.outputs) if spec.requires_grad]
             pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, grads) if o.requires_grad]
             roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
         ins = [t for t, spec in zip(st.inputs, self.spec.inputs) if spec.requires_grad]
-        notes = self._notes.pop(a.microbatch, {})  # type: ignore[arg-type]
-        if a.microbatch in self._split and roots:
+        notes = self._notes.pop(a.mb, {})
+        if a.mb in self._split and roots:
             # input gradients only, for SB to send now (on stage 0, none: the activations' gradients
             # down to its first layer); the graph stays for W's weight gradients
-            st.input_grads, self._weight_pass[a.microbatch] = self._wpass.input_grads(roots, seeds, ins, notes)  # type: ignore[index]
+            st.input_grads, self._weight_pass[a.mb] = self._wpass.input_grads(roots, seeds, ins, notes)
         elif roots:
             torch.autograd.backward(roots, seeds)
         st.outputs, st.loss = [], None  # free the graph (and the weight version it holds)
-        self.weights.after_backward(a.microbatch)
+        self.weights.after_backward(a.mb)
         if self.is_first:
-            self.mbs.pop(a.microbatch, None)
+            self.mbs.pop(a.mb, None)
 
     def _send_grad(self, a: Action) -> None:
-        st = self.mbs.pop(a.microbatch)
+        st = self.mbs.pop(a.mb)
         grads = st.input_grads if st.input_grads is not None else \
             [(t.grad if t.grad is not None else torch.zeros_like(t))
              for t, spec in zip(st.inputs, self.spec.inputs) if spec.requires_grad]
         wires = [spec.wire(self.precision) for spec in self.spec.inputs if spec.requires_grad]
         grads = [g.to(w) for g, w in zip(grads, wires)]
-        self._posted(a, comm.post_send(grads, self.peer(self.stage - 1, a.microbatch)))
+        self._posted(a, comm.post_send(grads, self.peer(self.stage - 1, a.mb)))
 
     def _weight_grad(self, a: Action) -> None:
         """``W``: the weight gradients of a split ``B``, accumulated into ``.grad`` as an unsplit
         backward would (:class:`~pdcompile.runtime.weight_grads.WeightPass`); then the graph is freed."""
-        work = self._weight_pass.pop(a.microbatch, None)  # type: ignore[arg-type]
+        work = self._weight_pass.pop(a.mb, None)
         if work is not None:  # None: the B was not split (nothing needed a gradient, or stage 0)
             self._wpass.weight_grads(work)
 
@@ -437,7 +447,7 @@ class StageExecutor:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        allreduce_flat([p.grad for p in params], self.replica_group)
+        allreduce_flat([p.grad for p in params if p.grad is not None], self.replica_group)
 
     def _tied_grads(self, a: Action) -> None:
         params = dict(self.module.named_parameters())
@@ -451,7 +461,7 @@ class StageExecutor:
                 dist.all_reduce(p.grad, group=group)
 
     def _weight_version(self, a: Action) -> None:
-        self.weights.set_forward_version(a.version)
+        self.weights.set_forward_version(a.wv)
 
     def _step(self, a: Action) -> None:
         self._measure()  # gradients of the whole update, and the optimizer state
@@ -477,7 +487,7 @@ class StageExecutor:
         dist.all_reduce(sq, group=self.norm_group)
         norm = sq.sqrt()
         self.grad_norms.append(norm.detach())
-        coef = torch.clamp(self.clip_grad_norm / (norm + 1e-6), max=1.0)
+        coef = torch.clamp(float(self.clip_grad_norm or 0.0) / (norm + 1e-6), max=1.0)
         for g in grads.values():
             g.mul_(coef.to(g.dtype))
 

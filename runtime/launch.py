@@ -328,7 +328,7 @@ class Trainer:
         b = self.program.raw["microbatch_size"]
         idx = k // self.M
         while self.data_index < idx:
-            inputs, target = next(self.data_iter)  # type: ignore[arg-type]
+            inputs, target = next(self.data_iter)  # type: ignore[arg-type]  # only ranks that read data call this
             self.data_index += 1
             dev = _device()
             self._micro = ([pinned(x, dev).split(b) for x in inputs], pinned(target, dev).split(b))

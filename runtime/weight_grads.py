@@ -50,9 +50,9 @@ class WeightPass:
         self.trusted: bool | None = None if len(ids) == len(set(ids)) else False
 
     # F -----------------------------------------------------------------------------------------
-    def capture(self) -> tuple[list[Any], dict[nn.Module, list[torch.Tensor]]]:
+    def capture(self) -> tuple[list[Any], dict[nn.Module, list[list[torch.Tensor]]]]:
         """Start noting submodule outputs (for the next forward); returns (handles, notes)."""
-        notes: dict[nn.Module, list[torch.Tensor]] = {}
+        notes: dict[nn.Module, list[list[torch.Tensor]]] = {}
         if self.trusted is False:
             return [], notes
 

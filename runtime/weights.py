@@ -82,17 +82,17 @@ class VersionedStore(WeightStore):
             if a.kind is Kind.WEIGHT_VERSION:
                 r.version = a.wv
             elif a.kind is Kind.FORWARD:
-                self.expected[a.microbatch] = r.version  # type: ignore[index]
+                self.expected[a.mb] = r.version
                 future[r.version] += 1
-                opened.add(a.microbatch)  # type: ignore[arg-type]
+                opened.add(a.mb)
             elif a.kind is Kind.STEP:
                 crossed |= opened
             elif a.kind is Kind.BACKWARD and a.microbatch in opened:
-                opened.discard(a.microbatch)  # type: ignore[arg-type]
+                opened.discard(a.mb)
                 if a.microbatch in crossed:
-                    crossed.discard(a.microbatch)  # type: ignore[arg-type]
+                    crossed.discard(a.mb)
                 else:
-                    self.direct_ok.add(a.microbatch)  # type: ignore[arg-type]
+                    self.direct_ok.add(a.mb)
         self.horizon = r.version if more else None
         if not more:
             self.direct_ok |= opened - crossed  # a forward without a backward on this rank

@@ -170,3 +170,24 @@ def test_vgg16_cluster_a_pools_and_recomputes_by_default(capsys) -> None:
     assert rc == 0 and [s["replicas"] for s in json.loads(out)["stages"]] == [4, 4]
     rc, out, err = _run(capsys, "plan", "--profile", VGG, "--cluster", "paper:A", "--solver", "ilp", "--pool")
     assert rc == 2 and "solver='dp'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_every_cost_model_and_schedule_from_the_cli(capsys) -> None:
+    """--cost-model pipedream plans as the released optimizer does (the DP's own tests hold it to
+    the released code's outputs), without pooled workers; --schedule takes every registered schedule."""
+    from pdcompile.cluster import paper_cluster
+    from pdcompile.passes.linearize import linearize
+    from pdcompile.passes.partition_dp import partition_dp
+    from pdcompile.profile import load
+
+    rc, out, _ = _run(capsys, "plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", "--cost-model",
+                      "pipedream", "--json")
+    assert rc == 0
+    want = partition_dp(linearize(load("pipedream:vgg16")), paper_cluster("A"), cost_model="pipedream",
+                        memory_limit=False)
+    assert json.loads(out)["configuration"] == want.configuration
+    for schedule in ("gpipe", "zb-h1"):
+        for solver in ("dp", "ilp"):
+            rc, out, err = _run(capsys, "plan", "--profile", "pipedream:alexnet", "--cluster", "local:2",
+                                "--schedule", schedule, "--solver", solver, "--json")
+            assert rc == 0, err

@@ -38,7 +38,7 @@ class DemoModel:
 
 def optimizer(params: object) -> torch.optim.Optimizer:
     """SGD with momentum: what both the pipeline and the data-parallel baseline train with."""
-    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)  # type: ignore[arg-type]
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)  # type: ignore[arg-type]  # torch's SGD stub takes an iterable of tensors
 
 
 @functools.lru_cache(maxsize=1)

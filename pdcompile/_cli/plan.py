@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import UsageError
+from pdcompile.passes.partition_dp import COST_MODELS
+from pdcompile.runtime.schedules import SCHEDULES
 
 EXAMPLES = """\
 Examples:
@@ -51,10 +53,13 @@ def register(subparsers: Any) -> None:
                    help="cluster TOML, paper:A, paper:B or local:N")
     p.add_argument("--solver", choices=("dp", "ilp"), default="dp",
                    help="dp (fast, exact) or ilp (CP-SAT, warm-started from the DP; proves the optimum)")
-    p.add_argument("--cost-model", choices=("default", "paper"), default="default",
-                   help="paper: the PipeDream paper's formulas exactly; default: ours (memory, overlap)")
-    p.add_argument("--schedule", choices=("1f1b", "flush", "2bw"), default="1f1b",
-                   help="weight versions kept per worker: 1f1b one per in-flight minibatch, flush 1, 2bw 2")
+    p.add_argument("--cost-model", choices=COST_MODELS, default="default",
+                   help="default: ours (memory, overlap of the weight all-reduce with the backward); paper: our "
+                        "reading of SOSP'19 sec. 3.1 (a stage's time is the max of compute and weight sync); "
+                        "pipedream: the released optimizer's formulas (a sum; dp only; no memory limit)")
+    p.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
+                   help="what the memory model keeps per worker: the schedule's weight versions and in-flight "
+                        "microbatches (1f1b: one version per in-flight minibatch; flush, gpipe, zb-h1: 1; 2bw: 2)")
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--memory-limit", dest="memory_limit", action="store_true", default=None,
                      help="enforce device memory (default: on for the default model, off for paper)")
@@ -143,6 +148,7 @@ def _sizes(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from pdcompile.passes.linearize import linearize
+    from pdcompile.passes.partition import planner_schedule
     from pdcompile.plan import plan as make_plan
     from pdcompile.profile import optimizer_state_factor
 
@@ -152,11 +158,13 @@ def run(args: argparse.Namespace) -> int:
     prof = _profile(args)
     options: dict[str, Any] = dict(
         cost_model=args.cost_model,
-        schedule=args.schedule,
+        # the ILP's memory constraint assumes in flight = depth: it plans GPipe/ZB-H1 by their policy's planner model
+        schedule=args.schedule if args.solver == "dp" else planner_schedule(args.schedule),
         memory_limit=args.memory_limit,
         optimizer_state_factor=optimizer_state_factor(prof.optimizer),
         recompute=args.recompute or ("auto" if args.solver == "dp" else "none"),
-        pool=(args.solver == "dp") if args.pool is None else args.pool,
+        # pooled workers: the DP's, except under the released optimizer's model, whose stages nest
+        pool=(args.solver == "dp" and args.cost_model != "pipedream") if args.pool is None else args.pool,
     )
     if args.solver == "ilp":
         options.update(time_limit_s=args.time_limit, hint="dp")

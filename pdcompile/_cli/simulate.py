@@ -43,7 +43,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--steps", type=int, default=1, help="steps to lay out (default 1)")
     p.add_argument("--profile", metavar="FILE", help="with a plan: the profile it was made from (layer costs)")
     p.add_argument("--solver", default="dp", help="planner for a profile: dp or ilp (default dp)")
-    p.add_argument("--cost-model", default="default", help="planner cost model: default or paper")
+    p.add_argument("--cost-model", default="default", help="planner cost model: default, paper or pipedream")
     p.add_argument("--no-overlap", action="store_true", help="senders wait for their transfers to finish")
     p.add_argument("--trace", metavar="OUT.json", help="write the predicted timeline as a Chrome/Perfetto trace")
     p.add_argument("--png", metavar="OUT.png", help="write the timeline as a PNG (measured below, with --measured)")
@@ -125,7 +125,7 @@ def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
                              f"give --cluster FILE.toml (or paper:A, paper:B, local:N)")
         chain = linearize(obj)
         plan = make_plan(chain, cluster, solver=args.solver, cost_model=args.cost_model,
-                         schedule=planner_schedule if planner_schedule in ("1f1b", "flush", "2bw") else "1f1b")
+                         schedule=planner_schedule)
         notes.append(f"planned {Path(args.source).name} for the cluster: configuration {plan.configuration}")
         res = simulate_plan(plan, chain, cluster, schedule, m, num_steps=args.steps, overlap_comm=overlap)
         return res, plan, schedule, m, notes

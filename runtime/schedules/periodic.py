@@ -87,9 +87,9 @@ def _reach(acts: Sequence[Action]) -> int:
     far = 0
     for i, a in enumerate(acts):
         if a.kind is Kind.FORWARD:
-            first[a.microbatch] = i  # type: ignore[index]
+            first[a.mb] = i
         elif a.kind is Kind.BACKWARD and a.microbatch in first:
-            far = max(far, i - first.pop(a.microbatch))  # type: ignore[arg-type]
+            far = max(far, i - first.pop(a.mb))
     return far
 
 

@@ -14,8 +14,8 @@ from pdcompile.runtime.schedules.actions import Action, Kind, Schedule, rank_of,
 def _sender_key(a: Action) -> tuple[Kind, int, int]:
     """The send that a receive action waits for: (send kind, sender stage, microbatch)."""
     if a.kind is Kind.RECV_ACT:
-        return (Kind.SEND_ACT, a.stage - 1, a.microbatch)  # type: ignore[return-value]
-    return (Kind.SEND_GRAD, a.stage + 1, a.microbatch)  # type: ignore[return-value]
+        return (Kind.SEND_ACT, a.stage - 1, a.mb)
+    return (Kind.SEND_GRAD, a.stage + 1, a.mb)
 
 
 def replay(sched: Schedule, replicas: Sequence[int],
@@ -74,7 +74,7 @@ def replay(sched: Schedule, replicas: Sequence[int],
                 if execute is not None:
                     execute([(r, i)], a)
                 if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
-                    sent.add((a.kind, a.stage, a.microbatch))  # type: ignore[arg-type]
+                    sent.add((a.kind, a.stage, a.mb))
                 pcs[r] += 1
                 progress = True
     blocked = [r for r in all_ranks if pcs[r] < len(sched[r])]
@@ -138,21 +138,21 @@ def send_release(sched: Schedule, replicas: Sequence[int]) -> dict[int, dict[int
                 vc[q] = list(both)
                 release(q, i)
             return
-        (r, i), k = parts[0], a.microbatch
+        (r, i), k = parts[0], (a.microbatch if a.microbatch is not None else -1)
         vc[r][r] = i
         if a.kind in (Kind.FORWARD, Kind.BACKWARD) and (a.kind, k) in merge_at[r]:
-            merge(vc[r], merge_at[r].pop((a.kind, k)))  # type: ignore[arg-type]
+            merge(vc[r], merge_at[r].pop((a.kind, k)))
         if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
             use = Kind.FORWARD if a.kind is Kind.RECV_ACT else Kind.BACKWARD
-            merge_at[r][(use, k)] = snapshot[_sender_key(a)]  # type: ignore[index]
+            merge_at[r][(use, k)] = snapshot[_sender_key(a)]
         elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
-            snapshot[(a.kind, a.stage, k)] = list(vc[r])  # type: ignore[index]
+            snapshot[(a.kind, a.stage, k)] = list(vc[r])
             to = a.stage + 1 if a.kind is Kind.SEND_ACT else a.stage - 1
-            peer = rank_of(to, k, ranks)  # type: ignore[arg-type]
+            peer = rank_of(to, k, ranks)
             use = Kind.FORWARD if a.kind is Kind.SEND_ACT else Kind.BACKWARD
             open_[r].append((peer, pos[peer][(use, k)], a))
         elif a.kind is Kind.FORWARD and a.stage == 0 and last > 0:  # the target, sent to the last stage
-            peer = rank_of(last, k, ranks)  # type: ignore[arg-type]
+            peer = rank_of(last, k, ranks)
             open_[r].append((peer, pos[peer][(Kind.FORWARD, k)], a))
         release(r, i)
 

@@ -46,23 +46,23 @@ def endpoints(m: Message, ranks: Sequence[Sequence[int]]) -> tuple[int, int]:
 
 def sends_of(a: Action, num_stages: int, targets: Collection[int] | None = None) -> list[Message]:
     """The messages action ``a`` sends (``targets``: the microbatches whose target is sent; None: all)."""
-    k = a.microbatch
+    k = a.microbatch if a.microbatch is not None else -1
     if a.kind is Kind.SEND_ACT:
-        return [Message(k, "A", a.stage)]  # type: ignore[arg-type]
+        return [Message(k, "A", a.stage)]
     if a.kind is Kind.SEND_GRAD:
-        return [Message(k, "G", a.stage)]  # type: ignore[arg-type]
+        return [Message(k, "G", a.stage)]
     if a.kind is Kind.FORWARD and a.stage == 0 and num_stages > 1 and (targets is None or k in targets):
-        return [Message(k, "T", 0)]  # type: ignore[arg-type]
+        return [Message(k, "T", 0)]
     return []
 
 
 def receives_of(a: Action, num_stages: int) -> list[Message]:
     """The message that posting receive action ``a`` (``RF``/``RB``) receives (targets: :class:`TargetPosts`)."""
-    k = a.microbatch
+    k = a.microbatch if a.microbatch is not None else -1
     if a.kind is Kind.RECV_ACT:
-        return [Message(k, "A", a.stage - 1)]  # type: ignore[arg-type]
+        return [Message(k, "A", a.stage - 1)]
     if a.kind is Kind.RECV_GRAD:
-        return [Message(k, "G", a.stage + 1)]  # type: ignore[arg-type]
+        return [Message(k, "G", a.stage + 1)]
     return []
 
 
@@ -87,12 +87,12 @@ class TargetPosts:
 
 def waits_of(a: Action, num_stages: int, targets: Collection[int] | None = None) -> list[Message]:
     """The messages compute action ``a`` waits for."""
-    k = a.microbatch
+    k = a.microbatch if a.microbatch is not None else -1
     if a.kind is Kind.FORWARD and a.stage > 0:
         target = a.stage == num_stages - 1 and (targets is None or k in targets)
-        return [Message(k, "A", a.stage - 1)] + ([Message(k, "T", 0)] if target else [])  # type: ignore[arg-type]
+        return [Message(k, "A", a.stage - 1)] + ([Message(k, "T", 0)] if target else [])
     if a.kind is Kind.BACKWARD and a.stage < num_stages - 1:
-        return [Message(k, "G", a.stage + 1)]  # type: ignore[arg-type]
+        return [Message(k, "G", a.stage + 1)]
     return []
 
 
@@ -270,7 +270,7 @@ def check_transfers(sched: Schedule, replicas: Sequence[int], posts: Posts | Non
         if a not in posted[r]:
             posted[r].add(a)
             if a.kind is Kind.RECV_ACT and r in tposts:
-                for k in tposts[r].upto(a.microbatch):  # type: ignore[arg-type]
+                for k in tposts[r].upto(a.mb):
                     issue(r, "recv", Message(k, "T", 0))
             for m in receives_of(a, S):
                 issue(r, "recv", m)

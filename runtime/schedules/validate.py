@@ -141,9 +141,9 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
         last = -1
         for i, a in enumerate(sched[r]):
             if a.kind is Kind.FORWARD:
-                if a.microbatch < last:  # type: ignore[operator]
+                if a.mb < last:
                     raise fail("forward order", r, i, f"{a} after {s}F{last}: forwards must be in increasing order")
-                last = a.microbatch  # type: ignore[assignment]
+                last = a.mb
 
     # 7. in-flight bound
     for r in sorted(sched):
@@ -186,7 +186,7 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
                 n_st += 1
                 done_groups_at.append(i)
             if a.kind is Kind.BACKWARD:
-                g = lay.group_of(s, a.microbatch)  # type: ignore[arg-type]
+                g = lay.group_of(s, a.mb)
                 if n_st != g:
                     raise fail("steps", r, i, f"{a} belongs to step {g} of stage {s}, but {n_st} steps came before it")
         if pending:
@@ -195,7 +195,7 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
             raise fail("steps", r, done_groups_at[-1] if done_groups_at else None,
                        f"rank {r} takes {n_st} steps, {name} takes {lay.num_groups(s)}")
         # each ST right after the group's last local backward (only sends/collectives between)
-        busy = {lay.group_of(s, a.microbatch) for a in acts if a.kind is Kind.BACKWARD}  # type: ignore[arg-type]
+        busy = {lay.group_of(s, a.mb) for a in acts if a.kind is Kind.BACKWARD}
         for g, at in enumerate(done_groups_at):
             if g not in busy:  # a group with no local microbatch: stepped (with zeros) when needed
                 continue
@@ -224,7 +224,7 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
                                f"({n_st} steps so far)")
                 current = a.wv
             elif a.kind is Kind.FORWARD:
-                want_v = expected[(s, a.microbatch)]  # type: ignore[index]
+                want_v = expected[(s, a.mb)]
                 if current != want_v:
                     raise fail("weight versions", r, i, f"{a} uses weight version {current}, {name}"
                                f"{' with vertical sync' if lay.vertical_sync else ''} defines version {want_v}")
