@@ -125,6 +125,7 @@ class StageExecutor:
                  device: torch.device | str = "cpu", fail_at: str | None = None,
                  clock: Callable[[], float] = time.perf_counter, precision: str = "fp32",
                  clip_grad_norm: float | None = None, norm_group: Any = None, norm_counts: bool = True,
+                 measure_memory: bool = True,
                  norm_skip: frozenset[str] = frozenset()) -> None:
         self.program = program
         self.rank = rank
@@ -168,7 +169,8 @@ class StageExecutor:
         plan_stages = program.raw.get("plan", {}).get("stages", [])
         self.recompute = (plan_stages[self.stage].get("recompute", "none") if self.stage < len(plan_stages)
                           else "none") == "full"
-        self.meter = MemoryMeter(module, optimizer)  # the stage's own accounting (metrics "memory")
+        # the stage's own accounting (metrics "memory"); off, it costs nothing
+        self.meter = MemoryMeter(module, optimizer, enabled=measure_memory)
         # mixed precision: "bf16" runs forward and loss under autocast (the parameters and the optimizer
         # stay fp32) and sends floating boundary tensors as bf16 (TensorSpec.wire)
         self.precision = precision
@@ -300,7 +302,7 @@ class StageExecutor:
         handles: list[Any] = []
         if self.recompute:
             self._split.discard(k)  # its graph is rebuilt inside B: B is not split into B and W
-            if not self.meter.recompute_bytes:
+            if self.meter.enabled and not self.meter.recompute_bytes:
                 self._probe_recompute(k, st.inputs, params)
         if k in self._split:  # W follows: note what the weight pass needs
             handles, self._notes[k] = self._wpass.capture()

@@ -297,6 +297,7 @@ class Trainer:
             replica_group=replica_group, tied_groups=tied_groups, lr_scheduler=lr_scheduler,
             weight_store=VersionedStore(module),
             recorder=timing.recorder(self.events.append, _device()) if args.trace else None,
+            measure_memory=args.metrics is not None,  # metrics report it; measuring costs a hook per saved tensor
             clock=(lambda: timing.now(_device())) if args.trace else time.perf_counter,
             device=_device(), fail_at=args.fail_at, precision=args.precision,
             clip_grad_norm=args.clip_grad_norm, norm_group=norm_group, norm_counts=rank == spec.ranks[0],

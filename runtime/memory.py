@@ -28,9 +28,11 @@ def storages(tensors: Iterable[Any]) -> dict[int, int]:
 
 
 class MemoryMeter:
-    """Live bytes of one stage, by category, and their peak over the run."""
+    """Live bytes of one stage, by category, and their peak over the run. ``enabled=False``: every
+    method is a no-op (a hook per saved tensor costs time, so only runs that report it measure)."""
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.module = module
         self.optimizer = optimizer
         self.param_bytes = sum(storages(module.parameters()).values())
@@ -43,6 +45,9 @@ class MemoryMeter:
     def saving(self, microbatch: int, weights: Iterable[torch.Tensor] = ()) -> Iterator[dict[int, int]]:
         """Record the storages autograd saves inside the block as ``microbatch``'s (not parameters
         nor ``weights``, the version the forward uses)."""
+        if not self.enabled:
+            yield {}
+            return
         skip = self.static | set(storages(weights))
         mine = self.activations.setdefault(microbatch, {})
 
@@ -57,6 +62,8 @@ class MemoryMeter:
 
     def add(self, microbatch: int, tensors: Iterable[Any]) -> None:
         """Count ``tensors`` (a microbatch's inputs, outputs) with ``microbatch``'s storages."""
+        if not self.enabled:
+            return
         self.activations.setdefault(microbatch, {}).update(
             {p: n for p, n in storages(tensors).items() if p not in self.static})
 
@@ -65,6 +72,8 @@ class MemoryMeter:
         """One measuring point: ``in_flight`` microbatches (forward done, backward not), ``posted``
         receive buffers not yet consumed, ``live_versions`` weight versions alive; ``rebuilding``: a
         backward is recomputing a forward (its saved tensors come on top)."""
+        if not self.enabled:
+            return
         keep = set(in_flight)
         for k in [k for k in self.activations if k not in keep]:
             del self.activations[k]
