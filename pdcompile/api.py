@@ -94,6 +94,9 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
                          "of targets)")
     if opts.recompute not in ("none", "full", "auto"):
         raise UsageError(f"pdcompile: recompute must be 'none', 'full' or 'auto', got {opts.recompute!r}")
+    if opts.schedule in schedules.POLICIES and schedules.policy(opts.schedule).virtual_stages:
+        raise UsageError(f"pdcompile: schedule={opts.schedule!r} places several (virtual) stages on a rank, which "
+                         f"the runtime does not execute yet; use one with a stage per rank (e.g. 'flush')")
     if opts.schedule not in SCHEDULE_NAMES + (autoschedule.AUTO,):
         raise UsageError(f"pdcompile: schedule must be one of {SCHEDULE_NAMES} or 'auto', got {opts.schedule!r}")
     if opts.precision not in PRECISIONS:

@@ -37,7 +37,8 @@ def split_every_backward_pays(device_name: str, split_backward: bool) -> bool:
 def auto_schedules(split_every: bool) -> list[str]:
     """The schedules ``auto`` considers: the synchronous ones; those that split every backward only
     when that may pay (``split_every``: :func:`split_every_backward_pays`)."""
-    return [n for n, p in POLICIES.items() if p.synchronous and (split_every or not p.splits_every_backward)]
+    return [n for n, p in POLICIES.items()
+            if p.synchronous and not p.virtual_stages and (split_every or not p.splits_every_backward)]
 
 
 def microbatch_counts(minibatch: int, fixed: int | None = None, most: int = 64) -> list[int]:

@@ -49,12 +49,14 @@ from pdcompile.errors import UsageError
 from pdcompile.runtime.schedules import (
     Action,
     Kind,
+    Placement,
     Schedule,
     live_versions,
     make_schedule,
     version_copies,
     rank_of,
     replay,
+    layout,
     stage_ranks,
 )
 from pdcompile.timeline import Event, category_of
@@ -181,7 +183,8 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
              num_steps: int = 1,
              activation_bytes: Sequence[Any] | None = None,
              weight_bytes: Sequence[Any] | None = None,
-             static_bytes: Sequence[Any] | None = None) -> SimResult:
+             static_bytes: Sequence[Any] | None = None,
+             placement: Placement | None = None) -> SimResult:
     """Replay ``sched`` with the cost model (see the module docstring) and predict its run.
 
     Per-stage arguments (``forward_s``, ``backward_s``, ``allreduce_s``, ``step_s``,
@@ -190,11 +193,15 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     to every stage. Transfer time: ``send_s`` (a number, or a function of
     ``(stage_from, stage_to, rank_a, rank_b)``), else ``boundary_bytes[b] / bandwidth + latency_s``
     (``bandwidth`` in bytes/s: a number or a function of ``(rank_a, rank_b)``), else free.
-    ``replicas`` is inferred from the schedule when omitted. Raises
+    ``replicas`` is inferred from the schedule when omitted. ``placement`` (ranks per stage) lets a
+    rank run several stages, each at its own costs; a transfer between two stages of one rank is
+    free (a hand-over in memory); ``stage_of_rank`` then names a rank's first stage. Raises
     :class:`~pdcompile.errors.ScheduleError` if the schedule deadlocks.
     """
+    if placement is not None and replicas is None:
+        raise UsageError("placement= needs replicas=")
     reps = list(replicas) if replicas is not None else _infer_replicas(sched)
-    ranks = stage_ranks(reps)
+    ranks = stage_ranks(reps, placement)
     S = len(reps)
     fwd = _per_stage("forward_s", forward_s, S)
     bwd = _per_stage("backward_s", backward_s, S)
@@ -203,7 +210,10 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     ver = _per_stage("version_s", version_s, S)
     b_in = bwd if input_grad_s is None else _per_stage("input_grad_s", input_grad_s, S)
     b_w = _per_stage("weight_grad_s", weight_grad_s, S)
-    stage_of = {r: s for s, rs in enumerate(ranks) for r in rs}
+    stage_of: dict[int, int] = {}
+    for s_, rs in enumerate(ranks):
+        for r_ in rs:
+            stage_of.setdefault(r_, s_)
     tg_stages = set(range(S)) if tied_stages is None else set(tied_stages)
     if not tg_stages <= set(range(S)):
         raise UsageError(f"tied_stages {sorted(tied_stages or ())} name stages the schedule lacks (it has {S})")
@@ -278,8 +288,9 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
             dst = a.stage + 1 if a.kind is Kind.SEND_ACT else a.stage - 1
             peer = rank_of(dst, a.mb, ranks)
             start = max(t, link_free.get((r, peer), t))
-            end = start + transfer(a.stage, dst, r, peer)
-            link_free[(r, peer)] = end
+            end = start + transfer(a.stage, dst, r, peer) if peer != r else t  # one rank's stages: no link
+            if peer != r:
+                link_free[(r, peer)] = end
             arrival[(a.kind, a.stage, a.mb)] = end
             duration[(a.kind, a.stage, a.mb)] = end - start
             if overlap_comm:
@@ -301,7 +312,7 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
             clock[r] = end
         # WV: bookkeeping only
 
-    replay(sched, reps, execute, name="simulated schedule")
+    replay(sched, reps, execute, name="simulated schedule", placement=placement)
 
     makespan = max([0, *clock.values(), *arrival.values()])
     T = len({a.microbatch for acts in sched.values() for a in acts if a.kind is Kind.FORWARD})
@@ -317,8 +328,9 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     peak_in = [0] * S
     peak_v = [0] * S
     peak_mem: list[Any] = [0] * S
-    for r, acts in sched.items():
-        s = stage_of[r]
+    views = [(r, s_, [a for a in acts if a.stage == s_] if placement is not None else acts)
+             for r, acts in sched.items() for s_ in ({a.stage for a in acts} if placement is not None else {stage_of[r]})]
+    for r, s, acts in views:
         n = 0
         live = live_versions(acts)
         peak_v[s] = max(peak_v[s], max((len(x) for x in live), default=1))
@@ -344,11 +356,14 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
 
 def simulate_schedule(name: str, replicas: Sequence[int], num_microbatches: int, *, num_steps: int = 1,
                       vertical_sync: bool = False, tied: bool = False, split_backward: bool = True,
-                      **costs: Any) -> SimResult:
-    """Build the named schedule (:func:`~pdcompile.runtime.schedules.make_schedule`) and simulate it."""
+                      virtual_stages: int = 1, **costs: Any) -> SimResult:
+    """Build the named schedule (:func:`~pdcompile.runtime.schedules.make_schedule`) and simulate it
+    (``virtual_stages``: stages per rank, on the schedule's placement)."""
     sched = make_schedule(name, replicas, num_microbatches, tied=tied, vertical_sync=vertical_sync,
-                          num_steps=num_steps, split_backward=split_backward)
-    return simulate(sched, replicas=replicas, num_steps=num_steps, **costs)
+                          num_steps=num_steps, split_backward=split_backward, virtual_stages=virtual_stages)
+    lay = layout(name, replicas, num_microbatches, num_steps, virtual_stages=virtual_stages)
+    placement = lay.stage_ranks if lay.policy.placement is not None else None
+    return simulate(sched, replicas=replicas, num_steps=num_steps, placement=placement, **costs)
 
 
 def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float) -> float:

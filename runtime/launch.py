@@ -108,6 +108,9 @@ def check_args(args: argparse.Namespace, program: Program, world: int | None = N
     at_least("--microbatches", args.microbatches, "microbatches per minibatch; e.g. --microbatches 4")
     at_least("--checkpoint-every", args.checkpoint_every, "minibatches between checkpoints; 0: never", least=0)
     at_least("--keep-checkpoints", args.keep_checkpoints, "complete checkpoints kept")
+    if args.schedule in schedules.POLICIES and schedules.policy(args.schedule).virtual_stages:
+        raise UsageError(f"--schedule {args.schedule}: it places several (virtual) stages on a rank, which the "
+                         f"runtime does not execute yet; use one with a stage per rank (e.g. flush)")
     if args.schedule not in schedules.SCHEDULES:
         raise UsageError(f"--schedule {args.schedule!r}: unknown schedule; use one of {', '.join(schedules.SCHEDULES)}")
     if args.precision not in PRECISIONS:

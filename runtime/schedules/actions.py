@@ -6,7 +6,8 @@ An action prints as ``{stage}{kind}{number}``: ``1F3`` (stage 1, forward of micr
 ``0ST`` (optimizer step), ``0WV2`` (later forwards use weight version 2), ``1W3`` (weight gradients
 of a split backward). :meth:`Action.from_str` and :func:`parse_grid` read every printed form back.
 Microbatch ``k`` of stage ``s`` runs on replica ``k % r_s`` (:func:`rank_of`), on both sides of
-every transfer, so transfers name no peer.
+every transfer, so transfers name no peer. Ranks per stage are consecutive unless a placement
+(ranks per stage, :func:`stage_ranks`) puts several stages on one rank (virtual stages).
 """
 
 from __future__ import annotations
@@ -115,8 +116,13 @@ def shift(a: Action, microbatches: int, versions: int = 0) -> Action:
 # ranks and routing
 
 
-def stage_ranks(replicas: Sequence[int]) -> list[list[int]]:
-    """Ranks of each stage: consecutive, stage by stage (``[2, 1]`` -> ``[[0, 1], [2]]``)."""
+Placement = Sequence[Sequence[int]]  # stage -> its ranks (replica i of stage s on placement[s][i])
+
+
+def stage_ranks(replicas: Sequence[int], placement: Placement | None = None) -> list[list[int]]:
+    """Ranks of each stage: ``placement`` when given (checked against ``replicas``: ``r_s`` distinct
+    ranks for stage ``s``, together ranks ``0 .. n-1``; a rank may hold several stages), else
+    consecutive, stage by stage (``[2, 1]`` -> ``[[0, 1], [2]]``)."""
     out: list[list[int]] = []
     nxt = 0
     for s, r in enumerate(replicas):
@@ -126,7 +132,20 @@ def stage_ranks(replicas: Sequence[int]) -> list[list[int]]:
         nxt += int(r)
     if not out:
         raise UsageError("a schedule needs at least one stage (replicas is empty)")
-    return out
+    if placement is None:
+        return out
+    placed = [[int(q) for q in rs] for rs in placement]
+    used = {q for rs in placed for q in rs}
+    if (len(placed) != len(out) or any(len(rs) != len(set(rs)) or len(rs) != len(o) for rs, o in zip(placed, out))
+            or used != set(range(len(used)))):
+        raise UsageError(f"placement {placed} does not fit replicas {list(replicas)}: stage s needs r_s distinct "
+                         f"ranks, all ranks 0..n-1 used")
+    return placed
+
+
+def stages_of_rank(rank: int, stage_ranks: Sequence[Sequence[int]]) -> list[int]:
+    """The stages that ``rank`` runs, in increasing order (one unless stages are virtual)."""
+    return [s for s, ranks in enumerate(stage_ranks) if rank in ranks]
 
 
 def rank_of(stage: int, microbatch: int, stage_ranks: Sequence[Sequence[int]]) -> int:
@@ -136,7 +155,7 @@ def rank_of(stage: int, microbatch: int, stage_ranks: Sequence[Sequence[int]]) -
 
 
 def stage_of_rank(rank: int, stage_ranks: Sequence[Sequence[int]]) -> int:
-    """The stage that ``rank`` runs."""
+    """The stage that ``rank`` runs (its first, with virtual stages)."""
     for s, ranks in enumerate(stage_ranks):
         if rank in ranks:
             return s

@@ -7,7 +7,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 from pdcompile.errors import ScheduleError, UsageError
-from pdcompile.runtime.schedules.actions import Action, Kind, Schedule, stage_of_rank, stage_ranks
+from pdcompile.runtime.schedules.actions import Action, Kind, Schedule, stages_of_rank
 from pdcompile.runtime.schedules.policy import Layout
 from pdcompile.runtime.schedules.registry import layout
 
@@ -40,13 +40,14 @@ def expected_versions(lay: Layout, sched: Schedule) -> dict[tuple[int, int], int
     return out
 
 
-def insert_versions(acts: list[Action], version_of: Callable[[int], int]) -> list[Action]:
-    """Insert ``WV`` actions as early as possible so each ``F`` runs with ``version_of(mb)``."""
-    st_pos = [i for i, a in enumerate(acts) if a.kind is Kind.STEP]
+def insert_versions(acts: list[Action], version_of: Callable[[int], int], stage: int | None = None) -> list[Action]:
+    """Insert ``WV`` actions as early as possible so each ``F`` runs with ``version_of(mb)``
+    (``stage``: only that stage's ``ST`` and ``F``, on a rank with virtual stages)."""
+    st_pos = [i for i, a in enumerate(acts) if a.kind is Kind.STEP and stage in (None, a.stage)]
     inserts: dict[int, Action] = {}  # insert after this index (-1: at the start)
     current, last_f_end = 0, -1
     for i, a in enumerate(acts):
-        if a.kind is not Kind.FORWARD:
+        if a.kind is not Kind.FORWARD or stage not in (None, a.stage):
             continue
         v = version_of(a.mb)
         if v != current:
@@ -65,8 +66,12 @@ def insert_versions(acts: list[Action], version_of: Callable[[int], int]) -> lis
 
 
 def make_schedule(name: str, replicas: Sequence[int], num_microbatches: int, *, tied: bool = False,
-                  vertical_sync: bool = False, num_steps: int = 1, split_backward: bool = True) -> Schedule:
+                  vertical_sync: bool = False, num_steps: int = 1, split_backward: bool = True,
+                  virtual_stages: int = 1) -> Schedule:
     """Build the named schedule (:data:`SCHEDULES`) for a pipeline with ``replicas[s]`` replicas of stage s.
+
+    ``virtual_stages``: stages per rank, for a schedule with a placement (interleaved-1f1b,
+    looped-bfs: ``len(replicas) = virtual_stages * p`` stages on ``p`` ranks, see :mod:`.interleaved`).
 
     ``num_microbatches`` (``M``) is the number of microbatches per optimizer step for ``gpipe``,
     ``flush`` and ``2bw``; ``num_steps`` such steps are laid out (microbatches ``0 .. M*num_steps-1``).
@@ -78,22 +83,26 @@ def make_schedule(name: str, replicas: Sequence[int], num_microbatches: int, *, 
     its last backward of each step into ``B`` (input gradients, sent at once) and ``W`` (weight
     gradients) — see the package docstring.
     """
-    lay = layout(name, replicas, num_microbatches, num_steps, vertical_sync, split_backward)
+    lay = layout(name, replicas, num_microbatches, num_steps, vertical_sync, split_backward, virtual_stages)
     if tied and lay.policy.update_per_microbatch and len(set(lay.replicas)) > 1:
         raise UsageError(
             f"1F1B steps every r_s microbatches on a stage with r_s replicas, so with replicas "
             f"{list(lay.replicas)} the stages' steps don't line up and tied gradients can't be summed "
             f"step by step; use equal replica counts, or flush/gpipe/2bw")
-    ranks = stage_ranks(lay.replicas)
+    ranks = lay.stage_ranks
     base: Schedule = {}
     for s, rs in enumerate(ranks):
         for i, rank in enumerate(rs):
-            base[rank] = lay.policy.order(lay, s, i, tied)
+            if rank not in base:  # a rank's first stage; with virtual stages its order covers all of them
+                base[rank] = lay.policy.order(lay, s, i, tied)
     versions = expected_versions(lay, base)
     out: Schedule = {}
     for rank, acts in base.items():
-        s = stage_of_rank(rank, ranks)
-        out[rank] = insert_versions(acts, functools.partial(_version_of, versions, s))
+        stages = stages_of_rank(rank, ranks)
+        for s in stages:
+            acts = insert_versions(acts, functools.partial(_version_of, versions, s),
+                                   stage=s if len(stages) > 1 else None)
+        out[rank] = acts
     return out
 
 

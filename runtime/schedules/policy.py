@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdcompile.runtime.schedules.actions import Action
+from pdcompile.runtime.schedules.actions import Action, stage_ranks, stages_of_rank
 
 
 def warmup_depth(replicas: Sequence[int], stage: int) -> int:
@@ -21,6 +21,7 @@ def warmup_depth(replicas: Sequence[int], stage: int) -> int:
 
 
 Order = Callable[["Layout", int, int, bool], list[Action]]  # (layout, stage, replica, tied) -> F/B/... actions
+Place = Callable[[int, int], list[list[int]]]  # (num_stages, virtual_stages) -> ranks per stage
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,12 @@ class Policy:
     * ``splits_every_backward``: every backward on every stage is split, its ``W`` placed by the
       order (zero bubble); activations are held until the ``W`` (see :meth:`held`).
     * ``planner_model``: the schedule whose memory model the partitioners apply (None: this one).
+    * ``placement``: stage -> ranks when a rank holds several (virtual) stages (interleaved: stage
+      ``s`` on rank ``s % p``); ``order`` then gets the rank's first stage and builds all its
+      stages' actions. None: consecutive ranks, one stage each. The runtime refuses such schedules
+      (it does not execute virtual stages yet).
+    * ``rank_in_flight``: the most microbatches in flight on a rank over all its stages (None: the
+      sum of its stages' :meth:`in_flight`).
     """
 
     name: str
@@ -56,6 +63,13 @@ class Policy:
     summary: str
     splits_every_backward: bool = False
     planner_model: str | None = None
+    placement: Place | None = None
+    rank_in_flight: Callable[["Layout", int], int] | None = None
+
+    @property
+    def virtual_stages(self) -> bool:
+        """Whether a rank may hold several stages (the runtime does not execute those yet)."""
+        return self.placement is not None
 
     def accumulation(self, num_microbatches: int) -> int:
         """Backward passes one update sums (the loss is scaled by 1/this)."""
@@ -98,10 +112,30 @@ class Layout:
     num_steps: int
     vertical_sync: bool = False
     split_backward: bool = False
+    virtual_stages: int = 1
 
     @property
     def name(self) -> str:
         return self.policy.name
+
+    @property
+    def stage_ranks(self) -> list[list[int]]:
+        """Ranks of each stage: the policy's placement, else consecutive."""
+        place = self.policy.placement
+        return stage_ranks(self.replicas, None if place is None else place(self.num_stages, self.virtual_stages))
+
+    @property
+    def num_ranks(self) -> int:
+        return 1 + max(q for rs in self.stage_ranks for q in rs)
+
+    def stages_of(self, rank: int) -> list[int]:
+        return stages_of_rank(rank, self.stage_ranks)
+
+    def rank_in_flight_bound(self, rank: int) -> int:
+        """The most microbatches in flight on ``rank`` over all its stages."""
+        if self.policy.rank_in_flight is not None:
+            return self.policy.rank_in_flight(self, rank)
+        return sum(self.in_flight_bound(s) for s in self.stages_of(rank))
 
     @property
     def num_stages(self) -> int:

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from pdcompile.errors import ScheduleError
-from pdcompile.runtime.schedules.actions import Action, Kind, Schedule, rank_of, schedule_error, stage_ranks
+from pdcompile.runtime.schedules.actions import Action, Kind, Placement, Schedule, rank_of, schedule_error, stage_ranks
 
 
 def _sender_key(a: Action) -> tuple[Kind, int, int]:
@@ -19,7 +19,8 @@ def _sender_key(a: Action) -> tuple[Kind, int, int]:
 
 
 def replay(sched: Schedule, replicas: Sequence[int],
-           execute: Callable[[list[tuple[int, int]], Action], None] | None = None, *, name: str = "schedule") -> None:
+           execute: Callable[[list[tuple[int, int]], Action], None] | None = None, *, name: str = "schedule",
+           placement: Placement | None = None) -> None:
     """Run every rank's actions in order, as the executor would, and detect deadlock.
 
     A receive waits until its matching send has run; ``AR`` waits for all replicas of the stage to
@@ -27,9 +28,10 @@ def replay(sched: Schedule, replicas: Sequence[int],
     Sends never block. ``execute(participants, action)`` is called for each action once it can run
     (``participants`` is ``[(rank, index)]``, all of them for a collective), in an order that
     respects those dependencies. Raises :class:`ScheduleError` (rule 'no deadlock') naming the
-    ranks that wait on each other, with the grid.
+    ranks that wait on each other, with the grid. ``placement``: ranks per stage (virtual stages;
+    a transfer between two stages of one rank is a local hand-over: its receive waits for its send).
     """
-    ranks = stage_ranks(replicas)
+    ranks = stage_ranks(replicas, placement)
     all_ranks = sorted(sched)
     pcs = {r: 0 for r in all_ranks}
     sent: set[tuple[Kind, int, int]] = set()
@@ -82,7 +84,8 @@ def replay(sched: Schedule, replicas: Sequence[int],
         raise _deadlock(sched, name, ranks, pcs, arrived, blocked)
 
 
-def send_release(sched: Schedule, replicas: Sequence[int]) -> dict[int, dict[int, list[Action]]]:
+def send_release(sched: Schedule, replicas: Sequence[int],
+                 placement: Placement | None = None) -> dict[int, dict[int, list[Action]]]:
     """Per rank: after which of its actions the sends of earlier actions are known to be complete.
 
     A send's buffer must stay alive until the receiver has taken the message, and on gloo nothing
@@ -103,7 +106,7 @@ def send_release(sched: Schedule, replicas: Sequence[int]) -> dict[int, dict[int
     >>> {str(sched[0][i]): [str(b) for b in bs] for i, bs in send_release(sched, [1, 1])[0].items()}
     {'0B1': ['0F0', '0SF0', '0F1', '0SF1']}
     """
-    ranks = stage_ranks(replicas)
+    ranks = stage_ranks(replicas, placement)
     last = len(ranks) - 1
     all_ranks = sorted(sched)
     n = max(all_ranks, default=-1) + 1
@@ -156,7 +159,7 @@ def send_release(sched: Schedule, replicas: Sequence[int]) -> dict[int, dict[int
             open_[r].append((peer, pos[peer][(Kind.FORWARD, k)], a))
         release(r, i)
 
-    replay(sched, replicas, execute, name="send release")
+    replay(sched, replicas, execute, name="send release", placement=placement)
     return out
 
 

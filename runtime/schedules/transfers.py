@@ -5,7 +5,9 @@ were issued (each pair has one communicator and one stream); a send completes on
 matching receive runs. So both sides of every pair must issue their transfers in the same order.
 :func:`transfer_plan` orders each pair's messages and places every receive; :func:`check_transfers`
 replays a schedule with its plan under NCCL's rules, issuing exactly as ``runtime/executor.py``
-does, and names the first mismatch or stuck pair. Pure Python, no torch.
+does, and names the first mismatch or stuck pair. A transfer between two stages on one rank
+(virtual stages) keeps its ``SF``/``RF`` pair in the schedule but is no message: it is in no
+pair's order, needs no post, and is received as soon as it is sent. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from pdcompile.errors import ScheduleError
-from pdcompile.runtime.schedules.actions import Action, Kind, Schedule, rank_of, stage_ranks
+from pdcompile.runtime.schedules.actions import Action, Kind, Placement, Schedule, rank_of, stage_ranks
 from pdcompile.runtime.schedules.replay import replay
 
 Posts = dict[int, list[tuple[Action, ...]]]  # rank -> per action index, the receives posted before it
@@ -107,7 +109,13 @@ class _Sent:
     time: int  # when it is sent if F, B and W took 1, 2 and 1 units and transfers none
 
 
-def _send_clocks(sched: Schedule, replicas: Sequence[int]) -> dict[Message, _Sent]:
+def is_local(m: Message, ranks: Sequence[Sequence[int]]) -> bool:
+    """Whether ``m`` goes between two stages on one rank (no message: a hand-over in memory)."""
+    src, dst = endpoints(m, ranks)
+    return src == dst
+
+
+def _send_clocks(sched: Schedule, replicas: Sequence[int], placement: Placement | None = None) -> dict[Message, _Sent]:
     """Each message -> who sends it, when, and what its sender knows then (vector clock; knowledge
     a message carries counts from the action that waits for it, ``F``/``B``)."""
     S = len(replicas)
@@ -135,20 +143,23 @@ def _send_clocks(sched: Schedule, replicas: Sequence[int]) -> dict[Message, _Sen
             out[m] = _Sent(r, i, list(vc[r]), now[r] + _UNIT.get(a.kind, 0))
         now[r] += _UNIT.get(a.kind, 0)
 
-    replay(sched, replicas, execute, name="transfer order")
+    replay(sched, replicas, execute, name="transfer order", placement=placement)
     return out
 
 
-def link_order(sched: Schedule, replicas: Sequence[int]) -> dict[tuple[int, int], list[Message]]:
+def link_order(sched: Schedule, replicas: Sequence[int],
+               placement: Placement | None = None) -> dict[tuple[int, int], list[Message]]:
     """Per pair of ranks ``(low, high)``, the order in which both issue their messages: a linear
     extension of happens-before (either side's sends in its own issue order; of two messages
     neither of which happens before the other, the one sent sooner if ``F``, ``B`` and ``W`` took
     1, 2 and 1 units, then the smaller microbatch)."""
-    ranks = stage_ranks(replicas)
-    clocks = _send_clocks(sched, replicas)
+    ranks = stage_ranks(replicas, placement)
+    clocks = _send_clocks(sched, replicas, placement)
     chains: dict[tuple[int, int], dict[int, list[Message]]] = {}
     for m, sent in sorted(clocks.items(), key=lambda kv: (kv[1].rank, kv[1].index, kv[0].kind != "T")):
         src, dst = endpoints(m, ranks)
+        if src == dst:  # local: no message
+            continue
         chains.setdefault((min(src, dst), max(src, dst)), {}).setdefault(src, []).append(m)
 
     def before(x: Message, y: Message) -> bool:  # x happens-before y
@@ -175,7 +186,7 @@ def link_order(sched: Schedule, replicas: Sequence[int]) -> dict[tuple[int, int]
     return out
 
 
-def transfer_plan(sched: Schedule, replicas: Sequence[int]) -> Posts:
+def transfer_plan(sched: Schedule, replicas: Sequence[int], placement: Placement | None = None) -> Posts:
     """Per rank and action index, the receive actions (``RF``/``RB``) to post just before that action.
 
     On each pair's :func:`link_order`, a receive goes after this rank's sends that precede it and
@@ -184,9 +195,9 @@ def transfer_plan(sched: Schedule, replicas: Sequence[int]) -> Posts:
     computes. Every ``RF``/``RB`` is posted exactly once, at or before its own index. The pair order
     is happens-before; ties go to the message sent sooner in a unit-cost timing.
     """
-    ranks = stage_ranks(replicas)
+    ranks = stage_ranks(replicas, placement)
     S = len(replicas)
-    order = link_order(sched, replicas)
+    order = link_order(sched, replicas, placement)
     index: dict[Message, int] = {m: i for seq in order.values() for i, m in enumerate(seq)}
     posts: Posts = {r: [() for _ in acts] for r, acts in sched.items()}
     for r, acts in sched.items():
@@ -197,6 +208,8 @@ def transfer_plan(sched: Schedule, replicas: Sequence[int]) -> Posts:
             for m in sends_of(a, S):
                 own_send[m] = i
             for m in receives_of(a, S):  # the activations or gradients; targets ride with activations
+                if is_local(m, ranks):
+                    continue
                 recvs.setdefault(endpoints(m, ranks)[0], []).append((m, i))
         chosen: list[tuple[int, int, Action]] = []
         for peer, items in recvs.items():
@@ -227,7 +240,8 @@ def transfer_plan(sched: Schedule, replicas: Sequence[int]) -> Posts:
 
 
 def check_transfers(sched: Schedule, replicas: Sequence[int], posts: Posts | None = None, *,
-                    targets: Collection[int] | None = None, name: str = "schedule") -> None:
+                    targets: Collection[int] | None = None, name: str = "schedule",
+                    placement: Placement | None = None) -> None:
     """Replay ``sched`` with its receives posted as ``posts`` says (default: :func:`transfer_plan`)
     under NCCL's rules: per pair of ranks each side runs its transfers one at a time in issue order,
     a send completes together with the peer's receive of the same message when both are next in
@@ -240,9 +254,9 @@ def check_transfers(sched: Schedule, replicas: Sequence[int], posts: Posts | Non
     ``A k``); receives are posted where ``posts`` puts them, the last stage's ``RF k`` first posting
     the targets up to ``k`` (:class:`TargetPosts`); sends are waited for only once the schedule
     proves their receiver has them (``send_release``)."""
-    ranks = stage_ranks(replicas)
+    ranks = stage_ranks(replicas, placement)
     S = len(replicas)
-    posts = transfer_plan(sched, replicas) if posts is None else posts
+    posts = transfer_plan(sched, replicas, placement) if posts is None else posts
     queues: dict[tuple[int, int], deque[tuple[str, Message]]] = {}  # (rank, peer) -> issued, unfinished
     received: dict[int, set[Message]] = {r: set() for r in sched}
     posted: dict[int, set[Action]] = {r: set() for r in sched}
@@ -264,6 +278,10 @@ def check_transfers(sched: Schedule, replicas: Sequence[int], posts: Posts | Non
 
     def issue(r: int, kind: str, m: Message) -> None:
         src, dst = endpoints(m, ranks)
+        if src == dst:  # local: received once sent, posted by nothing
+            if kind == "send":
+                received[r].add(m)
+            return
         queues.setdefault((r, dst if kind == "send" else src), deque()).append((kind, m))
 
     def post(r: int, a: Action) -> None:
@@ -279,6 +297,9 @@ def check_transfers(sched: Schedule, replicas: Sequence[int], posts: Posts | Non
         a = sched[r][i]
         for b in posts[r][i]:
             post(r, b)
+        if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD) and a not in posted[r] \
+                and all(is_local(m, ranks) for m in receives_of(a, S)):
+            post(r, a)  # a local hand-over, which the plan leaves out (the last stage's targets still post)
         if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD) and a not in posted[r]:
             raise fail(f"rank {r}: {a} (step {i}) was never posted by the plan")
         for m in sends_of(a, S, targets):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from pdcompile.errors import ScheduleError
-from pdcompile.runtime.schedules.actions import Kind, Schedule, rank_of, schedule_error, stage_ranks
+from pdcompile.runtime.schedules.actions import Kind, Schedule, rank_of, schedule_error
 from pdcompile.runtime.schedules.generate import expected_versions
 from pdcompile.runtime.schedules.registry import SPLIT_BACKWARD_SCHEDULES, layout, policy
 from pdcompile.runtime.schedules.replay import replay
@@ -31,14 +31,16 @@ def _check_split(sched: Schedule, name: str, r: int, s: int, k: int, b: int, sb:
 
 
 def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, name: str, *,
-             num_steps: int = 1, vertical_sync: bool = False) -> None:
+             num_steps: int = 1, vertical_sync: bool = False, virtual_stages: int = 1) -> None:
     """Check ``sched`` against the rules of schedule ``name``; raise :class:`ScheduleError` on the first broken one.
 
     The message names the rule, the rank and step, and shows the full grid with ``<-- ERROR HERE``
     under the bad action. Rules, in the order checked:
 
-    1. 'ranks': one action list per rank ``0 .. sum(replicas)-1``; every action on a rank is of that
-       rank's stage.
+    1. 'ranks': one action list per rank (``0 .. sum(replicas)-1``, or the placement's ranks with
+       ``virtual_stages``); every action on a rank is of one of that rank's stages. Rules 3-6, 8
+       and 9 hold for each stage of a rank on its own actions; a transfer between two stages of one
+       rank keeps its pair (a local hand-over, no message for rule 11).
     2. 'round-robin routing': every action of microbatch ``k`` on stage ``s`` (F, B, and both sides
        of every transfer) is on ``rank_of(s, k)``.
     3. 'each forward and backward once': microbatches ``0 .. M*num_steps-1`` each have exactly one
@@ -52,8 +54,8 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
        every microbatch of every stage (``splits_every_backward``: zb-h1).
     6. 'forward order': every rank forwards its microbatches in increasing order (so every stage
        sees them in the order the stage before sent them).
-    7. 'in-flight bound': microbatches in flight on a replica (F done, B not) never exceed the
-       schedule's bound (``warmup_depth``; for gpipe the replica's share of a step); where every
+    7. 'in-flight bound': microbatches in flight on a replica (F done, B not; over all its stages)
+       never exceed the schedule's bound (``warmup_depth``; for gpipe the replica's share of a step); where every
        backward is split, those held (F done, W not) never exceed :meth:`~.policy.Policy.held`.
     8. 'steps': each rank has one ``ST`` per group the schedule defines (per step for gpipe, flush,
        2bw; per ``r_s`` microbatches for 1f1b), placed after the group's last local backward and
@@ -64,26 +66,32 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
     10. 'no deadlock': replaying with blocking receives and collectives (:func:`replay`) completes.
     11. 'transfer order': with its receives posted as
         :func:`~pdcompile.runtime.transfers.transfer_plan` says, the schedule completes under NCCL's
-        rules (:func:`~pdcompile.runtime.transfers.check_transfers`), with targets sent or not.
+        rules (:func:`~pdcompile.runtime.transfers.check_transfers`), with targets sent or not. With
+        virtual stages targets are local only: the first and the last stage's ranks also exchange
+        other chunks' messages, which the last stage would post before its target's.
     """
-    lay = layout(name, replicas, num_microbatches, num_steps, vertical_sync)
-    ranks = stage_ranks(lay.replicas)
+    lay = layout(name, replicas, num_microbatches, num_steps, vertical_sync, virtual_stages=virtual_stages)
+    ranks = lay.stage_ranks
+    placement = ranks if lay.policy.placement is not None else None
     S, T = lay.num_stages, lay.total
 
     def fail(rule: str, rank: int | None, step: int | None, detail: str) -> ScheduleError:
         return schedule_error(sched, name, rule, rank, step, detail)
 
     # 1. ranks
-    want = set(range(sum(lay.replicas)))
+    want = set(range(lay.num_ranks))
     if set(sched) != want:
         extra, missing = sorted(set(sched) - want), sorted(want - set(sched))
         raise fail("ranks", None, None, f"expected ranks {sorted(want)} for replicas {list(lay.replicas)}; "
                    f"missing {missing}, unexpected {extra}")
-    stage_of = {r: s for s, rs in enumerate(ranks) for r in rs}
+    stages_of = {r: lay.stages_of(r) for r in sched}
     for r in sorted(sched):
         for i, a in enumerate(sched[r]):
-            if a.stage != stage_of[r]:
-                raise fail("ranks", r, i, f"{a} is an action of stage {a.stage}, but rank {r} runs stage {stage_of[r]}")
+            if a.stage not in stages_of[r]:
+                raise fail("ranks", r, i, f"{a} is an action of stage {a.stage}, but rank {r} runs stage"
+                           f"{'s' if len(stages_of[r]) > 1 else ''} {', '.join(map(str, stages_of[r]))}")
+    # each (rank, stage): the indices of its actions on the rank
+    views = [(r, s, [i for i, a in enumerate(sched[r]) if a.stage == s]) for r in sorted(sched) for s in stages_of[r]]
 
     # 2. routing
     for r in sorted(sched):
@@ -97,11 +105,11 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
                     raise fail("round-robin routing", r, i, f"{a} belongs on rank {owner} "
                                f"(replica {a.microbatch} % {lay.replicas[a.stage]} of stage {a.stage})")
 
-    # 3-6. per rank, positions of each microbatch's actions
-    for r in sorted(sched):
-        s = stage_of[r]
+    # 3-6. per rank and stage, positions of each microbatch's actions
+    for r, s, idx in views:
         pos: dict[tuple[Kind, int], int] = {}
-        for i, a in enumerate(sched[r]):
+        for i in idx:
+            a = sched[r][i]
             if a.microbatch is None or a.kind is Kind.WEIGHT_VERSION:
                 continue
             key = (a.kind, a.microbatch)
@@ -110,7 +118,7 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
                     else "send/recv pairs matched"
                 raise fail(rule, r, i, f"{a} appears twice (first at step {pos[key]})")
             pos[key] = i
-        end = len(sched[r])
+        end = idx[-1] + 1 if idx else 0
         for k in range(T):
             if rank_of(s, k, ranks) != r:
                 continue
@@ -139,7 +147,8 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
             if w is not None:
                 _check_split(sched, name, r, s, k, b, pos.get((Kind.SEND_GRAD, k), b), w, fail)
         last = -1
-        for i, a in enumerate(sched[r]):
+        for i in idx:
+            a = sched[r][i]
             if a.kind is Kind.FORWARD:
                 if a.mb < last:
                     raise fail("forward order", r, i, f"{a} after {s}F{last}: forwards must be in increasing order")
@@ -147,8 +156,9 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
 
     # 7. in-flight bound
     for r in sorted(sched):
-        s, n = stage_of[r], 0
-        bound, held_bound = lay.in_flight_bound(s), lay.held_bound(s)
+        s, n = stages_of[r][0], 0
+        bound = lay.rank_in_flight_bound(r)
+        held_bound = sum(lay.held_bound(q) for q in stages_of[r])
         split = {a.microbatch for a in sched[r] if a.kind is Kind.WEIGHT_GRAD}
         held = 0
         for i, a in enumerate(sched[r]):
@@ -156,7 +166,7 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
             frees = Kind.WEIGHT_GRAD if a.microbatch in split else Kind.BACKWARD
             held += (a.kind is Kind.FORWARD) - (a.kind is frees)
             if n > bound:
-                raise fail("in-flight bound", r, i, f"{n} microbatches in flight on stage {s}, "
+                raise fail("in-flight bound", r, i, f"{n} microbatches in flight on rank {r}, "
                            f"{name} allows {bound} per replica")
             if lay.policy.splits_every_backward and held > held_bound:
                 raise fail("in-flight bound", r, i, f"{held} microbatches' activations held (F done, W not) on "
@@ -165,22 +175,26 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
     # 8. steps
     tg_ranks = {r for r in sched if any(a.kind is Kind.TIED_GRADS for a in sched[r])}
     tied = bool(tg_ranks)
-    for r in sorted(sched):
-        s, acts = stage_of[r], sched[r]
+    def on(idx: list[int]) -> Callable[[str, int | None, int | None, str], ScheduleError]:
+        """``fail`` for a view: its steps are indices into the view's actions ``idx``."""
+        return lambda rule, rank, step, detail: fail(rule, rank, None if step is None else idx[step], detail)
+
+    for r, s, idx in views:
+        acts, vfail = [sched[r][i] for i in idx], on(idx)
         replicated = lay.replicas[s] > 1
         if tied and r not in tg_ranks:
-            raise fail("steps", r, None, f"rank {r} has no TG but ranks {sorted(tg_ranks)} do")
+            raise vfail("steps", r, None, f"rank {r} has no TG but ranks {sorted(tg_ranks)} do")
         n_st, pending = 0, []  # collectives since the last ST
         done_groups_at: list[int] = []
         for i, a in enumerate(acts):
             if a.kind is Kind.ALLREDUCE and not replicated:
-                raise fail("steps", r, i, f"{a}: stage {s} has one replica, nothing to all-reduce")
+                raise vfail("steps", r, i, f"{a}: stage {s} has one replica, nothing to all-reduce")
             if a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
                 pending.append(a.kind)
             if a.kind is Kind.STEP:
                 wanted = ([Kind.ALLREDUCE] if replicated else []) + ([Kind.TIED_GRADS] if tied else [])
                 if pending != wanted:
-                    raise fail("steps", r, i, f"{a} must be preceded by exactly "
+                    raise vfail("steps", r, i, f"{a} must be preceded by exactly "
                                f"{' '.join(f'{s}{k.value}' for k in wanted) or 'no collective'} since the last step")
                 pending = []
                 n_st += 1
@@ -188,11 +202,11 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
             if a.kind is Kind.BACKWARD:
                 g = lay.group_of(s, a.mb)
                 if n_st != g:
-                    raise fail("steps", r, i, f"{a} belongs to step {g} of stage {s}, but {n_st} steps came before it")
+                    raise vfail("steps", r, i, f"{a} belongs to step {g} of stage {s}, but {n_st} steps came before it")
         if pending:
-            raise fail("steps", r, len(acts) - 1, f"{' '.join(k.value for k in pending)} without a following ST")
+            raise vfail("steps", r, len(acts) - 1, f"{' '.join(k.value for k in pending)} without a following ST")
         if n_st != lay.num_groups(s):
-            raise fail("steps", r, done_groups_at[-1] if done_groups_at else None,
+            raise vfail("steps", r, done_groups_at[-1] if done_groups_at else None,
                        f"rank {r} takes {n_st} steps, {name} takes {lay.num_groups(s)}")
         # each ST right after the group's last local backward (only sends/collectives between)
         busy = {lay.group_of(s, a.mb) for a in acts if a.kind is Kind.BACKWARD}
@@ -205,34 +219,35 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
                                               Kind.WEIGHT_GRAD):
                 j -= 1
             if j >= 0 and acts[j].kind is not Kind.BACKWARD:
-                raise fail("steps", r, at, f"step {g} of rank {r} comes after {acts[j]}: a step follows "
+                raise vfail("steps", r, at, f"step {g} of rank {r} comes after {acts[j]}: a step follows "
                            f"its group's last backward directly")
 
     # 9. weight versions
     expected = expected_versions(lay, sched)
-    for r in sorted(sched):
-        s, acts = stage_of[r], sched[r]
+    for r, s, idx in views:
+        acts, vfail = [sched[r][i] for i in idx], on(idx)
         current = n_st = 0
         for i, a in enumerate(acts):
             if a.kind is Kind.STEP:
                 n_st += 1
             elif a.kind is Kind.WEIGHT_VERSION:
                 if a.wv < current:
-                    raise fail("weight versions", r, i, f"{a} goes back from version {current}")
+                    raise vfail("weight versions", r, i, f"{a} goes back from version {current}")
                 if a.wv > n_st:
-                    raise fail("weight versions", r, i, f"{a}: version {a.wv} does not exist yet "
+                    raise vfail("weight versions", r, i, f"{a}: version {a.wv} does not exist yet "
                                f"({n_st} steps so far)")
                 current = a.wv
             elif a.kind is Kind.FORWARD:
                 want_v = expected[(s, a.mb)]
                 if current != want_v:
-                    raise fail("weight versions", r, i, f"{a} uses weight version {current}, {name}"
+                    raise vfail("weight versions", r, i, f"{a} uses weight version {current}, {name}"
                                f"{' with vertical sync' if lay.vertical_sync else ''} defines version {want_v}")
 
     # 10. no deadlock
-    replay(sched, lay.replicas, name=name)
+    replay(sched, lay.replicas, name=name, placement=placement)
 
     # 11. transfer order
-    posts = transfer_plan(sched, lay.replicas)
-    for targets in (None, (), range(lay.replicas[-1])):  # all sent, none (--targets local), the first only
-        check_transfers(sched, lay.replicas, posts, targets=targets, name=name)
+    posts = transfer_plan(sched, lay.replicas, placement)
+    variants = ((),) if placement is not None else (None, (), range(lay.replicas[-1]))
+    for targets in variants:  # all sent, none (--targets local), the first only; virtual stages: local only
+        check_transfers(sched, lay.replicas, posts, targets=targets, name=name, placement=placement)
