@@ -35,15 +35,24 @@ def launch(folder: str | os.PathLike[str], nproc: int, args: Sequence[str] = (),
     ``on_line`` sees each output line as it arrives (progress). The whole run is bounded by
     ``timeout`` seconds: past it the job is killed and the status is 124.
     """
+    return run_streaming(torchrun_command(folder, nproc, args, max_restarts), env=env, timeout=timeout,
+                         on_line=on_line)
+
+
+def run_streaming(cmd: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 600,
+                  on_line: Callable[[str], None] | None = None) -> tuple[int, str]:
+    """Run ``cmd`` (a torchrun launch) in a session of its own, its output streamed to ``on_line``;
+    (exit status, combined output); past ``timeout`` seconds the whole session is killed and the
+    status is 124."""
+    import threading
+
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env.update(env or {})
-    proc = subprocess.Popen(torchrun_command(folder, nproc, args, max_restarts),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
                             start_new_session=True)
     lines: list[str] = []
-    import threading
 
     def pump() -> None:
         assert proc.stdout is not None

@@ -16,9 +16,7 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -156,36 +154,11 @@ def part_a(args: argparse.Namespace, out: Path, console: Any) -> dict[str, Any]:
 def run_module(module: str, nproc: int, args: Sequence[str], *, env: dict[str, str], timeout: float,
                on_line: Callable[[str], None] | None = None) -> tuple[int, str]:
     """``torchrun -m module args`` on 127.0.0.1; (exit status, output); ``on_line`` sees each line."""
-    from pdcompile.launcher import free_port
+    from pdcompile.launcher import free_port, run_streaming
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", "--max-restarts=0", "--monitor-interval=0.5", "-m", module, *args]
-    full = dict(os.environ)
-    full.setdefault("OMP_NUM_THREADS", "1")
-    full["PYTHONUNBUFFERED"] = "1"
-    full.update(NO_NCCL_RULES)
-    full.update(env)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full,
-                            start_new_session=True)
-    lines: list[str] = []
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if on_line is not None:
-                on_line(line.rstrip("\n"))
-
-    t = threading.Thread(target=pump, daemon=True)
-    t.start()
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-        rc = 124
-    t.join(timeout=5)
-    return rc, "".join(lines)
+    return run_streaming(cmd, env={**NO_NCCL_RULES, **env}, timeout=timeout, on_line=on_line)
 
 
 def _train(console: Any, label: str, module: str, args: Sequence[str], env: dict[str, str], steps: int,
