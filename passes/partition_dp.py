@@ -1,86 +1,7 @@
-"""The ``partition`` pass (dynamic programming): PipeDream's planner — stages, replicas and ranks
+"""PipeDream's planner as a dynamic program (used by the ``partition`` pass): stages, replicas and ranks
 that make the slowest part of the pipeline as fast as possible.
 
-Paper: Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN Training",
-SOSP'19, section 3.1 (arXiv 1806.03377). Pure functions over numpy arrays; no torch.
-
-Cost models
------------
-``paper`` is section 3.1 of the SOSP'19 paper as written. For a chain with per-layer compute
-``c_l = forward + backward``, parameter bytes ``w_l``, bytes ``a_s`` live across cut ``s`` and
-a level of bandwidth ``B``:
-
-1. a stage of layers ``i..j`` replicated ``r`` times takes
-   ``T = (1/r) * max(sum c_l, 2 (r-1) sum w_l / B)``;
-2. a boundary after layer ``s`` costs ``2 a_s / B`` (activations forward, gradients back);
-3. the pipeline's time per minibatch is the maximum over stages and boundaries;
-4. hierarchy (levels innermost first, level ``k`` has ``m_k`` units of level ``k-1``): the best
-   time ``A^{k-1}(i..j)`` of a range on one unit of level ``k`` (a whole level-(k-1) group) is
-   that range's compute time at level ``k``: ``T^k = (1/r) max(A^{k-1}(i..j), 2 (r-1) W / B_k)``,
-   and boundaries between level-k stages cost ``2 a / B_k``. A range may use *up to* its units
-   (replicas may use fewer than all workers when that is faster);
-5. data parallelism: one stage of all layers replicated over every unit of every level.
-
-``pipedream`` is PipeDream's released optimizer (``optimizer/optimizer_graph_hierarchical.py`` in
-msr-fiddle/pipedream, run with ``--activation_compression_ratio 1`` as its README does), which
-differs from the paper's text; with ``C`` the range's compute at this level (level 1: the sum of
-``c_l``; above: the level below's best time), ``W`` its weights, ``r`` its replicas:
-
-1. a stage costs ``(C + 4 (r-1) W / (r B)) / r``: a sum where the paper takes the max, and
-   ``4 (r-1)/r W`` bytes (twice a ring all-reduce's) where the paper has ``2 (r-1) W``;
-2. in a level's pipeline, every block after the first also costs ``2 a / (B r)`` for the cut
-   before it and, unless it ends the chain, for the cut after it (``r``: that block's replicas;
-   without ``--activation_compression_ratio`` the released code charges no boundary at all);
-3. at level ``k >= 2`` the *first* block's weight term is divided by the count of level ``k-1``
-   (the released ``num_machines_within_machine``), later blocks' are not;
-4. every range uses exactly all its units (no ``--use_fewer_machines``), no memory limit;
-5. data parallelism: ``t = C``, then per level ``t = (t + 4 (m-1) W / (m B) / n) / m``.
-
-It is solved by its own DP (:func:`_solve_pipedream`), not the bisection below; ties between
-equally fast configurations may break differently (the released code's order varies from run to
-run). The ILP refuses it.
-
-``default`` is ours: the same structure (and the same boundaries), plus
-
-- the **all-reduce** among ``r`` replicas is a ring all-reduce, ``2 (r-1)/r * W / B``, done once
-  per round of ``r`` minibatches (each replica processes one) and overlapped with the backward
-  pass: a level-1 stage takes ``(F + max(Bw, AR) + OPT) / r`` per minibatch, where ``F``/``Bw``
-  are the forward/backward sums; at outer levels ``max(A^{k-1}, AR_k) / r``;
-- the **optimizer step** ``OPT = (3 + 2 f) W / memory_bandwidth`` (read weights, gradients and
-  ``f`` x weights of optimizer state; write weights and state) when the device's memory bandwidth
-  is known, else 0;
-- the **memory limit** (on by default for this model; off by default for ``paper``).
-
-Memory (``default`` and ``paper``, when the limit is on)
--------------------------------------------
-A worker of a stage holds ``W * (versions + 1 + f) + X * k`` bytes: ``W`` the stage's parameter
-bytes, ``versions`` the weight versions the schedule keeps (1F1B with stashing: ``k``; Flush: 1;
-2BW: 2), one gradient buffer, ``f = optimizer_state_factor`` bytes of optimizer state per
-parameter byte, and ``k`` in-flight minibatches of stashed activations ``X`` (the outputs of the
-stage's layers plus the bytes it receives). ``k = ceil(D / n)``, with ``n`` the stage's workers
-and ``D`` the workers at it and downstream: NOAM = ceil(workers / input replicas) at the input
-stage, fewer downstream. In a hierarchy, downstream stages of an *outer* level count with all
-the workers of their groups (a safe upper bound); within a group the count is exact.
-The bytes a stage starting at ``i`` receives are ``cut_bytes[i-1]``, capped to keep them
-monotone (``in[i+1] <= in[i] + output[i]``, which every chain from ``linearize`` satisfies).
-
-Pooled workers (``pool=True``): see :func:`pool_cluster`. A plan made without the memory limit
-whose stage exceeds the device's memory says so in a note (the stage, its bytes, the device's).
-
-Algorithm
----------
-Bisection on the bottleneck value ``tau`` (in log space, then one exact step on the found
-plan's own time). For a given ``tau`` a backward greedy decides feasibility exactly: ``L[w]`` is
-the smallest start of a suffix of the chain that ``w`` units can cover with every stage and
-boundary within ``tau``; prepending a stage of ``r`` units in front of the suffix covered by
-``D`` units uses the cut just before that suffix (the first allowed one), and the stage may
-reach back as far as its cost allows (prefix sums + ``searchsorted``). Stage cost and memory are
-monotone in the range, so the furthest-back suffix dominates; with the memory limit on, every
-downstream count ``D`` is tried (in-flight counts depend on it), at levels with more than
-:data:`EXACT_MEMORY_MAX_UNITS` units only ``D = w - r`` (safe, possibly not optimal; the plan
-says so). At level ``k`` the stage check asks the level-``k-1`` greedy (one group, threshold
-``r * tau``): the inner level's answer is reused for every stage, vectorized over all candidate
-stages of a step. Everything is vectorized with numpy; see ``benchmarks/bench_planner.py``.
+The design in full: :func:`partition_dp`.
 """
 
 from __future__ import annotations
@@ -257,7 +178,7 @@ class Evaluation:
     peak_memory: float
 
 
-class _Model:
+class PlanModel:
     """Arrays and parameters of one planning problem (chain x cluster x cost model)."""
 
     def __init__(
@@ -835,7 +756,7 @@ def _minmax(P: np.ndarray, Q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return val, arg
 
 
-def _solve_pipedream(model: _Model) -> tuple[Block, ...]:
+def _solve_pipedream(model: PlanModel) -> tuple[Block, ...]:
     """The released optimizer's DP (``optimizer_graph_hierarchical.compute_partitioning`` with
     ``--activation_compression_ratio 1``), vectorized: per level, ``A[m][i, j]`` is the best time
     of range ``i..j`` on exactly ``m`` units; the level above uses ``A[count]`` as its compute.
@@ -899,7 +820,7 @@ def _solve_pipedream(model: _Model) -> tuple[Block, ...]:
     return tuple(rebuild(L, 0, N - 1, model.counts[L - 1]))
 
 
-def _solve(model: _Model) -> tuple[tuple[Block, ...], Evaluation]:
+def _solve(model: PlanModel) -> tuple[tuple[Block, ...], Evaluation]:
     if model.cost_model == "pipedream":
         blocks = _solve_pipedream(model)
         return blocks, model.evaluate(blocks)
@@ -951,8 +872,8 @@ def _solve(model: _Model) -> tuple[tuple[Block, ...], Evaluation]:
     return best
 
 
-def _build_plan(
-    model: _Model,
+def build_plan(
+    model: PlanModel,
     blocks: Sequence[Block],
     ev: Evaluation,
     *,
@@ -961,7 +882,7 @@ def _build_plan(
     optimal: bool,
     gap: float,
     notes: Iterable[str] = (),
-    baseline: _Model | None = None,
+    baseline: PlanModel | None = None,
 ) -> Plan:
     """The Plan of ``blocks``; ``baseline`` (default ``model``) rates data parallelism and names the cluster."""
     chain = model.chain
@@ -1041,13 +962,96 @@ def partition_dp(
     Raises :class:`InfeasiblePlanError` (with the smallest per-worker memory that would fit)
     when no plan fits, and :class:`ClusterSpecError` when the limit is on but the device memory
     is unknown.
+
+    The design, in full (moved from the module docstring):
+
+    Paper: Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN Training",
+    SOSP'19, section 3.1 (arXiv 1806.03377). Pure functions over numpy arrays; no torch.
+
+    Cost models
+    -----------
+    ``paper`` is section 3.1 of the SOSP'19 paper as written. For a chain with per-layer compute
+    ``c_l = forward + backward``, parameter bytes ``w_l``, bytes ``a_s`` live across cut ``s`` and
+    a level of bandwidth ``B``:
+
+    1. a stage of layers ``i..j`` replicated ``r`` times takes
+       ``T = (1/r) * max(sum c_l, 2 (r-1) sum w_l / B)``;
+    2. a boundary after layer ``s`` costs ``2 a_s / B`` (activations forward, gradients back);
+    3. the pipeline's time per minibatch is the maximum over stages and boundaries;
+    4. hierarchy (levels innermost first, level ``k`` has ``m_k`` units of level ``k-1``): the best
+       time ``A^{k-1}(i..j)`` of a range on one unit of level ``k`` (a whole level-(k-1) group) is
+       that range's compute time at level ``k``: ``T^k = (1/r) max(A^{k-1}(i..j), 2 (r-1) W / B_k)``,
+       and boundaries between level-k stages cost ``2 a / B_k``. A range may use *up to* its units
+       (replicas may use fewer than all workers when that is faster);
+    5. data parallelism: one stage of all layers replicated over every unit of every level.
+
+    ``pipedream`` is PipeDream's released optimizer (``optimizer/optimizer_graph_hierarchical.py`` in
+    msr-fiddle/pipedream, run with ``--activation_compression_ratio 1`` as its README does), which
+    differs from the paper's text; with ``C`` the range's compute at this level (level 1: the sum of
+    ``c_l``; above: the level below's best time), ``W`` its weights, ``r`` its replicas:
+
+    1. a stage costs ``(C + 4 (r-1) W / (r B)) / r``: a sum where the paper takes the max, and
+       ``4 (r-1)/r W`` bytes (twice a ring all-reduce's) where the paper has ``2 (r-1) W``;
+    2. in a level's pipeline, every block after the first also costs ``2 a / (B r)`` for the cut
+       before it and, unless it ends the chain, for the cut after it (``r``: that block's replicas;
+       without ``--activation_compression_ratio`` the released code charges no boundary at all);
+    3. at level ``k >= 2`` the *first* block's weight term is divided by the count of level ``k-1``
+       (the released ``num_machines_within_machine``), later blocks' are not;
+    4. every range uses exactly all its units (no ``--use_fewer_machines``), no memory limit;
+    5. data parallelism: ``t = C``, then per level ``t = (t + 4 (m-1) W / (m B) / n) / m``.
+
+    It is solved by its own DP (:func:`_solve_pipedream`), not the bisection below; ties between
+    equally fast configurations may break differently (the released code's order varies from run to
+    run). The ILP refuses it.
+
+    ``default`` is ours: the same structure (and the same boundaries), plus
+
+    - the **all-reduce** among ``r`` replicas is a ring all-reduce, ``2 (r-1)/r * W / B``, done once
+      per round of ``r`` minibatches (each replica processes one) and overlapped with the backward
+      pass: a level-1 stage takes ``(F + max(Bw, AR) + OPT) / r`` per minibatch, where ``F``/``Bw``
+      are the forward/backward sums; at outer levels ``max(A^{k-1}, AR_k) / r``;
+    - the **optimizer step** ``OPT = (3 + 2 f) W / memory_bandwidth`` (read weights, gradients and
+      ``f`` x weights of optimizer state; write weights and state) when the device's memory bandwidth
+      is known, else 0;
+    - the **memory limit** (on by default for this model; off by default for ``paper``).
+
+    Memory (``default`` and ``paper``, when the limit is on)
+    -------------------------------------------
+    A worker of a stage holds ``W * (versions + 1 + f) + X * k`` bytes: ``W`` the stage's parameter
+    bytes, ``versions`` the weight versions the schedule keeps (1F1B with stashing: ``k``; Flush: 1;
+    2BW: 2), one gradient buffer, ``f = optimizer_state_factor`` bytes of optimizer state per
+    parameter byte, and ``k`` in-flight minibatches of stashed activations ``X`` (the outputs of the
+    stage's layers plus the bytes it receives). ``k = ceil(D / n)``, with ``n`` the stage's workers
+    and ``D`` the workers at it and downstream: NOAM = ceil(workers / input replicas) at the input
+    stage, fewer downstream. In a hierarchy, downstream stages of an *outer* level count with all
+    the workers of their groups (a safe upper bound); within a group the count is exact.
+    The bytes a stage starting at ``i`` receives are ``cut_bytes[i-1]``, capped to keep them
+    monotone (``in[i+1] <= in[i] + output[i]``, which every chain from ``linearize`` satisfies).
+
+    Pooled workers (``pool=True``): see :func:`pool_cluster`. A plan made without the memory limit
+    whose stage exceeds the device's memory says so in a note (the stage, its bytes, the device's).
+
+    Algorithm
+    ---------
+    Bisection on the bottleneck value ``tau`` (in log space, then one exact step on the found
+    plan's own time). For a given ``tau`` a backward greedy decides feasibility exactly: ``L[w]`` is
+    the smallest start of a suffix of the chain that ``w`` units can cover with every stage and
+    boundary within ``tau``; prepending a stage of ``r`` units in front of the suffix covered by
+    ``D`` units uses the cut just before that suffix (the first allowed one), and the stage may
+    reach back as far as its cost allows (prefix sums + ``searchsorted``). Stage cost and memory are
+    monotone in the range, so the furthest-back suffix dominates; with the memory limit on, every
+    downstream count ``D`` is tried (in-flight counts depend on it), at levels with more than
+    :data:`EXACT_MEMORY_MAX_UNITS` units only ``D = w - r`` (safe, possibly not optimal; the plan
+    says so). At level ``k`` the stage check asks the level-``k-1`` greedy (one group, threshold
+    ``r * tau``): the inner level's answer is reused for every stage, vectorized over all candidate
+    stages of a step. Everything is vectorized with numpy; see ``benchmarks/bench_planner.py``.
     """
     t0 = time.perf_counter()
     if pool and cost_model == "pipedream":
         raise UsageError("the pipedream cost model reproduces PipeDream's released optimizer, whose stages nest in "
                          "the cluster's levels; pool=True goes with cost_model='default' or 'paper'")
     args = (cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication, num_microbatches, recompute)
-    model = _Model(chain, cluster, *args)
+    model = PlanModel(chain, cluster, *args)
     baseline = model
     try:
         blocks, ev = _solve(model)
@@ -1057,7 +1061,7 @@ def partition_dp(
         blocks, ev = (), None
     notes = []
     if pool and model.L > 1:  # the workers as one pool at the slowest link: stages need not nest
-        pooled = _Model(chain, pool_cluster(cluster), *args)
+        pooled = PlanModel(chain, pool_cluster(cluster), *args)
         try:
             pblocks, pev = _solve(pooled)
         except InfeasiblePlanError:
@@ -1075,7 +1079,7 @@ def partition_dp(
         names = ", ".join(cluster.levels[k - 1].name for k in sorted(model.conservative_levels))
         notes.append(f"memory: downstream counts at level(s) {names} taken as all units of the budget "
                      f"(more than {EXACT_MEMORY_MAX_UNITS} units); the plan fits but may not be optimal")
-    return _build_plan(model, blocks, ev, solver="dp", planning_seconds=time.perf_counter() - t0,
+    return build_plan(model, blocks, ev, solver="dp", planning_seconds=time.perf_counter() - t0,
                        optimal=optimal, gap=0.0 if optimal else math.nan, notes=notes, baseline=baseline)
 
 
@@ -1094,7 +1098,7 @@ def pool_cluster(cluster: ClusterSpec) -> ClusterSpec:
     return ClusterSpec(cluster.device, (Level("pool", cluster.num_workers, min(cluster.bandwidths)),))
 
 
-def _model(chain: Chain, cluster: ClusterSpec, options: dict[str, Any]) -> _Model:
+def _model(chain: Chain, cluster: ClusterSpec, options: dict[str, Any]) -> PlanModel:
     allowed = {"cost_model", "schedule", "memory_limit", "optimizer_state_factor", "allow_replication",
                "num_microbatches", "recompute", "pool"}
     bad = set(options) - allowed
@@ -1105,7 +1109,7 @@ def _model(chain: Chain, cluster: ClusterSpec, options: dict[str, Any]) -> _Mode
         cluster = pool_cluster(cluster)
     if options.get("memory_limit") is None and cluster.device.memory is None:
         options = {**options, "memory_limit": False}  # evaluating needs no limit
-    return _Model(chain, cluster, **options)
+    return PlanModel(chain, cluster, **options)
 
 
 def _to_blocks(stages: Any, cluster: ClusterSpec) -> tuple[Block, ...]:
@@ -1172,7 +1176,7 @@ def stage_time(chain: Chain, cluster: ClusterSpec, first: int, last: int, replic
                cost_model: str = "default") -> float:
     """Time per minibatch of one worker-level stage ``first..last`` replicated ``replicas`` times
     over the innermost level's links."""
-    return _Model(chain, cluster, cost_model, memory_limit=False).level1_stage(first, last, replicas)[0]
+    return PlanModel(chain, cluster, cost_model, memory_limit=False).level1_stage(first, last, replicas)[0]
 
 
 def stage_memory(chain: Chain, first: int, last: int, in_flight: int, *, schedule: str = "1f1b",
@@ -1181,7 +1185,7 @@ def stage_memory(chain: Chain, first: int, last: int, in_flight: int, *, schedul
     from pdcompile.cluster import Device, Level
 
     cluster = ClusterSpec(Device("any", memory=1.0), (Level("l", 1, 1.0),))
-    model = _Model(chain, cluster, "paper", schedule, False, optimizer_state_factor)
+    model = PlanModel(chain, cluster, "paper", schedule, False, optimizer_state_factor)
     return model.memory(first, last, in_flight)
 
 
@@ -1194,14 +1198,14 @@ def stage_memory_at(chain: Chain, first: int, last: int, *, in_flight: int, weig
     from pdcompile.cluster import Device
 
     cluster = ClusterSpec(Device("any", memory=1.0), (Level("l", 1, 1.0),))
-    model = _Model(chain, cluster, "paper", schedule, False, optimizer_state_factor,
+    model = PlanModel(chain, cluster, "paper", schedule, False, optimizer_state_factor,
                    num_microbatches=num_microbatches)
     return model.memory_at(first, last, in_flight, weight_versions, recompute, activation_scale)
 
 
 def data_parallel_time(chain: Chain, cluster: ClusterSpec, cost_model: str = "default") -> float:
     """Seconds per minibatch of pure data parallelism over all workers under ``cost_model``."""
-    return _Model(chain, cluster, cost_model, memory_limit=False).data_parallel_time()
+    return PlanModel(chain, cluster, cost_model, memory_limit=False).data_parallel_time()
 
 
 def plan_from_assignment(chain: Chain, cluster: ClusterSpec, assignment: Any, *, solver: str = "fixed",
@@ -1216,7 +1220,7 @@ def plan_from_assignment(chain: Chain, cluster: ClusterSpec, assignment: Any, *,
     if not model.memory_ok(ev):
         notes.append(f"exceeds the memory limit: {format_quantity(ev.peak_memory, 'memory')} per worker")
     baseline = _model(chain, cluster, {k: v for k, v in options.items() if k != "pool"})
-    return _build_plan(model, blocks, ev, solver=solver, planning_seconds=time.perf_counter() - t0,
+    return build_plan(model, blocks, ev, solver=solver, planning_seconds=time.perf_counter() - t0,
                        optimal=False, gap=math.nan, notes=notes, baseline=baseline)
 
 

@@ -1,25 +1,9 @@
-"""The ``partition`` pass as an integer program (OR-Tools CP-SAT): the same objective and
-constraints as ``partition_dp`` — contiguous stages, replicas, the hierarchy, memory — solved
-independently, with a time limit, reporting whether the optimum was proven (else the gap).
+"""PipeDream's planning problem as an integer program (OR-Tools CP-SAT), the ``partition`` pass's
+other solver: the same objective and constraints as ``partition_dp`` (contiguous stages, replicas,
+the hierarchy, memory) solved independently, with a time limit, reporting whether the optimum was
+proven (else the gap).
 
-Formulation (clusters of one or two levels; one level is two with a single outer unit)::
-
-    x[i,j,R]    outer block i..j on R units of the outer level (servers)
-    y[i,j,r,R]  worker-level stage i..j on r workers of each of the R units of its block
-
-- the blocks form a path 0 -> N-1 (flow conservation at every position), and so do the
-  stages; per R, stages open where a block of R opens and close where it closes;
-- an outer cut after ``c`` implies an inner cut after ``c`` (stages don't cross blocks);
-- sum R x <= outer count; per block, the stages' workers sum to <= inner count (an accumulator
-  that resets at outer cuts);
-- objective ``T`` (integer, time scaled to about 1e7 steps) >= every stage's time ``t(i,j,r)/R``,
-  every block's weight sync, every boundary (``2a/(R B1)`` inside a block, ``2a/B2`` between);
-- memory (when on): for a chosen stage, ``R (r + rem) + m1 * G <= K R r`` where ``rem`` is the
-  block's workers downstream of the stage, ``G`` the outer units of later blocks and ``K`` the
-  most in-flight minibatches whose memory fits (``partition_dp``'s module doc).
-
-Candidates whose time exceeds an upper bound (a feasible plan's time: one worker, or data
-parallelism, or a given ``hint``) are left out; that is sound since the optimum is below it.
+The design in full: :func:`partition_ilp`.
 """
 
 from __future__ import annotations
@@ -34,7 +18,7 @@ import numpy as np
 from pdcompile.cluster import ClusterSpec, Level
 from pdcompile.errors import InfeasiblePlanError, UsageError
 from pdcompile.ir import Chain
-from pdcompile.passes.partition_dp import Block, _build_plan, _Model
+from pdcompile.passes.partition_dp import Block, build_plan, PlanModel
 from pdcompile.plan import Plan
 
 __all__ = ["partition_ilp"]
@@ -54,7 +38,7 @@ def _two_level(cluster: ClusterSpec) -> ClusterSpec:
     )
 
 
-def _simple_plans(model: _Model) -> tuple[float, tuple[Block, ...] | None]:
+def _simple_plans(model: PlanModel) -> tuple[float, tuple[Block, ...] | None]:
     """The better of two trivial plans that fit (everything on one worker; data parallelism):
     its time bounds the optimum and it warm-starts the search. (inf, None) when neither fits."""
     n = model.N - 1
@@ -87,7 +71,29 @@ def partition_ilp(
 
     ``hint``: a plan for the same problem, or ``"dp"`` (plan with ``partition_dp`` first), warm-
     starts the search and bounds it (sound: the optimum is at most a feasible plan's time);
-    without one, the better of "one worker" and "data parallelism" (when it fits) is used."""
+    without one, the better of "one worker" and "data parallelism" (when it fits) is used.
+
+    The design, in full (moved from the module docstring):
+
+    Formulation (clusters of one or two levels; one level is two with a single outer unit)::
+
+        x[i,j,R]    outer block i..j on R units of the outer level (servers)
+        y[i,j,r,R]  worker-level stage i..j on r workers of each of the R units of its block
+
+    - the blocks form a path 0 -> N-1 (flow conservation at every position), and so do the
+      stages; per R, stages open where a block of R opens and close where it closes;
+    - an outer cut after ``c`` implies an inner cut after ``c`` (stages don't cross blocks);
+    - sum R x <= outer count; per block, the stages' workers sum to <= inner count (an accumulator
+      that resets at outer cuts);
+    - objective ``T`` (integer, time scaled to about 1e7 steps) >= every stage's time ``t(i,j,r)/R``,
+      every block's weight sync, every boundary (``2a/(R B1)`` inside a block, ``2a/B2`` between);
+    - memory (when on): for a chosen stage, ``R (r + rem) + m1 * G <= K R r`` where ``rem`` is the
+      block's workers downstream of the stage, ``G`` the outer units of later blocks and ``K`` the
+      most in-flight minibatches whose memory fits (``partition_dp``'s module doc).
+
+    Candidates whose time exceeds an upper bound (a feasible plan's time: one worker, or data
+    parallelism, or a given ``hint``) are left out; that is sound since the optimum is below it.
+    """
     from ortools.sat.python import cp_model
 
     if cost_model == "pipedream":
@@ -102,7 +108,7 @@ def partition_ilp(
     t0 = time.perf_counter()
     orig_levels = len(cluster.levels)
     cl2 = _two_level(cluster)
-    model = _Model(chain, cl2, cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication)
+    model = PlanModel(chain, cl2, cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication)
     N = model.N
     m1, m2 = model.counts
     B1, B2 = model.B
@@ -272,10 +278,10 @@ def partition_ilp(
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE) and status != cp_model.INFEASIBLE and hint is not None:
         # out of time before even taking the warm start: return it, unproven
         blocks = _hint_blocks(hint, cl2, orig_levels) or ()
-        model_orig = _Model(chain, cluster, cost_model, schedule, memory_limit, optimizer_state_factor,
+        model_orig = PlanModel(chain, cluster, cost_model, schedule, memory_limit, optimizer_state_factor,
                             allow_replication)
         flat = blocks[0].inner if orig_levels == 1 else blocks
-        return _build_plan(model_orig, flat, model_orig.evaluate(flat), solver="ilp",
+        return build_plan(model_orig, flat, model_orig.evaluate(flat), solver="ilp",
                            planning_seconds=time.perf_counter() - t0, optimal=False, gap=math.nan,
                            notes=[f"CP-SAT {solver.status_name(status)} within {time_limit_s:g} s: the warm start "
                                   "is returned, not proven optimal"])
@@ -297,7 +303,7 @@ def partition_ilp(
         for i, j, R in outer
     )
     blocks = blocks2[0].inner if orig_levels == 1 else blocks2
-    model_orig = _Model(chain, cluster, cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication)
+    model_orig = PlanModel(chain, cluster, cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication)
     ev = model_orig.evaluate(blocks)
     obj, bound = solver.objective_value, solver.best_objective_bound
     gap = max(0.0, (obj - bound) / obj) if obj > 0 else 0.0
@@ -307,7 +313,7 @@ def partition_ilp(
         gap = 0.0
     notes = [f"CP-SAT {solver.status_name(status)} in {solver.wall_time:.2f} s "
              f"({len(xs)} block and {len(ys)} stage candidates)"]
-    return _build_plan(model_orig, blocks, ev, solver="ilp", planning_seconds=time.perf_counter() - t0,
+    return build_plan(model_orig, blocks, ev, solver="ilp", planning_seconds=time.perf_counter() - t0,
                        optimal=optimal, gap=gap, notes=notes)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from pdcompile.errors import CheckpointError
-from pdcompile.runtime.checkpoint import _load
+from pdcompile.runtime.checkpoint import load_tensors
 
 _FILE = re.compile(r"^stage_(\d+)\.rank_(\d+)\.pt$")
 
@@ -33,7 +33,7 @@ def merge_weights(program_dir: str | os.PathLike[str], weights_dir: str | os.Pat
     for path in files:
         stage = int(_FILE.match(path.name).group(1))  # type: ignore[union-attr]  # names were filtered by _FILE
         seen_stages.add(stage)
-        tensors = _load(path)
+        tensors = load_tensors(path)
         for local, t in tensors.items():
             orig = names[stage].get(local)
             if orig is None:

@@ -1,41 +1,6 @@
 """Predict a pipeline run: replay a schedule's actions with the cost model.
 
-Pure Python over the schedule data (:mod:`pdcompile.runtime.schedules`); no torch. The model:
-
-* every rank runs its actions in order, one at a time;
-* ``F``/``B``/``ST`` of stage ``s`` take ``forward_s[s]``/``backward_s[s]``/``step_s[s]`` seconds
-  (per microbatch); a split backward (a ``W k`` follows ``B k`` on the rank) costs
-  ``input_grad_s[s]`` for its ``B`` and ``weight_grad_s[s]`` for its ``W`` (defaults: ``backward_s``
-  and 0, i.e. as if it were not split);
-* a send (``SF``/``SB``) puts the microbatch's tensor on the directed link from the sender to the
-  receiving replica (``rank_of``); a link carries one transfer at a time, in the sender's order,
-  each taking ``send_s(stage_from, stage_to, rank_a, rank_b)`` (or ``boundary_bytes[b] /
-  bandwidth(rank_a, rank_b) + latency_s`` for boundary ``b = min(stage_from, stage_to)``; gradients
-  are as large as the activations they belong to). With ``overlap_comm`` the sender goes on
-  computing while the transfer runs; without, it is busy until the transfer ends;
-* a receive (``RF``/``RB``) waits until the matching transfer has arrived. With
-  ``recv_progress="on_wait"`` a transfer that would have arrived while the receiver was busy is taken
-  off the link only once the receiver waits for it (it then takes its transfer time from there): what
-  gloo does on CPU when every core runs a stage's compute, because the receiving process's I/O
-  thread gets no core until its compute thread blocks. The default, ``"background"``, overlaps fully;
-* ``AR`` starts when all replicas of the stage have reached it and takes ``allreduce_s[s]``;
-  ``TG`` likewise across the ranks of ``tied_stages`` (every rank when not given; a rank of another
-  stage passes its ``TG`` at no cost, as the runtime's tied-gradient group leaves it out) and takes
-  ``tied_s``; neither overlaps compute;
-* ``WV`` costs nothing; with ``version_s`` (seconds to copy stage ``s``'s weights once), weight
-  stashing costs what the runtime's versioned store copies
-  (:func:`~pdcompile.runtime.schedules.version_copies`): a clone before an ``ST`` whose version must
-  outlive it, and the gradient hand-over after the ``B`` of a microbatch that ran on a clone;
-* ``overhead_s`` (optional) adds a fixed cost per action kind — the runtime's dispatch, posting a
-  transfer, the loss on the last stage — to the rank that runs it (a number for every kind, or a
-  mapping from the kind's code, ``"F"``, ``"SF"``, ``"ST"``, ... to seconds). It is measured, not
-  guessed: see ``benchmarks/bench_predicted_vs_measured.py``.
-
-The result (:class:`SimResult`) has the makespan, the step time, throughput, bubble fraction,
-per-rank utilization, per-stage peak memory (microbatches in flight, weight versions, bytes when
-sizes are given) and the timeline events (:class:`pdcompile.timeline.Event`).
-
-Numbers are never converted: pass :class:`fractions.Fraction` costs and the times come back exact.
+The design in full: :func:`simulate`.
 """
 
 from __future__ import annotations
@@ -197,6 +162,45 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     rank run several stages, each at its own costs; a transfer between two stages of one rank is
     free (a hand-over in memory); ``stage_of_rank`` then names a rank's first stage. Raises
     :class:`~pdcompile.errors.ScheduleError` if the schedule deadlocks.
+
+    The design, in full (moved from the module docstring):
+
+    Pure Python over the schedule data (:mod:`pdcompile.runtime.schedules`); no torch. The model:
+
+    * every rank runs its actions in order, one at a time;
+    * ``F``/``B``/``ST`` of stage ``s`` take ``forward_s[s]``/``backward_s[s]``/``step_s[s]`` seconds
+      (per microbatch); a split backward (a ``W k`` follows ``B k`` on the rank) costs
+      ``input_grad_s[s]`` for its ``B`` and ``weight_grad_s[s]`` for its ``W`` (defaults: ``backward_s``
+      and 0, i.e. as if it were not split);
+    * a send (``SF``/``SB``) puts the microbatch's tensor on the directed link from the sender to the
+      receiving replica (``rank_of``); a link carries one transfer at a time, in the sender's order,
+      each taking ``send_s(stage_from, stage_to, rank_a, rank_b)`` (or ``boundary_bytes[b] /
+      bandwidth(rank_a, rank_b) + latency_s`` for boundary ``b = min(stage_from, stage_to)``; gradients
+      are as large as the activations they belong to). With ``overlap_comm`` the sender goes on
+      computing while the transfer runs; without, it is busy until the transfer ends;
+    * a receive (``RF``/``RB``) waits until the matching transfer has arrived. With
+      ``recv_progress="on_wait"`` a transfer that would have arrived while the receiver was busy is taken
+      off the link only once the receiver waits for it (it then takes its transfer time from there): what
+      gloo does on CPU when every core runs a stage's compute, because the receiving process's I/O
+      thread gets no core until its compute thread blocks. The default, ``"background"``, overlaps fully;
+    * ``AR`` starts when all replicas of the stage have reached it and takes ``allreduce_s[s]``;
+      ``TG`` likewise across the ranks of ``tied_stages`` (every rank when not given; a rank of another
+      stage passes its ``TG`` at no cost, as the runtime's tied-gradient group leaves it out) and takes
+      ``tied_s``; neither overlaps compute;
+    * ``WV`` costs nothing; with ``version_s`` (seconds to copy stage ``s``'s weights once), weight
+      stashing costs what the runtime's versioned store copies
+      (:func:`~pdcompile.runtime.schedules.version_copies`): a clone before an ``ST`` whose version must
+      outlive it, and the gradient hand-over after the ``B`` of a microbatch that ran on a clone;
+    * ``overhead_s`` (optional) adds a fixed cost per action kind — the runtime's dispatch, posting a
+      transfer, the loss on the last stage — to the rank that runs it (a number for every kind, or a
+      mapping from the kind's code, ``"F"``, ``"SF"``, ``"ST"``, ... to seconds). It is measured, not
+      guessed: see ``benchmarks/bench_predicted_vs_measured.py``.
+
+    The result (:class:`SimResult`) has the makespan, the step time, throughput, bubble fraction,
+    per-rank utilization, per-stage peak memory (microbatches in flight, weight versions, bytes when
+    sizes are given) and the timeline events (:class:`pdcompile.timeline.Event`).
+
+    Numbers are never converted: pass :class:`fractions.Fraction` costs and the times come back exact.
     """
     if placement is not None and replicas is None:
         raise UsageError("placement= needs replicas=")

@@ -265,7 +265,7 @@ def verify(folder: str | os.PathLike[str], plan: Mapping[str, Any],
     return manifest
 
 
-def _load(path: Path) -> Any:
+def load_tensors(path: Path) -> Any:
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
@@ -282,8 +282,8 @@ def load_rank(folder: str | os.PathLike[str], plan: Mapping[str, Any], stage: in
     folder = Path(folder)
     names = [weights_name(stage, rank), state_name(stage, rank), "plan.json"]
     manifest = verify(folder, plan, names)
-    weights = _load(folder / names[0])
-    payload = _load(folder / names[1])
+    weights = load_tensors(folder / names[0])
+    payload = load_tensors(folder / names[1])
     if not isinstance(payload, dict) or payload.get("step") != manifest["step"] or \
             (payload.get("stage"), payload.get("rank")) != (stage, rank):
         raise CheckpointError(f"{folder / names[1]}: not the state of stage {stage} rank {rank} at step "

@@ -1,27 +1,6 @@
 """The stage executor: runs one rank's list of schedule actions.
 
-One executor per rank. It owns the stage module, the optimizer and the per-microbatch state
-(inputs received, outputs computed, gradients), and interprets each Action:
-
-* ``RF``/``RB``: receives for a microbatch's activations / output gradients (from the
-  neighbouring stage's replica that handles that microbatch, ``k % replicas``), posted where the
-  run's transfer plan says (``run``'s ``posts``; runtime/transfers.py), so that both sides of every
-  pair of ranks issue their transfers in the same order, as NCCL requires;
-* ``F``: run the stage (first stage: on data; last stage: also the loss, scaled by
-  ``1/accumulation``); ``SF`` sends the outputs downstream;
-* ``B``: backpropagate (last stage from the loss, others from the received gradients);
-  ``SB`` sends the input gradients upstream; when a ``W`` of the same microbatch follows in the
-  actions, ``B`` computes only the input gradients (keeping the autograd graph) and ``W`` the
-  weight gradients, so ``SB`` goes out a weight-gradient pass sooner (the drain's split backward;
-  zero bubble splits every backward, on stage 0 too, where ``B`` computes the activations' gradients);
-* ``AR``: all-reduce (sum) gradients among the stage's replicas; ``TG``: sum gradients of
-  parameters tied across stages; ``ST``: optimizer step (and LR scheduler), then zero grads;
-  ``WV``: later forwards use another weight version (told to the weight store).
-
-Weight versions (PipeDream's stashing, 2BW) plug in through :class:`WeightStore`: it hands the
-executor the parameter tensors each forward should use (``torch.func.functional_call``) and is
-told when backward and step happen. The default store trains the live parameters (synchronous
-schedules).
+Each action's meaning, and how weight versions plug in: :class:`StageExecutor`.
 """
 
 from __future__ import annotations
@@ -115,6 +94,30 @@ class ActionError(RuntimeError):
 
 
 class StageExecutor:
+    """One executor per rank. It owns the stage module, the optimizer and the per-microbatch state
+    (inputs received, outputs computed, gradients), and interprets each Action:
+
+    * ``RF``/``RB``: receives for a microbatch's activations / output gradients (from the
+      neighbouring stage's replica that handles that microbatch, ``k % replicas``), posted where the
+      run's transfer plan says (``run``'s ``posts``; runtime/transfers.py), so that both sides of every
+      pair of ranks issue their transfers in the same order, as NCCL requires;
+    * ``F``: run the stage (first stage: on data; last stage: also the loss, scaled by
+      ``1/accumulation``); ``SF`` sends the outputs downstream;
+    * ``B``: backpropagate (last stage from the loss, others from the received gradients);
+      ``SB`` sends the input gradients upstream; when a ``W`` of the same microbatch follows in the
+      actions, ``B`` computes only the input gradients (keeping the autograd graph) and ``W`` the
+      weight gradients, so ``SB`` goes out a weight-gradient pass sooner (the drain's split backward;
+      zero bubble splits every backward, on stage 0 too, where ``B`` computes the activations' gradients);
+    * ``AR``: all-reduce (sum) gradients among the stage's replicas; ``TG``: sum gradients of
+      parameters tied across stages; ``ST``: optimizer step (and LR scheduler), then zero grads;
+      ``WV``: later forwards use another weight version (told to the weight store).
+
+    Weight versions (PipeDream's stashing, 2BW) plug in through :class:`WeightStore`: it hands the
+    executor the parameter tensors each forward should use (``torch.func.functional_call``) and is
+    told when backward and step happen. The default store trains the live parameters (synchronous
+    schedules).
+    """
+
     def __init__(self, program: Program, rank: int, module: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor] | None,
                  *, accumulation: int, data: Callable[[int], tuple[Sequence[torch.Tensor], torch.Tensor]] | None,

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from pdcompile._cli.profile import _call_factory, _leaf, parse_inputs
+from pdcompile._cli.profile import call_factory, leaf_module, parse_inputs
 from pdcompile.errors import UsageError
 
 MODEL_HELP = ("a model: zoo:NAME (gpt, mlp, resnet, vgg, gnmt) or MODULE:FACTORY returning an nn.Module "
@@ -54,13 +54,13 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
     from pdcompile.runtime.program import import_object
 
     spec: str = args.model
-    leaf = [_leaf(n) for n in args.leaf]
+    leaf = [leaf_module(n) for n in args.leaf]
     if spec.startswith("zoo:"):
         name = spec[4:]
         z = zoo_model(name, batch_size=getattr(args, "batch_size", 16))
         return LoadedModel(name, z.model, z.example_inputs, z.target, z.loss_fn, tuple(leaf) + z.leaf_modules,
                            {"factory": "pdcompile.zoo:batches", "kwargs": {"name": name, "cycle": 4}})
-    made = _call_factory(spec, args.factory_args)
+    made = call_factory(spec, args.factory_args)
     if isinstance(made, torch.nn.Module):
         if not args.inputs:
             raise UsageError(f"{spec} returned a module; give its inputs with --input SHAPE")
@@ -120,7 +120,7 @@ def add_clip_arg(p: argparse.ArgumentParser) -> None:
 
 
 def optimizer_factory(text: str) -> Any:
-    from pdcompile._cli.profile import _literal
+    from pdcompile._cli.profile import parse_literal
     from pdcompile.runtime.program import import_object
 
     cls_path, _, rest = text.partition(":")
@@ -133,7 +133,7 @@ def optimizer_factory(text: str) -> Any:
         k, eq, v = item.partition("=")
         if not eq:
             raise UsageError(f"--optimizer {text!r}: options are KEY=VALUE separated by commas")
-        kwargs[k.strip()] = _literal(v.strip())
+        kwargs[k.strip()] = parse_literal(v.strip())
     return lambda params: cls(params, **kwargs)
 
 

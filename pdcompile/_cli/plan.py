@@ -113,10 +113,10 @@ def _profile(args: argparse.Namespace) -> Any:
 
     from pdcompile.passes.annotate_costs import profile_model
 
-    from pdcompile._cli.profile import _call_factory, parse_inputs
+    from pdcompile._cli.profile import call_factory, parse_inputs
 
     try:
-        made = _call_factory(args.model, args.factory_args)
+        made = call_factory(args.model, args.factory_args)
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's factory failed: say so in one line

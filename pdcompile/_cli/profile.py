@@ -132,8 +132,8 @@ def _profile(args: argparse.Namespace) -> _Profiled:
 
         made = zoo_model(args.factory[4:])
     else:
-        made = _call_factory(args.factory, args.factory_args)
-    leaf: list[Any] = [_leaf(name) for name in args.leaf]
+        made = call_factory(args.factory, args.factory_args)
+    leaf: list[Any] = [leaf_module(name) for name in args.leaf]
     loss_fn = target = None
     if isinstance(made, torch.nn.Module):
         if not args.inputs:
@@ -166,7 +166,7 @@ def _profile(args: argparse.Namespace) -> _Profiled:
     return _Profiled(prof, model, inputs, tuple(leaf), loss_fn, target)
 
 
-def _call_factory(spec: str, kv: Sequence[str]) -> Any:
+def call_factory(spec: str, kv: Sequence[str]) -> Any:
     mod_name, sep, fn_name = spec.partition(":")
     if not sep or not mod_name or not fn_name:
         raise UsageError(f"model {spec!r} must be MODULE:FACTORY, e.g. mypkg.models:make_net")
@@ -184,11 +184,11 @@ def _call_factory(spec: str, kv: Sequence[str]) -> Any:
         key, eq, value = item.partition("=")
         if not eq:
             raise UsageError(f"--arg {item!r} must be KEY=VALUE")
-        kwargs[key] = _literal(value)
+        kwargs[key] = parse_literal(value)
     return fn(**kwargs)
 
 
-def _literal(value: str) -> Any:
+def parse_literal(value: str) -> Any:
     for conv in (int, float):
         try:
             return conv(value)
@@ -197,7 +197,7 @@ def _literal(value: str) -> Any:
     return value
 
 
-def _leaf(name: str) -> Any:
+def leaf_module(name: str) -> Any:
     """``pkg.mod.Class`` -> the class if it imports, else the name (a qualified submodule)."""
     mod_name, _, cls = name.rpartition(".")
     if mod_name:
