@@ -112,41 +112,6 @@ def build(name: str, seed: int = 0) -> Case:
 # measured inputs of the prediction: the loopback link, the optimizer step, CPU contention
 
 
-def _bw_worker(out: str) -> None:
-    """Under torchrun (2 processes): gloo send/recv ping-pong and all-reduce at several sizes; rank 0
-    writes ``{"p2p": [[bytes, one-way s], ...], "allreduce": [[bytes, s], ...]}``."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    results: dict[str, list[tuple[int, float]]] = {"p2p": [], "allreduce": []}
-    for nbytes in (4 << 10, 64 << 10, 512 << 10, 4 << 20):
-        buf = torch.zeros(nbytes // 4)
-        p2p, ar = [], []
-        for i in range(25):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            t1 = time.perf_counter()
-            dist.barrier()
-            t2 = time.perf_counter()
-            dist.all_reduce(buf)
-            t3 = time.perf_counter()
-            if i >= 5:
-                p2p.append((t1 - t0) / 2)
-                ar.append(t3 - t2)
-        results["p2p"].append((nbytes, statistics.median(p2p)))
-        results["allreduce"].append((nbytes, statistics.median(ar)))
-    if rank == 0:
-        Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
 @dataclasses.dataclass(frozen=True)
 class Link:
     """The CPU loopback between two local processes, fitted through the smallest and largest message:
@@ -160,20 +125,11 @@ class Link:
 
 
 def measure_link() -> Link:
-    """:class:`Link`, measured by a 2-process torchrun of :func:`_bw_worker`."""
-    from benchmarks._common import torchrun
-    from pdcompile.simulate import ring_allreduce_s
+    """:class:`Link`, measured as the demo's calibration measures it (:mod:`pdcompile.calibrate`)."""
+    from pdcompile.calibrate import fit_link, measure_link_samples
 
-    out = Path(tempfile.mkdtemp(prefix="pd-bw-")) / "bw.json"
-    rc, log = torchrun("benchmarks.bench_predicted_vs_measured", 2, ["--bw-worker", str(out)], timeout=180)
-    if rc != 0:
-        raise RuntimeError(f"the loopback microbenchmark failed ({rc}):\n{log[-2000:]}")
-    raw = json.loads(out.read_text())
-    samples = {k: sorted((int(n), float(t)) for n, t in v) for k, v in raw.items()}
-    (n0, t0), (n1, t1) = samples["p2p"][0], samples["p2p"][-1]
-    bw = (n1 - n0) / max(t1 - t0, 1e-9)
-    a0 = samples["allreduce"][0]
-    return Link(max(0.0, t0 - n0 / bw), bw, max(0.0, a0[1] - ring_allreduce_s(a0[0], 2, bw)), samples)
+    samples = measure_link_samples()
+    return Link(*fit_link(samples), samples)
 
 
 OVERHEAD_KINDS = ("F", "B", "SF", "SB", "RF", "RB", "ST", "WV")
@@ -432,12 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="comma-separated models (smoke runs)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     ap.add_argument("--png", default=str(HERE.parent / "timeline_example.png"), help="timeline example output")
-    ap.add_argument("--bw-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.bw_worker:
-        _bw_worker(args.bw_worker)
-        return 0
-
     from benchmarks._common import load_note, sgd
     from pdcompile.api import pdcompile
     from pdcompile.cluster import flat_cluster, format_quantity

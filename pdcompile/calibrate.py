@@ -163,23 +163,31 @@ def _link_worker(out: str) -> None:
     dist.destroy_process_group()
 
 
-def measure_link() -> tuple[float, float, float]:
-    """(latency s, bandwidth bytes/s, all-reduce latency s) of gloo over loopback between 2 processes.
-
-    A send/recv ping-pong and all-reduce at 4 KiB - 4 MiB (torchrun of this module with
-    ``--link-worker``); latency from the smallest message, bandwidth from the slope."""
-    from pdcompile.simulate import ring_allreduce_s
-
+def measure_link_samples() -> dict[str, list[tuple[int, float]]]:
+    """``{"p2p": [(bytes, one-way s)], "allreduce": [(bytes, s)]}`` of gloo over loopback between 2
+    processes: a send/recv ping-pong and all-reduce at 4 KiB - 4 MiB (torchrun of this module with
+    ``--link-worker``), sorted by size."""
     out = Path(tempfile.mkdtemp(prefix="pdcompile-link-")) / "link.json"
     rc, log = _torchrun_module("pdcompile.calibrate", 2, ["--link-worker", str(out)], timeout=180)
     if rc != 0:
         raise RuntimeError(f"the loopback measurement failed ({rc}):\n{log[-2000:]}")
     raw = json.loads(out.read_text())
-    p2p = sorted((int(n), float(t)) for n, t in raw["p2p"])
-    (n0, t0), (n1, t1) = p2p[0], p2p[-1]
+    return {k: sorted((int(n), float(t)) for n, t in v) for k, v in raw.items()}
+
+
+def fit_link(samples: dict[str, list[tuple[int, float]]]) -> tuple[float, float, float]:
+    """(latency s, bandwidth bytes/s, all-reduce latency s) through the smallest and largest message."""
+    from pdcompile.simulate import ring_allreduce_s
+
+    (n0, t0), (n1, t1) = samples["p2p"][0], samples["p2p"][-1]
     bw = (n1 - n0) / max(t1 - t0, 1e-9)
-    a0 = sorted((int(n), float(t)) for n, t in raw["allreduce"])[0]
+    a0 = samples["allreduce"][0]
     return max(0.0, t0 - n0 / bw), bw, max(0.0, a0[1] - ring_allreduce_s(a0[0], 2, bw))
+
+
+def measure_link() -> tuple[float, float, float]:
+    """(latency s, bandwidth bytes/s, all-reduce latency s) of gloo over loopback between 2 processes."""
+    return fit_link(measure_link_samples())
 
 
 def _traced_run(family: Any, cfg: Any, steps: int, what: str) -> tuple[Any, list[Any]]:
