@@ -160,6 +160,11 @@ def saved_tensor_bytes(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[fx.Nod
     and buffers are not activations and are left out. A stage ``i..j`` keeps ``sum saved`` per
     microbatch; its first node's ``saved_input_bytes`` are (part of) what it receives and its last
     node's ``saved_output_bytes`` (part of) what it sends."""
+    # an example microbatch cut from a larger batch is a view of the batch's storage: give each input
+    # its own storage, so that what it saves is a microbatch's bytes, not its batch's
+    inputs = [x.detach().clone(memory_format=torch.contiguous_format).requires_grad_(x.requires_grad)
+              if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes() > x.numel() * x.element_size() else x
+              for x in inputs]
     rec = _SavedRecorder(gm)
     with torch.enable_grad():
         rec.run(*inputs)

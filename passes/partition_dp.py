@@ -271,6 +271,8 @@ class PlanModel:
             self.xin, self.xout = inb.copy(), np.zeros(N)
         # full recomputation keeps only the inputs and outputs, and rebuilds one microbatch at its backward
         self.xin_r, self.xout_r = inb.copy(), outb if known else np.zeros(N)
+        if known:  # the first stage receives nothing; it keeps its data inputs, as its first layer saves them
+            self.xin_r[0] = sin[0]
         # weights a stage holds: its own and copies of those an earlier layer uses too (tied)
         self.PWM = _cumsum0(w + np.array([l.shared_param_bytes for l in layers], dtype=float))
         self.P1r = _cumsum0(self.c + f + self.kappa * w)

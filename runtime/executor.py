@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from pdcompile.runtime import comm
-from pdcompile.runtime.memory import MemoryMeter
+from pdcompile.runtime.memory import MemoryMeter, span_bytes
 from pdcompile.runtime.program import Program, StageSpec
 from pdcompile.runtime.schedules import Action, Kind
 from pdcompile.runtime.schedules.transfers import TargetPosts
@@ -291,6 +291,7 @@ class StageExecutor:
             inputs, target = self._data(k)
             st.inputs = [x.to(self.device, non_blocking=True) for x in inputs]
             target = target.to(self.device, non_blocking=True)
+            self.meter.data([*st.inputs, target])
             if self.is_last:
                 st.target = target
             elif not self.local_targets or k in self.target_check:  # before the activations (SF k)
@@ -364,7 +365,7 @@ class StageExecutor:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             with self.meter.saving(-1, params.values() if params else ()) as probe:
                 self._run_stage(params, *inputs)
-            self.meter.recompute_bytes = sum(probe.values())
+            self.meter.recompute_bytes = sum(span_bytes([probe]).values())
         self.meter.activations.pop(-1, None)
         with torch.no_grad():
             for n, b in self.module.named_buffers():

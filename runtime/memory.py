@@ -4,6 +4,8 @@
 optimizer step), the bytes of live storages: weights x live versions, gradients, optimizer state,
 and per microbatch in flight what autograd saved for it (saved-tensor hooks around its forward and
 loss), its inputs (receive buffers) and outputs, each storage once; plus posted receive buffers.
+A microbatch's views of the minibatch it was cut from (the first stage's data, registered with
+:meth:`MemoryMeter.data`) count the bytes they span, not the minibatch's storage.
 With recomputation, a backward's rebuild is a measuring point too, where one microbatch's saved
 tensors (measured once by a probe forward) come on top. The peak and its parts go to the metrics JSON.
 """
@@ -27,6 +29,49 @@ def storages(tensors: Iterable[Any]) -> dict[int, int]:
     return out
 
 
+def span(t: torch.Tensor) -> tuple[int, int, int]:
+    """``(storage pointer, first byte, end byte)`` of the part of its storage ``t`` views."""
+    st = t.untyped_storage()
+    if t.numel() == 0:
+        return st.data_ptr(), 0, 0
+    es = t.element_size()
+    lo = int(t.storage_offset()) * es
+    hi = lo + (1 + sum((int(n) - 1) * abs(int(d)) for n, d in zip(t.shape, t.stride()))) * es
+    return st.data_ptr(), lo, min(hi, st.nbytes())
+
+
+Spans = dict[int, tuple[int, int]]  # storage pointer -> (first byte, end byte) of what is counted
+
+
+def _note(spans: Spans, t: torch.Tensor, data: set[int]) -> None:
+    """Add ``t`` to ``spans``: the bytes it views of the minibatch's storage (``data``), else its whole
+    storage (a view it keeps holds all of it)."""
+    ptr, lo, hi = span(t)
+    if ptr not in data:
+        lo, hi = 0, t.untyped_storage().nbytes()
+    if ptr in spans:  # two views of one storage in one microbatch: the bytes from the first to the last
+        a, b = spans[ptr]
+        lo, hi = min(a, lo), max(b, hi)
+    spans[ptr] = (lo, hi)
+
+
+def span_bytes(groups: Iterable[Spans]) -> dict[int, int]:
+    """``{storage pointer: bytes}`` covered by the spans of ``groups`` together (overlaps once)."""
+    by_ptr: dict[int, list[tuple[int, int]]] = {}
+    for g in groups:
+        for p, iv in g.items():
+            by_ptr.setdefault(p, []).append(iv)
+    out: dict[int, int] = {}
+    for p, ivs in by_ptr.items():
+        total, end = 0, -1
+        for lo, hi in sorted(ivs):
+            if hi > end:
+                total += hi - max(lo, end)
+                end = hi
+        out[p] = total
+    return out
+
+
 class MemoryMeter:
     """Live bytes of one stage, by category, and their peak over the run. ``enabled=False``: every
     method is a no-op (a hook per saved tensor costs time, so only runs that report it measure)."""
@@ -37,12 +82,13 @@ class MemoryMeter:
         self.optimizer = optimizer
         self.param_bytes = sum(storages(module.parameters()).values())
         self.static = set(storages([*module.parameters(), *module.buffers()]))
-        self.activations: dict[int, dict[int, int]] = {}  # microbatch -> its storages
+        self.activations: dict[int, Spans] = {}  # microbatch -> the parts of storages it holds
+        self.data_storages: set[int] = set()  # storages of the minibatches read (views count their span)
         self.recompute_bytes = 0  # one microbatch's saved tensors, rebuilt at its backward (recompute)
         self.peak: dict[str, int] = {"total": 0}
 
     @contextmanager
-    def saving(self, microbatch: int, weights: Iterable[torch.Tensor] = ()) -> Iterator[dict[int, int]]:
+    def saving(self, microbatch: int, weights: Iterable[torch.Tensor] = ()) -> Iterator[Spans]:
         """Record the storages autograd saves inside the block as ``microbatch``'s (not parameters
         nor ``weights``, the version the forward uses)."""
         if not self.enabled:
@@ -52,20 +98,27 @@ class MemoryMeter:
         mine = self.activations.setdefault(microbatch, {})
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            if st.data_ptr() not in skip:
-                mine[st.data_ptr()] = st.nbytes()
+            if t.untyped_storage().data_ptr() not in skip:
+                _note(mine, t, self.data_storages)
             return t.detach()  # a detached alias: no cycle through an output's own grad_fn
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield mine
 
+    def data(self, tensors: Iterable[Any]) -> None:
+        """Register ``tensors`` as a microbatch's data: views of the minibatch, which the data path
+        holds for its step whatever is in flight; a microbatch is charged the bytes it spans."""
+        if self.enabled:
+            self.data_storages.update(storages(tensors))
+
     def add(self, microbatch: int, tensors: Iterable[Any]) -> None:
         """Count ``tensors`` (a microbatch's inputs, outputs) with ``microbatch``'s storages."""
         if not self.enabled:
             return
-        self.activations.setdefault(microbatch, {}).update(
-            {p: n for p, n in storages(tensors).items() if p not in self.static})
+        mine = self.activations.setdefault(microbatch, {})
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.static:
+                _note(mine, t, self.data_storages)
 
     def measure(self, in_flight: Iterable[int], posted: Iterable[torch.Tensor], live_versions: int,
                 rebuilding: bool = False) -> None:
@@ -77,9 +130,8 @@ class MemoryMeter:
         keep = set(in_flight)
         for k in [k for k in self.activations if k not in keep]:
             del self.activations[k]
-        acts: dict[int, int] = {}
-        for k in keep:
-            acts.update(self.activations.get(k, {}))
+        acts = span_bytes(self.activations.get(k, {}) for k in keep)
+        self.data_storages &= set(acts)  # minibatches no microbatch in flight views any more are gone
         recv = {p: n for p, n in storages(posted).items() if p not in acts}
         grads = storages(p.grad for p in self.module.parameters() if p.grad is not None)
         state = storages(v for s in self.optimizer.state.values() for v in s.values())
