@@ -43,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
@@ -55,6 +54,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks._results import write_section  # noqa: E402
+from pdcompile.calibrate import split_names  # noqa: E402
 
 SCHEDULES = ("gpipe", "flush", "1f1b", "2bw")
 M = 4  # microbatches per minibatch
@@ -136,52 +136,13 @@ OVERHEAD_KINDS = ("F", "B", "SF", "SB", "RF", "RB", "ST", "WV")
 
 
 def measure_overheads(steps: int = 12) -> dict[str, float]:
-    """The runtime's fixed cost per action kind on this machine, measured once (like the link).
+    """The runtime's fixed cost per action kind on this machine, measured once (like the link), as
+    the demo's calibration measures it (:func:`pdcompile.calibrate.measure_overheads`: a traced
+    2-stage Flush run of a model too small to compute)."""
+    from pdcompile.calibrate import measure_overheads as measure
 
-    A 2-stage Flush run of a model too small to compute anything (an MLP 16-16-16-4, batch 8) is
-    traced; per kind, the median duration of its actions in steady state, less the profiled compute
-    (the stage-0 forwards and last-stage backwards, whose data is local, give ``F`` and ``B``; the
-    optimizer step measured in this process is subtracted from ``ST``), plus the median gap
-    between two consecutive actions of a rank (the executor's loop and its recorder)."""
-    from benchmarks._common import sgd
-    from pdcompile.api import pdcompile
-    from pdcompile.trace_convert import microbatch_of, read_runtime_events
-    from pdcompile.zoo import mlp
-
-    torch.manual_seed(0)
-    cfg = mlp.MLPConfig(in_features=16, hidden=(16, 16), num_classes=4)
-    model = mlp.FAMILY.build(cfg)
-    inputs, target = mlp.FAMILY.make_batch(cfg, torch.device("cpu"), 0, 8 * M)
-    pipe = pdcompile(model, example_inputs=inputs, example_target=target, loss_fn=mlp.FAMILY.loss(),
-                     optimizer=sgd, stages=2, schedule="flush", num_microbatches=M, cost_mode="measured")
-    prog = pipe.emit(Path(tempfile.mkdtemp(prefix="pd-pvm-overhead-")) / "program")
-    trace = Path(tempfile.mkdtemp(prefix="pd-pvm-overhead-trace-"))
-    run_program(prog, 2, "flush", steps, trace)
-    events = read_runtime_events(trace, drop_versions=False)
-    split = _split_names(events)
-    chain, plan = pipe.state.chain, pipe.plan
-    scale = plan.microbatch_size / chain.batch_size
-    first, last = plan.stages[0], plan.stages[-1]
-    compute = {"F": sum(l.forward_s for l in chain.layers[first.first:first.last + 1]) * scale,
-               "B": sum(l.backward_s for l in chain.layers[last.first:last.last + 1]) * scale,
-               "ST": statistics.fmean(step_seconds([st.gm for st in pipe.split.stages]))}
-    steady = [e for e in events if (microbatch_of(e.name) if microbatch_of(e.name) is not None
-                                    else WARMUP * M) >= WARMUP * M]
-    durations: dict[str, list[float]] = {}
-    for e in steady:
-        kind = e.name.lstrip("0123456789").rstrip("0123456789")
-        if kind == "F" and e.rank != 0 or kind == "B" and e.rank != len(plan.stages) - 1:
-            continue  # these wait for a peer inside the action
-        if kind in ("B", "W") and e.name in split:
-            continue  # a split backward's parts: not the whole backward the profile has
-        durations.setdefault(kind, []).append(e.end_s - e.start_s)
-    gaps = []
-    for r in {e.rank for e in events}:
-        mine = sorted((e for e in events if e.rank == r), key=lambda e: e.start_s)
-        gaps += [max(0.0, b.start_s - a.end_s) for a, b in zip(mine, mine[1:])]
-    gap = statistics.median(gaps) if gaps else 0.0
-    return {k: max(0.0, statistics.median(durations[k]) - compute.get(k, 0.0)) + gap
-            for k in OVERHEAD_KINDS if k in durations}
+    got = measure(steps)
+    return {k: v for k, v in got.items() if k in OVERHEAD_KINDS}
 
 
 def step_seconds(stage_modules: list[nn.Module], repeats: int = 30) -> list[float]:
@@ -316,7 +277,7 @@ def compute_slowdown(events: list[Any], chain: Any, plan: Any, overhead: dict[st
     from pdcompile.trace_convert import microbatch_of
 
     scale = plan.microbatch_size / chain.batch_size
-    split = _split_names(events)
+    split = split_names(events)
     out = []
     for s, st in enumerate(plan.stages):
         ratios = []
@@ -330,19 +291,13 @@ def compute_slowdown(events: list[Any], chain: Any, plan: Any, overhead: dict[st
     return out
 
 
-def _split_names(events: list[Any]) -> set[str]:
-    """Names of the split backwards' parts in a trace: every ``sW k`` and its ``sB k``."""
-    ws = {e.name for e in events if e.category == "backward" and "W" in e.name}
-    return ws | {w.replace("W", "B") for w in ws}
-
-
 def split_shares(events: list[Any], chain: Any, plan: Any, overhead: dict[str, float]) -> tuple[float, float] | None:
     """A split backward's measured parts as shares of the stage's backward in the same run (the mean
     unsplit ``B`` of the stage): (input gradients ``B``, weight gradients ``W``), averaged over the
     stages that split; None when none did. Warm-up minibatches excluded."""
     from pdcompile.trace_convert import microbatch_of
 
-    split = _split_names(events)
+    split = split_names(events)
     ins, ws = [], []
     for s in range(1, len(plan.stages)):
         def mean(pred: Any) -> float | None:

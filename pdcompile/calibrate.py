@@ -226,7 +226,7 @@ def _steady(events: list[Any]) -> list[Any]:
     return [e for e in events if late(e.name)]
 
 
-def _split_names(events: list[Any]) -> set[str]:
+def split_names(events: list[Any]) -> set[str]:
     """A split backward's parts (every ``sW k`` and its ``sB k``): not the whole backward the profile has."""
     split = {e.name for e in events if e.category == "backward" and "W" in e.name}
     return split | {w.replace("W", "B") for w in split}
@@ -246,7 +246,7 @@ def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20) -> flo
     pipe, events = _traced_run(vgg.FAMILY, _calibration_model(), steps, "compute calibration")
     chain, plan = pipe.state.chain, pipe.plan
     scale = plan.microbatch_size / chain.batch_size
-    split = _split_names(events)
+    split = split_names(events)
     ratios = []
     for s, st in enumerate(plan.stages):
         for cat, attr in (("forward", "forward_s"), ("backward", "backward_s")):
@@ -277,7 +277,7 @@ def measure_overheads(steps: int = 12) -> dict[str, float]:
     compute = {"F": sum(l.forward_s for l in chain.layers[first.first:first.last + 1]) * scale,
                "B": sum(l.backward_s for l in chain.layers[last.first:last.last + 1]) * scale,
                "ST": statistics.fmean(step)}
-    split = _split_names(events)
+    split = split_names(events)
     durations: dict[str, list[float]] = {}
     for e in events:
         mb = microbatch_of(e.name)
