@@ -56,3 +56,24 @@ class Updates:
                 split_last_backward(self.acts, self.stage)
             self.acts.extend(update(self.stage, self.replicated, self.tied))
             self.done += 1
+
+
+def expand_compute(ops: list[Action], num_stages: int) -> list[Action]:
+    """One step of one rank from its compute order alone (``F``/``B``/``W``, as torch's CSV gives
+    it): each ``F``/``B`` in its block with its transfers (:func:`forward`, :func:`backward`), each
+    ``W`` as it stands, and each stage's update (one replica, untied) right after the stage's last
+    ``B``/``W`` of the step."""
+    last = {a.stage: i for i, a in enumerate(ops) if a.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD)}
+    acts: list[Action] = []
+    for i, a in enumerate(ops):
+        if a.kind is Kind.FORWARD:
+            acts += forward(a.stage, num_stages, a.mb)
+        elif a.kind is Kind.BACKWARD:
+            acts += backward(a.stage, num_stages, a.mb)
+        elif a.kind is Kind.WEIGHT_GRAD:
+            acts.append(a)
+        else:
+            raise ValueError(f"{a} is not a compute action (F, B or W)")
+        if last.get(a.stage) == i:
+            acts += update(a.stage, False, False)
+    return acts

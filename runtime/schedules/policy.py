@@ -50,6 +50,10 @@ class Policy:
       (it does not execute virtual stages yet).
     * ``rank_in_flight``: the most microbatches in flight on a rank over all its stages (None: the
       sum of its stages' :meth:`in_flight`).
+    * ``rank_held``: likewise the most held (F done, W not, where backwards are split; None: the sum
+      of its stages' :meth:`held`).
+    * ``order_splits``: the order itself splits the backwards it chooses, on any stage (DualPipeV,
+      a torch CSV); validate then takes a ``W`` wherever it follows its ``B``.
     """
 
     name: str
@@ -65,6 +69,8 @@ class Policy:
     planner_model: str | None = None
     placement: Place | None = None
     rank_in_flight: Callable[["Layout", int], int] | None = None
+    rank_held: Callable[["Layout", int], int] | None = None
+    order_splits: bool = False
 
     @property
     def virtual_stages(self) -> bool:
@@ -136,6 +142,12 @@ class Layout:
         if self.policy.rank_in_flight is not None:
             return self.policy.rank_in_flight(self, rank)
         return sum(self.in_flight_bound(s) for s in self.stages_of(rank))
+
+    def rank_held_bound(self, rank: int) -> int:
+        """The most microbatches held (F done, W not) on ``rank`` over all its stages."""
+        if self.policy.rank_held is not None:
+            return self.policy.rank_held(self, rank)
+        return sum(self.held_bound(s) for s in self.stages_of(rank))
 
     @property
     def num_stages(self) -> int:

@@ -17,6 +17,7 @@ from pdcompile.runtime.schedules.interleaved import (
 from pdcompile.runtime.schedules.one_f_one_b import one_f_one_b_order
 from pdcompile.runtime.schedules.policy import Layout, Policy
 from pdcompile.runtime.schedules.zero_bubble import zb_h1_order
+from pdcompile.runtime.schedules.zero_bubble_v import v_placement, zbv_held, zbv_in_flight, zbv_order
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("gpipe", gpipe_order, update_per_microbatch=False, version_lag=0, holds_step=True, split_backward=True,
@@ -45,6 +46,11 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
            rank_in_flight=looped_bfs_in_flight,
            summary="looped BFS: v stages per rank, stage s on rank s % p, each stage's forwards of a step in "
                    "turn, then its backwards, one update per step (synchronous SGD)"),
+    Policy("zb-v", zbv_order, update_per_microbatch=False, version_lag=0, holds_step=False, split_backward=True,
+           vertical_sync=False, synchronous=True, splits_every_backward=True, placement=v_placement,
+           rank_in_flight=zbv_in_flight, rank_held=zbv_held,
+           summary="zero bubble ZB-V: 2 stages per rank in a V (stage s on rank min(s, 2p-1-s)), every backward "
+                   "split, W's filling the bubbles at 1F1B's memory, one update per step (synchronous SGD)"),
 )}
 SCHEDULES: list[str] = [n for n, p in POLICIES.items() if not p.virtual_stages]  # one stage per rank: what runs
 VIRTUAL_SCHEDULES: list[str] = [n for n, p in POLICIES.items() if p.virtual_stages]  # schedule layer only, for now

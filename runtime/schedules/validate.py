@@ -20,14 +20,34 @@ def _check_split(sched: Schedule, name: str, r: int, s: int, k: int, b: int, sb:
     if not policy(name).split_backward:
         raise fail("split backward", r, w, f"{a}: only {' and '.join(SPLIT_BACKWARD_SCHEDULES)} split a backward "
                    f"({name} keeps weight versions, which W does not)")
-    if s == 0 and not policy(name).splits_every_backward:
+    if s == 0 and not (policy(name).splits_every_backward or policy(name).order_splits):
         raise fail("split backward", r, w, f"{a}: stage 0 sends no input gradients, so it has no backward to split")
     if w < max(b, sb):
         raise fail("split backward", r, w, f"{a} must come after {sched[r][max(b, sb)]} (step {max(b, sb)})")
-    between = [i for i in range(b + 1, w) if sched[r][i].kind in (Kind.ALLREDUCE, Kind.TIED_GRADS, Kind.STEP)]
+    between = [i for i in range(b + 1, w) if sched[r][i].kind in (Kind.ALLREDUCE, Kind.TIED_GRADS, Kind.STEP)
+               and sched[r][i].stage == s]  # the stage's own update (another stage of the rank may step)
     if between:
         raise fail("split backward", r, w, f"{a} comes after {sched[r][between[0]]} (step {between[0]}): the "
                    f"weight gradients of {s}B{k} must be complete before the stage's gradients are reduced or stepped")
+
+
+def _check_local_hand_overs(sched: Schedule, ranks: list[list[int]],
+                            fail: Callable[[str, int | None, int | None, str], ScheduleError]) -> None:
+    """Rule 'send/recv pairs matched' for local hand-overs: on a rank that runs both stages of a
+    transfer, its send comes before its receive (no message: the receive takes what the send left)."""
+    for r, acts in sched.items():
+        at = {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(acts)}
+        for i, a in enumerate(acts):
+            if a.kind not in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                continue
+            kind, src = (Kind.SEND_ACT, a.stage - 1) if a.kind is Kind.RECV_ACT else (Kind.SEND_GRAD, a.stage + 1)
+            if not 0 <= src < len(ranks) or rank_of(src, a.mb, ranks) != r:
+                continue
+            j = at.get((kind, src, a.microbatch))
+            if j is None or j > i:
+                raise fail("send/recv pairs matched", r, i, f"{a} is a local hand-over on rank {r} (stages {src} and "
+                           f"{a.stage}): {src}{kind.value}{a.mb} must come before it"
+                           + ("" if j is None else f", not at step {j}"))
 
 
 def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, name: str, *,
@@ -47,7 +67,9 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
        ``F`` and one ``B`` on every stage, and no other microbatch appears.
     4. 'send/recv pairs matched': ``RF k`` on every stage but the first and ``SF k`` on every stage
        but the last, ``SB``/``RB`` likewise, exactly once each; each receive before the compute that
-       uses it, each send after the compute that produces it.
+       uses it, each send after the compute that produces it. A transfer whose sender and receiver
+       are one rank (virtual stages: a local hand-over, e.g. the V's stages ``p-1`` and ``p``) has
+       its ``SF``/``SB`` before its ``RF``/``RB`` in that rank's list.
     5. 'backward after forward': ``B k`` after ``F k`` on the same rank. 'split backward': a ``W k``
        comes once, after ``B k`` and its ``SB k``, before the rank's next ``AR``/``TG``/``ST``, in a
        policy that splits backwards; optional and on a stage after the first (gpipe, flush), or on
@@ -154,11 +176,13 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
                     raise fail("forward order", r, i, f"{a} after {s}F{last}: forwards must be in increasing order")
                 last = a.mb
 
+    _check_local_hand_overs(sched, ranks, fail)
+
     # 7. in-flight bound
     for r in sorted(sched):
         s, n = stages_of[r][0], 0
         bound = lay.rank_in_flight_bound(r)
-        held_bound = sum(lay.held_bound(q) for q in stages_of[r])
+        held_bound = lay.rank_held_bound(r)
         split = {a.microbatch for a in sched[r] if a.kind is Kind.WEIGHT_GRAD}
         held = 0
         for i, a in enumerate(sched[r]):
