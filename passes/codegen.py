@@ -327,7 +327,7 @@ def _emit_into(out: Path, split: StageSplit, program: Mapping[str, Any], model_n
     doc = {
         "version": 1,
         "model": model_name,
-        "world_size": sum(len(r) for r in stage_ranks),
+        "world_size": len({q for r in stage_ranks for q in r}),  # a rank may hold several (virtual) stages
         "stages": stages_json,
         "tied": [[[s, n] for s, n in group] for group in split.tied],
         **{k: v for k, v in program.items() if k != "stage_ranks"},

@@ -9,6 +9,7 @@ Without a cluster (or one too small for the replicas asked) the plan is for this
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from pdcompile.ir import Chain, CompileState, need
 from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
 from pdcompile.plan import Plan
 from pdcompile.plan import plan as choose_plan
-from pdcompile.runtime.schedules import policy, stage_ranks
+from pdcompile.runtime.schedules import POLICIES, policy, stage_ranks
 
 
 def planner_schedule(schedule: str) -> str:
@@ -80,6 +81,7 @@ class PartitionOptions:
     num_microbatches: int = 1  # per minibatch (GPipe's memory holds them all)
     recompute: str = "none"  # activation recomputation per stage: "none", "full" or "auto" (where memory needs it)
     precision: str = "fp32"  # "bf16": boundaries send half the bytes (Chain.on_the_wire)
+    virtual_stages: int = 1  # stages per rank, for a schedule with a placement (stages= counts them all)
 
 
 def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
@@ -87,6 +89,9 @@ def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
     # the DP's memory model reads every schedule's own Policy (GPipe: all M in flight); the ILP's knows fewer
     sched = opts.schedule if opts.solver == "dp" else planner_schedule(opts.schedule)
     mem: dict[str, Any] = {"num_microbatches": opts.num_microbatches, "recompute": opts.recompute}
+    place = policy(opts.schedule).placement if opts.schedule in POLICIES else None
+    if place is not None:
+        return _virtual_plan(chain, opts, place, mem)
     if opts.stages is None:
         cluster = opts.cluster if opts.cluster is not None else local_cpu_cluster(2)
         extra = mem if opts.solver == "dp" else {}
@@ -104,6 +109,27 @@ def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
     assignment = [(a, b - 1, len(r), tuple(r)) for (a, b), r in zip(zip(bounds, bounds[1:]), stage_ranks(reps))]
     return plan_from_assignment(chain, cluster, assignment, schedule=opts.schedule, memory_limit=False,
                                 **mem), cluster
+
+
+def _virtual_plan(chain: Chain, opts: PartitionOptions, place: Any, mem: dict[str, Any]) -> tuple[Plan, ClusterSpec]:
+    """Virtual stages: ``stages=`` (default ``v`` per worker of the cluster, or of this machine's 2)
+    stages of balanced compute, placed on ranks as the schedule's policy says."""
+    v = opts.virtual_stages
+    workers = opts.cluster.num_workers if opts.cluster is not None else 2
+    n = opts.stages if opts.stages is not None else v * workers
+    ranks = place(n, v)
+    p = len({q for rs in ranks for q in rs})
+    cluster = opts.cluster if opts.cluster is not None and opts.cluster.num_workers >= p else local_cpu_cluster(p)
+    bounds = [0, *balanced_bounds(chain, n), len(chain)]
+    assignment = [(a, b - 1, 1) for a, b in zip(bounds, bounds[1:])]
+    # each stage costed as if on a worker of its own (the DP's model has no shared workers; the
+    # simulator times the interleaving), then placed on the schedule's ranks
+    costing = opts.cluster if opts.cluster is not None and opts.cluster.num_workers >= n else local_cpu_cluster(n)
+    plan = plan_from_assignment(chain, costing, assignment, schedule="flush", memory_limit=False, **mem)
+    stages = tuple(dataclasses.replace(st, ranks=tuple(r)) for st, r in zip(plan.stages, ranks))
+    return dataclasses.replace(plan, stages=stages, num_workers=p,
+                               notes=(*plan.notes, f"{v} virtual stages per rank on {p} ranks ({opts.schedule}); "
+                                      f"times are per stage on a worker of its own")), cluster
 
 
 def run(state: CompileState, opts: PartitionOptions) -> CompileState:

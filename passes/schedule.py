@@ -21,6 +21,7 @@ class ScheduleOptions:
     num_microbatches: int
     vertical_sync: bool = False
     split_backward: bool | None = None  # None: default_split_backward for the plan's cluster
+    virtual_stages: int = 1  # stages per rank (a schedule with a placement)
 
 
 def run(state: CompileState, opts: ScheduleOptions) -> CompileState:
@@ -31,9 +32,11 @@ def run(state: CompileState, opts: ScheduleOptions) -> CompileState:
     split = opts.split_backward
     if split is None:
         cluster = need(state.cluster, "cluster")
-        split = default_split_backward("cpu" if cluster.device.name == "cpu" else "gpu", sum(replicas),
+        workers = len({q for rs in need(state.stage_ranks, "stage_ranks") for q in rs})
+        split = default_split_backward("cpu" if cluster.device.name == "cpu" else "gpu", workers,
                                        os.cpu_count() or 1)
-    spec = ScheduleSpec(opts.schedule, replicas, opts.num_microbatches, tied, opts.vertical_sync, split)
+    spec = ScheduleSpec(opts.schedule, replicas, opts.num_microbatches, tied, opts.vertical_sync, split,
+                        opts.virtual_stages)
     return state.replace(schedule_spec=spec, schedule=spec.make(1))
 
 
@@ -44,7 +47,7 @@ def format_schedule(state: CompileState) -> str:
     lines = [f"schedule: {spec}", "",
              "periodic form (any number of steps N; a period's later copies shift microbatches and versions):"]
     steps = 64
-    for rank in range(sum(spec.replicas)):
+    for rank in range(spec.world_size):
         run = spec.rank_run(steps, rank)
         if run.repeats:
             lines.append(f"rank {rank}: head {' '.join(map(str, run.head))}")

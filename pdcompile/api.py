@@ -41,7 +41,7 @@ from pdcompile.plan import Plan
 from pdcompile.runtime import schedules
 from pdcompile.runtime.program import PRECISIONS
 
-SCHEDULE_NAMES = tuple(schedules.SCHEDULES)
+SCHEDULE_NAMES = tuple(schedules.POLICIES)
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,30 @@ class Options:
     recompute: str = "auto"  # activation recomputation per stage: "none", "full", "auto" (the planner, where memory needs it)
     precision: str = "fp32"  # "bf16": autocast, fp32 master weights, bf16 boundary tensors, bf16 costs
     clip_grad_norm: float | None = None  # global-norm gradient clipping before each step (synchronous schedules)
+    virtual_stages: int = 1  # stages per rank, for a schedule with virtual stages (interleaved-1f1b, ...)
+
+
+def _check_virtual(opts: Options) -> None:
+    """``virtual_stages=v`` goes with a schedule that places several stages on a rank, ``stages=`` (all
+    ``v p`` of them, a multiple of ``v``) and no replicas."""
+    v = opts.virtual_stages
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise UsageError(f"pdcompile: virtual_stages must be a positive int, got {v!r}")
+    virtual = opts.schedule in schedules.POLICIES and schedules.policy(opts.schedule).virtual_stages
+    if not virtual:
+        if v != 1:
+            raise UsageError(f"pdcompile: virtual_stages={v} needs a schedule with several stages per rank "
+                             f"({', '.join(schedules.VIRTUAL_SCHEDULES)}); schedule={opts.schedule!r} runs one")
+        return
+    if opts.replicas is not None and any(r != 1 for r in opts.replicas):
+        raise UsageError(f"pdcompile: schedule={opts.schedule!r} runs one replica per stage; drop replicas=")
+    if opts.stages is not None and (not isinstance(opts.stages, int) or opts.stages % v):
+        raise UsageError(f"pdcompile: schedule={opts.schedule!r} with virtual_stages={v} needs stages= a multiple of "
+                         f"{v} (v stages on each rank), got {opts.stages!r}")
+    if opts.clip_grad_norm is not None:
+        raise UsageError(f"pdcompile: clip_grad_norm= with schedule={opts.schedule!r}: a rank steps each of its "
+                         f"stages at its own point of the step, so no one point sees every stage's gradients; "
+                         f"drop clip_grad_norm= or use a schedule with a stage per rank")
 
 
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -94,11 +118,9 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
                          "of targets)")
     if opts.recompute not in ("none", "full", "auto"):
         raise UsageError(f"pdcompile: recompute must be 'none', 'full' or 'auto', got {opts.recompute!r}")
-    if opts.schedule in schedules.POLICIES and schedules.policy(opts.schedule).virtual_stages:
-        raise UsageError(f"pdcompile: schedule={opts.schedule!r} places several (virtual) stages on a rank, which "
-                         f"the runtime does not execute yet; use one with a stage per rank (e.g. 'flush')")
     if opts.schedule not in SCHEDULE_NAMES + (autoschedule.AUTO,):
         raise UsageError(f"pdcompile: schedule must be one of {SCHEDULE_NAMES} or 'auto', got {opts.schedule!r}")
+    _check_virtual(opts)
     if opts.precision not in PRECISIONS:
         raise UsageError(f"pdcompile: precision must be one of {PRECISIONS}, got {opts.precision!r}")
     if opts.clip_grad_norm is not None:
@@ -211,8 +233,8 @@ class CompiledPipeline:
             partition=PartitionOptions(opts.schedule, stages, tuple(opts.replicas) if opts.replicas is not None
                                        else None, opts.cluster, opts.solver, opts.cost_model,
                                        num_microbatches=self.num_microbatches, recompute=opts.recompute,
-                                       precision=opts.precision),
-            schedule=ScheduleOptions(opts.schedule, self.num_microbatches),
+                                       precision=opts.precision, virtual_stages=opts.virtual_stages),
+            schedule=ScheduleOptions(opts.schedule, self.num_microbatches, virtual_stages=opts.virtual_stages),
             loss=TraceLossOptions(opts.loss_fn, self._micro_target(target)) if target is not None else None,
         )
 

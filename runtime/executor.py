@@ -83,10 +83,45 @@ class _Mb:
     outputs: list[torch.Tensor] = field(default_factory=list)
     loss: torch.Tensor | None = None
     target: torch.Tensor | None = None
-    recv_act: comm.Pending | None = None
-    recv_grad: comm.Pending | None = None
-    recv_target: comm.Pending | None = None
+    recv_act: comm.Pending | _Handed | None = None
+    recv_grad: comm.Pending | _Handed | None = None
+    recv_target: comm.Pending | _Handed | None = None
     input_grads: list[torch.Tensor] | None = None  # computed by a split B (``W`` follows)
+
+
+class Mailbox:
+    """Hand-overs between stages on one rank (virtual stages): what ``SF``/``SB``/a target send
+    puts here, the other stage's receive takes, in memory. Keys: ``("A"|"G", to_stage, mb)`` and
+    ``("T", mb)``."""
+
+    def __init__(self) -> None:
+        self.items: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+
+    def put(self, key: tuple[Any, ...], tensors: list[torch.Tensor]) -> None:
+        if key in self.items:
+            raise RuntimeError(f"in-memory hand-over {key} sent twice")
+        self.items[key] = tensors
+
+    def take(self, key: tuple[Any, ...]) -> list[torch.Tensor]:
+        try:
+            return self.items.pop(key)
+        except KeyError:
+            raise RuntimeError(f"in-memory hand-over {key} received before it was sent (the schedule must run "
+                               f"the sending stage's SF/SB first on this rank)") from None
+
+
+@dataclass
+class _Handed:
+    """A receive from a stage on this rank: taken from the mailbox when waited for (a ``Pending``)."""
+
+    mailbox: Mailbox
+    key: tuple[Any, ...]
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    def wait(self) -> list[torch.Tensor]:
+        if not self.tensors:
+            self.tensors = self.mailbox.take(self.key)
+        return self.tensors
 
 
 class ActionError(RuntimeError):
@@ -129,10 +164,14 @@ class StageExecutor:
                  clock: Callable[[], float] = time.perf_counter, precision: str = "fp32",
                  clip_grad_norm: float | None = None, norm_group: Any = None, norm_counts: bool = True,
                  measure_memory: bool = True,
-                 norm_skip: frozenset[str] = frozenset()) -> None:
+                 norm_skip: frozenset[str] = frozenset(), stage: int | None = None,
+                 mailbox: Mailbox | None = None) -> None:
         self.program = program
         self.rank = rank
-        self.spec: StageSpec = program.stage_of_rank(rank)
+        # stage: which of the rank's stages this executor runs (virtual stages: one executor each,
+        # sharing the rank's mailbox for the hand-overs between them; :class:`RankExecutor`)
+        self.spec: StageSpec = program.stage_of_rank(rank) if stage is None else program.stages[stage]
+        self.mailbox = mailbox if mailbox is not None else Mailbox()
         self.stage = self.spec.index
         self.is_first = self.stage == 0
         self.is_last = self.stage == program.num_stages - 1
@@ -163,6 +202,9 @@ class StageExecutor:
         self._pending_losses: list[torch.Tensor] = []  # on the device: read at logging points, not per microbatch
         self._compute_start: float | None = None
         self._targets = TargetPosts(0, 1)
+        # the executor of this rank's last stage, if it holds it: any stage's RF k on the rank first posts
+        # the targets up to k (the first stage sends T k right before A k, maybe on the same pair of ranks)
+        self.targets_by: StageExecutor | None = self if self.is_last else None
         self.begin(0)
         self._split: set[int] = set()  # microbatches whose B is split (a W follows in the actions)
         self._weight_pass: dict[int, Any] = {}  # microbatch -> what its W needs
@@ -221,28 +263,36 @@ class StageExecutor:
         recorded as the receive (``1RF3``/``1RB3``) and the action from the end of the wait, so a
         trace shows compute and waiting apart."""
         actions = list(actions)
-        self._split = {a.mb for a in actions if a.kind is Kind.WEIGHT_GRAD}
+        self.prepare(actions)
         for i, a in enumerate(actions):
-            self._compute_start = None
-            try:
-                if posts is not None and posts[i]:
-                    self._post(posts[i])
-                start = self.clock()
-                if self.fail_at is not None and self.fail_at == f"{self.rank}:{a}":
-                    raise RuntimeError("injected failure (--fail-at)")
-                getattr(self, "_" + a.kind.name.lower())(a)
-                if release is not None and release[i]:
-                    self._release_sends(release[i])
-                self.weights.observe()
-            except ActionError:
-                raise
-            except Exception as e:  # noqa: BLE001 - name rank, stage and action, keep the cause
-                raise ActionError(f"rank {self.rank} (stage {self.stage}) failed in action {a}: "
-                                  f"{type(e).__name__}: {e}") from e
-            if self.recorder is not None:
-                self.recorder(str(a), self._compute_start or start, self.clock())
+            self.execute(a, posts[i] if posts is not None else (), release[i] if release is not None else ())
 
-    def _post(self, receives: Sequence[Action]) -> None:
+    def prepare(self, actions: Sequence[Action]) -> None:
+        """Read the actions about to run: which of this stage's backwards are split (a ``W`` follows)."""
+        self._split = {a.mb for a in actions if a.kind is Kind.WEIGHT_GRAD and a.stage == self.stage}
+
+    def execute(self, a: Action, posts: Sequence[Action] = (), release: Sequence[Action] = ()) -> None:
+        """One action of :meth:`run`, with the receives posted before it and the sends released after it."""
+        self._compute_start = None
+        try:
+            if posts:
+                self.post_receives(posts)
+            start = self.clock()
+            if self.fail_at is not None and self.fail_at == f"{self.rank}:{a}":
+                raise RuntimeError("injected failure (--fail-at)")
+            getattr(self, "_" + a.kind.name.lower())(a)
+            if release:
+                self.release_sends(release)
+            self.weights.observe()
+        except ActionError:
+            raise
+        except Exception as e:  # noqa: BLE001 - name rank, stage and action, keep the cause
+            raise ActionError(f"rank {self.rank} (stage {self.stage}) failed in action {a}: "
+                              f"{type(e).__name__}: {e}") from e
+        if self.recorder is not None:
+            self.recorder(str(a), self._compute_start or start, self.clock())
+
+    def post_receives(self, receives: Sequence[Action]) -> None:
         """Post receives ahead of their ``RF``/``RB`` (which then find them posted), so their data can
         land while this rank computes: gloo receives only into posted buffers, and on NCCL a pair's
         transfers run in the order posted, which the plan makes the same on both sides."""
@@ -252,7 +302,7 @@ class StageExecutor:
             if self.recorder is not None:
                 self.recorder(str(b), t0, self.clock())
 
-    def _wait(self, pending: comm.Pending, a: Action, kind: str) -> list[torch.Tensor]:
+    def _wait(self, pending: comm.Pending | _Handed, a: Action, kind: str) -> list[torch.Tensor]:
         """Wait for a receive inside ``a``; record the wait as the receive (see :meth:`run`)."""
         t0 = self.clock()
         tensors = pending.wait()
@@ -260,6 +310,19 @@ class StageExecutor:
             self._compute_start = self.clock()
             self.recorder(f"{a.stage}{kind}{a.mb}", t0, self._compute_start)
         return tensors
+
+    def _send(self, a: Action, tensors: list[torch.Tensor], dst: int, key: tuple[Any, ...]) -> None:
+        """Send for action ``a``: over the network, or into the mailbox when ``dst`` is this rank."""
+        if dst == self.rank:
+            self.mailbox.put(key, tensors)
+        else:
+            self._posted(a, comm.post_send(tensors, dst))
+
+    def _recv(self, buffers: list[torch.Tensor], src: int, key: tuple[Any, ...]) -> comm.Pending | _Handed:
+        """Post a receive: over the network, or from the mailbox when ``src`` is this rank."""
+        if src == self.rank:
+            return _Handed(self.mailbox, key)
+        return comm.post_recv(buffers, src)
 
     def _data(self, k: int) -> tuple[Sequence[torch.Tensor], torch.Tensor]:
         if self.data is None:
@@ -278,11 +341,13 @@ class StageExecutor:
         st = self._mb(a.mb)
         if st.recv_act is not None:
             return  # posted ahead (run's posts)
-        if self.is_last:  # the targets up to this microbatch first, in the order the first stage sends them
-            for k in self._targets.upto(a.mb):
-                self._mb(k).recv_target = comm.post_recv([self.program.target.empty(self.device)], self.peer(0, k))
+        owner = self.targets_by
+        if owner is not None:  # the targets up to this microbatch first, in the order the first stage sends them
+            for k in owner._targets.upto(a.mb):
+                owner._mb(k).recv_target = owner._recv([self.program.target.empty(self.device)], self.peer(0, k),
+                                                       ("T", k))
         bufs = [t.empty_wire(self.precision, self.device) for t in self.spec.inputs]
-        st.recv_act = comm.post_recv(bufs, self.peer(self.stage - 1, a.mb))
+        st.recv_act = self._recv(bufs, self.peer(self.stage - 1, a.mb), ("A", self.stage, a.mb))
 
     def _forward(self, a: Action) -> None:
         k = a.mb
@@ -295,7 +360,7 @@ class StageExecutor:
             if self.is_last:
                 st.target = target
             elif not self.local_targets or k in self.target_check:  # before the activations (SF k)
-                self._posted(a, comm.post_send([target], self.peer(self.program.num_stages - 1, k)))
+                self._send(a, [target], self.peer(self.program.num_stages - 1, k), ("T", k))
         else:
             if st.recv_act is None:
                 raise RuntimeError(f"forward of microbatch {k} before its activations were received (missing RF)")
@@ -396,14 +461,14 @@ class StageExecutor:
     def _send_act(self, a: Action) -> None:
         st = self.mbs[a.mb]
         outs = [o.detach().to(spec.wire(self.precision)) for o, spec in zip(st.outputs, self.spec.outputs)]
-        self._posted(a, comm.post_send(outs, self.peer(self.stage + 1, a.mb)))
+        self._send(a, outs, self.peer(self.stage + 1, a.mb), ("A", self.stage + 1, a.mb))
 
     def _recv_grad(self, a: Action) -> None:
         st = self._mb(a.mb)
         if st.recv_grad is not None:
             return  # posted ahead (run's posts)
         bufs = [t.empty_wire(self.precision, self.device) for t in self.spec.outputs if t.requires_grad]
-        st.recv_grad = comm.post_recv(bufs, self.peer(self.stage + 1, a.mb))
+        st.recv_grad = self._recv(bufs, self.peer(self.stage + 1, a.mb), ("G", self.stage, a.mb))
 
     def _backward(self, a: Action) -> None:
         st = self.mbs[a.mb]
@@ -437,7 +502,7 @@ class StageExecutor:
              for t, spec in zip(st.inputs, self.spec.inputs) if spec.requires_grad]
         wires = [spec.wire(self.precision) for spec in self.spec.inputs if spec.requires_grad]
         grads = [g.to(w) for g, w in zip(grads, wires)]
-        self._posted(a, comm.post_send(grads, self.peer(self.stage - 1, a.mb)))
+        self._send(a, grads, self.peer(self.stage - 1, a.mb), ("G", self.stage - 1, a.mb))
 
     def _weight_grad(self, a: Action) -> None:
         """``W``: the weight gradients of a split ``B``, accumulated into ``.grad`` as an unsplit
@@ -501,7 +566,7 @@ class StageExecutor:
         self.sends.setdefault(a, []).extend(works)
         self.peak_sends = max(self.peak_sends, sum(map(len, self.sends.values())))
 
-    def _release_sends(self, done: Sequence[Action]) -> None:
+    def release_sends(self, done: Sequence[Action]) -> None:
         """Wait for the sends of ``done``, whose receivers have taken them (the schedule proves it, so
         this returns at once). A send's buffer lives until its wait; on gloo nothing tells completion
         without waiting (``is_completed`` stays false), and waiting for a send whose receive is not
@@ -516,3 +581,80 @@ class StageExecutor:
             for w in works:
                 w.wait()
         self.sends = {}
+
+
+class RankExecutor:
+    """A rank's executors, one per stage it holds (one, unless stages are virtual): runs the rank's
+    action list, each action by its stage's executor; hand-overs between them stay in memory
+    (:class:`Mailbox`)."""
+
+    def __init__(self, executors: Sequence[StageExecutor]) -> None:
+        self.executors = list(executors)
+        self.by_stage = {ex.stage: ex for ex in self.executors}
+        owner = next((ex for ex in self.executors if ex.is_last), None)
+        for ex in self.executors:
+            ex.targets_by = owner
+        self._tied_seen = 0  # TG actions so far: the rank sums tied gradients at the first of each step's
+
+    def run(self, actions: Sequence[Action], release: Sequence[Sequence[Action]] | None = None,
+            posts: Sequence[Sequence[Action]] | None = None) -> None:
+        """:meth:`StageExecutor.run` over the rank's stages: receives posted, and sends released,
+        by the executor of their own stage."""
+        actions = list(actions)
+        for ex in self.executors:
+            ex.prepare(actions)
+        for i, a in enumerate(actions):
+            for b in posts[i] if posts is not None else ():
+                self.by_stage[b.stage].post_receives((b,))
+            if a.kind is Kind.TIED_GRADS and len(self.executors) > 1:
+                self._tied_grads(a)
+            else:
+                self.by_stage[a.stage].execute(a)
+            for b in release[i] if release is not None else ():
+                self.by_stage[b.stage].release_sends((b,))
+
+    def begin(self, first_microbatch: int) -> None:
+        for ex in self.executors:
+            ex.begin(first_microbatch)
+
+    def wait_sends(self) -> None:
+        for ex in self.executors:
+            ex.wait_sends()
+
+    @property
+    def losses(self) -> list[float]:
+        """The last stage's losses (from the executor holding it; empty on other ranks)."""
+        last = [ex for ex in self.executors if ex.is_last]
+        return last[0].losses if last else []
+
+    @property
+    def peak_sends(self) -> int:
+        return sum(ex.peak_sends for ex in self.executors)
+
+    def _tied_grads(self, a: Action) -> None:
+        """``TG`` on a rank with several stages: each stage ends its step with ``TG ST`` (the tied
+        schedules put the rank's updates together), so at the first ``TG`` of a step every stage's
+        gradients are complete. Then, per group of tied parameters, the rank's copies (a rank may
+        hold both ends of a tie) are summed here and all-reduced once over the group's ranks."""
+        first = self._tied_seen % len(self.executors) == 0
+        self._tied_seen += 1
+        if not first:
+            return
+        try:
+            groups: dict[int, tuple[Any, list[tuple[torch.Tensor, float]]]] = {}
+            for ex in self.executors:
+                params = dict(ex.module.named_parameters())
+                for group, names, *scale in ex.tied_groups:
+                    for n in names:
+                        p = params[n]
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        groups.setdefault(id(group), (group, []))[1].append((p.grad, scale[0] if scale else 1.0))
+            for group, grads in groups.values():
+                total = sum((g * s if s != 1.0 else g) for g, s in grads[1:]) + \
+                    (grads[0][0] * grads[0][1] if grads[0][1] != 1.0 else grads[0][0].clone())
+                dist.all_reduce(total, group=group)
+                for g, _ in grads:
+                    g.copy_(total)
+        except Exception as e:  # noqa: BLE001 - name rank and action, keep the cause
+            raise ActionError(f"rank {self.executors[0].rank} failed in action {a}: {type(e).__name__}: {e}") from e

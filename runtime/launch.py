@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from pdcompile.errors import CheckpointError, UsageError
 from pdcompile.runtime import allocator, checkpoint, comm, schedules, timing
-from pdcompile.runtime.executor import ActionError, StageExecutor
+from pdcompile.runtime.executor import ActionError, Mailbox, RankExecutor, StageExecutor
 from pdcompile.runtime.schedules.spec import ScheduleSpec, agrees, default_split_backward
 from pdcompile.runtime.weights import VersionedStore
 from pdcompile.runtime.program import PRECISIONS, Program, build, import_object
@@ -108,11 +108,19 @@ def check_args(args: argparse.Namespace, program: Program, world: int | None = N
     at_least("--microbatches", args.microbatches, "microbatches per minibatch; e.g. --microbatches 4")
     at_least("--checkpoint-every", args.checkpoint_every, "minibatches between checkpoints; 0: never", least=0)
     at_least("--keep-checkpoints", args.keep_checkpoints, "complete checkpoints kept")
-    if args.schedule in schedules.POLICIES and schedules.policy(args.schedule).virtual_stages:
-        raise UsageError(f"--schedule {args.schedule}: it places several (virtual) stages on a rank, which the "
-                         f"runtime does not execute yet; use one with a stage per rank (e.g. flush)")
-    if args.schedule not in schedules.SCHEDULES:
-        raise UsageError(f"--schedule {args.schedule!r}: unknown schedule; use one of {', '.join(schedules.SCHEDULES)}")
+    if args.schedule not in schedules.POLICIES:
+        raise UsageError(f"--schedule {args.schedule!r}: unknown schedule; use one of {', '.join(schedules.POLICIES)}")
+    compiled = compiled_schedule(program)
+    virtual = compiled.virtual_stages > 1
+    if schedules.policy(args.schedule).virtual_stages != virtual:
+        kind = "several stages per rank" if virtual else "one stage per rank"
+        fits = [n for n, p in schedules.POLICIES.items() if p.virtual_stages == virtual]
+        raise UsageError(f"--schedule {args.schedule}: this program was compiled with {kind} "
+                         f"({compiled.virtual_stages} per rank), which {args.schedule} does not run; use one of "
+                         f"{', '.join(fits)}, or re-emit the program for {args.schedule}")
+    if virtual and (args.checkpoint_every or args.resume):
+        raise UsageError("--checkpoint-every/--resume with virtual stages (several stages per rank): checkpoints "
+                         "hold one stage per rank for now; drop the flag, or compile a schedule with a stage per rank")
     if args.precision not in PRECISIONS:
         raise UsageError(f"--precision {args.precision!r}: use one of {', '.join(PRECISIONS)}")
     if args.clip_grad_norm is not None:
@@ -123,6 +131,10 @@ def check_args(args: argparse.Namespace, program: Program, world: int | None = N
                              f"every stage's gradients of one update at one step, which only synchronous schedules "
                              f"have (this one steps each stage on its own microbatches' gradients, with weight "
                              f"versions); use a synchronous schedule (e.g. flush) or drop --clip-grad-norm")
+    if args.clip_grad_norm is not None and virtual:
+        raise UsageError("--clip-grad-norm with virtual stages (several stages per rank): a rank steps each of its "
+                         "stages at its own point of the step, so no one point sees every stage's gradients; drop "
+                         "--clip-grad-norm, or compile a schedule with a stage per rank")
     if not (isinstance(args.timeout, (int, float)) and math.isfinite(args.timeout) and args.timeout > 0):
         raise UsageError(f"--timeout {args.timeout!r}: must be a positive number of seconds; e.g. --timeout 120")
     if args.checkpoint_every and not args.checkpoint_dir:
@@ -253,66 +265,79 @@ class Trainer:
 
     def __init__(self, program: Program, args: argparse.Namespace, rank: int, timeout: datetime.timedelta) -> None:
         self.program, self.args, self.rank = program, args, rank
-        self.spec = spec = program.stage_of_rank(rank)
+        self.specs = specs = program.stages_of_rank(rank)  # one, or several with virtual stages
+        self.spec = spec = specs[0]
         torch.manual_seed(args.seed)
-        module = program.build_stage(spec.index).to(_device())
+        modules = [program.build_stage(st.index).to(_device()) for st in specs]
         if _device().type == "cuda":
             torch.cuda.set_device(_device())
-        module.train()
+        for module in modules:
+            module.train()
         # Groups: every rank creates every group, in the same order.
-        replica_group = None
+        replica_groups: dict[int, Any] = {}
         for st in program.stages:
             if len(st.ranks) > 1:
                 g = dist.new_group(list(st.ranks), timeout=timeout)
                 if rank in st.ranks:
-                    replica_group = g
-        tied_groups = []
+                    replica_groups[st.index] = g
+        tied_groups: dict[int, list[tuple[Any, ...]]] = {st.index: [] for st in specs}
         for group in program.raw.get("tied", []):
             # Every replica of every stage holding the parameter joins; after the replicas' all-reduce
             # each replica holds its stage's whole gradient, so each contributes 1/replicas of it.
             stages = sorted({s for s, _ in group})
-            ranks = sorted(r for s in stages for r in program.stages[s].ranks)
+            ranks = sorted({r for s in stages for r in program.stages[s].ranks})
             g = dist.new_group(ranks, timeout=timeout)
-            mine = [n for s, n in group if s == spec.index]
-            if mine:
-                tied_groups.append((g, mine, 1.0 / len(spec.ranks)))
+            for st in specs:
+                mine = [n for s, n in group if s == st.index]
+                if mine:
+                    tied_groups[st.index].append((g, mine, 1.0 / len(st.ranks)))
         # global-norm clipping: one group over every rank; each stage's gradient is counted by its replica 0,
         # each tied parameter by the first stage holding it
         norm_group = dist.new_group(list(range(program.world_size)), timeout=timeout) \
             if args.clip_grad_norm is not None else None
-        norm_skip = frozenset(n for group in program.raw.get("tied", []) for s, n in group
-                              if s == spec.index and s != min(t for t, _ in group))
-        optimizer = build(program.raw["optimizer"], module.parameters())
-        sched_spec = program.raw.get("lr_scheduler")
-        self.lr_scheduler = lr_scheduler = build(sched_spec, optimizer) if sched_spec else None
-        loss_fn = program.build_loss(_device()) if spec.index == program.num_stages - 1 else None
         self.schedule = run_schedule(program, args, rank, say=True)
         self.M = M = args.microbatches
         local = local_targets(program, args) and program.num_stages > 1
-        reads_data = spec.index == 0 or (local and spec.index == program.num_stages - 1)
+        last = program.num_stages - 1
+        reads_data = any(st.index == 0 or (local and st.index == last) for st in specs)
         self.data_iter = _data_source(program, args, program.raw["microbatch_size"] * M) if reads_data else None
         self.data_index = -1  # the last minibatch read from data_iter
         self._micro: Any = None  # that minibatch, cut into microbatches
         self.events: list[tuple[str, float, float]] = []
-        self.executor = StageExecutor(
-            program, rank, module, optimizer, loss_fn, accumulation=schedules.policy(self.schedule.name).accumulation(M),
-            data=self.data if reads_data else None, local_targets=local,
-            replica_group=replica_group, tied_groups=tied_groups, lr_scheduler=lr_scheduler,
-            weight_store=VersionedStore(module),
-            recorder=timing.recorder(self.events.append, _device()) if args.trace else None,
-            measure_memory=args.metrics is not None,  # metrics report it; measuring costs a hook per saved tensor
-            clock=(lambda: timing.now(_device())) if args.trace else time.perf_counter,
-            device=_device(), fail_at=args.fail_at, precision=args.precision,
-            clip_grad_norm=args.clip_grad_norm, norm_group=norm_group, norm_counts=rank == spec.ranks[0],
-            norm_skip=norm_skip,
-        )
+        mailbox = Mailbox()  # hand-overs between this rank's stages
+        self.executors: list[StageExecutor] = []
+        self.lr_schedulers: list[Any] = []
+        for st, module in zip(specs, modules):
+            optimizer = build(program.raw["optimizer"], module.parameters())
+            sched_spec = program.raw.get("lr_scheduler")
+            lr_scheduler = build(sched_spec, optimizer) if sched_spec else None
+            self.lr_schedulers.append(lr_scheduler)
+            norm_skip = frozenset(n for group in program.raw.get("tied", []) for s, n in group
+                                  if s == st.index and s != min(t for t, _ in group))
+            self.executors.append(StageExecutor(
+                program, rank, module, optimizer, program.build_loss(_device()) if st.index == last else None,
+                accumulation=schedules.policy(self.schedule.name).accumulation(M),
+                data=self.data if reads_data else None, local_targets=local,
+                replica_group=replica_groups.get(st.index), tied_groups=tied_groups[st.index],
+                lr_scheduler=lr_scheduler, weight_store=VersionedStore(module),
+                recorder=timing.recorder(self.events.append, _device()) if args.trace else None,
+                measure_memory=args.metrics is not None,  # metrics report it; measuring costs a hook per saved tensor
+                clock=(lambda: timing.now(_device())) if args.trace else time.perf_counter,
+                device=_device(), fail_at=args.fail_at, precision=args.precision,
+                clip_grad_norm=args.clip_grad_norm, norm_group=norm_group, norm_counts=rank == st.ranks[0],
+                norm_skip=norm_skip, stage=st.index, mailbox=mailbox,
+            ))
+        self.executor = self.executors[0]  # the rank's first stage (checkpoints: one stage per rank)
+        self.lr_scheduler = lr_scheduler = self.lr_schedulers[0]
+        self.rank_executor = RankExecutor(self.executors)
         self.replicas = [len(st.ranks) for st in program.stages]
         self.tied = bool(program.raw.get("tied"))
         self.resumed = _resume(program, args, rank, self.executor, lr_scheduler)
         self.start = self.resumed.step if self.resumed is not None else 0  # this run's first minibatch
         first_mb = self.start * M
         # --targets local: the first microbatch of each last-stage replica still has its target sent, to compare
-        self.executor.target_check = frozenset(range(first_mb, first_mb + len(program.stages[-1].ranks)))
+        for ex in self.executors:
+            ex.target_check = frozenset(range(first_mb, first_mb + len(program.stages[-1].ranks)))
         if self.resumed is not None and self.data_iter is not None:  # the data is deterministic: skip what was consumed
             for _ in range(self.resumed.data_consumed):
                 next(self.data_iter)
@@ -346,13 +371,14 @@ class Trainer:
         The schedule comes step by step (:func:`schedules.rank_run`: memory and set-up time do not
         grow with the run), each step with the sends it lets go (``send_release``); the weight store
         reads the actions ``reach`` ahead of the one running."""
-        args, rank, M, executor = self.args, self.rank, self.M, self.executor
+        args, rank, M, executor = self.args, self.rank, self.M, self.rank_executor
         run = self.schedule.rank_run(end - first, rank)
         if run.repeats == 0 and len(run) > 100_000:
             log.warning("the %s schedule of %d steps does not repeat step by step here: laid out whole (%d actions "
                         "in memory); please report it", args.schedule, end - first, len(run))
         if self.ran:  # the pipeline drained: weight versions start afresh
-            executor.weights = VersionedStore(executor.module)
+            for ex in self.executors:
+                ex.weights = VersionedStore(ex.module)
         self.ran = True
         self.promised_versions = max(self.promised_versions, run.promised_versions)
         offset = first * M
@@ -363,13 +389,16 @@ class Trainer:
             nonlocal read
             n = min(n, total)
             if n > read:
-                executor.weights.expect(list(itertools.islice(reading, n - read)), more=n < total)
+                acts = list(itertools.islice(reading, n - read))
+                for ex in self.executors:
+                    ex.weights.expect([a for a in acts if a.stage == ex.stage] if len(self.executors) > 1 else acts,
+                                      more=n < total)
                 read = n
 
-        steps = _steps(run, offset)
+        steps = _steps(run, offset, len(self.executors))
         executor.begin(offset)
         times: list[float] = []
-        last = self.spec.index == self.program.num_stages - 1 and rank == self.spec.ranks[0]
+        last = any(st.index == self.program.num_stages - 1 and rank == st.ranks[0] for st in self.specs)
         done = 0
         timer = timing.StepTimer(_device())
         chunk = next(steps, None)
@@ -416,26 +445,29 @@ class Trainer:
         dist.barrier()
         wall = timing.now(_device()) - t_run
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        module = executor.module
         if args.save_final:
             out = Path(args.save_final)
             out.mkdir(parents=True, exist_ok=True)
-            tensors = {n: t.detach().cpu() for n, t in module.named_parameters()}
-            tensors.update({n: t.detach().cpu() for n, t in module.named_buffers()})
-            torch.save(tensors, out / f"stage_{self.spec.index}.rank_{rank}.pt")
+            for ex in self.executors:
+                tensors = {n: t.detach().cpu() for n, t in ex.module.named_parameters()}
+                tensors.update({n: t.detach().cpu() for n, t in ex.module.named_buffers()})
+                torch.save(tensors, out / f"stage_{ex.stage}.rank_{rank}.pt")
         if args.metrics:
             out = Path(args.metrics)
             out.mkdir(parents=True, exist_ok=True)
             (out / f"rank_{rank}.json").write_text(json.dumps({
-                "rank": rank, "stage": self.spec.index, "schedule": args.schedule, "steps": args.steps,
-                "losses": executor.losses, "step_times_s": self.step_times, "wall_s": wall,
-                "weight_versions": executor.weights.peak_versions(), "sends_in_flight": executor.peak_sends,
+                "rank": rank, "stage": self.spec.index, "stages": [ex.stage for ex in self.executors],
+                "schedule": args.schedule, "steps": args.steps,
+                "losses": self.rank_executor.losses, "step_times_s": self.step_times, "wall_s": wall,
+                "weight_versions": max(ex.weights.peak_versions() for ex in self.executors),
+                "sends_in_flight": self.rank_executor.peak_sends,
                 "weight_versions_promised": self.promised_versions,
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 # pages the run touched afresh (each a fault that zero-fills it): see runtime/allocator.py
                 "page_faults_per_step": faults / max(1, args.steps - self.start),
                 # the stage's peak bytes at its measuring points, by category (runtime/memory.py)
                 "memory": executor.meter.report(),
+                "memory_by_stage": {str(ex.stage): ex.meter.report() for ex in self.executors},
                 "precision": args.precision, "p2p_bytes_sent": comm.sent_bytes(),
                 "grad_norms": [float(n) for n in executor.grad_norms],  # unclipped, at each ST (--clip-grad-norm)
             }, indent=1))
@@ -452,10 +484,12 @@ class Trainer:
 _Chunk = tuple[list[schedules.Action], list[tuple[schedules.Action, ...]], list[tuple[schedules.Action, ...]]]
 
 
-def _steps(run: schedules.RankRun, offset: int) -> Iterator[_Chunk]:
-    """A run's actions cut after each optimizer step (for per-step timing and logging), each with
-    the sends released after it and the receives posted before it; microbatches shifted by
-    ``offset`` (:func:`schedules.shift`)."""
+def _steps(run: schedules.RankRun, offset: int, stages: int = 1) -> Iterator[_Chunk]:
+    """A run's actions cut after each optimizer step (for per-step timing and logging; a rank with
+    ``stages`` virtual stages steps each, so after every ``stages``-th ``ST``), each with the sends
+    released after it and the receives posted before it; microbatches shifted by ``offset``
+    (:func:`schedules.shift`)."""
+    seen = 0
     actions: list[schedules.Action] = []
     release: list[tuple[schedules.Action, ...]] = []
     posts: list[tuple[schedules.Action, ...]] = []
@@ -464,8 +498,10 @@ def _steps(run: schedules.RankRun, offset: int) -> Iterator[_Chunk]:
         release.append(tuple(schedules.shift(b, offset) for b in sends) if sends else ())
         posts.append(tuple(schedules.shift(b, offset) for b in recvs) if recvs else ())
         if a.kind is schedules.Kind.STEP:
-            yield actions, release, posts
-            actions, release, posts = [], [], []
+            seen += 1
+            if seen % stages == 0:
+                yield actions, release, posts
+                actions, release, posts = [], [], []
     if actions:
         yield actions, release, posts
 
@@ -500,7 +536,12 @@ def run_schedule(program: Program, args: argparse.Namespace, rank: int, *, say: 
     sb = args.split_backward
     if sb is None:
         sb = compiled.split_backward if isinstance(raw, dict) else split_backward(None, _device())
-    spec = ScheduleSpec(args.schedule, compiled.replicas, args.microbatches, compiled.tied, args.vertical_sync, sb)
+    spec = ScheduleSpec(args.schedule, compiled.replicas, args.microbatches, compiled.tied, args.vertical_sync, sb,
+                        compiled.virtual_stages)
+    if spec.stage_ranks != [list(st.ranks) for st in program.stages]:
+        raise UsageError(f"--schedule {spec.name} places the stages on ranks {spec.stage_ranks}, but this program's "
+                         f"stages are on {[list(st.ranks) for st in program.stages]}; re-emit the program for "
+                         f"{spec.name}")
     if isinstance(raw, dict) and spec == compiled:
         if not agrees(spec, raw, rank):
             raise UsageError(f"plan.json: this runtime builds rank {rank}'s schedule ({spec}) differently from the "

@@ -93,6 +93,13 @@ class Program:
                 return st
         raise ValueError(f"rank {rank} runs no stage (world size {self.world_size})")
 
+    def stages_of_rank(self, rank: int) -> list[StageSpec]:
+        """The stages ``rank`` runs, in order: one, or several with virtual stages."""
+        out = [st for st in self.stages if rank in st.ranks]
+        if not out:
+            raise ValueError(f"rank {rank} runs no stage (world size {self.world_size})")
+        return out
+
     @property
     def precision(self) -> str:
         """The compiled precision (``"fp32"`` or ``"bf16"``: autocast and bf16 boundary tensors)."""

@@ -61,9 +61,8 @@ def interleaved_1f1b_order(lay: Layout, stage: int, replica: int, tied: bool) ->
     Per step: the warm-up's forwards (:func:`_warmup`), then one forward and one backward in turn,
     then the remaining backwards; forward ``i`` of the step is on chunk ``(i // mpr) % v``,
     microbatch ``(i // (mpr v)) mpr + i % mpr``, backwards likewise with the chunks reversed. Each
-    stage's update right after its last backward of the step."""
-    if tied:
-        raise UsageError("tied weights across virtual stages are not supported yet")
+    stage's update right after its last backward of the step; with ``tied`` weights every stage's
+    update at the end of the step (:func:`_updates`)."""
     rank, S, M = stage, lay.num_stages, lay.num_microbatches
     n = M * lay.virtual_stages
     acts: list[Action] = []
@@ -78,7 +77,7 @@ def interleaved_1f1b_order(lay: Layout, stage: int, replica: int, tied: bool) ->
             s, k = _virtual(lay, rank, i, True)
             acts.extend(backward(s, S, t * M + k))
             done[s] += 1
-            if done[s] == M:
+            if done[s] == M and not tied:
                 acts.extend(update(s, False, False))
 
         w = _warmup(lay, rank)
@@ -89,15 +88,23 @@ def interleaved_1f1b_order(lay: Layout, stage: int, replica: int, tied: bool) ->
             bwd(j)
         for j in range(n - w, n):
             bwd(j)
+        if tied:
+            acts += _updates(lay, rank)
     return acts
+
+
+def _updates(lay: Layout, rank: int) -> list[Action]:
+    """With tied weights, the rank's stages update together at the end of the step, each ``TG``
+    then ``ST``: the runtime sums tied gradients once per step over all the rank's stages (a rank
+    may hold both ends of a tie), which needs every stage's backwards done."""
+    p = lay.num_stages // lay.virtual_stages
+    return [a for c in range(lay.virtual_stages) for a in update(c * p + rank, False, True)]
 
 
 def looped_bfs_order(lay: Layout, stage: int, replica: int, tied: bool) -> list[Action]:
     """One rank's actions (``stage``: its first, i.e. the rank): per step, chunk by chunk all the
     step's forwards in order; then chunk by chunk in reverse all its backwards in reverse order,
-    each stage's update right after its last backward."""
-    if tied:
-        raise UsageError("tied weights across virtual stages are not supported yet")
+    each stage's update right after its last backward (with ``tied``: :func:`_updates`)."""
     rank, S, M, v = stage, lay.num_stages, lay.num_microbatches, lay.virtual_stages
     p = S // v
     acts: list[Action] = []
@@ -108,5 +115,8 @@ def looped_bfs_order(lay: Layout, stage: int, replica: int, tied: bool) -> list[
         for c in reversed(range(v)):
             for k in reversed(range(M)):
                 acts += backward(c * p + rank, S, t * M + k)
-            acts += update(c * p + rank, False, False)
+            if not tied:
+                acts += update(c * p + rank, False, False)
+        if tied:
+            acts += _updates(lay, rank)
     return acts

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pdcompile.runtime.schedules.actions import Action, Kind, shift
 from pdcompile.runtime.schedules.generate import make_schedule
+from pdcompile.runtime.schedules.registry import layout
 from pdcompile.runtime.schedules.replay import send_release
 from pdcompile.runtime.schedules.transfers import transfer_plan
 from pdcompile.runtime.schedules.versions import peak_weight_versions
@@ -77,9 +78,12 @@ _Base = tuple[list[Action], dict[int, list[Action]], int, list[tuple[Action, ...
 
 
 def _base(name: str, replicas: tuple[int, ...], m: int, steps: int, rank: int, kw: tuple) -> _Base:
-    sched = make_schedule(name, replicas, m, num_steps=steps, **dict(kw))
-    return (sched[rank], send_release(sched, replicas)[rank], peak_weight_versions({rank: sched[rank]})[rank],
-            transfer_plan(sched, replicas)[rank])
+    opts = dict(kw)
+    sched = make_schedule(name, replicas, m, num_steps=steps, **opts)
+    lay = layout(name, replicas, m, steps, virtual_stages=opts.get("virtual_stages", 1))
+    place = lay.stage_ranks if lay.policy.placement is not None else None
+    return (sched[rank], send_release(sched, replicas, place)[rank], peak_weight_versions({rank: sched[rank]})[rank],
+            transfer_plan(sched, replicas, place)[rank])
 
 
 def _reach(acts: Sequence[Action]) -> int:
@@ -108,7 +112,10 @@ def _derive(name: str, replicas: tuple[int, ...], m: int, base: int, unit: int, 
     a1, r1, _, p1 = _base(name, replicas, m, base + unit, rank, kw)
     per = m * unit  # microbatches per period
     p = len(a1) - len(a0)
-    versions = sum(a.kind is Kind.STEP for a in a1) - sum(a.kind is Kind.STEP for a in a0)
+    # a WV moves by its stage's optimizer steps in a period (a rank with virtual stages steps each one)
+    first = a0[0].stage if a0 else 0
+    versions = sum(a.kind is Kind.STEP and a.stage == first for a in a1) - \
+        sum(a.kind is Kind.STEP and a.stage == first for a in a0)
     lcp = 0
     while lcp < len(a0) and a0[lcp] == a1[lcp]:
         lcp += 1
@@ -131,7 +138,8 @@ def _derive(name: str, replicas: tuple[int, ...], m: int, base: int, unit: int, 
 
 
 def rank_run(name: str, replicas: Sequence[int], num_microbatches: int, num_steps: int, rank: int, *,
-             tied: bool = False, vertical_sync: bool = False, split_backward: bool = True) -> RankRun:
+             tied: bool = False, vertical_sync: bool = False, split_backward: bool = True,
+             virtual_stages: int = 1) -> RankRun:
     """``make_schedule(...)[rank]`` with its :func:`send_release` and where it posts its receives
     (:func:`~pdcompile.runtime.transfers.transfer_plan`), for a run of ``num_steps`` steps,
     in memory and time that do not grow with ``num_steps``.
@@ -146,7 +154,8 @@ def rank_run(name: str, replicas: Sequence[int], num_microbatches: int, num_step
     every process (linear in the steps).
     """
     reps = tuple(replicas)
-    kw = (("tied", tied), ("vertical_sync", vertical_sync), ("split_backward", split_backward))
+    kw = (("tied", tied), ("vertical_sync", vertical_sync), ("split_backward", split_backward),
+          ("virtual_stages", virtual_stages))
     unit = math.lcm(*(r // math.gcd(num_microbatches, r) for r in reps))
     base = 2 + math.ceil(2 * sum(reps) / num_microbatches)  # past the warm-up (at most ~2 x world microbatches)
     while base <= MAX_PERIODIC_BASE and num_steps > base + 3 * unit:

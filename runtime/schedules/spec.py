@@ -11,7 +11,7 @@ from pdcompile.errors import UsageError
 from pdcompile.runtime.schedules.actions import Action, Schedule, stage_ranks
 from pdcompile.runtime.schedules.generate import make_schedule
 from pdcompile.runtime.schedules.periodic import RankRun, rank_run
-from pdcompile.runtime.schedules.registry import policy
+from pdcompile.runtime.schedules.registry import layout, policy
 
 CHECK_STEPS = 2  # the run whose action lists plan.json spells out
 
@@ -26,33 +26,48 @@ class ScheduleSpec:
     tied: bool = False
     vertical_sync: bool = False
     split_backward: bool = True
+    virtual_stages: int = 1  # stages per rank (a schedule with a placement: interleaved, V-shapes)
 
     def __post_init__(self) -> None:
         pol = policy(self.name)  # checks the name
-        stage_ranks(self.replicas)
+        layout(self.name, self.replicas, self.num_microbatches, 1, virtual_stages=self.virtual_stages)
         object.__setattr__(self, "vertical_sync", self.vertical_sync and pol.vertical_sync)
         object.__setattr__(self, "split_backward", self.split_backward and pol.split_backward)
 
     def __str__(self) -> str:
         opts = [o for o, on in (("tied", self.tied), ("vertical sync", self.vertical_sync),
-                                ("split backward", self.split_backward)) if on]
+                                ("split backward", self.split_backward),
+                                (f"{self.virtual_stages} stages per rank", self.virtual_stages > 1)) if on]
         return (f"{self.name} on replicas {list(self.replicas)}, {self.num_microbatches} microbatches per step"
                 + (f" ({', '.join(opts)})" if opts else ""))
 
     def make(self, num_steps: int) -> Schedule:
         """Every rank's actions for ``num_steps`` steps."""
         return make_schedule(self.name, self.replicas, self.num_microbatches, tied=self.tied,
-                             vertical_sync=self.vertical_sync, num_steps=num_steps, split_backward=self.split_backward)
+                             vertical_sync=self.vertical_sync, num_steps=num_steps, split_backward=self.split_backward,
+                             virtual_stages=self.virtual_stages)
+
+    @property
+    def stage_ranks(self) -> list[list[int]]:
+        """Ranks of each stage (the policy's placement with virtual stages)."""
+        return layout(self.name, self.replicas, self.num_microbatches, 1,
+                      virtual_stages=self.virtual_stages).stage_ranks
+
+    @property
+    def world_size(self) -> int:
+        return 1 + max(q for rs in self.stage_ranks for q in rs)
 
     def rank_run(self, num_steps: int, rank: int) -> RankRun:
         """One rank's actions for a run of any length (:func:`~.periodic.rank_run`)."""
         return rank_run(self.name, self.replicas, self.num_microbatches, num_steps, rank, tied=self.tied,
-                        vertical_sync=self.vertical_sync, split_backward=self.split_backward)
+                        vertical_sync=self.vertical_sync, split_backward=self.split_backward,
+                        virtual_stages=self.virtual_stages)
 
     def to_json(self) -> dict[str, Any]:
         check = self.make(CHECK_STEPS)
         return {"policy": self.name, "replicas": list(self.replicas), "num_microbatches": self.num_microbatches,
                 "tied": self.tied, "vertical_sync": self.vertical_sync, "split_backward": self.split_backward,
+                "virtual_stages": self.virtual_stages,
                 "check": {"steps": CHECK_STEPS,
                           "ranks": {str(r): " ".join(map(str, acts)) for r, acts in sorted(check.items())}}}
 
@@ -61,7 +76,8 @@ class ScheduleSpec:
         try:
             return ScheduleSpec(str(raw["policy"]), tuple(int(r) for r in raw["replicas"]),
                                 int(raw["num_microbatches"]), bool(raw.get("tied", False)),
-                                bool(raw.get("vertical_sync", False)), bool(raw.get("split_backward", True)))
+                                bool(raw.get("vertical_sync", False)), bool(raw.get("split_backward", True)),
+                                int(raw.get("virtual_stages", 1)))
         except (KeyError, TypeError, ValueError) as e:
             raise UsageError(f"plan.json: the schedule entry is malformed ({type(e).__name__}: {e}); "
                              f"re-emit the program with this pdcompile") from None

@@ -1,0 +1,158 @@
+"""Virtual stages in the runtime: a rank runs several stages (interleaved 1F1B, looped BFS), their
+hand-overs in memory, and trains exactly single-process synchronous SGD through torchrun under
+NCCL's point-to-point rules (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+STEPS = 3
+MICRO = 4
+
+
+def _opt(params):  # noqa: ANN001, ANN202
+    import torch
+
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _emit(tmp: Path, name: str, schedule: str, stages: int, v: int) -> Path:
+    from pdcompile.api import pdcompile
+    from pdcompile.zoo import get
+
+    z = get(name, batch_size=8, seed=0)
+    pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
+                     optimizer=_opt, stages=stages, virtual_stages=v, schedule=schedule, num_microbatches=MICRO,
+                     leaf_modules=z.leaf_modules)
+    return pipe.emit(tmp / "prog", data={"factory": "pdcompile.zoo:batches", "kwargs": {"name": name}})
+
+
+def _train(prog: Path, out: Path, nproc: int, extra: tuple[str, ...] = ()) -> dict:
+    from pdcompile.launcher import launch
+    from pdcompile.merge import merge_weights
+
+    rc, log = launch(prog, nproc, ["--steps", str(STEPS), "--save-final", str(out), "--timeout", "60",
+                                    "--trace", str(out / "trace"), "--metrics", str(out / "metrics"), *extra],
+                     timeout=150)
+    assert rc == 0, log[-3000:]
+    return merge_weights(prog, out)
+
+
+def _reference(name: str) -> tuple[dict, dict]:
+    import torch
+
+    from pdcompile.reference import train_sync
+    from pdcompile.zoo import batches, get
+
+    z = get(name, batch_size=8, seed=0)
+    initial = {k: v.detach().clone() for k, v in z.model.named_parameters()}
+    train_sync(z.model, z.loss_fn, _opt(z.model.parameters()), batches(8, name), steps=STEPS, num_microbatches=MICRO)
+    return {k: v.detach() for k, v in z.model.named_parameters()}, initial
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,schedule,stages,targets", [
+    ("mlp", "interleaved-1f1b", 4, "local"),
+    ("resnet", "interleaved-1f1b", 4, "send"),
+    ("resnet", "looped-bfs", 6, "send"),
+    ("gpt", "interleaved-1f1b", 4, "local"),  # tied embeddings: stage 0 on rank 0, stage 3 on rank 1
+    ("gpt", "looped-bfs", 6, "send"),
+])
+def test_virtual_stages_train_single_process_sgd(tmp_path: Path, name: str, schedule: str, stages: int,
+                                                 targets: str) -> None:
+    import torch
+
+    from pdcompile.runtime.schedules.spec import ScheduleSpec
+
+    prog = _emit(tmp_path, name, schedule, stages, 2)
+    plan = json.loads((prog / "plan.json").read_text())
+    p = stages // 2
+    assert plan["world_size"] == p and [s["ranks"] for s in plan["stages"]] == [[s % p] for s in range(stages)]
+    got = _train(prog, tmp_path / "final", p, ("--targets", targets))
+    want, initial = _reference(name)
+    assert set(want) <= set(got)
+    for k, w in want.items():
+        torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6, msg=f"{name} {schedule}: {k}")
+    assert sum(not torch.equal(want[k], initial[k]) for k in want) > len(want) // 2
+    # every rank ran exactly the compiled schedule's compute actions, for both its stages
+    spec = ScheduleSpec.from_json(plan["schedule"])
+    for r in range(p):
+        names = [e["name"] for e in json.loads((tmp_path / "final" / "trace" / f"rank_{r}.events.json").read_text())]
+        compute = [n for n in names if n[-1].isdigit() and ("F" in n or "B" in n) and "R" not in n and "S" not in n]
+        want_acts = [str(a) for a, _ in spec.rank_run(STEPS, r) if a.kind.value in ("F", "B")]
+        assert compute == want_acts
+        metrics = json.loads((tmp_path / "final" / "metrics" / f"rank_{r}.json").read_text())
+        assert metrics["stages"] == [s for s in range(stages) if s % p == r]
+        assert len(metrics["step_times_s"]) == STEPS  # one per step, not one per stage's update
+
+
+def test_virtual_stage_options_are_checked() -> None:
+    import torch
+
+    from pdcompile import pdcompile
+    from pdcompile.errors import UsageError
+
+    model, x = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)]), torch.zeros(4, 4)
+    kw = dict(example_inputs=(x,), loss_fn=torch.nn.MSELoss())
+    with pytest.raises(UsageError, match="virtual_stages=2 needs a schedule with several stages per rank"):
+        pdcompile(model, schedule="flush", virtual_stages=2, **kw)
+    with pytest.raises(UsageError, match="stages= a multiple of 2"):
+        pdcompile(model, schedule="interleaved-1f1b", virtual_stages=2, stages=3, **kw)
+    with pytest.raises(UsageError, match="clip_grad_norm= with schedule='interleaved-1f1b'"):
+        pdcompile(model, schedule="interleaved-1f1b", virtual_stages=2, stages=4, clip_grad_norm=1.0, **kw)
+    with pytest.raises(UsageError, match="one replica per stage"):
+        pdcompile(model, schedule="looped-bfs", virtual_stages=2, stages=4, replicas=[2, 1, 1, 1], **kw)
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A program with virtual stages and one without (mlp, 4 stages)."""
+    import torch
+
+    from pdcompile import pdcompile
+
+    model, x = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)]), torch.zeros(8, 4)
+    out = {}
+    for sched, v in (("interleaved-1f1b", 2), ("flush", 1)):
+        pipe = pdcompile(model, example_inputs=(x,), example_target=torch.zeros(8, 4), loss_fn=torch.nn.MSELoss(),
+                         schedule=sched, virtual_stages=v, stages=4, num_microbatches=4)
+        out[sched] = pipe.emit(tmp_path_factory.mktemp(sched) / "prog")
+    return out
+
+
+@pytest.mark.parametrize("which,flags,match", [
+    ("interleaved-1f1b", ["--schedule", "flush"], "compiled with several stages per rank"),
+    ("flush", ["--schedule", "looped-bfs"], "compiled with one stage per rank"),
+    ("interleaved-1f1b", ["--clip-grad-norm", "1"], "--clip-grad-norm with virtual stages"),
+    ("interleaved-1f1b", ["--checkpoint-every", "1", "--checkpoint-dir", "ck"], "checkpoints hold one stage per rank"),
+])
+def test_train_py_refuses_what_virtual_stages_cannot_run(programs: dict[str, Path], which: str, flags: list[str],
+                                                          match: str) -> None:
+    from pdcompile.errors import UsageError
+    from pdcompile.runtime.launch import check_args, parse_args
+    from pdcompile.runtime.program import Program
+
+    program = Program.load(programs[which])
+    args = parse_args(flags, program)
+    with pytest.raises(UsageError, match=match):
+        check_args(args, program, world=program.world_size)
+
+
+def test_the_compiled_virtual_program_checks_its_schedule(programs: dict[str, Path]) -> None:
+    """plan.json maps stages to ranks as the schedule places them; train.py rebuilds its lists."""
+    from pdcompile.runtime.launch import check_args, parse_args, run_schedule
+    from pdcompile.runtime.program import Program
+    from pdcompile.runtime.schedules.spec import agrees
+
+    program = Program.load(programs["interleaved-1f1b"])
+    assert program.world_size == 2 and [st.ranks for st in program.stages] == [(0,), (1,), (0,), (1,)]
+    assert [st.index for st in program.stages_of_rank(1)] == [1, 3]
+    args = parse_args([], program)
+    check_args(args, program, world=2)
+    for rank in (0, 1):
+        spec = run_schedule(program, args, rank)
+        assert spec.virtual_stages == 2 and agrees(spec, program.raw["schedule"], rank)
