@@ -61,6 +61,8 @@ def _reference(name: str) -> tuple[dict, dict]:
     ("resnet", "looped-bfs", 6, "send"),
     ("gpt", "interleaved-1f1b", 4, "local"),  # tied embeddings: stage 0 on rank 0, stage 3 on rank 1
     ("gpt", "looped-bfs", 6, "send"),
+    ("mlp", "zb-v", 4, "send"),  # a V: stages 0 and 3 on rank 0, 1 and 2 on rank 1 (hand-over in memory)
+    ("resnet", "zb-v", 6, "local"),
 ])
 def test_virtual_stages_train_single_process_sgd(tmp_path: Path, name: str, schedule: str, stages: int,
                                                  targets: str) -> None:
@@ -71,7 +73,9 @@ def test_virtual_stages_train_single_process_sgd(tmp_path: Path, name: str, sche
     prog = _emit(tmp_path, name, schedule, stages, 2)
     plan = json.loads((prog / "plan.json").read_text())
     p = stages // 2
-    assert plan["world_size"] == p and [s["ranks"] for s in plan["stages"]] == [[s % p] for s in range(stages)]
+    place = [[s] if s < p else [stages - 1 - s] for s in range(stages)] if schedule == "zb-v" else \
+        [[s % p] for s in range(stages)]
+    assert plan["world_size"] == p and [s["ranks"] for s in plan["stages"]] == place
     got = _train(prog, tmp_path / "final", p, ("--targets", targets))
     want, initial = _reference(name)
     assert set(want) <= set(got)
@@ -82,12 +86,50 @@ def test_virtual_stages_train_single_process_sgd(tmp_path: Path, name: str, sche
     spec = ScheduleSpec.from_json(plan["schedule"])
     for r in range(p):
         names = [e["name"] for e in json.loads((tmp_path / "final" / "trace" / f"rank_{r}.events.json").read_text())]
-        compute = [n for n in names if n[-1].isdigit() and ("F" in n or "B" in n) and "R" not in n and "S" not in n]
-        want_acts = [str(a) for a, _ in spec.rank_run(STEPS, r) if a.kind.value in ("F", "B")]
+        compute = [n for n in names if n[-1].isdigit() and any(k in n for k in "FBW") and not any(k in n for k in "RSV")]
+        want_acts = [str(a) for a, _ in spec.rank_run(STEPS, r) if a.kind.value in ("F", "B", "W")]
         assert compute == want_acts
         metrics = json.loads((tmp_path / "final" / "metrics" / f"rank_{r}.json").read_text())
-        assert metrics["stages"] == [s for s in range(stages) if s % p == r]
+        assert metrics["stages"] == [s for s in range(stages) if r in place[s]]
         assert len(metrics["step_times_s"]) == STEPS  # one per step, not one per stage's update
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_interleaved_trains_a_hugging_face_gpt2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/test_hf_models.py's GPT-2 (export front end, tied LM head across ranks), 4 stages on 2
+    ranks in interleaved 1F1B: the weights single-process SGD gives."""
+    import torch
+
+    hf = pytest.importorskip("test_hf_models")  # its model, data and reference (skips without transformers)
+    from pdcompile import api
+    from pdcompile.launcher import launch
+    from pdcompile.merge import merge_weights
+    from pdcompile.reference import train_sync
+    from pdcompile.runtime.data import save_batches
+    from pdcompile.zoo.losses import SequenceCrossEntropy
+
+    data, loss_fn = hf._batches("gpt2"), SequenceCrossEntropy()
+    (x,), target = data[0]
+    pipe = api.pdcompile(hf.gpt2(), example_inputs=(x,), example_target=target, loss_fn=loss_fn, optimizer=hf._opt,
+                         stages=4, virtual_stages=2, schedule="interleaved-1f1b", num_microbatches=hf.MICRO,
+                         frontend="export")
+    save_batches(data, hf.STEPS, tmp_path / "data.pt")
+    prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
+                                              "kwargs": {"path": str(tmp_path / "data.pt")}})
+    assert pipe.state.stages is not None and pipe.state.stages.tied  # the LM head is tied to the embedding
+    rc, log = launch(prog, 2, ["--steps", str(hf.STEPS), "--save-final", str(tmp_path / "final"), "--timeout", "60"],
+                     timeout=150)
+    assert rc == 0, log[-3000:]
+    got = merge_weights(prog, tmp_path / "final")
+    ref = hf.gpt2()
+    initial = {k: v.detach().clone() for k, v in ref.named_parameters()}
+    train_sync(hf.SelectedOutput(ref), loss_fn, hf._opt(ref.parameters()), data, steps=hf.STEPS,
+               num_microbatches=hf.MICRO)
+    want = dict(ref.named_parameters())
+    for k, w in want.items():
+        torch.testing.assert_close(got[k], w.detach(), rtol=1e-5, atol=1e-6, msg=f"gpt2: {k}")
+    assert sum(not torch.equal(got[k], initial[k]) for k in want) > len(want) // 2
 
 
 def test_virtual_stage_options_are_checked() -> None:
