@@ -28,7 +28,12 @@ class InfeasiblePlanError(PdcompileError):
 
 
 class ScheduleError(PdcompileError):
-    """A schedule breaks a rule (names the rule, rank and step)."""
+    """A schedule breaks a rule (names the rule, rank and step; validate's errors also carry them
+    as ``rule``, ``rank`` and ``step``, the index in that rank's action list)."""
+
+    rule: str | None = None
+    rank: int | None = None
+    step: int | None = None
 
 
 class CheckpointError(PdcompileError):

@@ -221,5 +221,7 @@ def schedule_error(sched: Schedule, name: str, rule: str, rank: int | None, step
                    detail: str) -> ScheduleError:
     """A :class:`ScheduleError` naming the rule, where, and the grid with the place marked."""
     where = "" if rank is None else f" at rank {rank}" + ("" if step is None else f", step {step}")
-    return ScheduleError(f"schedule {name!r} breaks rule '{rule}'{where}: {detail}\n"
-                         f"{grid_with_marker(sched, rank, step)}")
+    err = ScheduleError(f"schedule {name!r} breaks rule '{rule}'{where}: {detail}\n"
+                        f"{grid_with_marker(sched, rank, step)}")
+    err.rule, err.rank, err.step = rule, rank, step
+    return err

@@ -65,11 +65,13 @@ def policy(name: str) -> Policy:
         raise UsageError(f"unknown schedule {name!r}; choose one of {', '.join(POLICIES)}") from None
 
 
-def layout(name: str, replicas: Sequence[int], num_microbatches: int, num_steps: int,
+def layout(name: str | Policy, replicas: Sequence[int], num_microbatches: int, num_steps: int,
            vertical_sync: bool = False, split_backward: bool = False, virtual_stages: int = 1) -> Layout:
     """Schedule ``name`` with its parameters, checked; ``virtual_stages`` (stages per rank) only
-    for a policy with a placement, which needs one replica per stage."""
-    pol = policy(name)
+    for a policy with a placement, which needs one replica per stage. ``name`` may be a policy that
+    is not registered (a torch CSV's)."""
+    pol = name if isinstance(name, Policy) else policy(name)
+    name = pol.name
     stage_ranks(replicas)  # checks the replica counts
     if int(virtual_stages) != virtual_stages or virtual_stages < 1:
         raise UsageError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")

@@ -8,19 +8,21 @@ from collections.abc import Callable, Sequence
 from pdcompile.errors import ScheduleError
 from pdcompile.runtime.schedules.actions import Kind, Schedule, rank_of, schedule_error
 from pdcompile.runtime.schedules.generate import expected_versions
-from pdcompile.runtime.schedules.registry import SPLIT_BACKWARD_SCHEDULES, layout, policy
+from pdcompile.runtime.schedules.policy import Policy
+from pdcompile.runtime.schedules.registry import SPLIT_BACKWARD_SCHEDULES, layout
 from pdcompile.runtime.schedules.replay import replay
 from pdcompile.runtime.schedules.transfers import check_transfers, transfer_plan
 
 
-def _check_split(sched: Schedule, name: str, r: int, s: int, k: int, b: int, sb: int, w: int,
+def _check_split(sched: Schedule, pol: Policy, r: int, s: int, k: int, b: int, sb: int, w: int,
                  fail: Callable[[str, int | None, int | None, str], ScheduleError]) -> None:
     """Rule 'split backward' for ``W k`` at index ``w`` of rank ``r`` (``B k`` at ``b``, ``SB k`` at ``sb``)."""
     a = sched[r][w]
-    if not policy(name).split_backward:
+    name = pol.name
+    if not pol.split_backward:
         raise fail("split backward", r, w, f"{a}: only {' and '.join(SPLIT_BACKWARD_SCHEDULES)} split a backward "
                    f"({name} keeps weight versions, which W does not)")
-    if s == 0 and not (policy(name).splits_every_backward or policy(name).order_splits):
+    if s == 0 and not (pol.splits_every_backward or pol.order_splits):
         raise fail("split backward", r, w, f"{a}: stage 0 sends no input gradients, so it has no backward to split")
     if w < max(b, sb):
         raise fail("split backward", r, w, f"{a} must come after {sched[r][max(b, sb)]} (step {max(b, sb)})")
@@ -50,9 +52,12 @@ def _check_local_hand_overs(sched: Schedule, ranks: list[list[int]],
                            + ("" if j is None else f", not at step {j}"))
 
 
-def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, name: str, *,
+def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, name: str | Policy, *,
              num_steps: int = 1, vertical_sync: bool = False, virtual_stages: int = 1) -> None:
     """Check ``sched`` against the rules of schedule ``name``; raise :class:`ScheduleError` on the first broken one.
+
+    ``name``: a registered schedule, or a :class:`Policy` of one that is not (a torch CSV's,
+    :func:`~.torch_csv.csv_policy`).
 
     The message names the rule, the rank and step, and shows the full grid with ``<-- ERROR HERE``
     under the bad action. Rules, in the order checked:
@@ -93,6 +98,7 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
         other chunks' messages, which the last stage would post before its target's.
     """
     lay = layout(name, replicas, num_microbatches, num_steps, vertical_sync, virtual_stages=virtual_stages)
+    name = lay.name
     ranks = lay.stage_ranks
     placement = ranks if lay.policy.placement is not None else None
     S, T = lay.num_stages, lay.total
@@ -167,7 +173,7 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
             if w is None and lay.policy.splits_every_backward:
                 raise fail("split backward", r, b, f"{s}W{k} is missing on rank {r}: {name} splits every backward")
             if w is not None:
-                _check_split(sched, name, r, s, k, b, pos.get((Kind.SEND_GRAD, k), b), w, fail)
+                _check_split(sched, lay.policy, r, s, k, b, pos.get((Kind.SEND_GRAD, k), b), w, fail)
         last = -1
         for i in idx:
             a = sched[r][i]
