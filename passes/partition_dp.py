@@ -43,8 +43,6 @@ __all__ = [
 COST_MODELS = ("default", "paper", "pipedream")
 SCHEDULES = tuple(schedule_registry.SCHEDULES)  # memory from each one's Policy (weight versions, in flight)
 RECOMPUTE = ("none", "full", "auto")  # activation recomputation: never, every stage, where memory needs it
-#: With the memory limit on, levels with at most this many units try every downstream count.
-EXACT_MEMORY_MAX_UNITS = 16
 _EPS = 1e-10  # relative slack in feasibility tests (floating sums); plans are re-evaluated exactly
 _BIG = np.iinfo(np.int64).max // 4
 
@@ -181,6 +179,13 @@ class Evaluation:
 class PlanModel:
     """Arrays and parameters of one planning problem (chain x cluster x cost model)."""
 
+    #: One-query searches (the top level, rebuilds) by breakpoints (:meth:`_group_start_one`);
+    #: off: the vectorized search for them too. Both off switches are the tests' reference.
+    breakpoint_search = True
+    #: The vectorized search tries, at step ``w``, every downstream count ``d <= w - r`` (on: the
+    #: unpruned search; off: ``d = w - r`` only, which finds the same, see :meth:`_group_start`).
+    exhaustive_pairs = False
+
     def __init__(
         self,
         chain: Chain,
@@ -284,7 +289,6 @@ class PlanModel:
         self._tau: float | None = None
         self._nxt: dict[int, np.ndarray] = {}
         self._pair_cache: dict[tuple[int, int, bool, bool], tuple[np.ndarray, np.ndarray]] = {}
-        self.conservative_levels: set[int] = set()
 
     # -- scalar pieces of the model ------------------------------------------------------------
     def _alpha(self, r: int) -> float:
@@ -574,7 +578,7 @@ class PlanModel:
 
     def _pairs(self, m: int, w: int, exact: bool) -> tuple[np.ndarray, np.ndarray]:
         """Candidate (replicas r, downstream units d) of step ``w`` of a level with ``m`` units, as
-        (P, 1) columns: with exact memory every d <= w - r, else only d = w - r."""
+        (P, 1) columns: ``exact``, every d <= w - r, else only d = w - r."""
         key = (m, w, exact, self.allow_replication)
         got = self._pair_cache.get(key)
         if got is None:
@@ -609,21 +613,60 @@ class PlanModel:
             s = np.maximum(s, table[kin, se_c])
         return s
 
+    def _stage_starts(self, level: int, se_c: np.ndarray, rr: np.ndarray, dd: np.ndarray, mult: np.ndarray,
+                      e: np.ndarray) -> np.ndarray:
+        """Smallest start of a stage of ``rr`` units of ``level`` ending at ``se_c`` within its
+        threshold ``rr * mult * tau`` (and the memory limit, ``dd`` units of this level downstream
+        and ``e`` extra downstream workers per unit replica). Arrays of any broadcastable shapes."""
+        tau = self._tau
+        assert tau is not None
+        thr = (rr * mult) * tau  # the stage's units x its group's threshold
+        if level == 1:
+            options = {"none": (False,), "full": (True,), "auto": (False, True)}[self.recompute]
+            s = self._level1_start(se_c, thr, rr, dd, e, options[0])
+            for rc in options[1:]:  # recomputation: the furthest-reaching of the allowed choices
+                s = np.minimum(s, self._level1_start(se_c, thr, rr, dd, e, rc))
+            return s
+        B = self.B[level - 1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if self.cost_model == "paper":
+                wthr = np.where(rr > 1, thr * B / (2.0 * (rr - 1)), np.inf)
+            else:
+                wthr = np.where(rr > 1, rr * thr * B / (2.0 * (rr - 1)), np.inf)
+        s = self._ss(self.PW, se_c, wthr)
+        shape = s.shape
+        s_in = self._group_start(
+            level - 1,
+            np.broadcast_to(se_c, shape).ravel(),
+            np.broadcast_to(rr * mult, shape).ravel(),
+            np.broadcast_to((e + dd * self.sizes[level - 1]) / rr, shape).ravel(),
+        ).reshape(shape)
+        return np.maximum(s, s_in)
+
     def _group_start(
         self, level: int, end: np.ndarray, mult: np.ndarray, e: np.ndarray, trace: list | None = None
     ) -> np.ndarray:
         """Smallest start of a range ending at ``end`` that one group of ``level`` (its
         ``counts[level-1]`` units) covers within ``mult * tau``, with ``e`` extra downstream
-        workers per unit replica (memory). Vectorized over queries (1-d arrays)."""
+        workers per unit replica (memory). Vectorized over queries (1-d arrays); one query (the
+        top level, and every rebuild) goes to :meth:`_group_start_one` unless
+        ``breakpoint_search`` is off (the reference search the tests compare it with).
+
+        Step ``w`` tries a stage of ``r`` units in front of the suffix that ``d = w - r`` units
+        cover. That is the whole search, with the memory limit too: a candidate ``(r, d)`` does not
+        depend on ``w`` (its suffix ``L[d]``, its in-flight counts from ``d``), and ``L[w]`` is a
+        running minimum, so the pairs with ``d < w - r`` were all tried at step ``r + d < w``
+        (``exhaustive_pairs`` tries them again: the tests' reference)."""
+        if len(end) == 1 and self.breakpoint_search:
+            return np.array([self._group_start_one(level, int(end[0]), int(mult[0]), float(e[0]), trace)],
+                            dtype=np.int64)
         tau = self._tau
         assert tau is not None
         m = self.counts[level - 1]
         Q = len(end)
         Ls = np.empty((m + 1, Q), dtype=np.int64)
         Ls[0] = end + 1
-        exact = self.memory_on and m <= EXACT_MEMORY_MAX_UNITS
-        if self.memory_on and not exact:
-            self.conservative_levels.add(level)
+        exact = self.exhaustive_pairs and self.memory_on
         nxt = self._nxt[level]
         end2, mult2, e2 = end[None, :], mult[None, :], e[None, :]
         endp1 = end2 + 1
@@ -634,28 +677,7 @@ class PlanModel:
             p2 = np.where(p > end2, endp1, np.minimum(nxt[mult2, np.minimum(p, self.N)], endp1))
             se = p2 - 1  # the new stage ends just before that suffix
             se_c = np.maximum(se, 0)
-            thr = (rr * mult2) * tau  # the stage's units x its group's threshold
-            if level == 1:
-                options = {"none": (False,), "full": (True,), "auto": (False, True)}[self.recompute]
-                s = self._level1_start(se_c, thr, rr, dd, e2, options[0])
-                for rc in options[1:]:  # recomputation: the furthest-reaching of the allowed choices
-                    s = np.minimum(s, self._level1_start(se_c, thr, rr, dd, e2, rc))
-            else:
-                B = self.B[level - 1]
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    if self.cost_model == "paper":
-                        wthr = np.where(rr > 1, thr * B / (2.0 * (rr - 1)), np.inf)
-                    else:
-                        wthr = np.where(rr > 1, rr * thr * B / (2.0 * (rr - 1)), np.inf)
-                s = self._ss(self.PW, se_c, wthr)
-                P = len(rr)
-                s_in = self._group_start(
-                    level - 1,
-                    se_c.ravel(),
-                    (rr * mult2).ravel(),
-                    ((e2 + dd * self.sizes[level - 1]) / rr).ravel(),
-                ).reshape(P, Q)
-                s = np.maximum(s, s_in)
+            s = self._stage_starts(level, se_c, rr, dd, mult2, e2)
             cand = np.where((se >= 0) & (s <= se), s, _BIG)
             if trace is None:
                 np.minimum(Ls[w - 1], cand.min(axis=0), out=Ls[w])
@@ -672,6 +694,82 @@ class PlanModel:
                 Ls[m] = Ls[w]
                 break
         return Ls[m]
+
+    def _group_start_one(self, level: int, end: int, mult: int, e: float, trace: list | None = None) -> int:
+        """:meth:`_group_start` for one query in O(breakpoints x units) stage checks, not
+        O(units^2); the same result, plan and ties.
+
+        Why it is the same search. ``L[w]`` (the smallest start ``w`` units cover) is
+        non-increasing in ``w``; call ``b`` a *breakpoint* where ``L[b] < L[b-1]`` (and ``b = 0``).
+        Step ``w`` tries ``r`` units in front of the suffix that ``d = w - r`` units cover; that
+        pair's start ``S(r, d)`` does not depend on ``w``. Let ``b <= d`` be the last breakpoint:
+        ``L[d] = L[b]``, so both pairs' stages end at the same cut, and ``d`` differs from ``b`` only
+        in the memory's in-flight counts, which grow with ``d`` (the counts passed down,
+        ``(e + d * size) / r``; the rows of :meth:`_mem_rows` are non-decreasing in the in-flight
+        count), hence ``S(r, d) >= S(r, b)``, which step ``r + b <= w`` already tried: when
+        ``d > b`` the pair cannot lower ``L[w - 1]``. So step ``w`` needs only ``S(r, b)`` for the
+        breakpoints ``b`` with ``r = w - b``: each breakpoint's row ``S(., b)`` is asked once,
+        vectorized over ``r`` (up to a horizon of steps that doubles as ``w`` grows), and a step
+        reads one entry per breakpoint. Ties break as in the vectorized search: the smallest ``r``
+        (the last breakpoint). ``tests/test_partition_dp.py`` compares the two, and the exhaustive
+        pairs, on random instances."""
+        m = self.counts[level - 1]
+        N = self.N
+        nxt_row = self._nxt[level][mult]
+        rmax = m if self.allow_replication else 1
+        big = np.iinfo(np.int32).max
+        T = np.full((m + 1, 8), big, dtype=np.int32)  # T[w, j] = S(w - b_j, b_j); big: no stage
+        bp_d: list[int] = []  # breakpoints (downstream unit counts), in order
+        bp_p2: list[int] = []  # the first position after each breakpoint's stage (its suffix's cut)
+        H = 0  # steps 1..H are filled for every breakpoint
+
+        def fill(rows: list[int], lo: int, hi: int) -> None:
+            """T[lo..hi, rows]: one vectorized query of every row's stages for those steps."""
+            ws, js = [], []
+            for j in rows:
+                a, z = max(lo, bp_d[j] + 1), min(hi, bp_d[j] + rmax)
+                if a <= z:
+                    ws.append(np.arange(a, z + 1, dtype=np.int64))
+                    js.append(np.full(z - a + 1, j, dtype=np.int64))
+            if not ws:
+                return
+            w_, j_ = np.concatenate(ws), np.concatenate(js)
+            dd = np.array(bp_d, dtype=np.int64)[j_]
+            se = np.array(bp_p2, dtype=np.int64)[j_] - 1
+            se_c = np.maximum(se, 0)
+            s = self._stage_starts(level, se_c, w_ - dd, dd, np.array(mult, dtype=np.int64), np.array(e, dtype=float))
+            T[w_, j_] = np.where((se >= 0) & (s <= se), s, big)
+
+        def add_breakpoint(d: int, start: int) -> None:
+            nonlocal T
+            j = len(bp_d)
+            if j == T.shape[1]:
+                T = np.hstack([T, np.full_like(T, big)])
+            bp_d.append(d)
+            bp_p2.append(end + 1 if start > end else min(int(nxt_row[min(start, N)]), end + 1))
+            fill([j], d + 1, H)
+
+        best_so_far = end + 1
+        add_breakpoint(0, best_so_far)
+        for w in range(1, m + 1):
+            if w > H:  # every row's stages for the next steps
+                old, H = H, min(m, max(2 * H, 32))
+                fill(list(range(len(bp_d))), old + 1, H)
+            col = T[w, :len(bp_d)]
+            j = len(bp_d) - 1 - int(np.argmin(col[::-1]))  # ties: the last breakpoint, the fewest replicas
+            best = int(col[j])
+            if best < best_so_far:
+                best_so_far = best
+                if trace is not None:
+                    trace.append((w - bp_d[j], bp_d[j], bp_p2[j], best))
+                if best <= 0:  # the whole chain is covered: no later step can do better
+                    break
+                add_breakpoint(w, best)
+            elif trace is not None:
+                trace.append(None)
+        if trace is not None:
+            trace.extend([None] * (m - len(trace)))
+        return best_so_far
 
     def feasible(self, tau: float) -> bool:
         self._set_tau(tau)
@@ -1041,12 +1139,15 @@ def partition_dp(
     boundary within ``tau``; prepending a stage of ``r`` units in front of the suffix covered by
     ``D`` units uses the cut just before that suffix (the first allowed one), and the stage may
     reach back as far as its cost allows (prefix sums + ``searchsorted``). Stage cost and memory are
-    monotone in the range, so the furthest-back suffix dominates; with the memory limit on, every
-    downstream count ``D`` is tried (in-flight counts depend on it), at levels with more than
-    :data:`EXACT_MEMORY_MAX_UNITS` units only ``D = w - r`` (safe, possibly not optimal; the plan
-    says so). At level ``k`` the stage check asks the level-``k-1`` greedy (one group, threshold
-    ``r * tau``): the inner level's answer is reused for every stage, vectorized over all candidate
-    stages of a step. Everything is vectorized with numpy; see ``benchmarks/bench_planner.py``.
+    monotone in the range, so the furthest-back suffix dominates. Step ``w`` tries ``D = w - r``:
+    with the memory limit too this is every ``(r, D)`` pair, as ``L`` is a running minimum and a
+    pair does not depend on ``w`` (:meth:`PlanModel._group_start`). At level ``k`` the stage check
+    asks the level-``k-1`` greedy (one group, threshold ``r * tau``), vectorized over all
+    candidate stages of a step. The top level's one query searches by breakpoints
+    (:meth:`PlanModel._group_start_one`): only a ``D`` where ``L`` drops can improve a step, and
+    each such ``D``'s stages are asked once, vectorized over ``r``, so a level of ``m`` units costs
+    O(breakpoints x m) stage checks, not O(m^2); the result is the same search's. Everything is
+    vectorized with numpy; see ``benchmarks/bench_planner.py``.
     """
     t0 = time.perf_counter()
     if pool and cost_model == "pipedream":
@@ -1076,11 +1177,6 @@ def partition_dp(
                          f"is rated at the slowest link ({format_quantity(pooled.B[0], 'bandwidth')})")
     assert ev is not None
     optimal = True
-    if model.conservative_levels:
-        optimal = False
-        names = ", ".join(cluster.levels[k - 1].name for k in sorted(model.conservative_levels))
-        notes.append(f"memory: downstream counts at level(s) {names} taken as all units of the budget "
-                     f"(more than {EXACT_MEMORY_MAX_UNITS} units); the plan fits but may not be optimal")
     return build_plan(model, blocks, ev, solver="dp", planning_seconds=time.perf_counter() - t0,
                        optimal=optimal, gap=0.0 if optimal else math.nan, notes=notes, baseline=baseline)
 
