@@ -63,6 +63,7 @@ def _reference(name: str) -> tuple[dict, dict]:
     ("gpt", "looped-bfs", 6, "send"),
     ("mlp", "zb-v", 4, "send"),  # a V: stages 0 and 3 on rank 0, 1 and 2 on rank 1 (hand-over in memory)
     ("resnet", "zb-v", 6, "local"),
+    ("gpt", "zb-v", 4, "send"),  # both ends of the tied embedding on rank 0: summed there
 ])
 def test_virtual_stages_train_single_process_sgd(tmp_path: Path, name: str, schedule: str, stages: int,
                                                  targets: str) -> None:

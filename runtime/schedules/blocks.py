@@ -58,12 +58,13 @@ class Updates:
             self.done += 1
 
 
-def expand_compute(ops: list[Action], num_stages: int) -> list[Action]:
+def expand_compute(ops: list[Action], num_stages: int, tied: bool = False) -> list[Action]:
     """One step of one rank from its compute order alone (``F``/``B``/``W``, as torch's CSV gives
     it): each ``F``/``B`` in its block with its transfers (:func:`forward`, :func:`backward`), each
-    ``W`` as it stands, and each stage's update (one replica, untied) right after the stage's last
-    ``B``/``W`` of the step."""
-    last = {a.stage: i for i, a in enumerate(ops) if a.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD)}
+    ``W`` as it stands, and each stage's update (one replica) right after the stage's last
+    ``B``/``W`` of the step; with ``tied`` weights every stage's ``TG ST`` at the end of the step
+    (the runtime sums a rank's tied gradients once, when all its stages are done)."""
+    last = {} if tied else {a.stage: i for i, a in enumerate(ops) if a.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD)}
     acts: list[Action] = []
     for i, a in enumerate(ops):
         if a.kind is Kind.FORWARD:
@@ -76,4 +77,6 @@ def expand_compute(ops: list[Action], num_stages: int) -> list[Action]:
             raise ValueError(f"{a} is not a compute action (F, B or W)")
         if last.get(a.stage) == i:
             acts += update(a.stage, False, False)
+    if tied:
+        acts += [b for s in sorted({a.stage for a in ops}) for b in update(s, False, True)]
     return acts

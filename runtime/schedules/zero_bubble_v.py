@@ -74,11 +74,10 @@ def zbv_compute(p: int, m: int, rank: int) -> list[Action]:
 
 def zbv_order(lay: Layout, stage: int, replica: int, tied: bool) -> list[Action]:
     """One rank's actions (``stage``: its first, i.e. the rank), :func:`zbv_compute` step by step
-    with each F/B in its transfers and each stage's update after its last W of the step."""
-    if tied:
-        raise UsageError("tied weights across virtual stages are not supported yet")
+    with each F/B in its transfers and each stage's update after its last W of the step (with
+    ``tied`` weights, both stages' at the end of the step)."""
     p, m = v_ranks(lay), lay.num_microbatches
-    step = expand_compute(zbv_compute(p, m, stage), lay.num_stages)
+    step = expand_compute(zbv_compute(p, m, stage), lay.num_stages, tied)
     return [shift(a, t * m) for t in range(lay.num_steps) for a in step]
 
 
