@@ -256,7 +256,8 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     events: list[Event] = []
 
     copies = {r: version_copies(acts) if version_s is not None else [0] * len(acts) for r, acts in sched.items()}
-    split = {r: {a.microbatch for a in acts if a.kind is Kind.WEIGHT_GRAD} for r, acts in sched.items()}
+    split = {r: {(a.stage, a.microbatch) for a in acts if a.kind is Kind.WEIGHT_GRAD}  # per stage: virtual ones
+             for r, acts in sched.items()}
 
     def execute(parts: list[tuple[int, int]], a: Action) -> None:
         if a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
@@ -278,7 +279,7 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
             clock[r] += over[a.kind.value]
         t = clock[r]
         if a.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD, Kind.STEP):
-            if a.kind is Kind.BACKWARD and a.microbatch in split[r]:
+            if a.kind is Kind.BACKWARD and (a.stage, a.microbatch) in split[r]:
                 dur = b_in[a.stage]
             else:
                 dur = {Kind.FORWARD: fwd, Kind.BACKWARD: bwd, Kind.WEIGHT_GRAD: b_w, Kind.STEP: st}[a.kind][a.stage]
@@ -339,7 +340,7 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
         live = live_versions(acts)
         peak_v[s] = max(peak_v[s], max((len(x) for x in live), default=1))
         for a, versions in zip(acts, live or []):
-            frees = Kind.WEIGHT_GRAD if a.microbatch in split[r] else Kind.BACKWARD  # a split one: at its W
+            frees = Kind.WEIGHT_GRAD if (a.stage, a.microbatch) in split[r] else Kind.BACKWARD  # split: at its W
             n += (a.kind is Kind.FORWARD) - (a.kind is frees)
             peak_in[s] = max(peak_in[s], n)
             if sized:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from pdcompile.errors import UsageError
 from pdcompile.runtime.schedules.actions import stage_ranks
+from pdcompile.runtime.schedules.dualpipe_v import dualpipe_v_in_flight, dualpipe_v_order
 from pdcompile.runtime.schedules.gpipe import gpipe_order
 from pdcompile.runtime.schedules.interleaved import (
     interleaved_1f1b_order,
@@ -51,6 +52,11 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
            rank_in_flight=zbv_in_flight, rank_held=zbv_held,
            summary="zero bubble ZB-V: 2 stages per rank in a V (stage s on rank min(s, 2p-1-s)), every backward "
                    "split, W's filling the bubbles at 1F1B's memory, one update per step (synchronous SGD)"),
+    Policy("dualpipe-v", dualpipe_v_order, update_per_microbatch=False, version_lag=0, holds_step=False,
+           split_backward=True, vertical_sync=False, synchronous=True, order_splits=True, placement=v_placement,
+           rank_in_flight=dualpipe_v_in_flight,
+           summary="DualPipeV (DeepSeek): 2 stages per rank in a V, a forward of one stage paired with a backward "
+                   "of the other (run one after the other here), m >= 2p, one update per step (synchronous SGD)"),
 )}
 SCHEDULES: list[str] = [n for n, p in POLICIES.items() if not p.virtual_stages]  # one stage per rank: what runs
 VIRTUAL_SCHEDULES: list[str] = [n for n, p in POLICIES.items() if p.virtual_stages]  # schedule layer only, for now

@@ -189,11 +189,11 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
         s, n = stages_of[r][0], 0
         bound = lay.rank_in_flight_bound(r)
         held_bound = lay.rank_held_bound(r)
-        split = {a.microbatch for a in sched[r] if a.kind is Kind.WEIGHT_GRAD}
+        split = {(a.stage, a.microbatch) for a in sched[r] if a.kind is Kind.WEIGHT_GRAD}
         held = 0
         for i, a in enumerate(sched[r]):
             n += (a.kind is Kind.FORWARD) - (a.kind is Kind.BACKWARD)
-            frees = Kind.WEIGHT_GRAD if a.microbatch in split else Kind.BACKWARD
+            frees = Kind.WEIGHT_GRAD if (a.stage, a.microbatch) in split else Kind.BACKWARD
             held += (a.kind is Kind.FORWARD) - (a.kind is frees)
             if n > bound:
                 raise fail("in-flight bound", r, i, f"{n} microbatches in flight on rank {r}, "
