@@ -38,42 +38,78 @@ import os
 import shlex
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed import pipelining as tp
+from torch.distributed.pipelining import PipelineStage
 
 from pdcompile.runtime import allocator, launch
 from pdcompile.runtime.program import Program, build
 
 
+# torch's schedules by the name this worker takes; those taking a list of stages (several per rank)
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                   "looped-bfs": "ScheduleLoopedBFS", "interleaved-zb": "ScheduleInterleavedZeroBubble",
+                   "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+SINGLE = ("gpipe", "1f1b")
+
+
+class _Contiguous(torch.nn.Module):
+    """A stage whose outputs are contiguous: torch's ``isend`` refuses a view (e.g. a transpose) that
+    an emitted stage may return; ours copies such an output in its send too (``comm.post_send``)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *xs: torch.Tensor) -> Any:
+        out = self.inner(*xs)
+        return tuple(o.contiguous() for o in out) if isinstance(out, tuple) else out.contiguous()
+
+
 class TorchPipeline:
-    """One rank of ``torch.distributed.pipelining`` training a fresh copy of an emitted program's stage."""
+    """One rank of ``torch.distributed.pipelining`` training fresh copies of an emitted program's
+    stages on this rank (several with virtual stages, placed as plan.json says)."""
 
     def __init__(self, prog: Program, schedule: str) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
-        assert prog.num_stages == world, "one stage per process"
         self.rank, self.world = rank, world
-        module = prog.build_stage(rank)
-        module.train()
+        specs = prog.stages_of_rank(rank)
+        modules = [prog.build_stage(st.index) for st in specs]
         self.n_micro = n_micro = int(prog.raw["num_microbatches"])
         self.b = int(prog.raw["microbatch_size"])
-        # Static shapes from plan.json (shape inference at the first step is skipped).
-        ins = tuple(torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad and t.dtype.is_floating_point)
-                    for t in prog.stages[rank].inputs)
-        outs = module(*ins)  # with autograd on: which outputs carry gradients back is read from these
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        stage = PipelineStage(module, rank, world, torch.device("cpu"), input_args=ins,
-                              output_args=tuple(o.detach().requires_grad_(o.requires_grad) for o in outs))
+        stages = []
+        for st, module in zip(specs, modules):
+            module.train()
+            # Static shapes from plan.json (shape inference at the first step is skipped).
+            ins = tuple(torch.zeros(t.shape, dtype=t.dtype).requires_grad_(t.requires_grad and t.dtype.is_floating_point)
+                        for t in st.inputs)
+            wrapped = _Contiguous(module)
+            outs = wrapped(*ins)  # with autograd on: which outputs carry gradients back is read from these
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            stages.append(PipelineStage(wrapped, st.index, prog.num_stages, torch.device("cpu"), input_args=ins,
+                                        output_args=tuple(o.detach().requires_grad_(o.requires_grad) for o in outs)))
         loss_fn = prog.build_loss()  # every rank: a schedule without loss_fn runs no backward
-        cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        self.sched = cls(stage, n_micro, loss_fn=loss_fn)
-        self.opt = build(prog.raw["optimizer"], module.parameters())
-        self.tied = []
+        cls = getattr(tp, TORCH_SCHEDULES[schedule])
+        if schedule in SINGLE:
+            assert len(stages) == 1, f"{cls.__name__} runs one stage per rank"
+            self.sched = cls(stages[0], n_micro, loss_fn=loss_fn)
+        else:
+            self.sched = cls(stages, n_micro, loss_fn=loss_fn)
+        params = [q for m in modules for q in m.parameters()]
+        self.opt = build(prog.raw["optimizer"], params) if params else launch.NoParameters()
+        # tied parameters: this rank's copies summed, then all-reduced over the group's ranks (our TG)
+        self.tied: list[tuple[Any, list[torch.nn.Parameter]]] = []
         for group in prog.raw.get("tied", []):
-            ranks = sorted({prog.stages[s].ranks[0] for s, _ in group})
-            g = dist.new_group(ranks)
-            self.tied += [(g, dict(module.named_parameters())[n]) for s, n in group if s == rank]
+            ranks = sorted({r for s, _ in group for r in prog.stages[s].ranks})
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            mine = [dict(m.named_parameters())[n] for s, n in group for st, m in zip(specs, modules) if s == st.index]
+            if mine:
+                self.tied.append((g, mine))
+        self.first = any(st.index == 0 for st in specs)
+        self.last = any(st.index == prog.num_stages - 1 for st in specs)
         self.gen = torch.Generator().manual_seed(0)
         self.inputs, self.target = prog.stages[0].inputs, prog.target
 
@@ -88,21 +124,21 @@ class TorchPipeline:
         t0 = time.perf_counter()
         # a step includes reading its minibatch, as in ours: the first stage reads the inputs and
         # (local targets) the last stage its own copy of the minibatch
-        ends = self.rank in (0, self.world - 1)
+        ends = self.first or self.last
         xs = tuple(self.draw(s.shape, s.dtype) for s in self.inputs) if ends else ()
         y = self.draw(self.target.shape, self.target.dtype) if ends else None
         self.opt.zero_grad(set_to_none=True)
         # return_outputs=False: ours keeps no outputs either (only the losses), so theirs need not
         # save and concatenate the last stage's outputs
-        if self.rank == 0:
-            self.sched.step(*xs, return_outputs=False)
-        elif self.rank == self.world - 1:
-            self.sched.step(target=y, losses=[], return_outputs=False)
-        else:
-            self.sched.step(return_outputs=False)
-        for g, prm in self.tied:
-            if prm.grad is not None:
-                dist.all_reduce(prm.grad, group=g)
+        kw: dict[str, Any] = {"target": y, "losses": []} if self.last else {}
+        self.sched.step(*(xs if self.first else ()), return_outputs=False, **kw)
+        for g, prms in self.tied:
+            grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in prms]
+            total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+            if g is not None:
+                dist.all_reduce(total, group=g)
+            for q in prms:
+                q.grad = total
         self.opt.step()
         return time.perf_counter() - t0
 
@@ -111,7 +147,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--program", required=True)
     p.add_argument("--ours", default="flush", help="our schedule (train.py --schedule)")
-    p.add_argument("--theirs", choices=("gpipe", "1f1b", "ours"), default="1f1b",
+    p.add_argument("--theirs", choices=(*TORCH_SCHEDULES, "ours"), default="1f1b",
                    help="torch's schedule, or 'ours': our runtime again, with --theirs-flags added to train.py's")
     p.add_argument("--theirs-flags", default="", help="with --theirs ours: train.py flags of that side")
     p.add_argument("--blocks", type=int, default=20, help="blocks per side")

@@ -112,14 +112,14 @@ def run_pair(program: Path, ours: str, theirs: str, *, blocks: int, block_steps:
     ``blocks`` blocks each. Per block, the slowest rank's step times with the block's first
     ``warmup`` steps dropped: (ours, theirs), block ``i`` of each side run next to each other."""
     out = Path(tempfile.mkdtemp(prefix="pd-bench-ab-")) / "times.json"
-    nproc = len(json.loads((program / "plan.json").read_text())["stages"])
+    nproc = int(json.loads((program / "plan.json").read_text())["world_size"])
     rc, log = torchrun("benchmarks._ab_worker", nproc,
                        ["--program", str(program), "--ours", ours, "--theirs", theirs, "--blocks", str(blocks),
                         "--block-steps", str(block_steps), "--out", str(out), "--watchdog", str(timeout - 10),
                         *([f"--theirs-flags={theirs_flags}"] if theirs_flags else []), *flags],
                        timeout=timeout)
     if rc != 0:
-        raise RuntimeError(f"benchmarks._ab_worker failed ({rc}):\n{log[-3000:]}")
+        raise RuntimeError(f"benchmarks._ab_worker failed ({rc}):\n{log}")
     got = json.loads(out.read_text())
 
     def side(name: str) -> list[list[float]]:

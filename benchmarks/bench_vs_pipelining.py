@@ -36,6 +36,7 @@ runtime is faster on the same pipeline. The interval is a bootstrap over the blo
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._ab_worker import TORCH_SCHEDULES
 from benchmarks._common import bench_model, bootstrap_median, compile_bench, load_note, median, ms, run_pair
 from benchmarks._results import publish
 
@@ -51,7 +53,11 @@ from benchmarks._results import publish
 # ablation: the same runtime without the split backward, to show what the split contributes.
 PAIRS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("gpipe", (), "gpipe"), ("flush", (), "1f1b"), ("flush", ("--no-split-backward",), "1f1b"))
-THEIR_NAME = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+# virtual stages: 4 stages on the 2 processes, placed as each schedule says (interleaved: stage s on
+# rank s % 2; V: stages 0 and 3 on rank 0), ours and torch's of the same schedule on the same program
+VIRTUAL_PAIRS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("interleaved-1f1b", (), "interleaved-1f1b"), ("looped-bfs", (), "looped-bfs"), ("zb-v", (), "zbv"))
+THEIR_NAME = TORCH_SCHEDULES
 
 
 @dataclass
@@ -66,6 +72,7 @@ class Row:
     theirs_s: float
     samples: int
     round_ratios: tuple[float, ...] = ()
+    failed: str = ""  # the launch failed: its root error (e.g. torch's runtime split on this model)
 
     def interval(self, level: float = 0.9) -> tuple[float, float]:
         """A bootstrap ``level`` interval of :attr:`ratio` (the block pairs resampled with replacement):
@@ -83,22 +90,47 @@ class Row:
 
 def compare(model: str, *, size: str = "bench", batch_size: int = 32, num_microbatches: int = 4,
             stages: int = 2, blocks: int = 24, block_steps: int = 6, warmup: int = 1, skip_blocks: int = 1,
-            pairs: tuple[tuple[str, tuple[str, ...], str], ...] = PAIRS) -> list[Row]:
-    """Compile ``model`` once, then for every schedule pair one launch where ours and theirs take
+            pairs: tuple[tuple[str, tuple[str, ...], str], ...] = PAIRS, virtual: int = 1) -> list[Row]:
+    """Compile ``model`` once (``virtual`` > 1: ``stages * virtual`` stages for each pair's schedule,
+    whose placement differs), then for every schedule pair one launch where ours and theirs take
     turns; the first ``skip_blocks`` blocks of each side (the process warming up) are dropped."""
     b = bench_model(model, batch_size=batch_size, size=size)
-    pipe = compile_bench(b, stages, "flush", num_microbatches)
-    program = pipe.emit(Path(tempfile.mkdtemp(prefix=f"pd-bench-{model}-")) / "program")
+    programs: dict[str, Path] = {}
+
+    def program_for(schedule: str) -> Path:
+        key = schedule if virtual > 1 else "flush"
+        if key not in programs:
+            pipe = compile_bench(b, stages * virtual, key, num_microbatches,
+                                 **({"virtual_stages": virtual} if virtual > 1 else {}))
+            programs[key] = pipe.emit(Path(tempfile.mkdtemp(prefix=f"pd-bench-{model}-")) / "program")
+        return programs[key]
+
     rows = []
     for ours, flags, theirs in pairs:
-        mine, other = run_pair(program, ours, theirs, blocks=blocks, block_steps=block_steps, warmup=warmup,
-                               flags=flags)
+        program = program_for(ours)
+        label = ours + ("" if not flags else " " + " ".join(flags))
+        try:
+            mine, other = run_pair(program, ours, theirs, blocks=blocks, block_steps=block_steps, warmup=warmup,
+                                   flags=flags)
+        except RuntimeError as e:
+            rows.append(Row(model, label, theirs, math.nan, math.nan, 0, failed=root_error(str(e))))
+            continue
         mine, other = mine[skip_blocks:], other[skip_blocks:]
         ratios = tuple(median(t) / median(o) for o, t in zip(mine, other))
-        label = ours + ("" if not flags else " " + " ".join(flags))
         rows.append(Row(model, label, theirs, median([x for blk in mine for x in blk]),
                         median([x for blk in other for x in blk]), sum(map(len, mine)), ratios))
     return rows
+
+
+def root_error(log: str) -> str:
+    """The first error a failed launch's log names, not the follow-ups (peers losing their connection,
+    torchrun's summary)."""
+    follow = ("Connection closed", "Connection reset", "ChildFailedError", "_ab_worker failed")
+    for line in log.splitlines():
+        text = line.split("]: ", 1)[-1].strip()
+        if "Error:" in text and not any(f in text for f in follow):
+            return text[:200]
+    return "failed (no error line in the log)"
 
 
 def table(rows: list[Row]) -> str:
@@ -106,6 +138,9 @@ def table(rows: list[Row]) -> str:
              "| 90% interval (bootstrap over block pairs) | block pairs | steps timed per side |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.failed:
+            lines.append(f"| {r.model} | {r.ours} | {THEIR_NAME[r.theirs]} | - | - | theirs failed: {r.failed} | - | 0 | 0 |")
+            continue
         lo, hi = r.interval()
         lines.append(f"| {r.model} | {r.ours} | {THEIR_NAME[r.theirs]} | {ms(r.ours_s)} | {ms(r.theirs_s)} | "
                      f"{r.ratio:.2f} | {lo:.2f} - {hi:.2f} | {len(r.round_ratios)} | {r.samples} |")
@@ -124,8 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     for m in args.models.split(","):
         if args.quick:
             rows += compare(m, size="tiny", batch_size=8, blocks=3, block_steps=3)
+            rows += compare(m, size="tiny", batch_size=8, blocks=3, block_steps=3, pairs=VIRTUAL_PAIRS, virtual=2)
         else:
             rows += compare(m, blocks=args.blocks, block_steps=args.block_steps)
+            rows += compare(m, blocks=args.blocks, block_steps=args.block_steps, pairs=VIRTUAL_PAIRS, virtual=2)
         print(table(rows), flush=True)
     body = (f"Same emitted 2-stage program (minibatch 32 = 4 microbatches of 8, SGD) trained by pdcompile's "
             f"runtime and by torch.distributed.pipelining on 2 CPU processes (gloo), both in one torchrun launch "

@@ -256,6 +256,26 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+class NoParameters:
+    """The optimizer of a stage without parameters (e.g. a pooling layer alone): torch's optimizers
+    refuse an empty parameter list, and there is nothing to step."""
+
+    param_groups: list[dict[str, Any]] = []
+    state: dict[Any, dict[str, Any]] = {}
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
 class Trainer:
     """One rank's training run: :meth:`__init__` builds everything once (the stage module, its
     process groups, optimizer, data and executor); :meth:`segment` runs minibatches ``[first, end)``
@@ -308,9 +328,10 @@ class Trainer:
         self.executors: list[StageExecutor] = []
         self.lr_schedulers: list[Any] = []
         for st, module in zip(specs, modules):
-            optimizer = build(program.raw["optimizer"], module.parameters())
+            params = [q for q in module.parameters()]
+            optimizer: Any = build(program.raw["optimizer"], params) if params else NoParameters()
             sched_spec = program.raw.get("lr_scheduler")
-            lr_scheduler = build(sched_spec, optimizer) if sched_spec else None
+            lr_scheduler = build(sched_spec, optimizer) if sched_spec and params else None
             self.lr_schedulers.append(lr_scheduler)
             norm_skip = frozenset(n for group in program.raw.get("tied", []) for s, n in group
                                   if s == st.index and s != min(t for t, _ in group))

@@ -84,6 +84,20 @@ def test_ours_and_torch_pipelining_take_turns_in_one_launch() -> None:
     assert row.ours_s > 0 and row.theirs_s > 0 and all(r > 0 for r in row.round_ratios)
 
 
+def test_virtual_stages_against_torch_in_one_launch() -> None:
+    """Ours and torch's interleaved 1F1B on the same 4 stages on 2 processes take turns; a launch
+    that fails is a row naming its root error, not a crash of the benchmark."""
+    rows = bench_vs_pipelining.compare("vgg", size="tiny", batch_size=8, blocks=3, block_steps=2, virtual=2,
+                                       pairs=(("interleaved-1f1b", (), "interleaved-1f1b"),))
+    (row,) = rows
+    assert not row.failed and len(row.round_ratios) == 2 and row.ours_s > 0 and row.theirs_s > 0
+    log = "[rank1]: Traceback\n[rank1]: RuntimeError: Trying to use a saved tensor\n" \
+          "[rank0]: RuntimeError: Connection closed by peer\nChildFailedError:"
+    assert bench_vs_pipelining.root_error(log) == "RuntimeError: Trying to use a saved tensor"
+    failed = bench_vs_pipelining.Row("gpt", "zb-v", "zbv", float("nan"), float("nan"), 0, failed="RuntimeError: x")
+    assert "theirs failed: RuntimeError: x" in bench_vs_pipelining.table([failed])
+
+
 def test_our_runtime_against_itself_with_other_flags(tmp_path: Path) -> None:
     """_ab_worker --theirs ours: two Trainers of train.py in one launch (bench_trace_overhead's way)."""
     b = _common.bench_model("gpt", batch_size=8, size="tiny")

@@ -133,6 +133,32 @@ def test_interleaved_trains_a_hugging_face_gpt2(tmp_path: Path, monkeypatch: pyt
     assert sum(not torch.equal(got[k], initial[k]) for k in want) > len(want) // 2
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_stages_without_parameters_train(tmp_path: Path) -> None:
+    """Stages that hold only activations (torch's optimizers refuse an empty parameter list)."""
+    import torch
+
+    from pdcompile import pdcompile
+    from pdcompile.reference import train_sync
+    from pdcompile.runtime.data import save_batches
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    data = [((torch.randn(8, 6),), torch.randn(8, 3)) for _ in range(STEPS)]
+    pipe = pdcompile(model, example_inputs=data[0][0], example_target=data[0][1], loss_fn=torch.nn.MSELoss(),
+                     optimizer=_opt, schedule="interleaved-1f1b", virtual_stages=2, stages=4, num_microbatches=MICRO)
+    assert [sum(p.numel() for p in st.gm.parameters()) == 0 for st in pipe.state.stages.stages] == \
+        [False, True, True, False]
+    save_batches(data, STEPS, tmp_path / "data.pt")
+    prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
+                                              "kwargs": {"path": str(tmp_path / "data.pt")}})
+    got = _train(prog, tmp_path / "final", 2)
+    train_sync(model, torch.nn.MSELoss(), _opt(model.parameters()), data, steps=STEPS, num_microbatches=MICRO)
+    for k, w in model.named_parameters():
+        torch.testing.assert_close(got[k], w.detach(), rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_virtual_stage_options_are_checked() -> None:
     import torch
 
