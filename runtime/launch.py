@@ -30,10 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdcompile.errors import CheckpointError, UsageError
+from pdcompile.errors import CheckpointError, ScheduleError, UsageError
 from pdcompile.runtime import allocator, checkpoint, comm, schedules, timing
 from pdcompile.runtime.executor import ActionError, Mailbox, RankExecutor, StageExecutor
 from pdcompile.runtime.schedules.spec import ScheduleSpec, agrees, default_split_backward
+from pdcompile.runtime.schedules.transfers import check_transfers
 from pdcompile.runtime.weights import VersionedStore
 from pdcompile.runtime.program import PRECISIONS, Program, build, import_object
 
@@ -171,6 +172,22 @@ def local_targets(program: Program, args: argparse.Namespace) -> bool:
         return args.targets == "local"
     spec = program.raw.get("data")
     return not args.data and (not spec or spec.get("factory") in DETERMINISTIC_SOURCES)
+
+
+def refuse_sent_targets(spec: ScheduleSpec) -> None:
+    """A :class:`UsageError` when the first stage cannot send every target to the last stage in an
+    order NCCL pairs (a virtual placement whose targets share a pair of ranks with chunk hand-overs:
+    interleaved schedules on more than 2 ranks); the check replays two steps, without torch."""
+    if spec.virtual_stages == 1:
+        return  # one stage per rank: every schedule passes (validate's rule 11 checks it with targets sent)
+    try:
+        check_transfers(spec.make(2), spec.replicas, targets=None, name=spec.name, placement=spec.stage_ranks)
+    except ScheduleError as e:
+        raise UsageError(f"--targets send with {spec}: the targets from the first stage's rank to the last stage's "
+                         f"cannot be ordered with the other transfers on that pair of ranks as NCCL needs ({e}). "
+                         f"Fix: --targets local (the data source must give every rank the same minibatches, e.g. "
+                         f"a seeded one), or a placement that sends no targets over the network (zb-v, dualpipe-v) "
+                         f"or 2 ranks") from None
 
 
 def random_batches(program: Program, batch_size: int, seed: int) -> Iterator[Any]:
@@ -318,6 +335,8 @@ class Trainer:
         self.schedule = run_schedule(program, args, rank, say=True)
         self.M = M = args.microbatches
         local = local_targets(program, args) and program.num_stages > 1
+        if not local and program.num_stages > 1:
+            refuse_sent_targets(self.schedule)
         last = program.num_stages - 1
         reads_data = any(st.index == 0 or (local and st.index == last) for st in specs)
         self.data_iter = _data_source(program, args, program.raw["microbatch_size"] * M) if reads_data else None
