@@ -590,28 +590,37 @@ class PlanModel:
         return got
 
     def _level1_start(self, se_c: np.ndarray, thr: np.ndarray, rr: np.ndarray, dd: np.ndarray,
-                      e2: np.ndarray, recompute: bool) -> np.ndarray:
-        """Smallest start of level-1 stages ending at ``se_c`` within ``thr`` and the memory limit."""
+                      e2: np.ndarray, options: tuple[bool, ...]) -> np.ndarray:
+        """Smallest start of level-1 stages ending at ``se_c`` within ``thr`` and the memory limit,
+        the furthest-reaching of the recomputation ``options`` (the weight-sync term, which does
+        not depend on recomputation, and the in-flight counts are computed once for both)."""
         if self.cost_model == "paper":
-            s = self._ss(self.PCr if recompute else self.PC, se_c, thr)
             with np.errstate(divide="ignore"):
                 wthr = np.where(rr > 1, thr * self.B[0] / (2.0 * (rr - 1)), np.inf)
-            s = np.maximum(s, self._ss(self.PW, se_c, wthr))
+            common = self._ss(self.PW, se_c, wthr)
         else:
-            s = self._ss(self.P1r if recompute else self.P1, se_c, thr)
             # F + AR_r + OPT <= thr on row r of the stacked, offset prefix arrays
             row = rr * (self.N + 1)
             v = self.P2flat[row + se_c + 1] - thr * (1 + _EPS)
-            s2 = np.searchsorted(self.P2flat, v, side="left") - row
-            s = np.maximum(s, s2)
+            common = np.searchsorted(self.P2flat, v, side="left") - row
+        kin = None
         if self.memory_on:
-            table = self._mem_rows(recompute)
             depth = np.ceil((rr + dd + e2) / rr - 1e-9).astype(np.int64)
             kin = -(-self.M // rr) if self.policy.holds_step else depth  # Policy.in_flight, vectorized
             kin = np.broadcast_to(kin, depth.shape).copy()
-            np.minimum(kin, len(table) - 1, out=kin)
-            s = np.maximum(s, table[kin, se_c])
-        return s
+        out = None
+        for recompute in options:
+            if self.cost_model == "paper":
+                s = self._ss(self.PCr if recompute else self.PC, se_c, thr)
+            else:
+                s = self._ss(self.P1r if recompute else self.P1, se_c, thr)
+            s = np.maximum(s, common)
+            if kin is not None:
+                table = self._mem_rows(recompute)
+                s = np.maximum(s, table[np.minimum(kin, len(table) - 1), se_c])
+            out = s if out is None else np.minimum(out, s)
+        assert out is not None
+        return out
 
     def _stage_starts(self, level: int, se_c: np.ndarray, rr: np.ndarray, dd: np.ndarray, mult: np.ndarray,
                       e: np.ndarray) -> np.ndarray:
@@ -623,10 +632,7 @@ class PlanModel:
         thr = (rr * mult) * tau  # the stage's units x its group's threshold
         if level == 1:
             options = {"none": (False,), "full": (True,), "auto": (False, True)}[self.recompute]
-            s = self._level1_start(se_c, thr, rr, dd, e, options[0])
-            for rc in options[1:]:  # recomputation: the furthest-reaching of the allowed choices
-                s = np.minimum(s, self._level1_start(se_c, thr, rr, dd, e, rc))
-            return s
+            return self._level1_start(se_c, thr, rr, dd, e, options)
         B = self.B[level - 1]
         with np.errstate(divide="ignore", invalid="ignore"):
             if self.cost_model == "paper":
@@ -937,6 +943,13 @@ def _solve(model: PlanModel) -> tuple[tuple[Block, ...], Evaluation]:
     blocks = model.reconstruct(math.inf)
     ev = model.evaluate(blocks)
     hi = ev.seconds
+    if model.allow_replication:  # data parallelism, where it fits, often brackets the optimum far more tightly
+        dp: tuple[Block, ...] = ()
+        for count in model.counts:
+            dp = (Block(0, model.N - 1, count, dp),)
+        ev_dp = model.evaluate(dp)
+        if 0 < ev_dp.seconds < hi and ev_dp.peak_memory <= model.mem_budget and model.feasible(ev_dp.seconds):
+            hi = ev_dp.seconds  # a bound only: the plan is the search's, as without it
     if hi <= 0:
         return blocks, ev
     if not math.isfinite(hi):  # pragma: no cover - every feasible plan has a finite time
