@@ -112,23 +112,32 @@ def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
 
 
 def _virtual_plan(chain: Chain, opts: PartitionOptions, place: Any, mem: dict[str, Any]) -> tuple[Plan, ClusterSpec]:
-    """Virtual stages: ``stages=`` (default ``v`` per worker of the cluster, or of this machine's 2)
-    stages of balanced compute, placed on ranks as the schedule's policy says."""
+    """Virtual stages: ``stages=`` (default ``v`` per worker of the cluster, or of this machine's 2)."""
     v = opts.virtual_stages
     workers = opts.cluster.num_workers if opts.cluster is not None else 2
-    n = opts.stages if opts.stages is not None else v * workers
+    return virtual_plan(chain, opts.cluster, opts.schedule, v, opts.stages if opts.stages is not None else v * workers,
+                        **mem)
+
+
+def virtual_plan(chain: Chain, cluster: ClusterSpec | None, schedule: str, v: int, n: int,
+                 **mem: Any) -> tuple[Plan, ClusterSpec]:
+    """``n`` stages of balanced compute placed ``v`` per rank as ``schedule``'s policy says, and the
+    cluster they run on (this machine's CPUs without one, or one too small)."""
+    place = policy(schedule).placement
+    assert place is not None, f"{schedule} has no placement"
     ranks = place(n, v)
     p = len({q for rs in ranks for q in rs})
-    cluster = opts.cluster if opts.cluster is not None and opts.cluster.num_workers >= p else local_cpu_cluster(p)
+    given = cluster
+    cluster = given if given is not None and given.num_workers >= p else local_cpu_cluster(p)
     bounds = [0, *balanced_bounds(chain, n), len(chain)]
     assignment = [(a, b - 1, 1) for a, b in zip(bounds, bounds[1:])]
     # each stage costed as if on a worker of its own (the DP's model has no shared workers; the
     # simulator times the interleaving), then placed on the schedule's ranks
-    costing = opts.cluster if opts.cluster is not None and opts.cluster.num_workers >= n else local_cpu_cluster(n)
+    costing = given if given is not None and given.num_workers >= n else local_cpu_cluster(n)
     plan = plan_from_assignment(chain, costing, assignment, schedule="flush", memory_limit=False, **mem)
     stages = tuple(dataclasses.replace(st, ranks=tuple(r)) for st, r in zip(plan.stages, ranks))
     return dataclasses.replace(plan, stages=stages, num_workers=p,
-                               notes=(*plan.notes, f"{v} virtual stages per rank on {p} ranks ({opts.schedule}); "
+                               notes=(*plan.notes, f"{v} virtual stages per rank on {p} ranks ({schedule}); "
                                       f"times are per stage on a worker of its own")), cluster
 
 

@@ -1,7 +1,9 @@
-"""``schedule="auto"``: the schedule and the number of microbatches, chosen by simulating every
-synchronous schedule (the same training as single-process SGD) at every microbatch count that
-divides the minibatch on the plan (:func:`~pdcompile.simulate.simulate_plan`); the fastest whose
-predicted peak memory fits a worker wins. Pure Python over plain data (no torch)."""
+"""``schedule="auto"``: the schedule, its stages per rank and the number of microbatches, chosen by
+simulating every synchronous schedule (the same training as single-process SGD) at every
+microbatch count that divides the minibatch (:func:`~pdcompile.simulate.simulate_plan`): those
+with a stage per rank on the plan, those with virtual stages on ``v p`` balanced stages over the
+plan's ``p`` ranks; the fastest whose predicted peak memory fits a worker wins. Pure Python over
+plain data (no torch)."""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ class Candidate:
     schedule: str
     num_microbatches: int
     step_s: float  # one minibatch (an optimizer step)
-    peak_memory_bytes: float  # the worst stage's (weights x versions + activations held)
+    peak_memory_bytes: float  # the worst rank's (weights x versions + activations held, over its stages)
     fits: bool  # within the worker's memory (always, when the cluster does not say)
+    virtual_stages: int = 1  # stages per rank
 
 
 def split_every_backward_pays(device_name: str, split_backward: bool) -> bool:
@@ -34,11 +37,15 @@ def split_every_backward_pays(device_name: str, split_backward: bool) -> bool:
     return split_backward and device_name != "cpu"
 
 
-def auto_schedules(split_every: bool) -> list[str]:
-    """The schedules ``auto`` considers: the synchronous ones; those that split every backward only
-    when that may pay (``split_every``: :func:`split_every_backward_pays`)."""
+def auto_schedules(split_every: bool, virtual: bool = False) -> list[str]:
+    """The schedules ``auto`` considers: the synchronous ones with a stage per rank (``virtual``:
+    those with several); those that split every backward only when that may pay (``split_every``:
+    :func:`split_every_backward_pays`)."""
     return [n for n, p in POLICIES.items()
-            if p.synchronous and not p.virtual_stages and (split_every or not p.splits_every_backward)]
+            if p.synchronous and p.virtual_stages == virtual and (split_every or not p.splits_every_backward)]
+
+
+VIRTUAL_STAGES = (2,)  # stages per rank auto tries for the schedules with virtual stages
 
 
 def microbatch_counts(minibatch: int, fixed: int | None = None, most: int = 64) -> list[int]:
@@ -62,6 +69,41 @@ def candidates(plan: Any, chain: Any, cluster: Any, minibatch: int, schedules: S
                                 **simulate_kw)
             peak = max(res.peak_memory_bytes or [0.0])
             out.append(Candidate(name, m, float(res.step_time_s), float(peak), limit is None or peak <= limit))
+    return out
+
+
+def virtual_candidates(chain: Any, cluster: Any, ranks: int, minibatch: int, schedules: Sequence[str],
+                       counts: Sequence[int], vs: Sequence[int] = VIRTUAL_STAGES,
+                       **simulate_kw: Any) -> list[Candidate]:
+    """Every schedule with virtual stages at every ``v`` in ``vs`` and count in ``counts``: ``v *
+    ranks`` stages of balanced compute (:func:`pdcompile.passes.partition.virtual_plan`) simulated
+    on the cluster's first ``ranks`` workers. A rank's memory is its stages' sum. Shapes a
+    schedule cannot run (too few layers, ``M`` it does not take) are left out."""
+    from pdcompile.errors import UsageError
+    from pdcompile.passes.partition import virtual_plan
+    from pdcompile.simulate import simulate_plan
+
+    limit = cluster.device.memory
+    out = []
+    for name in schedules:
+        for v in vs:
+            if v * ranks > len(chain.layers) or ranks < 2:
+                continue
+            try:
+                plan, _ = virtual_plan(chain, cluster, name, v, v * ranks)
+            except UsageError:
+                continue
+            for m in counts:
+                try:
+                    res = simulate_plan(dataclasses.replace(plan, microbatch_size=minibatch // m), chain, cluster,
+                                        name, m, virtual_stages=v, **simulate_kw)
+                except UsageError:
+                    continue
+                per_rank: dict[int, float] = {}
+                for st, mem in zip(plan.stages, res.peak_memory_bytes or []):
+                    per_rank[st.ranks[0]] = per_rank.get(st.ranks[0], 0.0) + mem
+                peak = max(per_rank.values(), default=0.0)
+                out.append(Candidate(name, m, float(res.step_time_s), float(peak), limit is None or peak <= limit, v))
     return out
 
 
@@ -90,7 +132,8 @@ def format_choice(cands: Sequence[Candidate], chosen: Candidate, skipped: Sequen
              f"synchronous schedule whose predicted memory fits; each schedule's best:"]
     for name, c in best_per_schedule(cands).items():
         mark = "*" if c == chosen else " "
-        lines.append(f" {mark} {name:<7} M={c.num_microbatches:<3} {c.step_s:.4g} s per minibatch "
+        v = f" v={c.virtual_stages}" if c.virtual_stages > 1 else ""
+        lines.append(f" {mark} {name + v:<20} M={c.num_microbatches:<3} {c.step_s:.4g} s per minibatch "
                      f"({c.step_s / chosen.step_s:.2f}x)  peak {c.peak_memory_bytes / 2**20:.1f} MiB"
                      f"{'' if c.fits else '  (does not fit)'}")
     lines += [f"   {note}" for note in skipped]

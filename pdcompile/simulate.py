@@ -391,7 +391,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                   overhead_s: Mapping[str, float] | float = 0.0, recv_progress: str = "background",
                   copy_bandwidth: float | None = None, split_backward: bool = True,
                   input_grad_share: float = INPUT_GRAD_SHARE, weight_grad_share: float = WEIGHT_GRAD_SHARE,
-                  optimizer_state_factor: float = 1.0) -> SimResult:
+                  optimizer_state_factor: float = 1.0, virtual_stages: int = 1) -> SimResult:
     """Simulate a :class:`pdcompile.plan.Plan` of ``chain`` on ``cluster``.
 
     ``tied_bytes``: bytes of parameters tied across ``tied_stages`` (a GPT's embedding and output
@@ -417,6 +417,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     activations, weights x versions, gradients, ``optimizer_state_factor`` x weights of optimizer
     state) at the simulated peak in-flight and weight-version counts. Schedule ranks are consecutive by stage; replica ``i`` of stage ``s``
     runs on ``plan.stages[s].ranks[i]`` of the cluster. ``schedule_name`` defaults to the plan's.
+    ``virtual_stages`` (> 1): the plan's stages are placed as the schedule's policy says, rank ``r``
+    on the cluster's worker ``r``.
     """
     name = schedule_name or plan.schedule
     reps = [st_.replicas for st_ in plan.stages]
@@ -432,9 +434,13 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
         b_w.append(sum(_part(l.weight_grad_s, l.backward_s, weight_grad_share) for l in mine) * scale)
         params.append(sum(l.param_bytes for l in mine))
         cut.append(chain.cut_bytes[st_.last] * scale if st_.last < len(chain.cut_bytes) else 0.0)
-    sched_ranks = stage_ranks(reps)
-    cluster_rank = {r: plan.stages[s].ranks[i] if len(plan.stages[s].ranks) == reps[s] else r
-                    for s, rs in enumerate(sched_ranks) for i, r in enumerate(rs)}
+    if virtual_stages > 1:
+        sched_ranks = layout(name, reps, num_microbatches, 1, virtual_stages=virtual_stages).stage_ranks
+        cluster_rank = {r: r for rs in sched_ranks for r in rs}
+    else:
+        sched_ranks = stage_ranks(reps)
+        cluster_rank = {r: plan.stages[s].ranks[i] if len(plan.stages[s].ranks) == reps[s] else r
+                        for s, rs in enumerate(sched_ranks) for i, r in enumerate(rs)}
 
     def send(sa: int, sb: int, ra: int, rb: int) -> float:
         nbytes = cut[min(sa, sb)]
@@ -452,7 +458,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
         bw = min((cluster.bandwidth_between(a, b) for a in cr for b in cr if a != b), default=math.inf)
         tied_s = ring_allreduce_s(tied_bytes, len(cr), bw) + coll_lat
     res = simulate_schedule(name, reps, num_microbatches, num_steps=num_steps, vertical_sync=vertical_sync,
-                             split_backward=split_backward,
+                             split_backward=split_backward, virtual_stages=virtual_stages,
                              input_grad_s=b_in, weight_grad_s=b_w,
                              tied=bool(tied_bytes and tied_stages), tied_s=tied_s,
                              tied_stages=list(tied_stages) if tied_bytes and tied_stages else None,
@@ -463,7 +469,9 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     from pdcompile.passes.partition_dp import stage_memory_at  # pure data, as this module
 
     memory = [stage_memory_at(chain, st_.first, st_.last, in_flight=res.peak_in_flight[s],
-                              weight_versions=res.peak_weight_versions[s], schedule=name,
+                              weight_versions=res.peak_weight_versions[s],
+                              # virtual stages: one weight version, the simulated in-flight count (flush's model)
+                              schedule=name if virtual_stages == 1 else "flush",
                               optimizer_state_factor=optimizer_state_factor, recompute=st_.recompute == "full",
                               num_microbatches=num_microbatches, activation_scale=scale)
               for s, st_ in enumerate(plan.stages)]

@@ -133,3 +133,49 @@ def test_auto_on_pipedreams_gnmt_profile_picks_zb_h1_on_gpus_never_on_cpus() -> 
     assert chosen.schedule == "zb-h1" and chosen.step_s == min(c.step_s for c in per.values())
     assert chosen.step_s < per["flush"].step_s
     assert not split_every_backward_pays("cpu", True) and not split_every_backward_pays("V100-16GB", False)
+
+
+def test_auto_takes_interleaving_where_the_bubble_dominates() -> None:
+    """A straight 2-rank pipeline of 4 equal layers with 2 microbatches: flush idles (p-1)/(m+p-1) of
+    the step; interleaved 1F1B (2 stages per rank) halves that bubble, (p-1)/(v m + p - 1), and auto
+    takes it (exact times from the closed forms: F=1, B=2 per layer and minibatch, free links)."""
+    from pdcompile.autoschedule import best_per_schedule, virtual_candidates
+    from pdcompile.cluster import local_cpu_cluster
+
+    layers = tuple(ChainLayer(f"l{k}", "x", 1.0, 2.0, 12.0, 0.0) for k in range(4))
+    chain = Chain(layers=layers, cut_bytes=(0.0,) * 3, batch_size=12)
+    cluster = local_cpu_cluster(2)
+    plan = _Plan("flush", 12, tuple(SimpleNamespace(first=2 * k, last=2 * k + 1, replicas=1, ranks=[k],
+                                                    recompute="none") for k in range(2)))
+    fixed = candidates(plan, chain, cluster, 12, ["flush"], [2], split_backward=False)
+    virt = virtual_candidates(chain, cluster, 2, 12, ["interleaved-1f1b", "looped-bfs"], [2], split_backward=False)
+    per = best_per_schedule(fixed + virt)
+    # per microbatch of 6: a layer's F = 0.5, B = 1; flush: (m + p - 1) x 2 layers x 1.5 = 9
+    assert per["flush"].step_s == pytest.approx(9.0, rel=1e-6)
+    # interleaved, v = 2: v m (F+B) per rank + (p - 1)(F+B) of one stage = 2 x 2 x 1.5 + 1 x 1.5 = 7.5
+    assert per["interleaved-1f1b"].step_s == pytest.approx(7.5, rel=1e-6)
+    assert per["interleaved-1f1b"].virtual_stages == 2
+    chosen = best(fixed + virt)
+    assert chosen.schedule == "interleaved-1f1b" and chosen.virtual_stages == 2
+    assert "interleaved-1f1b v=2" in format_choice(fixed + virt, chosen)
+
+
+def test_api_auto_compiles_a_virtual_choice(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    """When auto's choice has virtual stages, the program is compiled with them: v p stages placed
+    on the plan's p ranks (the choice forced here; which one wins is the closed-form test above)."""
+    import torch
+
+    from pdcompile import autoschedule, pdcompile
+
+    real_best = autoschedule.best
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(8)])
+    with monkeypatch.context() as m:
+        m.setattr(autoschedule, "best", lambda cands: real_best([c for c in cands if c.schedule == "interleaved-1f1b"]))
+        pipe = pdcompile(model, example_inputs=(torch.randn(16, 8),), example_target=torch.randn(16, 8),
+                         loss_fn=torch.nn.MSELoss(), schedule="auto", stages=2, num_microbatches=2)
+    spec = pipe.state.schedule_spec
+    assert spec.name == "interleaved-1f1b" and spec.virtual_stages == 2 and len(spec.replicas) == 4
+    plan = json.loads((pipe.emit(tmp_path / "prog") / "plan.json").read_text())
+    assert plan["world_size"] == 2 and [s["ranks"] for s in plan["stages"]] == [[0], [1], [0], [1]]
+    assert "* interleaved-1f1b v=2" in pipe.explain()
