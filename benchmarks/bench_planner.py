@@ -11,7 +11,12 @@ The ILP (CP-SAT, warm-started from the DP plan, which only bounds and seeds its 
 (a) and (b) for the profiles of at most ``--ilp-max-layers`` (70) layers, with a time limit and one
 search worker; "agree" means it proved optimal a plan with the DP's time (relative 1e-6).
 
-Usage: python benchmarks/bench_planner.py [--quick] [--no-ilp] [--ilp-time-limit S]
+Scale (issue 17): every profile on 8 x 2048 = 16,384 workers (``paper_cluster("B", servers=2048)``)
+under ``default`` with the memory limit and ``recompute="auto"`` (the DP chooses recomputation per
+stage), and under ``paper``; target under 60 s each. Growth: GNMT-16 and VGG-16 on 8 x 256 .. 8 x 2048
+(workers x2 -> time x?). Peak memory: tracemalloc's peak during the plan (numpy's arrays included).
+
+Usage: python benchmarks/bench_planner.py [--quick] [--no-ilp] [--ilp-time-limit S] [--no-scale]
 """
 
 from __future__ import annotations
@@ -23,13 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse  # noqa: E402
 import math  # noqa: E402
+import os  # noqa: E402
 import time  # noqa: E402
+import tracemalloc  # noqa: E402
 
 from benchmarks._results import write_section  # noqa: E402
 from pdcompile.cluster import ClusterSpec, paper_cluster  # noqa: E402
 from pdcompile.errors import PdcompileError  # noqa: E402
 from pdcompile.passes.linearize import linearize  # noqa: E402
 from pdcompile.passes.partition_dp import partition_dp  # noqa: E402
+from pdcompile.ir import Chain  # noqa: E402
+from pdcompile.plan import Plan  # noqa: E402
 from pdcompile.profile import load, pipedream_profiles  # noqa: E402
 
 CLUSTERS: dict[str, tuple[ClusterSpec, float]] = {
@@ -40,7 +49,7 @@ CLUSTERS: dict[str, tuple[ClusterSpec, float]] = {
 MODELS = ("paper", "default")
 
 
-def _config(plan) -> str:
+def _config(plan: Plan) -> str:
     c = plan.configuration
     return c if len(c) <= 40 else c[:37] + "..."
 
@@ -131,6 +140,83 @@ def run(quick: bool, ilp: bool, ilp_limit: float, ilp_max_layers: int) -> tuple[
     return "\n".join(lines), all_ok
 
 
+SCALE_SERVERS = 2048
+SCALE_TARGET_S = 60.0
+GROWTH = (256, 512, 1024, 2048)
+SCALE_MODELS: tuple[tuple[str, dict], ...] = (("default", {"recompute": "auto"}), ("paper", {}))
+
+
+def _timed(chain: Chain, cluster: ClusterSpec, cm: str, kw: dict) -> tuple[float, float, float, Plan | str]:
+    """(wall s, CPU s, peak MiB, plan or the error's first clause) of one plan."""
+    tracemalloc.start()
+    t0, c0 = time.perf_counter(), time.process_time()
+    try:
+        p: Plan | str = partition_dp(chain, cluster, cost_model=cm, **kw)
+    except PdcompileError as e:
+        p = str(e).split(";")[0]
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    peak = tracemalloc.get_traced_memory()[1] / 2**20
+    tracemalloc.stop()
+    return wall, cpu, peak, p
+
+
+def scale(quick: bool) -> tuple[str, bool]:
+    """Every profile on 8 x 2048, and the growth of two of them over 8 x 256 .. 8 x 2048."""
+    names = pipedream_profiles()
+    if quick:
+        names = [n for n in names if n in ("vgg16", "gnmt")]
+    chains = {n: linearize(load(f"pipedream:{n}")) for n in names}
+    ok_all = True
+    rows = []
+    big = paper_cluster("B", servers=SCALE_SERVERS)
+    for name in names:
+        for cm, kw in SCALE_MODELS:
+            wall, cpu, peak, p = _timed(chains[name], big, cm, kw)
+            ok = wall < SCALE_TARGET_S
+            ok_all &= ok
+            print(f"8x{SCALE_SERVERS} {name} {cm}: {wall:.2f} s", file=sys.stderr, flush=True)
+            if isinstance(p, str):
+                what, extra = f"infeasible: {p}", "- | -"
+            else:
+                rc = sum(s.recompute == "full" for s in p.stages)
+                what = _config(p) + ("" if p.optimal else " (not proven optimal)")
+                extra = f"{p.workers_used} | {rc}"
+            opts = cm + "".join(f", {k}={v}" for k, v in kw.items())
+            rows.append(f"| {name} | {len(chains[name])} | {opts} | {wall:.2f} | {cpu:.2f} | {peak:.1f} | "
+                        f"{'yes' if ok else '**no**'} | {what} | {extra} |")
+    growth = []
+    for name in [n for n in ("gnmt", "vgg16") if n in chains]:
+        for cm, kw in SCALE_MODELS:
+            prev = None
+            for servers in GROWTH:
+                wall, cpu, peak, _p = _timed(chains[name], paper_cluster("B", servers=servers), cm, kw)
+                ratio = "" if prev is None else f"{wall / prev:.2f}"
+                prev = wall
+                opts = cm + "".join(f", {k}={v}" for k, v in kw.items())
+                growth.append(f"| {name} | {opts} | 8 x {servers} | {8 * servers} | {wall:.2f} | {cpu:.2f} | "
+                              f"{peak:.1f} | {ratio} |")
+    lines = [
+        f"Scale: every profile on 8 x {SCALE_SERVERS} = {8 * SCALE_SERVERS:,} workers (Cluster B's servers, "
+        "`paper_cluster(\"B\", servers=2048)`); `default` with the 16 GiB memory limit and `recompute=\"auto\"` "
+        "(recomputation chosen per stage), and `paper`. Target: under "
+        f"{SCALE_TARGET_S:g} s each. Peak: tracemalloc's peak during the plan (numpy's arrays included; "
+        "tracemalloc runs during the timed plan). Recomputing: stages the plan recomputes. Every plan is "
+        "the exact search's: the top level searches by breakpoints, which `tests/test_partition_search.py` "
+        "holds equal (time, stages, ranks) to the unpruned search over every (replicas, downstream) pair.",
+        "",
+        "| profile | layers | model | wall s | CPU s | peak MiB | on target | configuration | workers | recomputing |",
+        "|---|---:|---|---:|---:|---:|---|---|---:|---:|",
+        *rows,
+        "",
+        "Growth (workers x2 -> wall time x ratio):",
+        "",
+        "| profile | model | cluster | workers | wall s | CPU s | peak MiB | x previous |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+        *growth,
+    ]
+    return "\n".join(lines), ok_all
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="four profiles only")
@@ -138,9 +224,18 @@ def main() -> int:
     ap.add_argument("--ilp-time-limit", type=float, default=10.0)
     ap.add_argument("--ilp-max-layers", type=int, default=70)
     ap.add_argument("--no-write", action="store_true", help="print only; don't touch RESULTS.md")
+    ap.add_argument("--no-scale", action="store_true", help="skip the 8 x 2048 scale measurement")
     args = ap.parse_args()
+    load_before = os.getloadavg()
     t0 = time.perf_counter()
     body, ok = run(args.quick, not args.no_ilp, args.ilp_time_limit, args.ilp_max_layers)
+    if not args.no_scale:
+        sbody, sok = scale(args.quick)
+        body += "\n\n" + sbody
+        ok &= sok
+    load_after = os.getloadavg()
+    body += (f"\n\nLoad average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; "
+             f"after: {', '.join(f'{x:.2f}' for x in load_after)}.")
     body += f"\n\nWhole benchmark: {time.perf_counter() - t0:.0f} s. All targets met: {'yes' if ok else 'no'}."
     print(body)
     if not args.no_write and not args.quick:
