@@ -40,6 +40,7 @@ from pdcompile.pipeline import PassOptions, passes
 from pdcompile.plan import Plan
 from pdcompile.runtime import schedules
 from pdcompile.runtime.program import PRECISIONS
+from pdcompile.runtime.schedules.spec import ScheduleSpec
 
 SCHEDULE_NAMES = tuple(schedules.POLICIES)
 
@@ -67,7 +68,7 @@ class Options:
     replicas: Sequence[int] | None = None  # replicas per stage (e.g. [2, 1]); default one each
     recompute: str = "auto"  # activation recomputation per stage: "none", "full", "auto" (the planner, where memory needs it)
     precision: str = "fp32"  # "bf16": autocast, fp32 master weights, bf16 boundary tensors, bf16 costs
-    clip_grad_norm: float | None = None  # global-norm gradient clipping before each step (synchronous schedules)
+    clip_grad_norm: float | None = None  # global-norm gradient clipping before each step (1f1b/2bw: per update)
     virtual_stages: int = 1  # stages per rank, for a schedule with virtual stages (interleaved-1f1b, ...)
 
 
@@ -92,6 +93,20 @@ def _check_virtual(opts: Options) -> None:
         raise UsageError(f"pdcompile: clip_grad_norm= with schedule={opts.schedule!r}: a rank steps each of its "
                          f"stages at its own point of the step, so no one point sees every stage's gradients; "
                          f"drop clip_grad_norm= or use a schedule with a stage per rank")
+
+
+def _check_clipping(spec: ScheduleSpec) -> None:
+    """``clip_grad_norm=`` on the compiled schedule: every ``ST`` all-reduces the global norm over all
+    ranks, so every stage's k-th update must hold the same microbatches and the schedule must not
+    deadlock with ``ST`` a collective (:func:`~pdcompile.runtime.schedules.check_global_steps`; for
+    1f1b that needs the same number of replicas on every stage). Virtual stages: :func:`_check_virtual`."""
+    if schedules.policy(spec.name).virtual_stages:
+        return
+    try:
+        schedules.check_global_steps(spec.name, spec.replicas, spec.num_microbatches, tied=spec.tied,
+                                     vertical_sync=spec.vertical_sync, split_backward=spec.split_backward)
+    except UsageError as e:
+        raise UsageError(f"pdcompile: clip_grad_norm= with schedule={spec.name!r}: {e}; or drop clip_grad_norm=") from None
 
 
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -127,11 +142,6 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
         c = opts.clip_grad_norm
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not (math.isfinite(c) and c > 0):
             raise UsageError(f"pdcompile: clip_grad_norm must be a positive number, got {c!r}")
-        if opts.schedule != autoschedule.AUTO and not schedules.policy(opts.schedule).synchronous:
-            raise UsageError(f"pdcompile: clip_grad_norm= with schedule={opts.schedule!r}: clipping by the global "
-                             f"norm needs every stage's gradients of one update at one step, which only synchronous "
-                             f"schedules have (this one steps each stage on its own microbatches' gradients, with "
-                             f"weight versions); use a synchronous schedule (e.g. 'flush') or drop clip_grad_norm=")
     if opts.stages is not None:
         n = opts.stages
         if not isinstance(n, int) or n < 1:
@@ -183,6 +193,8 @@ class CompiledPipeline:
         micro = tuple(x[: self.microbatch_size] for x in self.example_inputs)
         state = CompileState(model=model, example_inputs=micro)
         self.state, self.records = passmanager.run_passes(passes(self._pass_options()), state, dump_dir)
+        if opts.clip_grad_norm is not None:
+            _check_clipping(need(self.state.schedule_spec, "schedule_spec"))
 
     def _choose_schedule(self, model: torch.nn.Module, example_inputs: Any, asked: Options,
                          dump_dir: str | os.PathLike[str] | None) -> None:

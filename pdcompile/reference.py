@@ -8,6 +8,8 @@ accumulation: for each minibatch, split it into ``M`` microbatches, accumulate t
 Asynchronous schedules (PipeDream 1F1B with weight stashing, vertical sync, 2BW, and 1F1B without
 stashing, which is wrong on purpose) are :func:`train_versioned` with the weight version each
 stage uses per microbatch, as the papers define it (:func:`pipedream_1f1b`, :func:`pipedream_2bw`).
+Global-norm clipping there (``max_norm=``) is per update: the k-th update of every stage holds the
+same microbatches, and its gradient is clipped by the norm over every stage's gradient of it.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def train_versioned(stages: Sequence[torch.nn.Module], optimizers: Sequence[torc
                     loss_fn: Callable[..., torch.Tensor],
                     microbatches: Sequence[tuple[tuple[torch.Tensor, ...], torch.Tensor]], *,
                     fwd: Versions, bwd: Versions | None = None, group: Versions, scale: float = 1.0,
-                    tied: Sequence[Sequence[tuple[int, str]]] = ()) -> list[float]:
+                    tied: Sequence[Sequence[tuple[int, str]]] = (), max_norm: float | None = None,
+                    norms: list[float] | None = None) -> list[float]:
     """Train the chain ``stages`` on ``microbatches`` with the weight versions above; return the losses.
 
     ``stages[s]``'s parameters end as its newest version; ``optimizers[s]`` owns them. Each
@@ -65,6 +68,13 @@ def train_versioned(stages: Sequence[torch.nn.Module], optimizers: Sequence[torc
     whose gradients are summed before every step (they step in the same group on every stage).
     Needs ``fwd(s, n) <= group(s, n)`` and ``bwd(s, n) <= group(s, n)`` (a version exists before a
     microbatch that uses it contributes), and groups non-decreasing in ``n``.
+
+    ``max_norm``: global-norm clipping per update. Update ``g`` of every stage holds the same
+    microbatches (``group`` must not depend on the stage), so its gradients, each stage's taken at
+    its own versions, are one gradient of the whole model; every stage's is scaled by
+    ``min(1, max_norm / (norm_g + 1e-6))`` before its step, ``norm_g`` the L2 norm over all of them
+    (each tied group once, after its sum; computed in float64). ``norms`` (if given) receives each
+    ``norm_g``, unclipped.
     """
     bwd = bwd or fwd
     S, N = len(stages), len(microbatches)
@@ -107,6 +117,18 @@ def train_versioned(stages: Sequence[torch.nn.Module], optimizers: Sequence[torc
                 total = sum(acc[s].get(k, torch.zeros_like(params[s][k])) for s, k in grp)
                 for s, k in grp:
                     acc[s][k] = total.clone()  # type: ignore[union-attr]  # total is set by the first contribution
+        if max_norm is not None and done:
+            if len(done) != S:
+                raise ValueError(f"clipping by the global norm needs every stage's update to hold the same "
+                                 f"microbatches; at microbatch {n} only stages {done} close one")
+            dup = {(s, k) for grp in tied for s, k in list(grp)[1:]}  # tied copies: counted once
+            sq = sum(float(torch.linalg.vector_norm(g.double()) ** 2)
+                     for s in range(S) for k, g in acc[s].items() if (s, k) not in dup)
+            norm = sq ** 0.5
+            if norms is not None:
+                norms.append(norm)
+            coef = min(1.0, max_norm / (norm + 1e-6))
+            acc = [{k: g * coef for k, g in a.items()} for a in acc]
         for s in done:
             if group(s, n) != len(versions[s]) - 1:
                 raise ValueError(f"stage {s}: microbatch {n} closes group {group(s, n)}, but "

@@ -219,9 +219,11 @@ class StageExecutor:
         # mixed precision: "bf16" runs forward and loss under autocast (the parameters and the optimizer
         # stay fp32) and sends floating boundary tensors as bf16 (TensorSpec.wire)
         self.precision = precision
-        # global-norm clipping at every ST (synchronous schedules): the sum of squares of the gradients this
-        # rank counts (norm_counts: replica 0 of its stage; norm_skip: tied copies another stage counts) is
-        # all-reduced over norm_group (every rank), then every gradient is scaled as clip_grad_norm_ does
+        # global-norm clipping at every ST: the sum of squares of the gradients this rank counts (norm_counts:
+        # replica 0 of its stage; norm_skip: tied copies another stage counts) is all-reduced over norm_group
+        # (every rank), then every gradient is scaled as clip_grad_norm_ does. 1F1B and 2BW step the stages at
+        # different times: the k-th ST of every rank meets in that all-reduce (the k-th update of every stage,
+        # schedules.check_global_steps: the same microbatches, and no deadlock with ST a collective)
         self.clip_grad_norm = clip_grad_norm
         self.norm_group = norm_group
         self.norm_counts = norm_counts
@@ -548,7 +550,10 @@ class StageExecutor:
     def _clip(self) -> None:
         """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` the global L2 norm over
         every stage's gradients (after AR and TG: each stage's once, each tied parameter once), as
-        ``torch.nn.utils.clip_grad_norm_`` does in one process. Every rank calls it at each ST, in order."""
+        ``torch.nn.utils.clip_grad_norm_`` does in one process. Every rank calls it at each ST, in order:
+        the k-th call of every rank is the k-th update of every stage, which in 1F1B and 2BW the ranks
+        reach at different times (the gradient being applied, of the same microbatches on every stage;
+        with weight stashing each taken at its own stashed version), so the all-reduce is where they meet."""
         grads = {n: p.grad for n, p in self.module.named_parameters() if p.grad is not None}
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.norm_counts:

@@ -86,8 +86,9 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                         f"bytes); fp32: neither (default: the compiled {program.precision})")
     p.add_argument("--clip-grad-norm", type=float, default=program.clip_grad_norm, metavar="X",
                    help="scale all gradients so their global L2 norm over every stage and replica is at most X, "
-                        "before each optimizer step, as torch.nn.utils.clip_grad_norm_ (synchronous schedules "
-                        f"only; default: the compiled {program.clip_grad_norm})")
+                        "before each optimizer step, as torch.nn.utils.clip_grad_norm_ (1f1b, 2bw: at each "
+                        "update, over every stage's gradients of that update; default: the compiled "
+                        f"{program.clip_grad_norm})")
     p.add_argument("--fail-at", default=None, metavar="RANK:ACTION",
                    help="raise in this rank's action (e.g. 1:1B3): tests that a failing rank ends the job")
     p.add_argument("--log-level", default="INFO")
@@ -127,11 +128,16 @@ def check_args(args: argparse.Namespace, program: Program, world: int | None = N
     if args.clip_grad_norm is not None:
         if not (math.isfinite(args.clip_grad_norm) and args.clip_grad_norm > 0):
             raise UsageError(f"--clip-grad-norm {args.clip_grad_norm!r}: must be a positive number; e.g. --clip-grad-norm 1.0")
-        if not schedules.policy(args.schedule).synchronous:
-            raise UsageError(f"--clip-grad-norm with --schedule {args.schedule}: clipping by the global norm needs "
-                             f"every stage's gradients of one update at one step, which only synchronous schedules "
-                             f"have (this one steps each stage on its own microbatches' gradients, with weight "
-                             f"versions); use a synchronous schedule (e.g. flush) or drop --clip-grad-norm")
+        if not virtual:
+            # every ST all-reduces the norm over all ranks: the k-th update of every stage must be one
+            # update of the whole model, and the schedule must not deadlock with ST a collective
+            sb = args.split_backward if args.split_backward is not None else compiled.split_backward
+            try:
+                schedules.check_global_steps(args.schedule, compiled.replicas, args.microbatches, tied=compiled.tied,
+                                             vertical_sync=args.vertical_sync, split_backward=sb)
+            except UsageError as e:
+                raise UsageError(f"--clip-grad-norm with --schedule {args.schedule}: {e}; or drop "
+                                 f"--clip-grad-norm") from None
     if args.clip_grad_norm is not None and virtual:
         raise UsageError("--clip-grad-norm with virtual stages (several stages per rank): a rank steps each of its "
                          "stages at its own point of the step, so no one point sees every stage's gradients; drop "

@@ -145,11 +145,12 @@ def test_clip_grad_norm_equals_single_process(tmp_path: Path, schedule: str) -> 
     assert any(not torch.allclose(unclipped[s][n], want[s][n], rtol=1e-3, atol=1e-5) for s in range(3) for n in want[s])
 
 
-def test_clip_grad_norm_refused_for_asynchronous_schedules(tmp_path: Path) -> None:
+def test_clip_grad_norm_options(tmp_path: Path) -> None:
+    """Refusals (1F1B and 2BW clip per update: tests/test_clip_pipedream.py)."""
     z = get("mlp", batch_size=BATCH, seed=0)
-    with pytest.raises(UsageError, match="synchronous"):
+    with pytest.raises(UsageError, match="same number of replicas"):
         pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
-                  stages=2, schedule="1f1b", clip_grad_norm=1.0)
+                  stages=2, replicas=[2, 1], schedule="1f1b", clip_grad_norm=1.0)
     with pytest.raises(UsageError, match="positive"):
         pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
                   stages=2, clip_grad_norm=-1.0)
@@ -160,8 +161,7 @@ def test_clip_grad_norm_refused_for_asynchronous_schedules(tmp_path: Path) -> No
     program = Program.load(prog)
     args = runtime_launch.parse_args(["--schedule", "2bw"], program)
     assert args.clip_grad_norm == 1.0 and args.precision == "fp32"  # plan.json's defaults
-    with pytest.raises(UsageError, match="--clip-grad-norm with --schedule 2bw.*synchronous"):
-        runtime_launch.check_args(args, program, world=2)
+    runtime_launch.check_args(args, program, world=2)  # 2bw clips per update
     runtime_launch.check_args(runtime_launch.parse_args([], program), program, world=2)
 
 

@@ -116,7 +116,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
 def add_clip_arg(p: argparse.ArgumentParser) -> None:
     """``--clip-grad-norm X`` for the commands that emit a program."""
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
-                   help="clip gradients to global L2 norm X before each step (synchronous schedules)")
+                   help="clip gradients to global L2 norm X before each step (1f1b, 2bw: at each update, over every stage's gradients of it)")
 
 
 def optimizer_factory(text: str) -> Any:

@@ -40,7 +40,7 @@ from pdcompile.runtime.schedules.registry import (
 )
 from pdcompile.runtime.schedules.replay import replay, send_release
 from pdcompile.runtime.schedules.transfers import check_transfers, transfer_plan
-from pdcompile.runtime.schedules.validate import validate
+from pdcompile.runtime.schedules.validate import check_global_steps, validate
 from pdcompile.runtime.schedules.versions import (
     forward_versions,
     live_versions,
@@ -51,7 +51,7 @@ from pdcompile.runtime.schedules.versions import (
 
 __all__ = [
     "COMPUTE", "MAX_PERIODIC_BASE", "POLICIES", "SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "VIRTUAL_SCHEDULES", "Action", "Kind", "Layout",
-    "Placement", "Policy", "RankRun", "Schedule", "check_transfers", "flush", "format_grid", "forward_versions", "gpipe", "layout",
+    "Placement", "Policy", "RankRun", "Schedule", "check_global_steps", "check_transfers", "flush", "format_grid", "forward_versions", "gpipe", "layout",
     "live_versions", "make_schedule", "one_f_one_b", "parse_grid", "peak_in_flight", "peak_weight_versions", "policy",
     "rank_of", "rank_run", "replay", "send_release", "shift", "stage_of_rank", "stage_ranks", "stages_of_rank", "transfer_plan",
     "two_bw", "validate", "version_copies", "warmup_depth",

@@ -18,9 +18,21 @@ def _sender_key(a: Action) -> tuple[Kind, int, int]:
     return (Kind.SEND_GRAD, a.stage + 1, a.mb)
 
 
+def is_collective(a: Action, step_collective: bool = False) -> bool:
+    """Whether ``a`` is a collective: ``AR`` (the stage's replicas), ``TG`` (every rank), and with
+    ``step_collective`` ``ST`` too (every rank: global-norm clipping all-reduces at each step)."""
+    return a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS) or (step_collective and a.kind is Kind.STEP)
+
+
+def collective_key(a: Action, ordinal: int) -> tuple[Kind, int, int]:
+    """Which collective ``a`` joins: its kind, its stage for ``AR`` (-1: every rank), its ordinal
+    among the rank's actions of that kind (the k-th ``ST`` of every rank meet)."""
+    return (a.kind, a.stage if a.kind is Kind.ALLREDUCE else -1, ordinal)
+
+
 def replay(sched: Schedule, replicas: Sequence[int],
            execute: Callable[[list[tuple[int, int]], Action], None] | None = None, *, name: str = "schedule",
-           placement: Placement | None = None) -> None:
+           placement: Placement | None = None, step_collective: bool = False) -> None:
     """Run every rank's actions in order, as the executor would, and detect deadlock.
 
     A receive waits until its matching send has run; ``AR`` waits for all replicas of the stage to
@@ -30,6 +42,8 @@ def replay(sched: Schedule, replicas: Sequence[int],
     respects those dependencies. Raises :class:`ScheduleError` (rule 'no deadlock') naming the
     ranks that wait on each other, with the grid. ``placement``: ranks per stage (virtual stages;
     a transfer between two stages of one rank is a local hand-over: its receive waits for its send).
+    ``step_collective``: every rank's k-th ``ST`` waits for every rank's k-th ``ST`` (global-norm
+    clipping: the runtime all-reduces the squared gradient norms over all ranks at each step).
     """
     ranks = stage_ranks(replicas, placement)
     all_ranks = sorted(sched)
@@ -59,8 +73,8 @@ def replay(sched: Schedule, replicas: Sequence[int],
                 if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
                     if _sender_key(a) not in sent:
                         break
-                elif a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
-                    key = (a.kind, a.stage if a.kind is Kind.ALLREDUCE else -1, ordinal[r][i])
+                elif is_collective(a, step_collective):
+                    key = collective_key(a, ordinal[r][i])
                     group = participants(a)
                     got = arrived.setdefault(key, {})
                     got[r] = i
@@ -84,8 +98,8 @@ def replay(sched: Schedule, replicas: Sequence[int],
         raise _deadlock(sched, name, ranks, pcs, arrived, blocked)
 
 
-def send_release(sched: Schedule, replicas: Sequence[int],
-                 placement: Placement | None = None) -> dict[int, dict[int, list[Action]]]:
+def send_release(sched: Schedule, replicas: Sequence[int], placement: Placement | None = None, *,
+                 step_collective: bool = False) -> dict[int, dict[int, list[Action]]]:
     """Per rank: after which of its actions the sends of earlier actions are known to be complete.
 
     A send's buffer must stay alive until the receiver has taken the message, and on gloo nothing
@@ -100,6 +114,11 @@ def send_release(sched: Schedule, replicas: Sequence[int],
 
     Returns ``{rank: {index: [earlier actions whose sends are complete after action index]}}``
     (by index: ``ST``, ``AR`` and ``TG`` occur once per step).
+
+    ``step_collective``: ``ST`` counts as a collective over every rank too, which it is only where
+    the runtime all-reduces there (global-norm clipping); it may then release sends sooner. The
+    runtime does not pass it: the release computed without it stays correct with clipping (every
+    happens-before it uses still holds), so one release serves runs with and without clipping.
 
     >>> from pdcompile.runtime.schedules import make_schedule
     >>> sched = make_schedule("gpipe", [1, 1], 2, split_backward=False)
@@ -132,7 +151,7 @@ def send_release(sched: Schedule, replicas: Sequence[int],
         open_[r] = keep
 
     def execute(parts: list[tuple[int, int]], a: Action) -> None:
-        if a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
+        if is_collective(a, step_collective):
             both = [-1] * n
             for q, i in parts:
                 vc[q][q] = i
@@ -159,7 +178,7 @@ def send_release(sched: Schedule, replicas: Sequence[int],
             open_[r].append((peer, pos[peer][(Kind.FORWARD, k)], a))
         release(r, i)
 
-    replay(sched, replicas, execute, name="send release", placement=placement)
+    replay(sched, replicas, execute, name="send release", placement=placement, step_collective=step_collective)
     return out
 
 
@@ -173,7 +192,7 @@ def _deadlock(sched: Schedule, name: str, ranks: list[list[int]], pcs: dict[int,
                 return [], f"rank {r} waits at {a} for a send from stage {stage}, which does not exist"
             q = rank_of(stage, mb, ranks)
             return [q], f"rank {r} waits at {a} (step {pcs[r]}) for {stage}{kind.value}{mb} from rank {q}"
-        group = list(ranks[a.stage]) if a.kind is Kind.ALLREDUCE else sorted(sched)
+        group = list(ranks[a.stage]) if a.kind is Kind.ALLREDUCE else sorted(sched)  # TG, ST: every rank
         here = next((got for got in arrived.values() if r in got), {})
         missing = [q for q in group if q not in here]
         return missing, f"rank {r} waits at {a} (step {pcs[r]}) for ranks {missing} to join"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from pdcompile.errors import ScheduleError
 from pdcompile.runtime.schedules.actions import Action, Kind, Placement, Schedule, rank_of, stage_ranks
-from pdcompile.runtime.schedules.replay import replay
+from pdcompile.runtime.schedules.replay import collective_key, is_collective, replay
 
 Posts = dict[int, list[tuple[Action, ...]]]  # rank -> per action index, the receives posted before it
 
@@ -241,7 +241,7 @@ def transfer_plan(sched: Schedule, replicas: Sequence[int], placement: Placement
 
 def check_transfers(sched: Schedule, replicas: Sequence[int], posts: Posts | None = None, *,
                     targets: Collection[int] | None = None, name: str = "schedule",
-                    placement: Placement | None = None) -> None:
+                    placement: Placement | None = None, step_collective: bool = False) -> None:
     """Replay ``sched`` with its receives posted as ``posts`` says (default: :func:`transfer_plan`)
     under NCCL's rules: per pair of ranks each side runs its transfers one at a time in issue order,
     a send completes together with the peer's receive of the same message when both are next in
@@ -253,7 +253,9 @@ def check_transfers(sched: Schedule, replicas: Sequence[int], posts: Posts | Non
     first stage's ``F k`` sends the target to the last stage before it computes (so ``T k`` precedes
     ``A k``); receives are posted where ``posts`` puts them, the last stage's ``RF k`` first posting
     the targets up to ``k`` (:class:`TargetPosts`); sends are waited for only once the schedule
-    proves their receiver has them (``send_release``)."""
+    proves their receiver has them (``send_release``). ``step_collective``: every ``ST`` is a
+    collective over all ranks too (global-norm clipping), which a rank blocks in, as in ``AR``/``TG``,
+    while its posted transfers go on."""
     ranks = stage_ranks(replicas, placement)
     S = len(replicas)
     posts = transfer_plan(sched, replicas, placement) if posts is None else posts
@@ -317,9 +319,9 @@ def check_transfers(sched: Schedule, replicas: Sequence[int], posts: Posts | Non
                 a = acts[i]
                 if any(m not in received[r] for m in waits_of(a, S, targets)):
                     break
-                if a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
+                if is_collective(a, step_collective):
                     group = list(ranks[a.stage]) if a.kind is Kind.ALLREDUCE else sorted(sched)
-                    key = (a.kind, a.stage if a.kind is Kind.ALLREDUCE else -1, ordinal[r][i])
+                    key = collective_key(a, ordinal[r][i])
                     got = arrived.setdefault(key, set())
                     got.add(r)
                     if len(got) < len(group):

@@ -3,11 +3,12 @@ with the rank, the step and the grid marked."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
-from pdcompile.errors import ScheduleError
+from pdcompile.errors import ScheduleError, UsageError
 from pdcompile.runtime.schedules.actions import Kind, Schedule, rank_of, schedule_error
-from pdcompile.runtime.schedules.generate import expected_versions
+from pdcompile.runtime.schedules.generate import expected_versions, make_schedule
 from pdcompile.runtime.schedules.policy import Policy
 from pdcompile.runtime.schedules.registry import SPLIT_BACKWARD_SCHEDULES, layout
 from pdcompile.runtime.schedules.replay import replay
@@ -281,3 +282,57 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
     variants = ((),) if placement is not None else (None, (), range(lay.replicas[-1]))
     for targets in variants:  # all sent, none (--targets local), the first only; virtual stages: local only
         check_transfers(sched, lay.replicas, posts, targets=targets, name=name, placement=placement)
+
+
+def check_global_steps(name: str, replicas: Sequence[int], num_microbatches: int, *, tied: bool = False,
+                       vertical_sync: bool = False, split_backward: bool = False, virtual_stages: int = 1,
+                       num_steps: int | None = None) -> None:
+    """Whether schedule ``name`` can make every ``ST`` a collective over all ranks, as global-norm
+    clipping does (the k-th ``ST`` of every rank all-reduces the squared norms of the gradients each
+    stage is about to apply); a :class:`UsageError` saying why not otherwise.
+
+    Two conditions. (1) Every stage's k-th update holds the same microbatches
+    (:meth:`~.policy.Layout.group_of` is one function of the microbatch on every stage), so the
+    k-th ``ST`` of every rank is one update of the whole model: true of the synchronous schedules
+    and 2BW (a step's ``M`` microbatches), and of 1F1B exactly when every stage has the same
+    number of replicas (an update per ``r`` microbatches, the replicas' summed); with different
+    counts the stages take different numbers of steps. (2) The schedule completes with ``ST`` a
+    collective: :func:`replay` and :func:`check_transfers` (with the receives posted where
+    :func:`transfer_plan` puts them, targets sent, none or the first only) with
+    ``step_collective``. Why (2) holds for 1F1B and 2BW: a rank's actions before its k-th ``ST``
+    are forwards admitted by the in-flight bound and backwards of updates ``<= k``; a backward
+    waits only for the next stage's backward of the same microbatch, which comes before that
+    rank's k-th ``ST``, and a forward only for the previous stage's forward of that microbatch,
+    which that stage (admitting at least as many in flight, ``warmup_depth`` non-increasing)
+    ran before its own backward of the update's last microbatch; so no rank waits across another
+    rank's k-th ``ST``. The replay checks it on ``num_steps`` steps (default: past the warm-up
+    and two repeating periods, as :func:`~.periodic.rank_run` reads them)."""
+    lay = layout(name, replicas, num_microbatches, 1, vertical_sync, split_backward, virtual_stages)
+    if lay.policy.placement is not None:
+        raise UsageError(f"{name}: a rank steps each of its stages at its own point of the step, so no one point "
+                         f"sees every stage's gradients (global-norm clipping needs one stage per rank)")
+    reps = lay.replicas
+    if num_steps is None:
+        unit = math.lcm(*(r // math.gcd(lay.num_microbatches, r) for r in reps))
+        num_steps = 2 + math.ceil(2 * sum(reps) / lay.num_microbatches) + 2 * unit
+    lay = layout(name, reps, num_microbatches, num_steps, vertical_sync, split_backward, virtual_stages)
+    groups = [[lay.group_of(s, n) for n in range(lay.total)] for s in range(lay.num_stages)]
+    for s in range(1, lay.num_stages):
+        if groups[s] != groups[0]:
+            n = next(n for n in range(lay.total) if groups[s][n] != groups[0][n])
+            raise UsageError(
+                f"{name} on replicas {list(reps)}: stage 0 updates once per {reps[0]} microbatch(es) (its "
+                f"replicas step together) and stage {s} once per {reps[s]}, so the stages take different numbers "
+                f"of steps (microbatch {n} is in stage 0's update {groups[0][n]}, stage {s}'s {groups[s][n]}) and "
+                f"no update has every stage's gradients for a global norm; give every stage the same number of "
+                f"replicas, or use 2bw or a synchronous schedule")
+    sched = make_schedule(name, reps, num_microbatches, tied=tied, vertical_sync=vertical_sync, num_steps=num_steps,
+                          split_backward=split_backward, virtual_stages=virtual_stages)
+    try:
+        replay(sched, reps, name=name, step_collective=True)
+        posts = transfer_plan(sched, reps)
+        for targets in (None, (), range(reps[-1])):
+            check_transfers(sched, reps, posts, targets=targets, name=name, step_collective=True)
+    except ScheduleError as e:
+        raise UsageError(f"{name} on replicas {list(reps)}: with every step a collective over all ranks "
+                         f"(global-norm clipping) the schedule would deadlock: {e}") from None
