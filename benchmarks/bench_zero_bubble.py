@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -97,32 +99,90 @@ def on_profiles(names: list[str], clusters: list[str]) -> str:
 
     from pdcompile import profile
     from pdcompile._cli.plan import resolve_cluster
-    from pdcompile.autoschedule import auto_schedules, best, best_per_schedule, candidates, microbatch_counts
+    from pdcompile.autoschedule import (
+        auto_schedules,
+        best,
+        best_per_schedule,
+        candidates,
+        microbatch_counts,
+        virtual_candidates,
+    )
     from pdcompile.passes.linearize import linearize
     from pdcompile.plan import plan
     from pdcompile.simulate import simulate_plan
 
     lines = ["| profile | cluster | configuration | auto: schedule, M | auto step (s) | flush M=4 step (s) | "
              "auto speedup over flush M=4 | over the best other schedule | best gpipe / flush / zb-h1 (s) | "
-             "planning + choice (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "best with 2 stages per rank on the plan's ranks: schedule, step (s) | planning + choice (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         for cl in clusters:
             t0 = time.perf_counter()
             chain, cluster = linearize(profile.load(f"pipedream:{name}")), resolve_cluster(cl)
             pl = plan(chain, cluster, schedule="flush")
             mb = pl.microbatch_size * 8
-            cands = candidates(pl, chain, cluster, mb, auto_schedules(True), microbatch_counts(mb, most=16))
-            chosen, per = best(cands), best_per_schedule(cands)
+            counts = microbatch_counts(mb, most=16)
+            cands = candidates(pl, chain, cluster, mb, auto_schedules(True), counts)
+            ranks = len({r for st in pl.stages for r in st.ranks})
+            virt = virtual_candidates(chain, cluster, ranks, mb, auto_schedules(True, virtual=True), counts)
+            chosen, per = best(cands + virt), best_per_schedule(cands + virt)
             dt = time.perf_counter() - t0
+            vbest = best(virt) if virt else None
+            vcell = f"{vbest.schedule}, {vbest.step_s:.4g}{'' if vbest.fits else ' (does not fit)'}" if vbest else "-"
             base = float(simulate_plan(dataclasses.replace(pl, microbatch_size=mb // 4), chain, cluster, "flush",
                                        4).step_time_s)
             lines.append(f"| {name} | {cl} | {pl.configuration} | {chosen.schedule}, {chosen.num_microbatches} | "
                          f"{chosen.step_s:.4g} | {base:.4g} | {base / chosen.step_s:.3f} | "
                          f"{min(c.step_s for n, c in per.items() if n != chosen.schedule) / chosen.step_s:.3f} | "
                          + " / ".join(f"{per[n].step_s:.4g}" for n in ("gpipe", "flush", "zb-h1"))
-                         + f" | {dt:.2f} |")
+                         + f" | {vcell} | {dt:.2f} |")
     return "\n".join(lines)
+
+
+def on_straight_pipelines(names: list[str], cluster_name: str, ranks: Sequence[int]) -> str:
+    """Straight pipelines of ``p`` balanced stages (one worker each, no replication) on the cluster's
+    first ``p`` workers: the best schedule with a stage per rank against auto with the schedules
+    that put 2 stages on each rank (``v p`` balanced stages), all simulated. Where the bubble
+    matters, interleaving and the V schedules can win; the DP's replicated plans leave none."""
+    import time
+
+    from pdcompile import profile
+    from pdcompile._cli.plan import resolve_cluster
+    from pdcompile.autoschedule import auto_schedules, best, candidates, microbatch_counts, virtual_candidates
+    from pdcompile.passes.linearize import linearize
+    from pdcompile.passes.partition import balanced_bounds
+    from pdcompile.passes.partition_dp import pipeline_plan
+
+    lines = ["| profile | p | best with a stage per rank: schedule, M, step (s) | auto with 2 stages per rank allowed: "
+             "schedule, M, step (s) | predicted step ratio (below 1: the fastest one fitting 16 GiB is slower) | "
+             "choice (s) |", "|---|---|---|---|---|---|"]
+    cluster = resolve_cluster(cluster_name)
+    for name in names:
+        chain = linearize(profile.load(f"pipedream:{name}"))
+        for p in ranks:
+            if 2 * p > len(chain.layers):
+                continue
+            t0 = time.perf_counter()
+            pl = pipeline_plan(chain, balanced_bounds(chain, p), cluster, schedule="flush", memory_limit=False)
+            mb = pl.microbatch_size * 8
+            counts = microbatch_counts(mb, most=16)
+            fixed = best(candidates(pl, chain, cluster, mb, auto_schedules(True), counts))
+            chosen = best([fixed, *virtual_candidates(chain, cluster, p, mb, auto_schedules(True, virtual=True),
+                                                      counts)])
+            dt = time.perf_counter() - t0
+            v = f" v={chosen.virtual_stages}" if chosen.virtual_stages > 1 else ""
+
+            def fit(c: Any) -> str:
+                return "" if c.fits else " (does not fit)"
+
+            lines.append(f"| {name} | {p} | {fixed.schedule}, {fixed.num_microbatches}, {fixed.step_s:.4g}{fit(fixed)} | "
+                         f"{chosen.schedule}{v}, {chosen.num_microbatches}, {chosen.step_s:.4g}{fit(chosen)} | "
+                         f"{fixed.step_s / chosen.step_s:.3f} | {dt:.2f} |")
+    return "\n".join(lines)
+
+
+PROFILES = ["alexnet", "vgg16", "gnmt", "gnmt_large", "resnet18", "resnet50", "resnet101", "resnext50",
+            "resnext101", "inception_v3", "densenet121", "nasnetamobile", "nasnetalarge"]
 
 
 def table(rows: list[list[str]]) -> str:
@@ -146,7 +206,11 @@ def main(argv: list[str] | None = None) -> None:
                 "model), minibatch = 8 x the plan's microbatch, every M dividing it up to 16, every synchronous "
                 "schedule simulated (simulate_plan); the layers have no profiled split, so B and W cost the fixed "
                 "0.6 / 0.6 shares of the backward (what the CPU runtime's split measured). Predicted only.\n\n"
-                + on_profiles(["vgg16", "alexnet", "gnmt", "resnet50"], ["paper:A", "paper:B"]))
+                + on_profiles(PROFILES, ["paper:A", "paper:B"])
+                + "\n\nStraight pipelines on Cluster A's first p workers (one stage per worker, balanced; no "
+                  "replication), the same candidates plus those with 2 stages per rank (interleaved-1f1b, "
+                  "looped-bfs, zb-v, dualpipe-v on 2p balanced stages). Predicted only.\n\n"
+                + on_straight_pipelines(PROFILES, "paper:A", (4, 8)))
         publish("schedule=auto on PipeDream's profiles (bench_zero_bubble --profiles)", body,
                 "python benchmarks/bench_zero_bubble.py --profiles", write=not args.quick)
         return

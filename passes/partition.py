@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from pdcompile.cluster import ClusterSpec, local_cpu_cluster
 from pdcompile.errors import UsageError
 from pdcompile.ir import Chain, CompileState, need
@@ -33,34 +35,45 @@ def planner_schedule(schedule: str) -> str:
 def balanced_split(weights: Sequence[float], num_stages: int, cut_bytes: Sequence[float]) -> list[int]:
     """First positions of stages 1..S-1 of ``weights`` cut into ``num_stages`` contiguous parts that
     minimise the largest part's sum. ``cut_bytes[i]`` is what a cut after item ``i`` sends (``math.inf``:
-    no cut there); ties go to the narrowest widest cut, then to the earliest cuts."""
+    no cut there); ties go to the narrowest widest cut, then to the earliest cuts. The DP over
+    (parts, prefix) is vectorised over the last cut (numpy): 1250 layers in 32 parts in a few
+    tenths of a second instead of tens of seconds."""
     n = len(weights)
     if num_stages > n:
         raise UsageError(f"pdcompile: {num_stages} stages but the model has only {n} layers")
-    pre = [0.0]
-    for w in weights:
-        pre.append(pre[-1] + w)
-    ok = [True] + [math.isfinite(c) for c in cut_bytes]  # ok[i]: may a stage start at i?
-    inf = (math.inf, math.inf)
+    pre = np.concatenate([[0.0], np.cumsum(np.asarray(weights, dtype=float))])
+    ok = np.array([True] + [math.isfinite(c) for c in cut_bytes])  # ok[j]: may a stage start at j?
+    cut = np.array([0.0] + [float(c) for c in cut_bytes])  # cut[j]: bytes of a cut before item j
+    inf = math.inf
     # best[k][i]: (largest part, widest cut) splitting weights[:i] into k parts
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    back = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = (0.0, 0.0)
+    big = np.full((num_stages + 1, n + 1), inf)
+    wide = np.full((num_stages + 1, n + 1), inf)
+    back = np.zeros((num_stages + 1, n + 1), dtype=int)
+    big[0][0], wide[0][0] = 0.0, 0.0
     for k in range(1, num_stages + 1):
+        js = np.arange(k - 1, n)
+        prev_big, prev_wide = big[k - 1][js], wide[k - 1][js]
+        usable = np.isfinite(prev_big) & ok[js]
+        cut_j = np.where(js > 0, cut[js], 0.0)
         for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                if best[k - 1][j] == inf or not ok[j]:
-                    continue
-                cut = cut_bytes[j - 1] if j > 0 else 0.0
-                cand = (max(best[k - 1][j][0], pre[i] - pre[j]), max(best[k - 1][j][1], cut))
-                if cand < best[k][i]:
-                    best[k][i], back[k][i] = cand, j
-    if best[num_stages][n] == inf:
+            m = usable[: i - (k - 1)]
+            if not m.any():
+                continue
+            jj = js[: i - (k - 1)]
+            a = np.maximum(prev_big[: len(jj)], pre[i] - pre[jj])
+            b = np.maximum(prev_wide[: len(jj)], cut_j[: len(jj)])
+            a = np.where(m, a, inf)
+            amin = a.min()
+            tie = a == amin
+            bmin = np.where(tie, b, inf).min()
+            t = int(np.flatnonzero(tie & (b == bmin))[0])
+            big[k][i], wide[k][i], back[k][i] = amin, bmin, int(jj[t])
+    if not math.isfinite(big[num_stages][n]):
         raise UsageError(f"pdcompile: no way to cut the model into {num_stages} stages where only tensors "
                          f"cross the cuts; use fewer stages")
     bounds, i = [], n
     for k in range(num_stages, 0, -1):
-        i = back[k][i]
+        i = int(back[k][i])
         bounds.append(i)
     return sorted(b for b in bounds if b > 0)
 

@@ -201,23 +201,43 @@ class CompiledPipeline:
         """``schedule="auto"``: simulate the candidates on the plan (:mod:`pdcompile.autoschedule`),
         recompile with the best when it is not the flush compiled first. M stays as given, if given."""
         split = need(self.state.schedule_spec, "schedule_spec").split_backward  # the schedule pass's decision
-        names = autoschedule.auto_schedules(autoschedule.split_every_backward_pays(self.cluster.device.name, split))
+        pays = autoschedule.split_every_backward_pays(self.cluster.device.name, split)
+        names = autoschedule.auto_schedules(pays)
+        virtual = autoschedule.auto_schedules(pays, virtual=True)
         skipped = [f"not considered: {n} (every backward split: on CPU workers it costs more than the bubble it "
-                   f"fills, see split_every_backward_pays)" for n in autoschedule.auto_schedules(True) if n not in names]
+                   f"fills, see split_every_backward_pays)"
+                   for n in autoschedule.auto_schedules(True) + autoschedule.auto_schedules(True, virtual=True)
+                   if n not in names + virtual]
         batch = int(self.example_inputs[0].shape[0])
         fixed = self.num_microbatches if asked.num_microbatches is not None or asked.microbatch_size is not None \
             else None
         tied_bytes, tied_stages = self._tied()
         overhead = _cached_overhead_s() if self.cluster.device.name == "cpu" else None
-        cands = autoschedule.candidates(self.plan, self.wire_chain, self.cluster, batch, names,
-                                        autoschedule.microbatch_counts(batch, fixed), split_backward=split,
-                                        tied_bytes=tied_bytes, tied_stages=tied_stages, overhead_s=overhead or 0.0)
+        counts = autoschedule.microbatch_counts(batch, fixed)
+        cands = autoschedule.candidates(self.plan, self.wire_chain, self.cluster, batch, names, counts,
+                                        split_backward=split, tied_bytes=tied_bytes, tied_stages=tied_stages,
+                                        overhead_s=overhead or 0.0)
+        ranks = len({r for st in self.plan.stages for r in st.ranks})
+        if (asked.replicas is None or all(r == 1 for r in asked.replicas)) and asked.clip_grad_norm is None:
+            # virtual stages on the plan's ranks, one replica per stage: the tie (if any) joins the first and last
+            # (not with clipping: a rank steps its stages at different points, see _check_virtual)
+            for v in autoschedule.VIRTUAL_STAGES:
+                cands += autoschedule.virtual_candidates(
+                    self.wire_chain, self.cluster, ranks, batch, virtual, counts, vs=(v,), split_backward=split,
+                    tied_bytes=tied_bytes, tied_stages=[0, v * ranks - 1] if tied_bytes else [],
+                    overhead_s=overhead or 0.0)
         chosen = autoschedule.best(cands)
         if overhead is None:
             skipped = [*skipped, "note: the runtime's per-action cost is not cached here (python -m "
                                  "pdcompile.calibrate measures it), so more microbatches always look faster"]
         self.schedule_choice = (cands, chosen, skipped)
-        if (chosen.schedule, chosen.num_microbatches) != (self.options.schedule, self.num_microbatches):
+        if chosen.virtual_stages > 1:
+            ranks_v = chosen.virtual_stages * ranks
+            self._compile(model, example_inputs, replace(asked, schedule=chosen.schedule, microbatch_size=None,
+                                                         num_microbatches=chosen.num_microbatches,
+                                                         virtual_stages=chosen.virtual_stages, stages=ranks_v,
+                                                         replicas=None), dump_dir)
+        elif (chosen.schedule, chosen.num_microbatches) != (self.options.schedule, self.num_microbatches):
             self._compile(model, example_inputs, replace(asked, schedule=chosen.schedule, microbatch_size=None,
                                                          num_microbatches=chosen.num_microbatches), dump_dir)
         else:

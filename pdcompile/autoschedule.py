@@ -85,12 +85,18 @@ def virtual_candidates(chain: Any, cluster: Any, ranks: int, minibatch: int, sch
 
     limit = cluster.device.memory
     out = []
+    cut: dict[int, Any] = {}  # v -> the balanced stages (one cut per v; each schedule places them its way)
     for name in schedules:
         for v in vs:
             if v * ranks > len(chain.layers) or ranks < 2:
                 continue
             try:
-                plan, _ = virtual_plan(chain, cluster, name, v, v * ranks)
+                place = POLICIES[name].placement
+                assert place is not None
+                if v not in cut:
+                    cut[v] = virtual_plan(chain, cluster, name, v, v * ranks)[0]
+                plan = dataclasses.replace(cut[v], stages=tuple(
+                    dataclasses.replace(st, ranks=tuple(r)) for st, r in zip(cut[v].stages, place(v * ranks, v))))
             except UsageError:
                 continue
             for m in counts:
