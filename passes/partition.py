@@ -20,6 +20,7 @@ import numpy as np
 from pdcompile.cluster import ClusterSpec, local_cpu_cluster
 from pdcompile.errors import UsageError
 from pdcompile.ir import Chain, CompileState, need
+from pdcompile.passes.partition_dp import SCHEDULES as DP_SCHEDULES
 from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
 from pdcompile.plan import Plan
 from pdcompile.plan import plan as choose_plan
@@ -101,6 +102,11 @@ def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
     """The plan for ``chain`` and the cluster it is for."""
     # the DP's memory model reads every schedule's own Policy (GPipe: all M in flight); the ILP's knows fewer
     sched = opts.schedule if opts.solver == "dp" else planner_schedule(opts.schedule)
+    # a given split is evaluated with the DP's model, which knows the schedules by name; one it does not
+    # (a torch CSV's) with its policy's planner_model
+    fixed = opts.schedule if opts.schedule in DP_SCHEDULES else planner_schedule(opts.schedule)
+    if opts.schedule not in DP_SCHEDULES:
+        sched = fixed
     mem: dict[str, Any] = {"num_microbatches": opts.num_microbatches, "recompute": opts.recompute}
     place = policy(opts.schedule).placement if opts.schedule in POLICIES else None
     if place is not None:
@@ -115,12 +121,12 @@ def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
     cluster = opts.cluster if opts.cluster is not None and opts.cluster.num_workers >= sum(reps) \
         else local_cpu_cluster(sum(reps))
     if opts.replicas is None:
-        return pipeline_plan(chain, balanced_bounds(chain, n), cluster, schedule=opts.schedule, memory_limit=False,
+        return pipeline_plan(chain, balanced_bounds(chain, n), cluster, schedule=fixed, memory_limit=False,
                              **mem), cluster
     # the same balanced split, stage k on ranks stage_ranks(replicas)[k]
     bounds = [0, *balanced_bounds(chain, n), len(chain)]
     assignment = [(a, b - 1, len(r), tuple(r)) for (a, b), r in zip(zip(bounds, bounds[1:]), stage_ranks(reps))]
-    return plan_from_assignment(chain, cluster, assignment, schedule=opts.schedule, memory_limit=False,
+    return plan_from_assignment(chain, cluster, assignment, schedule=fixed, memory_limit=False,
                                 **mem), cluster
 
 

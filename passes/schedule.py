@@ -22,6 +22,7 @@ class ScheduleOptions:
     vertical_sync: bool = False
     split_backward: bool | None = None  # None: default_split_backward for the plan's cluster
     virtual_stages: int = 1  # stages per rank (a schedule with a placement)
+    csv: str | None = None  # a schedule read from a torch CSV: its text (plan.json carries it)
 
 
 def run(state: CompileState, opts: ScheduleOptions) -> CompileState:
@@ -36,7 +37,7 @@ def run(state: CompileState, opts: ScheduleOptions) -> CompileState:
         split = default_split_backward("cpu" if cluster.device.name == "cpu" else "gpu", workers,
                                        os.cpu_count() or 1)
     spec = ScheduleSpec(opts.schedule, replicas, opts.num_microbatches, tied, opts.vertical_sync, split,
-                        opts.virtual_stages)
+                        opts.virtual_stages, opts.csv)
     return state.replace(schedule_spec=spec, schedule=spec.make(1))
 
 

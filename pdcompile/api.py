@@ -70,6 +70,28 @@ class Options:
     precision: str = "fp32"  # "bf16": autocast, fp32 master weights, bf16 boundary tensors, bf16 costs
     clip_grad_norm: float | None = None  # global-norm gradient clipping before each step (1f1b/2bw: per update)
     virtual_stages: int = 1  # stages per rank, for a schedule with virtual stages (interleaved-1f1b, ...)
+    csv_text: str | None = None  # schedule="csv:PATH": the torch CSV's text (schedule becomes its registered name)
+
+
+def _from_csv(opts: Options) -> Options:
+    """``schedule="csv:PATH"``: torch.distributed.pipelining's compute-only schedule CSV, validated
+    and registered (:func:`~pdcompile.runtime.schedules.torch_csv.register_csv`); its stages, stages
+    per rank and microbatches per step become the options (given ones must agree)."""
+    if not (isinstance(opts.schedule, str) and opts.schedule.startswith("csv:")):
+        return opts
+    from pdcompile.runtime.schedules import torch_csv
+
+    path = Path(opts.schedule[len("csv:"):])
+    if not path.is_file():
+        raise UsageError(f"pdcompile: schedule={opts.schedule!r}: no file {path} (give csv:PATH of a torch "
+                         f"schedule CSV, e.g. written by a torch schedule's _dump_csv(..., format='compute_only'))")
+    text = path.read_text()
+    name = torch_csv.register_csv(text)  # a ScheduleError names the broken rule and the cell
+    S, R, m = torch_csv.csv_shape(text)
+    for what, given, want in (("stages", opts.stages, S), ("num_microbatches", opts.num_microbatches, m)):
+        if given is not None and given != want:
+            raise UsageError(f"pdcompile: {what}={given}, but the CSV {path} has {want}; drop {what}=")
+    return replace(opts, schedule=name, csv_text=text, stages=S, num_microbatches=m, virtual_stages=S // R)
 
 
 def _check_virtual(opts: Options) -> None:
@@ -133,8 +155,9 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
                          "of targets)")
     if opts.recompute not in ("none", "full", "auto"):
         raise UsageError(f"pdcompile: recompute must be 'none', 'full' or 'auto', got {opts.recompute!r}")
-    if opts.schedule not in SCHEDULE_NAMES + (autoschedule.AUTO,):
-        raise UsageError(f"pdcompile: schedule must be one of {SCHEDULE_NAMES} or 'auto', got {opts.schedule!r}")
+    if opts.schedule not in (*schedules.POLICIES, autoschedule.AUTO):
+        raise UsageError(f"pdcompile: schedule must be one of {SCHEDULE_NAMES}, 'auto' or 'csv:PATH' (a torch "
+                         f"schedule CSV), got {opts.schedule!r}")
     _check_virtual(opts)
     if opts.precision not in PRECISIONS:
         raise UsageError(f"pdcompile: precision must be one of {PRECISIONS}, got {opts.precision!r}")
@@ -177,6 +200,7 @@ class CompiledPipeline:
                  dump_dir: str | os.PathLike[str] | None = None) -> None:
         self.model = model
         # schedule="auto": compiled with flush first, then with the schedule and M the simulator picks
+        opts = _from_csv(opts)
         auto = opts.schedule == autoschedule.AUTO
         self.schedule_choice: tuple[list[autoschedule.Candidate], autoschedule.Candidate, list[str]] | None = None
         self._compile(model, example_inputs, replace(opts, schedule="flush") if auto else opts, dump_dir)
@@ -266,7 +290,8 @@ class CompiledPipeline:
                                        else None, opts.cluster, opts.solver, opts.cost_model,
                                        num_microbatches=self.num_microbatches, recompute=opts.recompute,
                                        precision=opts.precision, virtual_stages=opts.virtual_stages),
-            schedule=ScheduleOptions(opts.schedule, self.num_microbatches, virtual_stages=opts.virtual_stages),
+            schedule=ScheduleOptions(opts.schedule, self.num_microbatches, virtual_stages=opts.virtual_stages,
+                                     csv=opts.csv_text),
             loss=TraceLossOptions(opts.loss_fn, self._micro_target(target)) if target is not None else None,
         )
 
@@ -307,7 +332,7 @@ class CompiledPipeline:
 
     @property
     def world_size(self) -> int:
-        return sum(len(r) for r in need(self.state.stage_ranks, "stage_ranks"))
+        return len({r for rs in need(self.state.stage_ranks, "stage_ranks") for r in rs})  # virtual: a rank runs several
 
     @property
     def cluster(self) -> ClusterSpec:

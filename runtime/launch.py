@@ -583,7 +583,7 @@ def run_schedule(program: Program, args: argparse.Namespace, rank: int, *, say: 
     if sb is None:
         sb = compiled.split_backward if isinstance(raw, dict) else split_backward(None, _device())
     spec = ScheduleSpec(args.schedule, compiled.replicas, args.microbatches, compiled.tied, args.vertical_sync, sb,
-                        compiled.virtual_stages)
+                        compiled.virtual_stages, compiled.csv if args.schedule == compiled.name else None)
     if spec.stage_ranks != [list(st.ranks) for st in program.stages]:
         raise UsageError(f"--schedule {spec.name} places the stages on ranks {spec.stage_ranks}, but this program's "
                          f"stages are on {[list(st.ranks) for st in program.stages]}; re-emit the program for "

@@ -12,6 +12,7 @@ from pdcompile.runtime.schedules.actions import Action, Schedule, stage_ranks
 from pdcompile.runtime.schedules.generate import make_schedule
 from pdcompile.runtime.schedules.periodic import RankRun, rank_run
 from pdcompile.runtime.schedules.registry import layout, policy
+from pdcompile.runtime.schedules.torch_csv import csv_name, register_csv
 
 CHECK_STEPS = 2  # the run whose action lists plan.json spells out
 
@@ -27,8 +28,11 @@ class ScheduleSpec:
     vertical_sync: bool = False
     split_backward: bool = True
     virtual_stages: int = 1  # stages per rank (a schedule with a placement: interleaved, V-shapes)
+    csv: str | None = None  # a torch CSV's text, for a schedule read from one (its name: torch_csv.csv_name)
 
     def __post_init__(self) -> None:
+        if self.csv is not None and register_csv(self.csv) != self.name:
+            raise UsageError(f"schedule {self.name!r} is not the torch CSV it carries ({csv_name(self.csv)})")
         pol = policy(self.name)  # checks the name
         layout(self.name, self.replicas, self.num_microbatches, 1, virtual_stages=self.virtual_stages)
         object.__setattr__(self, "vertical_sync", self.vertical_sync and pol.vertical_sync)
@@ -67,7 +71,7 @@ class ScheduleSpec:
         check = self.make(CHECK_STEPS)
         return {"policy": self.name, "replicas": list(self.replicas), "num_microbatches": self.num_microbatches,
                 "tied": self.tied, "vertical_sync": self.vertical_sync, "split_backward": self.split_backward,
-                "virtual_stages": self.virtual_stages,
+                "virtual_stages": self.virtual_stages, **({"csv": self.csv} if self.csv is not None else {}),
                 "check": {"steps": CHECK_STEPS,
                           "ranks": {str(r): " ".join(map(str, acts)) for r, acts in sorted(check.items())}}}
 
@@ -77,7 +81,7 @@ class ScheduleSpec:
             return ScheduleSpec(str(raw["policy"]), tuple(int(r) for r in raw["replicas"]),
                                 int(raw["num_microbatches"]), bool(raw.get("tied", False)),
                                 bool(raw.get("vertical_sync", False)), bool(raw.get("split_backward", True)),
-                                int(raw.get("virtual_stages", 1)))
+                                int(raw.get("virtual_stages", 1)), raw.get("csv"))
         except (KeyError, TypeError, ValueError) as e:
             raise UsageError(f"plan.json: the schedule entry is malformed ({type(e).__name__}: {e}); "
                              f"re-emit the program with this pdcompile") from None
