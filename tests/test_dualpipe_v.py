@@ -7,7 +7,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
-from _torch_orders import torch_order
+from pdcompile.torch_orders import torch_order
 
 from pdcompile.errors import ScheduleError, UsageError
 from pdcompile.runtime.schedules import Action, Kind, check_transfers, format_grid, layout, make_schedule, validate

@@ -9,7 +9,7 @@ import io
 from pathlib import Path
 
 import pytest
-from _torch_orders import torch_csv
+from pdcompile.torch_orders import torch_csv
 
 from pdcompile.errors import ScheduleError, UsageError
 from pdcompile.runtime.schedules import POLICIES, Kind, make_schedule, validate

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import _torch_orders as torch_orders  # noqa: E402  (tests/ is on sys.path, as for test_torch_csv.py)
+from pdcompile import torch_orders
 
 STEPS = 3
 

@@ -64,6 +64,8 @@ def _reference(name: str) -> tuple[dict, dict]:
     ("mlp", "zb-v", 4, "send"),  # a V: stages 0 and 3 on rank 0, 1 and 2 on rank 1 (hand-over in memory)
     ("resnet", "zb-v", 6, "local"),
     ("gpt", "zb-v", 4, "send"),  # both ends of the tied embedding on rank 0: summed there
+    ("gpt", "dualpipe-v", 4, "local"),
+    ("resnet", "dualpipe-v", 4, "send"),
 ])
 def test_virtual_stages_train_single_process_sgd(tmp_path: Path, name: str, schedule: str, stages: int,
                                                  targets: str) -> None:
@@ -74,7 +76,7 @@ def test_virtual_stages_train_single_process_sgd(tmp_path: Path, name: str, sche
     prog = _emit(tmp_path, name, schedule, stages, 2)
     plan = json.loads((prog / "plan.json").read_text())
     p = stages // 2
-    place = [[s] if s < p else [stages - 1 - s] for s in range(stages)] if schedule == "zb-v" else \
+    place = [[s] if s < p else [stages - 1 - s] for s in range(stages)] if schedule in ("zb-v", "dualpipe-v") else \
         [[s % p] for s in range(stages)]
     assert plan["world_size"] == p and [s["ranks"] for s in plan["stages"]] == place
     got = _train(prog, tmp_path / "final", p, ("--targets", targets))

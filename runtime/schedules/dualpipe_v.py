@@ -96,11 +96,10 @@ def dualpipe_v_compute(p: int, m: int, rank: int) -> list[Action]:
 
 def dualpipe_v_order(lay: Layout, stage: int, replica: int, tied: bool) -> list[Action]:
     """One rank's actions (``stage``: its first, i.e. the rank), :func:`dualpipe_v_compute` step by
-    step with each F/B in its transfers and each stage's update after its last B/W of the step."""
-    if tied:
-        raise UsageError("tied weights across virtual stages are not supported yet")
+    step with each F/B in its transfers and each stage's update after its last B/W of the step (with
+    ``tied`` weights, both stages' at the end of the step)."""
     p, m = v_ranks(lay), lay.num_microbatches
-    step = expand_compute(dualpipe_v_compute(p, m, stage), lay.num_stages)
+    step = expand_compute(dualpipe_v_compute(p, m, stage), lay.num_stages, tied)
     return [shift(a, t * m) for t in range(lay.num_steps) for a in step]
 
 

@@ -1,6 +1,7 @@
-"""torch.distributed.pipelining's own compute orders (``pipeline_order``), built without a process
-group: its schedule classes on stand-in stages that only report their indices. The independent
-reference for our ZB-V, DualPipeV and the CSV reader."""
+"""torch.distributed.pipelining's own compute orders (``pipeline_order``) and CSVs, built without a
+process group: its schedule classes on stand-in stages that only report their indices. The
+independent reference for our ZB-V, DualPipeV and the CSV reader (tests), and the CSVs the
+benchmarks run on our runtime beside torch's."""
 
 from __future__ import annotations
 
