@@ -55,8 +55,11 @@ PAIRS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("gpipe", (), "gpipe"), ("flush", (), "1f1b"), ("flush", ("--no-split-backward",), "1f1b"))
 # virtual stages: 4 stages on the 2 processes, placed as each schedule says (interleaved: stage s on
 # rank s % 2; V: stages 0 and 3 on rank 0), ours and torch's of the same schedule on the same program
+# "csv:NAME": ours runs torch's own order of that schedule, read from its CSV (schedule="csv:PATH"),
+# for the torch schedules that have no policy of ours
 VIRTUAL_PAIRS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("interleaved-1f1b", (), "interleaved-1f1b"), ("looped-bfs", (), "looped-bfs"), ("zb-v", (), "zbv"))
+    ("interleaved-1f1b", (), "interleaved-1f1b"), ("looped-bfs", (), "looped-bfs"), ("zb-v", (), "zbv"),
+    ("csv:interleaved-zb", (), "interleaved-zb"), ("dualpipe-v", (), "dualpipev"))
 THEIR_NAME = TORCH_SCHEDULES
 
 
@@ -94,24 +97,34 @@ def compare(model: str, *, size: str = "bench", batch_size: int = 32, num_microb
     """Compile ``model`` once (``virtual`` > 1: ``stages * virtual`` stages for each pair's schedule,
     whose placement differs), then for every schedule pair one launch where ours and theirs take
     turns; the first ``skip_blocks`` blocks of each side (the process warming up) are dropped."""
-    b = bench_model(model, batch_size=batch_size, size=size)
-    programs: dict[str, Path] = {}
+    from pdcompile import torch_orders
 
-    def program_for(schedule: str) -> Path:
+    b = bench_model(model, batch_size=batch_size, size=size)
+    programs: dict[str, tuple[Path, str]] = {}
+
+    def program_for(schedule: str) -> tuple[Path, str]:
+        """The program for ``schedule`` and the name train.py runs it by."""
         key = schedule if virtual > 1 else "flush"
         if key not in programs:
-            pipe = compile_bench(b, stages * virtual, key, num_microbatches,
-                                 **({"virtual_stages": virtual} if virtual > 1 else {}))
-            programs[key] = pipe.emit(Path(tempfile.mkdtemp(prefix=f"pd-bench-{model}-")) / "program")
+            folder = Path(tempfile.mkdtemp(prefix=f"pd-bench-{model}-"))
+            if key.startswith("csv:"):
+                path = folder / "schedule.csv"
+                torch_orders.torch_csv(key[len("csv:"):], stages, num_microbatches, virtual, path=path)
+                pipe = compile_bench(b, stages * virtual, f"csv:{path}", num_microbatches)
+            else:
+                pipe = compile_bench(b, stages * virtual, key, num_microbatches,
+                                     **({"virtual_stages": virtual} if virtual > 1 else {}))
+            programs[key] = (pipe.emit(folder / "program"), pipe.state.schedule_spec.name)
         return programs[key]
 
     rows = []
     for ours, flags, theirs in pairs:
-        program = program_for(ours)
-        label = ours + ("" if not flags else " " + " ".join(flags))
+        program, name = program_for(ours)
+        label = (f"torch's {THEIR_NAME[theirs]} order (CSV)" if ours.startswith("csv:") else ours) + \
+            ("" if not flags else " " + " ".join(flags))
         try:
-            mine, other = run_pair(program, ours, theirs, blocks=blocks, block_steps=block_steps, warmup=warmup,
-                                   flags=flags)
+            mine, other = run_pair(program, name if ours.startswith("csv:") else ours, theirs, blocks=blocks,
+                                   block_steps=block_steps, warmup=warmup, flags=flags)
         except RuntimeError as e:
             rows.append(Row(model, label, theirs, math.nan, math.nan, 0, failed=root_error(str(e))))
             continue
