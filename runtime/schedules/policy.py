@@ -46,8 +46,8 @@ class Policy:
     * ``planner_model``: the schedule whose memory model the partitioners apply (None: this one).
     * ``placement``: stage -> ranks when a rank holds several (virtual) stages (interleaved: stage
       ``s`` on rank ``s % p``); ``order`` then gets the rank's first stage and builds all its
-      stages' actions. None: consecutive ranks, one stage each. The runtime refuses such schedules
-      (it does not execute virtual stages yet).
+      stages' actions. None: consecutive ranks, one stage each. The runtime runs each of a rank's
+      stages with its own executor (``RankExecutor``).
     * ``rank_in_flight``: the most microbatches in flight on a rank over all its stages (None: the
       sum of its stages' :meth:`in_flight`).
     * ``rank_held``: likewise the most held (F done, W not, where backwards are split; None: the sum
@@ -74,7 +74,7 @@ class Policy:
 
     @property
     def virtual_stages(self) -> bool:
-        """Whether a rank may hold several stages (the runtime does not execute those yet)."""
+        """Whether a rank may hold several stages (the runtime runs one executor per stage there)."""
         return self.placement is not None
 
     def accumulation(self, num_microbatches: int) -> int:

@@ -58,8 +58,8 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
            summary="DualPipeV (DeepSeek): 2 stages per rank in a V, a forward of one stage paired with a backward "
                    "of the other (run one after the other here), m >= 2p, one update per step (synchronous SGD)"),
 )}
-SCHEDULES: list[str] = [n for n, p in POLICIES.items() if not p.virtual_stages]  # one stage per rank: what runs
-VIRTUAL_SCHEDULES: list[str] = [n for n, p in POLICIES.items() if p.virtual_stages]  # schedule layer only, for now
+SCHEDULES: list[str] = [n for n, p in POLICIES.items() if not p.virtual_stages]  # one stage per rank
+VIRTUAL_SCHEDULES: list[str] = [n for n, p in POLICIES.items() if p.virtual_stages]  # several stages per rank
 SPLIT_BACKWARD_SCHEDULES = tuple(n for n, p in POLICIES.items() if p.split_backward)
 
 
