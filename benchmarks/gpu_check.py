@@ -257,8 +257,9 @@ def equality_row(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.
 
 # --- 3. the runtime on the device ------------------------------------------------------------------
 
-def run_runtime(prog: Path, steps: int, device: torch.device, out: Path) -> tuple[dict[str, torch.Tensor], list[float], str]:
-    """train.py through torchrun (one process); its merged weights, step times and output."""
+def run_runtime(prog: Path, steps: int, device: torch.device,
+                out: Path) -> tuple[dict[str, torch.Tensor], list[float], str, dict[str, Any]]:
+    """train.py through torchrun (one process); its merged weights, step times, output and metrics."""
     from pdcompile.launcher import launch
     from pdcompile.merge import merge_weights
 
@@ -267,7 +268,24 @@ def run_runtime(prog: Path, steps: int, device: torch.device, out: Path) -> tupl
     if rc != 0:
         raise RuntimeError(f"train.py exited {rc}:\n{log[-3000:]}")
     metrics = json.loads((out / "metrics" / "rank_0.json").read_text())
-    return merge_weights(prog, out / "final"), metrics["step_times_s"], log
+    return merge_weights(prog, out / "final"), metrics["step_times_s"], log, metrics
+
+
+def memory_row(prog: Path, metrics: dict[str, Any], device: torch.device) -> Row:
+    """The planner's predicted peak of the stage (plan.json) beside the runtime's own accounting
+    (runtime/memory.py) and, on a GPU, the CUDA allocator's ``max_memory_allocated``: the issue's
+    target is within 10%. A measurement (no pass/fail)."""
+    predicted = float(json.loads((prog / "plan.json").read_text())["plan"]["stages"][0]["memory_bytes"])
+    counted = float(metrics["memory"]["total"])  # the accounting's peak (runtime/memory.py MemoryMeter)
+    cuda = metrics.get("cuda_max_memory_allocated")
+    mib = 2.0 ** 20
+    text = f"predicted {predicted / mib:.1f} MiB, runtime's accounting {counted / mib:.1f} MiB"
+    if cuda is not None:
+        text += (f", CUDA max_memory_allocated {cuda / mib:.1f} MiB: allocator / predicted {cuda / predicted:.2f}, "
+                 f"accounting / allocator {counted / cuda:.2f}")
+    else:
+        text += f": accounting / predicted {counted / predicted:.2f} (no CUDA allocator on {device.type})"
+    return Row(f"stage memory on {device.type}: planner vs runtime", text, None)
 
 
 def predicted_step(prof: Any, loss_s: float, step_s: float) -> float:
@@ -325,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
         t0 = time.perf_counter()
         prog1 = compile_program(size, 1, Path(tmp) / "prog1")
-        got, times, _ = run_runtime(prog1, steps, device, Path(tmp) / "run")
+        got, times, _, metrics = run_runtime(prog1, steps, device, Path(tmp) / "run")
         backend = "NCCL" if device.type == "cuda" else "gloo"
         rows.append(equality_row(f"runtime: 1 stage through torchrun, {backend}, --device {device.type}",
                                  got, want, initial, tolerance))
@@ -336,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{loss_s * M * 1e3:.3f} + optimizer step {step_s * 1e3:.3f}), measured median "
                         f"{measured * 1e3:.3f} ms over {len(times[WARMUP:] or times)} steps: measured / predicted "
                         f"{measured / predicted:.2f}", None))
+        rows.append(memory_row(prog1, metrics, device))
         print(f"  runtime in {time.perf_counter() - t0:.1f} s", flush=True)
 
     ok = all(r.ok is not False for r in rows)

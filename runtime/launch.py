@@ -514,6 +514,9 @@ class Trainer:
                 # the stage's peak bytes at its measuring points, by category (runtime/memory.py)
                 "memory": executor.meter.report(),
                 "memory_by_stage": {str(ex.stage): ex.meter.report() for ex in self.executors},
+                # the allocator's own peak (CUDA): what the accounting and the planner's model are checked against
+                "cuda_max_memory_allocated": (torch.cuda.max_memory_allocated(_device())
+                                              if _device().type == "cuda" else None),
                 "precision": args.precision, "p2p_bytes_sent": comm.sent_bytes(),
                 "grad_norms": [float(n) for n in executor.grad_norms],  # unclipped, at each ST (--clip-grad-norm)
             }, indent=1))
