@@ -48,6 +48,10 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
     step = next(line for name, line in rows.items() if name.startswith("step time on cpu"))
     predicted, measured = (float(x) for x in re.search(r"predicted (\S+) ms .* measured median (\S+) ms", step).groups())  # type: ignore[union-attr]
     assert predicted > 0 and measured > 0, step
+    memory = next(line for name, line in rows.items() if name.startswith("stage memory on cpu"))
+    plan_mib, counted_mib = (float(x) for x in re.search(r"predicted (\S+) MiB, runtime's accounting (\S+) MiB",
+                                                         memory).groups())  # type: ignore[union-attr]
+    assert plan_mib > 0 and counted_mib > 0, memory
     assert "All equalities hold: yes." in out
     assert list(tmp_path.iterdir()) == []  # nothing left in the working folder
     assert _section() == before  # --dry-run never writes RESULTS.md
