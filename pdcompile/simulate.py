@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdcompile.errors import UsageError
@@ -69,6 +69,11 @@ class SimResult:
     peak_weight_versions: list[int]
     peak_memory_bytes: list[Any] | None
     events: list[Event]
+    # per stage: most microbatches in flight after a forward (or before the ST) while the stage holds
+    # weight gradients (from its first gradient-making B, or W for a split one, to its ST, which
+    # frees them); a schedule that runs every forward of a stage before its first backward (looped
+    # BFS, interleaved 1F1B's first stage) peaks without them
+    peak_in_flight_with_grads: list[int] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
@@ -335,14 +340,19 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     peak_mem: list[Any] = [0] * S
     views = [(r, s_, [a for a in acts if a.stage == s_] if placement is not None else acts)
              for r, acts in sched.items() for s_ in ({a.stage for a in acts} if placement is not None else {stage_of[r]})]
+    peak_grads = [0] * S
     for r, s, acts in views:
         n = 0
+        grads = False
         live = live_versions(acts)
         peak_v[s] = max(peak_v[s], max((len(x) for x in live), default=1))
         for a, versions in zip(acts, live or []):
             frees = Kind.WEIGHT_GRAD if (a.stage, a.microbatch) in split[r] else Kind.BACKWARD  # split: at its W
             n += (a.kind is Kind.FORWARD) - (a.kind is frees)
             peak_in[s] = max(peak_in[s], n)
+            if grads and a.kind in (Kind.FORWARD, Kind.STEP):  # the meter's points: after F, before ST
+                peak_grads[s] = max(peak_grads[s], n)
+            grads = (grads or a.kind is frees) and a.kind is not Kind.STEP
             if sized:
                 mem = (static_b[s] or 0) + (act_b[s] or 0) * n + (w_b[s] or 0) * len(versions)
                 peak_mem[s] = max(peak_mem[s], mem)
@@ -355,7 +365,7 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
         throughput=(T * microbatch_size / makespan if makespan else math.inf),
         bubble_fraction=bubble, busy=dict(sorted(busy.items())), utilization=util, stage_of_rank=stage_of,
         peak_in_flight=peak_in, peak_weight_versions=peak_v, peak_memory_bytes=peak_mem if sized else None,
-        events=sorted(events, key=lambda e: (e.start_s, e.rank, e.end_s)),
+        events=sorted(events, key=lambda e: (e.start_s, e.rank, e.end_s)), peak_in_flight_with_grads=peak_grads,
     )
 
 
@@ -418,7 +428,9 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     state) at the simulated peak in-flight and weight-version counts. Schedule ranks are consecutive by stage; replica ``i`` of stage ``s``
     runs on ``plan.stages[s].ranks[i]`` of the cluster. ``schedule_name`` defaults to the plan's.
     ``virtual_stages`` (> 1): the plan's stages are placed as the schedule's policy says, rank ``r``
-    on the cluster's worker ``r``.
+    on the cluster's worker ``r``; a stage's memory is then flush's model (one weight version) at
+    the larger of its peak with gradients (``peak_in_flight_with_grads``) and its peak before them
+    (one weight copy less); tied stages on one rank sum their copies with no collective.
     """
     name = schedule_name or plan.schedule
     reps = [st_.replicas for st_ in plan.stages]
@@ -454,9 +466,10 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
         allreduce.append(ring_allreduce_s(params[s], len(rs), bw) + (coll_lat if len(rs) > 1 else 0.0))
     tied_s = 0.0
     if tied_bytes and tied_stages:
-        cr = [cluster_rank[r] for s in tied_stages for r in sched_ranks[s]]
+        cr = sorted({cluster_rank[r] for s in tied_stages for r in sched_ranks[s]})
         bw = min((cluster.bandwidth_between(a, b) for a in cr for b in cr if a != b), default=math.inf)
-        tied_s = ring_allreduce_s(tied_bytes, len(cr), bw) + coll_lat
+        # on one rank (a V's ends) its stages' copies are summed in memory, no collective
+        tied_s = ring_allreduce_s(tied_bytes, len(cr), bw) + coll_lat if len(cr) > 1 else 0.0
     res = simulate_schedule(name, reps, num_microbatches, num_steps=num_steps, vertical_sync=vertical_sync,
                              split_backward=split_backward, virtual_stages=virtual_stages,
                              input_grad_s=b_in, weight_grad_s=b_w,
@@ -468,11 +481,19 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                              overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size)
     from pdcompile.passes.partition_dp import stage_memory_at  # pure data, as this module
 
-    memory = [stage_memory_at(chain, st_.first, st_.last, in_flight=res.peak_in_flight[s],
-                              weight_versions=res.peak_weight_versions[s],
-                              # virtual stages: one weight version, the simulated in-flight count (flush's model)
-                              schedule=name if virtual_stages == 1 else "flush",
-                              optimizer_state_factor=optimizer_state_factor, recompute=st_.recompute == "full",
-                              num_microbatches=num_microbatches, activation_scale=scale)
-              for s, st_ in enumerate(plan.stages)]
+    def at(s: int, k: int, versions: int, sched: str) -> float:
+        st_ = plan.stages[s]
+        return stage_memory_at(chain, st_.first, st_.last, in_flight=k, weight_versions=versions, schedule=sched,
+                               optimizer_state_factor=optimizer_state_factor, recompute=st_.recompute == "full",
+                               num_microbatches=num_microbatches, activation_scale=scale)
+
+    if virtual_stages == 1:
+        memory = [at(s, res.peak_in_flight[s], res.peak_weight_versions[s], name) for s in range(len(plan.stages))]
+    else:
+        # virtual stages: one weight version, flush's model (gradients all step long) at the simulated
+        # in-flight count while the stage holds gradients, and without them (one version's bytes less)
+        # at its peak before its first backward
+        memory = [max(at(s, res.peak_in_flight_with_grads[s], 1, "flush"),
+                      2 * at(s, res.peak_in_flight[s], 1, "flush") - at(s, res.peak_in_flight[s], 2, "flush"))
+                  for s in range(len(plan.stages))]
     return replace(res, peak_memory_bytes=memory)

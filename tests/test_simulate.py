@@ -436,3 +436,56 @@ def test_simulated_memory_uses_saved_bytes_not_outputs() -> None:
     a = simulate_plan(plan, chain, cluster, "flush", 2).peak_memory_bytes[0]
     b = simulate_plan(plan, more, cluster, "flush", 2).peak_memory_bytes[0]
     assert b - a == pytest.approx(3 * 100.0)  # one microbatch in flight, three layers
+
+
+@pytest.mark.parametrize("M", [2, 4, 5])
+def test_virtual_stage_memory_counts_gradients_from_the_first_backward(M: int) -> None:
+    """A stage's weight gradients live from its first backward to its ST (the runtime frees them
+    there), so a stage that runs every forward before any backward peaks without them. Looped BFS
+    (4 stages on 2 ranks) runs each stage's M forwards first: M in flight, none with gradients, and
+    each stage's memory is the flush model's at M in flight less one copy of its weights (no layer
+    shares parameters here); 1F1B's straight pipeline (flush) reaches its peak (stage s: p - s in
+    flight) again after the first backward when a forward follows it (M > p - s)."""
+    from dataclasses import replace as _replace
+
+    from pdcompile.cluster import flat_cluster
+    from pdcompile.passes.partition_dp import plan_from_assignment, stage_memory_at
+    from pdcompile.simulate import simulate_plan
+
+    chain = _saved_chain(3, 8)
+    chain = _replace(chain, layers=tuple(_replace(l, shared_param_bytes=0.0) for l in chain.layers))
+    assign = [(2 * k, 2 * k + 1, 1) for k in range(4)]
+    plan = plan_from_assignment(chain, flat_cluster(4, 10.0, memory=1e15), assign, schedule="flush",
+                                num_microbatches=M)
+    res = simulate_plan(plan, chain, flat_cluster(2, 10.0, memory=1e15), "looped-bfs", M, virtual_stages=2)
+    assert res.peak_in_flight == [M] * 4 and res.peak_in_flight_with_grads == [0] * 4
+    for s, st_ in enumerate(plan.stages):
+        flush_model = stage_memory_at(chain, st_.first, st_.last, in_flight=M, weight_versions=1, schedule="flush",
+                                      num_microbatches=M)
+        weights = sum(l.param_bytes for l in chain.layers[st_.first:st_.last + 1])
+        assert res.peak_memory_bytes[s] == pytest.approx(flush_model - weights, rel=1e-12)
+    straight = simulate_plan(plan_from_assignment(chain, flat_cluster(2, 10.0, memory=1e15), [(0, 3, 1), (4, 7, 1)],
+                                                  schedule="flush", num_microbatches=M),
+                             chain, flat_cluster(2, 10.0, memory=1e15), "flush", M)
+    assert straight.peak_in_flight == [min(2 - s, M) for s in range(2)]
+    # a forward after the first backward (M > p - s) brings the peak back with gradients
+    assert straight.peak_in_flight_with_grads == [2 - s if M > 2 - s else 0 for s in range(2)]
+
+
+def test_tied_weights_on_one_rank_need_no_collective() -> None:
+    """ZB-V puts both ends of a tied weight (stages 0 and 3 of 4) on rank 0, where the runtime sums
+    the copies in memory: however large the tied bytes, the step costs what it costs without the
+    collective; interleaved 1F1B puts them on ranks 0 and 1, where the all-reduce costs."""
+    from pdcompile.cluster import flat_cluster
+    from pdcompile.passes.partition_dp import plan_from_assignment
+    from pdcompile.simulate import simulate_plan
+
+    chain = _saved_chain(5, 8)
+    plan = plan_from_assignment(chain, flat_cluster(4, 10.0, memory=1e15), [(2 * k, 2 * k + 1, 1) for k in range(4)],
+                                schedule="flush", num_microbatches=4)
+    cluster = flat_cluster(2, 10.0, memory=1e15)
+    t = {(name, b): simulate_plan(plan, chain, cluster, name, 4, virtual_stages=2, tied_bytes=b,
+                                  tied_stages=(0, 3)).makespan_s
+         for name in ("zb-v", "interleaved-1f1b") for b in (1.0, 1e6)}
+    assert t[("zb-v", 1e6)] == pytest.approx(t[("zb-v", 1.0)])
+    assert t[("interleaved-1f1b", 1e6)] > t[("interleaved-1f1b", 1.0)] + 1e4
