@@ -66,6 +66,8 @@ def _reference(name: str) -> tuple[dict, dict]:
     ("gpt", "zb-v", 4, "send"),  # both ends of the tied embedding on rank 0: summed there
     ("gpt", "dualpipe-v", 4, "local"),
     ("resnet", "dualpipe-v", 4, "send"),
+    ("mlp", "dualpipe-v", 4, "local"),
+    ("mlp", "looped-bfs", 4, "send"),
 ])
 def test_virtual_stages_train_single_process_sgd(tmp_path: Path, name: str, schedule: str, stages: int,
                                                  targets: str) -> None:
@@ -99,9 +101,10 @@ def test_virtual_stages_train_single_process_sgd(tmp_path: Path, name: str, sche
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_interleaved_trains_a_hugging_face_gpt2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tests/test_hf_models.py's GPT-2 (export front end, tied LM head across ranks), 4 stages on 2
-    ranks in interleaved 1F1B: the weights single-process SGD gives."""
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "looped-bfs", "zb-v", "dualpipe-v"])
+def test_virtual_stages_train_a_hugging_face_gpt2(tmp_path: Path, schedule: str) -> None:
+    """tests/test_hf_models.py's GPT-2 (export front end, LM head tied to the embedding: across ranks
+    when interleaved, on rank 0 in a V), 4 stages on 2 ranks: the weights single-process SGD gives."""
     import torch
 
     hf = pytest.importorskip("test_hf_models")  # its model, data and reference (skips without transformers)
@@ -114,8 +117,9 @@ def test_interleaved_trains_a_hugging_face_gpt2(tmp_path: Path, monkeypatch: pyt
 
     data, loss_fn = hf._batches("gpt2"), SequenceCrossEntropy()
     (x,), target = data[0]
+    m = 4 if schedule == "dualpipe-v" else hf.MICRO  # DualPipeV needs m >= 2p
     pipe = api.pdcompile(hf.gpt2(), example_inputs=(x,), example_target=target, loss_fn=loss_fn, optimizer=hf._opt,
-                         stages=4, virtual_stages=2, schedule="interleaved-1f1b", num_microbatches=hf.MICRO,
+                         stages=4, virtual_stages=2, schedule=schedule, num_microbatches=m,
                          frontend="export")
     save_batches(data, hf.STEPS, tmp_path / "data.pt")
     prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
@@ -128,10 +132,10 @@ def test_interleaved_trains_a_hugging_face_gpt2(tmp_path: Path, monkeypatch: pyt
     ref = hf.gpt2()
     initial = {k: v.detach().clone() for k, v in ref.named_parameters()}
     train_sync(hf.SelectedOutput(ref), loss_fn, hf._opt(ref.parameters()), data, steps=hf.STEPS,
-               num_microbatches=hf.MICRO)
+               num_microbatches=m)
     want = dict(ref.named_parameters())
     for k, w in want.items():
-        torch.testing.assert_close(got[k], w.detach(), rtol=1e-5, atol=1e-6, msg=f"gpt2: {k}")
+        torch.testing.assert_close(got[k], w.detach(), rtol=1e-5, atol=1e-6, msg=f"gpt2 {schedule}: {k}")
     assert sum(not torch.equal(got[k], initial[k]) for k in want) > len(want) // 2
 
 
