@@ -522,16 +522,24 @@ class StageExecutor:
                 p.grad = torch.zeros_like(p)
         allreduce_flat([p.grad for p in params if p.grad is not None], self.replica_group)
 
-    def _tied_grads(self, a: Action) -> None:
+    def tied_grads(self) -> list[tuple[Any, torch.Tensor, float]]:
+        """(process group, gradient, the share this copy contributes) of each tied parameter of the
+        stage, a zero gradient made where backward left none."""
         params = dict(self.module.named_parameters())
+        out = []
         for group, names, *scale in self.tied_groups:
             for n in names:
                 p = params[n]
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                if scale and scale[0] != 1.0:
-                    p.grad.mul_(scale[0])
-                dist.all_reduce(p.grad, group=group)
+                out.append((group, p.grad, scale[0] if scale else 1.0))
+        return out
+
+    def _tied_grads(self, a: Action) -> None:
+        for group, grad, share in self.tied_grads():
+            if share != 1.0:
+                grad.mul_(share)
+            dist.all_reduce(grad, group=group)
 
     def _weight_version(self, a: Action) -> None:
         self.weights.set_forward_version(a.wv)
@@ -648,18 +656,14 @@ class RankExecutor:
         try:
             groups: dict[int, tuple[Any, list[tuple[torch.Tensor, float]]]] = {}
             for ex in self.executors:
-                params = dict(ex.module.named_parameters())
-                for group, names, *scale in ex.tied_groups:
-                    for n in names:
-                        p = params[n]
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                        groups.setdefault(id(group), (group, []))[1].append((p.grad, scale[0] if scale else 1.0))
+                for group, grad, share in ex.tied_grads():
+                    groups.setdefault(id(group), (group, []))[1].append((grad, share))
             for group, grads in groups.values():
-                total = sum((g * s if s != 1.0 else g) for g, s in grads[1:]) + \
-                    (grads[0][0] * grads[0][1] if grads[0][1] != 1.0 else grads[0][0].clone())
+                total = grads[0][0] * grads[0][1]
+                for grad, share in grads[1:]:
+                    total = total + grad * share
                 dist.all_reduce(total, group=group)
-                for g, _ in grads:
-                    g.copy_(total)
+                for grad, _ in grads:
+                    grad.copy_(total)
         except Exception as e:  # noqa: BLE001 - name rank and action, keep the cause
             raise ActionError(f"rank {self.executors[0].rank} failed in action {a}: {type(e).__name__}: {e}") from e

@@ -7,6 +7,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+from _schedule_edits import move
 from pdcompile.torch_orders import torch_order
 
 from pdcompile.errors import ScheduleError, UsageError
@@ -81,24 +82,17 @@ def test_in_flight_bound_is_tight() -> None:
             assert peak == lay.rank_in_flight_bound(r) == 2 * p + 1, (p, m, r)
 
 
-def _move(acts: list[Action], what: str, before: str | None) -> list[Action]:
-    a = Action.from_str(what)
-    out = [x for x in acts if x != a]
-    if before is None:
-        return out
-    i = [str(x) for x in out].index(before)
-    return out[:i] + [a] + out[i:]
 
 
 def test_validate_rejects_broken() -> None:
     good = _make(3, 6)
     cases = [
-        ("send/recv pairs matched", "local hand-over", {**good, 2: _move(good[2], "3RF1", "2SF1")}),
-        ("split backward", "must come after", {**good, 0: _move(good[0], "0W4", "0B4")}),
-        ("split backward", "comes after 5ST", {**good, 0: _move(good[0], "5W1", "0B3")}),  # 0B3 is after 5ST
-        ("in-flight bound", "8 microbatches in flight", {**good, 1: _move(_move(_move(
+        ("send/recv pairs matched", "local hand-over", {**good, 2: move(good[2], "3RF1", "2SF1")}),
+        ("split backward", "must come after", {**good, 0: move(good[0], "0W4", "0B4")}),
+        ("split backward", "comes after 5ST", {**good, 0: move(good[0], "5W1", "0B3")}),  # 0B3 is after 5ST
+        ("in-flight bound", "8 microbatches in flight", {**good, 1: move(move(move(
             good[1], "1SF5", "1RB0"), "1F5", "1SF5"), "1RF5", "1F5")}),  # 1F5 before 1B0: one more in flight
-        ("each forward and backward once", "missing", {**good, 2: _move(good[2], "2B3", None)}),
+        ("each forward and backward once", "missing", {**good, 2: move(good[2], "2B3", None)}),
     ]
     for rule, detail, sched in cases:
         with pytest.raises(ScheduleError, match=f"rule '{rule}'") as err:

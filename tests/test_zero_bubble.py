@@ -8,6 +8,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from _schedule_edits import move
 
 from pdcompile.errors import ScheduleError
 from pdcompile.runtime.schedules import (
@@ -80,14 +81,6 @@ def test_zb_h1_validates_and_completes_under_nccl_rules(replicas: list[int], m: 
     assert peak_in_flight(sched) == flush_peak
 
 
-def _move(acts: list[Action], what: str, before: str | None) -> list[Action]:
-    """``acts`` with ``what`` taken out and put before ``before`` (None: dropped)."""
-    a = Action.from_str(what)
-    out = [x for x in acts if x != a]
-    if before is None:
-        return out
-    i = [str(x) for x in out].index(before)
-    return out[:i] + [a] + out[i:]
 
 
 def _rule(sched: dict, replicas: list[int], m: int) -> str:
@@ -100,13 +93,13 @@ def test_validate_rejects_broken_zb_h1() -> None:
     sched = make_schedule("zb-h1", [1, 1, 1], 4)
     ok = dict(sched)
     # W before its B
-    msg = _rule({**ok, 1: _move(sched[1], "1W2", "1B2")}, [1, 1, 1], 4)
+    msg = _rule({**ok, 1: move(sched[1], "1W2", "1B2")}, [1, 1, 1], 4)
     assert "breaks rule 'split backward'" in msg and "1W2 must come after" in msg
     # W after the update that needs its gradient
-    msg = _rule({**ok, 2: _move(sched[2], "2W3", None) + [Action.from_str("2W3")]}, [1, 1, 1], 4)
+    msg = _rule({**ok, 2: move(sched[2], "2W3", None) + [Action.from_str("2W3")]}, [1, 1, 1], 4)
     assert "breaks rule 'split backward'" in msg and "comes after 2ST" in msg
     # a W missing (every backward is split here)
-    msg = _rule({**ok, 0: _move(sched[0], "0W1", None)}, [1, 1, 1], 4)
+    msg = _rule({**ok, 0: move(sched[0], "0W1", None)}, [1, 1, 1], 4)
     assert "breaks rule 'split backward'" in msg and "0W1 is missing" in msg
     # W's all held back to the step: more microbatches held than 1F1B's memory
     late = [a for a in sched[0] if a.kind is not Kind.WEIGHT_GRAD]

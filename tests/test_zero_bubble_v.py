@@ -7,6 +7,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+from _schedule_edits import move
 from pdcompile.torch_orders import torch_order
 
 from pdcompile.errors import ScheduleError, UsageError
@@ -118,26 +119,18 @@ def test_in_flight_and_held_bounds_are_tight() -> None:
                 assert peak_n == peak_held == 2 * p
 
 
-def _move(acts: list[Action], what: str, before: str | None) -> list[Action]:
-    """``acts`` with ``what`` taken out and put before ``before`` (None: dropped)."""
-    a = Action.from_str(what)
-    out = [x for x in acts if x != a]
-    if before is None:
-        return out
-    i = [str(x) for x in out].index(before)
-    return out[:i] + [a] + out[i:]
 
 
 def _broken() -> list[tuple[str, str, dict[int, list[Action]]]]:
     good = _make(4, 8)
     out = []
     # the local hand-over received before it is sent (rank 3 runs stages 3 and 4)
-    out.append(("send/recv pairs matched", "local hand-over", {**good, 3: _move(good[3], "4RF2", "3SF2")}))
-    out.append(("send/recv pairs matched", "local hand-over", {**good, 3: _move(good[3], "3RB5", "4SB5")}))
+    out.append(("send/recv pairs matched", "local hand-over", {**good, 3: move(good[3], "4RF2", "3SF2")}))
+    out.append(("send/recv pairs matched", "local hand-over", {**good, 3: move(good[3], "3RB5", "4SB5")}))
     # a W dropped, a W after its stage's update, a W before its B
-    out.append(("split backward", "6W3 is missing", {**good, 1: _move(good[1], "6W3", None)}))
-    out.append(("split backward", "comes after 0ST", {**good, 0: _move(good[0], "0W7", None) + [Action(0, Kind.WEIGHT_GRAD, 7)]}))
-    out.append(("split backward", "must come after", {**good, 2: _move(good[2], "5W1", "5B1")}))
+    out.append(("split backward", "6W3 is missing", {**good, 1: move(good[1], "6W3", None)}))
+    out.append(("split backward", "comes after 0ST", {**good, 0: move(good[0], "0W7", None) + [Action(0, Kind.WEIGHT_GRAD, 7)]}))
+    out.append(("split backward", "must come after", {**good, 2: move(good[2], "5W1", "5B1")}))
     # another stage's update in between is fine, but all W's held to the end is more than 2p held
     late = [a for a in good[0] if a.kind is not Kind.WEIGHT_GRAD]
     late = late[:-1] + [Action(0, Kind.WEIGHT_GRAD, k) for k in range(8)] + late[-1:]
