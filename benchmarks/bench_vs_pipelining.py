@@ -160,6 +160,28 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def auto_choice(model: str, *, size: str, batch_size: int, num_microbatches: int = 4, stages: int = 2) -> str:
+    """What ``schedule="auto"`` picks for the benchmark model on these ``stages`` CPU processes (at the
+    rows' microbatch count), as ``schedule[ vN]``."""
+    b = bench_model(model, batch_size=batch_size, size=size)
+    spec = compile_bench(b, stages, "auto", num_microbatches).state.schedule_spec
+    return spec.name + (f" v{spec.virtual_stages}" if spec.virtual_stages > 1 else "")
+
+
+def auto_line(model: str, choice: str, rows: list[Row]) -> str:
+    """Ours with ``auto`` against torch's fastest schedule on this model: auto's choice's measured
+    step (its own row) over torch's best row's step; the two come from different launches."""
+    mine = [r for r in rows if r.model == model and not r.failed]
+    theirs = min(mine, key=lambda r: r.theirs_s, default=None)
+    ours = next((r for r in mine if r.ours == choice.split(" ")[0]), None)
+    if theirs is None or ours is None:
+        return f"- {model}: auto chose {choice}; no measured row to compare"
+    return (f"- {model}: auto chose {choice} ({ms(ours.ours_s)} ms per step, measured in its row); torch's fastest "
+            f"here is {THEIR_NAME[theirs.theirs]} ({ms(theirs.theirs_s)} ms): ours/theirs throughput "
+            f"{theirs.theirs_s / ours.ours_s:.2f} (medians from different launches, so only as good as the "
+            f"launch-to-launch noise, about +-15% here)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--blocks", type=int, default=24, help="blocks per side in each launch")
@@ -168,15 +190,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny models, a few blocks, nothing written")
     args = p.parse_args(argv)
     rows: list[Row] = []
+    autos: list[str] = []
     before = load_note()
     for m in args.models.split(","):
         if args.quick:
             rows += compare(m, size="tiny", batch_size=8, blocks=3, block_steps=3)
             rows += compare(m, size="tiny", batch_size=8, blocks=3, block_steps=3, pairs=VIRTUAL_PAIRS, virtual=2)
+            autos.append(auto_line(m, auto_choice(m, size="tiny", batch_size=8), rows))
         else:
             rows += compare(m, blocks=args.blocks, block_steps=args.block_steps)
             rows += compare(m, blocks=args.blocks, block_steps=args.block_steps, pairs=VIRTUAL_PAIRS, virtual=2)
+            autos.append(auto_line(m, auto_choice(m, size="bench", batch_size=32), rows))
         print(table(rows), flush=True)
+        print(autos[-1], flush=True)
     body = (f"Same emitted 2-stage program (minibatch 32 = 4 microbatches of 8, SGD) trained by pdcompile's "
             f"runtime and by torch.distributed.pipelining on 2 CPU processes (gloo), both in one torchrun launch "
             f"per row, taking turns in blocks of {args.block_steps} minibatches ({args.blocks} blocks each, who goes "
@@ -189,7 +215,12 @@ def main(argv: list[str] | None = None) -> None:
             f"'--no-split-backward' row is the same runtime without it. Both sides run with train.py's CPU "
             f"malloc setting (runtime/allocator.py, process-wide; see the Allocator section). GPT: 4 blocks, d=96, "
             f"T=32, vocab 256, tied embedding summed on both sides; VGG: convs 16-16-M-32-32-M-64-64-M on 32x32, "
-            f"hidden 256.\nLoad: {before} at the start, {load_note()} at the end.\n\n" + table(rows))
+            f"hidden 256. Virtual-stage rows: 4 stages of the same model on the 2 processes, placed as each schedule "
+            f"says, the same for both sides; 'torch's ... order (CSV)': ours runs the torch schedule's own order, "
+            f"read from its CSV (schedule='csv:PATH'). 'theirs failed': torch's run raised (its error shown).\n"
+            f"Load: {before} at the start, {load_note()} at the end.\n\n" + table(rows)
+            + "\n\nschedule='auto' (on 2 CPU processes it leaves out the schedules that split every backward, "
+              "see bench_zero_bubble):\n" + "\n".join(autos))
     publish("Against torch.distributed.pipelining (bench_vs_pipelining)", body,
             "python benchmarks/bench_vs_pipelining.py", write=not args.quick)
 
