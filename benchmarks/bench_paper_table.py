@@ -227,6 +227,13 @@ def table(rows: list[Row]) -> str:
     return out
 
 
+def chain_batch_note(chain: Chain) -> str:
+    """The images per minibatch PipeDream's VGG-16 profile implies: its input's bytes over one fp32
+    224x224 RGB image (the file does not record a batch size)."""
+    first = load("pipedream:vgg16").inputs[0].output_bytes
+    return f"{first / (3 * 224 * 224 * 4):.0f} images per minibatch (its input's {first:.0f} B / one fp32 224x224 image)"
+
+
 def vgg16_on_a(rows: list[Row]) -> str:
     """VGG-16 on Cluster A under each cost model against the paper's 15-1 and 5.28x, and what the
     paper's 15-1 costs in memory with and without recomputation (default model, pooled)."""
@@ -243,10 +250,23 @@ def vgg16_on_a(rows: list[Row]) -> str:
         mem = ", ".join(f"stage {i} {format_quantity(sc.memory_bytes, 'memory')} ({sc.in_flight} in flight, "
                         f"{sc.weight_versions} versions)" for i, sc in enumerate(ev.stages))
         out.append(f"- the paper's 15-1 under `default`, pooled, recompute {rc}: {dp / ev.seconds:.2f}x; {mem}")
-    out.append("- so under `default` the paper's 15-1 fits 16 GiB only with recomputation: 1F1B keeps 2 microbatches "
-               "and 2 weight versions on each of its 15 replicas, and PipeDream's profiles give activation bytes as "
-               "layer outputs (no saved-tensor bytes); full recomputation keeps the inputs and charges the "
-               "forward again, which is the gap between the two rows above (selective recomputation is not planned)")
+    # what stage 0 of the best 15-1 keeps per microbatch: autograd's saved bytes as estimated from the
+    # layer descriptions (profile.estimate_saved) against the old convention, every layer's output
+    k = min(range(1, len(chain)), key=lambda k: evaluate(chain, cluster, [(0, k - 1, 15), (k, len(chain) - 1, 1)],
+                                                          pool=True, memory_limit=False).seconds)
+    saved = sum(l.saved_bytes or 0.0 for l in chain.layers[:k])
+    outputs = sum(l.output_bytes for l in chain.layers[:k])
+    top = max(chain.layers[:k], key=lambda l: l.saved_bytes or 0.0)
+    out.append(f"- stage 0 of that 15-1 (layers 0..{k - 1}) keeps per microbatch "
+               f"{format_quantity(saved, 'memory')} that autograd saves (estimated from the layer descriptions: "
+               f"an in-place ReLU's output is its conv's storage, counted once; a max-pool adds its int64 "
+               f"indices; `pdcompile.profile.estimate_saved`, checked against saved-tensor hooks in "
+               f"tests/test_saved_estimate.py), against {format_quantity(outputs, 'memory')} counted as layer "
+               f"outputs before; 1F1B keeps 2 microbatches in flight on each of its 15 replicas, so "
+               f"{format_quantity(2 * saved, 'memory')} of activations alone (largest layer: {top.name} "
+               f"{top.op} {format_quantity(top.saved_bytes or 0.0, 'memory')}); the profile is "
+               f"at {chain_batch_note(chain)}; full recomputation keeps the inputs and charges the forward "
+               f"again, the gap between the two rows above (partial recomputation of a stage is not planned)")
     return "\n".join(out) + "\n"
 
 

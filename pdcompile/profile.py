@@ -638,7 +638,7 @@ def parse_pipedream(text: str, where: str = "<graph.txt>", batch_size: int | Non
             )
         )
     return Profile(
-        layers=tuple(layers),
+        layers=estimate_saved(layers, inputs),
         batch_size=batch_size or 1,
         device="unknown (PipeDream profile)",
         name=Path(where).stem if not where.startswith("<") else "pipedream",
@@ -646,6 +646,101 @@ def parse_pipedream(text: str, where: str = "<graph.txt>", batch_size: int | Non
         inputs=tuple(inputs),
         source=where,
     )
+
+
+# -- what autograd saves, estimated from a layer's description --------------------------------
+#
+# An imported profile (PipeDream's graph.txt) gives each layer's output bytes, not what autograd
+# keeps for its backward. Counting every output as kept counts an in-place ReLU's output, which is
+# its producer's storage, twice, and misses a max-pool's indices. The rule below is what each op's
+# backward formula in PyTorch's tools/autograd/derivatives.yaml saves (parameters and buffers are
+# not activations and are left out), applied as annotate-costs' saved-tensor hooks count
+# (passes/annotate_costs.py `saved_tensor_bytes`): each storage once, at the first layer that saves
+# it; in-place ops and views share their input's storage. Elements are taken as 4-byte floats (the
+# profiles are fp32). tests/test_profile.py checks it against the hooks on a VGG-16 in torch.
+#
+#   Conv2d (convolution_backward)        its input (and weight)
+#   Linear (addmm / mm)                  its input (and weight)
+#   BatchNorm2d (native_batch_norm)      its input, and per channel save_mean and save_invstd
+#   AvgPool2d (avg_pool2d_backward)      its input
+#   MaxPool2d (max_pool2d_with_indices)  its input, and the int64 indices (2x its fp32 output)
+#   ReLU, in place or not (threshold_backward on result)   its output
+#   Dropout in training                  its mask: on CUDA native_dropout's bool mask (1/4 of its fp32
+#                                        output); on CPU aten's _dropout_impl multiplies by a float
+#                                        noise tensor and saves that (its output's bytes)
+#   Embedding (embedding_backward)       its (int64) input indices
+#   Add, Concat, View, Size, __getitem__ nothing (Add(inplace), View and __getitem__ alias their input)
+#   anything else (LSTM, composite modules)  its output, as before: unknown, so the old convention
+
+_SAVES_INPUT = frozenset({"Conv1d", "Conv2d", "Conv3d", "ConvNd", "Linear", "BatchNorm1d", "BatchNorm2d",
+                          "BatchNormNd", "AvgPool1d", "AvgPool2d", "AvgPoolNd", "AdaptiveAvgPool2d",
+                          "MaxPool1d", "MaxPool2d", "MaxPoolNd", "Embedding"})
+_SAVES_OUTPUT = frozenset({"ReLU", "ReLU6", "Sigmoid", "Tanh"})
+_SAVES_NOTHING = frozenset({"Add", "Concat", "View", "Size", "__getitem__", "Flatten", "Identity"})
+_ALIASES = frozenset({"View", "Flatten", "Identity"})
+_INPLACE = re.compile(r"\binplace(?!\s*=\s*False)\b")
+
+
+def _saved_rule(layer: ProfileLayer, mask_bytes: float) -> tuple[bool, bool, float, bool]:
+    """(saves its inputs, saves its output, extra bytes it saves, its output aliases its first input)."""
+    op, out = layer.op, layer.output_bytes
+    inplace = bool(_INPLACE.search(layer.desc)) and bool(layer.inputs)
+    alias = (inplace or op in _ALIASES) and bool(layer.inputs)
+    if op.startswith("MaxPool"):
+        return True, False, 2.0 * out, alias
+    if op in _SAVES_INPUT:
+        extra = 0.0
+        if op.startswith("BatchNorm"):
+            m = re.match(r"\w+\((\d+)", layer.desc)
+            extra = 2.0 * 4.0 * int(m.group(1)) if m else 0.0
+        return True, False, extra, alias
+    if op in _SAVES_OUTPUT:
+        return False, True, 0.0, alias
+    if op == "Dropout":
+        return False, False, out * mask_bytes / 4.0, alias
+    if op in _SAVES_NOTHING:
+        return False, False, 0.0, alias
+    return False, True, 0.0, alias
+
+
+def estimate_saved(layers: Iterable[ProfileLayer], inputs: Iterable[ProfileInput] = (), *,
+                   mask_bytes_per_element: float = 1.0) -> tuple[ProfileLayer, ...]:
+    """``layers`` (in a topological order) with ``saved_bytes``, ``saved_input_bytes`` and
+    ``saved_output_bytes`` estimated from each layer's op (the rule above), split as
+    annotate-costs' hooks split them: bytes of storages this layer's output is (``saved_output``),
+    the rest, an earlier layer's or input's storage or the op's own extras such as indices
+    (``saved_input``). ``mask_bytes_per_element``: a dropout mask's element (1: CUDA, where
+    PipeDream's profiles were taken; 4: CPU). Layers that already carry measured ``saved_bytes``
+    are kept as they are."""
+    layers = tuple(layers)
+    if any(l.saved_bytes is not None for l in layers):
+        return layers
+    storage: dict[str, str] = {i.name: i.name for i in inputs}  # value -> its storage (an alias's base)
+    nbytes: dict[str, float] = {i.name: float(i.output_bytes) for i in inputs}
+    scalar = {l.name for l in layers if l.op == "Size" or not l.tensor_output}
+    seen: set[str] = set()
+    out: list[ProfileLayer] = []
+    for layer in layers:
+        saves_in, saves_out, extra, alias = _saved_rule(layer, mask_bytes_per_element)
+        tensors = [storage.get(p, p) for p in layer.inputs if p not in scalar]
+        base = layer.name
+        if alias and tensors:  # the input it writes or views; of an in-place Add's two, one not yet saved
+            base = next((t for t in tensors if t not in seen), tensors[0])
+        storage[layer.name] = base
+        nbytes.setdefault(base, float(layer.output_bytes))
+        wanted = tensors if saves_in else []
+        if saves_out:
+            wanted.append(base)
+        total, mine = extra, 0.0
+        for st in dict.fromkeys(wanted):
+            if st in seen:
+                continue
+            seen.add(st)
+            total += nbytes.get(st, 0.0)
+            if st == layer.name:
+                mine += nbytes[st]
+        out.append(replace(layer, saved_bytes=total, saved_input_bytes=total - mine, saved_output_bytes=mine))
+    return tuple(out)
 
 
 def _op_of(desc: str) -> str:
@@ -660,6 +755,6 @@ def _natural_key(name: str) -> tuple[Any, ...]:
 
 __all__ = [
     "FORMAT", "VERSION", "OPTIMIZER_STATE_FACTOR", "Profile", "ProfileInput", "ProfileLayer",
-    "PIPEDREAM_DIR", "eval_expr", "from_json", "load", "load_pipedream", "optimizer_state_factor",
+    "PIPEDREAM_DIR", "estimate_saved", "eval_expr", "from_json", "load", "load_pipedream", "optimizer_state_factor",
     "parse_pipedream", "pipedream_profiles", "resolve_path", "save", "to_json", "topological_order",
 ]

@@ -156,18 +156,19 @@ def test_debug_shows_traceback(capsys, tmp_path):
 
 
 def test_vgg16_cluster_a_pools_and_recomputes_by_default(capsys) -> None:
-    """The DP's defaults (recompute auto, pooled workers) give the paper's 15-1 within 16 GiB; without
-    them the nested, non-recomputing search keeps 4-4."""
+    """With what autograd saves estimated for PipeDream's profile (an in-place ReLU counted once), the
+    DP's defaults (recompute auto, pooled workers) find a nested 9-3-1 that fits 16 GiB without
+    recomputing, faster than the paper's 15-1 with its first stage recomputed; with every output counted
+    as kept the same defaults gave that recomputing 15-1, and the nested, non-recomputing search 4-4."""
     rc, out, _ = _run(capsys, "plan", "--profile", VGG, "--cluster", "paper:A", "--json")
     assert rc == 0
     d = json.loads(out)
-    assert [s["replicas"] for s in d["stages"]] == [15, 1]
-    assert d["stages"][0]["recompute"] == "full"
-    assert all(s["memory_bytes"] <= 16 * 2**30 for s in d["stages"])
-    assert d["predicted"]["speedup_vs_data_parallel"] > 2.5
+    assert [s["replicas"] for s in d["stages"]] == [9, 3, 1]
+    assert all(s["recompute"] == "none" and s["memory_bytes"] <= 16 * 2**30 for s in d["stages"])
+    assert d["predicted"]["speedup_vs_data_parallel"] > 2.9
     rc, out, _ = _run(capsys, "plan", "--profile", VGG, "--cluster", "paper:A", "--json", "--no-pool",
                       "--recompute", "none")
-    assert rc == 0 and [s["replicas"] for s in json.loads(out)["stages"]] == [4, 4]
+    assert rc == 0 and json.loads(out)["predicted"]["speedup_vs_data_parallel"] == d["predicted"]["speedup_vs_data_parallel"]
     rc, out, err = _run(capsys, "plan", "--profile", VGG, "--cluster", "paper:A", "--solver", "ilp", "--pool")
     assert rc == 2 and "solver='dp'" in err and len(err.strip().splitlines()) == 1
 
