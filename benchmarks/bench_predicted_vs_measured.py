@@ -29,9 +29,12 @@ bubbles, transfers, collectives, overheads, copies — remains predicted, so the
 the simulator's model of the schedule on the machine as it was.
 
 Usage: python benchmarks/bench_predicted_vs_measured.py [--all] [--steps 12]
-  default (a subset, to stay under 10 minutes on the loaded 2-core machine, where one launch takes
-  ~30 s): gpt with all four schedules on 2 processes and flush/1f1b on 3; vgg, mlp and resnet with
-  flush and 1f1b on 2 processes (12 runs). --all: every schedule, every model, 2 and 3 processes (32).
+  default (a subset, to stay under 10 minutes on the loaded 2-core machine): gpt with gpipe, flush,
+  1f1b, 2bw and the new schedules (zb-h1, interleaved-1f1b, looped-bfs, zb-v; dualpipe-v refuses the
+  tied embedding) on 2 processes and flush/1f1b on 3; vgg with flush, 1f1b and every new schedule;
+  mlp and resnet with flush and 1f1b on 2 processes (21 runs). --all: every schedule, every model,
+  2 and 3 processes. The schedules with several stages per process run 2 stages per process
+  (``V``), compiled once per placement; their actions are a stage's by name, whichever rank ran them.
 """
 
 from __future__ import annotations
@@ -57,6 +60,13 @@ from benchmarks._results import write_section  # noqa: E402
 from pdcompile.calibrate import split_names  # noqa: E402
 
 SCHEDULES = ("gpipe", "flush", "1f1b", "2bw")
+# split backwards and several stages per rank: ZB-H1 on the same S stages; the others on V*S stages of
+# the model on S processes, compiled once per placement (stage s on rank s % S: interleaved 1F1B and
+# looped BFS; a V, stage s on rank min(s, 2S-1-s): ZB-V and DualPipeV, which needs M >= 2S)
+NEW_SCHEDULES = ("zb-h1", "interleaved-1f1b", "looped-bfs", "zb-v", "dualpipe-v")
+PLACED_BY = {"interleaved-1f1b": "interleaved-1f1b", "looped-bfs": "interleaved-1f1b", "zb-v": "zb-v",
+             "dualpipe-v": "zb-v"}
+V = 2
 M = 4  # microbatches per minibatch
 WARMUP = 4  # steps dropped from each run's measurement
 TARGET = 0.15
@@ -190,8 +200,13 @@ def scaled_chain(chain: Any, plan: Any, factors: list[tuple[float, float]]) -> A
     """The chain with stage ``s``'s forward costs multiplied by ``factors[s][0]`` and backward costs by
     ``factors[s][1]`` (the contention adjustment)."""
     stage = {i: s for s, st in enumerate(plan.stages) for i in range(st.first, st.last + 1)}
+    def times(x: float | None, f: float) -> float | None:
+        return None if x is None else x * f
+
     layers = tuple(dataclasses.replace(l, forward_s=l.forward_s * factors[stage[i]][0],
-                                       backward_s=l.backward_s * factors[stage[i]][1])
+                                       backward_s=l.backward_s * factors[stage[i]][1],
+                                       input_grad_s=times(l.input_grad_s, factors[stage[i]][1]),
+                                       weight_grad_s=times(l.weight_grad_s, factors[stage[i]][1]))
                    for i, l in enumerate(chain.layers))
     return dataclasses.replace(chain, layers=layers)
 
@@ -212,6 +227,7 @@ class Setup:
     split_backward: bool = True  # as the runtime decides (off with more processes than cores)
     input_grad_share: float | None = None  # a split backward's parts (None: simulate_plan's defaults)
     weight_grad_share: float | None = None
+    virtual_stages: int = 1  # stages per process (the plan's stages placed as the schedule's policy says)
 
 
 def simulate(plan: Any, chain: Any, setup: Setup, schedule: str, num_steps: int) -> Any:
@@ -225,7 +241,7 @@ def simulate(plan: Any, chain: Any, setup: Setup, schedule: str, num_steps: int)
                          tied_bytes=setup.tied_bytes, tied_stages=setup.tied_stages, latency_s=setup.latency_s,
                          collective_latency_s=setup.collective_latency_s, overhead_s=setup.overhead_s,
                          recv_progress=setup.recv_progress, copy_bandwidth=setup.copy_bandwidth,
-                         overlap_comm=setup.recv_progress != "on_wait")
+                         overlap_comm=setup.recv_progress != "on_wait", virtual_stages=setup.virtual_stages)
 
 
 def predict(plan: Any, chain: Any, setup: Setup, schedule: str) -> float:
@@ -260,6 +276,8 @@ def copies_by_action(schedule: str, num_stages: int, steps: int, tied: bool) -> 
     """Action name (``0B17``) -> weight-sized copies the runtime makes in it (weight stashing)."""
     from pdcompile.runtime.schedules import Kind, make_schedule, version_copies
 
+    if schedule in PLACED_BY:  # synchronous: one weight version, no copies
+        return {}
     sched = make_schedule(schedule, [1] * num_stages, M, tied=tied, num_steps=steps)
     return {str(a): n for acts in sched.values() for a, n in zip(acts, version_copies(acts))
             if a.kind is Kind.BACKWARD}
@@ -273,22 +291,42 @@ def compute_slowdown(events: list[Any], chain: Any, plan: Any, overhead: dict[st
     per-action overhead (and, for a backward that hands a stashed version's gradients over, its copy:
     ``copy_s[stage]`` times ``copies[name]``), warm-up minibatches excluded. The runtime records a
     forward or backward from the end of its receive's wait, so these are compute only. Split
-    backwards (``B`` followed by ``W``) are left out here: :func:`split_shares` measures them."""
+    backwards (``B`` followed by ``W``) are left out here (:func:`split_shares` measures them),
+    unless a stage split every backward (zb-h1, zb-v): its backward factor is then its mean ``B`` +
+    ``W`` (less two per-action overheads) against the profiled parts (``input_grad_s`` +
+    ``weight_grad_s``; where not profiled, the simulator's shares of the backward). Actions are
+    a stage's by their name (``2F7``: stage 2), whichever rank ran them."""
+    from pdcompile.simulate import INPUT_GRAD_SHARE, WEIGHT_GRAD_SHARE
     from pdcompile.trace_convert import microbatch_of
 
     scale = plan.microbatch_size / chain.batch_size
     split = split_names(events)
+    steady = [e for e in events if (microbatch_of(e.name) or 0) >= WARMUP * M]
     out = []
     for s, st in enumerate(plan.stages):
+        mine = chain.layers[st.first:st.last + 1]
         ratios = []
         for kind, attr in (("forward", "forward_s"), ("backward", "backward_s")):
-            prof = sum(getattr(l, attr) for l in chain.layers[st.first:st.last + 1]) * scale
+            prof = sum(getattr(l, attr) for l in mine) * scale
             d = [e.end_s - e.start_s - (copy_s[s] * copies.get(e.name, 0) if copy_s and copies else 0.0)
-                 for e in events if e.rank == s and e.category == kind and (microbatch_of(e.name) or 0) >= WARMUP * M
-                 and e.name not in split]
+                 for e in steady if stage_of(e.name) == s and e.category == kind and e.name not in split]
+            if not d and kind == "backward":  # every backward split: B + W against the profiled parts
+                part = {k: [e.end_s - e.start_s - overhead.get("B", 0.0) for e in steady if stage_of(e.name) == s
+                            and e.category == kind and e.name in split and k in e.name] for k in "BW"}
+                prof = sum((l.input_grad_s if l.input_grad_s is not None else l.backward_s * INPUT_GRAD_SHARE)
+                           + (l.weight_grad_s if l.weight_grad_s is not None else l.backward_s * WEIGHT_GRAD_SHARE)
+                           for l in mine) * scale
+                ratios.append(max(statistics.fmean(part["B"]) + statistics.fmean(part["W"]), 0.0) / prof)
+                continue
             ratios.append(max(statistics.fmean(d) - overhead.get(kind[0].upper(), 0.0), 0.0) / prof)
         out.append((ratios[0], ratios[1]))
     return out
+
+
+def stage_of(name: str) -> int:
+    """The stage an action belongs to: its name's leading number (``12B3`` -> 12)."""
+    digits = name[:len(name) - len(name.lstrip("0123456789"))]
+    return int(digits) if digits else -1
 
 
 def split_shares(events: list[Any], chain: Any, plan: Any, overhead: dict[str, float]) -> tuple[float, float] | None:
@@ -301,7 +339,7 @@ def split_shares(events: list[Any], chain: Any, plan: Any, overhead: dict[str, f
     ins, ws = [], []
     for s in range(1, len(plan.stages)):
         def mean(pred: Any) -> float | None:
-            d = [e.end_s - e.start_s - overhead.get("B", 0.0) for e in events if e.rank == s
+            d = [e.end_s - e.start_s - overhead.get("B", 0.0) for e in events if stage_of(e.name) == s
                  and e.category == "backward" and (microbatch_of(e.name) or 0) >= WARMUP * M and pred(e.name)]
             return statistics.fmean(d) if d else None
         whole = mean(lambda n: n not in split)
@@ -331,9 +369,10 @@ def comm_per_step(events: list[Any], steps: int) -> float:
 
 def plan_cases(full: bool) -> list[tuple[str, int, tuple[str, ...]]]:
     if full:
-        return [(m, s, SCHEDULES) for m in ("mlp", "vgg", "resnet", "gpt") for s in (2, 3)]
+        return [(m, s, SCHEDULES + NEW_SCHEDULES) for m in ("mlp", "vgg", "resnet", "gpt") for s in (2, 3)]
     few = ("flush", "1f1b")
-    return [("gpt", 2, SCHEDULES), ("gpt", 3, few), ("vgg", 2, few), ("mlp", 2, few), ("resnet", 2, few)]
+    return [("gpt", 2, SCHEDULES + NEW_SCHEDULES), ("gpt", 3, few), ("vgg", 2, few + NEW_SCHEDULES), ("mlp", 2, few),
+            ("resnet", 2, few)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true", help="every schedule for every model, 2 and 3 processes (32 runs)")
     ap.add_argument("--steps", type=int, default=12, help="minibatches per run (default 12; 4 are warm-up)")
     ap.add_argument("--only", help="comma-separated models (smoke runs)")
+    ap.add_argument("--schedules", help="comma-separated schedules (smoke runs)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     ap.add_argument("--png", default=str(HERE.parent / "timeline_example.png"), help="timeline example output")
     args = ap.parse_args(argv)
@@ -365,30 +405,57 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         keep = set(args.only.split(","))
         cases = [c for c in cases if c[0] in keep]
+    if args.schedules:
+        keep_s = args.schedules.split(",")
+        cases = [(n, S_, tuple(x for x in sc if x in keep_s)) for n, S_, sc in cases]
+        cases = [c for c in cases if c[2]]
     rows = []
+    skipped: set[str] = set()
     png_done = False
     for name, S, scheds in cases:
         case = build(name)
-        pipe = pdcompile(case.model, example_inputs=case.inputs, example_target=case.target, loss_fn=case.loss_fn,
-                         optimizer=sgd, stages=S, schedule="flush", num_microbatches=M,
-                         leaf_modules=case.leaf_modules, cost_mode="measured")
-        prog = pipe.emit(Path(tempfile.mkdtemp(prefix=f"pd-pvm-{name}{S}-")) / "program")
-        chain, plan = pipe.state.chain, pipe.plan
-        cuts = [chain.cut_bytes[st.last] for st in plan.stages[:-1]]
-        cut = statistics.fmean(cuts) if cuts else 0.0
-        cluster = flat_cluster(S, bw, name="cpu")
-        step_s = step_seconds([st.gm for st in pipe.split.stages])
-        stage_params = [dict(st.gm.named_parameters()) for st in pipe.split.stages]
-        tied_bytes = float(sum(stage_params[g[0][0]][g[0][1]].numel() * stage_params[g[0][0]][g[0][1]].element_size()
-                               for g in pipe.split.tied))
-        tied_stages = tuple(sorted({s_ for g in pipe.split.tied for s_, _ in g}))
-        progress = "on_wait" if S >= (os.cpu_count() or 1) else "background"
-        setup = Setup(cluster, lat, link.allreduce_latency_s, step_s, tied_bytes, tied_stages, overhead, progress,
-                      copy_bandwidth([st.gm for st in pipe.split.stages]),
-                      split_backward=S <= (os.cpu_count() or 1))  # the runtime's --split-backward default
-        print(f"{name} S={S}: stages {[(st.first, st.last) for st in plan.stages]} of {len(chain)} layers, boundary "
-              f"{format_quantity(cut, 'memory')}", flush=True)
+        prepared: dict[str | None, tuple[Any, Path, Setup]] = {}
+
+        def prepare(placed: str | None) -> tuple[Any, Path, Setup]:
+            """The program for a placement (None: one stage per process), compiled once per case."""
+            if placed in prepared:
+                return prepared[placed]
+            v = V if placed else 1
+            model = build(name).model if placed else case.model  # the same weights (seeded)
+            pipe = pdcompile(model, example_inputs=case.inputs, example_target=case.target, loss_fn=case.loss_fn,
+                             optimizer=sgd, stages=v * S, schedule=placed or "flush", num_microbatches=M,
+                             leaf_modules=case.leaf_modules, cost_mode="measured",
+                             **({"virtual_stages": v} if placed else {}))
+            prog = pipe.emit(Path(tempfile.mkdtemp(prefix=f"pd-pvm-{name}{S}-")) / "program")
+            chain, plan = pipe.state.chain, pipe.plan
+            cuts = [chain.cut_bytes[st.last] for st in plan.stages[:-1]]
+            cut = statistics.fmean(cuts) if cuts else 0.0
+            cluster = flat_cluster(S, bw, name="cpu")
+            step_s = step_seconds([st.gm for st in pipe.split.stages])
+            stage_params = [dict(st.gm.named_parameters()) for st in pipe.split.stages]
+            tied_bytes = float(sum(stage_params[g[0][0]][g[0][1]].numel()
+                                   * stage_params[g[0][0]][g[0][1]].element_size() for g in pipe.split.tied))
+            tied_stages = tuple(sorted({s_ for g in pipe.split.tied for s_, _ in g}))
+            progress = "on_wait" if S >= (os.cpu_count() or 1) else "background"
+            setup = Setup(cluster, lat, link.allreduce_latency_s, step_s, tied_bytes, tied_stages, overhead, progress,
+                          copy_bandwidth([st.gm for st in pipe.split.stages]),
+                          split_backward=S <= (os.cpu_count() or 1),  # the runtime's --split-backward default
+                          virtual_stages=v)
+            print(f"{name} S={S}{f' ({v * S} stages, placed as {placed})' if placed else ''}: stages "
+                  f"{[(st.first, st.last) for st in plan.stages]} of {len(chain)} layers, boundary "
+                  f"{format_quantity(cut, 'memory')}", flush=True)
+            prepared[placed] = (pipe, prog, setup)
+            return prepared[placed]
+
         for sched in scheds:
+            if sched == "dualpipe-v" and M < 2 * S:
+                continue
+            pipe, prog, setup = prepare(PLACED_BY.get(sched))
+            if sched == "dualpipe-v" and pipe.split.tied:
+                skipped.add(f"dualpipe-v on {name} (tied weights across virtual stages: not supported by its "
+                            f"order yet)")
+                continue
+            chain, plan, step_s = pipe.state.chain, pipe.plan, setup.step_s
             raw = predict(plan, chain, setup, sched)
             trace = Path(tempfile.mkdtemp(prefix="pd-pvm-trace-"))
             metrics = run_program(prog, S, sched, args.steps, trace)
@@ -397,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             copy_s = [sum(p.numel() * p.element_size() for p in st.gm.parameters()) / setup.copy_bandwidth
                       for st in pipe.split.stages]
             factors = compute_slowdown(events, chain, plan, overhead, copy_s,
-                                       copies_by_action(sched, S, args.steps, bool(pipe.split.tied)))
+                                       copies_by_action(sched, len(plan.stages), args.steps, bool(pipe.split.tied)))
             slow = geomean([x for fb in factors for x in fb])
             cal_chain = scaled_chain(chain, plan, factors)
             shares = split_shares(events, chain, plan, overhead) or (None, None)
@@ -422,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  wrote {args.png}", flush=True)
     elapsed = time.perf_counter() - t_start
     body = table(rows, link, overhead, load_before, elapsed, args)
+    if skipped:
+        body += f"- not run: {'; '.join(sorted(skipped))}.\n"
     print(body)
     if not args.no_write:
         write_section("Predicted vs measured step time (bench_predicted_vs_measured)", body,
@@ -492,6 +561,21 @@ def table(rows: list[dict[str, Any]], link: Link, overhead: dict[str, float], lo
         out.append(f"- {len(over)} case(s) ran faster than predicted by more than 15% "
                    f"({', '.join(r['model'] + ' ' + str(r['S']) + ' ' + r['schedule'] for r in over)}): the "
                    f"calibrating actions were slowed more than the rest of the run (load changes within a run).")
+    virt = [r for r in rows if r["schedule"] in PLACED_BY]
+    if virt:
+        flat = [r for r in rows if r["schedule"] not in PLACED_BY and r["S"] <= (os.cpu_count() or 1)]
+        share = lambda rs: statistics.median(r["comm"] / r["meas"] for r in rs)  # noqa: E731
+        out.append(f"- {V} stages per process ({', '.join(dict.fromkeys(r['schedule'] for r in virt))}; "
+                   f"{V * max(r['S'] for r in virt)} stages on {max(r['S'] for r in virt)} processes): median "
+                   f"calibrated error {statistics.median(r['adj'] / r['meas'] - 1 for r in virt):+.1%}, the busiest "
+                   f"rank posting or waiting for transfers a median {share(virt):.0%} of the measured step (one "
+                   f"stage per process: {share(flat) if flat else math.nan:.0%}). Every boundary of these "
+                   f"placements but a V's turn crosses processes, so a step sends {V}x-{2 * V - 1}x the messages "
+                   f"of one stage per process, and a process often runs several forwards in a row (looped BFS: "
+                   f"all of a stage's). In traced runs (`--trace`, gpt, looped-bfs) an activation sent while its "
+                   f"sender goes on computing arrives only once the sender waits too (ms for 160 KiB on a link "
+                   f"that moves it in 0.1 ms), and the next receive posted on that pair took as long; the simulator's `recv_progress=\"on_wait\"` lets a transfer run "
+                   f"whenever its receiver waits, so it under-predicts these waits where senders rarely wait.")
     noisy = [r for r in rows if r["spread"] > 0.3]
     if noisy:
         out.append(f"- {len(noisy)} run(s) had step times spread more than 30% (IQR/median): other jobs on the "
