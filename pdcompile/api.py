@@ -227,11 +227,13 @@ class CompiledPipeline:
         split = need(self.state.schedule_spec, "schedule_spec").split_backward  # the schedule pass's decision
         pays = autoschedule.split_every_backward_pays(self.cluster.device.name, split)
         names = autoschedule.auto_schedules(pays)
-        virtual = autoschedule.auto_schedules(pays, virtual=True)
-        skipped = [f"not considered: {n} (every backward split: on CPU workers it costs more than the bubble it "
-                   f"fills, see split_every_backward_pays)"
-                   for n in autoschedule.auto_schedules(True) + autoschedule.auto_schedules(True, virtual=True)
-                   if n not in names + virtual]
+        virtual = autoschedule.auto_schedules(pays, virtual=True) \
+            if autoschedule.virtual_stages_pay(self.cluster.device.name) else []
+        skipped = [f"not considered: {n} (it splits backwards: on CPU workers that costs more than the bubble it "
+                   f"fills, see split_every_backward_pays)" for n in autoschedule.auto_schedules(True) if n not in names]
+        skipped += [f"not considered: {n} (several stages per rank: on CPU workers their transfers are slower than "
+                    f"the simulator predicts, see virtual_stages_pay)"
+                    for n in autoschedule.auto_schedules(True, virtual=True) if n not in virtual]
         batch = int(self.example_inputs[0].shape[0])
         fixed = self.num_microbatches if asked.num_microbatches is not None or asked.microbatch_size is not None \
             else None

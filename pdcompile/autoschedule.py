@@ -39,10 +39,22 @@ def split_every_backward_pays(device_name: str, split_backward: bool) -> bool:
 
 def auto_schedules(split_every: bool, virtual: bool = False) -> list[str]:
     """The schedules ``auto`` considers: the synchronous ones with a stage per rank (``virtual``:
-    those with several); those that split every backward only when that may pay (``split_every``:
-    :func:`split_every_backward_pays`)."""
+    those with several); those that split backwards (every one, or where their order says) only
+    when that may pay (``split_every``: :func:`split_every_backward_pays`)."""
     return [n for n, p in POLICIES.items()
-            if p.synchronous and p.virtual_stages == virtual and (split_every or not p.splits_every_backward)]
+            if p.synchronous and p.virtual_stages == virtual and n in AUTO_NAMES
+            and (split_every or not (p.splits_every_backward or p.order_splits))]
+
+
+AUTO_NAMES = frozenset(POLICIES)  # the built-in schedules (a registered torch CSV is never auto's)
+
+
+def virtual_stages_pay(device_name: str) -> bool:
+    """Whether schedules with several stages per rank may pay: not on CPU workers, where their extra
+    transfers progress only while the sender waits too (gloo over loopback), which the simulator
+    does not model, so it predicts them 15-33% too fast (measured: benchmarks/RESULTS.md,
+    bench_predicted_vs_measured; in bench_vs_pipelining they ran at 0.6-0.8x flush's throughput)."""
+    return device_name != "cpu"
 
 
 VIRTUAL_STAGES = (2,)  # stages per rank auto tries for the schedules with virtual stages
