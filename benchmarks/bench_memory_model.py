@@ -143,10 +143,6 @@ def main() -> None:
                                       leaf_modules=leaf)
                     vprog = vpipe.emit(Path(tmp) / f"prog_{model_name}_{recompute}_{placed}", data=data)
                     for name in names:
-                        if name == "dualpipe-v" and vpipe.split.tied:
-                            skipped.add(f"dualpipe-v on {model_name} (tied weights across virtual stages: "
-                                        f"not supported by its order yet)")
-                            continue
                         sim = simulate_plan(vpipe.plan, vpipe.state.chain, vpipe.state.cluster, name, M,
                                             virtual_stages=V)
                         got = _run(vprog, vpipe.world_size, name, args.steps,
