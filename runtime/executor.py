@@ -619,12 +619,16 @@ class RankExecutor:
         for i, a in enumerate(actions):
             for b in posts[i] if posts is not None else ():
                 self.by_stage[b.stage].post_receives((b,))
+            done = list(release[i]) if release is not None else []
+            own = [b for b in done if b.stage == a.stage]  # released inside the action, as one stage does
             if a.kind is Kind.TIED_GRADS and len(self.executors) > 1:
                 self._tied_grads(a)
+                own = []
             else:
-                self.by_stage[a.stage].execute(a)
-            for b in release[i] if release is not None else ():
-                self.by_stage[b.stage].release_sends((b,))
+                self.by_stage[a.stage].execute(a, (), own)
+            for b in done:
+                if b not in own:
+                    self.by_stage[b.stage].release_sends((b,))
 
     def begin(self, first_microbatch: int) -> None:
         for ex in self.executors:
