@@ -351,13 +351,11 @@ class Trainer:
         self.events: list[tuple[str, float, float]] = []
         mailbox = Mailbox()  # hand-overs between this rank's stages
         self.executors: list[StageExecutor] = []
-        self.lr_schedulers: list[Any] = []
         for st, module in zip(specs, modules):
             params = [q for q in module.parameters()]
             optimizer: Any = build(program.raw["optimizer"], params) if params else NoParameters()
             sched_spec = program.raw.get("lr_scheduler")
             lr_scheduler = build(sched_spec, optimizer) if sched_spec and params else None
-            self.lr_schedulers.append(lr_scheduler)
             norm_skip = frozenset(n for group in program.raw.get("tied", []) for s, n in group
                                   if s == st.index and s != min(t for t, _ in group))
             self.executors.append(StageExecutor(
@@ -374,11 +372,11 @@ class Trainer:
                 norm_skip=norm_skip, stage=st.index, mailbox=mailbox,
             ))
         self.executor = self.executors[0]  # the rank's first stage (checkpoints: one stage per rank)
-        self.lr_scheduler = lr_scheduler = self.lr_schedulers[0]
+        self.lr_scheduler = self.executor.lr_scheduler  # checkpoints and resume: one stage per rank
         self.rank_executor = RankExecutor(self.executors)
         self.replicas = [len(st.ranks) for st in program.stages]
         self.tied = bool(program.raw.get("tied"))
-        self.resumed = _resume(program, args, rank, self.executor, lr_scheduler)
+        self.resumed = _resume(program, args, rank, self.executor, self.lr_scheduler)
         self.start = self.resumed.step if self.resumed is not None else 0  # this run's first minibatch
         first_mb = self.start * M
         # --targets local: the first microbatch of each last-stage replica still has its target sent, to compare

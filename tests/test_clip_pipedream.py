@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _emitted import stages_and_microbatches
 import torch
 
 from pdcompile import reference
@@ -24,9 +25,9 @@ from pdcompile.errors import ScheduleError, UsageError
 from pdcompile.launcher import launch
 from pdcompile.runtime import launch as runtime_launch
 from pdcompile.runtime import schedules
-from pdcompile.runtime.program import Program, build
+from pdcompile.runtime.program import Program
 from pdcompile.runtime.schedules import Action, Kind
-from pdcompile.zoo import batches, get
+from pdcompile.zoo import get
 
 STEPS = 4
 MICRO = 2
@@ -131,16 +132,7 @@ def _emit(tmp: Path, name: str, stages: int, replicas: list[int] | None) -> Path
 def _reference(prog: Path, name: str, schedule: str, replicas: list[int], vertical_sync: bool,
                max_norm: float | None) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
     """Each stage's final parameters, and each update's unclipped global norm, in one process."""
-    program = Program.load(prog)
-    stages = [program.build_stage(k) for k in range(program.num_stages)]
-    optimizers = [build(program.raw["optimizer"], m.parameters()) for m in stages]
-    b = program.raw["microbatch_size"]
-    data = batches(b * MICRO, name)
-    micro = []
-    for _ in range(STEPS):
-        inputs, target = next(data)
-        ins = [x.split(b) for x in inputs]
-        micro += [(tuple(x[j] for x in ins), target.split(b)[j]) for j in range(MICRO)]
+    program, stages, optimizers, micro = stages_and_microbatches(prog, name, STEPS, MICRO)
     if schedule == "1f1b":
         fwd, bwd, group = reference.pipedream_1f1b(replicas, vertical_sync=vertical_sync)
         scale = 1.0

@@ -13,14 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _emitted import stages_and_microbatches
 import torch
 
 from pdcompile.api import pdcompile
 from pdcompile.launcher import launch
 from pdcompile import reference
 from pdcompile.runtime import schedules
-from pdcompile.runtime.program import Program, build
-from pdcompile.zoo import batches, get
+from pdcompile.runtime.program import Program
+from pdcompile.zoo import get
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.multiproc]
 
@@ -72,16 +73,7 @@ def _run(tmp: Path, prog: Path, schedule: str,
 
 def _reference(prog: Path, name: str, versions: tuple[Any, Any, Any], scale: float) -> list[dict[str, torch.Tensor]]:
     """Each stage's final parameters under ``versions`` = (fwd, bwd, group), from the initial weights."""
-    program = Program.load(prog)
-    stages = [program.build_stage(k) for k in range(program.num_stages)]
-    optimizers = [build(program.raw["optimizer"], m.parameters()) for m in stages]
-    b = program.raw["microbatch_size"]
-    data = batches(b * MICRO, name)
-    micro = []
-    for _ in range(STEPS):
-        inputs, target = next(data)
-        ins = [x.split(b) for x in inputs]
-        micro += [(tuple(x[j] for x in ins), target.split(b)[j]) for j in range(MICRO)]
+    program, stages, optimizers, micro = stages_and_microbatches(prog, name, STEPS, MICRO)
     fwd, bwd, group = versions
     tied = [[(s, n) for s, n in grp] for grp in program.raw.get("tied", [])]
     reference.train_versioned(stages, optimizers, program.build_loss(), micro, fwd=fwd, bwd=bwd,

@@ -219,8 +219,9 @@ def register_csv(source: str | os.PathLike[str]) -> str:
     if name in POLICIES:
         return name
     read_csv(text)  # refuses a CSV that does not validate, naming the rule and the cell
-    ops = {r: [a for a, _ in items] for r, items in _ops(parse_cells(text)).items()}
-    placement = csv_placement(_ops(parse_cells(text)))
+    cells = _ops(parse_cells(text))
+    ops = {r: [a for a, _ in items] for r, items in cells.items()}
+    placement = csv_placement(cells)
     S, m = len(placement), _microbatches(ops, placement)
     rank_of_first = {min(stages_of_rank(r, placement)): r for r in ops}
 
