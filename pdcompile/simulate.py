@@ -187,7 +187,15 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
       ``recv_progress="on_wait"`` a transfer that would have arrived while the receiver was busy is taken
       off the link only once the receiver waits for it (it then takes its transfer time from there): what
       gloo does on CPU when every core runs a stage's compute, because the receiving process's I/O
-      thread gets no core until its compute thread blocks. The default, ``"background"``, overlaps fully;
+      thread gets no core until its compute thread blocks. With ``recv_progress="both_wait"`` a
+      transfer's bytes move only while both its sender and its receiver are idle or waiting (neither runs
+      an action, a collective, a blocking send or an action's overhead): it starts when sent (and the link is
+      free) and arrives once the two have been idle together for its transfer time, so one sent before the
+      sender's long forward arrives only after that forward. It is found by iteration: each pass takes the
+      ranks' busy intervals from the previous one (the first assumes ``"background"``) until the
+      arrivals repeat (at most 100 passes). It needs ``overlap_comm`` (the sender's share of the transfer
+      is its idle time). Measured on gloo when every core runs a stage (see
+      ``benchmarks/bench_predicted_vs_measured.py``). The default, ``"background"``, overlaps fully;
     * ``AR`` starts when all replicas of the stage have reached it and takes ``allreduce_s[s]``;
       ``TG`` likewise across the ranks of ``tied_stages`` (every rank when not given; a rank of another
       stage passes its ``TG`` at no cost, as the runtime's tied-gradient group leaves it out) and takes
@@ -234,8 +242,10 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
         over = {k: overhead_s.get(k, 0) for k in kinds}
     else:
         over = dict.fromkeys(kinds, overhead_s)
-    if recv_progress not in ("background", "on_wait"):
-        raise UsageError(f"recv_progress={recv_progress!r}: use 'background' or 'on_wait'")
+    if recv_progress not in ("background", "on_wait", "both_wait"):
+        raise UsageError(f"recv_progress={recv_progress!r}: use 'background', 'on_wait' or 'both_wait'")
+    if recv_progress == "both_wait" and not overlap_comm:
+        raise UsageError("recv_progress='both_wait' moves bytes only while the sender waits: it needs overlap_comm=True")
     if set(sched) != set(stage_of):
         raise UsageError(f"the schedule has ranks {sorted(sched)}, replicas {reps} give {sorted(stage_of)}")
 
@@ -252,13 +262,36 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     else:
         transfer = lambda sa, sb, ra, rb: 0  # noqa: E731
 
-    clock: dict[int, Any] = {r: 0 for r in sched}
-    busy: dict[int, Any] = {r: 0 for r in sched}
-    compute: dict[int, Any] = {r: 0 for r in sched}
+    clock: dict[int, Any] = {}
+    busy: dict[int, Any] = {}
+    compute: dict[int, Any] = {}
     link_free: dict[tuple[int, int], Any] = {}
     arrival: dict[tuple[Kind, int, int], Any] = {}
     duration: dict[tuple[Kind, int, int], Any] = {}
     events: list[Event] = []
+    # both_wait: per rank, its busy intervals (start, end) in time order, this pass's and the previous one's
+    held: dict[int, list[tuple[Any, Any]]] = {}
+    held_before: dict[int, list[tuple[Any, Any]]] | None = None
+
+    def hold(r: int, start: Any, end: Any) -> None:
+        if end > start:
+            held[r].append((start, end))
+
+    def both_idle(ra: int, rb: int, start: Any, need: Any) -> Any:
+        """When ``ra`` and ``rb`` (the previous pass's busy intervals) have been idle together for
+        ``need`` seconds from ``start``."""
+        if held_before is None:
+            return start + need
+        t, left = start, need
+        for a, b in sorted(held_before[ra] + held_before[rb]):
+            if b <= t:
+                continue
+            if a > t:
+                if a - t >= left:
+                    return t + left
+                left -= a - t
+            t = b
+        return t + left
 
     copies = {r: version_copies(acts) if version_s is not None else [0] * len(acts) for r, acts in sched.items()}
     split = {r: {(a.stage, a.microbatch) for a in acts if a.kind is Kind.WEIGHT_GRAD}  # per stage: virtual ones
@@ -277,10 +310,12 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
                 events.append(Event(q, name, start, start + dur, category_of(name)))
                 clock[q] = start + dur
                 busy[q] += dur
+                hold(q, start, start + dur)
             return
         (r, _), name = parts[0], str(a)
         if over[a.kind.value]:  # the runtime's fixed cost of running this action
             busy[r] += over[a.kind.value]
+            hold(r, clock[r], clock[r] + over[a.kind.value])
             clock[r] += over[a.kind.value]
         t = clock[r]
         if a.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD, Kind.STEP):
@@ -294,11 +329,17 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
             clock[r] = t + dur
             busy[r] += dur
             compute[r] += dur
+            hold(r, t, t + dur)
         elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
             dst = a.stage + 1 if a.kind is Kind.SEND_ACT else a.stage - 1
             peer = rank_of(dst, a.mb, ranks)
             start = max(t, link_free.get((r, peer), t))
-            end = start + transfer(a.stage, dst, r, peer) if peer != r else t  # one rank's stages: no link
+            if peer == r:  # one rank's stages: no link
+                end = t
+            elif recv_progress == "both_wait":
+                end = both_idle(r, peer, start, transfer(a.stage, dst, r, peer))
+            else:
+                end = start + transfer(a.stage, dst, r, peer)
             if peer != r:
                 link_free[(r, peer)] = end
             arrival[(a.kind, a.stage, a.mb)] = end
@@ -310,6 +351,7 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
             else:
                 events.append(Event(r, name, t, end, "send"))
                 busy[r] += end - t
+                hold(r, t, end)
                 clock[r] = end
         elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
             src = a.stage - 1 if a.kind is Kind.RECV_ACT else a.stage + 1
@@ -322,7 +364,20 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
             clock[r] = end
         # WV: bookkeeping only
 
-    replay(sched, reps, execute, name="simulated schedule", placement=placement)
+    for _ in range(100 if recv_progress == "both_wait" else 1):
+        before = dict(arrival)
+        clock.update({r: 0 for r in sched})
+        busy.update({r: 0 for r in sched})
+        compute.update({r: 0 for r in sched})
+        held.update({r: [] for r in sched})
+        link_free.clear()
+        arrival.clear()
+        duration.clear()
+        events.clear()
+        replay(sched, reps, execute, name="simulated schedule", placement=placement)
+        if arrival == before:
+            break
+        held_before = {r: list(iv) for r, iv in held.items()}
 
     makespan = max([0, *clock.values(), *arrival.values()])
     T = len({a.microbatch for acts in sched.values() for a in acts if a.kind is Kind.FORWARD})

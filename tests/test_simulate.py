@@ -360,6 +360,54 @@ def test_receive_progress_on_wait() -> None:
         simulate_schedule("gpipe", [1, 1], 1, recv_progress="later", **one)
 
 
+def test_receive_progress_both_wait() -> None:
+    # gpipe, 2 stages, 2 microbatches, F = B = 1, transfers of 1/2. "both_wait": bytes move only while
+    # sender and receiver are both idle. Rank 0 sends F0's activations at 1 and computes F1 until 2:
+    # they move 2-2.5 (rank 1 idle), so 1F0 runs 2.5-3.5 ("background": 1.5-2.5). F1's, sent at 2
+    # (link free at 2.5), wait for rank 1's F0: 3.5-4, 1F1 4-5, 1B1 5-6. B1's gradients, sent at 6
+    # while rank 1 computes B0 until 7, move 7-7.5; B0's (link free at 7.5) wait for rank 0's B1
+    # (7.5-8.5) and move 8.5-9; 0B0 9-10.
+    kw = dict(forward_s=[1, 1], backward_s=[1, 1], send_s=Fr(1, 2))
+    bw = simulate_schedule("gpipe", [1, 1], 2, recv_progress="both_wait", **kw)
+    got = {e.name: (e.start_s, e.end_s) for e in bw.events if e.category in ("forward", "backward") and "W" not in e.name}
+    assert got == {"0F0": (0, 1), "0F1": (1, 2), "1F0": (Fr(5, 2), Fr(7, 2)), "1F1": (4, 5), "1B1": (5, 6),
+                   "1B0": (6, 7), "0B1": (Fr(15, 2), Fr(17, 2)), "0B0": (9, 10)}
+    arrive = {e.name: e.end_s for e in bw.events if e.category == "transfer"}
+    assert arrive == {"0SF0": Fr(5, 2), "0SF1": 4, "1SB1": Fr(15, 2), "1SB0": 9}
+    assert bw.makespan_s == 10
+    assert (simulate_schedule("gpipe", [1, 1], 2, **kw).makespan_s,
+            simulate_schedule("gpipe", [1, 1], 2, recv_progress="on_wait", **kw).makespan_s) == (7, 8)
+    # a transfer interrupted by the receiver's compute: F1's activations (1/2 of transfer) start at 2
+    # while rank 1 is idle, move 2-2.25, stop while rank 1 runs F0 (2.25-3.25), move the rest 3.25-3.5
+    part = simulate_schedule("gpipe", [1, 1], 2, recv_progress="both_wait", forward_s=[1, 1], backward_s=[1, 1],
+                             send_s=lambda sa, sb, ra, rb: Fr(1, 4) if sa == 0 and sb == 1 else Fr(1, 2))
+    f = {e.name: e.start_s for e in part.events if e.category == "forward"}
+    assert (f["1F0"], f["1F1"]) == (Fr(9, 4), Fr(7, 2))
+    # nothing to overlap (one microbatch, each side idle while the other's bytes move): as background
+    assert (simulate_schedule("gpipe", [1, 1], 1, recv_progress="both_wait", **kw).makespan_s
+            == simulate_schedule("gpipe", [1, 1], 1, **kw).makespan_s == 5)
+    from pdcompile.errors import UsageError
+
+    with pytest.raises(UsageError, match="overlap_comm"):
+        simulate_schedule("gpipe", [1, 1], 1, recv_progress="both_wait", overlap_comm=False, **kw)
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "looped-bfs", "zb-v"])
+def test_receive_progress_both_wait_virtual(name: str) -> None:
+    # 4 stages on 2 ranks: hand-overs between one rank's stages stay free; every transfer between the
+    # ranks arrives no earlier than in the background, and only while both ranks are idle
+    kw = dict(forward_s=[1] * 4, backward_s=[2] * 4, send_s=Fr(1, 3), virtual_stages=2)
+    bg = simulate_schedule(name, [1] * 4, 6, **kw)
+    bw = simulate_schedule(name, [1] * 4, 6, recv_progress="both_wait", **kw)
+    assert bw.makespan_s >= bg.makespan_s
+    busy = {r: [(e.start_s, e.end_s) for e in bw.events if e.rank == r and e.category not in ("transfer", "send", "recv")]
+            for r in (0, 1)}
+    moves = [e for e in bw.events if e.category == "transfer"]
+    assert moves and all(e.end_s - e.start_s >= Fr(1, 3) for e in moves)
+    for e in moves:  # the last third of a transfer before its arrival: neither rank computes
+        assert not any(a < e.end_s and b > e.end_s - Fr(1, 100) for r in (0, 1) for a, b in busy[r])
+
+
 @pytest.mark.parametrize("name", ["1f1b", "2bw", "flush"])
 def test_version_copies_are_charged(name: str) -> None:
     from pdcompile.runtime.schedules import version_copies
