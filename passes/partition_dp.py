@@ -42,7 +42,10 @@ __all__ = [
 
 COST_MODELS = ("default", "paper", "pipedream")
 SCHEDULES = tuple(schedule_registry.SCHEDULES)  # memory from each one's Policy (weight versions, in flight)
-RECOMPUTE = ("none", "full", "auto")  # activation recomputation: never, every stage, where memory needs it
+RECOMPUTE = ("none", "selective", "full", "auto")  # never, every stage (cheap ops / whole forward), where memory needs it
+#: What a stage may recompute (``StageCost.recompute``): nothing; its cheap ops (selective, the layers'
+#: ``selective_*`` costs); its first layers (partial: the fewest that fit); its whole forward (full).
+MODES = ("none", "selective", "partial", "full")
 _EPS = 1e-10  # relative slack in feasibility tests (floating sums); plans are re-evaluated exactly
 _BIG = np.iinfo(np.int64).max // 4
 
@@ -160,7 +163,8 @@ class StageCost:
     memory_bytes: float
     in_flight: int
     weight_versions: int
-    recompute: bool = False
+    recompute: str = "none"  # one of MODES
+    recompute_layers: int = 0  # layers whose forward runs again (partial: the stage's first ones; full: all)
 
 
 @dataclass(frozen=True)
@@ -282,10 +286,33 @@ class PlanModel:
         self.PWM = _cumsum0(w + np.array([l.shared_param_bytes for l in layers], dtype=float))
         self.P1r = _cumsum0(self.c + f + self.kappa * w)
         self.PCr = _cumsum0(self.c + f)
+        # selective recomputation: per layer what stays saved (SAC's cached outputs) and the forward rebuilt
+        sel = [(getattr(l, "selective_saved_bytes", None), getattr(l, "selective_recompute_s", None)) for l in layers]
+        self.selective_known = known and all(a is not None and b is not None for a, b in sel)
+        ss = np.array([a for a, _ in sel] if self.selective_known else [0.0] * N, dtype=float)
+        fs = np.array([b for _, b in sel] if self.selective_known else [0.0] * N, dtype=float)
+        self.PS = np.minimum(_cumsum0(ss), self.PX)
+        zero = np.zeros(N + 1)
+        # per mode: (time prefix sums default, paper; saved bytes kept per microbatch, rebuilt once; in, out)
+        self._arr: dict[str, tuple[np.ndarray, ...]] = {
+            "none": (self.P1, self.PC, self.PX, zero, self.xin, self.xout),
+            "full": (self.P1r, self.PCr, zero, self.PX, self.xin_r, self.xout_r),
+            "selective": (_cumsum0(self.c + fs + self.kappa * w), _cumsum0(self.c + fs), self.PS,
+                          self.PX - self.PS, self.xin_r, self.xout_r),
+        }
+        if recompute == "selective" and not self.selective_known and cost_model != "pipedream":
+            raise UsageError("recompute='selective' needs each layer's selective costs (what stays saved when cheap "
+                             "ops are rebuilt), which this chain lacks (profiles imported from PipeDream have none); "
+                             "use recompute='full' or 'auto'")
+        # the modes the search may give a stage
+        self.modes: tuple[str, ...] = {"none": ("none",), "selective": ("selective",), "full": ("full",)}.get(
+            self.recompute, ("none",) + (("selective",) if self.selective_known else ()) + ("partial", "full"))
+        if self.recompute == "auto" and not self.memory_on:
+            self.modes = ("none",)  # recomputation only where memory needs it
+        self._partial_tables: dict[tuple[int, float], tuple[np.ndarray, np.ndarray, float]] = {}
         # boundary thresholds per level: 2 a / B_k (inf: forbidden cut)
         self.tcut = [2.0 * cut / b for b in self.B]
-        self._mem_table: np.ndarray | None = None
-        self._mem_table_r: np.ndarray | None = None
+        self._mem_tables: dict[str, np.ndarray] = {}
         self._tau: float | None = None
         self._nxt: dict[int, np.ndarray] = {}
         self._pair_cache: dict[tuple[int, int, bool, bool], tuple[np.ndarray, np.ndarray]] = {}
@@ -306,27 +333,77 @@ class PlanModel:
     def rng(self, P: np.ndarray, i: int, j: int) -> float:
         return float(P[j + 1] - P[i])
 
-    def activations(self, i: int, j: int, recompute: bool = False) -> float:
-        """Bytes a stage ``i..j`` keeps per microbatch in flight (recompute: inputs and outputs only)."""
-        if recompute:
-            return float(self.xin_r[i] + self.xout_r[j])
-        return self.rng(self.PX, i, j) + float(self.xin[i] + self.xout[j])
+    @staticmethod
+    def _mode(recompute: bool | str) -> str:
+        return ("full" if recompute else "none") if isinstance(recompute, bool) else recompute
 
-    def memory(self, i: int, j: int, k: int, recompute: bool = False, depth: int | None = None) -> float:
+    def activations(self, i: int, j: int, recompute: bool | str = False) -> float:
+        """Bytes a stage ``i..j`` keeps per microbatch in flight (full: its inputs and outputs only;
+        selective: those and what stays saved; not for ``partial``, whose bytes depend on its head)."""
+        _, _, PA, _, xin, xout = self._arr[self._mode(recompute)]
+        return self.rng(PA, i, j) + float(xin[i] + xout[j])
+
+    def memory(self, i: int, j: int, k: int, recompute: bool | str = False, depth: int | None = None,
+               head: int = 0) -> float:
         """Per-worker bytes of a stage ``i..j`` with ``k`` minibatches in flight: weights x versions
         (``depth``: the stage's warmup depth, default ``k``), gradients, optimizer state, ``k``
-        microbatches' activations (with recomputation: their inputs and outputs, and one microbatch
-        rebuilt at its backward)."""
-        return self.memory_at(i, j, k, self.versions(depth or k), recompute)
+        microbatches' activations (with recomputation: what stays saved, and one microbatch
+        rebuilt at its backward; ``head``: partial's recomputed layers)."""
+        return self.memory_at(i, j, k, self.versions(depth or k), recompute, head=head)
 
-    def memory_at(self, i: int, j: int, k: int, versions: int, recompute: bool = False,
-                  activation_scale: float = 1.0) -> float:
+    def memory_at(self, i: int, j: int, k: int, versions: int, recompute: bool | str = False,
+                  activation_scale: float = 1.0, head: int = 0) -> float:
         """Per-worker bytes of a stage ``i..j`` with ``k`` microbatches in flight and ``versions``
-        weight versions (activations scaled by ``activation_scale``, e.g. another microbatch size)."""
+        weight versions (activations scaled by ``activation_scale``, e.g. another microbatch size).
+        ``partial``: layers ``i..i+head-1`` run under checkpoint, the rest as usual."""
+        mode = self._mode(recompute)
         W = self.rng(self.PWM, i, j)
-        X = self.activations(i, j, recompute) * activation_scale
-        R = self.rng(self.PX, i, j) * activation_scale if recompute else 0.0
+        s = activation_scale
+        if mode == "partial":
+            q = i + head - 1
+            xin = float(self.xin_r[i]) * s
+            T = (float(self.PX[j + 1] - self.PX[q + 1]) + float(self.xout[j])) * s  # the tail's, kept per microbatch
+            H = float(self.PX[q + 1] - self.PX[i]) * s  # the head's, rebuilt at its backward
+            return max(_partial_term(W * cv, kk, rb, xin, T, H) for cv, kk, rb in self._memory_terms(k, versions=versions))
+        X = self.activations(i, j, mode) * s
+        R = self.rng(self._arr[mode][3], i, j) * s
         return max(W * cv + X * kk + R * rb for cv, kk, rb in self._memory_terms(k, versions=versions))
+
+    def recompute_s(self, i: int, j: int, mode: str, head: int = 0) -> float:
+        """Forward seconds a stage ``i..j`` runs again in its backward under ``mode``."""
+        if mode == "full":
+            return self.rng(self.PF, i, j)
+        if mode == "partial":
+            return self.rng(self.PF, i, i + head - 1)
+        if mode == "selective":
+            return self.rng(self._arr["selective"][1], i, j) - self.rng(self.PC, i, j)
+        return 0.0
+
+    def choose_recompute(self, i: int, j: int, k: int, depth: int | None = None) -> tuple[str, int]:
+        """(mode, recomputed layers) of a stage ``i..j`` with ``k`` in flight: the allowed mode that
+        fits the memory limit with the least forward run again (partial: its fewest first layers);
+        none fitting, the one that needs least memory."""
+        budget = self.mem_budget * (1 + _EPS)
+        if self.recompute != "auto" or not self.memory_on:
+            mode = self.modes[0]
+            return mode, (j - i + 1 if mode == "full" else 0)
+        best: tuple[float, float, str, int] | None = None  # (extra time, memory, mode, head)
+        least: tuple[float, str, int] | None = None
+        for mode in self.modes:
+            heads = range(1, j - i + 1) if mode == "partial" else (j - i + 1 if mode == "full" else 0,)
+            for h in heads:
+                mem = self.memory(i, j, k, mode, depth, head=h)
+                if least is None or mem < least[0]:
+                    least = (mem, mode, h)
+                if mem <= budget:
+                    t = self.recompute_s(i, j, mode, h)
+                    if best is None or t < best[0] * (1 - 1e-12):
+                        best = (t, mem, mode, h)
+                    break  # partial: more layers only cost more time
+        if best is not None:
+            return best[2], best[3]
+        assert least is not None
+        return least[1], least[2]
 
     def _memory_terms(self, k: int, depth: int | None = None, versions: int | None = None) -> list[tuple[float, int, int]]:
         """(weight-bytes factor, microbatches of activations, rebuilds) of the moments that may
@@ -356,19 +433,20 @@ class PlanModel:
                 hi = mid - 1
         return lo
 
-    def level1_stage(self, i: int, j: int, r: int, recompute: bool = False) -> tuple[float, float]:
-        """(stage time per minibatch, its weight-sync part) of a level-1 stage (recompute: the
-        forward runs again in the backward)."""
+    def level1_stage(self, i: int, j: int, r: int, recompute: bool | str = False, head: int = 0) -> tuple[float, float]:
+        """(stage time per minibatch, its weight-sync part) of a level-1 stage (recompute: what the
+        mode runs again in the backward, :meth:`recompute_s`)."""
         W = self.rng(self.PW, i, j)
+        again = self.recompute_s(i, j, self._mode(recompute), head)
         if self.cost_model == "paper":
-            C = self.rng(self.PCr if recompute else self.PC, i, j)
+            C = self.rng(self.PC, i, j) + again
             comm = 2.0 * (r - 1) * W / self.B[0]
             return max(C, comm) / r, comm / r
         if self.cost_model == "pipedream":
             comm = (4.0 * (r - 1) * W) / (self.B[0] * r)
             return (self.rng(self.PC, i, j) + comm) / r, comm / r
         F = self.rng(self.PF, i, j)
-        Bw = self.rng(self.PC, i, j) - F + (F if recompute else 0.0)
+        Bw = self.rng(self.PC, i, j) - F + again
         ar = 2.0 * (r - 1) * W / (r * self.B[0])
         return (F + max(Bw, ar) + self.kappa * W) / r, ar / r
 
@@ -395,18 +473,17 @@ class PlanModel:
                 if level == 1:
                     depth = math.ceil((b.units + d_after + e) / b.units)
                     k = self.in_flight(depth, b.units)
-                    rc = self.recompute == "full" or (self.recompute == "auto" and self.memory_on and
-                                                      self.memory(b.first, b.last, k, depth=depth) >
-                                                      self.mem_budget * (1 + _EPS))
-                    t, comm = self.level1_stage(b.first, b.last, b.units, rc)
+                    mode, head = self.choose_recompute(b.first, b.last, k, depth)
+                    t, comm = self.level1_stage(b.first, b.last, b.units, mode, head)
                     terms.append((f"stage {len(stages)} ({_span(names, b.first, b.last)})", float(t * scale)))
-                    PC = self.PCr if rc else self.PC
+                    compute = self.rng(self.PC, b.first, b.last) + self.recompute_s(b.first, b.last, mode, head)
                     stages.append(StageCost(
                         b.first, b.last, flat[len(stages)][2],
-                        compute_s=float(self.rng(PC, b.first, b.last) / b.units * scale),
+                        compute_s=float(compute / b.units * scale),
                         comm_s=float(comm * scale), time_s=float(t * scale), send_s=0.0,
-                        memory_bytes=self.memory(b.first, b.last, k, rc, depth), in_flight=k,
-                        weight_versions=self.versions(depth), recompute=rc,
+                        memory_bytes=self.memory(b.first, b.last, k, mode, depth, head), in_flight=k,
+                        weight_versions=self.versions(depth), recompute=mode,
+                        recompute_layers=head if mode == "partial" else (b.last - b.first + 1 if mode == "full" else 0),
                     ))
                 else:
                     first_stage = len(stages)
@@ -536,12 +613,13 @@ class PlanModel:
             idx = np.where(ok, np.arange(N + 1), N)
             self._nxt[level] = np.minimum.accumulate(idx[:, ::-1], axis=1)[:, ::-1]
 
-    def _mem_rows(self, recompute: bool = False) -> np.ndarray:
-        """``T[k, end]``: smallest start of a stage ending at ``end`` whose memory with ``k``
-        minibatches in flight fits (row 0: no limit; the last row: nothing fits). Weight versions
-        are taken at depth ``k`` (a schedule whose in-flight count differs from its depth, GPipe,
-        keeps versions that do not grow with it)."""
-        cached = self._mem_table_r if recompute else self._mem_table
+    def _mem_rows(self, mode: bool | str = "none") -> np.ndarray:
+        """``T[k, end]``: smallest start of a stage ending at ``end`` whose memory under recompute
+        ``mode`` (not partial, :meth:`_partial_table`) with ``k`` minibatches in flight fits (row 0:
+        no limit; the last row: nothing fits). Weight versions are taken at depth ``k`` (a schedule
+        whose in-flight count differs from its depth, GPipe, keeps versions that do not grow with it)."""
+        mode = self._mode(mode)
+        cached = self._mem_tables.get(mode)
         if cached is not None:
             return cached
         N = self.N
@@ -550,13 +628,12 @@ class PlanModel:
         if self.memory_on:
             kmax = max(self.sizes[-1], self.M if self.policy.holds_step else 0)
             budget = self.mem_budget * (1 + _EPS)
-            xin, xout = (self.xin_r, self.xout_r) if recompute else (self.xin, self.xout)
+            _, _, PA, PR, xin, xout = self._arr[mode]
             for k in range(1, kmax + 1):
                 start = np.zeros(N, dtype=np.int64)
                 for cv, kk, rb in self._memory_terms(k):  # every moment that may peak must fit
-                    kx = float(rb) if recompute else float(kk)  # saved bytes: one rebuilt microbatch, or kk stashed
-                    g = -(self.PWM * cv) - self.PX * kx + xin * kk  # mem(i..end) = H(end) + g(i)
-                    H = self.PWM[1:] * cv + self.PX[1:] * kx + xout * kk
+                    g = -(self.PWM * cv) - PA * kk - PR * rb + xin * kk  # mem(i..end) = H(end) + g(i)
+                    H = self.PWM[1:] * cv + PA[1:] * kk + PR[1:] * rb + xout * kk
                     neg = np.maximum.accumulate(-g[:N])
                     start = np.maximum(start, np.searchsorted(neg, -(budget - H), side="left"))
                 start = np.minimum(start, ends + 1)
@@ -565,11 +642,74 @@ class PlanModel:
                     break
         rows.append(np.arange(1, N + 1, dtype=np.int64))
         table = np.stack(rows)
-        if recompute:
-            self._mem_table_r = table
-        else:
-            self._mem_table = table
+        self._mem_tables[mode] = table
         return table
+
+    def _partial_table(self, k: int) -> tuple[np.ndarray, np.ndarray, float]:
+        """Partial recomputation with ``k`` in flight, for every stage ``i..end``: its time with the
+        fewest first layers recomputed that make it fit (:meth:`memory_at`'s partial terms, solved
+        for the head in closed form: each moment bounds ``PX[q+1]``, the head's saved bytes, from
+        below or above), as running minima over ``i`` so that one ``searchsorted`` finds the
+        smallest start within a time. Returns (rows flattened with offsets, row offsets, cap)."""
+        key = (k, self.mem_budget)
+        got = self._partial_tables.get(key)
+        if got is not None:
+            return got
+        N = self.N
+        I = np.arange(N)[None, :]
+        J = np.arange(N)[:, None]
+        budget = self.mem_budget * (1 + _EPS)
+        Wm = self.PWM[J + 1] - self.PWM[I]
+        xin = self.xin_r[I]
+        A = self.PX[J + 1] + self.xout[J]  # T = A - PX[q+1]; H = PX[q+1] - PX[i]
+        PXi = self.PX[I]
+        lo = np.full((N, N), -np.inf)
+        hi = np.full((N, N), np.inf)
+        ok = J > I  # a head and a tail, each of at least one layer
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for cv, kk, rb in self._memory_terms(k):
+                Bc = budget - cv * Wm - max(kk, rb) * xin
+                if kk >= 1:  # kk (xin + T) within the budget
+                    lo = np.maximum(lo, A - Bc / kk)
+                if rb:
+                    if kk <= 1:  # (the rebuilt one's) head within the budget
+                        hi = np.minimum(hi, Bc + PXi)
+                    elif kk == 2:
+                        ok &= A - PXi <= Bc
+                    else:  # (kk - 1) T + H within the budget
+                        lo = np.maximum(lo, ((kk - 1) * A - PXi - Bc) / (kk - 2))
+                elif kk == 0:
+                    ok &= Bc >= 0
+        tol = 1e-9 * max(1.0, float(self.PX[-1]))
+        q1 = np.maximum(np.searchsorted(self.PX, lo - tol, side="left"), I + 1)  # q + 1: the head's end
+        q1c = np.minimum(q1, N)
+        ok &= (q1 <= J) & (self.PX[q1c] <= hi + tol)
+        base = self.PC if self.cost_model == "paper" else self.P1
+        G = np.where(ok, base[J + 1] - base[I] + self.PF[q1c] - self.PF[I], np.inf)
+        cap = 2.0 * float(base[-1] + self.PF[-1]) + 1.0
+        Hm = np.minimum.accumulate(np.where(np.isfinite(G), G, 2.0 * cap), axis=1)
+        Hm = np.hstack([Hm, Hm[:, -1:]])  # column N (no start there) keeps each row sorted
+        offs = np.arange(N, dtype=float) * (4.0 * cap)
+        flat = (offs[:, None] - Hm).ravel()
+        if len(self._partial_tables) >= 64:
+            self._partial_tables.pop(next(iter(self._partial_tables)))
+        got = (flat, offs, cap)
+        self._partial_tables[key] = got
+        return got
+
+    def _partial_start(self, se_c: np.ndarray, thr: np.ndarray, kin: np.ndarray) -> np.ndarray:
+        """Smallest start of stages ending at ``se_c`` that fit with partial recomputation within
+        ``thr`` (compute terms), ``kin`` in flight; > the end where none does."""
+        se_b, thr_b, k_b = np.broadcast_arrays(se_c, thr, kin)
+        out = np.empty(se_b.shape, dtype=np.int64)
+        N = self.N
+        for k in np.unique(k_b):
+            flat, offs, cap = self._partial_table(int(k))
+            m = k_b == k
+            e = se_b[m]
+            t = np.minimum(thr_b[m] * (1 + _EPS), cap)
+            out[m] = np.searchsorted(flat, offs[e] - t, side="left") - e * (N + 1)
+        return out
 
     @staticmethod
     def _ss(P: np.ndarray, end: np.ndarray, thr: np.ndarray) -> np.ndarray:
@@ -590,7 +730,7 @@ class PlanModel:
         return got
 
     def _level1_start(self, se_c: np.ndarray, thr: np.ndarray, rr: np.ndarray, dd: np.ndarray,
-                      e2: np.ndarray, options: tuple[bool, ...]) -> np.ndarray:
+                      e2: np.ndarray, options: tuple[str, ...]) -> np.ndarray:
         """Smallest start of level-1 stages ending at ``se_c`` within ``thr`` and the memory limit,
         the furthest-reaching of the recomputation ``options`` (the weight-sync term, which does
         not depend on recomputation, and the in-flight counts are computed once for both)."""
@@ -609,15 +749,20 @@ class PlanModel:
             kin = -(-self.M // rr) if self.policy.holds_step else depth  # Policy.in_flight, vectorized
             kin = np.broadcast_to(kin, depth.shape).copy()
         out = None
-        for recompute in options:
-            if self.cost_model == "paper":
-                s = self._ss(self.PCr if recompute else self.PC, se_c, thr)
+        for mode in options:
+            if mode == "partial":
+                if kin is None:
+                    continue
+                base = self.PC if self.cost_model == "paper" else self.P1
+                s = self._partial_start(se_c, thr, kin)
+                s = np.maximum(s, self._ss(base, se_c, thr))  # never past what no recomputation allows
             else:
-                s = self._ss(self.P1r if recompute else self.P1, se_c, thr)
+                P1m, PCm = self._arr[mode][:2]
+                s = self._ss(PCm if self.cost_model == "paper" else P1m, se_c, thr)
+                if kin is not None:
+                    table = self._mem_rows(mode)
+                    s = np.maximum(s, table[np.minimum(kin, len(table) - 1), se_c])
             s = np.maximum(s, common)
-            if kin is not None:
-                table = self._mem_rows(recompute)
-                s = np.maximum(s, table[np.minimum(kin, len(table) - 1), se_c])
             out = s if out is None else np.minimum(out, s)
         assert out is not None
         return out
@@ -631,8 +776,7 @@ class PlanModel:
         assert tau is not None
         thr = (rr * mult) * tau  # the stage's units x its group's threshold
         if level == 1:
-            options = {"none": (False,), "full": (True,), "auto": (False, True)}[self.recompute]
-            return self._level1_start(se_c, thr, rr, dd, e, options)
+            return self._level1_start(se_c, thr, rr, dd, e, self.modes)
         B = self.B[level - 1]
         with np.errstate(divide="ignore", invalid="ignore"):
             if self.cost_model == "paper":
@@ -817,8 +961,7 @@ class PlanModel:
 
     def min_memory_to_fit(self) -> float:
         """The smallest per-worker memory for which some plan fits (bisection)."""
-        saved = self.mem_budget, self._mem_table
-        saved_r = self._mem_table_r
+        saved, tables = self.mem_budget, self._mem_tables
         try:
             lo = 0.0
             hi = self.memory(0, self.N - 1, 1)  # everything on one worker
@@ -826,16 +969,26 @@ class PlanModel:
                 if hi - lo <= 1e-4 * hi:
                     break
                 mid = 0.5 * (lo + hi)
-                self.mem_budget, self._mem_table, self._mem_table_r = mid, None, None
+                self.mem_budget, self._mem_tables = mid, {}
                 if self.feasible(math.inf):
                     hi = mid
                 else:
                     lo = mid
             return hi
         finally:
-            self.mem_budget, self._mem_table = saved
-            self._mem_table_r = saved_r
+            self.mem_budget, self._mem_tables = saved, tables
             self._tau = None
+
+
+def _partial_term(wcv: float, kk: int, rb: int, xin: float, T: float, H: float) -> float:
+    """One moment's bytes of a partially recomputing stage (:meth:`PlanModel.memory_at`): ``kk``
+    microbatches in flight keep their inputs ``xin`` and tail ``T``; at a rebuild (``rb``) the
+    microbatch rebuilt has freed its tail and holds its head ``H`` again."""
+    if rb == 0:
+        return wcv + kk * (xin + T)
+    if kk == 0:
+        return wcv + xin + H
+    return wcv + kk * xin + (kk - 1) * T + max(T, H)
 
 
 def _span(layers: Sequence[Any], first: int, last: int) -> str:
@@ -1009,7 +1162,7 @@ def build_plan(
             members=members, replicas=len(sc.ranks), ranks=sc.ranks, compute_s=sc.compute_s,
             comm_s=sc.comm_s, memory_bytes=sc.memory_bytes, time_s=sc.time_s, send_s=sc.send_s,
             in_flight=sc.in_flight, weight_versions=sc.weight_versions,
-            recompute="full" if sc.recompute else "none",
+            recompute=sc.recompute, recompute_layers=sc.recompute_layers,
         ))
     dp = base.data_parallel_time()
     b = chain.batch_size
@@ -1301,8 +1454,8 @@ def stage_memory(chain: Chain, first: int, last: int, in_flight: int, *, schedul
 
 
 def stage_memory_at(chain: Chain, first: int, last: int, *, in_flight: int, weight_versions: int,
-                    schedule: str = "1f1b", optimizer_state_factor: float = 1.0, recompute: bool = False,
-                    num_microbatches: int = 1, activation_scale: float = 1.0) -> float:
+                    schedule: str = "1f1b", optimizer_state_factor: float = 1.0, recompute: bool | str = False,
+                    num_microbatches: int = 1, activation_scale: float = 1.0, head: int = 0) -> float:
     """Per-worker bytes of stage ``first..last`` at given in-flight and weight-version counts: the
     planner's stage memory (module doc), for the simulator's counts; activations scaled by
     ``activation_scale``."""
@@ -1311,7 +1464,7 @@ def stage_memory_at(chain: Chain, first: int, last: int, *, in_flight: int, weig
     cluster = ClusterSpec(Device("any", memory=1.0), (Level("l", 1, 1.0),))
     model = PlanModel(chain, cluster, "paper", schedule, False, optimizer_state_factor,
                    num_microbatches=num_microbatches)
-    return model.memory_at(first, last, in_flight, weight_versions, recompute, activation_scale)
+    return model.memory_at(first, last, in_flight, weight_versions, recompute, activation_scale, head)
 
 
 def data_parallel_time(chain: Chain, cluster: ClusterSpec, cost_model: str = "default") -> float:

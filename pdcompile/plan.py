@@ -57,7 +57,15 @@ class StagePlan:
     send_s: float = 0.0
     in_flight: int = 1
     weight_versions: int = 1
-    recompute: str = "none"  # activation recomputation: "none" or "full" (the stage's forward, checkpointed)
+    recompute: str = "none"  # activation recomputation: "none", "selective" (cheap ops), "partial", "full"
+    recompute_layers: int = 0  # layers whose forward runs again in the backward (partial: the first ones)
+
+    @property
+    def recompute_text(self) -> str:
+        """The mode as the plan table shows it (partial: how many of the stage's first layers)."""
+        if self.recompute == "partial":
+            return f"first {self.recompute_layers} of {self.num_layers} layers"
+        return self.recompute
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -259,7 +267,7 @@ class Plan:
                 str(s.index), f"{s.first}..{s.last}", names, str(s.replicas), _ranges(s.ranks),
                 _fmt_s(s.compute_s), _fmt_s(s.comm_s), _fmt_s(s.send_s), _fmt_s(s.time_s),
                 _fmt_bytes(s.memory_bytes), str(s.in_flight),
-            ] + ([s.recompute] if recomputes else []))
+            ] + ([s.recompute_text] if recomputes else []))
         widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
         lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
         for r in rows:

@@ -120,3 +120,70 @@ def test_memory_rows_are_nondecreasing_in_the_in_flight_count(chain: Chain, sche
     model = PlanModel(chain, cluster, "default", schedule, True, num_microbatches=5)
     table = model._mem_rows(recompute)
     assert np.all(np.diff(table, axis=0) >= 0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(chain=chains(9), schedule=st.sampled_from(["1f1b", "flush", "2bw", "gpipe"]), frac=st.floats(0.05, 1.5),
+       tfrac=st.floats(0.05, 2.0), paper=st.booleans())
+def test_partial_recompute_start_equals_a_scan_of_every_head(chain: Chain, schedule: str, frac: float,
+                                                              tfrac: float, paper: bool) -> None:
+    """The vectorized partial-recomputation search (closed-form fewest head layers, running minima)
+    against the definition: for every end and in-flight count, the smallest start ``i`` with some
+    head of ``1..end-i`` layers whose memory (:meth:`PlanModel.memory_at`, scalar) fits and whose
+    time, forward run again included, is within the threshold; and no earlier start for more in flight."""
+    n = len(chain)
+    limit = frac * stage_memory(chain, 0, n - 1, 1, schedule=schedule)
+    cluster = ClusterSpec(Device("d", memory=max(limit, 1e-6)), (Level("l", 4, 1.0),))
+    model = PlanModel(chain, cluster, "paper" if paper else "default", schedule, True, num_microbatches=3,
+                      recompute="auto")
+    base = model.PC if paper else model.P1
+    budget = model.mem_budget * (1 + 1e-10)
+    thr = tfrac * float(base[-1] + model.PF[-1])
+    for k in range(1, 5):
+        ends = np.arange(n)
+        got = model._partial_start(ends, np.full(n, thr), np.full(n, k))
+        for j in range(n):
+            want = n + 1
+            for i in range(j):
+                for h in range(1, j - i + 1):
+                    t = float(base[j + 1] - base[i]) + model.recompute_s(i, j, "partial", h)
+                    if model.memory_at(i, j, k, model.versions(k), "partial", head=h) <= budget and t <= thr * (1 + 1e-10):
+                        want = i
+                        break
+                if want == i:
+                    break
+            assert (got[j] if got[j] <= j else n + 1) == want, (k, j, got[j], want)
+        if k > 1:
+            assert np.all(np.minimum(got, n + 1) >= np.minimum(prev, n + 1))
+        prev = got
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=chains(6), workers=st.integers(1, 4), frac=st.floats(0.05, 1.2),
+       schedule=st.sampled_from(["1f1b", "flush", "2bw", "gpipe"]), paper=st.booleans())
+def test_dp_with_recomputation_equals_the_best_configuration(chain: Chain, workers: int, frac: float,
+                                                              schedule: str, paper: bool) -> None:
+    """``recompute="auto"`` (none, partial with the fewest first layers, or full, per stage): the DP's
+    time is the best over every configuration of the one-stage-at-a-time evaluation, where each stage
+    scans its heads (:meth:`PlanModel.choose_recompute`), and every stage of its plan fits."""
+    from test_partition_dp import _FORBIDDEN, configs, flat_cluster  # noqa: PLC0415
+    from pdcompile.passes.partition_dp import evaluate  # noqa: PLC0415
+
+    _FORBIDDEN.clear()
+    _FORBIDDEN.update(i for i, c in enumerate(chain.cut_bytes) if math.isinf(c))
+
+    model = "paper" if paper else "default"
+    limit = max(frac * stage_memory(chain, 0, len(chain) - 1, 1, schedule=schedule), 1e-6)
+    cluster = flat_cluster(workers, 10.0).with_memory(limit)
+    opts = dict(cost_model=model, schedule=schedule, memory_limit=True, recompute="auto", num_microbatches=3)
+    best = math.inf
+    for blocks in configs(0, len(chain) - 1, cluster, 1):
+        ev = evaluate(chain, cluster, blocks, **opts)
+        if ev.peak_memory <= limit * (1 + 1e-9):
+            best = min(best, ev.seconds)
+    p = _plan(chain, cluster, **opts)
+    if math.isinf(best):
+        assert p is None
+        return
+    assert p is not None and math.isclose(p.seconds_per_minibatch, best, rel_tol=1e-9, abs_tol=1e-12)
+    assert all(s.memory_bytes <= limit * (1 + 1e-9) for s in p.stages)
