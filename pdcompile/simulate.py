@@ -194,8 +194,10 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
       sender's long forward arrives only after that forward. It is found by iteration: each pass takes the
       ranks' busy intervals from the previous one (the first assumes ``"background"``) until the
       arrivals repeat (at most 100 passes). It needs ``overlap_comm`` (the sender's share of the transfer
-      is its idle time). Measured on gloo when every core runs a stage (see
-      ``benchmarks/bench_predicted_vs_measured.py``). The default, ``"background"``, overlaps fully;
+      is its idle time). It is the strict reading of gloo traces with every core running a stage (a send
+      posted while its sender computes arriving once the sender waits); most transfers there move sooner,
+      so it bounds waits from above (``benchmarks/RESULTS.md``, bench_predicted_vs_measured, compares
+      it with ``"on_wait"``). The default, ``"background"``, overlaps fully;
     * ``AR`` starts when all replicas of the stage have reached it and takes ``allreduce_s[s]``;
       ``TG`` likewise across the ranks of ``tied_stages`` (every rank when not given; a rank of another
       stage passes its ``TG`` at no cost, as the runtime's tied-gradient group leaves it out) and takes
@@ -443,6 +445,19 @@ def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float) -> float:
     return 2 * (replicas - 1) / replicas * nbytes / bandwidth
 
 
+def _rebuilt_s(stage: Any, layers: Sequence[Any]) -> float:
+    """Forward seconds a stage's backward runs again: all of it (full), its first
+    ``recompute_layers`` (partial), its layers' ``selective_recompute_s`` (selective)."""
+    mode = getattr(stage, "recompute", "none")
+    if mode == "full":
+        return float(sum(l.forward_s for l in layers))
+    if mode == "partial":
+        return float(sum(l.forward_s for l in layers[:stage.recompute_layers]))
+    if mode == "selective":
+        return float(sum(getattr(l, "selective_recompute_s", None) or 0.0 for l in layers))
+    return 0.0
+
+
 def _part(profiled: Any, backward_s: Any, share: float) -> Any:
     """One part of a layer's split backward: as profiled, else ``share`` of its backward."""
     return profiled if profiled is not None else backward_s * share
@@ -477,7 +492,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     bytes back) at ``cluster.bandwidth_between`` the two ranks; a replicated stage all-reduces its
     ``param_bytes`` with a ring over the slowest link among its ranks. Chain costs are per
     minibatch of ``chain.batch_size`` and are scaled linearly to ``plan.microbatch_size``. A stage
-    that recomputes (``recompute="full"``) runs its forward again before its backward (``B``).
+    that recomputes runs again before its backward (``B``) what its mode rebuilds (:func:`_rebuilt_s`).
     Memory: the planner's stage memory (:func:`pdcompile.passes.partition_dp.stage_memory_at`: saved
     activations, weights x versions, gradients, ``optimizer_state_factor`` x weights of optimizer
     state) at the simulated peak in-flight and weight-version counts. Schedule ranks are consecutive by stage; replica ``i`` of stage ``s``
@@ -494,7 +509,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     fwd, bwd, params, cut, b_in, b_w = [], [], [], [], [], []
     for st_ in plan.stages:
         mine = layers[st_.first:st_.last + 1]
-        again = sum(l.forward_s for l in mine) * scale if st_.recompute == "full" else 0.0  # rebuilt at B
+        again = _rebuilt_s(st_, mine) * scale  # run again at B
         fwd.append(sum(l.forward_s for l in mine) * scale)
         bwd.append(sum(l.backward_s for l in mine) * scale + again)
         b_in.append(sum(_part(l.input_grad_s, l.backward_s, input_grad_share) for l in mine) * scale + again)
@@ -539,8 +554,9 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     def at(s: int, k: int, versions: int, sched: str) -> float:
         st_ = plan.stages[s]
         return stage_memory_at(chain, st_.first, st_.last, in_flight=k, weight_versions=versions, schedule=sched,
-                               optimizer_state_factor=optimizer_state_factor, recompute=st_.recompute == "full",
-                               num_microbatches=num_microbatches, activation_scale=scale)
+                               optimizer_state_factor=optimizer_state_factor, recompute=st_.recompute,
+                               num_microbatches=num_microbatches, activation_scale=scale,
+                               head=getattr(st_, "recompute_layers", 0))
 
     if virtual_stages == 1:
         memory = [at(s, res.peak_in_flight[s], res.peak_weight_versions[s], name) for s in range(len(plan.stages))]
