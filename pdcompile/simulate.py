@@ -196,7 +196,7 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
       arrivals repeat (at most 100 passes). It needs ``overlap_comm`` (the sender's share of the transfer
       is its idle time). It is the strict reading of gloo traces with every core running a stage (a send
       posted while its sender computes arriving once the sender waits); most transfers there move sooner,
-      so it bounds waits from above (``benchmarks/RESULTS.md``, bench_predicted_vs_measured, compares
+      so there it over-predicts waits (``benchmarks/RESULTS.md``, bench_predicted_vs_measured, compares
       it with ``"on_wait"``). The default, ``"background"``, overlaps fully;
     * ``AR`` starts when all replicas of the stage have reached it and takes ``allreduce_s[s]``;
       ``TG`` likewise across the ranks of ``tied_stages`` (every rank when not given; a rank of another
