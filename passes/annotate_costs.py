@@ -26,6 +26,7 @@ from pdcompile.cluster import ClusterSpec
 from pdcompile.errors import PassError, UsageError
 from pdcompile.ir import CompileState, TensorMeta, meta_bytes, need
 from pdcompile.profile import Profile, ProfileInput, ProfileLayer, optimizer_state_factor
+from pdcompile.runtime.recompute import FlopOutputs
 from pdcompile.runtime.timing import sync
 
 MODES = ("measured", "analytic")
@@ -103,6 +104,11 @@ class NodeCost:
     # a split backward's parts: gradients of the inputs only, of the parameters only (None: not known)
     input_grad_s: float | None = None
     weight_grad_s: float | None = None
+    # under selective recomputation (runtime/recompute.py): the bytes that stay saved per microbatch
+    # (the cached outputs of its FLOP-counted ops) and the forward time rebuilt at backward
+    selective_saved_bytes: int = 0
+    selective_recompute_s: float = 0.0
+    selective_rebuilt_bytes: int = 0  # of saved_bytes, what a backward rebuilds (not cached)
 
     def __str__(self) -> str:
         expr = f' ("{self.output_bytes_expr}")' if self.output_bytes_expr else ""
@@ -127,6 +133,10 @@ class _SavedRecorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
         self.saved: dict[fx.Node, dict[int, int]] = {}
+        # selective recomputation: storages of the outputs of its FLOP-counted ops, and the bytes of the
+        # new storages its FLOP-counted and its other ops made
+        self.cached: dict[fx.Node, dict[int, int]] = {}
+        self.made: dict[fx.Node, tuple[int, int]] = {}
         self.produced: dict[int, fx.Node] = {}  # storage -> the node whose output it is (latest)
         self.keep: list[Any] = []  # every value stays alive, so no storage is reused during the run
         self.static: set[int] = {_storage(t)[0] for t in [*gm.parameters(), *gm.buffers()]}
@@ -139,9 +149,11 @@ class _SavedRecorder(fx.Interpreter):
             mine[ptr] = nbytes
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopOutputs() as flops:
             result = super().run_node(n)
         self.saved[n] = mine
+        self.cached[n] = dict(_storage(t) for t in flops.outputs)
+        self.made[n] = (flops.new_bytes[True], flops.new_bytes[False])
         for t in _flat_tensors(result):
             if n.op == "get_attr":
                 self.static.add(_storage(t)[0])
@@ -151,15 +163,8 @@ class _SavedRecorder(fx.Interpreter):
         return result
 
 
-def saved_tensor_bytes(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[fx.Node, tuple[int, int, int]]:
-    """Per node: (bytes autograd saves for backward, of them those whose storage an earlier node or
-    input produced, of the node's own output storages those it saves itself).
-
-    Measured with saved-tensor hooks during one forward with autograd on. Each storage counts once,
-    at the first node that saves it (views and in-place ops share their base's storage); parameters
-    and buffers are not activations and are left out. A stage ``i..j`` keeps ``sum saved`` per
-    microbatch; its first node's ``saved_input_bytes`` are (part of) what it receives and its last
-    node's ``saved_output_bytes`` (part of) what it sends."""
+def _record_saved(gm: fx.GraphModule, inputs: Sequence[Any]) -> _SavedRecorder:
+    """One forward with autograd on under :class:`_SavedRecorder` (every value kept: ``keep.clear()`` after)."""
     # an example microbatch cut from a larger batch is a view of the batch's storage: give each input
     # its own storage, so that what it saves is a microbatch's bytes, not its batch's
     inputs = [x.detach().clone(memory_format=torch.contiguous_format).requires_grad_(x.requires_grad)
@@ -168,6 +173,10 @@ def saved_tensor_bytes(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[fx.Nod
     rec = _SavedRecorder(gm)
     with torch.enable_grad():
         rec.run(*inputs)
+    return rec
+
+
+def _saved_from(rec: _SavedRecorder, gm: fx.GraphModule) -> dict[fx.Node, tuple[int, int, int]]:
     seen: set[int] = set(rec.static)
     out: dict[fx.Node, tuple[int, int, int]] = {}
     for n in gm.graph.nodes:
@@ -182,6 +191,61 @@ def saved_tensor_bytes(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[fx.Nod
             else:
                 from_before += nbytes
         out[n] = (total, from_before, own)
+    return out
+
+
+def _selective_from(rec: _SavedRecorder, gm: fx.GraphModule) -> dict[fx.Node, tuple[int, float, int]]:
+    every_cached = {ptr for c in rec.cached.values() for ptr in c}
+    seen: set[int] = set()
+    saved_seen: set[int] = set(rec.static)
+    out: dict[fx.Node, tuple[int, float, int]] = {}
+    for n in gm.graph.nodes:
+        cached = 0
+        for ptr, nbytes in rec.cached.get(n, {}).items():
+            if ptr not in seen:
+                seen.add(ptr)
+                cached += nbytes
+        rebuilt = 0  # of what it saves (each storage at its first saver, as saved_bytes), what is not cached
+        for ptr, nbytes in rec.saved.get(n, {}).items():
+            if ptr not in saved_seen:
+                saved_seen.add(ptr)
+                rebuilt += 0 if ptr in every_cached else nbytes
+        flop_made, other_made = rec.made.get(n, (0, 0))
+        if not rec.cached.get(n):
+            share = 1.0  # no FLOP-counted op: the whole node is rebuilt
+        else:
+            share = other_made / (flop_made + other_made) if flop_made + other_made else 0.0
+        out[n] = (cached, share, rebuilt)
+    return out
+
+
+def saved_tensor_bytes(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[fx.Node, tuple[int, int, int]]:
+    """Per node: (bytes autograd saves for backward, of them those whose storage an earlier node or
+    input produced, of the node's own output storages those it saves itself).
+
+    Measured with saved-tensor hooks during one forward with autograd on. Each storage counts once,
+    at the first node that saves it (views and in-place ops share their base's storage); parameters
+    and buffers are not activations and are left out. A stage ``i..j`` keeps ``sum saved`` per
+    microbatch; its first node's ``saved_input_bytes`` are (part of) what it receives and its last
+    node's ``saved_output_bytes`` (part of) what it sends."""
+    rec = _record_saved(gm, inputs)
+    out = _saved_from(rec, gm)
+    rec.keep.clear()
+    return out
+
+
+def selective_bytes(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[fx.Node, tuple[int, float, int]]:
+    """Per node, under selective recomputation (:mod:`pdcompile.runtime.recompute`): (bytes that stay
+    saved per microbatch: the storages of the outputs of its ops ``torch.utils.flop_counter`` counts,
+    each storage once, at its first node, what the checkpoint's cache keeps; the share of its forward
+    time rebuilt at backward; the bytes of its ``saved_bytes`` a backward rebuilds: those not cached).
+    The share: 1 for a node without a FLOP-counted op; else the bytes of the new storages its other
+    ops make over those all its ops make (0 for a Linear or a convolution, whose other ops are views):
+    ``selective_recompute_s = forward_s x share``. A cached output autograd does not save (a matmul
+    feeding a scaling, a projection feeding a residual add) stays in flight but is not rebuilt, so the
+    rebuilt bytes are not ``saved_bytes - selective_saved_bytes``."""
+    rec = _record_saved(gm, inputs)
+    out = _selective_from(rec, gm)
     rec.keep.clear()
     return out
 
@@ -708,7 +772,9 @@ def annotate_costs(
         raise PassError(f"annotate-costs: running the graph on the example inputs failed: "
                         f"{type(e).__name__}: {e}") from e
     attribution = _param_attribution(gm)
-    saved = saved_tensor_bytes(gm, inputs)
+    rec = _record_saved(gm, inputs)
+    saved, selective = _saved_from(rec, gm), _selective_from(rec, gm)
+    rec.keep.clear()
     shared = _shared_param_bytes(gm)
 
     # symbolic sizes: re-run at other batch sizes
@@ -760,6 +826,8 @@ def annotate_costs(
                 symbolic_note=note, **({} if mode == "measured" else _split_parts(bwd_s, share)),
                 saved_bytes=saved[node][0], saved_input_bytes=saved[node][1],
                 saved_output_bytes=saved[node][2], shared_param_bytes=shared[node],
+                selective_saved_bytes=selective[node][0], selective_recompute_s=fwd_s * selective[node][1],
+                selective_rebuilt_bytes=selective[node][2],
             )
             if "pd.tensor" not in node.meta:
                 node.meta["pd.tensor"] = meta
@@ -779,7 +847,8 @@ def annotate_costs(
             else:
                 parts = _split_parts(bwd_s, whole.get(node, 1.0))
             node.meta["pd.cost"] = replace(node.meta["pd.cost"], forward_s=medians[(node, "fwd")],
-                                           backward_s=bwd_s, **parts)
+                                           backward_s=bwd_s, **parts,
+                                           selective_recompute_s=medians[(node, "fwd")] * selective[node][1])
     return gm
 
 
@@ -854,6 +923,9 @@ def profile_from_graph(gm: fx.GraphModule, *, batch_size: int, device: str,
                 saved_output_bytes=float(cost.saved_output_bytes),
                 shared_param_bytes=float(cost.shared_param_bytes),
                 input_grad_s=cost.input_grad_s, weight_grad_s=cost.weight_grad_s,
+                selective_saved_bytes=float(cost.selective_saved_bytes),
+                selective_recompute_s=float(cost.selective_recompute_s),
+                selective_rebuilt_bytes=float(cost.selective_rebuilt_bytes),
             ))
     return Profile(layers=tuple(layers), batch_size=batch_size, device=device,
                    name=name or type(gm).__name__, mode=mode, optimizer=optimizer,

@@ -76,6 +76,11 @@ class ChainLayer:
     shared_param_bytes: float = 0.0  # parameters an earlier layer uses too (a later stage holds a copy)
     input_grad_s: float | None = None  # a split backward's parts (None: not profiled; the simulator's shares)
     weight_grad_s: float | None = None
+    # under selective recomputation: bytes that stay saved per microbatch (the cached outputs of its
+    # FLOP-counted ops) and the forward time rebuilt at backward (None: not profiled, as in imported profiles)
+    selective_saved_bytes: float | None = None
+    selective_recompute_s: float | None = None
+    selective_rebuilt_bytes: float | None = None  # of saved_bytes, what a backward's rebuild makes (not cached)
 
     @property
     def compute_s(self) -> float:

@@ -92,6 +92,12 @@ class ProfileLayer:
     # profiled, as in older and imported profiles; the simulator then uses fixed shares)
     input_grad_s: float | None = None
     weight_grad_s: float | None = None
+    # under selective recomputation (annotate-costs' selective_bytes): the bytes that stay saved per
+    # microbatch (the cached outputs of its FLOP-counted ops) and the forward time rebuilt at backward
+    # (None: not profiled, as in older and imported profiles)
+    selective_saved_bytes: float | None = None
+    selective_recompute_s: float | None = None
+    selective_rebuilt_bytes: float | None = None  # of saved_bytes, what a backward's rebuild makes (not cached)
 
     @property
     def compute_s(self) -> float:
@@ -188,10 +194,17 @@ class Profile:
             parts: dict[str, Any] = {k: None if getattr(layer, k) is None else getattr(layer, k) * b_scale
                                      for k in ("input_grad_s", "weight_grad_s")}
             saved: dict[str, Any] = {k: getattr(layer, k) * ratio for k in ("saved_input_bytes", "saved_output_bytes")}
+            f_scale = fs / layer.forward_s if layer.forward_s else ratio
+            sel = layer.selective_recompute_s
             layers.append(
                 replace(layer, forward_s=fs, backward_s=bs, output_bytes=out,
                         forward_flops=ff, backward_flops=bf, **saved, **parts,
-                        saved_bytes=None if layer.saved_bytes is None else layer.saved_bytes * ratio)
+                        saved_bytes=None if layer.saved_bytes is None else layer.saved_bytes * ratio,
+                        selective_saved_bytes=(None if layer.selective_saved_bytes is None
+                                               else layer.selective_saved_bytes * ratio),
+                        selective_recompute_s=None if sel is None else sel * f_scale,
+                        selective_rebuilt_bytes=(None if layer.selective_rebuilt_bytes is None
+                                                 else layer.selective_rebuilt_bytes * ratio))
             )
         inputs = tuple(
             replace(i, output_bytes=_eval_or_scale(i.output_bytes_expr, b, i.output_bytes, ratio))

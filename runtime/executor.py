@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 
 from pdcompile.runtime import comm
 from pdcompile.runtime.memory import MemoryMeter, span_bytes
 from pdcompile.runtime.program import Program, StageSpec
+from pdcompile.runtime.recompute import StageRecompute
 from pdcompile.runtime.schedules import Action, Kind
 from pdcompile.runtime.schedules.transfers import TargetPosts
 from pdcompile.runtime.weight_grads import WeightPass
@@ -210,10 +210,12 @@ class StageExecutor:
         self._weight_pass: dict[int, Any] = {}  # microbatch -> what its W needs
         self._notes: dict[int, Any] = {}  # microbatch -> submodule outputs noted in its forward
         self._wpass = WeightPass(module)
-        # activation recomputation, as planned for this stage: "full" checkpoints the stage's forward
+        # activation recomputation, as planned for this stage (runtime/recompute.py): "full" checkpoints the
+        # stage's forward, "selective" keeps only its FLOP-counted ops' outputs, "partial" checkpoints its head
         plan_stages = program.raw.get("plan", {}).get("stages", [])
-        self.recompute = (plan_stages[self.stage].get("recompute", "none") if self.stage < len(plan_stages)
-                          else "none") == "full"
+        self.recomputer = StageRecompute.from_plan(plan_stages[self.stage] if self.stage < len(plan_stages) else {},
+                                                   module, self.stage)
+        self.recompute = self.recomputer is not None
         # the stage's own accounting (metrics "memory"); off, it costs nothing
         self.meter = MemoryMeter(module, optimizer, enabled=measure_memory)
         # mixed precision: "bf16" runs forward and loss under autocast (the parameters and the optimizer
@@ -378,15 +380,17 @@ class StageExecutor:
         if k in self._split:  # W follows: note what the weight pass needs
             handles, self._notes[k] = self._wpass.capture()
         try:
+            kept: list[torch.Tensor] = []  # beyond autograd's saved tensors: the selective cache
             with self.meter.saving(k, params.values() if params else ()), self._autocast():
-                if self.recompute:
-                    out = torch.utils.checkpoint.checkpoint(self._rebuilt_stage(), params, *st.inputs,
-                                                            use_reentrant=False)
+                if self.recomputer is not None:
+                    out, kept = self.recomputer.forward(self._run_stage, params, st.inputs,
+                                                        lambda: self._measure(rebuilding=True))
                 else:
                     out = self._run_stage(params, *st.inputs)
         finally:
             for h in handles:
                 h.remove()
+        self.meter.add(k, kept)
         if self.is_last:
             if st.target is None and self.local_targets:
                 st.target = self._local_target(k, st)
@@ -413,26 +417,16 @@ class StageExecutor:
             return self.module(*inputs)
         return torch.func.functional_call(self.module, params, tuple(inputs))
 
-    def _rebuilt_stage(self) -> Callable[..., Any]:
-        """The stage's forward for ``checkpoint``: its second call is the backward's rebuild, a measuring point."""
-        calls = [0]
-
-        def run(params: dict[str, torch.Tensor] | None, *inputs: torch.Tensor) -> Any:
-            calls[0] += 1
-            if calls[0] > 1:
-                self._measure(rebuilding=True)
-            return self._run_stage(params, *inputs)
-
-        return run
-
     def _probe_recompute(self, k: int, inputs: Sequence[torch.Tensor], params: dict[str, torch.Tensor] | None) -> None:
-        """Measure once what a backward with recomputation rebuilds: one forward's saved tensors (the
-        random state and the buffers are restored, so training is unchanged)."""
+        """Measure once what a backward with recomputation rebuilds: one forward's saved tensors of the
+        part it reruns (the stage, or partial's head), less what selective caches (the random state and
+        the buffers are restored, so training is unchanged)."""
+        assert self.recomputer is not None
         buffers = {n: b.clone() for n, b in self.module.named_buffers()}
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            with self.meter.saving(-1, params.values() if params else ()) as probe:
-                self._run_stage(params, *inputs)
-            self.meter.recompute_bytes = sum(span_bytes([probe]).values())
+            with self.meter.saving(-1, params.values() if params else ()) as probe, self._autocast():
+                cached = self.recomputer.probe(self._run_stage, params, inputs)
+            self.meter.recompute_bytes = sum(n for p, n in span_bytes([probe]).items() if p not in cached)
         self.meter.activations.pop(-1, None)
         with torch.no_grad():
             for n, b in self.module.named_buffers():

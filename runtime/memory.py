@@ -6,8 +6,19 @@ and per microbatch in flight what autograd saved for it (saved-tensor hooks arou
 loss), its inputs (receive buffers) and outputs, each storage once; plus posted receive buffers.
 A microbatch's views of the minibatch it was cut from (the first stage's data, registered with
 :meth:`MemoryMeter.data`) count the bytes they span, not the minibatch's storage.
-With recomputation, a backward's rebuild is a measuring point too, where one microbatch's saved
-tensors (measured once by a probe forward) come on top. The peak and its parts go to the metrics JSON.
+With recomputation (runtime/recompute.py), a backward's rebuild is a measuring point too, where what
+one rebuild makes comes on top, measured once by a probe forward. What each mode counts:
+
+* per microbatch in flight, always its inputs, its outputs and what autograd saved outside a
+  checkpoint (the hooks of :meth:`MemoryMeter.saving` do not see inside one: checkpoint's own hooks
+  take those tensors, and drop them). ``none``: every saved tensor. ``full``: nothing more.
+  ``selective``: the checkpoint's cache, the outputs of the FLOP-counted ops (the executor adds them).
+  ``partial``: the tail's saved tensors (the head's outputs among them, where the tail saves them).
+* at a rebuild (``recompute``): ``full``, what autograd saves in one forward of the stage;
+  ``selective``, that less the cached outputs' storages (not rebuilt); ``partial``, what the head saves.
+
+The peak and its parts go to the metrics JSON, with the largest single microbatch (``microbatch``)
+and one rebuild's bytes (``rebuilt``) beside them.
 """
 
 from __future__ import annotations
@@ -86,6 +97,7 @@ class MemoryMeter:
         self.data_storages: set[int] = set()  # storages of the minibatches read (views count their span)
         self.recompute_bytes = 0  # one microbatch's saved tensors, rebuilt at its backward (recompute)
         self.peak: dict[str, int] = {"total": 0}
+        self.microbatch_peak = 0  # the most bytes one microbatch in flight held at a measuring point
 
     @contextmanager
     def saving(self, microbatch: int, weights: Iterable[torch.Tensor] = ()) -> Iterator[Spans]:
@@ -131,6 +143,8 @@ class MemoryMeter:
         for k in [k for k in self.activations if k not in keep]:
             del self.activations[k]
         acts = span_bytes(self.activations.get(k, {}) for k in keep)
+        for k in keep:
+            self.microbatch_peak = max(self.microbatch_peak, sum(span_bytes([self.activations.get(k, {})]).values()))
         self.data_storages &= set(acts)  # minibatches no microbatch in flight views any more are gone
         recv = {p: n for p, n in storages(posted).items() if p not in acts}
         grads = storages(p.grad for p in self.module.parameters() if p.grad is not None)
@@ -146,4 +160,6 @@ class MemoryMeter:
             self.peak = {"total": total, **parts}
 
     def report(self) -> dict[str, int]:
-        return dict(self.peak)
+        """The peak and its parts; beside them (not parts of it) ``microbatch``, the most one microbatch
+        in flight held, and ``rebuilt``, what one backward's rebuild brings (0 without recomputation)."""
+        return {**self.peak, "microbatch": self.microbatch_peak, "rebuilt": self.recompute_bytes}
