@@ -167,6 +167,28 @@ def optimizer_spec(make_optimizer: Any) -> ObjectSpec:
     return ObjectSpec(class_path(type(probe)), kwargs)
 
 
+def recompute_entries(split: StageSplit, plan_stages: list[dict[str, Any]], head_members: Mapping[int, set[str]]) -> None:
+    """Add to each partially recomputing stage of plan.json's ``plan.stages`` what the runtime needs
+    (``runtime/recompute.py``): ``recompute_nodes``, the count of the stage graph's first compute
+    nodes that make its head (up to the last node of its first ``recompute_layers`` layers, whose
+    node names are ``head_members[stage]``), and the graph's ``graph_signature``."""
+    from pdcompile.runtime.recompute import compute_nodes, graph_signature
+
+    for d in plan_stages:
+        if d.get("recompute") != "partial":
+            continue
+        k = int(d["index"])
+        graph = split.stages[k].gm.graph
+        nodes = compute_nodes(graph)
+        marks = [i for i, n in enumerate(nodes) if n.name in head_members[k]]
+        if not marks or marks[-1] + 1 >= len(nodes):
+            raise UnsupportedModelError(
+                f"emit: stage {k} recomputes its first {d.get('recompute_layers')} layers, but its graph has no "
+                "compute node of theirs before its last one. Fix: compile with recompute='full' or 'none'")
+        d["recompute_nodes"] = marks[-1] + 1
+        d["graph_signature"] = graph_signature(graph)
+
+
 def tensor_spec(meta: TensorMeta, precision: str = "fp32") -> dict[str, Any]:
     """A boundary tensor's spec in plan.json; ``wire_dtype``: what it is sent in (bf16 halves floating ones)."""
     dtype = meta.dtype.replace("torch.", "")

@@ -93,7 +93,7 @@ class PartitionOptions:
     solver: str = "dp"  # "dp" or "ilp"
     cost_model: str = "default"
     num_microbatches: int = 1  # per minibatch (GPipe's memory holds them all)
-    recompute: str = "none"  # activation recomputation per stage: "none", "full" or "auto" (where memory needs it)
+    recompute: str = "none"  # per stage: "none", "selective", "full" or "auto" (where memory needs it, model doc)
     precision: str = "fp32"  # "bf16": boundaries send half the bytes (Chain.on_the_wire)
     virtual_stages: int = 1  # stages per rank, for a schedule with a placement (stages= counts them all)
 
@@ -120,13 +120,15 @@ def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
     reps: Sequence[int] = opts.replicas if opts.replicas is not None else [1] * n
     cluster = opts.cluster if opts.cluster is not None and opts.cluster.num_workers >= sum(reps) \
         else local_cpu_cluster(sum(reps))
+    # a given split: the memory limit of a cluster the user gave (recompute="auto" fits stages in it), else none
+    limit = None if opts.cluster is not None and cluster is opts.cluster else False
     if opts.replicas is None:
-        return pipeline_plan(chain, balanced_bounds(chain, n), cluster, schedule=fixed, memory_limit=False,
+        return pipeline_plan(chain, balanced_bounds(chain, n), cluster, schedule=fixed, memory_limit=limit,
                              **mem), cluster
     # the same balanced split, stage k on ranks stage_ranks(replicas)[k]
     bounds = [0, *balanced_bounds(chain, n), len(chain)]
     assignment = [(a, b - 1, len(r), tuple(r)) for (a, b), r in zip(zip(bounds, bounds[1:]), stage_ranks(reps))]
-    return plan_from_assignment(chain, cluster, assignment, schedule=fixed, memory_limit=False,
+    return plan_from_assignment(chain, cluster, assignment, schedule=fixed, memory_limit=limit,
                                 **mem), cluster
 
 

@@ -286,19 +286,21 @@ class PlanModel:
         self.PWM = _cumsum0(w + np.array([l.shared_param_bytes for l in layers], dtype=float))
         self.P1r = _cumsum0(self.c + f + self.kappa * w)
         self.PCr = _cumsum0(self.c + f)
-        # selective recomputation: per layer what stays saved (SAC's cached outputs) and the forward rebuilt
-        sel = [(getattr(l, "selective_saved_bytes", None), getattr(l, "selective_recompute_s", None)) for l in layers]
-        self.selective_known = known and all(a is not None and b is not None for a, b in sel)
-        ss = np.array([a for a, _ in sel] if self.selective_known else [0.0] * N, dtype=float)
-        fs = np.array([b for _, b in sel] if self.selective_known else [0.0] * N, dtype=float)
-        self.PS = np.minimum(_cumsum0(ss), self.PX)
+        # selective recomputation: per layer what stays saved (SAC's cached outputs), the forward run again
+        # and the saved bytes a rebuild makes
+        # (what the cache keeps may include outputs autograd never saves; what a rebuild makes is the rest)
+        sel = [(l.selective_saved_bytes, l.selective_recompute_s, l.selective_rebuilt_bytes) for l in layers]
+        self.selective_known = known and all(None not in t for t in sel)
+        ss, fs, rs = (np.array([t[x] for t in sel] if self.selective_known else [0.0] * N, dtype=float)
+                      for x in range(3))
+        self.PS = _cumsum0(ss)
         zero = np.zeros(N + 1)
         # per mode: (time prefix sums default, paper; saved bytes kept per microbatch, rebuilt once; in, out)
         self._arr: dict[str, tuple[np.ndarray, ...]] = {
             "none": (self.P1, self.PC, self.PX, zero, self.xin, self.xout),
             "full": (self.P1r, self.PCr, zero, self.PX, self.xin_r, self.xout_r),
             "selective": (_cumsum0(self.c + fs + self.kappa * w), _cumsum0(self.c + fs), self.PS,
-                          self.PX - self.PS, self.xin_r, self.xout_r),
+                          _cumsum0(rs), self.xin_r, self.xout_r),
         }
         if recompute == "selective" and not self.selective_known and cost_model != "pipedream":
             raise UsageError("recompute='selective' needs each layer's selective costs (what stays saved when cheap "

@@ -66,7 +66,8 @@ class Options:
     frontend: str = "auto"  # "fx" (symbolic_trace), "export" (torch.export), "auto": fx, else export
     output: str | int | None = None  # export front end: which model output (e.g. "logits")
     replicas: Sequence[int] | None = None  # replicas per stage (e.g. [2, 1]); default one each
-    recompute: str = "auto"  # activation recomputation per stage: "none", "full", "auto" (the planner, where memory needs it)
+    recompute: str = "auto"  # activation recomputation per stage: "none", "selective", "full", "auto" (the planner,
+    # where memory needs it: none, selective, the fewest first layers (partial) or full, per stage)
     precision: str = "fp32"  # "bf16": autocast, fp32 master weights, bf16 boundary tensors, bf16 costs
     clip_grad_norm: float | None = None  # global-norm gradient clipping before each step (1f1b/2bw: per update)
     virtual_stages: int = 1  # stages per rank, for a schedule with virtual stages (interleaved-1f1b, ...)
@@ -153,8 +154,8 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
                                             or opts.example_target.dim() == 0):
         raise UsageError("pdcompile: example_target must be a tensor with a batch dimension (one minibatch "
                          "of targets)")
-    if opts.recompute not in ("none", "full", "auto"):
-        raise UsageError(f"pdcompile: recompute must be 'none', 'full' or 'auto', got {opts.recompute!r}")
+    if opts.recompute not in ("none", "selective", "full", "auto"):
+        raise UsageError(f"pdcompile: recompute must be 'none', 'selective', 'full' or 'auto', got {opts.recompute!r}")
     if opts.schedule not in (*schedules.POLICIES, autoschedule.AUTO):
         raise UsageError(f"pdcompile: schedule must be one of {SCHEDULE_NAMES}, 'auto' or 'csv:PATH' (a torch "
                          f"schedule CSV), got {opts.schedule!r}")
@@ -401,6 +402,11 @@ class CompiledPipeline:
         """plan.json fields beyond the split: schedule, microbatching, loss, optimizer, data, target."""
         target = self._target_or_error(target)
         t = self._micro_target(target)
+        plan = json.loads(self.plan.to_json())
+        layers = need(self.state.chain, "chain").layers
+        codegen.recompute_entries(self.split, plan["stages"], {
+            s.index: {m for l in layers[s.first:s.first + s.recompute_layers] for m in (l.members or (l.name,))}
+            for s in self.plan.stages})
         return {
             "schedule": need(self.state.schedule_spec, "schedule_spec").to_json(),
             "microbatch_size": self.microbatch_size,
@@ -410,7 +416,7 @@ class CompiledPipeline:
             "target": {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "requires_grad": False},
             "data": data if data is not None else self.options.data,
             "stage_ranks": [list(r) for r in need(self.state.stage_ranks, "stage_ranks")],
-            "plan": json.loads(self.plan.to_json()),
+            "plan": plan,
             "precision": self.options.precision,
             "clip_grad_norm": self.options.clip_grad_norm,
         }

@@ -3,10 +3,11 @@
 * ``full``: the stage's forward runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``;
   a microbatch in flight keeps its inputs and outputs only, its backward reruns the whole forward.
 * ``selective`` (Korthikanti et al., 2022): the same checkpoint with a selective-checkpoint policy
-  (:func:`selective_policy`): the outputs of the ops ``torch.utils.flop_counter`` counts FLOPs for
-  (mm, addmm, bmm, convolution, scaled-dot-product attention, ...: :func:`flop_counted`) are cached
-  (MUST_SAVE), every other op (activations, softmax, dropout, norms, views) is rebuilt at backward
-  (PREFER_RECOMPUTE); random ops replay the same masks (checkpoint's preserved RNG state).
+  (:func:`selective_policy`): the outputs of the ops that multiply by weights (:func:`kept`: those
+  ``torch.utils.flop_counter`` counts FLOPs for, mm, addmm, convolution, but not core attention's
+  bmm and attention kernels) are cached (MUST_SAVE); every other op (core attention, activations,
+  softmax, dropout, norms, views) is rebuilt at backward (PREFER_RECOMPUTE); random ops replay the
+  same masks (checkpoint's preserved RNG state).
 * ``partial``: the stage's first K compute nodes (:func:`compute_nodes`, in graph order; plan.json's
   ``recompute_nodes``) run under checkpoint as a *head* GraphModule, the rest as a *tail* that saves
   its activations as usual (:func:`split_stage`); backward rebuilds only the head's activations.
@@ -189,9 +190,21 @@ def flop_counted(func: Any) -> bool:
     return getattr(func, "overloadpacket", func) in flop_registry
 
 
+def kept(func: Any) -> bool:
+    """Whether selective recomputation keeps the outputs of the aten op ``func``: the FLOP-counted ops
+    that multiply by weights (mm, addmm, convolution: a Linear's or a conv's), not the batched
+    matmuls and attention kernels of core attention (bmm, baddbmm, scaled-dot-product attention:
+    activations by activations, sequence-squared sized, cheap per byte), which Korthikanti et al.
+    rebuild with softmax and dropout."""
+    if not flop_counted(func):
+        return False
+    name = str(getattr(func, "overloadpacket", func))
+    return "bmm" not in name and "attention" not in name
+
+
 def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective recomputation: keep the outputs of the FLOP-counted ops, rebuild everything else."""
-    return CheckpointPolicy.MUST_SAVE if flop_counted(func) else CheckpointPolicy.PREFER_RECOMPUTE
+    """Selective recomputation: keep the outputs of the :func:`kept` ops, rebuild everything else."""
+    return CheckpointPolicy.MUST_SAVE if kept(func) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _SelectiveContexts:
@@ -219,7 +232,7 @@ class _SelectiveContexts:
 
 
 class FlopOutputs(TorchDispatchMode):
-    """Records the output tensors of the FLOP-counted ops run inside it (what selective caches);
+    """Records the output tensors of the :func:`kept` ops run inside it (what selective caches);
     ``by_op`` as well notes every op's new output storages, FLOP-counted or not, in ``new_bytes``."""
 
     def __init__(self) -> None:
@@ -230,7 +243,7 @@ class FlopOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        flop = flop_counted(func)
+        flop = kept(func)
         ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):

@@ -720,8 +720,10 @@ def test_vgg16_on_cluster_a_pools_fifteen_one_within_memory() -> None:
 
 def test_vgg16_on_cluster_a_with_estimated_saved_bytes() -> None:
     """With what autograd saves estimated from the layer descriptions, 15-1 without recomputation
-    still needs 2 microbatches x the first stage's saved bytes, over 16 GiB; recomputing it (2.79x)
-    loses to a nested plan that fits without it, which the planner then returns."""
+    needs 2 microbatches x the first stage's saved bytes, over 16 GiB, and recomputing all of stage 0
+    costs its forward again; recomputing its fewest first layers that fit (partial) makes the paper's
+    15-1 the plan, over 3x data parallelism within 16 GiB: the best 15-1 of every cut, each stage
+    scanning its heads."""
     from pdcompile.cluster import paper_cluster
 
     chain = _pipedream_chain("vgg16")
@@ -736,6 +738,16 @@ def test_vgg16_on_cluster_a_with_estimated_saved_bytes() -> None:
     full = min((evaluate(chain, cluster, [(0, k - 1, 15), (k, n - 1, 1)], pool=True, recompute="full")
                 for k in range(1, n)), key=lambda e: e.seconds)
     assert p.seconds_per_minibatch < full.seconds
+    scanned = min((evaluate(chain, cluster, [(0, k - 1, 15), (k, n - 1, 1)], pool=True, recompute="auto")
+                   for k in range(1, n)), key=lambda e: e.seconds)
+    assert p.configuration == "15-1" and close(p.seconds_per_minibatch, scanned.seconds)
+    s0 = p.stages[0]
+    assert s0.recompute == "partial" and 1 <= s0.recompute_layers < s0.num_layers
+    assert s0.recompute_text == f"first {s0.recompute_layers} of {s0.num_layers} layers"
+    assert p.speedup_vs_data_parallel >= 3.0
+    fewer = evaluate(chain, cluster, [(s0.first, s0.last, 15), (p.stages[1].first, n - 1, 1)], pool=True,
+                     recompute="none")
+    assert fewer.stages[0].memory_bytes > 16 * 2**30  # it does need recomputation
 
 
 def test_a_plan_over_device_memory_says_which_stage() -> None:

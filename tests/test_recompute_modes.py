@@ -26,7 +26,7 @@ from pdcompile.api import pdcompile
 from pdcompile.launcher import launch
 from pdcompile.runtime.memory import MemoryMeter, span_bytes
 from pdcompile.runtime.program import Program
-from pdcompile.runtime.recompute import (FlopOutputs, RecomputeError, StageRecompute, compute_nodes, flop_counted,
+from pdcompile.runtime.recompute import (FlopOutputs, RecomputeError, StageRecompute, compute_nodes, flop_counted, kept,
                                          graph_signature, split_stage, stage_graph)
 from pdcompile.zoo import gpt
 
@@ -214,7 +214,11 @@ def test_selective_caches_the_flop_counted_outputs_and_replays_dropout() -> None
     def run(p: dict[str, Tensor] | None, *a: Tensor) -> Tensor:
         return model(*a) if p is None else torch.func.functional_call(model, p, a)
 
-    # independent count: the FLOP-counted ops of one plain forward (bmm for the attention, addmm/mm for the linears)
+    assert all(kept(op) for op in (aten.mm.default, aten.addmm.default, aten.convolution.default))
+    assert not any(kept(op) for op in (aten.bmm.default, aten.baddbmm.default, aten.relu.default,
+                                        aten._scaled_dot_product_flash_attention.default))
+    # independent count: the weight-multiplying ops of one plain forward (addmm/mm for the linears; core
+    # attention's bmm rebuilt)
     with FlopOutputs() as rec, torch.no_grad():
         model(x)
     ops: list[Tensor] = rec.outputs
@@ -225,9 +229,9 @@ def test_selective_caches_the_flop_counted_outputs_and_replays_dropout() -> None
     params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
     torch.manual_seed(5)
     rebuilt: list[int] = []
-    out, kept = rc.forward(run, params, [x], lambda: rebuilt.append(1))
-    assert len(kept) == len(ops) == 2 * 2 * 2 + 2 * 2 + 1  # per block: 2 bmm (attention), 4 linears; + the LM head
-    assert sorted(t.shape for t in kept) == sorted(t.shape for t in ops)
+    out, cache = rc.forward(run, params, [x], lambda: rebuilt.append(1))
+    assert len(cache) == len(ops) == 2 * 4 + 1  # per block 4 linears (qkv, out, mlp up, down); + the LM head
+    assert sorted(t.shape for t in cache) == sorted(t.shape for t in ops)
     got_grads = _grads(out, list(params.values()))
     assert rebuilt == [1]
     assert torch.equal(want, out)  # the same dropout masks in the forward...
@@ -236,11 +240,11 @@ def test_selective_caches_the_flop_counted_outputs_and_replays_dropout() -> None
     # what the meter charges: the cache, far less than what autograd saves without recomputation
     meter = MemoryMeter(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with meter.saving(0, params.values()):
-        out, kept = rc.forward(run, params, [x], lambda: None)
-    meter.add(0, [*kept, x])
+        out, cache = rc.forward(run, params, [x], lambda: None)
+    meter.add(0, [*cache, x])
     with meter.saving(1, params.values()):
         run(params, x)
-    assert sum(span_bytes([meter.activations[0]]).values()) == sum(t.untyped_storage().nbytes() for t in [*kept, x])
+    assert sum(span_bytes([meter.activations[0]]).values()) == sum(t.untyped_storage().nbytes() for t in [*cache, x])
     assert sum(span_bytes([meter.activations[0]]).values()) < 0.7 * sum(span_bytes([meter.activations[1]]).values())
 
 

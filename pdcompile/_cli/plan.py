@@ -64,9 +64,10 @@ def register(subparsers: Any) -> None:
     mem.add_argument("--memory-limit", dest="memory_limit", action="store_true", default=None,
                      help="enforce device memory (default: on for the default model, off for paper)")
     mem.add_argument("--no-memory-limit", dest="memory_limit", action="store_false")
-    p.add_argument("--recompute", choices=("none", "full", "auto"), default=None,
-                   help="activation recomputation per stage: never, every stage, or where memory needs it "
-                   "(default: auto with dp, none with ilp)")
+    p.add_argument("--recompute", choices=("none", "selective", "full", "auto"), default=None,
+                   help="activation recomputation per stage: never, every stage's cheap ops (selective), every "
+                   "stage's forward (full), or where memory needs it: per stage none, selective, its fewest "
+                   "first layers, or full (default: auto with dp, none with ilp)")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--pool", dest="pool", action="store_true", default=None,
                       help="also plan the workers as one pool at the slowest link, so a stage may span servers "
