@@ -18,7 +18,7 @@ from pdcompile.runtime.memory import MemoryMeter, span_bytes
 from pdcompile.runtime.program import Program, StageSpec
 from pdcompile.runtime.recompute import StageRecompute
 from pdcompile.runtime.schedules import Action, Kind
-from pdcompile.runtime.schedules.transfers import TargetPosts
+from pdcompile.runtime.schedules.transfers import TargetPosts, several_per_rank
 from pdcompile.runtime.weight_grads import WeightPass
 
 
@@ -201,9 +201,14 @@ class StageExecutor:
         self._losses: list[float] = []
         self._pending_losses: list[torch.Tensor] = []  # on the device: read at logging points, not per microbatch
         self._compute_start: float | None = None
-        self._targets = TargetPosts(0, 1)
+        # the targets' window (TargetPosts): with several stages on a rank, a step (accumulation = M there,
+        # synchronous schedules); the first stage sends a step's targets at its first F of it, the last
+        # stage's rank posts them at its first RF of it (one stage per rank: T k with F k, posted by RF k)
+        self.target_window = self.accumulation if several_per_rank([st.ranks for st in program.stages]) else 1
+        self._targets = TargetPosts(0, 1)  # the last stage: the targets to post
+        self._target_sends = TargetPosts(0, 1)  # the first stage: the targets to send (window > 1)
         # the executor of this rank's last stage, if it holds it: any stage's RF k on the rank first posts
-        # the targets up to k (the first stage sends T k right before A k, maybe on the same pair of ranks)
+        # the targets TargetPosts gives (up to k, or the step's), before its own receive
         self.targets_by: StageExecutor | None = self if self.is_last else None
         self.begin(0)
         self._split: set[int] = set()  # microbatches whose B is split (a W follows in the actions)
@@ -234,12 +239,13 @@ class StageExecutor:
 
     def begin(self, first_microbatch: int) -> None:
         """A run of the schedule starts at ``first_microbatch`` (its targets are posted in order from there)."""
-        reps = self.program.stages[-1].ranks
-        if self.rank in reps:
-            j = reps.index(self.rank)
-            first = first_microbatch + (j - first_microbatch) % len(reps)
-            sent = self.target_check if self.local_targets else None
-            self._targets = TargetPosts(first, len(reps), sent)
+        sent = self.target_check if self.local_targets else None
+        for stage, attr in ((-1, "_targets"), (0, "_target_sends")):
+            reps = self.program.stages[stage].ranks
+            if self.rank in reps:
+                j = reps.index(self.rank)
+                first = first_microbatch + (j - first_microbatch) % len(reps)
+                setattr(self, attr, TargetPosts(first, len(reps), sent, self.target_window))
 
     @property
     def losses(self) -> list[float]:
@@ -363,6 +369,10 @@ class StageExecutor:
             self.meter.data([*st.inputs, target])
             if self.is_last:
                 st.target = target
+            elif self.target_window > 1:  # the step's targets at its first F (each released with its own F)
+                for j in self._target_sends.upto(k):
+                    t = target if j == k else self._data(j)[1].to(self.device, non_blocking=True)
+                    self._send(Action(0, Kind.FORWARD, j), [t], self.peer(self.program.num_stages - 1, j), ("T", j))
             elif not self.local_targets or k in self.target_check:  # before the activations (SF k)
                 self._send(a, [target], self.peer(self.program.num_stages - 1, k), ("T", k))
         else:

@@ -34,7 +34,7 @@ from pdcompile.errors import CheckpointError, ScheduleError, UsageError
 from pdcompile.runtime import allocator, checkpoint, comm, schedules, timing
 from pdcompile.runtime.executor import ActionError, Mailbox, RankExecutor, StageExecutor
 from pdcompile.runtime.schedules.spec import ScheduleSpec, agrees, default_split_backward
-from pdcompile.runtime.schedules.transfers import check_transfers
+from pdcompile.runtime.schedules.transfers import check_transfers, several_per_rank
 from pdcompile.runtime.weights import VersionedStore
 from pdcompile.runtime.program import PRECISIONS, Program, build, import_object
 
@@ -182,18 +182,23 @@ def local_targets(program: Program, args: argparse.Namespace) -> bool:
 
 def refuse_sent_targets(spec: ScheduleSpec) -> None:
     """A :class:`UsageError` when the first stage cannot send every target to the last stage in an
-    order NCCL pairs (a virtual placement whose targets share a pair of ranks with chunk hand-overs:
-    interleaved schedules on more than 2 ranks); the check replays two steps, without torch."""
+    order NCCL pairs with the other transfers between their ranks. The check replays two steps
+    under the executor's rule (without torch): with several stages on a rank, a step's targets
+    travel as one block at its start (``schedules.transfers.TargetPosts``), which orders every
+    built-in placement (interleaved 1F1B, looped BFS, the V shapes, torch's CSVs); it stays for a
+    schedule, a CSV say, whose transfers on that pair of ranks cross from one step into the next."""
     if spec.virtual_stages == 1:
         return  # one stage per rank: every schedule passes (validate's rule 11 checks it with targets sent)
-    try:
-        check_transfers(spec.make(2), spec.replicas, targets=None, name=spec.name, placement=spec.stage_ranks)
+    ranks = spec.stage_ranks
+    window = schedules.policy(spec.name).accumulation(spec.num_microbatches) if several_per_rank(ranks) else 1
+    try:  # the executor's window (StageExecutor.target_window)
+        check_transfers(spec.make(2), spec.replicas, targets=None, name=spec.name, placement=ranks,
+                        target_step=window)
     except ScheduleError as e:
         raise UsageError(f"--targets send with {spec}: the targets from the first stage's rank to the last stage's "
                          f"cannot be ordered with the other transfers on that pair of ranks as NCCL needs ({e}). "
                          f"Fix: --targets local (the data source must give every rank the same minibatches, e.g. "
-                         f"a seeded one), or a placement that sends no targets over the network (zb-v, dualpipe-v) "
-                         f"or 2 ranks") from None
+                         f"a seeded one)") from None
 
 
 def random_batches(program: Program, batch_size: int, seed: int) -> Iterator[Any]:

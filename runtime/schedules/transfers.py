@@ -69,22 +69,54 @@ def receives_of(a: Action, num_stages: int) -> list[Message]:
 
 
 class TargetPosts:
-    """The last stage's target receives: posting ``RF k`` first posts the receive of the target of
-    every microbatch up to ``k`` of this replica not posted yet, in order, so the targets (sent by
-    the first stage in its forward order) are received in the order they are sent, whatever order
-    the plan posts the activations in (they come from several replicas' pairs)."""
+    """Which targets (first stage to last) to send or post now, in microbatch order; one object per
+    first-stage replica (sending) and per last-stage replica (receiving).
 
-    def __init__(self, first: int, replicas: int, targets: Collection[int] | None = None) -> None:
-        self.next, self.step, self.targets = first, replicas, targets
+    ``upto(k)`` gives every microbatch of this replica not given yet up to the end of ``k``'s window
+    of ``window`` microbatches (``window`` 1: up to ``k``). The sender calls it at its ``F k``, the
+    receiver when it posts an ``RF k`` of any stage on its rank, before that receive. With one stage
+    per rank the window is 1: ``T k`` goes right before ``A k`` (maybe on the same pair of ranks),
+    received before that ``RF k``. Where a rank holds several stages (:func:`target_window`) it is
+    a step, ``M`` microbatches: the first ``F`` of a step sends the step's targets and the last
+    stage's rank posts them at its first ``RF`` of the step, so on the pair of the first and the
+    last stage's ranks (which also carries chunk hand-overs) both issue them as one block between
+    the two steps' other transfers: a synchronous schedule issues every transfer of a step on that
+    pair after its first ``RF``/``F`` of the step and after the previous step's (the previous
+    step's last gradients must reach the ranks the next step's activations come from)."""
+
+    def __init__(self, first: int, replicas: int, targets: Collection[int] | None = None, window: int = 1) -> None:
+        self.next, self.step, self.targets, self.window = first, replicas, targets, max(1, window)
 
     def upto(self, k: int) -> list[int]:
-        """Microbatches whose target receive to post now, before ``RF k``'s activations."""
+        """Microbatches whose target to send, or whose receive to post, now (before ``RF k``'s activations)."""
+        end = (k // self.window + 1) * self.window - 1
         out = []
-        while self.next <= k:
+        while self.next <= end:
             if self.targets is None or self.next in self.targets:
                 out.append(self.next)
             self.next += self.step
         return out
+
+
+def several_per_rank(ranks: Sequence[Sequence[int]]) -> bool:
+    """Whether a placement (ranks per stage) puts several stages on one rank (virtual stages)."""
+    flat = [r for rs in ranks for r in rs]
+    return len(set(flat)) < len(flat)
+
+
+def target_window(sched: Schedule, ranks: Sequence[Sequence[int]]) -> int:
+    """The targets' window (:class:`TargetPosts`): 1 with one stage per rank; with several, the
+    microbatches of a step, read off the actions (stage 0's forwards before its first ``ST``, over
+    its replicas)."""
+    if not several_per_rank(ranks):
+        return 1
+    m = 0
+    for r in ranks[0]:
+        for a in sched.get(r, ()):
+            if a.kind is Kind.STEP and a.stage == 0:
+                break
+            m += a.kind is Kind.FORWARD and a.stage == 0
+    return max(1, m)
 
 
 def waits_of(a: Action, num_stages: int, targets: Collection[int] | None = None) -> list[Message]:
@@ -241,7 +273,8 @@ def transfer_plan(sched: Schedule, replicas: Sequence[int], placement: Placement
 
 def check_transfers(sched: Schedule, replicas: Sequence[int], posts: Posts | None = None, *,
                     targets: Collection[int] | None = None, name: str = "schedule",
-                    placement: Placement | None = None, step_collective: bool = False) -> None:
+                    placement: Placement | None = None, step_collective: bool = False,
+                    target_step: int | None = None) -> None:
     """Replay ``sched`` with its receives posted as ``posts`` says (default: :func:`transfer_plan`)
     under NCCL's rules: per pair of ranks each side runs its transfers one at a time in issue order,
     a send completes together with the peer's receive of the same message when both are next in
@@ -250,9 +283,11 @@ def check_transfers(sched: Schedule, replicas: Sequence[int], posts: Posts | Non
     are different messages, or naming what every stuck rank and pair waits for.
 
     The issue rules are the executor's: ``SF k``/``SB k`` send activations/input gradients; the
-    first stage's ``F k`` sends the target to the last stage before it computes (so ``T k`` precedes
-    ``A k``); receives are posted where ``posts`` puts them, the last stage's ``RF k`` first posting
-    the targets up to ``k`` (:class:`TargetPosts`); sends are waited for only once the schedule
+    first stage's ``F k`` sends the targets :class:`TargetPosts` gives it before it computes (one
+    stage per rank: ``T k``, so ``T k`` precedes ``A k``; several: the step's at its first ``F``);
+    receives are posted where ``posts`` puts them, the last stage's rank's ``RF k`` (any stage's)
+    first posting the targets :class:`TargetPosts` gives it (up to ``k``, or the step's; the window
+    is ``target_step``, default :func:`target_window`); sends are waited for only once the schedule
     proves their receiver has them (``send_release``). ``step_collective``: every ``ST`` is a
     collective over all ranks too (global-norm clipping), which a rank blocks in, as in ``AR``/``TG``,
     while its posted transfers go on."""
@@ -263,7 +298,9 @@ def check_transfers(sched: Schedule, replicas: Sequence[int], posts: Posts | Non
     received: dict[int, set[Message]] = {r: set() for r in sched}
     posted: dict[int, set[Action]] = {r: set() for r in sched}
     last = ranks[-1]
-    tposts = {r: TargetPosts(last.index(r), len(last), targets) for r in last if S > 1}
+    window = target_window(sched, ranks) if target_step is None else target_step
+    tposts = {r: TargetPosts(last.index(r), len(last), targets, window) for r in last if S > 1}
+    tsends = {r: TargetPosts(ranks[0].index(r), len(ranks[0]), targets, window) for r in ranks[0] if S > 1}
     pcs = {r: 0 for r in sched}
     issued = {r: False for r in sched}
     ordinal: dict[int, list[int]] = {}
@@ -304,6 +341,10 @@ def check_transfers(sched: Schedule, replicas: Sequence[int], posts: Posts | Non
             post(r, a)  # a local hand-over, which the plan leaves out (the last stage's targets still post)
         if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD) and a not in posted[r]:
             raise fail(f"rank {r}: {a} (step {i}) was never posted by the plan")
+        if window > 1 and a.kind is Kind.FORWARD and a.stage == 0 and r in tsends:
+            for k in tsends[r].upto(a.mb):
+                issue(r, "send", Message(k, "T", 0))
+            return
         for m in sends_of(a, S, targets):
             issue(r, "send", m)
 
