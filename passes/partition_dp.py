@@ -46,6 +46,7 @@ RECOMPUTE = ("none", "selective", "full", "auto")  # never, every stage (cheap o
 #: What a stage may recompute (``StageCost.recompute``): nothing; its cheap ops (selective, the layers'
 #: ``selective_*`` costs); its first layers (partial: the fewest that fit); its whole forward (full).
 MODES = ("none", "selective", "partial", "full")
+_PARTIAL_EXACT = 64  # in-flight counts the partial-recomputation search takes exactly (above: rounded up)
 _EPS = 1e-10  # relative slack in feasibility tests (floating sums); plans are re-evaluated exactly
 _BIG = np.iinfo(np.int64).max // 4
 
@@ -311,7 +312,10 @@ class PlanModel:
             self.recompute, ("none",) + (("selective",) if self.selective_known else ()) + ("partial", "full"))
         if self.recompute == "auto" and not self.memory_on:
             self.modes = ("none",)  # recomputation only where memory needs it
-        self._partial_tables: dict[tuple[int, float], tuple[np.ndarray, np.ndarray, float]] = {}
+        self._partial_tables: dict[float, dict[tuple[int, int], np.ndarray]] = {}  # budget -> (k, end) -> row
+        base = self.PC if cost_model == "paper" else self.P1
+        self._partial_cap = 2.0 * float(base[-1] + self.PF[-1]) or 1.0  # above any time; relative: tiny ones keep precision
+        self._partial_k: tuple[float, int] | None = None  # (budget, _partial_kmax)
         # boundary thresholds per level: 2 a / B_k (inf: forbidden cut)
         self.tcut = [2.0 * cut / b for b in self.B]
         self._mem_tables: dict[str, np.ndarray] = {}
@@ -366,7 +370,10 @@ class PlanModel:
             xin = float(self.xin_r[i]) * s
             T = (float(self.PX[j + 1] - self.PX[q + 1]) + float(self.xout[j])) * s  # the tail's, kept per microbatch
             H = float(self.PX[q + 1] - self.PX[i]) * s  # the head's, rebuilt at its backward
-            return max(_partial_term(W * cv, kk, rb, xin, T, H) for cv, kk, rb in self._memory_terms(k, versions=versions))
+            Wt = self.rng(self.PWM, q + 1, j)  # the tail's weights: its gradients exist when the head is rebuilt
+            v0 = versions + self.opt_factor
+            return max(_partial_term(W * cv + (Wt if rb and cv < v0 + 0.5 else 0.0), kk, rb, xin, T, H)
+                       for cv, kk, rb in self._memory_terms(k, versions=versions))
         X = self.activations(i, j, mode) * s
         R = self.rng(self._arr[mode][3], i, j) * s
         return max(W * cv + X * kk + R * rb for cv, kk, rb in self._memory_terms(k, versions=versions))
@@ -617,7 +624,7 @@ class PlanModel:
 
     def _mem_rows(self, mode: bool | str = "none") -> np.ndarray:
         """``T[k, end]``: smallest start of a stage ending at ``end`` whose memory under recompute
-        ``mode`` (not partial, :meth:`_partial_table`) with ``k`` minibatches in flight fits (row 0:
+        ``mode`` (not partial, :meth:`_partial_rows`) with ``k`` minibatches in flight fits (row 0:
         no limit; the last row: nothing fits). Weight versions are taken at depth ``k`` (a schedule
         whose in-flight count differs from its depth, GPipe, keeps versions that do not grow with it)."""
         mode = self._mode(mode)
@@ -647,70 +654,127 @@ class PlanModel:
         self._mem_tables[mode] = table
         return table
 
-    def _partial_table(self, k: int) -> tuple[np.ndarray, np.ndarray, float]:
-        """Partial recomputation with ``k`` in flight, for every stage ``i..end``: its time with the
-        fewest first layers recomputed that make it fit (:meth:`memory_at`'s partial terms, solved
-        for the head in closed form: each moment bounds ``PX[q+1]``, the head's saved bytes, from
-        below or above), as running minima over ``i`` so that one ``searchsorted`` finds the
-        smallest start within a time. Returns (rows flattened with offsets, row offsets, cap)."""
-        key = (k, self.mem_budget)
-        got = self._partial_tables.get(key)
-        if got is not None:
-            return got
+    def _partial_grid(self, ks: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Partial recomputation for the stages ``i..end`` with ``k`` in flight (rows: pairs of
+        ``ks`` and ``ends``, columns: every start): (whether some head fits, its end ``q + 1`` with
+        the fewest layers). :meth:`memory_at`'s partial moments solved for the head in closed form:
+        each bounds the nondecreasing ``(kk - 1) PX[q+1] + g PWM[q+1]`` (or ``PX[q+1]``) from below
+        or above, so the fewest layers are the largest of the lower bounds."""
         N = self.N
+        R_ = len(ends)
         I = np.arange(N)[None, :]
-        J = np.arange(N)[:, None]
+        J = ends[:, None]
         budget = self.mem_budget * (1 + _EPS)
         Wm = self.PWM[J + 1] - self.PWM[I]
         xin = self.xin_r[I]
         A = self.PX[J + 1] + self.xout[J]  # T = A - PX[q+1]; H = PX[q+1] - PX[i]
         PXi = self.PX[I]
-        lo = np.full((N, N), -np.inf)
-        hi = np.full((N, N), np.inf)
+        q1 = np.broadcast_to(I + 1, (R_, N)).copy()  # q + 1: the head's end, at least one layer
+        hi = np.full((R_, N), np.inf)
         ok = J > I  # a head and a tail, each of at least one layer
+        tol = 1e-9 * max(1.0, float(self.PX[-1]), float(self.PWM[-1]))
+        terms = [self._memory_terms(int(k)) for k in ks]
+        v0 = np.array([self.versions(int(k)) + self.opt_factor for k in ks])[:, None]
         with np.errstate(divide="ignore", invalid="ignore"):
-            for cv, kk, rb in self._memory_terms(k):
-                Bc = budget - cv * Wm - max(kk, rb) * xin
-                if kk >= 1:  # kk (xin + T) within the budget
-                    lo = np.maximum(lo, A - Bc / kk)
-                if rb:
-                    if kk <= 1:  # (the rebuilt one's) head within the budget
-                        hi = np.minimum(hi, Bc + PXi)
-                    elif kk == 2:
-                        ok &= A - PXi <= Bc
-                    else:  # (kk - 1) T + H within the budget
-                        lo = np.maximum(lo, ((kk - 1) * A - PXi - Bc) / (kk - 2))
-                elif kk == 0:
-                    ok &= Bc >= 0
-        tol = 1e-9 * max(1.0, float(self.PX[-1]))
-        q1 = np.maximum(np.searchsorted(self.PX, lo - tol, side="left"), I + 1)  # q + 1: the head's end
+            for t in range(len(terms[0])):
+                cv = np.array([tt[t][0] for tt in terms], dtype=float)[:, None]
+                kk = np.array([tt[t][1] for tt in terms], dtype=float)[:, None]
+                rb = terms[0][t][2]  # the same moment of every count
+                some = kk >= 1
+                if rb == 0:  # kk (xin + T) within the budget: PX[q+1] from below; none in flight: weights
+                    low = np.searchsorted(self.PX, np.where(some, A - (budget - cv * Wm) / kk + xin - tol, -np.inf))
+                    q1 = np.maximum(q1, low)
+                    ok &= some | (cv * Wm <= budget)
+                    continue
+                # none in flight (GPipe after a backward; its gradients exist): cv W + xin + H
+                hi = np.where(some, hi, np.minimum(hi, budget - cv * Wm - xin + PXi))
+                # cv W + g Wt + kk (xin + T) + H, Wt = PWM[j+1] - PWM[q+1] (a rebuild before the step's
+                # gradients: the tail's exist): the rebuilt microbatch is charged its tail too (the
+                # meter's view; autograd frees it by then)
+                g = (cv < v0 + 0.5).astype(float)
+                R = cv * Wm + g * self.PWM[J + 1] + kk * (xin + A) - PXi - budget
+                F = (kk - 1) * self.PX[None, :] + g * self.PWM[None, :]  # per row, nondecreasing
+                low = _first_at_least(F, R - tol)
+                q1 = np.where(some, np.maximum(q1, low), q1)
         q1c = np.minimum(q1, N)
         ok &= (q1 <= J) & (self.PX[q1c] <= hi + tol)
-        base = self.PC if self.cost_model == "paper" else self.P1
-        G = np.where(ok, base[J + 1] - base[I] + self.PF[q1c] - self.PF[I], np.inf)
-        cap = 2.0 * float(base[-1] + self.PF[-1]) + 1.0
-        Hm = np.minimum.accumulate(np.where(np.isfinite(G), G, 2.0 * cap), axis=1)
-        Hm = np.hstack([Hm, Hm[:, -1:]])  # column N (no start there) keeps each row sorted
-        offs = np.arange(N, dtype=float) * (4.0 * cap)
-        flat = (offs[:, None] - Hm).ravel()
-        if len(self._partial_tables) >= 64:
-            self._partial_tables.pop(next(iter(self._partial_tables)))
-        got = (flat, offs, cap)
-        self._partial_tables[key] = got
-        return got
+        return ok, q1c
 
-    def _partial_start(self, se_c: np.ndarray, thr: np.ndarray, kin: np.ndarray) -> np.ndarray:
+    def _partial_rows(self, pairs: list[tuple[int, int]]) -> np.ndarray:
+        """Rows ``(k, end)`` of the partial table (cached per row): over starts ``0..N``, the running
+        minimum of the stage's time with its fewest first layers recomputed that make it fit with
+        ``k`` in flight (:meth:`_partial_grid`; ``2 cap`` where none does), so that a
+        ``searchsorted`` finds the smallest start within a time."""
+        cache = self._partial_tables.setdefault(self.mem_budget, {})
+        if len(cache) * (self.N + 1) * 8 > 2**26:  # at most 64 MiB of rows: start again
+            cache.clear()
+        missing: dict[int, list[int]] = {}
+        for k, e in pairs:
+            if (k, e) not in cache:
+                missing.setdefault(k, []).append(e)
+        if missing:
+            base = self.PC if self.cost_model == "paper" else self.P1
+            I = np.arange(self.N)[None, :]
+            want = sorted({(k, e) for k, es in missing.items() for e in es})
+            ks = np.array([k for k, _ in want], dtype=np.int64)
+            ends = np.array([e for _, e in want], dtype=np.int64)
+            ok, q1 = self._partial_grid(ks, ends)
+            G = np.where(ok, base[ends[:, None] + 1] - base[I] + self.PF[q1] - self.PF[I], 2.0 * self._partial_cap)
+            Hm = np.minimum.accumulate(G, axis=1)
+            Hm = np.hstack([Hm, Hm[:, -1:]])  # column N (no start there) keeps each row sorted
+            for pair, row in zip(want, Hm):
+                cache[pair] = row
+        return np.stack([cache[pair] for pair in pairs])
+
+    def _partial_kmax(self) -> int:
+        """The largest in-flight count at which some stage fits with partial recomputation (0: none):
+        stages only fit less with more in flight, so a bisection finds it."""
+        key = self.mem_budget
+        if self._partial_k is not None and self._partial_k[0] == key:
+            return self._partial_k[1]
+        ends = np.arange(self.N)
+
+        def any_fits(k: int) -> bool:
+            return bool(np.any(self._partial_grid(np.full(self.N, k), ends)[0]))
+
+        lo, hi = 0, max(self.sizes[-1], self.M)
+        if any_fits(hi):
+            lo = hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if any_fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        self._partial_k = (key, lo)
+        return lo
+
+    def _partial_start(self, se_c: np.ndarray, thr: np.ndarray, kin: np.ndarray,
+                       need: np.ndarray | None = None) -> np.ndarray:
         """Smallest start of stages ending at ``se_c`` that fit with partial recomputation within
-        ``thr`` (compute terms), ``kin`` in flight; > the end where none does."""
+        ``thr`` (compute terms), ``kin`` in flight; > the end where none does. ``need``: the queries
+        worth asking (elsewhere the answer is taken as none)."""
         se_b, thr_b, k_b = np.broadcast_arrays(se_c, thr, kin)
-        out = np.empty(se_b.shape, dtype=np.int64)
         N = self.N
-        for k in np.unique(k_b):
-            flat, offs, cap = self._partial_table(int(k))
-            m = k_b == k
-            e = se_b[m]
-            t = np.minimum(thr_b[m] * (1 + _EPS), cap)
-            out[m] = np.searchsorted(flat, offs[e] - t, side="left") - e * (N + 1)
+        out = np.full(se_b.shape, N + 1, dtype=np.int64)
+        idx = np.flatnonzero(np.broadcast_to(True if need is None else need, se_b.shape))
+        if len(idx):
+            idx = idx[k_b.ravel()[idx] <= self._partial_kmax()]  # beyond it no stage fits
+        if not len(idx):
+            return out
+        e = se_b.ravel()[idx]
+        ks = k_b.ravel()[idx].astype(np.int64)
+        # past _PARTIAL_EXACT in flight, a count is rounded up to a power of two (fewer rows to build;
+        # conservative: more in flight never lets a stage fit with fewer layers recomputed)
+        big = ks > _PARTIAL_EXACT
+        ks[big] = 2 ** np.ceil(np.log2(ks[big])).astype(np.int64)
+        keys = ks * N + e
+        uniq, inv = np.unique(keys, return_inverse=True)
+        span = 4.0 * self._partial_cap
+        rows = self._partial_rows([(int(u) // N, int(u) % N) for u in uniq])
+        table = (np.arange(len(uniq), dtype=float)[:, None] * span - rows).ravel()
+        t = np.minimum(thr_b.ravel()[idx] * (1 + _EPS), self._partial_cap)
+        out.reshape(-1)[idx] = np.searchsorted(table, inv * span - t, side="left") - inv * (N + 1)
         return out
 
     @staticmethod
@@ -756,8 +820,11 @@ class PlanModel:
                 if kin is None:
                     continue
                 base = self.PC if self.cost_model == "paper" else self.P1
-                s = self._partial_start(se_c, thr, kin)
-                s = np.maximum(s, self._ss(base, se_c, thr))  # never past what no recomputation allows
+                timed = self._ss(base, se_c, thr)  # partial runs more: it cannot start before this
+                # only where memory stops a stage without recomputation can partial reach further back
+                table = self._mem_rows("none")
+                bound = table[np.minimum(kin, len(table) - 1), se_c] > timed
+                s = np.maximum(self._partial_start(se_c, thr, kin, bound), timed)
             else:
                 P1m, PCm = self._arr[mode][:2]
                 s = self._ss(PCm if self.cost_model == "paper" else P1m, se_c, thr)
@@ -982,15 +1049,31 @@ class PlanModel:
             self._tau = None
 
 
-def _partial_term(wcv: float, kk: int, rb: int, xin: float, T: float, H: float) -> float:
-    """One moment's bytes of a partially recomputing stage (:meth:`PlanModel.memory_at`): ``kk``
-    microbatches in flight keep their inputs ``xin`` and tail ``T``; at a rebuild (``rb``) the
-    microbatch rebuilt has freed its tail and holds its head ``H`` again."""
+def _first_at_least(F: np.ndarray, R: np.ndarray) -> np.ndarray:
+    """Per element of ``R`` (rows x columns), the first index ``n`` with ``F[row, n] >= R`` (each
+    row of ``F`` nondecreasing; ``F.shape[1]`` where none): a bisection on every element at once."""
+    n = F.shape[1]
+    lo = np.zeros(R.shape, dtype=np.int64)
+    hi = np.full(R.shape, n, dtype=np.int64)
+    rows = np.arange(R.shape[0])[:, None]
+    while np.any(lo < hi):
+        mid = (lo + hi) // 2
+        at = F[rows, np.minimum(mid, n - 1)] >= R
+        hi = np.where(at & (lo < hi), mid, hi)
+        lo = np.where(~at & (lo < hi), mid + 1, lo)
+    return lo
+
+
+def _partial_term(w: float, kk: int, rb: int, xin: float, T: float, H: float) -> float:
+    """One moment's bytes of a partially recomputing stage (:meth:`PlanModel.memory_at`): weights,
+    gradients and state ``w``; ``kk`` microbatches in flight keep their inputs ``xin`` and tails
+    ``T``; at a rebuild (``rb``) one of them holds its head ``H`` again (its tail still charged, as
+    the stage's meter counts it; none in flight: the rebuilt one's input and head)."""
     if rb == 0:
-        return wcv + kk * (xin + T)
+        return w + kk * (xin + T)
     if kk == 0:
-        return wcv + xin + H
-    return wcv + kk * xin + (kk - 1) * T + max(T, H)
+        return w + xin + H
+    return w + kk * (xin + T) + H
 
 
 def _span(layers: Sequence[Any], first: int, last: int) -> str:

@@ -242,8 +242,8 @@ class CompiledPipeline:
         overhead = _cached_overhead_s() if self.cluster.device.name == "cpu" else None
         counts = autoschedule.microbatch_counts(batch, fixed)
         cands = autoschedule.candidates(self.plan, self.wire_chain, self.cluster, batch, names, counts,
-                                        split_backward=split, tied_bytes=tied_bytes, tied_stages=tied_stages,
-                                        overhead_s=overhead or 0.0)
+                                        recompute=asked.recompute, split_backward=split, tied_bytes=tied_bytes,
+                                        tied_stages=tied_stages, overhead_s=overhead or 0.0)
         ranks = len({r for st in self.plan.stages for r in st.ranks})
         if (asked.replicas is None or all(r == 1 for r in asked.replicas)) and asked.clip_grad_norm is None:
             # virtual stages on the plan's ranks, one replica per stage: the tie (if any) joins the first and last

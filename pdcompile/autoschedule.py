@@ -68,12 +68,16 @@ def microbatch_counts(minibatch: int, fixed: int | None = None, most: int = 64) 
 
 
 def candidates(plan: Any, chain: Any, cluster: Any, minibatch: int, schedules: Sequence[str],
-               counts: Sequence[int], **simulate_kw: Any) -> list[Candidate]:
+               counts: Sequence[int], recompute: str = "none", **simulate_kw: Any) -> list[Candidate]:
     """Every schedule in ``schedules`` at every count in ``counts``, simulated on ``plan`` (its
-    microbatch size set to ``minibatch // M``); ``simulate_kw`` goes to ``simulate_plan``."""
+    microbatch size set to ``minibatch // M``); ``simulate_kw`` goes to ``simulate_plan``. With
+    ``recompute="auto"`` and a device memory, each candidate's stages recompute what that schedule
+    and microbatch size need to fit (``simulate_plan``'s ``refit_recompute``), charged in its time."""
     from pdcompile.simulate import simulate_plan
 
     limit = cluster.device.memory
+    if recompute == "auto" and limit:
+        simulate_kw = {**simulate_kw, "refit_recompute": float(limit)}
     out = []
     for name in schedules:
         for m in counts:

@@ -458,6 +458,33 @@ def _rebuilt_s(stage: Any, layers: Sequence[Any]) -> float:
     return 0.0
 
 
+def _refit(stage: Any, chain: Any, in_flight: int, versions: int, schedule: str, num_microbatches: int,
+           scale: float, optimizer_state_factor: float, limit: float) -> Any:
+    """``stage`` with the recomputation mode (none, selective where the chain knows its costs, the
+    fewest first layers, full) that fits ``limit`` bytes with least forward run again; the one that
+    needs least memory when none fits."""
+    from pdcompile.passes.partition_dp import stage_memory_at
+
+    layers = chain.layers[stage.first:stage.last + 1]
+    n = len(layers)
+    options = [("none", 0)]
+    if all(getattr(l, "selective_saved_bytes", None) is not None and getattr(l, "selective_rebuilt_bytes", None)
+           is not None for l in layers):
+        options.append(("selective", 0))
+    options += [("partial", h) for h in range(1, n)] + [("full", n)]
+    best: tuple[float, float, str, int] | None = None
+    for mode, head in options:
+        mem = stage_memory_at(chain, stage.first, stage.last, in_flight=in_flight, weight_versions=versions,
+                              schedule=schedule, optimizer_state_factor=optimizer_state_factor, recompute=mode,
+                              num_microbatches=num_microbatches, activation_scale=scale, head=head)
+        again = _rebuilt_s(replace(stage, recompute=mode, recompute_layers=head), layers)
+        key = (0.0 if mem <= limit * (1 + 1e-9) else 1.0, again if mem <= limit * (1 + 1e-9) else mem)
+        if best is None or key < best[:2]:
+            best = (key[0], key[1], mode, head)
+    assert best is not None
+    return replace(stage, recompute=best[2], recompute_layers=best[3])
+
+
 def _part(profiled: Any, backward_s: Any, share: float) -> Any:
     """One part of a layer's split backward: as profiled, else ``share`` of its backward."""
     return profiled if profiled is not None else backward_s * share
@@ -471,7 +498,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                   overhead_s: Mapping[str, float] | float = 0.0, recv_progress: str = "background",
                   copy_bandwidth: float | None = None, split_backward: bool = True,
                   input_grad_share: float = INPUT_GRAD_SHARE, weight_grad_share: float = WEIGHT_GRAD_SHARE,
-                  optimizer_state_factor: float = 1.0, virtual_stages: int = 1) -> SimResult:
+                  optimizer_state_factor: float = 1.0, virtual_stages: int = 1,
+                  refit_recompute: float | None = None) -> SimResult:
     """Simulate a :class:`pdcompile.plan.Plan` of ``chain`` on ``cluster``.
 
     ``tied_bytes``: bytes of parameters tied across ``tied_stages`` (a GPT's embedding and output
@@ -502,6 +530,22 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     the larger of its peak with gradients (``peak_in_flight_with_grads``) and its peak before them
     (one weight copy less); tied stages on one rank sum their copies with no collective.
     """
+    if refit_recompute is not None and virtual_stages == 1:
+        # recomputation chosen again for this schedule and microbatch size: each stage the mode that
+        # fits refit_recompute bytes with least forward run again, at the in-flight and version
+        # counts a first run with the plan's modes gives (more recomputation never changes them)
+        kw = dict(num_steps=num_steps, vertical_sync=vertical_sync, overlap_comm=overlap_comm, step_s=step_s,
+                  tied_bytes=tied_bytes, tied_stages=tied_stages, latency_s=latency_s,
+                  collective_latency_s=collective_latency_s, overhead_s=overhead_s, recv_progress=recv_progress,
+                  copy_bandwidth=copy_bandwidth, split_backward=split_backward, input_grad_share=input_grad_share,
+                  weight_grad_share=weight_grad_share, optimizer_state_factor=optimizer_state_factor)
+        first = simulate_plan(plan, chain, cluster, schedule_name, num_microbatches, **kw)  # type: ignore[arg-type]
+        stages = tuple(_refit(st_, chain, first.peak_in_flight[s], first.peak_weight_versions[s],
+                              schedule_name or plan.schedule, num_microbatches, plan.microbatch_size / chain.batch_size,
+                              optimizer_state_factor, refit_recompute)
+                       for s, st_ in enumerate(plan.stages))
+        return simulate_plan(replace(plan, stages=stages), chain, cluster, schedule_name, num_microbatches,
+                             **kw)  # type: ignore[arg-type]
     name = schedule_name or plan.schedule
     reps = [st_.replicas for st_ in plan.stages]
     scale = plan.microbatch_size / chain.batch_size

@@ -6,6 +6,7 @@ stage's measured peak is within 10% of the plan's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -93,3 +94,40 @@ def test_partial_recompute_trains_bitwise_like_none_through_torchrun(tmp_path: P
     measured = m_part[0]["memory"]["total"]
     assert abs(pipe.plan.stages[0].memory_bytes - measured) <= 0.10 * measured, (pipe.plan.stages[0].memory_bytes,
                                                                                measured)
+
+
+def test_schedule_auto_refits_recomputation_for_each_microbatch_count() -> None:
+    """``schedule="auto"``'s candidates (schedule x microbatch count) each get the recomputation their
+    memory needs, charged in their time: a candidate that does not fit without recomputing fits with
+    it, slower by what its stages run again, and equals a simulation of the plan with those modes set
+    by hand; with ``recompute="none"`` nothing is recomputed."""
+    from pdcompile import autoschedule
+    from pdcompile.passes.partition_dp import stage_memory_at
+    from pdcompile.simulate import simulate_plan
+
+    free = _compile(recompute="none")
+    limit = 0.9 * max(s.memory_bytes for s in free.plan.stages)
+    cluster = free.cluster.with_memory(limit)
+    chain, batch = free.wire_chain, M * B
+    names, counts = ["flush", "1f1b"], [1, 2, 4, 8]
+    plain = {(c.schedule, c.num_microbatches): c for c in autoschedule.candidates(free.plan, chain, cluster, batch,
+                                                                                   names, counts)}
+    refit = {(c.schedule, c.num_microbatches): c for c in autoschedule.candidates(free.plan, chain, cluster, batch,
+                                                                                   names, counts, recompute="auto")}
+    rescued = [key for key in plain if not plain[key].fits and refit[key].fits]
+    assert rescued, [(k, plain[k].peak_memory_bytes, refit[k].peak_memory_bytes) for k in plain]
+    for key in rescued:
+        name, m = key
+        assert refit[key].step_s > plain[key].step_s
+        micro = dataclasses.replace(free.plan, microbatch_size=batch // m)
+        res = simulate_plan(micro, chain, cluster, name, m, refit_recompute=limit)
+        first = simulate_plan(micro, chain, cluster, name, m)
+        chosen = []
+        for s, st in enumerate(micro.stages):  # the modes it chose, held to the memory model by hand
+            none = stage_memory_at(chain, st.first, st.last, in_flight=first.peak_in_flight[s],
+                                   weight_versions=first.peak_weight_versions[s], schedule=name, num_microbatches=m,
+                                   activation_scale=micro.microbatch_size / chain.batch_size)
+            chosen.append(none <= limit)
+        assert not all(chosen)  # some stage needed recomputation
+        assert max(res.peak_memory_bytes or [0.0]) <= limit * (1 + 1e-9)
+        assert res.step_time_s == pytest.approx(refit[key].step_s)
