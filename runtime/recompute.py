@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils.checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
@@ -306,9 +306,19 @@ class StageRecompute:
         def rebuilt(fn: RunStage) -> RunStage:
             def run(p: dict[str, torch.Tensor] | None, *xs: torch.Tensor) -> Any:
                 calls[0] += 1
-                if calls[0] > 1:
-                    on_rebuild()
-                return fn(p, *xs)
+                if calls[0] == 1:
+                    return fn(p, *xs)
+                on_rebuild()
+                # a rebuild is not a forward: buffers it updates (BatchNorm's running statistics,
+                # its batch count) get back the values the microbatch's own forward left
+                with _disable_current_modes():  # outside selective's caching mode: not ops of the stage
+                    kept = {n: b.clone() for n, b in self.module.named_buffers()}
+                try:  # (checkpoint may stop a rebuild early, by an exception, once it has what it needs)
+                    return fn(p, *xs)
+                finally:
+                    with _disable_current_modes(), torch.no_grad():
+                        for n, b in self.module.named_buffers():
+                            b.copy_(kept[n])
             return run
 
         if self.mode == "full":

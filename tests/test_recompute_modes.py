@@ -393,3 +393,39 @@ def test_selective_fields_travel_from_annotate_costs_to_the_chain(tmp_path: Path
     imported = profile_mod.load("pipedream:vgg16")
     assert imported.layers[0].selective_saved_bytes is None
     assert "selective_saved_bytes" not in profile_mod.to_json(imported)["layers"][0]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "partial"])
+def test_a_rebuild_leaves_batchnorm_running_statistics_as_the_forward_left_them(mode: str) -> None:
+    """A backward's rebuild runs the forward again, which would update BatchNorm's running statistics
+    (and its batch count) a second time: after forward and backward of two microbatches the buffers
+    equal those of the same steps without recomputation, as do the outputs and gradients."""
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                             nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+
+    xs = [torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    plain, recomputed = make(), make()
+    entry: dict[str, Any] = {"recompute": mode}
+    if mode == "partial":
+        g = stage_graph(recomputed).graph
+        entry.update(recompute_nodes=3, graph_signature=graph_signature(g))
+    rc = StageRecompute.from_plan(entry, recomputed, 0)
+    assert rc is not None
+
+    def run(module: nn.Module) -> Any:
+        return lambda p, *a: module(*a) if p is None else torch.func.functional_call(module, p, a)
+
+    rebuilt: list[int] = []
+    for x in xs:
+        want = plain(x)
+        want.sum().backward()
+        got, _ = rc.forward(run(recomputed), None, [x], lambda: rebuilt.append(1))
+        got.sum().backward()
+        assert torch.equal(want, got)
+    assert rebuilt == [1, 1]
+    for (n, a), (_, b) in zip(plain.named_buffers(), recomputed.named_buffers()):
+        assert torch.equal(a, b), n
+    for (n, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters()):
+        assert a.grad is not None and torch.equal(a.grad, b.grad), n  # type: ignore[arg-type]
