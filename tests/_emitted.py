@@ -1,11 +1,16 @@
-"""A program's stages rebuilt in one process, for tests' single-process references."""
+"""A program's stages rebuilt in one process, for tests' single-process references; a 2-process
+launch that returns each stage's metrics and final weights."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pdcompile.launcher import launch
 
 from pdcompile.runtime.program import Program, build
 from pdcompile.zoo import batches
@@ -26,3 +31,18 @@ def stages_and_microbatches(prog: Path, name: str, steps: int, micro: int) -> tu
         ins = [x.split(b) for x in inputs]
         out += [(tuple(x[j] for x in ins), target.split(b)[j]) for j in range(micro)]
     return program, stages, optimizers, out
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def launch_two(tmp: Path, prog: Path, schedule: str, tag: str) -> tuple[dict[int, Any], dict[int, dict[str, torch.Tensor]]]:
+    """``prog`` trained 3 steps under ``schedule`` on 2 processes: (metrics, final weights) per stage."""
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    rc, log = launch(prog, 2, ["--schedule", schedule, "--steps", "3", "--metrics", str(tmp / f"m_{tag}"),
+                               "--save-final", str(tmp / f"w_{tag}"), "--timeout", "60"], timeout=120, env=env)
+    assert rc == 0, log[-3000:]
+    metrics = {json.loads(p.read_text())["stage"]: json.loads(p.read_text()) for p in (tmp / f"m_{tag}").glob("*.json")}
+    weights = {int(p.name.split("_")[1].split(".")[0]): torch.load(p, weights_only=True)
+               for p in (tmp / f"w_{tag}").glob("stage_*.pt")}
+    return metrics, weights

@@ -6,7 +6,7 @@ recomputation equal to training without it."""
 from __future__ import annotations
 
 import json
-import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from pdcompile.api import pdcompile
-from pdcompile.launcher import launch
 from pdcompile.merge import merge_weights
 from pdcompile.passes.annotate_costs import saved_tensor_bytes
 from pdcompile.passes.partition_dp import plan_from_assignment
@@ -23,7 +22,9 @@ from pdcompile.reference import train_sync
 from pdcompile.runtime.memory import MemoryMeter
 from pdcompile.zoo import gpt
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _emitted import launch_two  # noqa: E402
+
 CFG = dict(vocab_size=1024, seq_len=32, d_model=64, n_heads=4, n_layers=4)
 M, B = 4, 2
 
@@ -114,17 +115,6 @@ def _emit(tmp: Path, recompute: str) -> tuple[Any, Path]:
     return pipe, pipe.emit(tmp / f"prog_{recompute}", data={"factory": "tests.test_memory_model:batches", "kwargs": CFG})
 
 
-def _launch(tmp: Path, prog: Path, schedule: str, tag: str) -> tuple[dict[int, Any], dict[int, dict[str, torch.Tensor]]]:
-    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    rc, log = launch(prog, 2, ["--schedule", schedule, "--steps", "3", "--metrics", str(tmp / f"m_{tag}"),
-                               "--save-final", str(tmp / f"w_{tag}"), "--timeout", "60"], timeout=120, env=env)
-    assert rc == 0, log[-3000:]
-    metrics = {json.loads(p.read_text())["stage"]: json.loads(p.read_text()) for p in (tmp / f"m_{tag}").glob("*.json")}
-    weights = {int(p.name.split("_")[1].split(".")[0]): torch.load(p, weights_only=True)
-               for p in (tmp / f"w_{tag}").glob("stage_*.pt")}
-    return metrics, weights
-
-
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
 def test_predicted_memory_matches_measured_and_recompute_trains_the_same(tmp_path: Path) -> None:
@@ -136,7 +126,7 @@ def test_predicted_memory_matches_measured_and_recompute_trains_the_same(tmp_pat
         for schedule in ("flush", "1f1b"):
             plan = plan_from_assignment(pipe.state.chain, pipe.state.cluster, assign, schedule=schedule,
                                         memory_limit=False, num_microbatches=M, recompute=recompute)
-            metrics, weights = _launch(tmp_path, prog, schedule, f"{recompute}_{schedule}")
+            metrics, weights = launch_two(tmp_path, prog, schedule, f"{recompute}_{schedule}")
             runs[(recompute, schedule)] = (metrics, weights)
             for s, st in enumerate(plan.stages):
                 measured = metrics[s]["memory"]["total"]
@@ -161,7 +151,7 @@ def test_recompute_pipeline_equals_single_process(tmp_path: Path) -> None:
     microbatch's loss are those of plain single-process training (reference.train_sync)."""
     pipe, prog = _emit(tmp_path, "full")
     assert [s.recompute for s in pipe.plan.stages] == ["full", "full"]
-    metrics, _ = _launch(tmp_path, prog, "flush", "full_flush")
+    metrics, _ = launch_two(tmp_path, prog, "flush", "full_flush")
     assert all(metrics[s]["memory"]["recompute"] > 0 for s in metrics)  # the backward really rebuilt forwards
     got = merge_weights(prog, tmp_path / "w_full_flush")
     # independent: the same seeded model, the same batches, one process, no pipeline, no recomputation

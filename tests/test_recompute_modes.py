@@ -12,7 +12,7 @@ and keeps less per microbatch, and annotate-costs' selective bytes are what the 
 from __future__ import annotations
 
 import json
-import os
+import sys
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,14 +23,15 @@ from torch import Tensor, nn
 
 from pdcompile import zoo
 from pdcompile.api import pdcompile
-from pdcompile.launcher import launch
 from pdcompile.runtime.memory import MemoryMeter, span_bytes
 from pdcompile.runtime.program import Program
 from pdcompile.runtime.recompute import (FlopOutputs, RecomputeError, StageRecompute, compute_nodes, flop_counted, kept,
                                          graph_signature, split_stage, stage_graph)
 from pdcompile.zoo import gpt
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _emitted import launch_two  # noqa: E402
+
 M, B = 4, 2
 GPT_CFG = dict(vocab_size=128, seq_len=16, d_model=32, n_heads=2, n_layers=4)
 
@@ -289,17 +290,6 @@ def with_recompute(prog: Path, modes: dict[int, str], tag: str, head: float = 0.
     return dst, ks
 
 
-def _launch(tmp: Path, prog: Path, schedule: str, tag: str) -> tuple[dict[int, Any], dict[int, dict[str, Tensor]]]:
-    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    rc, log = launch(prog, 2, ["--schedule", schedule, "--steps", "3", "--metrics", str(tmp / f"m_{tag}"),
-                               "--save-final", str(tmp / f"w_{tag}"), "--timeout", "60"], timeout=120, env=env)
-    assert rc == 0, log[-3000:]
-    metrics = {json.loads(p.read_text())["stage"]: json.loads(p.read_text()) for p in (tmp / f"m_{tag}").glob("*.json")}
-    weights = {int(p.name.split("_")[1].split(".")[0]): torch.load(p, weights_only=True)
-               for p in (tmp / f"w_{tag}").glob("stage_*.pt")}
-    return metrics, weights
-
-
 def _same_training(base: tuple[dict[int, Any], dict[int, Any]], run: tuple[dict[int, Any], dict[int, Any]],
                    what: str) -> None:
     (m0, w0), (m1, w1) = base, run
@@ -317,11 +307,11 @@ def _run_modes(tmp: Path, pipe: Any, prog: Path, schedules: dict[str, list[dict[
                head: float = 0.5) -> dict[Any, Any]:
     runs: dict[Any, Any] = {}
     for schedule, variants in schedules.items():
-        base = runs[("none", schedule)] = _launch(tmp, prog, schedule, f"none_{schedule}")
+        base = runs[("none", schedule)] = launch_two(tmp, prog, schedule, f"none_{schedule}")
         for modes in variants:
             tag = "_".join(modes[k] for k in sorted(modes))
             variant, ks = with_recompute(prog, modes, f"{tag}_{schedule}", head)
-            run = runs[(tag, schedule)] = _launch(tmp, variant, schedule, f"{tag}_{schedule}")
+            run = runs[(tag, schedule)] = launch_two(tmp, variant, schedule, f"{tag}_{schedule}")
             _same_training(base, run, f"{tag} under {schedule}")
             for s, mode in modes.items():
                 mem, mem0 = run[0][s]["memory"], base[0][s]["memory"]

@@ -17,7 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_memory_model import CFG, _launch  # noqa: E402
+from _emitted import launch_two  # noqa: E402
+from test_memory_model import CFG  # noqa: E402
 
 from pdcompile.api import pdcompile  # noqa: E402
 from pdcompile.errors import UsageError  # noqa: E402
@@ -84,7 +85,7 @@ def test_partial_recompute_trains_bitwise_like_none_through_torchrun(tmp_path: P
     runs = {}
     for tag, p in (("none", free), ("partial", pipe)):
         prog = p.emit(tmp_path / f"prog_{tag}", data=data)
-        runs[tag] = _launch(tmp_path, prog, "1f1b", tag)
+        runs[tag] = launch_two(tmp_path, prog, "1f1b", tag)
         assert json.loads((prog / "plan.json").read_text())["plan"]["stages"][0]["recompute"] == tag
     (m_none, w_none), (m_part, w_part) = runs["none"], runs["partial"]
     assert w_none.keys() == w_part.keys() and all(
