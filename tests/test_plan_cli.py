@@ -199,3 +199,13 @@ def test_every_cost_model_and_schedule_from_the_cli(capsys) -> None:
             rc, out, err = _run(capsys, "plan", "--profile", "pipedream:alexnet", "--cluster", "local:2",
                                 "--schedule", schedule, "--solver", solver, "--json")
             assert rc == 0, err
+
+
+def test_recompute_selective_on_a_profile_without_its_costs_is_a_clear_error(capsys) -> None:
+    """PipeDream's profiles carry no per-layer selective costs: --recompute selective says so and
+    what to use instead (exit 2, one line, no traceback); --recompute full plans."""
+    rc, out, err = _run(capsys, "plan", "--profile", VGG, "--cluster", "paper:A", "--recompute", "selective")
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert "selective" in err and "recompute='full' or 'auto'" in err and len(err.strip().splitlines()) == 1
+    rc, out, _ = _run(capsys, "plan", "--profile", VGG, "--cluster", "paper:A", "--recompute", "full", "--json")
+    assert rc == 0 and all(s["recompute"] == "full" for s in json.loads(out)["stages"])
