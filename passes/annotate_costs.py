@@ -109,6 +109,7 @@ class NodeCost:
     selective_saved_bytes: int = 0
     selective_recompute_s: float = 0.0
     selective_rebuilt_bytes: int = 0  # of saved_bytes, what a backward rebuilds (not cached)
+    resaved_bytes: int = 0  # what it saves that an earlier node saved first (not in saved_bytes)
 
     def __str__(self) -> str:
         expr = f' ("{self.output_bytes_expr}")' if self.output_bytes_expr else ""
@@ -194,6 +195,19 @@ def _saved_from(rec: _SavedRecorder, gm: fx.GraphModule) -> dict[fx.Node, tuple[
     return out
 
 
+def _resaved_from(rec: _SavedRecorder, gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Per node, the bytes of what it saves that an earlier node saved first (a conv saving the
+    output an in-place ReLU saved): counted at that first saver, so a stage whose first layers are
+    rebuilt (partial recomputation) keeps them for its tail all the same."""
+    seen: set[int] = set(rec.static)
+    out: dict[fx.Node, int] = {}
+    for n in gm.graph.nodes:
+        mine = rec.saved.get(n, {})
+        out[n] = sum(nbytes for ptr, nbytes in mine.items() if ptr in seen and ptr not in rec.static)
+        seen.update(mine)
+    return out
+
+
 def _selective_from(rec: _SavedRecorder, gm: fx.GraphModule) -> dict[fx.Node, tuple[int, float, int]]:
     every_cached = {ptr for c in rec.cached.values() for ptr in c}
     seen: set[int] = set()
@@ -230,6 +244,14 @@ def saved_tensor_bytes(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[fx.Nod
     node's ``saved_output_bytes`` (part of) what it sends."""
     rec = _record_saved(gm, inputs)
     out = _saved_from(rec, gm)
+    rec.keep.clear()
+    return out
+
+
+def resaved_tensor_bytes(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[fx.Node, int]:
+    """Per node: the bytes of what it saves that an earlier node saved first (:func:`_resaved_from`)."""
+    rec = _record_saved(gm, inputs)
+    out = _resaved_from(rec, gm)
     rec.keep.clear()
     return out
 
@@ -773,7 +795,7 @@ def annotate_costs(
                         f"{type(e).__name__}: {e}") from e
     attribution = _param_attribution(gm)
     rec = _record_saved(gm, inputs)
-    saved, selective = _saved_from(rec, gm), _selective_from(rec, gm)
+    saved, selective, resaved = _saved_from(rec, gm), _selective_from(rec, gm), _resaved_from(rec, gm)
     rec.keep.clear()
     shared = _shared_param_bytes(gm)
 
@@ -827,7 +849,7 @@ def annotate_costs(
                 saved_bytes=saved[node][0], saved_input_bytes=saved[node][1],
                 saved_output_bytes=saved[node][2], shared_param_bytes=shared[node],
                 selective_saved_bytes=selective[node][0], selective_recompute_s=fwd_s * selective[node][1],
-                selective_rebuilt_bytes=selective[node][2],
+                selective_rebuilt_bytes=selective[node][2], resaved_bytes=resaved[node],
             )
             if "pd.tensor" not in node.meta:
                 node.meta["pd.tensor"] = meta
@@ -926,6 +948,7 @@ def profile_from_graph(gm: fx.GraphModule, *, batch_size: int, device: str,
                 selective_saved_bytes=float(cost.selective_saved_bytes),
                 selective_recompute_s=float(cost.selective_recompute_s),
                 selective_rebuilt_bytes=float(cost.selective_rebuilt_bytes),
+                resaved_bytes=float(cost.resaved_bytes),
             ))
     return Profile(layers=tuple(layers), batch_size=batch_size, device=device,
                    name=name or type(gm).__name__, mode=mode, optimizer=optimizer,
@@ -1031,4 +1054,5 @@ __all__ = [
     "COMPUTE_OPS", "DEVICE_SPECS", "AnnotateOptions", "DeviceSpec", "MODES", "NodeCost", "annotate_costs",
     "device_name", "device_spec_for", "run",
     "resolve_device_spec", "format_costs", "profile_from_graph", "profile_model", "rnn_flops", "saved_tensor_bytes",
+    "resaved_tensor_bytes",
 ]

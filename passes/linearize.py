@@ -220,7 +220,7 @@ def linearize(profile: Profile, *, rule: str = "best", include_inputs: bool = Tr
             saved_output_bytes=l.saved_output_bytes, shared_param_bytes=l.shared_param_bytes,
             input_grad_s=l.input_grad_s, weight_grad_s=l.weight_grad_s,
             selective_saved_bytes=l.selective_saved_bytes, selective_recompute_s=l.selective_recompute_s,
-            selective_rebuilt_bytes=l.selective_rebuilt_bytes,
+            selective_rebuilt_bytes=l.selective_rebuilt_bytes, resaved_bytes=l.resaved_bytes,
         )
         for l in (profile.layers[k] for k in order)
     )

@@ -279,6 +279,10 @@ class PlanModel:
             self.xout = np.maximum(outb - sout, 0.0)
         else:  # PipeDream's profiles: the stage's outputs plus what it receives
             self.xin, self.xout = inb.copy(), np.zeros(N)
+        # partial: a tail's first layer keeps what it saves that a head layer saved first (counted there);
+        # as a bound nonincreasing in the head's end, the most any later layer keeps so (RS[q+1]: tail at q+1)
+        rs = np.array([l.resaved_bytes for l in layers] + [0.0], dtype=float)
+        self.RS = np.maximum.accumulate(rs[::-1])[::-1]
         # full recomputation keeps only the inputs and outputs, and rebuilds one microbatch at its backward
         self.xin_r, self.xout_r = inb.copy(), outb if known else np.zeros(N)
         if known:  # the first stage receives nothing; it keeps its data inputs, as its first layer saves them
@@ -368,7 +372,7 @@ class PlanModel:
         if mode == "partial":
             q = i + head - 1
             xin = float(self.xin_r[i]) * s
-            T = (float(self.PX[j + 1] - self.PX[q + 1]) + float(self.xout[j])) * s  # the tail's, kept per microbatch
+            T = (float(self.PX[j + 1] - self.PX[q + 1] + self.RS[q + 1]) + float(self.xout[j])) * s  # tail's, per microbatch
             H = float(self.PX[q + 1] - self.PX[i]) * s  # the head's, rebuilt at its backward
             Wt = self.rng(self.PWM, q + 1, j)  # the tail's weights: its gradients exist when the head is rebuilt
             v0 = versions + self.opt_factor
@@ -667,7 +671,7 @@ class PlanModel:
         budget = self.mem_budget * (1 + _EPS)
         Wm = self.PWM[J + 1] - self.PWM[I]
         xin = self.xin_r[I]
-        A = self.PX[J + 1] + self.xout[J]  # T = A - PX[q+1]; H = PX[q+1] - PX[i]
+        A = self.PX[J + 1] + self.xout[J]  # T = A - PX[q+1] + RS[q+1]; H = PX[q+1] - PX[i]
         PXi = self.PX[I]
         q1 = np.broadcast_to(I + 1, (R_, N)).copy()  # q + 1: the head's end, at least one layer
         hi = np.full((R_, N), np.inf)
@@ -681,8 +685,9 @@ class PlanModel:
                 kk = np.array([tt[t][1] for tt in terms], dtype=float)[:, None]
                 rb = terms[0][t][2]  # the same moment of every count
                 some = kk >= 1
-                if rb == 0:  # kk (xin + T) within the budget: PX[q+1] from below; none in flight: weights
-                    low = np.searchsorted(self.PX, np.where(some, A - (budget - cv * Wm) / kk + xin - tol, -np.inf))
+                if rb == 0:  # kk (xin + T) within the budget: PX[q+1] - RS[q+1] from below; none in flight: weights
+                    low = np.searchsorted(self.PX - self.RS,
+                                          np.where(some, A - (budget - cv * Wm) / kk + xin - tol, -np.inf))
                     q1 = np.maximum(q1, low)
                     ok &= some | (cv * Wm <= budget)
                     continue
@@ -693,7 +698,7 @@ class PlanModel:
                 # meter's view; autograd frees it by then)
                 g = (cv < v0 + 0.5).astype(float)
                 R = cv * Wm + g * self.PWM[J + 1] + kk * (xin + A) - PXi - budget
-                F = (kk - 1) * self.PX[None, :] + g * self.PWM[None, :]  # per row, nondecreasing
+                F = (kk - 1) * self.PX[None, :] + g * self.PWM[None, :] - kk * self.RS[None, :]  # nondecreasing
                 low = _first_at_least(F, R - tol)
                 q1 = np.where(some, np.maximum(q1, low), q1)
         q1c = np.minimum(q1, N)

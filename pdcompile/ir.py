@@ -81,6 +81,7 @@ class ChainLayer:
     selective_saved_bytes: float | None = None
     selective_recompute_s: float | None = None
     selective_rebuilt_bytes: float | None = None  # of saved_bytes, what a backward's rebuild makes (not cached)
+    resaved_bytes: float = 0.0  # what it saves that an earlier layer saved first (a tail keeps it under partial)
 
     @property
     def compute_s(self) -> float:

@@ -98,6 +98,7 @@ class ProfileLayer:
     selective_saved_bytes: float | None = None
     selective_recompute_s: float | None = None
     selective_rebuilt_bytes: float | None = None  # of saved_bytes, what a backward's rebuild makes (not cached)
+    resaved_bytes: float = 0.0  # what it saves that an earlier layer saved first (not in saved_bytes)
 
     @property
     def compute_s(self) -> float:
@@ -193,7 +194,8 @@ class Profile:
             b_scale = bs / layer.backward_s if layer.backward_s else ratio
             parts: dict[str, Any] = {k: None if getattr(layer, k) is None else getattr(layer, k) * b_scale
                                      for k in ("input_grad_s", "weight_grad_s")}
-            saved: dict[str, Any] = {k: getattr(layer, k) * ratio for k in ("saved_input_bytes", "saved_output_bytes")}
+            saved: dict[str, Any] = {k: getattr(layer, k) * ratio
+                                     for k in ("saved_input_bytes", "saved_output_bytes", "resaved_bytes")}
             f_scale = fs / layer.forward_s if layer.forward_s else ratio
             sel = layer.selective_recompute_s
             layers.append(
@@ -719,7 +721,8 @@ def _saved_rule(layer: ProfileLayer, mask_bytes: float) -> tuple[bool, bool, flo
 def estimate_saved(layers: Iterable[ProfileLayer], inputs: Iterable[ProfileInput] = (), *,
                    mask_bytes_per_element: float = 1.0) -> tuple[ProfileLayer, ...]:
     """``layers`` (in a topological order) with ``saved_bytes``, ``saved_input_bytes`` and
-    ``saved_output_bytes`` estimated from each layer's op (the rule above), split as
+    ``saved_output_bytes`` (and ``resaved_bytes``: what it saves that an earlier layer saved first)
+    estimated from each layer's op (the rule above), split as
     annotate-costs' hooks split them: bytes of storages this layer's output is (``saved_output``),
     the rest, an earlier layer's or input's storage or the op's own extras such as indices
     (``saved_input``). ``mask_bytes_per_element``: a dropout mask's element (1: CUDA, where
@@ -744,15 +747,17 @@ def estimate_saved(layers: Iterable[ProfileLayer], inputs: Iterable[ProfileInput
         wanted = tensors if saves_in else []
         if saves_out:
             wanted.append(base)
-        total, mine = extra, 0.0
+        total, mine, again = extra, 0.0, 0.0
         for st in dict.fromkeys(wanted):
-            if st in seen:
+            if st in seen:  # an earlier layer saved it first: counted there (and kept by this one too)
+                again += nbytes.get(st, 0.0)
                 continue
             seen.add(st)
             total += nbytes.get(st, 0.0)
             if st == layer.name:
                 mine += nbytes[st]
-        out.append(replace(layer, saved_bytes=total, saved_input_bytes=total - mine, saved_output_bytes=mine))
+        out.append(replace(layer, saved_bytes=total, saved_input_bytes=total - mine, saved_output_bytes=mine,
+                           resaved_bytes=again))
     return tuple(out)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from pdcompile.passes.annotate_costs import saved_tensor_bytes
+from pdcompile.passes.annotate_costs import resaved_tensor_bytes, saved_tensor_bytes
 from pdcompile.profile import estimate_saved, load, parse_pipedream
 
 
@@ -109,9 +109,13 @@ def test_estimate_equals_saved_tensor_hooks(model: nn.Module, x: torch.Tensor) -
     layers = estimate_saved([replace(l, saved_bytes=None) for l in profile.layers], profile.inputs,
                             mask_bytes_per_element=4.0)
     assert len(layers) == len(measured) - 2  # the input and the output are not layers
+    resaved = {n.name: v for n, v in resaved_tensor_bytes(gm, (x,)).items()}
     for layer in layers:
         got = (layer.saved_bytes, layer.saved_input_bytes, layer.saved_output_bytes)
         assert got == measured[layer.name], f"{layer.name} ({layer.desc})"
+        # what it saves that an earlier layer saved first (a conv's input an in-place ReLU saved)
+        assert layer.resaved_bytes == resaved[layer.name], f"{layer.name} ({layer.desc})"
+    assert any(layer.resaved_bytes > 0 for layer in layers)
     # and the old convention (every output kept) is not what autograd keeps
     assert sum(l.saved_bytes or 0 for l in layers) < sum(l.output_bytes for l in layers)
 
