@@ -2,8 +2,9 @@
 
 A GPT (``pdcompile.zoo.gpt``) and the zoo's small VGG (``pdcompile.zoo.get("vgg")``) are each
 compiled into a 2-stage pipeline under each recomputation mode (``none``, ``selective``, ``partial``: the
-split compiled without recomputation planned again under 0.9 x its largest stage's memory, so that
-``recompute="auto"`` checkpoints a stage's fewest first layers that fit; ``full``), and trained through
+split compiled without recomputation planned again under the largest of ``PARTIAL_FACTORS`` x a
+stage's memory at which ``recompute="auto"`` checkpoints a stage's fewest first layers that fit;
+``full``), and trained through
 torchrun (gloo, CPU) under every schedule. The prediction is
 the partitioner's stage memory (weights x versions, gradients, optimizer state, saved activations
 per microbatch in flight from annotate-costs' saved-tensor hooks, inputs and outputs); the
@@ -100,6 +101,9 @@ def _run(prog: Path, nproc: int, name: str, steps: int, out: Path, env: dict[str
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))]
 
 
+PARTIAL_FACTORS = (0.95, 0.9, 0.85, 0.8, 0.7, 0.6)  # memory limits tried for partial, x a stage's memory
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
@@ -127,24 +131,31 @@ def main() -> None:
     worst = worst_new = worst_rank = 0.0
     errs: dict[tuple[str, str], list[float]] = {}
     outside: list[str] = []
+    partial_factor: dict[str, str] = {}
+    no_partial: dict[str, list[str]] = {}  # model -> what the planner chose instead at the smallest limit
     with tempfile.TemporaryDirectory() as tmp:
         for model_name in args.models.split(","):
             free = None  # the pipeline compiled without recomputation: partial plans its split again
             for recompute in modes:
                 if recompute == "partial":
                     assert free is not None, "partial needs the 'none' pipeline first (MODES order)"
-                    limit = 0.9 * max(st.memory_bytes for st in free.plan.stages)
-                    pipe, data, (model, inputs, target, loss_fn, leaf) = _compile(
-                        model_name, cfg, batch, M, x, y, recompute="auto", cluster=free.cluster.with_memory(limit))
+                    # the largest limit under the largest stage (of these factors) where a stage recomputes partially
+                    limits = sorted(((f * st.memory_bytes, f, st.index) for st in free.plan.stages
+                                     for f in PARTIAL_FACTORS), reverse=True)
+                    for limit, factor, limited in limits:
+                        pipe, data, (model, inputs, target, loss_fn, leaf) = _compile(
+                            model_name, cfg, batch, M, x, y, recompute="auto", cluster=free.cluster.with_memory(limit))
+                        if any(st.recompute == "partial" for st in pipe.plan.stages):
+                            break
+                    else:  # every head needs more than no recomputation or than all of the stage here
+                        no_partial[model_name] = [st.recompute_text for st in pipe.plan.stages]
+                        continue
+                    partial_factor[model_name] = f"{factor} x stage {limited}'s"
                     got_split = [(st.first, st.last) for st in pipe.plan.stages]
                     want_split = [(st.first, st.last) for st in free.plan.stages]
                     if got_split != want_split:
                         raise SystemExit(f"{model_name} partial: recompute='auto' under {limit:.0f} bytes changed the "
                                          f"split ({want_split} -> {got_split}); the comparison needs the same stages")
-                    if not any(st.recompute == "partial" for st in pipe.plan.stages):
-                        raise SystemExit(f"{model_name} partial: recompute='auto' under 0.9 x the largest stage "
-                                         f"({limit:.0f} bytes) recomputes no stage partially: "
-                                         f"{[st.recompute_text for st in pipe.plan.stages]}")
                 else:
                     pipe, data, (model, inputs, target, loss_fn, leaf) = _compile(
                         model_name, cfg, batch, M, x, y, recompute=recompute)
@@ -235,9 +246,16 @@ def main() -> None:
         f"gloo on CPU; load average {load_start:.2f} at the start, {load:.2f} at the end (bytes do not depend on "
         f"load). Each model is compiled once per recomputation mode (for flush) and that program runs every "
         f"schedule: `none`, `selective`, `full` as `recompute=` says; `partial`: the split compiled with `none` "
-        f"planned again with `recompute=\"auto\"` on its cluster `.with_memory(0.9 x its largest stage's "
-        f"memory)`, so the stages that do not fit checkpoint their fewest first layers (column 'stage "
-        f"recomputes'; the benchmark stops if no stage is partial). Predicted: the partitioner's stage memory "
+        f"planned again with `recompute=\"auto\"` on its cluster `.with_memory(f x a stage's memory)`, "
+        f"the largest such limit (f in {PARTIAL_FACTORS}) where a stage recomputes partially (here "
+        f"{', '.join(f'{m}: {f}' for m, f in partial_factor.items())}"
+        + "".join(f"; {m}: none, at every such limit the planner recomputes {', '.join(chosen)} instead, every "
+                  f"head of its stages needing more than no recomputation or than the whole stage (the inputs kept, "
+                  f"the rebuilt microbatch's tail still counted, what the tail re-saves)"
+                  for m, chosen in no_partial.items())
+        + f"), so the stages that do not fit "
+        f"checkpoint their fewest first layers (column 'stage "
+        f"recomputes'). Predicted: the partitioner's stage memory "
         f"for that schedule at the stage's own recomputation (`PlanModel.memory_at` with the program's head for "
         f"partial); measured: the stage's peak at its measuring points (runtime/memory.py), parts at that peak, "
         f"MiB; 'error, posted receives left out': against the measured peak less its posted receive buffers, "
@@ -257,21 +275,12 @@ def main() -> None:
         "buffers (the column above: the gradients a stage has posted receives for); they are most of the "
         "remaining under-prediction of stage 0 with recomputation, where its other parts are small.",
         "",
-        "Partial (the planner's `_partial_term`; bytes exact from the metrics JSON, deterministic): the rows of "
-        "the partially recomputing stages (zb-h1's in the table below too) under-predict, by three terms, all at the moment a backward rebuilds the head. "
-        "(1) Gradients: the tail's backward runs before the head is rebuilt, so the tail's weight gradients "
-        "exist there; the model's rebuild terms without gradients (GPipe's and 1F1B's first backward) charge "
-        "none (measured: VGG stage 1 18,536 B, the tail's parameter bytes, under gpipe and 1f1b; GPT stage 0 "
-        "1,321,984 B under gpipe; GPT 1f1b's stashed versions put theirs outside `p.grad`, so 0). "
-        "(2) Activations: the meter still counts the tail that the rebuilt microbatch kept (autograd has run "
-        "those nodes' backwards by then), beside its rebuilt head; the model charges that microbatch "
-        "max(tail, head), not tail + head, so it misses the smaller (VGG stage 1: the tail, 7,248 B predicted, "
-        "11,412 B measured with (3), every schedule; GPT stage 0: the head, 920,576 B, less 65,536 B per "
-        "microbatch the model charges its tail beyond the meter's). (3) Activations: a tail that saves its input re-saves the head's "
-        "output, which annotate-costs attributes to the head's last layer (its first saver), so partial's "
-        "tail bytes leave it out (VGG stage 1, head ending at a ReLU: 4,096 B per microbatch of the 11,412). "
-        "VGG's stage 1 (first 4 of 14 layers: tail 7,248 B, head 10,240 B) is small, so these terms weigh "
-        "10-23% there; GPT's stage 0 (first 28 of 80 layers) stays within 9% (gpipe, the largest, -8.8%).",
+        "Partial (the planner's `_partial_term`; bytes exact from the metrics JSON, deterministic): at the moment "
+        "a backward rebuilds the head, the model charges (1) the tail's weight gradients, which its backward "
+        "made just before; (2) the rebuilt microbatch's tail beside its head, as the stage's meter counts it "
+        "(autograd has freed those saved tensors by then, so both count more than the allocator holds); (3) "
+        "what a tail's first layer saves that a head layer saved first (annotate-costs' `resaved_bytes`, e.g. a "
+        "conv's input an in-place ReLU saved; as a bound, the most any later layer re-saves).",
         "",
         f"The schedules with split backwards or several stages per rank: zb-h1 on the same 2-stage programs, "
         f"every mode (predicted: the planner's stage memory for zb-h1, as above); with `none` and `full` only "
