@@ -46,7 +46,7 @@ RECOMPUTE = ("none", "selective", "full", "auto")  # never, every stage (cheap o
 #: What a stage may recompute (``StageCost.recompute``): nothing; its cheap ops (selective, the layers'
 #: ``selective_*`` costs); its first layers (partial: the fewest that fit); its whole forward (full).
 MODES = ("none", "selective", "partial", "full")
-_PARTIAL_EXACT = 64  # in-flight counts the partial-recomputation search takes exactly (above: rounded up)
+_PARTIAL_EXACT = 16  # in-flight counts the partial-recomputation search takes exactly (above: rounded up)
 _EPS = 1e-10  # relative slack in feasibility tests (floating sums); plans are re-evaluated exactly
 _BIG = np.iinfo(np.int64).max // 4
 
@@ -711,7 +711,7 @@ class PlanModel:
         ``k`` in flight (:meth:`_partial_grid`; ``2 cap`` where none does), so that a
         ``searchsorted`` finds the smallest start within a time."""
         cache = self._partial_tables.setdefault(self.mem_budget, {})
-        if len(cache) * (self.N + 1) * 8 > 2**26:  # at most 64 MiB of rows: start again
+        if len(cache) * (self.N + 1) * 8 > 2**28:  # at most 256 MiB of rows: start again
             cache.clear()
         missing: dict[int, list[int]] = {}
         for k, e in pairs:
