@@ -184,6 +184,8 @@ class Evaluation:
 class PlanModel:
     """Arrays and parameters of one planning problem (chain x cluster x cost model)."""
 
+    #: Bytes of partial recomputation's rows kept at most (then built again as asked).
+    partial_store_bytes = 2**28
     #: One-query searches (the top level, rebuilds) by breakpoints (:meth:`_group_start_one`);
     #: off: the vectorized search for them too. Both off switches are the tests' reference.
     breakpoint_search = True
@@ -316,7 +318,11 @@ class PlanModel:
             self.recompute, ("none",) + (("selective",) if self.selective_known else ()) + ("partial", "full"))
         if self.recompute == "auto" and not self.memory_on:
             self.modes = ("none",)  # recomputation only where memory needs it
-        self._partial_tables: dict[float, dict[tuple[int, int], np.ndarray]] = {}  # budget -> (k, end) -> row
+        # partial recomputation's rows, built on demand: (k, end) -> row of _pstore, for _pindex_budget
+        self._pstore = np.empty((0, N + 1))
+        self._pindex: dict[tuple[int, int], int] = {}
+        self._pindex_budget: float | None = None
+        self._pused = 0
         base = self.PC if cost_model == "paper" else self.P1
         self._partial_cap = 2.0 * float(base[-1] + self.PF[-1]) or 1.0  # above any time; relative: tiny ones keep precision
         self._partial_k: tuple[float, int] | None = None  # (budget, _partial_kmax)
@@ -706,30 +712,38 @@ class PlanModel:
         return ok, q1c
 
     def _partial_rows(self, pairs: list[tuple[int, int]]) -> np.ndarray:
-        """Rows ``(k, end)`` of the partial table (cached per row): over starts ``0..N``, the running
-        minimum of the stage's time with its fewest first layers recomputed that make it fit with
-        ``k`` in flight (:meth:`_partial_grid`; ``2 cap`` where none does), so that a
-        ``searchsorted`` finds the smallest start within a time."""
-        cache = self._partial_tables.setdefault(self.mem_budget, {})
-        if len(cache) * (self.N + 1) * 8 > 2**28:  # at most 256 MiB of rows: start again
-            cache.clear()
-        missing: dict[int, list[int]] = {}
-        for k, e in pairs:
-            if (k, e) not in cache:
-                missing.setdefault(k, []).append(e)
-        if missing:
+        """Where rows ``(k, end)`` of the partial table are in ``self._pstore`` (built on demand):
+        over starts ``0..N``, the running minimum of the stage's time with its fewest first layers
+        recomputed that make it fit with ``k`` in flight (:meth:`_partial_grid`; ``2 cap`` where
+        none does), so that a bisection finds the smallest start within a time."""
+        if self._pindex_budget != self.mem_budget:
+            self._pindex, self._pindex_budget, self._pused = {}, self.mem_budget, 0
+        index = self._pindex
+        want = sorted({pair for pair in pairs if pair not in index})
+        if want:
+            if self._pused + len(want) > len(self._pstore):
+                cap_rows = max(1, self.partial_store_bytes // (8 * (self.N + 1)))
+                if self._pused + len(want) > cap_rows:  # full: start again (this call's rows built anew)
+                    index.clear()
+                    self._pused = 0
+                    want = sorted(set(pairs))
+                rows = min(max(2 * len(self._pstore), self._pused + len(want), 64), max(cap_rows, len(want)))
+                grown = np.empty((rows, self.N + 1))
+                grown[:self._pused] = self._pstore[:self._pused]
+                self._pstore = grown
             base = self.PC if self.cost_model == "paper" else self.P1
             I = np.arange(self.N)[None, :]
-            want = sorted({(k, e) for k, es in missing.items() for e in es})
             ks = np.array([k for k, _ in want], dtype=np.int64)
             ends = np.array([e for _, e in want], dtype=np.int64)
             ok, q1 = self._partial_grid(ks, ends)
             G = np.where(ok, base[ends[:, None] + 1] - base[I] + self.PF[q1] - self.PF[I], 2.0 * self._partial_cap)
-            Hm = np.minimum.accumulate(G, axis=1)
-            Hm = np.hstack([Hm, Hm[:, -1:]])  # column N (no start there) keeps each row sorted
-            for pair, row in zip(want, Hm):
-                cache[pair] = row
-        return np.stack([cache[pair] for pair in pairs])
+            at = slice(self._pused, self._pused + len(want))
+            self._pstore[at, :self.N] = np.minimum.accumulate(G, axis=1)
+            self._pstore[at, self.N] = self._pstore[at, self.N - 1]  # column N (no start there): rows stay sorted
+            for j, pair in enumerate(want):
+                index[pair] = self._pused + j
+            self._pused += len(want)
+        return np.array([index[pair] for pair in pairs], dtype=np.int64)
 
     def _partial_kmax(self) -> int:
         """The largest in-flight count at which some stage fits with partial recomputation (0: none):
@@ -775,11 +789,17 @@ class PlanModel:
         ks[big] = 2 ** np.ceil(np.log2(ks[big])).astype(np.int64)
         keys = ks * N + e
         uniq, inv = np.unique(keys, return_inverse=True)
-        span = 4.0 * self._partial_cap
-        rows = self._partial_rows([(int(u) // N, int(u) % N) for u in uniq])
-        table = (np.arange(len(uniq), dtype=float)[:, None] * span - rows).ravel()
+        rows = self._partial_rows([(int(u) // N, int(u) % N) for u in uniq])[inv]
         t = np.minimum(thr_b.ravel()[idx] * (1 + _EPS), self._partial_cap)
-        out.reshape(-1)[idx] = np.searchsorted(table, inv * span - t, side="left") - inv * (N + 1)
+        # the first start whose running minimum is within t (each row nonincreasing): bisection
+        lo = np.zeros(len(idx), dtype=np.int64)
+        hi = np.full(len(idx), N + 1, dtype=np.int64)
+        while np.any(lo < hi):
+            mid = (lo + hi) // 2
+            at = self._pstore[rows, np.minimum(mid, N)] <= t
+            hi = np.where(at & (lo < hi), mid, hi)
+            lo = np.where(~at & (lo < hi), mid + 1, lo)
+        out.reshape(-1)[idx] = lo
         return out
 
     @staticmethod

@@ -187,3 +187,19 @@ def test_dp_with_recomputation_equals_the_best_configuration(chain: Chain, worke
         return
     assert p is not None and math.isclose(p.seconds_per_minibatch, best, rel_tol=1e-9, abs_tol=1e-12)
     assert all(s.memory_bytes <= limit * (1 + 1e-9) for s in p.stages)
+
+
+def test_partial_rows_built_again_when_their_store_is_full_give_the_same_plans() -> None:
+    """The store of partial recomputation's rows, at a size that fills it many times over (rows built
+    again as asked), plans as the default size does."""
+    chain = linearize(load("pipedream:vgg16"))
+    cluster = paper_cluster("A")
+    want = partition_dp(chain, cluster, recompute="auto", pool=True)
+    saved = PlanModel.partial_store_bytes
+    PlanModel.partial_store_bytes = 8 * (len(chain) + 1) * 3  # three rows
+    try:
+        got = partition_dp(chain, cluster, recompute="auto", pool=True)
+    finally:
+        PlanModel.partial_store_bytes = saved
+    _same(want, got)
+    assert any(s.recompute == "partial" for s in got.stages)
