@@ -323,8 +323,9 @@ class PlanModel:
         self._pindex: dict[tuple[int, int], int] = {}
         self._pindex_budget: float | None = None
         self._pused = 0
-        base = self.PC if cost_model == "paper" else self.P1
-        self._partial_cap = 2.0 * float(base[-1] + self.PF[-1]) or 1.0  # above any time; relative: tiny ones keep precision
+        # the compute terms the threshold bounds (the stage's own time without its weight sync)
+        self.PT = self.PC if cost_model == "paper" else self.P1
+        self._partial_cap = 2.0 * float(self.PT[-1] + self.PF[-1]) or 1.0  # above any time; relative: tiny ones keep precision
         self._partial_k: tuple[float, int] | None = None  # (budget, _partial_kmax)
         # boundary thresholds per level: 2 a / B_k (inf: forbidden cut)
         self.tcut = [2.0 * cut / b for b in self.B]
@@ -705,7 +706,8 @@ class PlanModel:
                 g = (cv < v0 + 0.5).astype(float)
                 R = cv * Wm + g * self.PWM[J + 1] + kk * (xin + A) - PXi - budget
                 F = (kk - 1) * self.PX[None, :] + g * self.PWM[None, :] - kk * self.RS[None, :]  # nondecreasing
-                low = _first_at_least(F, R - tol)
+                rows = np.arange(R_)[:, None]
+                low = _first_true(N + 1, R.shape, lambda m: F[rows, m] >= R - tol)  # F's rows nondecreasing
                 q1 = np.where(some, np.maximum(q1, low), q1)
         q1c = np.minimum(q1, N)
         ok &= (q1 <= J) & (self.PX[q1c] <= hi + tol)
@@ -731,12 +733,11 @@ class PlanModel:
                 grown = np.empty((rows, self.N + 1))
                 grown[:self._pused] = self._pstore[:self._pused]
                 self._pstore = grown
-            base = self.PC if self.cost_model == "paper" else self.P1
             I = np.arange(self.N)[None, :]
             ks = np.array([k for k, _ in want], dtype=np.int64)
             ends = np.array([e for _, e in want], dtype=np.int64)
             ok, q1 = self._partial_grid(ks, ends)
-            G = np.where(ok, base[ends[:, None] + 1] - base[I] + self.PF[q1] - self.PF[I], 2.0 * self._partial_cap)
+            G = np.where(ok, self.PT[ends[:, None] + 1] - self.PT[I] + self.PF[q1] - self.PF[I], 2.0 * self._partial_cap)
             at = slice(self._pused, self._pused + len(want))
             self._pstore[at, :self.N] = np.minimum.accumulate(G, axis=1)
             self._pstore[at, self.N] = self._pstore[at, self.N - 1]  # column N (no start there): rows stay sorted
@@ -791,15 +792,8 @@ class PlanModel:
         uniq, inv = np.unique(keys, return_inverse=True)
         rows = self._partial_rows([(int(u) // N, int(u) % N) for u in uniq])[inv]
         t = np.minimum(thr_b.ravel()[idx] * (1 + _EPS), self._partial_cap)
-        # the first start whose running minimum is within t (each row nonincreasing): bisection
-        lo = np.zeros(len(idx), dtype=np.int64)
-        hi = np.full(len(idx), N + 1, dtype=np.int64)
-        while np.any(lo < hi):
-            mid = (lo + hi) // 2
-            at = self._pstore[rows, np.minimum(mid, N)] <= t
-            hi = np.where(at & (lo < hi), mid, hi)
-            lo = np.where(~at & (lo < hi), mid + 1, lo)
-        out.reshape(-1)[idx] = lo
+        # the first start whose running minimum is within t (each row nonincreasing)
+        out.reshape(-1)[idx] = _first_true(N + 1, t.shape, lambda m: self._pstore[rows, m] <= t)
         return out
 
     @staticmethod
@@ -844,8 +838,7 @@ class PlanModel:
             if mode == "partial":
                 if kin is None:
                     continue
-                base = self.PC if self.cost_model == "paper" else self.P1
-                timed = self._ss(base, se_c, thr)  # partial runs more: it cannot start before this
+                timed = self._ss(self.PT, se_c, thr)  # partial runs more: it cannot start before this
                 # only where memory stops a stage without recomputation can partial reach further back
                 table = self._mem_rows("none")
                 bound = table[np.minimum(kin, len(table) - 1), se_c] > timed
@@ -1074,18 +1067,16 @@ class PlanModel:
             self._tau = None
 
 
-def _first_at_least(F: np.ndarray, R: np.ndarray) -> np.ndarray:
-    """Per element of ``R`` (rows x columns), the first index ``n`` with ``F[row, n] >= R`` (each
-    row of ``F`` nondecreasing; ``F.shape[1]`` where none): a bisection on every element at once."""
-    n = F.shape[1]
-    lo = np.zeros(R.shape, dtype=np.int64)
-    hi = np.full(R.shape, n, dtype=np.int64)
-    rows = np.arange(R.shape[0])[:, None]
+def _first_true(n: int, shape: tuple[int, ...], at: Any) -> np.ndarray:
+    """Per element, the first index ``0..n-1`` where ``at(index array)`` holds (it must hold from
+    there on, as on a sorted row), ``n`` where it never does: one bisection for every element at once."""
+    lo = np.zeros(shape, dtype=np.int64)
+    hi = np.full(shape, n, dtype=np.int64)
     while np.any(lo < hi):
         mid = (lo + hi) // 2
-        at = F[rows, np.minimum(mid, n - 1)] >= R
-        hi = np.where(at & (lo < hi), mid, hi)
-        lo = np.where(~at & (lo < hi), mid + 1, lo)
+        holds = at(np.minimum(mid, n - 1))
+        hi = np.where(holds & (lo < hi), mid, hi)
+        lo = np.where(~holds & (lo < hi), mid + 1, lo)
     return lo
 
 
