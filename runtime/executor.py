@@ -5,7 +5,9 @@ Each action's meaning, and how weight versions plug in: :class:`StageExecutor`.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +21,13 @@ from pdcompile.runtime.program import Program, StageSpec
 from pdcompile.runtime.recompute import StageRecompute
 from pdcompile.runtime.schedules import Action, Kind
 from pdcompile.runtime.schedules.transfers import TargetPosts, several_per_rank
+from pdcompile.runtime.graph_split import GraphSplit, graph_route
 from pdcompile.runtime.weight_grads import WeightPass
+
+log = logging.getLogger("pdcompile.runtime")
+
+WEIGHT_PASSES = ("graph", "submodules")  # how a split backward is split (StageExecutor's weight_pass)
+DEFAULT_WEIGHT_PASS = "graph"
 
 
 def allreduce_flat(tensors: Sequence[torch.Tensor], group: Any) -> None:
@@ -165,7 +173,7 @@ class StageExecutor:
                  clip_grad_norm: float | None = None, norm_group: Any = None, norm_counts: bool = True,
                  measure_memory: bool = True,
                  norm_skip: frozenset[str] = frozenset(), stage: int | None = None,
-                 mailbox: Mailbox | None = None) -> None:
+                 mailbox: Mailbox | None = None, weight_pass: str = DEFAULT_WEIGHT_PASS) -> None:
         self.program = program
         self.rank = rank
         # stage: which of the rank's stages this executor runs (virtual stages: one executor each,
@@ -212,9 +220,17 @@ class StageExecutor:
         self.targets_by: StageExecutor | None = self if self.is_last else None
         self.begin(0)
         self._split: set[int] = set()  # microbatches whose B is split (a W follows in the actions)
-        self._weight_pass: dict[int, Any] = {}  # microbatch -> what its W needs
-        self._notes: dict[int, Any] = {}  # microbatch -> submodule outputs noted in its forward
+        self._weight_pass: dict[int, Any] = {}  # microbatch -> (its weight pass, what its W needs)
+        self._notes: dict[int, Any] = {}  # microbatch -> (its weight pass, what it noted in its forward)
         self._wpass = WeightPass(module)
+        # weight_pass "graph": split backwards run the stage's traced backward graph cut into I and W
+        # (runtime/graph_split.py), built at the first split forward; None once it does not apply
+        if weight_pass not in WEIGHT_PASSES:
+            raise ValueError(f"weight_pass must be one of {WEIGHT_PASSES}, got {weight_pass!r}")
+        self.weight_pass = weight_pass
+        self._graph: GraphSplit | None = None
+        self._graph_skipped = False  # a split microbatch went by submodules (said once)
+        self.split_counts: Counter[str] = Counter()  # split backwards by weight pass (metrics)
         # activation recomputation, as planned for this stage (runtime/recompute.py): "full" checkpoints the
         # stage's forward, "selective" keeps only its FLOP-counted ops' outputs, "partial" checkpoints its head
         plan_stages = program.raw.get("plan", {}).get("stages", [])
@@ -388,13 +404,18 @@ class StageExecutor:
             if self.meter.enabled and not self.meter.recompute_bytes:
                 self._probe_recompute(k, st.inputs, params)
         if k in self._split:  # W follows: note what the weight pass needs
-            handles, self._notes[k] = self._wpass.capture()
+            route = self._split_route(params, st.inputs)
+            handles, notes = route.capture()
+            self._notes[k] = (route, notes)
         try:
             kept: list[torch.Tensor] = []  # beyond autograd's saved tensors: the selective cache
             with self.meter.saving(k, params.values() if params else ()), self._autocast():
                 if self.recomputer is not None:
                     out, kept = self.recomputer.forward(self._run_stage, params, st.inputs,
                                                         lambda: self._measure(rebuilding=True))
+                elif isinstance(self._notes.get(k, (None,))[0], GraphSplit):  # through the traced graph
+                    route, notes = self._notes[k]
+                    out = route.forward(notes, st.inputs)
                 else:
                     out = self._run_stage(params, *st.inputs)
         finally:
@@ -417,6 +438,28 @@ class StageExecutor:
             st.outputs = list(out)
         self.meter.add(k, [*st.inputs, *st.outputs])
         self._measure()
+
+    def _split_route(self, params: dict[str, torch.Tensor] | None,
+                     inputs: Sequence[torch.Tensor]) -> WeightPass | GraphSplit:
+        """What splits a microbatch's backward: the graph (``weight_pass="graph"``, where it applies:
+        :func:`~pdcompile.runtime.graph_split.graph_route`), else the submodules' weight pass."""
+        if self.weight_pass != "graph":
+            return self._wpass
+        if self._graph is None:
+            self._graph = graph_route(self.module, self.spec.inputs, self.device, precision=self.precision,
+                                      stage=self.stage)
+            if self._graph is None:
+                self.weight_pass = "submodules"
+                return self._wpass
+        assert self._graph is not None
+        if params is not None or not self._graph.fits(inputs):
+            if not self._graph_skipped:
+                self._graph_skipped = True
+                log.info("stage %d: a split backward by submodules (WeightPass), not the graph: %s", self.stage,
+                         "its forward uses a stashed weight version" if params is not None
+                         else "its inputs are not shaped as the traced ones")
+            return self._wpass
+        return self._graph
 
     def _autocast(self) -> torch.autocast:
         """Autocast to bf16 under ``precision="bf16"`` (a no-op context otherwise)."""
@@ -489,11 +532,13 @@ class StageExecutor:
             pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, grads) if o.requires_grad]
             roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
         ins = [t for t, spec in zip(st.inputs, self.spec.inputs) if spec.requires_grad]
-        notes = self._notes.pop(a.mb, {})
+        route, notes = self._notes.pop(a.mb, (self._wpass, {}))
         if a.mb in self._split and roots:
             # input gradients only, for SB to send now (on stage 0, none: the activations' gradients
-            # down to its first layer); the graph stays for W's weight gradients
-            st.input_grads, self._weight_pass[a.mb] = self._wpass.input_grads(roots, seeds, ins, notes)
+            # down to its first layer); what W's weight gradients need stays
+            st.input_grads, work = route.input_grads(roots, seeds, ins, notes)
+            self.split_counts["graph" if isinstance(route, GraphSplit) else "submodules"] += 1
+            self._weight_pass[a.mb] = (route, work)
         elif roots:
             torch.autograd.backward(roots, seeds)
         st.outputs, st.loss = [], None  # free the graph (and the weight version it holds)
@@ -512,10 +557,12 @@ class StageExecutor:
 
     def _weight_grad(self, a: Action) -> None:
         """``W``: the weight gradients of a split ``B``, accumulated into ``.grad`` as an unsplit
-        backward would (:class:`~pdcompile.runtime.weight_grads.WeightPass`); then the graph is freed."""
-        work = self._weight_pass.pop(a.mb, None)
-        if work is not None:  # None: the B was not split (nothing needed a gradient, or stage 0)
-            self._wpass.weight_grads(work)
+        backward would (:class:`~pdcompile.runtime.weight_grads.WeightPass`, or the graph's ``W``:
+        :class:`~pdcompile.runtime.graph_split.GraphSplit`); then what it held is freed."""
+        held = self._weight_pass.pop(a.mb, None)
+        if held is not None:  # None: the B was not split (nothing needed a gradient)
+            route, work = held
+            route.weight_grads(work)
 
     def _allreduce(self, a: Action) -> None:
         if self.replica_group is None:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from pdcompile.errors import CheckpointError, ScheduleError, UsageError
 from pdcompile.runtime import allocator, checkpoint, comm, schedules, timing
-from pdcompile.runtime.executor import ActionError, Mailbox, RankExecutor, StageExecutor
+from pdcompile.runtime.executor import DEFAULT_WEIGHT_PASS, WEIGHT_PASSES, ActionError, Mailbox, RankExecutor, StageExecutor
 from pdcompile.runtime.schedules.spec import ScheduleSpec, agrees, default_split_backward
 from pdcompile.runtime.schedules.transfers import check_transfers, several_per_rank
 from pdcompile.runtime.weights import VersionedStore
@@ -76,6 +76,13 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                         "gradients first (sent at once), weight gradients after (W), so the drain finishes sooner. "
                         "Default: as compiled (on, except for CPU workers sharing cores: there the weight pass "
                         "waits for a core that the stage before needs)")
+    p.add_argument("--weight-pass", choices=WEIGHT_PASSES, default=DEFAULT_WEIGHT_PASS,
+                   help="how a split backward (zb-h1, zb-v, ... and the drain's split) splits: 'graph' traces the stage "
+                        "once (aot_autograd) and cuts its backward graph into input-gradient and weight-gradient parts, "
+                        "checked bitwise on first use; 'submodules' walks autograd's graph to each parameter-owning "
+                        "submodule's output, then per submodule. 'graph' falls back to 'submodules' (logged) where it "
+                        f"does not apply: bf16, buffer writes (BatchNorm), a failed trace or check "
+                        f"(default: {DEFAULT_WEIGHT_PASS})")
     p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=None,
                    help="keep memory a step frees for the next one instead of returning it to the system "
                         "(glibc malloc thresholds, runtime/allocator.py; each step otherwise page-faults its "
@@ -374,7 +381,7 @@ class Trainer:
                 clock=(lambda: timing.now(_device())) if args.trace else time.perf_counter,
                 device=_device(), fail_at=args.fail_at, precision=args.precision,
                 clip_grad_norm=args.clip_grad_norm, norm_group=norm_group, norm_counts=rank == st.ranks[0],
-                norm_skip=norm_skip, stage=st.index, mailbox=mailbox,
+                norm_skip=norm_skip, stage=st.index, mailbox=mailbox, weight_pass=args.weight_pass,
             ))
         self.executor = self.executors[0]  # the rank's first stage (checkpoints: one stage per rank)
         self.lr_scheduler = self.executor.lr_scheduler  # checkpoints and resume: one stage per rank
@@ -522,6 +529,8 @@ class Trainer:
                                               if _device().type == "cuda" else None),
                 "precision": args.precision, "p2p_bytes_sent": comm.sent_bytes(),
                 "grad_norms": [float(n) for n in executor.grad_norms],  # unclipped, at each ST (--clip-grad-norm)
+                # split backwards by how they were split (--weight-pass: the graph, or the submodules' fallback)
+                "split_backwards": {k: sum(ex.split_counts[k] for ex in self.executors) for k in WEIGHT_PASSES},
             }, indent=1))
         if args.trace:
             out = Path(args.trace)
