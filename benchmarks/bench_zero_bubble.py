@@ -25,35 +25,40 @@ from benchmarks._common import bench_model, bootstrap_median, compile_bench, loa
 from benchmarks._results import publish
 
 
-def compare(model: str, m: int, *, size: str, batch_size: int, blocks: int, block_steps: int) -> list[str]:
+def compare(model: str, m: int, *, size: str, batch_size: int, blocks: int, block_steps: int,
+            weight_pass: str) -> list[str]:
     b = bench_model(model, batch_size=batch_size, size=size)
     pipe = compile_bench(b, 2, "zb-h1", m)
     program = pipe.emit(Path(tempfile.mkdtemp(prefix=f"pd-bench-zb-{model}-")) / "program")
     zb, fl = run_pair(program, "zb-h1", "ours", blocks=blocks, block_steps=block_steps, warmup=1,
-                      theirs_flags="--schedule flush")
+                      flags=("--weight-pass", weight_pass), theirs_flags="--schedule flush")
     zb, fl = zb[1:], fl[1:]  # the first block of each side: the process warming up
     ratios = [median(f) / median(z) for z, f in zip(zb, fl)]
     lo, hi = bootstrap_median(ratios)
     predicted = float(pipe.simulate(schedule="flush").step_time_s / pipe.simulate(schedule="zb-h1").step_time_s)
-    return [model, str(m), ms(median([x for blk in zb for x in blk])), ms(median([x for blk in fl for x in blk])),
-            f"{median(ratios):.3f}", f"{lo:.3f} - {hi:.3f}", f"{predicted:.3f}", str(len(ratios))]
+    return [model, str(m), weight_pass, ms(median([x for blk in zb for x in blk])),
+            ms(median([x for blk in fl for x in blk])), f"{median(ratios):.3f}", f"{lo:.3f} - {hi:.3f}",
+            f"{predicted:.3f}", str(len(ratios))]
 
 
-def split_cost(model: str, *, size: str, batch_size: int, m: int, repeats: int = 15) -> list[str]:
-    """Per stage of the 2-stage program, in this process on one thread: a microbatch's backward
-    unsplit, and split as the runtime splits it (:class:`~pdcompile.runtime.weight_grads.WeightPass`:
-    B to the inputs and the noted submodule outputs, W per submodule); the best of ``repeats``."""
+def split_cost(model: str, *, size: str, batch_size: int, m: int, repeats: int = 15) -> list[list[str]]:
+    """Per stage of the 2-stage program, in this process on one thread, the best of ``repeats``: a
+    microbatch's backward unsplit; split as :class:`~pdcompile.runtime.weight_grads.WeightPass` splits
+    it (B to the inputs and the noted submodule outputs, W per submodule); split by
+    :class:`~pdcompile.runtime.graph_split.GraphSplit` (I and W of the traced backward graph); and the
+    forward, eager and through the traced graph."""
     import time
 
     import torch
 
+    from pdcompile.runtime.graph_split import GraphSplit
     from pdcompile.runtime.weight_grads import WeightPass
 
     torch.set_num_threads(1)
     b = bench_model(model, batch_size=batch_size, size=size)
     pipe = compile_bench(b, 2, "flush", m)
     micro = [x[: batch_size // m] for x in b.inputs]
-    cells = []
+    rows = []
     for s, st in enumerate(pipe.split.stages):
         mod = st.gm
         if s == 0:
@@ -63,32 +68,44 @@ def split_cost(model: str, *, size: str, batch_size: int, m: int, repeats: int =
             outs = outs if isinstance(outs, tuple) else (outs,)
             ins = [o.detach().requires_grad_(o.is_floating_point()) for o in outs]
         wp = WeightPass(mod)
+        gs = GraphSplit(mod, ins)
+        assert gs.check(ins), f"{model} stage {s}: the graph split is not exact"
         grad_ins = [x for x in ins if x.requires_grad]
 
-        def forward(capture: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
-            handles, notes = wp.capture() if capture else ([], {})
-            out = mod(*ins)
-            for h in handles:
-                h.remove()
-            roots = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
-            return roots, [torch.ones_like(o) for o in roots], notes
-
-        def best(split: bool) -> float:
+        def best(route: str) -> tuple[float, float, float]:
+            """(forward, B or I, W) of ``route``: eager, submodules or graph."""
             times = []
             for _ in range(repeats + 3):
-                roots, seeds, notes = forward(split)
                 t0 = time.perf_counter()
-                if split:
-                    wp.weight_grads(wp.input_grads(roots, seeds, grad_ins, notes)[1])
-                else:
+                handles, notes = (wp.capture() if route == "submodules" else gs.capture() if route == "graph"
+                                  else ([], {}))
+                out = gs.forward(notes, ins) if route == "graph" else mod(*ins)
+                for h in handles:
+                    h.remove()
+                roots = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+                seeds = [torch.ones_like(o) for o in roots]
+                t1 = time.perf_counter()
+                if route == "eager":
                     torch.autograd.backward(roots, seeds)
-                times.append(time.perf_counter() - t0)
-            return min(times[3:])
+                    t2 = time.perf_counter()
+                else:
+                    pass_ = wp if route == "submodules" else gs
+                    work = pass_.input_grads(roots, seeds, grad_ins, notes)[1]  # type: ignore[arg-type]
+                    t2 = time.perf_counter()
+                    pass_.weight_grads(work)
+                times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+                mod.zero_grad(set_to_none=True)
+            kept = times[3:]
+            return tuple(min(t[i] for t in kept) for i in range(3))  # type: ignore[return-value]
 
-        plain, split = best(False), best(True)
-        mod.zero_grad(set_to_none=True)
-        cells.append(f"{plain * 1e3:.2f} -> {split * 1e3:.2f} ms ({split / plain:.2f}x)")
-    return [model, str(m), *cells]
+        (fe, plain, _), (_, b_sub, w_sub), (fg, i_gr, w_gr) = best("eager"), best("submodules"), best("graph")
+
+        def cell(x: float, y: float) -> str:
+            return f"{x * 1e3:.2f} + {y * 1e3:.2f} = {(x + y) * 1e3:.2f} ms ({(x + y) / plain:.2f}x)"
+
+        rows.append([model, str(m), str(s), f"{plain * 1e3:.2f}", cell(b_sub, w_sub), cell(i_gr, w_gr),
+                     f"{fe * 1e3:.2f} / {fg * 1e3:.2f} ({fg / fe:.2f}x)"])
+    return rows
 
 
 def on_profiles(names: list[str], clusters: list[str]) -> str:
@@ -186,10 +203,26 @@ PROFILES = ["alexnet", "vgg16", "gnmt", "gnmt_large", "resnet18", "resnet50", "r
 
 
 def table(rows: list[list[str]]) -> str:
-    head = ["model", "microbatches", "zb-h1 step (ms)", "flush step (ms)", "flush/zb-h1 step (median of block pairs)",
+    head = ["model", "microbatches", "--weight-pass", "zb-h1 step (ms)", "flush step (ms)", "flush/zb-h1 step (median of block pairs)",
             "90% interval", "predicted (simulator)", "block pairs"]
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
                      ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def reading(rows: list[list[str]]) -> str:
+    """One line per weight pass: the rows whose ratio's interval lies above 1 (ZB-H1 faster), below 1
+    (flush faster) or across it."""
+    lines = []
+    for wp in dict.fromkeys(r[2] for r in rows):
+        sides: dict[str, list[str]] = {"above 1 (zb-h1 faster)": [], "below 1 (flush faster)": [], "across 1": []}
+        for r in rows:
+            if r[2] == wp:
+                lo, hi = (float(x) for x in r[6].split(" - "))
+                key = "above 1 (zb-h1 faster)" if lo > 1 else "below 1 (flush faster)" if hi < 1 else "across 1"
+                sides[key].append(f"{r[0]} M={r[1]}")
+        lines.append(f"Reading, `--weight-pass {wp}`: the 90% interval is " + "; ".join(
+            f"{k} for {', '.join(v)}" for k, v in sides.items() if v) + ".")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -198,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-steps", type=int, default=6, help="minibatches per block")
     p.add_argument("--models", default="gpt,vgg")
     p.add_argument("--microbatches", default="4,8")
+    p.add_argument("--weight-passes", default="graph,submodules", help="train.py --weight-pass values, a row each")
     p.add_argument("--quick", action="store_true", help="tiny models, a few blocks, nothing written")
     p.add_argument("--profiles", action="store_true", help="only auto on PipeDream's profiles (simulated)")
     args = p.parse_args(argv)
@@ -218,16 +252,18 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for model in args.models.split(","):
         for m in map(int, args.microbatches.split(",")):
-            if args.quick:
-                rows.append(compare(model, m, size="tiny", batch_size=8, blocks=3, block_steps=3))
-            else:
-                rows.append(compare(model, m, size="bench", batch_size=32, blocks=args.blocks,
-                                    block_steps=args.block_steps))
-            print(table(rows), flush=True)
-    costs = [split_cost(model, size="tiny" if args.quick else "bench", batch_size=8 if args.quick else 32, m=4)
-             for model in args.models.split(",")]
-    cost_table = "\n".join(["| model | microbatches | stage 0 backward: unsplit -> split (B + W) | stage 1 |",
-                            "|---|---|---|---|"]
+            for wp in args.weight_passes.split(","):
+                if args.quick:
+                    rows.append(compare(model, m, size="tiny", batch_size=8, blocks=3, block_steps=3, weight_pass=wp))
+                else:
+                    rows.append(compare(model, m, size="bench", batch_size=32, blocks=args.blocks,
+                                        block_steps=args.block_steps, weight_pass=wp))
+                print(table(rows), flush=True)
+    costs = [r for model in args.models.split(",")
+             for r in split_cost(model, size="tiny" if args.quick else "bench", batch_size=8 if args.quick else 32, m=4)]
+    cost_table = "\n".join(["| model | microbatches | stage | backward unsplit (ms) | split by submodules: B + W | "
+                            "split by the graph: I + W | forward eager / through the graph (ms) |",
+                            "|---|---|---|---|---|---|---|"]
                            + ["| " + " | ".join(r) + " |" for r in costs])
     body = (f"The same emitted 2-stage program (minibatch 32, SGD) trained by pdcompile's runtime with ZB-H1 and "
             f"with flush (its default split of the drain's last backward) on 2 CPU processes (gloo), in one torchrun "
@@ -236,11 +272,16 @@ def main(argv: list[str] | None = None) -> None:
             f"Step = slowest rank. Ratio = flush's median step / ZB-H1's in each pair of neighbouring blocks, median "
             f"over pairs; > 1: ZB-H1 faster. 'predicted' is the simulator's flush/zb-h1 step ratio from the compiled "
             f"(analytic) profile. Models as in bench_vs_pipelining.\nLoad: {before} at the start, {load_note()} at "
-            f"the end.\n\n" + table(rows) + "\n\nWhy: a microbatch's backward on each stage, unsplit and split as the "
-            f"runtime splits it (B: input and noted submodule-output gradients; W: one pass per parameter-owning "
-            f"submodule), in one process on one thread, best of 15. Where the split's extra cost exceeds the bubble "
-            f"it fills (a ratio below 1 above), the planner must not choose ZB-H1: `schedule=\"auto\"` leaves "
-            f"schedules that split every backward out on CPU workers (autoschedule.split_every_backward_pays)."
+            f"the end. `--weight-pass`: how both sides split a backward (train.py's flag; ZB-H1 splits every one, "
+            f"flush its drain's last).\n\n" + table(rows) + "\n\n" + reading(rows) + "\n\nWhy: a microbatch's "
+            f"backward on each stage, in one process on one thread, best of 15 each: unsplit (autograd); split by "
+            f"submodules (`WeightPass`; B: input and noted submodule-output gradients, W: one pass per "
+            f"parameter-owning submodule); split by the graph (`GraphSplit`; I and W of the stage's aot_autograd "
+            f"backward graph, bitwise an unsplit backward's gradients); and the forward, eager and through the "
+            f"traced forward graph (what the graph route runs for a split microbatch). Stage 0's inputs need no "
+            f"gradient: the graph's I is empty there and its W is the whole backward. Where the split's extra cost "
+            f"exceeds the bubble it fills (a ratio below 1 above), the planner must not choose ZB-H1 "
+            f"(autoschedule.split_every_backward_pays)."
             f"\n\n" + cost_table)
     publish("ZB-H1 against flush (bench_zero_bubble)", body, "python benchmarks/bench_zero_bubble.py",
             write=not args.quick)

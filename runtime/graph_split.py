@@ -133,6 +133,8 @@ class GraphSplit:
         self.trusted: bool | None = None
         self.names = [n for n, _ in module.named_parameters()]
         self.buffer_names = [n for n, _ in module.named_buffers()]
+        self.params = list(module.parameters())  # what the graphs take, in their order (as WeightPass, once)
+        self.buffers = list(module.buffers())
         self.signature = [(t.shape, t.dtype, t.requires_grad) for t in example_inputs]
         _no_buffer_writes(module, example_inputs)
         graphs: dict[str, fx.GraphModule] = {}
@@ -152,8 +154,8 @@ class GraphSplit:
             spec[:] = [tree]
             return flat
 
-        args = [*(p.detach().requires_grad_(p.requires_grad) for p in module.parameters()),
-                *(b.detach() for b in module.buffers()), *example_inputs]
+        args = [*(p.detach().requires_grad_(p.requires_grad) for p in self.params),
+                *(b.detach() for b in self.buffers), *example_inputs]
         try:
             with _forked_rng(args):
                 outs = aot_function(f, keep("fw"), keep("bw"), partition_fn=default_partition)(*args)
@@ -210,8 +212,7 @@ class GraphSplit:
 
     def forward(self, record: Record, inputs: Sequence[torch.Tensor]) -> Any:
         """The stage's forward through the forward graph, on the live parameters and buffers."""
-        args = [*self.module.parameters(), *self.module.buffers(), *inputs]
-        outs = _Stage.apply(self, record, *args)
+        outs = _Stage.apply(self, record, *self.params, *self.buffers, *inputs)
         record.inputs, record.outputs = list(inputs), list(outs)
         return pytree.tree_unflatten(list(outs), self.tree)
 
@@ -220,8 +221,12 @@ class GraphSplit:
                     inputs: Sequence[torch.Tensor], notes: Record) -> tuple[list[torch.Tensor], Any]:
         """Run ``I``: the gradients of ``inputs`` (of the stage's inputs); and what ``W`` needs."""
         diff = [o for o, d in zip(notes.outputs, self.differentiable) if d]
-        # the seeds of the outputs' gradients: the roots are the outputs, or (last stage) a loss of them
-        got = torch.autograd.grad(list(roots), diff, seeds, allow_unused=True)
+        # the outputs' gradients: the seeds where the roots are outputs, else (last stage: a loss of them) autograd's
+        seeded = {id(r): g for r, g in zip(roots, seeds or ())}
+        if seeds is not None and all(id(r) in {id(o) for o in diff} for r in roots):
+            got: Sequence[torch.Tensor | None] = [seeded.get(id(o)) for o in diff]
+        else:
+            got = torch.autograd.grad(list(roots), diff, seeds, allow_unused=True)
         tangents = self.as_traced([g if g is not None else torch.zeros_like(o) for g, o in zip(got, diff)])
         got_in, work = self.run_i([*notes.node.saved_tensors, *tangents])
         by_slot = dict(zip(self.input_slots, got_in))
@@ -248,7 +253,7 @@ class GraphSplit:
 
     # W -----------------------------------------------------------------------------------------
     def grads_of(self, work: Any) -> dict[int, torch.Tensor]:
-        """Run ``W``: each parameter's gradient, by its index in ``module.parameters()``."""
+        """Run ``W``: each parameter's gradient, by its index in :attr:`params`."""
         args, handed = work
         with torch.no_grad():
             return dict(zip(self.param_slots, self.w_graph(*args, *handed)))
@@ -256,7 +261,7 @@ class GraphSplit:
     def weight_grads(self, work: Any) -> None:
         """Accumulate the weight gradients into ``.grad``, as an unsplit backward would."""
         grads = self.grads_of(work)
-        for j, p in enumerate(self.module.parameters()):
+        for j, p in enumerate(self.params):
             g = grads.get(j)
             if g is None:
                 continue
@@ -271,7 +276,7 @@ class GraphSplit:
         an unsplit backward, on ``example_inputs`` with the same random state (restored after):
         bitwise where :func:`~pdcompile.runtime.weight_grads.bitwise_check` allows, else
         :func:`~pdcompile.runtime.weight_grads.same_grads`. Sets and returns :attr:`trusted`."""
-        params = list(self.module.parameters())
+        params = self.params
         exact = bitwise_check(params[0].device if params else torch.device("cpu"))
         wrt_in = [t for t in example_inputs if t.requires_grad]
         wrt_p: list[torch.Tensor] = [p for p in params if p.requires_grad]
