@@ -304,11 +304,13 @@ def main() -> None:
         "gradient copy (GPT interleaved stage 0 +22.9%, looped BFS up to +22.9%). What it leaves out, as above: "
         "posted receive buffers, which weigh more with 4 stages on 2 ranks (every boundary but a V's turn "
         "crosses ranks, and the small VGG's stages hold a few KiB each): the column 'posted receives left "
-        "out' shows the rest. With recomputation on several stages per rank the remaining under-prediction "
-        "is at a rebuild: there the measured peak holds the stage's gradients beside the kept inputs and the "
-        "rebuilt microbatch (GPT looped BFS stage 0: grads 1.978 MiB at its peak), a moment the model's two "
-        "terms (gradients at the in-flight count after a forward; none at the peak before the first "
-        "backward) do not cover; left as found.",
+        "out' shows the rest. A recomputing stage is also modelled at its rebuilds while it holds "
+        "gradients (`SimResult.peak_in_flight_at_rebuild`: looped BFS and a V run a stage's later "
+        "backwards back to back, each rebuilding a microbatch beside the gradients); before that term GPT's "
+        "full-recomputation rows on 2 stages per rank were under-predicted by up to 19.5% (looped BFS stage 2; "
+        "interleaved and V stage 0 -12.2%), now by at most 10.6%, 1.1% with posted receives counted. The "
+        "largest errors left are the small VGG's stages of 0.03-0.13 MiB, where posted receives (the "
+        "column beside) and other buffers of a few KiB weigh 10-28%.",
     ]
     if everything and not args.new_only:
         write_section("Memory model: predicted vs measured per stage (bench_memory_model)", "\n".join(lines))

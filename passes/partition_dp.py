@@ -399,20 +399,23 @@ class PlanModel:
             return self.rng(self._arr["selective"][1], i, j) - self.rng(self.PC, i, j)
         return 0.0
 
-    def choose_recompute(self, i: int, j: int, k: int, depth: int | None = None) -> tuple[str, int]:
+    def choose_recompute(self, i: int, j: int, k: int, depth: int | None = None, *, versions: int | None = None,
+                         activation_scale: float = 1.0) -> tuple[str, int]:
         """(mode, recomputed layers) of a stage ``i..j`` with ``k`` in flight: the allowed mode that
         fits the memory limit with the least forward run again (partial: its fewest first layers);
-        none fitting, the one that needs least memory."""
+        none fitting, the one that needs least memory. ``versions`` and ``activation_scale`` as for
+        :meth:`memory_at` (the simulator's counts; default the planner's at ``depth``)."""
         budget = self.mem_budget * (1 + _EPS)
         if self.recompute != "auto" or not self.memory_on:
             mode = self.modes[0]
             return mode, (j - i + 1 if mode == "full" else 0)
+        v = self.versions(depth or k) if versions is None else versions
         best: tuple[float, float, str, int] | None = None  # (extra time, memory, mode, head)
         least: tuple[float, str, int] | None = None
         for mode in self.modes:
             heads = range(1, j - i + 1) if mode == "partial" else (j - i + 1 if mode == "full" else 0,)
             for h in heads:
-                mem = self.memory(i, j, k, mode, depth, head=h)
+                mem = self.memory_at(i, j, k, v, mode, activation_scale, head=h)
                 if least is None or mem < least[0]:
                     least = (mem, mode, h)
                 if mem <= budget:
@@ -1554,17 +1557,27 @@ def stage_memory(chain: Chain, first: int, last: int, in_flight: int, *, schedul
     return model.memory(first, last, in_flight)
 
 
+def stage_model(chain: Chain, *, schedule: str = "1f1b", optimizer_state_factor: float = 1.0,
+                num_microbatches: int = 1, memory_limit: float | None = None) -> PlanModel:
+    """The planner's model of ``chain``'s stages for the simulator's counts (:meth:`PlanModel.memory_at`,
+    :meth:`PlanModel.recompute_s`); with ``memory_limit`` (bytes per worker), ``recompute="auto"``
+    under it (:meth:`PlanModel.choose_recompute`)."""
+    from pdcompile.cluster import Device
+
+    cluster = ClusterSpec(Device("any", memory=1.0 if memory_limit is None else float(memory_limit)),
+                          (Level("l", 1, 1.0),))
+    return PlanModel(chain, cluster, "paper", schedule, memory_limit is not None, optimizer_state_factor,
+                     num_microbatches=num_microbatches, recompute="auto" if memory_limit is not None else "none")
+
+
 def stage_memory_at(chain: Chain, first: int, last: int, *, in_flight: int, weight_versions: int,
                     schedule: str = "1f1b", optimizer_state_factor: float = 1.0, recompute: bool | str = False,
                     num_microbatches: int = 1, activation_scale: float = 1.0, head: int = 0) -> float:
     """Per-worker bytes of stage ``first..last`` at given in-flight and weight-version counts: the
     planner's stage memory (module doc), for the simulator's counts; activations scaled by
     ``activation_scale``."""
-    from pdcompile.cluster import Device
-
-    cluster = ClusterSpec(Device("any", memory=1.0), (Level("l", 1, 1.0),))
-    model = PlanModel(chain, cluster, "paper", schedule, False, optimizer_state_factor,
-                   num_microbatches=num_microbatches)
+    model = stage_model(chain, schedule=schedule, optimizer_state_factor=optimizer_state_factor,
+                        num_microbatches=num_microbatches)
     return model.memory_at(first, last, in_flight, weight_versions, recompute, activation_scale, head)
 
 

@@ -74,6 +74,10 @@ class SimResult:
     # frees them); a schedule that runs every forward of a stage before its first backward (looped
     # BFS, interleaved 1F1B's first stage) peaks without them
     peak_in_flight_with_grads: list[int] = field(default_factory=list)
+    # per stage: most microbatches in flight (the backward's own included) when a backward starts
+    # while the stage holds weight gradients: where a recomputing stage rebuilds a microbatch beside
+    # them (looped BFS's and a V's stages run their later backwards back to back)
+    peak_in_flight_at_rebuild: list[int] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
@@ -398,6 +402,7 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     views = [(r, s_, [a for a in acts if a.stage == s_] if placement is not None else acts)
              for r, acts in sched.items() for s_ in ({a.stage for a in acts} if placement is not None else {stage_of[r]})]
     peak_grads = [0] * S
+    peak_rebuild = [0] * S
     for r, s, acts in views:
         n = 0
         grads = False
@@ -405,6 +410,8 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
         peak_v[s] = max(peak_v[s], max((len(x) for x in live), default=1))
         for a, versions in zip(acts, live or []):
             frees = Kind.WEIGHT_GRAD if (a.stage, a.microbatch) in split[r] else Kind.BACKWARD  # split: at its W
+            if grads and a.kind is Kind.BACKWARD:  # the meter's point at a rebuild: before B frees its microbatch
+                peak_rebuild[s] = max(peak_rebuild[s], n)
             n += (a.kind is Kind.FORWARD) - (a.kind is frees)
             peak_in[s] = max(peak_in[s], n)
             if grads and a.kind in (Kind.FORWARD, Kind.STEP):  # the meter's points: after F, before ST
@@ -423,6 +430,7 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
         bubble_fraction=bubble, busy=dict(sorted(busy.items())), utilization=util, stage_of_rank=stage_of,
         peak_in_flight=peak_in, peak_weight_versions=peak_v, peak_memory_bytes=peak_mem if sized else None,
         events=sorted(events, key=lambda e: (e.start_s, e.rank, e.end_s)), peak_in_flight_with_grads=peak_grads,
+        peak_in_flight_at_rebuild=peak_rebuild,
     )
 
 
@@ -443,46 +451,6 @@ def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float) -> float:
     if replicas <= 1 or nbytes == 0:
         return 0.0
     return 2 * (replicas - 1) / replicas * nbytes / bandwidth
-
-
-def _rebuilt_s(stage: Any, layers: Sequence[Any]) -> float:
-    """Forward seconds a stage's backward runs again: all of it (full), its first
-    ``recompute_layers`` (partial), its layers' ``selective_recompute_s`` (selective)."""
-    mode = getattr(stage, "recompute", "none")
-    if mode == "full":
-        return float(sum(l.forward_s for l in layers))
-    if mode == "partial":
-        return float(sum(l.forward_s for l in layers[:stage.recompute_layers]))
-    if mode == "selective":
-        return float(sum(getattr(l, "selective_recompute_s", None) or 0.0 for l in layers))
-    return 0.0
-
-
-def _refit(stage: Any, chain: Any, in_flight: int, versions: int, schedule: str, num_microbatches: int,
-           scale: float, optimizer_state_factor: float, limit: float) -> Any:
-    """``stage`` with the recomputation mode (none, selective where the chain knows its costs, the
-    fewest first layers, full) that fits ``limit`` bytes with least forward run again; the one that
-    needs least memory when none fits."""
-    from pdcompile.passes.partition_dp import stage_memory_at
-
-    layers = chain.layers[stage.first:stage.last + 1]
-    n = len(layers)
-    options = [("none", 0)]
-    if all(getattr(l, "selective_saved_bytes", None) is not None and getattr(l, "selective_rebuilt_bytes", None)
-           is not None for l in layers):
-        options.append(("selective", 0))
-    options += [("partial", h) for h in range(1, n)] + [("full", n)]
-    best: tuple[float, float, str, int] | None = None
-    for mode, head in options:
-        mem = stage_memory_at(chain, stage.first, stage.last, in_flight=in_flight, weight_versions=versions,
-                              schedule=schedule, optimizer_state_factor=optimizer_state_factor, recompute=mode,
-                              num_microbatches=num_microbatches, activation_scale=scale, head=head)
-        again = _rebuilt_s(replace(stage, recompute=mode, recompute_layers=head), layers)
-        key = (0.0 if mem <= limit * (1 + 1e-9) else 1.0, again if mem <= limit * (1 + 1e-9) else mem)
-        if best is None or key < best[:2]:
-            best = (key[0], key[1], mode, head)
-    assert best is not None
-    return replace(stage, recompute=best[2], recompute_layers=best[3])
 
 
 def _part(profiled: Any, backward_s: Any, share: float) -> Any:
@@ -520,8 +488,9 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     bytes back) at ``cluster.bandwidth_between`` the two ranks; a replicated stage all-reduces its
     ``param_bytes`` with a ring over the slowest link among its ranks. Chain costs are per
     minibatch of ``chain.batch_size`` and are scaled linearly to ``plan.microbatch_size``. A stage
-    that recomputes runs again before its backward (``B``) what its mode rebuilds (:func:`_rebuilt_s`).
-    Memory: the planner's stage memory (:func:`pdcompile.passes.partition_dp.stage_memory_at`: saved
+    that recomputes runs again before its backward (``B``) what its mode rebuilds
+    (:meth:`~pdcompile.passes.partition_dp.PlanModel.recompute_s`).
+    Memory: the planner's stage memory (:meth:`~pdcompile.passes.partition_dp.PlanModel.memory_at`: saved
     activations, weights x versions, gradients, ``optimizer_state_factor`` x weights of optimizer
     state) at the simulated peak in-flight and weight-version counts. Schedule ranks are consecutive by stage; replica ``i`` of stage ``s``
     runs on ``plan.stages[s].ranks[i]`` of the cluster. ``schedule_name`` defaults to the plan's.
@@ -530,6 +499,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     the larger of its peak with gradients (``peak_in_flight_with_grads``) and its peak before them
     (one weight copy less); tied stages on one rank sum their copies with no collective.
     """
+    from pdcompile.passes.partition_dp import stage_model  # pure data, as this module
+
     if refit_recompute is not None and virtual_stages == 1:
         # recomputation chosen again for this schedule and microbatch size: each stage the mode that
         # fits refit_recompute bytes with least forward run again, at the in-flight and version
@@ -540,20 +511,34 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                   copy_bandwidth=copy_bandwidth, split_backward=split_backward, input_grad_share=input_grad_share,
                   weight_grad_share=weight_grad_share, optimizer_state_factor=optimizer_state_factor)
         first = simulate_plan(plan, chain, cluster, schedule_name, num_microbatches, **kw)  # type: ignore[arg-type]
-        stages = tuple(_refit(st_, chain, first.peak_in_flight[s], first.peak_weight_versions[s],
-                              schedule_name or plan.schedule, num_microbatches, plan.microbatch_size / chain.batch_size,
-                              optimizer_state_factor, refit_recompute)
-                       for s, st_ in enumerate(plan.stages))
+        fit = stage_model(chain, schedule=schedule_name or plan.schedule, optimizer_state_factor=optimizer_state_factor,
+                          num_microbatches=num_microbatches, memory_limit=refit_recompute)
+        chosen = [fit.choose_recompute(st_.first, st_.last, first.peak_in_flight[s],
+                                       versions=first.peak_weight_versions[s],
+                                       activation_scale=plan.microbatch_size / chain.batch_size)
+                  for s, st_ in enumerate(plan.stages)]
+        stages = tuple(replace(st_, recompute=mode, recompute_layers=head)
+                       for st_, (mode, head) in zip(plan.stages, chosen))
         return simulate_plan(replace(plan, stages=stages), chain, cluster, schedule_name, num_microbatches,
                              **kw)  # type: ignore[arg-type]
     name = schedule_name or plan.schedule
     reps = [st_.replicas for st_ in plan.stages]
     scale = plan.microbatch_size / chain.batch_size
     layers = chain.layers
+    models: dict[str, Any] = {}
+
+    def model(sched: str) -> Any:  # the planner's stage model (memory, recomputation) per schedule
+        if sched not in models:
+            models[sched] = stage_model(chain, schedule=sched, optimizer_state_factor=optimizer_state_factor,
+                                        num_microbatches=num_microbatches)
+        return models[sched]
+
     fwd, bwd, params, cut, b_in, b_w = [], [], [], [], [], []
     for st_ in plan.stages:
         mine = layers[st_.first:st_.last + 1]
-        again = _rebuilt_s(st_, mine) * scale  # run again at B
+        # run again at B: what its recomputation rebuilds
+        again = model("flush").recompute_s(st_.first, st_.last, getattr(st_, "recompute", "none"),
+                                           getattr(st_, "recompute_layers", 0)) * scale
         fwd.append(sum(l.forward_s for l in mine) * scale)
         bwd.append(sum(l.backward_s for l in mine) * scale + again)
         b_in.append(sum(_part(l.input_grad_s, l.backward_s, input_grad_share) for l in mine) * scale + again)
@@ -593,22 +578,22 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                              version_s=[p / copy_bandwidth for p in params] if copy_bandwidth else None,
                              forward_s=fwd, backward_s=bwd, send_s=send, allreduce_s=allreduce, step_s=step_s,
                              overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size)
-    from pdcompile.passes.partition_dp import stage_memory_at  # pure data, as this module
-
     def at(s: int, k: int, versions: int, sched: str) -> float:
         st_ = plan.stages[s]
-        return stage_memory_at(chain, st_.first, st_.last, in_flight=k, weight_versions=versions, schedule=sched,
-                               optimizer_state_factor=optimizer_state_factor, recompute=st_.recompute,
-                               num_microbatches=num_microbatches, activation_scale=scale,
-                               head=getattr(st_, "recompute_layers", 0))
+        return float(model(sched).memory_at(st_.first, st_.last, k, versions, getattr(st_, "recompute", "none"),
+                                            scale, getattr(st_, "recompute_layers", 0)))
 
     if virtual_stages == 1:
         memory = [at(s, res.peak_in_flight[s], res.peak_weight_versions[s], name) for s in range(len(plan.stages))]
     else:
         # virtual stages: one weight version, flush's model (gradients all step long) at the simulated
         # in-flight count while the stage holds gradients, and without them (one version's bytes less)
-        # at its peak before its first backward
+        # at its peak before its first backward; a recomputing stage also at its rebuilds while it
+        # holds gradients (the meter measures there)
         memory = [max(at(s, res.peak_in_flight_with_grads[s], 1, "flush"),
-                      2 * at(s, res.peak_in_flight[s], 1, "flush") - at(s, res.peak_in_flight[s], 2, "flush"))
+                      2 * at(s, res.peak_in_flight[s], 1, "flush") - at(s, res.peak_in_flight[s], 2, "flush"),
+                      at(s, res.peak_in_flight_at_rebuild[s], 1, "flush")
+                      if getattr(plan.stages[s], "recompute", "none") != "none" and res.peak_in_flight_at_rebuild[s]
+                      else 0.0)
                   for s in range(len(plan.stages))]
     return replace(res, peak_memory_bytes=memory)

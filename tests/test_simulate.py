@@ -520,6 +520,46 @@ def test_virtual_stage_memory_counts_gradients_from_the_first_backward(M: int) -
     assert straight.peak_in_flight_with_grads == [2 - s if M > 2 - s else 0 for s in range(2)]
 
 
+@pytest.mark.parametrize("M", [2, 4])
+def test_virtual_stage_rebuild_counts_gradients_from_the_second_backward(M: int) -> None:
+    """Looped BFS runs each stage's M backwards back to back: from the second one on, the stage
+    holds its weight gradients while it rebuilds a microbatch (M - 1 still in flight, the rebuilt
+    one included), a moment the meter measures. With full recomputation the stage's memory is the
+    larger of that moment (flush's model at M - 1 in flight: it counts the gradients and one
+    rebuild) and the peak before its first backward (M in flight, one weight copy less); without
+    recomputation that moment is not a peak the meter sees, and the memory stays as before."""
+    from dataclasses import replace as _replace
+
+    from pdcompile.cluster import flat_cluster
+    from pdcompile.passes.partition_dp import plan_from_assignment, stage_memory_at
+    from pdcompile.simulate import simulate_plan
+
+    chain = _saved_chain(3, 8)
+    chain = _replace(chain, layers=tuple(_replace(l, shared_param_bytes=0.0) for l in chain.layers))
+    assign = [(2 * k, 2 * k + 1, 1) for k in range(4)]
+    plan = plan_from_assignment(chain, flat_cluster(4, 10.0, memory=1e15), assign, schedule="flush",
+                                num_microbatches=M)
+    full = _replace(plan, stages=tuple(_replace(st_, recompute="full", recompute_layers=st_.last - st_.first + 1)
+                                       for st_ in plan.stages))
+    cluster = flat_cluster(2, 10.0, memory=1e15)
+    res = simulate_plan(full, chain, cluster, "looped-bfs", M, virtual_stages=2)
+    plain = simulate_plan(plan, chain, cluster, "looped-bfs", M, virtual_stages=2)
+    assert res.peak_in_flight_at_rebuild == [M - 1] * 4
+    for s, st_ in enumerate(full.stages):
+        def at(k: int, recompute: str) -> float:
+            return stage_memory_at(chain, st_.first, st_.last, in_flight=k, weight_versions=1, schedule="flush",
+                                   num_microbatches=M, recompute=recompute)
+        weights = sum(l.param_bytes for l in chain.layers[st_.first:st_.last + 1])
+        assert res.peak_memory_bytes[s] == pytest.approx(max(at(M - 1, "full"), at(M, "full") - weights), rel=1e-12)
+        assert plain.peak_memory_bytes[s] == pytest.approx(at(M, "none") - weights, rel=1e-12)
+    # the gradients beside a rebuild: more than the peak before the first backward when weights
+    # outweigh a microbatch's kept activations (this chain's)
+    assert any(res.peak_memory_bytes[s] > stage_memory_at(chain, st_.first, st_.last, in_flight=M, weight_versions=1,
+                                                          schedule="flush", num_microbatches=M, recompute="full")
+               - sum(l.param_bytes for l in chain.layers[st_.first:st_.last + 1]) * (1 + 1e-9)
+               for s, st_ in enumerate(full.stages))
+
+
 def test_tied_weights_on_one_rank_need_no_collective() -> None:
     """ZB-V puts both ends of a tied weight (stages 0 and 3 of 4) on rank 0, where the runtime sums
     the copies in memory: however large the tied bytes, the step costs what it costs without the
