@@ -222,6 +222,13 @@ def reading(rows: list[list[str]]) -> str:
                 sides[key].append(f"{r[0]} M={r[1]}")
         lines.append(f"Reading, `--weight-pass {wp}`: the 90% interval is " + "; ".join(
             f"{k} for {', '.join(v)}" for k, v in sides.items() if v) + ".")
+    ratio = {(r[0], r[1], r[2]): float(r[5]) for r in rows}
+    pairs = [(k[:2], ratio[k], ratio.get((*k[:2], "submodules"))) for k in ratio if k[2] == "graph"]
+    pairs = [(k, g, s) for k, g, s in pairs if s is not None]
+    if pairs:
+        better = [f"{k[0]} M={k[1]}" for k, g, s in pairs if g > s]
+        lines.append(f"The graph split's ratio is the higher in {len(better)} of {len(pairs)} rows"
+                     + (f" ({', '.join(better)})" if better else "") + ".")
     return "\n".join(lines)
 
 

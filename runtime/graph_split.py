@@ -373,6 +373,8 @@ def graph_route(module: nn.Module, specs: Sequence[Any], device: torch.device | 
             gs = GraphSplit(module, examples)
         except Unsupported as e:
             why = str(e)
+        except Exception as e:  # noqa: BLE001 - a graph this code cannot cut: the eager route, never a failed run
+            why = f"its graphs could not be cut ({type(e).__name__}: {e})"
         else:
             try:
                 trusted = gs.check(examples)
