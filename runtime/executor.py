@@ -150,7 +150,10 @@ class StageExecutor:
       ``SB`` sends the input gradients upstream; when a ``W`` of the same microbatch follows in the
       actions, ``B`` computes only the input gradients (keeping the autograd graph) and ``W`` the
       weight gradients, so ``SB`` goes out a weight-gradient pass sooner (the drain's split backward;
-      zero bubble splits every backward, on stage 0 too, where ``B`` computes the activations' gradients);
+      zero bubble splits every backward, on stage 0 too, where ``B`` computes the activations' gradients).
+      How (``weight_pass``): ``"graph"`` runs such a microbatch's forward and backward through the
+      stage's traced graphs, the backward cut into ``I`` and ``W`` (runtime/graph_split.py), where
+      that applies; ``"submodules"`` (and the fallback) splits by submodules (runtime/weight_grads.py);
     * ``AR``: all-reduce (sum) gradients among the stage's replicas; ``TG``: sum gradients of
       parameters tied across stages; ``ST``: optimizer step (and LR scheduler), then zero grads;
       ``WV``: later forwards use another weight version (told to the weight store).

@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
     p.add_argument("--weight-pass", choices=WEIGHT_PASSES, default=DEFAULT_WEIGHT_PASS,
                    help="how a split backward (zb-h1, zb-v, ... and the drain's split) splits: 'graph' traces the stage "
                         "once (aot_autograd) and cuts its backward graph into input-gradient and weight-gradient parts, "
-                        "checked bitwise on first use; 'submodules' walks autograd's graph to each parameter-owning "
+                        "checked against eager on first use (bitwise on CPU); 'submodules' walks autograd's graph to each parameter-owning "
                         "submodule's output, then per submodule. 'graph' falls back to 'submodules' (logged) where it "
                         f"does not apply: bf16, buffer writes (BatchNorm), a failed trace or check "
                         f"(default: {DEFAULT_WEIGHT_PASS})")

@@ -7,6 +7,7 @@ notes the output of every parameter-owning submodule during the forward, ``B`` a
 gradients of those outputs (the engine computes them anyway), and ``W`` runs one short backward per
 submodule, from its output to its own parameters. That is exact only when each parameter is used
 inside its own submodule's single call, so the first ``W`` of a run checks it (:class:`WeightPass`).
+The split at the graph level, which runs each backward node once: :mod:`pdcompile.runtime.graph_split`.
 """
 
 from __future__ import annotations
