@@ -94,9 +94,9 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
     10. 'no deadlock': replaying with blocking receives and collectives (:func:`replay`) completes.
     11. 'transfer order': with its receives posted as
         :func:`~pdcompile.runtime.transfers.transfer_plan` says, the schedule completes under NCCL's
-        rules (:func:`~pdcompile.runtime.transfers.check_transfers`), with targets sent or not. With
-        virtual stages targets are local only: the first and the last stage's ranks also exchange
-        other chunks' messages, which the last stage would post before its target's.
+        rules (:func:`~pdcompile.runtime.transfers.check_transfers`), with targets sent or not (with
+        virtual stages a step's targets go together at its first forward:
+        :func:`~pdcompile.runtime.schedules.transfers.target_window`).
     """
     lay = layout(name, replicas, num_microbatches, num_steps, vertical_sync, virtual_stages=virtual_stages)
     name = lay.name
@@ -279,8 +279,7 @@ def validate(sched: Schedule, replicas: Sequence[int], num_microbatches: int, na
 
     # 11. transfer order
     posts = transfer_plan(sched, lay.replicas, placement)
-    variants = ((),) if placement is not None else (None, (), range(lay.replicas[-1]))
-    for targets in variants:  # all sent, none (--targets local), the first only; virtual stages: local only
+    for targets in (None, (), range(lay.replicas[-1])):  # all sent, none (--targets local), the first only
         check_transfers(sched, lay.replicas, posts, targets=targets, name=name, placement=placement)
 
 
