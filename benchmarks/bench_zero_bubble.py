@@ -203,7 +203,8 @@ PROFILES = ["alexnet", "vgg16", "gnmt", "gnmt_large", "resnet18", "resnet50", "r
 
 
 def table(rows: list[list[str]]) -> str:
-    head = ["model", "microbatches", "--weight-pass", "zb-h1 step (ms)", "flush step (ms)", "flush/zb-h1 step (median of block pairs)",
+    head = ["model", "microbatches", "--weight-pass", "zb-h1 step (ms)", "flush step (ms)",
+            "flush/zb-h1 step (median of block pairs)",
             "90% interval", "predicted (simulator)", "block pairs"]
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] +
                      ["| " + " | ".join(r) + " |" for r in rows])
@@ -266,8 +267,8 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append(compare(model, m, size="bench", batch_size=32, blocks=args.blocks,
                                         block_steps=args.block_steps, weight_pass=wp))
                 print(table(rows), flush=True)
-    costs = [r for model in args.models.split(",")
-             for r in split_cost(model, size="tiny" if args.quick else "bench", batch_size=8 if args.quick else 32, m=4)]
+    size, batch = ("tiny", 8) if args.quick else ("bench", 32)
+    costs = [r for model in args.models.split(",") for r in split_cost(model, size=size, batch_size=batch, m=4)]
     cost_table = "\n".join(["| model | microbatches | stage | backward unsplit (ms) | split by submodules: B + W | "
                             "split by the graph: I + W | forward eager / through the graph (ms) |",
                             "|---|---|---|---|---|---|---|"]

@@ -59,7 +59,8 @@ class _Stage(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         gs: GraphSplit = ctx.gs
-        dinputs, work = gs.run_i([*ctx.saved_tensors, *gs.as_traced([g for g, d in zip(grads, gs.differentiable) if d])])
+        tangents = gs.as_traced([g for g, d in zip(grads, gs.differentiable) if d])
+        dinputs, work = gs.run_i([*ctx.saved_tensors, *tangents])
         out: list[Any] = [None] * gs.n_args
         for j, g in gs.grads_of(work).items():
             out[j] = g
@@ -175,10 +176,10 @@ class GraphSplit:
         self.n_out = len(outs)
         self.differentiable = [o.requires_grad for o in outs]
         holders = [n for n in bw.graph.nodes if n.op == "placeholder"]
-        n_tangents = sum(self.differentiable)
-        if len(holders) < n_tangents or not all(n.name.startswith("tangents") for n in holders[len(holders) - n_tangents:]):
+        tangents = holders[len(holders) - sum(self.differentiable):]
+        if len(tangents) != sum(self.differentiable) or not all(n.name.startswith("tangents") for n in tangents):
             raise Unsupported("the backward graph's tangents do not match the stage's differentiable outputs")
-        self.tangent_strides = [tuple(n.meta["val"].stride()) for n in holders[len(holders) - n_tangents:]]
+        self.tangent_strides = [tuple(n.meta["val"].stride()) for n in tangents]
         grads = list(next(n for n in bw.graph.nodes if n.op == "output").args[0])
         if len(grads) != len(args):
             raise Unsupported("the backward graph does not give one gradient per forward input")

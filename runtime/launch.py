@@ -32,7 +32,14 @@ import torch.distributed as dist
 
 from pdcompile.errors import CheckpointError, ScheduleError, UsageError
 from pdcompile.runtime import allocator, checkpoint, comm, schedules, timing
-from pdcompile.runtime.executor import DEFAULT_WEIGHT_PASS, WEIGHT_PASSES, ActionError, Mailbox, RankExecutor, StageExecutor
+from pdcompile.runtime.executor import (
+    DEFAULT_WEIGHT_PASS,
+    WEIGHT_PASSES,
+    ActionError,
+    Mailbox,
+    RankExecutor,
+    StageExecutor,
+)
 from pdcompile.runtime.schedules.spec import ScheduleSpec, agrees, default_split_backward
 from pdcompile.runtime.schedules.transfers import check_transfers, several_per_rank
 from pdcompile.runtime.weights import VersionedStore
@@ -77,10 +84,11 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                         "Default: as compiled (on, except for CPU workers sharing cores: there the weight pass "
                         "waits for a core that the stage before needs)")
     p.add_argument("--weight-pass", choices=WEIGHT_PASSES, default=DEFAULT_WEIGHT_PASS,
-                   help="how a split backward (zb-h1, zb-v, ... and the drain's split) splits: 'graph' traces the stage "
-                        "once (aot_autograd) and cuts its backward graph into input-gradient and weight-gradient parts, "
-                        "checked against eager on first use (bitwise on CPU); 'submodules' walks autograd's graph to each parameter-owning "
-                        "submodule's output, then per submodule. 'graph' falls back to 'submodules' (logged) where it "
+                   help="how a split backward (zb-h1, zb-v, ... and the drain's split) splits: 'graph' traces the "
+                        "stage once (aot_autograd) and cuts its backward graph into input-gradient and weight-gradient "
+                        "parts, checked against eager on first use (bitwise on CPU); 'submodules' walks autograd's "
+                        "graph to each parameter-owning submodule's output, then per submodule. 'graph' falls back to "
+                        "'submodules' (logged) where it "
                         f"does not apply: bf16, buffer writes (BatchNorm), a failed trace or check "
                         f"(default: {DEFAULT_WEIGHT_PASS})")
     p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=None,

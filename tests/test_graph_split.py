@@ -51,7 +51,8 @@ def _fresh(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().clone().requires_grad_(t.requires_grad) for t in ts]
 
 
-def _roots(mod_out: Any, loss_fn: Any, target: torch.Tensor | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+def _roots(mod_out: Any, loss_fn: Any,
+           target: torch.Tensor | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """A middle stage's roots are its outputs (seeded with fixed gradients), the last stage's its loss."""
     if target is not None:
         return [loss_fn(mod_out, target)], None
