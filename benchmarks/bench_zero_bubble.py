@@ -4,9 +4,10 @@
     python benchmarks/bench_zero_bubble.py --quick    # tiny models, nothing written
     python benchmarks/bench_zero_bubble.py --profiles # auto on PipeDream's profiles (simulated, seconds)
 
-Per model (bench_vs_pipelining's GPT and VGG), one 2-stage program; one torchrun launch per row runs
-``--schedule zb-h1`` and ``--schedule flush`` in alternating blocks (``_ab_worker.py --theirs ours``);
-the ratio (flush's step over ZB-H1's per block pair) beside the simulator's; and the split's cost.
+Per model (bench_vs_pipelining's GPT and VGG), one 2-stage program; one torchrun launch per row (and
+``--weight-pass``: the graph split or the submodules') runs ``--schedule zb-h1`` and ``--schedule
+flush`` in alternating blocks (``_ab_worker.py --theirs ours``); the ratio (flush's step over ZB-H1's
+per block pair) beside the simulator's; and the split's cost per stage, both ways.
 """
 
 from __future__ import annotations
@@ -213,7 +214,9 @@ def table(rows: list[list[str]]) -> str:
 def reading(rows: list[list[str]]) -> str:
     """One line per weight pass: the rows whose ratio's interval lies above 1 (ZB-H1 faster), below 1
     (flush faster) or across it."""
-    lines = []
+    pays = [f"{r[0]} M={r[1]}" for r in rows if r[2] == "graph" and float(r[6].split(" - ")[0]) > 1]
+    lines = [f"Does the graph split make ZB-H1 pay on this machine (its interval above 1)? "
+             f"{'Yes, for ' + ', '.join(pays) if pays else 'Not clearly: for no row'}."]
     for wp in dict.fromkeys(r[2] for r in rows):
         sides: dict[str, list[str]] = {"above 1 (zb-h1 faster)": [], "below 1 (flush faster)": [], "across 1": []}
         for r in rows:
