@@ -33,7 +33,6 @@ import torch.distributed as dist
 from pdcompile.errors import CheckpointError, ScheduleError, UsageError
 from pdcompile.runtime import allocator, checkpoint, comm, schedules, timing
 from pdcompile.runtime.executor import (
-    DEFAULT_WEIGHT_PASS,
     WEIGHT_PASSES,
     ActionError,
     Mailbox,
@@ -83,14 +82,14 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                         "gradients first (sent at once), weight gradients after (W), so the drain finishes sooner. "
                         "Default: as compiled (on, except for CPU workers sharing cores: there the weight pass "
                         "waits for a core that the stage before needs)")
-    p.add_argument("--weight-pass", choices=WEIGHT_PASSES, default=DEFAULT_WEIGHT_PASS,
-                   help="how a split backward (zb-h1, zb-v, ... and the drain's split) splits: 'graph' traces the "
-                        "stage once (aot_autograd) and cuts its backward graph into input-gradient and weight-gradient "
-                        "parts, checked against eager on first use (bitwise on CPU); 'submodules' walks autograd's "
-                        "graph to each parameter-owning submodule's output, then per submodule. 'graph' falls back to "
-                        "'submodules' (logged) where it "
-                        f"does not apply: bf16, buffer writes (BatchNorm), a failed trace or check "
-                        f"(default: {DEFAULT_WEIGHT_PASS})")
+    p.add_argument("--weight-pass", choices=("auto", *WEIGHT_PASSES), default="auto",
+                   help="how a split backward splits: 'graph' traces the stage once (aot_autograd) and cuts its "
+                        "backward graph into input-gradient and weight-gradient parts, checked against eager on first "
+                        "use (bitwise on CPU); 'submodules' walks autograd's graph to each parameter-owning "
+                        "submodule's output, then per submodule. 'graph' falls back to 'submodules' (logged) where it "
+                        "does not apply: bf16, buffer writes (BatchNorm), a failed trace or check. Default 'auto': "
+                        "graph where every backward is split (zb-h1, zb-v), submodules for the few splits of "
+                        "gpipe/flush/dualpipe-v (the one-time trace costs more than they save)")
     p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=None,
                    help="keep memory a step frees for the next one instead of returning it to the system "
                         "(glibc malloc thresholds, runtime/allocator.py; each step otherwise page-faults its "
@@ -389,7 +388,8 @@ class Trainer:
                 clock=(lambda: timing.now(_device())) if args.trace else time.perf_counter,
                 device=_device(), fail_at=args.fail_at, precision=args.precision,
                 clip_grad_norm=args.clip_grad_norm, norm_group=norm_group, norm_counts=rank == st.ranks[0],
-                norm_skip=norm_skip, stage=st.index, mailbox=mailbox, weight_pass=args.weight_pass,
+                norm_skip=norm_skip, stage=st.index, mailbox=mailbox,
+                weight_pass=weight_pass(args.weight_pass, self.schedule.name),
             ))
         self.executor = self.executors[0]  # the rank's first stage (checkpoints: one stage per rank)
         self.lr_scheduler = self.executor.lr_scheduler  # checkpoints and resume: one stage per rank
@@ -573,6 +573,15 @@ def _steps(run: schedules.RankRun, offset: int, stages: int = 1) -> Iterator[_Ch
                 actions, release, posts = [], [], []
     if actions:
         yield actions, release, posts
+
+
+def weight_pass(flag: str, schedule: str) -> str:
+    """``--weight-pass`` for ``schedule``: ``auto`` is the graph split where every backward is split
+    (every microbatch of every step gains), the submodules' where a step splits only a few (the
+    graph's one-time trace and import would take longer than they save but in very long runs)."""
+    if flag != "auto":
+        return flag
+    return "graph" if schedules.policy(schedule).splits_every_backward else "submodules"
 
 
 def split_backward(flag: bool | None, device: torch.device) -> bool:

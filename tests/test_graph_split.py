@@ -217,6 +217,14 @@ def test_other_fallbacks(caplog: pytest.LogCaptureFixture) -> None:
     assert graph_split.example_inputs(_specs(ins[1]), "cpu")[0].shape == ins[1][0].shape
 
 
+def test_weight_pass_auto_is_the_graph_where_every_backward_splits() -> None:
+    from pdcompile.runtime.launch import weight_pass
+
+    assert [weight_pass("auto", s) for s in ("zb-h1", "zb-v", "flush", "gpipe", "dualpipe-v")] == \
+        ["graph", "graph", "submodules", "submodules", "submodules"]
+    assert weight_pass("graph", "flush") == "graph" and weight_pass("submodules", "zb-h1") == "submodules"
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_zb_h1_trains_with_the_graph_split(tmp_path: Path) -> None:
