@@ -132,6 +132,7 @@ class GraphSplit:
 
         self.module = module
         self.trusted: bool | None = None
+        self.mismatch: str | None = None  # what :meth:`check` found different (None: nothing)
         self.names = [n for n, _ in module.named_parameters()]
         self.buffer_names = [n for n, _ in module.named_buffers()]
         self.params = list(module.parameters())  # what the graphs take, in their order (as WeightPass, once)
@@ -302,8 +303,13 @@ class GraphSplit:
                 return a is None and b is None
             return same_grads(a, b, exact or not a.is_floating_point())
 
-        self.trusted = (len(flat_e) == len(flat_g) and all(same(a, b) for a, b in zip(flat_e, flat_g))
-                        and all(same(a, b) for a, b in zip(want, got)))
+        names = {id(p): n for n, p in zip(self.names, params)}
+        parts = [("outputs", len(flat_e) == len(flat_g) and all(same(a, b) for a, b in zip(flat_e, flat_g))),
+                 ("input gradients", all(same(a, b) for a, b in zip(want[:len(wrt_in)], got[:len(wrt_in)])))]
+        parts += [(f"the gradient of {names[id(p)]}", same(a, b))
+                  for p, a, b in zip(wrt_p, want[len(wrt_in):], got[len(wrt_in):])]
+        self.mismatch = next((what for what, ok in parts if not ok), None)
+        self.trusted = self.mismatch is None
         return self.trusted
 
 
@@ -383,6 +389,6 @@ def graph_route(module: nn.Module, specs: Sequence[Any], device: torch.device | 
                 trusted, why = False, f"the check against eager failed ({type(e).__name__}: {e})"
             if trusted:
                 return gs
-            why = why or "its graphs' outputs or gradients differ from an eager forward and unsplit backward"
+            why = why or f"its graphs' {gs.mismatch} differ from an eager forward and unsplit backward's"
     log.info("stage %d: split backwards by submodules (WeightPass), not the graph: %s", stage, why)
     return None
