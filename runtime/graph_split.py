@@ -44,7 +44,8 @@ class Record:
 
 class _Stage(torch.autograd.Function):
     """The stage as one autograd node: forward runs the forward graph and saves what it returns for
-    backward (saved-tensor hooks see them); backward runs the whole backward graph (an unsplit ``B``)."""
+    backward (saved-tensor hooks see them); backward runs ``I`` then ``W`` (an unsplit ``B`` through
+    autograd, which accumulates into the parameters)."""
 
     @staticmethod
     def forward(ctx: Any, gs: GraphSplit, record: Record, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:

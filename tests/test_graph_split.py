@@ -106,6 +106,12 @@ def test_graph_split_is_bitwise_an_unsplit_backward(name: str) -> None:
             got = _backward(mod, _fresh(ins[s]), gs, roots_of)
             for w, g in zip(want, got):
                 _same(w, g)
+        # an unsplit backward through the graph's autograd node: the same again
+        mod.zero_grad(set_to_none=True)
+        x = _fresh(ins[s])
+        out = gs.forward(Record(), x)
+        torch.autograd.backward(*roots_of(out))
+        _same(want[1:], ([t.grad for t in x if t.requires_grad], [p.grad for p in mod.parameters()]))
         assert got[1] and all(g.abs().sum() > 0 and g.grad_fn is None for g in got[1])
         assert sum(g is not None and g.grad_fn is None for g in got[2]) > 1
         # I holds the input gradients' ancestors only: W has work of its own
