@@ -711,6 +711,8 @@ class RankExecutor:
         self._tied_seen += 1
         if not first:
             return
+        ex0 = self.by_stage[a.stage]
+        start = ex0.clock()
         try:
             groups: dict[int, tuple[Any, list[tuple[torch.Tensor, float]]]] = {}
             for ex in self.executors:
@@ -725,3 +727,5 @@ class RankExecutor:
                     grad.copy_(total)
         except Exception as e:  # noqa: BLE001 - name rank and action, keep the cause
             raise ActionError(f"rank {self.executors[0].rank} failed in action {a}: {type(e).__name__}: {e}") from e
+        if ex0.recorder is not None:  # traced as a stage's own TG is (the wait for the peers included)
+            ex0.recorder(str(a), start, ex0.clock())

@@ -94,6 +94,8 @@ def test_virtual_stages_train_single_process_sgd(tmp_path: Path, name: str, sche
         compute = [n for n in names if n[-1].isdigit() and any(k in n for k in "FBW") and not any(k in n for k in "RSV")]
         want_acts = [str(a) for a, _ in spec.rank_run(STEPS, r) if a.kind.value in ("F", "B", "W")]
         assert compute == want_acts
+        if name == "gpt":  # tied embeddings: one TG per step on every rank, traced (the rank sums its stages' once)
+            assert sum(n.endswith("TG") for n in names) == STEPS, names
         metrics = json.loads((tmp_path / "final" / "metrics" / f"rank_{r}.json").read_text())
         assert metrics["stages"] == [s for s in range(stages) if r in place[s]]
         assert len(metrics["step_times_s"]) == STEPS  # one per step, not one per stage's update
