@@ -31,9 +31,10 @@ class Candidate:
 
 def split_every_backward_pays(device_name: str, split_backward: bool) -> bool:
     """Whether splitting every backward may pay: on accelerators where a split backward pays at all
-    (``split_backward``). Not on CPU workers: there the runtime's split backward (two engine calls,
-    a weight pass per submodule) costs more than the bubble it fills, which the simulator does not
-    model (measured: benchmarks/RESULTS.md, bench_zero_bubble)."""
+    (``split_backward``). Not on CPU workers: there even the graph-level split (runtime/graph_split.py,
+    1.00-1.07x an unsplit backward, its forward through the traced graph up to 1.08x eager's) leaves
+    ZB-H1 at 0.92-1.08x flush's throughput, no 90% interval clearly above 1 over three launches,
+    where the simulator predicts 1.02-1.06x (measured: benchmarks/RESULTS.md, bench_zero_bubble)."""
     return split_backward and device_name != "cpu"
 
 
