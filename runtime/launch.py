@@ -23,6 +23,7 @@ import resource
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from pdcompile.runtime.executor import (
     RankExecutor,
     StageExecutor,
 )
+from pdcompile.runtime.schedules.actions import Kind
 from pdcompile.runtime.schedules.spec import ScheduleSpec, agrees, default_split_backward
 from pdcompile.runtime.schedules.transfers import check_transfers, several_per_rank
 from pdcompile.runtime.weights import VersionedStore
@@ -389,7 +391,7 @@ class Trainer:
                 device=_device(), fail_at=args.fail_at, precision=args.precision,
                 clip_grad_norm=args.clip_grad_norm, norm_group=norm_group, norm_counts=rank == st.ranks[0],
                 norm_skip=norm_skip, stage=st.index, mailbox=mailbox,
-                weight_pass=weight_pass(args.weight_pass, self.schedule.name),
+                weight_pass=weight_pass(args.weight_pass, self.schedule, rank),
             ))
         self.executor = self.executors[0]  # the rank's first stage (checkpoints: one stage per rank)
         self.lr_scheduler = self.executor.lr_scheduler  # checkpoints and resume: one stage per rank
@@ -575,13 +577,16 @@ def _steps(run: schedules.RankRun, offset: int, stages: int = 1) -> Iterator[_Ch
         yield actions, release, posts
 
 
-def weight_pass(flag: str, schedule: str) -> str:
-    """``--weight-pass`` for ``schedule``: ``auto`` is the graph split where every backward is split
-    (every microbatch of every step gains), the submodules' where a step splits only a few (the
-    graph's one-time trace and import would take longer than they save but in very long runs)."""
+def weight_pass(flag: str, schedule: ScheduleSpec, rank: int) -> str:
+    """``--weight-pass`` for ``rank`` running ``schedule``: ``auto`` is the graph split where most of
+    the rank's backwards in a step are split (zb-h1, zb-v, a torch CSV such as its interleaved zero
+    bubble: every microbatch gains), the submodules' where a step splits only a few (flush's drain,
+    DualPipeV's: the graph's one-time trace and import would take longer than they save but in very
+    long runs)."""
     if flag != "auto":
         return flag
-    return "graph" if schedules.policy(schedule).splits_every_backward else "submodules"
+    kinds = Counter(a.kind for a, _ in schedule.rank_run(1, rank))
+    return "graph" if 2 * kinds[Kind.WEIGHT_GRAD] > kinds[Kind.BACKWARD] else "submodules"
 
 
 def split_backward(flag: bool | None, device: torch.device) -> bool:

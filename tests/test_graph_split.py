@@ -224,12 +224,26 @@ def test_other_fallbacks(caplog: pytest.LogCaptureFixture) -> None:
     assert graph_split.example_inputs(_specs(ins[1]), "cpu")[0].shape == ins[1][0].shape
 
 
-def test_weight_pass_auto_is_the_graph_where_every_backward_splits() -> None:
+def test_weight_pass_auto_is_the_graph_where_most_backwards_split(tmp_path: Path) -> None:
+    """auto: the graph where most of the rank's backwards in a step are split (zb-h1, zb-v, torch's
+    interleaved zero bubble read from its CSV), the submodules' where a few are (flush's drain,
+    DualPipeV's), on every rank; a flag given is kept."""
     from pdcompile.runtime.launch import weight_pass
+    from pdcompile.runtime.schedules.spec import ScheduleSpec
+    from pdcompile.runtime.schedules.torch_csv import register_csv
+    from pdcompile.torch_orders import torch_csv
 
-    assert [weight_pass("auto", s) for s in ("zb-h1", "zb-v", "flush", "gpipe", "dualpipe-v")] == \
-        ["graph", "graph", "submodules", "submodules", "submodules"]
-    assert weight_pass("graph", "flush") == "graph" and weight_pass("submodules", "zb-h1") == "submodules"
+    def spec(name: str, v: int = 1, m: int = 4) -> ScheduleSpec:
+        return ScheduleSpec(name, (1,) * (2 * v), m, False, False, True, v)
+
+    izb = register_csv(torch_csv("interleaved-zb", 2, 4, path=tmp_path / "izb.csv"))
+    cases = {"zb-h1": (spec("zb-h1"), "graph"), "zb-v": (spec("zb-v", 2), "graph"), "izb": (spec(izb, 2), "graph"),
+             "flush": (spec("flush"), "submodules"), "gpipe": (spec("gpipe"), "submodules"),
+             "dualpipe-v": (spec("dualpipe-v", 2), "submodules")}
+    for name, (sp, want) in cases.items():
+        assert [weight_pass("auto", sp, r) for r in range(2)] == [want, want], name
+    assert weight_pass("graph", spec("flush"), 0) == "graph"
+    assert weight_pass("submodules", spec("zb-h1"), 1) == "submodules"
 
 
 @pytest.mark.multiproc
