@@ -90,8 +90,9 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                         "use (bitwise on CPU); 'submodules' walks autograd's graph to each parameter-owning "
                         "submodule's output, then per submodule. 'graph' falls back to 'submodules' (logged) where it "
                         "does not apply: bf16, buffer writes (BatchNorm), a failed trace or check. Default 'auto': "
-                        "graph where every backward is split (zb-h1, zb-v), submodules for the few splits of "
-                        "gpipe/flush/dualpipe-v (the one-time trace costs more than they save)")
+                        "graph where most of the rank's backwards in a step are split (zb-h1, zb-v, torch's interleaved "
+                        "zero bubble as CSV), submodules for the few splits of gpipe/flush/dualpipe-v (the one-time "
+                        "trace costs more than they save)")
     p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=None,
                    help="keep memory a step frees for the next one instead of returning it to the system "
                         "(glibc malloc thresholds, runtime/allocator.py; each step otherwise page-faults its "
