@@ -9,6 +9,8 @@ intermediates of ``I`` it uses handed over). A node that computes both kinds at 
 first, one per half of the mask. Every node runs once, as in the unsplit backward, on the same
 tensors: the gradients are the same bits. The first use checks that on example inputs
 (:func:`graph_route` falls back to ``WeightPass`` where it is not so, or the route does not apply).
+Buffers a forward writes (BatchNorm's running statistics) are returned by the forward graph and
+written back, as the eager forward writes them.
 """
 
 from __future__ import annotations
@@ -50,7 +52,10 @@ class _Stage(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gs: GraphSplit, record: Record, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outs = gs.fw(*args)
-        user, saved = outs[:gs.n_out], outs[gs.n_out:]
+        k = len(gs.written)  # the forward graph returns the written buffers' new values first
+        new, user, saved = outs[:k], outs[k:k + gs.n_out], outs[k + gs.n_out:]
+        for j, value in zip(gs.written, new):  # BatchNorm's running statistics, as eager writes them
+            gs.buffers[j].copy_(value)
         ctx.gs = gs
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*[o for o, d in zip(user, gs.differentiable) if not d])
@@ -139,7 +144,7 @@ class GraphSplit:
         self.params = list(module.parameters())  # what the graphs take, in their order (as WeightPass, once)
         self.buffers = list(module.buffers())
         self.signature = [(t.shape, t.dtype, t.requires_grad) for t in example_inputs]
-        _no_buffer_writes(module, example_inputs)
+        self.written = _written_buffers(module, example_inputs)  # indices into :attr:`buffers`
         graphs: dict[str, fx.GraphModule] = {}
         spec: list[Any] = []
 
@@ -158,7 +163,7 @@ class GraphSplit:
             return flat
 
         args = [*(p.detach().requires_grad_(p.requires_grad) for p in self.params),
-                *(b.detach() for b in self.buffers), *example_inputs]
+                *(b.detach().clone() for b in self.buffers), *example_inputs]  # tracing writes copies
         try:
             with _forked_rng(args):
                 outs = aot_function(f, keep("fw"), keep("bw"), partition_fn=default_partition)(*args)
@@ -182,6 +187,11 @@ class GraphSplit:
         if len(tangents) != sum(self.differentiable) or not all(n.name.startswith("tangents") for n in tangents):
             raise Unsupported("the backward graph's tangents do not match the stage's differentiable outputs")
         self.tangent_strides = [tuple(n.meta["val"].stride()) for n in tangents]
+        n_fw = len(next(n for n in self.fw.graph.nodes if n.op == "output").args[0])
+        if n_fw - self.n_out - (len(holders) - len(tangents)) != len(self.written):
+            raise Unsupported(f"the forward graph returns {n_fw - self.n_out - (len(holders) - len(tangents))} "
+                              f"values besides the outputs and saved tensors; its forward writes "
+                              f"{len(self.written)} buffers")
         grads = list(next(n for n in bw.graph.nodes if n.op == "output").args[0])
         if len(grads) != len(args):
             raise Unsupported("the backward graph does not give one gradient per forward input")
@@ -283,18 +293,24 @@ class GraphSplit:
         exact = bitwise_check(params[0].device if params else torch.device("cpu"))
         wrt_in = [t for t in example_inputs if t.requires_grad]
         wrt_p: list[torch.Tensor] = [p for p in params if p.requires_grad]
+        written = [self.buffers[j] for j in self.written]
+        kept = [b.clone() for b in written]
         with _forked_rng([*params, *example_inputs]) as state:
             flat_e = pytree.tree_leaves(self.module(*example_inputs))
+            buffers_e = [b.clone() for b in written]
             gen = torch.Generator().manual_seed(0)
             diff_e = [o for o in flat_e if isinstance(o, torch.Tensor) and o.requires_grad]
             seeds = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in diff_e]
             eager = torch.autograd.grad(diff_e, wrt_in + wrt_p, seeds, allow_unused=True)
+            _copy(written, kept)
             state.restore()
             record = self.capture()[1]
             flat_g = pytree.tree_leaves(self.forward(record, example_inputs))
             diff_g = [o for o, d in zip(flat_g, self.differentiable) if d]
             dins, work = self.input_grads(diff_g, seeds, wrt_in, record)
             by_index = self.grads_of(work)
+            buffers_g = [b.clone() for b in written]
+            _copy(written, kept)  # the check leaves the running statistics as they were
         index = {id(p): j for j, p in enumerate(params)}
         got = [*dins, *(by_index.get(index[id(p)]) for p in wrt_p)]
         want = [w if w is not None or i >= len(wrt_in) else torch.zeros_like(wrt_in[i]) for i, w in enumerate(eager)]
@@ -309,6 +325,8 @@ class GraphSplit:
                  ("input gradients", all(same(a, b) for a, b in zip(want[:len(wrt_in)], got[:len(wrt_in)])))]
         parts += [(f"the gradient of {names[id(p)]}", same(a, b))
                   for p, a, b in zip(wrt_p, want[len(wrt_in):], got[len(wrt_in):])]
+        parts += [(f"the buffer {self.buffer_names[j]} after the forward", same(a, b))
+                  for j, a, b in zip(self.written, buffers_e, buffers_g)]
         self.mismatch = next((what for what, ok in parts if not ok), None)
         self.trusted = self.mismatch is None
         return self.trusted
@@ -337,24 +355,30 @@ class _forked_rng:
         self.fork.__exit__(*exc)
 
 
-def _no_buffer_writes(module: nn.Module, example_inputs: Sequence[torch.Tensor]) -> None:
-    """Raise :class:`Unsupported` if a forward writes a buffer (BatchNorm's running statistics in
-    training): the graphs would miss the write. The buffers and random state are left as they were."""
+def _copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for d, v in zip(dst, src):
+            d.copy_(v)
+
+
+def _written_buffers(module: nn.Module, example_inputs: Sequence[torch.Tensor]) -> list[int]:
+    """Indices (in ``module.buffers()``) of the buffers a forward writes (BatchNorm's running
+    statistics in training): the forward graph returns their new values, which
+    :class:`_Stage` writes back. The buffers and random state are left as they were; a forward
+    that fails on the examples raises :class:`Unsupported`."""
     buffers = list(module.buffers())
     before = [b._version for b in buffers]
     kept = [b.clone() for b in buffers]
     try:
         with torch.no_grad(), _forked_rng([*buffers, *example_inputs]):
             module(*example_inputs)
+        # in-place kernels (batch_norm's running statistics) write without a version bump: compare values too
+        written = [j for j, (b, v, k) in enumerate(zip(buffers, before, kept)) if b._version > v or not torch.equal(b, k)]
     except Exception as e:  # noqa: BLE001 - the eager forward fails on the examples: no route to check
         raise Unsupported(f"the stage's forward failed on example inputs ({type(e).__name__}: {e})") from e
     finally:
-        with torch.no_grad():
-            for b, k in zip(buffers, kept):
-                b.copy_(k)
-    written = [n for (n, b), v in zip(module.named_buffers(), before) if b._version > v + 1]
-    if written:
-        raise Unsupported(f"its forward writes buffers ({', '.join(written[:3])}; BatchNorm in training?)")
+        _copy(buffers, kept)
+    return written
 
 
 def example_inputs(specs: Sequence[Any], device: torch.device | str) -> list[torch.Tensor]:

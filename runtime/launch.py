@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                         "backward graph into input-gradient and weight-gradient parts, checked against eager on first "
                         "use (bitwise on CPU); 'submodules' walks autograd's graph to each parameter-owning "
                         "submodule's output, then per submodule. 'graph' falls back to 'submodules' (logged) where it "
-                        "does not apply: bf16, buffer writes (BatchNorm), a failed trace or check. Default 'auto': "
+                        "does not apply: bf16, a failed trace or check. Default 'auto': "
                         "graph where most of the rank's backwards in a step are split (zb-h1, zb-v, torch's interleaved "
                         "zero bubble as CSV), submodules for the few splits of gpipe/flush/dualpipe-v (the one-time "
                         "trace costs more than they save)")

@@ -157,22 +157,47 @@ def _specs(ins: Sequence[torch.Tensor]) -> list[TensorSpec]:
     return [TensorSpec("x", tuple(t.shape), t.dtype, t.requires_grad) for t in ins]
 
 
-def test_batchnorm_stage_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+def test_batchnorm_stage_splits_by_the_graph() -> None:
+    """A stage whose forward writes buffers (BatchNorm's running statistics in training): the
+    forward graph returns their new values and the route writes them back, so outputs, gradients
+    and running statistics are bitwise an eager forward and unsplit backward's; tracing and the
+    check leave the statistics as they were."""
     mods, ins, loss_fn, target = _stages("resnet-batch", stages=2)
-    assert any(isinstance(m, nn.BatchNorm2d) for m in mods[1].modules())
     mod = mods[1]
+    assert any(isinstance(m, nn.BatchNorm2d) for m in mod.modules())
     running = {n: b.clone() for n, b in mod.named_buffers()}
-    with caplog.at_level(logging.INFO, logger="pdcompile.runtime"):
-        assert graph_route(mod, _specs(ins[1]), "cpu", stage=1) is None
-    assert "writes buffers" in caplog.text and "num_batches_tracked" in caplog.text
-    for n, b in mod.named_buffers():  # the probe left the running statistics as they were
+    gs = graph_route(mod, _specs(ins[1]), "cpu", stage=1)
+    assert isinstance(gs, GraphSplit) and gs.written
+    assert {n for j, (n, _) in enumerate(mod.named_buffers()) if j in gs.written} >= \
+        {n for n in running if n.endswith("num_batches_tracked")}
+    for n, b in mod.named_buffers():  # tracing and the check wrote copies only
         assert torch.equal(b, running[n]), n
-    # what the executor splits with then: the submodules' weight pass, exact
+
+    def reset() -> None:
+        for n, b in mod.named_buffers():
+            b.data.copy_(running[n])
+
     roots_of = functools.partial(_roots, loss_fn=loss_fn, target=target)
     want = _backward(mod, _fresh(ins[1]), None, roots_of)
-    for n, b in mod.named_buffers():
-        b.data.copy_(running[n])
+    stats = {n: b.clone() for n, b in mod.named_buffers()}
+    assert any(not torch.equal(stats[n], running[n]) for n in running)  # eager did write them
+    reset()
+    _same(want, _backward(mod, _fresh(ins[1]), gs, roots_of))
+    for n, b in mod.named_buffers():  # the route wrote them as eager did
+        assert torch.equal(b, stats[n]), n
+    reset()
     _same(want, _backward(mod, _fresh(ins[1]), WeightPass(mod), roots_of))
+
+
+def test_a_write_the_graph_does_not_return_falls_back(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Where the forward graph's extra outputs do not match the buffers the forward writes, the
+    route does not apply (logged), and the submodules' weight pass splits instead."""
+    mods, ins, _, _ = _stages("resnet-batch", stages=2)
+    monkeypatch.setattr(graph_split, "_written_buffers", lambda module, examples: [])
+    with caplog.at_level(logging.INFO, logger="pdcompile.runtime"):
+        assert graph_route(mods[1], _specs(ins[1]), "cpu", stage=1) is None
+    assert "buffers" in caplog.text and "WeightPass" in caplog.text
 
 
 @pytest.mark.parametrize("part", ["outputs", "input grads", "weight grads"])

@@ -110,8 +110,8 @@ def _opt(params):  # noqa: ANN001, ANN202
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name,schedule", [("mlp", "interleaved-1f1b"), ("mlp", "looped-bfs"),
-                                           ("gpt", "interleaved-1f1b"), ("gpt", "looped-bfs")])
+# each model and each schedule once (the suite's time budget; check_transfers covers every placement)
+@pytest.mark.parametrize("name,schedule", [("mlp", "looped-bfs"), ("gpt", "interleaved-1f1b")])
 def test_sent_targets_train_as_local_ones_on_three_ranks(tmp_path: Path, name: str, schedule: str) -> None:
     """6 stages on 3 ranks (GPT: the embedding on rank 0 tied to the head on rank 2): the same weights,
     bitwise, with the targets sent as read locally; rank 0 sent every target (more bytes)."""
