@@ -217,7 +217,15 @@ class CompiledPipeline:
         self.example_inputs, self.microbatch_size, self.num_microbatches = _check(model, example_inputs, opts)
         micro = tuple(x[: self.microbatch_size] for x in self.example_inputs)
         state = CompileState(model=model, example_inputs=micro)
-        self.state, self.records = passmanager.run_passes(passes(self._pass_options()), state, dump_dir)
+        # the passes run the model's forward in training mode (shapes, costs), which writes buffers such as
+        # BatchNorm's running statistics: put them back, for the user's model and the stages (the same tensors)
+        kept = [(b, b.clone()) for b in model.buffers()]
+        try:
+            self.state, self.records = passmanager.run_passes(passes(self._pass_options()), state, dump_dir)
+        finally:
+            with torch.no_grad():
+                for b, v in kept:
+                    b.copy_(v)
         if opts.clip_grad_norm is not None:
             _check_clipping(need(self.state.schedule_spec, "schedule_spec"))
 

@@ -76,3 +76,29 @@ def test_emit_without_a_target_shape_says_how_to_fix(tmp_path: Path) -> None:
     pipe = pdcompile(z.model, example_inputs=z.example_inputs, loss_fn=z.loss_fn, stages=2)
     with pytest.raises(UsageError, match="example_target="):
         pipe.emit(tmp_path)
+
+
+def test_compiling_leaves_the_models_buffers_as_they_were() -> None:
+    """The passes run the model's forward in training mode; BatchNorm's running statistics (and its
+    count of batches) are what they were before, in the user's model and in the emitted stages'
+    buffers (the same tensors), so training starts from the model as given."""
+    import dataclasses
+
+    import torch
+
+    from pdcompile.api import pdcompile
+    from pdcompile.zoo import get, resnet
+
+    z = get("resnet", batch_size=8, seed=0)
+    torch.manual_seed(0)
+    model = resnet.ResNet(dataclasses.replace(resnet.CONFIGS["small"], norm="batch"))
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    assert any(n.endswith("running_mean") for n in before)
+    pipe = pdcompile(model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
+                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), stages=2, schedule="flush",
+                     num_microbatches=4)
+    for n, b in model.named_buffers():
+        assert torch.equal(b, before[n]), n
+    staged = [b for st in pipe.split.stages for b in st.gm.buffers()]
+    assert staged and all(any(torch.equal(b, v) for v in before.values()) for b in staged)
+    assert all(int(b) == 0 for n, b in model.named_buffers() if n.endswith("num_batches_tracked"))

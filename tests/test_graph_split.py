@@ -271,24 +271,53 @@ def test_weight_pass_auto_is_the_graph_where_most_backwards_split(tmp_path: Path
     assert weight_pass("submodules", spec("zb-h1"), 1) == "submodules"
 
 
+def _batch_norm_resnet() -> nn.Module:
+    """The zoo's small ResNet with BatchNorm, its weights drawn as the zoo draws them (seed 0)."""
+    import dataclasses
+
+    from pdcompile.zoo import resnet
+
+    torch.manual_seed(0)
+    return resnet.ResNet(dataclasses.replace(resnet.CONFIGS["small"], norm="batch"))
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_zb_h1_trains_with_the_graph_split(tmp_path: Path) -> None:
-    """zoo GPT, 2 ranks, every backward split through the graph: single-process SGD's weights."""
-    from test_zero_bubble import MICRO, STEPS, _emit, _opt, _train
+@pytest.mark.parametrize("name", ["gpt", "resnet-batch"])
+def test_zb_h1_trains_with_the_graph_split(tmp_path: Path, name: str) -> None:
+    """2 ranks, every backward split through the graph: single-process SGD's weights (GPT), and with
+    BatchNorm its running statistics too (the graph's buffer writes written back)."""
+    from test_zero_bubble import MICRO, STEPS, _opt, _train
 
+    from pdcompile.api import pdcompile
     from pdcompile.reference import train_sync
     from pdcompile.zoo import batches, get
 
-    prog = _emit(tmp_path, "gpt", 2)
+    zoo = name.removesuffix("-batch")
+    z = get(zoo, batch_size=8, seed=0)
+    model = _batch_norm_resnet() if name == "resnet-batch" else z.model
+    pipe = pdcompile(model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
+                     optimizer=_opt, stages=2, schedule="zb-h1", num_microbatches=MICRO, leaf_modules=z.leaf_modules)
+    prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.zoo:batches", "kwargs": {"name": zoo}})
     got = _train(prog, tmp_path / "final", 2, ("--weight-pass", "graph", "--metrics", str(tmp_path / "m")))
     for r in range(2):  # every backward split, every split by the graph
         metrics = json.loads((tmp_path / "m" / f"rank_{r}.json").read_text())
         assert metrics["split_backwards"] == {"graph": STEPS * MICRO, "submodules": 0}
-    z = get("gpt", batch_size=8, seed=0)
-    initial = {k: v.detach().clone() for k, v in z.model.named_parameters()}
-    train_sync(z.model, z.loss_fn, _opt(z.model.parameters()), batches(8, "gpt"), steps=STEPS, num_microbatches=MICRO)
-    want = dict(z.model.named_parameters())
+    ref = _batch_norm_resnet() if name == "resnet-batch" else get(zoo, batch_size=8, seed=0).model
+    initial = {k: v.detach().clone() for k, v in ref.named_parameters()}
+    train_sync(ref, z.loss_fn, _opt(ref.parameters()), batches(8, zoo), steps=STEPS, num_microbatches=MICRO)
+    want = dict(ref.named_parameters())
     for k, w in want.items():
         torch.testing.assert_close(got[k], w.detach(), rtol=1e-5, atol=1e-6, msg=k)
     assert sum(not torch.equal(want[k].detach(), initial[k]) for k in want) > len(want) // 2
+    if name == "resnet-batch":  # the running statistics, saved with each stage's weights
+        import glob
+
+        saved: dict[str, torch.Tensor] = {}
+        for f in glob.glob(str(tmp_path / "final" / "stage_*.rank_*.pt")):
+            saved.update({k: v for k, v in torch.load(f).items() if "running_" in k})
+        assert saved
+        buffers = dict(ref.named_buffers())
+        for k, v in saved.items():
+            key = next(n for n in buffers if n.replace(".", "_") in k.replace(".", "_"))
+            torch.testing.assert_close(v, buffers[key], rtol=1e-5, atol=1e-6, msg=k)
