@@ -89,6 +89,8 @@ def test_cached_constants_are_read_back_and_other_machines_ignored(tmp_path: Pat
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_demo_from_a_fresh_folder_shows_a_b_and_c(tmp_path: Path) -> None:
+    """The README's first Quick start command, `pdcompile demo` (the installed command, no arguments),
+    verbatim from an empty folder with an empty cache: exit 0, and what it shows."""
     cwd, cache = tmp_path / "cwd", tmp_path / "cache"
     cwd.mkdir()
     env = dict(os.environ, PDCOMPILE_CACHE=str(cache), COLUMNS="160")

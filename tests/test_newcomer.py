@@ -114,14 +114,8 @@ def test_launch_takes_a_relative_folder_and_relative_flags(cwd: Path, monkeypatc
     assert not (cwd / "rel" / "out").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.multiproc
-@pytest.mark.timeout(420)
-def test_demo_with_no_arguments_from_a_fresh_folder(cwd: Path) -> None:
-    """The README's first Quick start command, verbatim, from an empty folder."""
-    _pdcompile(cwd, "demo", timeout=300)
-    assert (cwd / "pdcompile-out" / "demo").is_dir()
-    assert any((cwd / "pdcompile-out" / "demo").rglob("*")), "the demo wrote nothing"
+# The README's first Quick start command, `pdcompile demo`, verbatim from an empty folder on a fresh
+# cache: tests/test_demo.py::test_demo_from_a_fresh_folder_shows_a_b_and_c (one demo run for both).
 
 
 # --- PipeDream's profiles, inside the package ------------------------------------------------
