@@ -373,6 +373,7 @@ class Trainer:
         self.events: list[tuple[str, float, float]] = []
         mailbox = Mailbox()  # hand-overs between this rank's stages
         self.executors: list[StageExecutor] = []
+        split_by = weight_pass(args.weight_pass, self.schedule, rank)  # the rank's, once for its stages
         for st, module in zip(specs, modules):
             params = [q for q in module.parameters()]
             optimizer: Any = build(program.raw["optimizer"], params) if params else NoParameters()
@@ -392,7 +393,7 @@ class Trainer:
                 device=_device(), fail_at=args.fail_at, precision=args.precision,
                 clip_grad_norm=args.clip_grad_norm, norm_group=norm_group, norm_counts=rank == st.ranks[0],
                 norm_skip=norm_skip, stage=st.index, mailbox=mailbox,
-                weight_pass=weight_pass(args.weight_pass, self.schedule, rank),
+                weight_pass=split_by,
             ))
         self.executor = self.executors[0]  # the rank's first stage (checkpoints: one stage per rank)
         self.lr_scheduler = self.executor.lr_scheduler  # checkpoints and resume: one stage per rank
