@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from pdcompile.launcher import launch
+from _ranks import run_ranks
 
 from pdcompile.runtime.program import Program, build
 from pdcompile.zoo import batches
@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def launch_two(tmp: Path, prog: Path, schedule: str, tag: str) -> tuple[dict[int, Any], dict[int, dict[str, torch.Tensor]]]:
     """``prog`` trained 3 steps under ``schedule`` on 2 processes: (metrics, final weights) per stage."""
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    rc, log = launch(prog, 2, ["--schedule", schedule, "--steps", "3", "--metrics", str(tmp / f"m_{tag}"),
-                               "--save-final", str(tmp / f"w_{tag}"), "--timeout", "60"], timeout=120, env=env)
+    rc, log = run_ranks(prog, 2, ["--schedule", schedule, "--steps", "3", "--metrics", str(tmp / f"m_{tag}"),
+                                  "--save-final", str(tmp / f"w_{tag}"), "--timeout", "60"], timeout=120, env=env)
     assert rc == 0, log[-3000:]
     metrics = {json.loads(p.read_text())["stage"]: json.loads(p.read_text()) for p in (tmp / f"m_{tag}").glob("*.json")}
     weights = {int(p.name.split("_")[1].split(".")[0]): torch.load(p, weights_only=True)

@@ -22,7 +22,7 @@ import torch
 from pdcompile import reference
 from pdcompile.api import pdcompile
 from pdcompile.errors import ScheduleError, UsageError
-from pdcompile.launcher import launch
+from _ranks import run_ranks
 from pdcompile.runtime import launch as runtime_launch
 from pdcompile.runtime import schedules
 from pdcompile.runtime.program import Program
@@ -177,10 +177,10 @@ def test_clipped_pipedream_equals_reference(tmp_path: Path, name: str, stages: i
     groups = STEPS * MICRO // replicas[0] if schedule == "1f1b" else STEPS
     assert len(norms) == groups and sum(n > max_norm for n in norms) >= 2, (norms, max_norm)
     extra = ["--vertical-sync"] if vs else []
-    rc, log = launch(prog, program.world_size, ["--schedule", schedule, "--steps", str(STEPS), "--clip-grad-norm",
-                                                repr(max_norm), "--save-final", str(tmp_path / "final"),
-                                                "--metrics", str(tmp_path / "metrics"), "--timeout", "60", *extra],
-                     timeout=300)
+    rc, log = run_ranks(prog, program.world_size, ["--schedule", schedule, "--steps", str(STEPS), "--clip-grad-norm",
+                                                   repr(max_norm), "--save-final", str(tmp_path / "final"),
+                                                   "--metrics", str(tmp_path / "metrics"), "--timeout", "60", *extra],
+                        timeout=300)
     assert rc == 0, log[-4000:]
     got = {int(p.name.split("rank_")[1].split(".")[0]): torch.load(p, weights_only=True)
            for p in (tmp_path / "final").glob("stage_*.rank_*.pt")}

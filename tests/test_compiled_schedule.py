@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdcompile.api import pdcompile
-from pdcompile.launcher import launch
+from _ranks import run_ranks
 from pdcompile.runtime.schedules import Kind, format_grid, parse_grid, transfer_plan
 from pdcompile.runtime.schedules.spec import CHECK_STEPS, ScheduleSpec
 from pdcompile.zoo import get
@@ -45,8 +45,8 @@ def test_ranks_execute_the_compiled_action_lists(tmp_path: Path, schedule: str, 
     dump = next(r.dump for r in pipe.records if r.name == "schedule")
     assert format_grid(printed, compute_only=False) in dump and str(spec) in dump
     nproc = sum(spec.replicas)
-    rc, log = launch(prog, nproc, ["--steps", str(CHECK_STEPS), "--trace", str(tmp_path / "trace"),
-                                   "--timeout", "30"], timeout=120)
+    rc, log = run_ranks(prog, nproc, ["--steps", str(CHECK_STEPS), "--trace", str(tmp_path / "trace"),
+                                      "--timeout", "30"], timeout=120)
     assert rc == 0, log[-3000:]
     assert "not the compiled" not in log
     posts = transfer_plan(printed, list(spec.replicas))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdcompile.api import pdcompile
-from pdcompile.launcher import launch
+from _ranks import run_ranks
 from pdcompile.merge import merge_weights
 from pdcompile.reference import train_sync
 from pdcompile.zoo import batches, get
@@ -54,8 +54,8 @@ def test_pipeline_equals_single_process(tmp_path: Path, name: str, stages: int, 
     if name == "gpt":  # the tied embedding really lives in two stages
         assert pipe.split.tied and len({s for s, _ in pipe.split.tied[0]}) == 2
     out = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.zoo:batches", "kwargs": {"name": name}})
-    rc, log = launch(out, stages, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
-                                   "--timeout", "60"], timeout=150)
+    rc, log = run_ranks(out, stages, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
+                                      "--timeout", "60"], timeout=150)
     assert rc == 0, log[-3000:]
     got = merge_weights(out, tmp_path / "final")
     want = _reference(name)

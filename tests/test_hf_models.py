@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from pdcompile import api
 from pdcompile.errors import UnsupportedModelError, UsageError
-from pdcompile.launcher import launch
+from _ranks import run_ranks
 from pdcompile.merge import merge_weights
 from pdcompile.passes import codegen
 from pdcompile.passes.export_frontend import export_trace, trace_any
@@ -251,8 +251,8 @@ def test_torchrun_training_equals_single_process(tmp_path: Path, name: str,
     save_batches(data, STEPS, tmp_path / "data.pt")
     prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
                                               "kwargs": {"path": str(tmp_path / "data.pt")}})
-    rc, log = launch(prog, 2, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
-                               "--timeout", "60"], timeout=150)
+    rc, log = run_ranks(prog, 2, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
+                                  "--timeout", "60"], timeout=150)
     assert rc == 0, log[-3000:]
     got = merge_weights(prog, tmp_path / "final")
 

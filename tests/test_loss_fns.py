@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from pdcompile.api import CompiledPipeline, pdcompile
 from pdcompile.errors import UsageError
-from pdcompile.launcher import launch
+from _ranks import run_ranks
 from pdcompile.merge import merge_weights
 from pdcompile.runtime.data import save_batches
 from pdcompile.runtime.program import Program
@@ -121,8 +121,8 @@ def _launch(pipe: CompiledPipeline, data: Batches, tmp: Path) -> tuple[Path, dic
     save_batches(data, STEPS, tmp / "data.pt")
     prog = pipe.emit(tmp / "prog", data={"factory": "pdcompile.runtime.data:from_file",
                                          "kwargs": {"path": str(tmp / "data.pt")}})
-    rc, log = launch(prog, 2, ["--steps", str(STEPS), "--save-final", str(tmp / "final"),
-                               "--metrics", str(tmp / "metrics"), "--timeout", "60"], timeout=150)
+    rc, log = run_ranks(prog, 2, ["--steps", str(STEPS), "--save-final", str(tmp / "final"),
+                                  "--metrics", str(tmp / "metrics"), "--timeout", "60"], timeout=150)
     assert rc == 0, log[-3000:]
     ranks = [json.loads(p.read_text()) for p in (tmp / "metrics").glob("rank_*.json")]
     return prog, merge_weights(prog, tmp / "final"), max(ranks, key=lambda r: r["stage"])["losses"]

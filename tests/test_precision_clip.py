@@ -15,7 +15,7 @@ import torch
 from pdcompile.api import pdcompile
 from pdcompile.cluster import ClusterSpec
 from pdcompile.errors import UsageError
-from pdcompile.launcher import launch
+from _ranks import run_ranks
 from pdcompile.passes.annotate_costs import device_spec_for
 from pdcompile.runtime import launch as runtime_launch
 from pdcompile.runtime.program import Program, build
@@ -42,8 +42,8 @@ def _emit(tmp: Path, *, stages: int, replicas: list[int] | None = None, **kw: An
 def _run(tmp: Path, prog: Path, extra: Sequence[str] = ()) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, Any]]:
     """Launch the program; each rank's final weights and metrics."""
     nproc = Program.load(prog).world_size
-    rc, log = launch(prog, nproc, ["--steps", str(STEPS), "--save-final", str(tmp / "final"),
-                                   "--metrics", str(tmp / "metrics"), "--timeout", "60", *extra], timeout=150)
+    rc, log = run_ranks(prog, nproc, ["--steps", str(STEPS), "--save-final", str(tmp / "final"),
+                                      "--metrics", str(tmp / "metrics"), "--timeout", "60", *extra], timeout=150)
     assert rc == 0, log[-4000:]
     weights = {int(p.name.split("rank_")[1].split(".")[0]): torch.load(p, weights_only=True)
                for p in (tmp / "final").glob("stage_*.rank_*.pt")}

@@ -327,7 +327,7 @@ def _run_modes(tmp: Path, pipe: Any, prog: Path, schedules: dict[str, list[dict[
 def test_gpt_with_dropout_trains_the_same_with_selective_and_partial(tmp_path: Path) -> None:
     pipe, prog = _emit_gpt(tmp_path)
     both = [{0: "selective", 1: "partial"}, {0: "partial", 1: "selective"}]
-    runs = _run_modes(tmp_path, pipe, prog, {"flush": both, "1f1b": both})
+    runs = _run_modes(tmp_path, pipe, prog, {"flush": both, "1f1b": both[:1]})
     # the planner's model of stage 0 (annotate-costs' fields summed over its layers) against the meter
     names = set(pipe.state.stages.stages[0].nodes)
     layers = [l for l in pipe.state.chain.layers if l.name in names]

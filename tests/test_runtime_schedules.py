@@ -17,6 +17,7 @@ from _emitted import stages_and_microbatches
 import torch
 
 from pdcompile.api import pdcompile
+from _ranks import run_ranks
 from pdcompile.launcher import launch
 from pdcompile import reference
 from pdcompile.runtime import schedules
@@ -58,8 +59,9 @@ def _run(tmp: Path, prog: Path, schedule: str,
          extra: list[str] = ()) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, Any]]:
     """Launch ``schedule``; return each rank's final weights and metrics."""
     nproc = Program.load(prog).world_size
-    rc, log = launch(prog, nproc, ["--schedule", schedule, "--steps", str(STEPS), "--save-final", str(tmp / "final"),
-                                   "--metrics", str(tmp / "metrics"), "--timeout", "60", *extra], timeout=100)
+    rc, log = run_ranks(prog, nproc, ["--schedule", schedule, "--steps", str(STEPS), "--save-final",
+                                      str(tmp / "final"), "--metrics", str(tmp / "metrics"), "--timeout", "60", *extra],
+                        timeout=100)
     assert rc == 0, log[-4000:]
     weights = {int(p.name.split("rank_")[1].split(".")[0]): torch.load(p, weights_only=True)
                for p in (tmp / "final").glob("stage_*.rank_*.pt")}

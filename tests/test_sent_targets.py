@@ -118,7 +118,7 @@ def test_sent_targets_train_as_local_ones_on_three_ranks(tmp_path: Path, name: s
     import torch
 
     from pdcompile.api import pdcompile
-    from pdcompile.launcher import launch
+    from _ranks import run_ranks
     from pdcompile.merge import merge_weights
     from pdcompile.zoo import get
 
@@ -133,8 +133,8 @@ def test_sent_targets_train_as_local_ones_on_three_ranks(tmp_path: Path, name: s
     got, sent = {}, {}
     for targets in ("send", "local"):
         out = tmp_path / targets
-        rc, log = launch(prog, 3, ["--steps", str(STEPS), "--save-final", str(out), "--timeout", "60",
-                                   "--metrics", str(out / "metrics"), "--targets", targets], timeout=120)
+        rc, log = run_ranks(prog, 3, ["--steps", str(STEPS), "--save-final", str(out), "--timeout", "60",
+                                      "--metrics", str(out / "metrics"), "--targets", targets], timeout=120)
         assert rc == 0, log[-3000:]
         got[targets] = merge_weights(prog, out)
         sent[targets] = sum(json.loads((out / "metrics" / "rank_0.json").read_text())["p2p_bytes_sent"].values())

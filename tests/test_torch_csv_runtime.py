@@ -34,7 +34,7 @@ def test_a_torch_csv_trains_single_process_sgd(tmp_path: Path, which: str, name:
     import torch
 
     from pdcompile.api import pdcompile
-    from pdcompile.launcher import launch
+    from _ranks import run_ranks
     from pdcompile.merge import merge_weights
     from pdcompile.reference import train_sync
     from pdcompile.runtime.schedules.torch_csv import csv_name
@@ -49,8 +49,8 @@ def test_a_torch_csv_trains_single_process_sgd(tmp_path: Path, which: str, name:
     assert spec.name == csv_name(text) and spec.csv == text and spec.virtual_stages == 2 and spec.num_microbatches == m
     prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.zoo:batches", "kwargs": {"name": name}})
     path.unlink()  # the program carries the CSV: train.py does not need the file
-    rc, log = launch(prog, 2, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"), "--timeout", "60",
-                               "--targets", targets, "--trace", str(tmp_path / "trace")], timeout=150)
+    rc, log = run_ranks(prog, 2, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"), "--timeout", "60",
+                                  "--targets", targets, "--trace", str(tmp_path / "trace")], timeout=150)
     assert rc == 0, log[-3000:]
     got = merge_weights(prog, tmp_path / "final")
     z = get(name, batch_size=8, seed=0)

@@ -31,12 +31,12 @@ def _emit(tmp: Path, name: str, schedule: str, stages: int, v: int) -> Path:
 
 
 def _train(prog: Path, out: Path, nproc: int, extra: tuple[str, ...] = ()) -> dict:
-    from pdcompile.launcher import launch
+    from _ranks import run_ranks
     from pdcompile.merge import merge_weights
 
-    rc, log = launch(prog, nproc, ["--steps", str(STEPS), "--save-final", str(out), "--timeout", "60",
-                                    "--trace", str(out / "trace"), "--metrics", str(out / "metrics"), *extra],
-                     timeout=150)
+    rc, log = run_ranks(prog, nproc, ["--steps", str(STEPS), "--save-final", str(out), "--timeout", "60",
+                                       "--trace", str(out / "trace"), "--metrics", str(out / "metrics"), *extra],
+                        timeout=150)
     assert rc == 0, log[-3000:]
     return merge_weights(prog, out)
 
@@ -111,7 +111,7 @@ def test_virtual_stages_train_a_hugging_face_gpt2(tmp_path: Path, schedule: str)
 
     hf = pytest.importorskip("test_hf_models")  # its model, data and reference (skips without transformers)
     from pdcompile import api
-    from pdcompile.launcher import launch
+    from _ranks import run_ranks
     from pdcompile.merge import merge_weights
     from pdcompile.reference import train_sync
     from pdcompile.runtime.data import save_batches
@@ -127,8 +127,8 @@ def test_virtual_stages_train_a_hugging_face_gpt2(tmp_path: Path, schedule: str)
     prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
                                               "kwargs": {"path": str(tmp_path / "data.pt")}})
     assert pipe.state.stages is not None and pipe.state.stages.tied  # the LM head is tied to the embedding
-    rc, log = launch(prog, 2, ["--steps", str(hf.STEPS), "--save-final", str(tmp_path / "final"), "--timeout", "60"],
-                     timeout=150)
+    rc, log = run_ranks(prog, 2, ["--steps", str(hf.STEPS), "--save-final", str(tmp_path / "final"), "--timeout", "60"],
+                        timeout=150)
     assert rc == 0, log[-3000:]
     got = merge_weights(prog, tmp_path / "final")
     ref = hf.gpt2()

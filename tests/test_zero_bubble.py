@@ -169,11 +169,11 @@ def _emit(tmp: Path, name: str, stages: int, replicas: list[int] | None = None) 
 
 
 def _train(prog: Path, out: Path, nproc: int, extra: tuple[str, ...] = ()) -> dict:
-    from pdcompile.launcher import launch
+    from _ranks import run_ranks
     from pdcompile.merge import merge_weights
 
-    rc, log = launch(prog, nproc, ["--steps", str(STEPS), "--save-final", str(out), "--timeout", "60",
-                                    "--trace", str(out / "trace"), *extra], timeout=150)
+    rc, log = run_ranks(prog, nproc, ["--steps", str(STEPS), "--save-final", str(out), "--timeout", "60",
+                                       "--trace", str(out / "trace"), *extra], timeout=150)
     assert rc == 0, log[-3000:]
     return merge_weights(prog, out)
 
@@ -232,7 +232,7 @@ def test_zb_h1_trains_a_hugging_face_gpt2(tmp_path: Path, monkeypatch: pytest.Mo
     import torch
 
     hf = pytest.importorskip("test_hf_models")  # its model, data and reference (skips without transformers)
-    from pdcompile.launcher import launch
+    from _ranks import run_ranks
     from pdcompile.merge import merge_weights
     from pdcompile.reference import train_sync
     from pdcompile.runtime.data import save_batches
@@ -243,9 +243,9 @@ def test_zb_h1_trains_a_hugging_face_gpt2(tmp_path: Path, monkeypatch: pytest.Mo
     save_batches(data, hf.STEPS, tmp_path / "data.pt")
     prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
                                               "kwargs": {"path": str(tmp_path / "data.pt")}})
-    rc, log = launch(prog, 2, ["--schedule", "zb-h1", "--steps", str(hf.STEPS), "--save-final",
-                               str(tmp_path / "final"), "--timeout", "60", "--trace", str(tmp_path / "trace")],
-                     timeout=150)
+    rc, log = run_ranks(prog, 2, ["--schedule", "zb-h1", "--steps", str(hf.STEPS), "--save-final",
+                                  str(tmp_path / "final"), "--timeout", "60", "--trace", str(tmp_path / "trace")],
+                        timeout=150)
     assert rc == 0, log[-3000:]
     import json
 
