@@ -23,7 +23,10 @@ Memory: the process keeps freed memory as ``train.py`` sets it up on CPU
 Why one launch: on this shared 2-core machine the step time of one launch differs from the next by
 ±15% (process placement, other jobs), while blocks a second apart see the same machine; pairing
 neighbouring blocks measures the ratio, not the launch. Rank 0 writes
-``{"ours": [[block of rank 0], ...] per rank, "theirs": ...}`` (per-step seconds) to ``--out``.
+``{"ours": [[block of rank 0], ...] per rank, "theirs": ...}`` (per-step seconds) to ``--out``, with
+``"events"`` per rank (``--trace-blocks``: ours' actions in the traced blocks after the timed ones,
+``(name, start, end)``) and the
+``"schedule"`` ours ran (its ``ScheduleSpec`` JSON).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import torch.distributed as dist
 from torch.distributed import pipelining as tp
 from torch.distributed.pipelining import PipelineStage
 
-from pdcompile.runtime import allocator, launch
+from pdcompile.runtime import allocator, launch, timing
 from pdcompile.runtime.program import Program, build
 
 
@@ -153,6 +156,8 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=20, help="blocks per side")
     p.add_argument("--block-steps", type=int, default=8, help="minibatches per block")
     p.add_argument("--out", required=True)
+    p.add_argument("--trace-blocks", type=int, default=0,
+                   help="after the timed blocks, ours runs this many more traced (untimed): what each action took")
     p.add_argument("--watchdog", type=float, default=280, help="dump stacks and exit after this many seconds")
     args, ours_flags = p.parse_known_args()
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
@@ -161,7 +166,7 @@ def main() -> None:
     timeout = datetime.timedelta(seconds=60)
     dist.init_process_group("gloo", timeout=timeout)
     prog = Program.load(args.program)
-    total = args.blocks * args.block_steps
+    total = (args.blocks + args.trace_blocks) * args.block_steps
     rank = dist.get_rank()
 
     def trainer(flags: list[str]) -> launch.Trainer:
@@ -190,10 +195,17 @@ def main() -> None:
                 done[who] += args.block_steps
             else:
                 times[who].append([theirs.step() for _ in range(args.block_steps)])
-    gathered: list[dict[str, list[list[float]]]] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(gathered, times)
+    if args.trace_blocks:  # the same, warmed-up Trainer from here on records its actions as --trace does
+        for ex in ours.executors:
+            ex.recorder = timing.recorder(ours.events.append, "cpu")
+        dist.barrier()
+        ours.segment(done["ours"], done["ours"] + args.trace_blocks * args.block_steps)
+    events = list(ours.events)
+    gathered: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, {**times, "events": events})
     if rank == 0:
-        Path(args.out).write_text(json.dumps({k: [g[k] for g in gathered] for k in ("ours", "theirs")}))
+        Path(args.out).write_text(json.dumps({**{k: [g[k] for g in gathered] for k in ("ours", "theirs", "events")},
+                                              "schedule": ours.schedule.to_json()}))
     dist.barrier()
     dist.destroy_process_group()
 

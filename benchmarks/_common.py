@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -104,28 +105,80 @@ def run_ours(program: Path, nproc: int, steps: int, schedule: str | None = None,
     return [json.loads(p.read_text()) for p in sorted(metrics.glob("rank_*.json"))]
 
 
-def run_pair(program: Path, ours: str, theirs: str, *, blocks: int, block_steps: int, warmup: int,
-             flags: tuple[str, ...] = (), theirs_flags: str = "",
-             timeout: float = 400) -> tuple[list[list[float]], list[list[float]]]:
+def ab_launch(program: Path, ours: str, theirs: str, *, blocks: int, block_steps: int,
+              flags: tuple[str, ...] = (), theirs_flags: str = "", trace_blocks: int = 0,
+              timeout: float = 400) -> dict[str, Any]:
     """One launch of ``benchmarks._ab_worker`` on ``program``: ours (train.py ``flags``) and theirs
     (torch's schedule ``theirs``, or ``"ours"`` with ``theirs_flags`` added) take turns for
-    ``blocks`` blocks each. Per block, the slowest rank's step times with the block's first
-    ``warmup`` steps dropped: (ours, theirs), block ``i`` of each side run next to each other."""
+    ``blocks`` blocks each, then ``trace_blocks`` more of ours traced (untimed); the worker's JSON."""
     out = Path(tempfile.mkdtemp(prefix="pd-bench-ab-")) / "times.json"
     nproc = int(json.loads((program / "plan.json").read_text())["world_size"])
     rc, log = torchrun("benchmarks._ab_worker", nproc,
                        ["--program", str(program), "--ours", ours, "--theirs", theirs, "--blocks", str(blocks),
                         "--block-steps", str(block_steps), "--out", str(out), "--watchdog", str(timeout - 10),
+                        "--trace-blocks", str(trace_blocks),
                         *([f"--theirs-flags={theirs_flags}"] if theirs_flags else []), *flags],
                        timeout=timeout)
     if rc != 0:
         raise RuntimeError(f"benchmarks._ab_worker failed ({rc}):\n{log}")
-    got = json.loads(out.read_text())
+    return dict(json.loads(out.read_text()))
 
-    def side(name: str) -> list[list[float]]:
-        return [step_times([per_rank[i] for per_rank in got[name]], warmup) for i in range(blocks)]
 
-    return side("ours"), side("theirs")
+def ab_blocks(got: dict[str, Any], side: str, warmup: int) -> list[list[float]]:
+    """Per block of ``side`` (``"ours"``/``"theirs"``) of an :func:`ab_launch`, the slowest rank's
+    step times with the block's first ``warmup`` steps dropped."""
+    ranks = got[side]
+    return [step_times([per_rank[i] for per_rank in ranks], warmup) for i in range(len(ranks[0]))]
+
+
+def run_pair(program: Path, ours: str, theirs: str, *, blocks: int, block_steps: int, warmup: int,
+             flags: tuple[str, ...] = (), theirs_flags: str = "",
+             timeout: float = 400) -> tuple[list[list[float]], list[list[float]]]:
+    """:func:`ab_launch`'s step times per block: (ours, theirs), block ``i`` of each side run next to
+    each other."""
+    got = ab_launch(program, ours, theirs, blocks=blocks, block_steps=block_steps, flags=flags,
+                    theirs_flags=theirs_flags, timeout=timeout)
+    return ab_blocks(got, "ours", warmup), ab_blocks(got, "theirs", warmup)
+
+
+def action_times(events: Sequence[Sequence[Sequence[Any]]]) -> dict[tuple[int, str], float]:
+    """``{(stage, kind): median seconds}`` of a traced run's compute actions (``events``: per rank,
+    ``(name, start, end)``): kinds F, B (unsplit), I (a B whose W follows), W and ST. Waits (RF/RB),
+    sends and the rest are left out."""
+    took: dict[tuple[int, str], list[float]] = {}
+    for rank_events in events:
+        names = [str(n) for n, _, _ in rank_events]
+        split = {n.replace("W", "B") for n in names if re.fullmatch(r"\d+W\d+", n)}
+        for n, t0, t1 in rank_events:
+            m = re.fullmatch(r"(\d+)(F|B|W|ST)\d*", str(n))
+            if m:
+                kind = "I" if m.group(2) == "B" and n in split else m.group(2)
+                took.setdefault((int(m.group(1)), kind), []).append(float(t1) - float(t0))
+    return {k: median(v) for k, v in took.items()}
+
+
+def compute_bound(schedule: dict[str, Any], events: Sequence[Sequence[Sequence[Any]]], steps: int = 4) -> float:
+    """Seconds per step of ``schedule`` (a ``ScheduleSpec``'s JSON) replayed with what its actions took
+    in a traced run (:func:`action_times`: the median per stage and kind) and nothing else: no
+    transfer time, no waits but the schedule's own, no overhead between actions. No runtime runs
+    this schedule faster on these actions' times."""
+    from pdcompile.runtime.schedules.spec import ScheduleSpec
+    from pdcompile.simulate import simulate_schedule
+
+    spec = ScheduleSpec.from_json(schedule)
+    took = action_times(events)
+    stages = 1 + max(s for s, _ in took)
+
+    def per_stage(kind: str, fallback: str = "") -> list[float]:
+        """The median per stage of ``kind`` (else of ``fallback``; 0 where the stage has neither)."""
+        return [took.get((s, kind), took.get((s, fallback), 0.0)) for s in range(stages)]
+
+    sim = simulate_schedule(spec.name, spec.replicas, spec.num_microbatches, num_steps=steps,
+                            vertical_sync=spec.vertical_sync, tied=False, split_backward=spec.split_backward,
+                            virtual_stages=spec.virtual_stages, forward_s=per_stage("F"),
+                            backward_s=per_stage("B", "I"), input_grad_s=per_stage("I", "B"),
+                            weight_grad_s=per_stage("W"), step_s=per_stage("ST"))
+    return float(sim.step_time_s)
 
 
 def step_times(ranks: Sequence[Sequence[float]], warmup: int, per_step: int = 1) -> list[float]:

@@ -31,6 +31,12 @@ optimizer step); the first step of every block and the first block of each side 
 Reading the table: ``ours/theirs`` is throughput ours over theirs (their median step time over ours
 in each pair of neighbouring blocks, then the median over pairs); above 1.0 means pdcompile's
 runtime is faster on the same pipeline. The interval is a bootstrap over the block pairs.
+``bound`` is what no runtime can beat on these actions: after the timed blocks the same (warmed-up)
+runtime of ours records its actions, as ``train.py --trace`` does, for ``trace_blocks`` more blocks,
+and the schedule is replayed (:func:`compute_bound`) on their median F, B, I, W and ST times per
+stage with free transfers and no overhead between actions;
+``ceiling`` is their step over it, the most any runtime could gain on theirs there. Where the
+ceiling is near 1.05 or under, a row's 1.05 is out of reach for lack of overhead left to remove.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._ab_worker import TORCH_SCHEDULES
-from benchmarks._common import bench_model, bootstrap_median, compile_bench, load_note, median, ms, run_pair
+from benchmarks._common import (ab_blocks, ab_launch, action_times, bench_model, bootstrap_median, compile_bench,
+                                compute_bound, load_note, median, ms)
 from benchmarks._results import publish
 
 # (ours: train.py's --schedule and flags, torch's schedule of the same kind). The unsplit row is the
@@ -75,12 +82,21 @@ class Row:
     theirs_s: float
     samples: int
     round_ratios: tuple[float, ...] = ()
+    bound_s: float = math.nan  # the schedule on ours' traced actions' times, nothing else (compute_bound)
+    # the last stage's backward whole and split (I, then W), median seconds, where ours' trace has both
+    last_b: tuple[float, float, float] | None = None
     failed: str = ""  # the launch failed: its root error (e.g. torch's runtime split on this model)
 
     def interval(self, level: float = 0.9) -> tuple[float, float]:
         """A bootstrap ``level`` interval of :attr:`ratio` (the block pairs resampled with replacement):
         how far this machine's noise leaves the median uncertain."""
         return bootstrap_median(self.round_ratios, level) if self.round_ratios else (self.ratio, self.ratio)
+
+    @property
+    def ceiling(self) -> float:
+        """Their step over :attr:`bound_s`: the most any runtime could gain on theirs here, running
+        these actions at these times with free transfers and no overhead of its own."""
+        return self.theirs_s / self.bound_s
 
     @property
     def ratio(self) -> float:
@@ -93,10 +109,12 @@ class Row:
 
 def compare(model: str, *, size: str = "bench", batch_size: int = 32, num_microbatches: int = 4,
             stages: int = 2, blocks: int = 24, block_steps: int = 6, warmup: int = 1, skip_blocks: int = 1,
-            pairs: tuple[tuple[str, tuple[str, ...], str], ...] = PAIRS, virtual: int = 1) -> list[Row]:
+            pairs: tuple[tuple[str, tuple[str, ...], str], ...] = PAIRS, virtual: int = 1,
+            trace_blocks: int = 3) -> list[Row]:
     """Compile ``model`` once (``virtual`` > 1: ``stages * virtual`` stages for each pair's schedule,
     whose placement differs), then for every schedule pair one launch where ours and theirs take
-    turns; the first ``skip_blocks`` blocks of each side (the process warming up) are dropped."""
+    turns; the first ``skip_blocks`` blocks of each side (the process warming up) are dropped. Then
+    ours runs ``trace_blocks`` more blocks traced (untimed), which give each row's :func:`compute_bound`."""
     from pdcompile import torch_orders
 
     b = bench_model(model, batch_size=batch_size, size=size)
@@ -123,15 +141,20 @@ def compare(model: str, *, size: str = "bench", batch_size: int = 32, num_microb
         label = (f"torch's {THEIR_NAME[theirs]} order (CSV)" if ours.startswith("csv:") else ours) + \
             ("" if not flags else " " + " ".join(flags))
         try:
-            mine, other = run_pair(program, name if ours.startswith("csv:") else ours, theirs, blocks=blocks,
-                                   block_steps=block_steps, warmup=warmup, flags=flags)
+            got = ab_launch(program, name if ours.startswith("csv:") else ours, theirs, blocks=blocks,
+                            block_steps=block_steps, flags=flags, trace_blocks=trace_blocks)
         except RuntimeError as e:
             rows.append(Row(model, label, theirs, math.nan, math.nan, 0, failed=root_error(str(e))))
             continue
-        mine, other = mine[skip_blocks:], other[skip_blocks:]
+        mine, other = ab_blocks(got, "ours", warmup)[skip_blocks:], ab_blocks(got, "theirs", warmup)[skip_blocks:]
         ratios = tuple(median(t) / median(o) for o, t in zip(mine, other))
+        took = action_times(got["events"]) if trace_blocks else {}
+        last = max((s for s, _ in took), default=0)
+        whole, inputs, weights = (took.get((last, k)) for k in ("B", "I", "W"))
         rows.append(Row(model, label, theirs, median([x for blk in mine for x in blk]),
-                        median([x for blk in other for x in blk]), sum(map(len, mine)), ratios))
+                        median([x for blk in other for x in blk]), sum(map(len, mine)), ratios,
+                        compute_bound(got["schedule"], got["events"]) if trace_blocks else math.nan,
+                        (whole, inputs, weights) if whole and inputs and weights else None))
     return rows
 
 
@@ -148,16 +171,33 @@ def root_error(log: str) -> str:
 
 def table(rows: list[Row]) -> str:
     lines = ["| model | ours | theirs | ours step (ms) | theirs step (ms) | ours/theirs throughput (median of block pairs) "
-             "| 90% interval (bootstrap over block pairs) | block pairs | steps timed per side |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| 90% interval (bootstrap over block pairs) | block pairs | steps timed per side "
+             "| bound: the schedule on ours' traced action times, no transfers, no overhead (ms) "
+             "| ceiling: theirs step / bound |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.failed:
-            lines.append(f"| {r.model} | {r.ours} | {THEIR_NAME[r.theirs]} | - | - | theirs failed: {r.failed} | - | 0 | 0 |")
+            lines.append(f"| {r.model} | {r.ours} | {THEIR_NAME[r.theirs]} | - | - | theirs failed: {r.failed} | - | 0 | 0 "
+                         f"| - | - |")
             continue
         lo, hi = r.interval()
         lines.append(f"| {r.model} | {r.ours} | {THEIR_NAME[r.theirs]} | {ms(r.ours_s)} | {ms(r.theirs_s)} | "
-                     f"{r.ratio:.2f} | {lo:.2f} - {hi:.2f} | {len(r.round_ratios)} | {r.samples} |")
+                     f"{r.ratio:.2f} | {lo:.2f} - {hi:.2f} | {len(r.round_ratios)} | {r.samples} | "
+                     f"{ms(r.bound_s)} | {r.ceiling:.2f} |")
     return "\n".join(lines)
+
+
+def split_lines(rows: list[Row]) -> list[str]:
+    """Per row whose last stage ran both a whole and a split backward (gpipe, flush: the drain's last
+    one split), what the split takes off the drain: the whole B less its I."""
+    out = []
+    for r in rows:
+        if r.last_b is not None and r.ours in ("gpipe", "flush"):
+            b, i, w = r.last_b
+            out.append(f"- {r.model} {r.ours}: the last stage's backward takes {b * 1e3:.2f} ms whole, {i * 1e3:.2f} ms "
+                       f"split (input gradients, sent at once; the weight gradients' {w * 1e3:.2f} ms after): the split "
+                       f"takes {(b - i) * 1e3:.2f} ms, {(b - i) / r.ours_s:.1%} of ours' step, off the drain")
+    return out
 
 
 def auto_choice(model: str, *, size: str, batch_size: int, num_microbatches: int = 4, stages: int = 2) -> str:
@@ -217,8 +257,14 @@ def main(argv: list[str] | None = None) -> None:
             f"T=32, vocab 256, tied embedding summed on both sides; VGG: convs 16-16-M-32-32-M-64-64-M on 32x32, "
             f"hidden 256. Virtual-stage rows: 4 stages of the same model on the 2 processes, placed as each schedule "
             f"says, the same for both sides; 'torch's ... order (CSV)': ours runs the torch schedule's own order, "
-            f"read from its CSV (schedule='csv:PATH'). 'theirs failed': torch's run raised (its error shown).\n"
+            f"read from its CSV (schedule='csv:PATH'). 'theirs failed': torch's run raised (its error shown). "
+            f"bound: after the timed blocks, ours' runtime records its actions as train.py --trace does for 3 "
+            f"more blocks, and the schedule is replayed on their median F, B, I, W and ST times per stage with "
+            f"free transfers, no waits but the schedule's own and no overhead "
+            f"between actions (each traced time is the action's compute plus our runtime's own code around it); "
+            f"ceiling: their step over the bound, the most any runtime could gain on theirs here.\n"
             f"Load: {before} at the start, {load_note()} at the end.\n\n" + table(rows)
+            + "\n\nWhat the drain's split saves (medians of ours' traced blocks):\n" + "\n".join(split_lines(rows))
             + "\n\nschedule='auto' (on 2 CPU processes it leaves out the schedules that split every backward, "
               "see bench_zero_bubble):\n" + "\n".join(autos))
     publish("Against torch.distributed.pipelining (bench_vs_pipelining)", body,

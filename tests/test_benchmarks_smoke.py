@@ -102,9 +102,41 @@ def test_our_runtime_against_itself_with_other_flags(tmp_path: Path) -> None:
     """_ab_worker --theirs ours: two Trainers of train.py in one launch (bench_trace_overhead's way)."""
     b = _common.bench_model("gpt", batch_size=8, size="tiny")
     program = _common.compile_bench(b, 2, "flush", 4).emit(tmp_path / "prog")
-    off, on = _common.run_pair(program, "flush", "ours", blocks=2, block_steps=2, warmup=1,
-                               theirs_flags="--trace " + str(tmp_path / "trace"))
+    got = _common.ab_launch(program, "flush", "ours", blocks=2, block_steps=2,
+                            theirs_flags="--trace " + str(tmp_path / "trace"), trace_blocks=1)
+    off, on = _common.ab_blocks(got, "ours", 1), _common.ab_blocks(got, "theirs", 1)
     assert [len(b) for b in off] == [len(b) for b in on] == [1, 1] and all(x > 0 for b in off + on for x in b)
+    # ours traced for one block after them: each rank's actions, and a bound below every step that ran
+    kinds = [{n.strip("0123456789") for n, _, _ in rank} for rank in got["events"]]
+    assert {"F", "B", "ST"} <= kinds[0] and {"F", "B", "W", "ST"} <= kinds[1], kinds
+    mbs = {int(n[n.index(k) + len(k):]) for rank in got["events"] for n, _, _ in rank for k in ("F", "B") if
+           n.strip("0123456789") == k}
+    assert min(mbs) == 4 * 4 and max(mbs) == 6 * 4 - 1  # minibatches 4 and 5, 4 microbatches each
+    bound = _common.compute_bound(got["schedule"], got["events"])
+    assert 0 < bound < min(x for b in off + on for x in b)
+
+
+def test_compute_bound_is_the_schedules_closed_form_on_the_traced_times() -> None:
+    """Flush on 2 equal stages, M=3, F=1 ms, B=2 ms, ST=0.5 ms: (M + p - 1)(F + B) + ST per step; with
+    the last backward split (I 1.5 ms, W 0.5 ms) stage 0 starts its last B 0.5 ms sooner. Waits
+    (RF/RB), sends and other actions' times do not count."""
+    from pdcompile.runtime.schedules.spec import ScheduleSpec
+
+    def events(spec: ScheduleSpec) -> list[list[tuple[str, float, float]]]:
+        took = {"F": 1e-3, "B": 2e-3, "W": 0.5e-3, "ST": 0.5e-3}
+        out = []
+        for r, acts in sorted(spec.make(2).items()):
+            names = [str(a) for a in acts]
+            split = {n.replace("W", "B") for n in names if "W" in n}
+            rank = [(n, 0.0, 1.5e-3 if n in split else took.get(n.lstrip("0123456789").rstrip("0123456789"), 9.0))
+                    for n in names]
+            out.append(rank + [(f"{r}RF0", 0.0, 5.0)])  # a long wait: not an action's time
+        return out
+
+    whole = ScheduleSpec("flush", (1, 1), 3, split_backward=False)
+    assert _common.compute_bound(whole.to_json(), events(whole)) == pytest.approx((3 + 1) * 3e-3 + 0.5e-3)
+    split = ScheduleSpec("flush", (1, 1), 3, split_backward=True)
+    assert _common.compute_bound(split.to_json(), events(split)) == pytest.approx((3 + 1) * 3e-3 + 0.5e-3 - 0.5e-3)
 
 
 def test_bench_models_build_and_run() -> None:
