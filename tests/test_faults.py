@@ -1,5 +1,6 @@
-"""Fault tolerance through torchrun: exact resume, SIGKILL under --max-restarts, a crash while
-checkpointing, and a hung peer bounded by --timeout."""
+"""Fault tolerance: exact resume, SIGKILL under torchrun's --max-restarts, a crash while
+checkpointing, a corrupt checkpoint refused, and a hung peer bounded by --timeout (torchrun where
+the test is about what it does, else the ranks as it starts them: tests/_ranks.py)."""
 
 from __future__ import annotations
 
