@@ -1,6 +1,6 @@
 """pdcompile's runtime against ``torch.distributed.pipelining`` on the same stages: throughput ratio.
 
-    python benchmarks/bench_vs_pipelining.py            # ~2 minutes on 2 cores
+    python benchmarks/bench_vs_pipelining.py            # 3-5 minutes on 2 cores
     python benchmarks/bench_vs_pipelining.py --quick    # a smaller run, nothing written
 
 Setup. For each model (GPT-style: 4 pre-LN blocks, d=96, T=32, tied embeddings; VGG-style: six 3x3
