@@ -157,16 +157,15 @@ def action_times(events: Sequence[Sequence[Sequence[Any]]]) -> dict[tuple[int, s
     return {k: median(v) for k, v in took.items()}
 
 
-def compute_bound(schedule: dict[str, Any], events: Sequence[Sequence[Sequence[Any]]], steps: int = 4) -> float:
+def compute_bound(schedule: dict[str, Any], took: dict[tuple[int, str], float], steps: int = 4) -> float:
     """Seconds per step of ``schedule`` (a ``ScheduleSpec``'s JSON) replayed with what its actions took
-    in a traced run (:func:`action_times`: the median per stage and kind) and nothing else: no
-    transfer time, no waits but the schedule's own, no overhead between actions. No runtime runs
+    in a traced run (``took``: :func:`action_times`, the median per stage and kind) and nothing else:
+    no transfer time, no waits but the schedule's own, no overhead between actions. No runtime runs
     this schedule faster on these actions' times."""
     from pdcompile.runtime.schedules.spec import ScheduleSpec
     from pdcompile.simulate import simulate_schedule
 
     spec = ScheduleSpec.from_json(schedule)
-    took = action_times(events)
     stages = 1 + max(s for s, _ in took)
 
     def per_stage(kind: str, fallback: str = "") -> list[float]:

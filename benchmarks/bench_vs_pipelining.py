@@ -153,7 +153,7 @@ def compare(model: str, *, size: str = "bench", batch_size: int = 32, num_microb
         whole, inputs, weights = (took.get((last, k)) for k in ("B", "I", "W"))
         rows.append(Row(model, label, theirs, median([x for blk in mine for x in blk]),
                         median([x for blk in other for x in blk]), sum(map(len, mine)), ratios,
-                        compute_bound(got["schedule"], got["events"]) if trace_blocks else math.nan,
+                        compute_bound(got["schedule"], took) if trace_blocks else math.nan,
                         (whole, inputs, weights) if whole and inputs and weights else None))
     return rows
 

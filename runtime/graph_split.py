@@ -188,8 +188,9 @@ class GraphSplit:
             raise Unsupported("the backward graph's tangents do not match the stage's differentiable outputs")
         self.tangent_strides = [tuple(n.meta["val"].stride()) for n in tangents]
         n_fw = len(next(n for n in self.fw.graph.nodes if n.op == "output").args[0])
-        if n_fw - self.n_out - (len(holders) - len(tangents)) != len(self.written):
-            raise Unsupported(f"the forward graph returns {n_fw - self.n_out - (len(holders) - len(tangents))} "
+        extra = n_fw - self.n_out - (len(holders) - len(tangents))  # besides the outputs and saved tensors
+        if extra != len(self.written):
+            raise Unsupported(f"the forward graph returns {extra} "
                               f"values besides the outputs and saved tensors; its forward writes "
                               f"{len(self.written)} buffers")
         grads = list(next(n for n in bw.graph.nodes if n.op == "output").args[0])

@@ -112,7 +112,7 @@ def test_our_runtime_against_itself_with_other_flags(tmp_path: Path) -> None:
     mbs = {int(n[n.index(k) + len(k):]) for rank in got["events"] for n, _, _ in rank for k in ("F", "B") if
            n.strip("0123456789") == k}
     assert min(mbs) == 4 * 4 and max(mbs) == 6 * 4 - 1  # minibatches 4 and 5, 4 microbatches each
-    bound = _common.compute_bound(got["schedule"], got["events"])
+    bound = _common.compute_bound(got["schedule"], _common.action_times(got["events"]))
     assert 0 < bound < min(x for b in off + on for x in b)
 
 
@@ -134,9 +134,11 @@ def test_compute_bound_is_the_schedules_closed_form_on_the_traced_times() -> Non
         return out
 
     whole = ScheduleSpec("flush", (1, 1), 3, split_backward=False)
-    assert _common.compute_bound(whole.to_json(), events(whole)) == pytest.approx((3 + 1) * 3e-3 + 0.5e-3)
+    bound = _common.compute_bound(whole.to_json(), _common.action_times(events(whole)))
+    assert bound == pytest.approx((3 + 1) * 3e-3 + 0.5e-3)
     split = ScheduleSpec("flush", (1, 1), 3, split_backward=True)
-    assert _common.compute_bound(split.to_json(), events(split)) == pytest.approx((3 + 1) * 3e-3 + 0.5e-3 - 0.5e-3)
+    bound = _common.compute_bound(split.to_json(), _common.action_times(events(split)))
+    assert bound == pytest.approx((3 + 1) * 3e-3 + 0.5e-3 - 0.5e-3)
 
 
 def test_bench_models_build_and_run() -> None:
