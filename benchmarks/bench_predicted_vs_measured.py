@@ -31,11 +31,13 @@ and stashing copies) against its profile scales that stage's compute. Everything
 bubbles, transfers, collectives, overheads, copies — remains predicted, so the calibrated error tests
 the simulator's model of the schedule on the machine as it was.
 
-Usage: python benchmarks/bench_predicted_vs_measured.py [--all] [--steps 12]
+Usage: python benchmarks/bench_predicted_vs_measured.py [--all] [--steps 12] [--repeats 3]
   default (a subset, to stay under 10 minutes on the loaded 2-core machine): gpt with gpipe, flush,
   1f1b, 2bw and the new schedules (zb-h1, interleaved-1f1b, looped-bfs, zb-v, dualpipe-v) on 2 processes and flush/1f1b on 3; vgg with flush, 1f1b and every new schedule;
-  mlp and resnet with flush and 1f1b on 2 processes (21 runs). --all: every schedule, every model,
-  2 and 3 processes. The schedules with several stages per process run 2 stages per process
+  mlp and resnet with flush and 1f1b on 2 processes (22 cases). --all: every schedule, every model,
+  2 and 3 processes. --repeats: runs per case (default 3, a model's cases taken in turn, so that a
+  row's error is a median over launches minutes apart: one launch's error moves by up to 15 points
+  with the load). The schedules with several stages per process run 2 stages per process
   (``V``), compiled once per placement; their actions are a stage's by name, whichever rank ran them.
 """
 
@@ -383,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="minibatches per run (default 12; 4 are warm-up)")
     ap.add_argument("--only", help="comma-separated models (smoke runs)")
     ap.add_argument("--schedules", help="comma-separated schedules (smoke runs)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs per case, a model's cases taken in turn (default 3): the table gives the median "
+                         "error and its range")
     ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     ap.add_argument("--png", default=str(HERE.parent / "timeline_example.png"), help="timeline example output")
     args = ap.parse_args(argv)
@@ -411,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         keep_s = args.schedules.split(",")
         cases = [(n, S_, tuple(x for x in sc if x in keep_s)) for n, S_, sc in cases]
         cases = [c for c in cases if c[2]]
-    rows = []
+    runs: list[dict[str, Any]] = []
     skipped: set[str] = set()
     png_done = False
     for name, S, scheds in cases:
@@ -449,12 +454,13 @@ def main(argv: list[str] | None = None) -> int:
             prepared[placed] = (pipe, prog, setup)
             return prepared[placed]
 
-        for sched in scheds:
+        raws: dict[str, float] = {}
+        for sched in [x for _ in range(max(1, args.repeats)) for x in scheds]:  # a model's cases in turn
             if sched == "dualpipe-v" and M < 2 * S:
                 continue
             pipe, prog, setup = prepare(PLACED_BY.get(sched))
             chain, plan, step_s = pipe.state.chain, pipe.plan, setup.step_s
-            raw = predict(plan, chain, setup, sched)
+            raw = raws[sched] = raws[sched] if sched in raws else predict(plan, chain, setup, sched)
             trace = Path(tempfile.mkdtemp(prefix="pd-pvm-trace-"))
             metrics = run_program(prog, S, sched, args.steps, trace)
             meas, spread = measured_step(metrics, sched)
@@ -472,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             # the same calibrated prediction with transfers moving only while both ends wait, on the same run
             cal_bw = (predict(plan, cal_chain, dataclasses.replace(cal_setup, recv_progress="both_wait"), sched)
                       if setup.recv_progress == "on_wait" else None)
-            rows.append(dict(model=name, S=S, schedule=sched, raw=raw, adj=cal, adj_bw=cal_bw, meas=meas,
+            runs.append(dict(model=name, S=S, schedule=sched, raw=raw, adj=cal, adj_bw=cal_bw, meas=meas,
                              spread=spread, slow=slow,
                              comm=comm_per_step(events, args.steps), load=os.getloadavg()[0]))
             print(f"  {sched:6s} predicted {raw * 1e3:7.2f} ms, calibrated x{slow:.2f} {cal * 1e3:7.2f} ms, measured "
@@ -490,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                 png_done = True
                 print(f"  wrote {args.png}", flush=True)
     elapsed = time.perf_counter() - t_start
-    body = table(rows, link, overhead, load_before, elapsed, args)
+    body = table(combine(runs), link, overhead, load_before, elapsed, args)
     if skipped:
         body += f"- not run: {'; '.join(sorted(skipped))}.\n"
     print(body)
@@ -500,14 +506,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def combine(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per case from its repeated runs: each figure's median over the runs, and the calibrated
+    error's median (``err``, of the runs' own errors) and range (``err_lo``, ``err_hi``)."""
+    cases: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        cases.setdefault((r["model"], r["S"], r["schedule"]), []).append(r)
+    rows = []
+    for (model, S, sched), rs in cases.items():
+        errs = [r["adj"] / r["meas"] - 1 for r in rs]
+        bw = [r["adj_bw"] / r["meas"] - 1 for r in rs if r["adj_bw"] is not None]
+        row: dict[str, Any] = dict(model=model, S=S, schedule=sched, n=len(rs), err=statistics.median(errs),
+                                   err_lo=min(errs), err_hi=max(errs), err_bw=statistics.median(bw) if bw else None)
+        for k in ("raw", "adj", "meas", "spread", "slow", "comm", "load"):
+            row[k] = statistics.median(r[k] for r in rs)
+        rows.append(row)
+    return rows
+
+
 def table(rows: list[dict[str, Any]], link: Link, overhead: dict[str, float], load_before: str,
           elapsed: float, args: argparse.Namespace) -> str:
     from benchmarks._common import load_note
     from pdcompile.cluster import format_quantity
 
     models = dict.fromkeys(r["model"] for r in rows)
+    runs = max(r["n"] for r in rows) if rows else 0
     out = [f"Straight pipelines on CPU processes, {M} microbatches per minibatch, {args.steps} minibatches per "
-           f"run ({WARMUP} warm-up), every run traced. Models: " + "; ".join(f"{n}: {build(n).description}"
+           f"run ({WARMUP} warm-up), every run traced; {runs} runs per case, a model's cases taken in turn, each "
+           f"figure the median over its runs (the calibrated error: the median of the runs' own errors, its range "
+           f"beside). Models: " + "; ".join(f"{n}: {build(n).description}"
                                                                            for n in models) + ".",
            f"Loopback link (gloo send/recv ping-pong and all-reduce, fitted once): latency "
            f"{link.latency_s * 1e6:.1f} us, bandwidth {format_quantity(link.bandwidth, 'bandwidth')}, all-reduce "
@@ -523,17 +550,18 @@ def table(rows: list[dict[str, Any]], link: Link, overhead: dict[str, float], lo
            f"the column shows the geometric mean; all else (waits, bubbles, transfers, overheads) is predicted.",
            f"Load before: {load_before}; after: {load_note()}.", "",
            "| model | S | schedule | predicted, idle (ms) | compute slowdown in the run | calibrated prediction (ms) "
-           "| measured median (ms) | IQR | posting or waiting for transfers, busiest rank (ms/step) | error, calibrated | error, idle "
+           "| measured median (ms) | IQR | posting or waiting for transfers, busiest rank (ms/step) "
+           "| error, calibrated (median of the runs) | its range over the runs | error, idle "
            "| within 15% (calibrated) | error, calibrated, both_wait | load (1 min) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ea, er = r["adj"] / r["meas"] - 1, r["raw"] / r["meas"] - 1
+        ea, er = r["err"], r["raw"] / r["meas"] - 1
         out.append(f"| {r['model']} | {r['S']} | {r['schedule']} | {r['raw'] * 1e3:.2f} | x{r['slow']:.2f} | "
                    f"{r['adj'] * 1e3:.2f} | {r['meas'] * 1e3:.2f} | {r['spread']:.0%} | {r['comm'] * 1e3:.2f} | "
-                   f"{ea:+.1%} | {er:+.1%} | "
+                   f"{ea:+.1%} | {r['err_lo']:+.1%} to {r['err_hi']:+.1%} | {er:+.1%} | "
                    f"{'yes' if abs(ea) <= TARGET else 'no'} | "
-                   f"{'' if r['adj_bw'] is None else format(r['adj_bw'] / r['meas'] - 1, '+.1%')} | {r['load']:.1f} |")
-    ok = [r for r in rows if abs(r["adj"] / r["meas"] - 1) <= TARGET]
+                   f"{'' if r['err_bw'] is None else format(r['err_bw'], '+.1%')} | {r['load']:.1f} |")
+    ok = [r for r in rows if abs(r["err"]) <= TARGET]
     raw_ok = [r for r in rows if abs(r["raw"] / r["meas"] - 1) <= TARGET]
     out += ["", f"{len(ok)} of {len(rows)} cases within 15% calibrated, {len(raw_ok)} of {len(rows)} with the idle "
                 f"prediction. Run time {elapsed:.0f} s.", "", "Notes (from the numbers above):"]
@@ -544,22 +572,22 @@ def table(rows: list[dict[str, Any]], link: Link, overhead: dict[str, float], lo
     for S in sorted({r["S"] for r in rows}):
         sub = [r for r in rows if r["S"] == S]
         out.append(f"- {S} processes: median calibrated error "
-                   f"{statistics.median(r['adj'] / r['meas'] - 1 for r in sub):+.1%}"
+                   f"{statistics.median(r['err'] for r in sub):+.1%}"
                    + ("; more processes than cores, so stages also wait for a core between actions, which the "
                       "simulator does not model" if S > (os.cpu_count() or 1) else "") + ".")
     by_sched: dict[str, list[float]] = {}
     for r in rows:
-        by_sched.setdefault(r["schedule"], []).append(r["adj"] / r["meas"] - 1)
+        by_sched.setdefault(r["schedule"], []).append(r["err"])
     out.append("- median calibrated error per schedule: " + ", ".join(
         f"{s} {statistics.median(v):+.1%}" for s, v in by_sched.items()) + ".")
-    under = [r for r in rows if r["adj"] / r["meas"] - 1 < -TARGET]
+    under = [r for r in rows if r["err"] < -TARGET]
     if under:
         share = statistics.median(r["comm"] / r["meas"] for r in under)
         out.append(f"- {len(under)} case(s) ran slower than predicted by more than 15% "
                    f"({', '.join(r['model'] + ' ' + str(r['S']) + ' ' + r['schedule'] for r in under)}): in them "
                    f"the busiest rank spent a median {share:.0%} of the measured step posting or waiting for "
                    f"transfers; look at their traces for waits the model does not explain.")
-    over = [r for r in rows if r["adj"] / r["meas"] - 1 > TARGET]
+    over = [r for r in rows if r["err"] > TARGET]
     if over:
         out.append(f"- {len(over)} case(s) ran faster than predicted by more than 15% "
                    f"({', '.join(r['model'] + ' ' + str(r['S']) + ' ' + r['schedule'] for r in over)}): the "
@@ -570,16 +598,16 @@ def table(rows: list[dict[str, Any]], link: Link, overhead: dict[str, float], lo
         share = lambda rs: statistics.median(r["comm"] / r["meas"] for r in rs)  # noqa: E731
         out.append(f"- {V} stages per process ({', '.join(dict.fromkeys(r['schedule'] for r in virt))}; "
                    f"{V * max(r['S'] for r in virt)} stages on {max(r['S'] for r in virt)} processes): median "
-                   f"calibrated error {statistics.median(r['adj'] / r['meas'] - 1 for r in virt):+.1%}, the busiest "
+                   f"calibrated error {statistics.median(r['err'] for r in virt):+.1%}, the busiest "
                    f"rank posting or waiting for transfers a median {share(virt):.0%} of the measured step (one "
                    f"stage per process: {share(flat) if flat else math.nan:.0%}). Every boundary of these "
                    f"placements but a V's turn crosses processes, so a step sends {V}x-{2 * V - 1}x the messages "
                    f"of one stage per process, and a process often runs several forwards in a row (looped BFS: "
                    f"all of a stage's).")
-    both = [r for r in rows if r["adj_bw"] is not None]
+    both = [r for r in rows if r["err_bw"] is not None]
     if both:
-        err = lambda rs, k: statistics.median(r[k] / r["meas"] - 1 for r in rs)  # noqa: E731
-        parts = [f"{label} {err(rs, 'adj'):+.1%} (`on_wait`) vs {err(rs, 'adj_bw'):+.1%} (`both_wait`)"
+        err = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
+        parts = [f"{label} {err(rs, 'err'):+.1%} (`on_wait`) vs {err(rs, 'err_bw'):+.1%} (`both_wait`)"
                  for label, rs in (("virtual-stage rows", [r for r in both if r["schedule"] in PLACED_BY]),
                                    ("the others", [r for r in both if r["schedule"] not in PLACED_BY])) if rs]
         out.append(f"- `recv_progress=\"both_wait\"` (bytes move only while sender and receiver both wait; the "

@@ -171,3 +171,21 @@ def test_tiny_ddp_launch_through_the_emulated_link() -> None:
     times = bench_vs_ddp.run_ddp("vgg", "tiny", 8, 3, 2, bps=1e8, timeout=80)
     assert len(times) == 2 and all(len(r) == 3 for r in times)
     _finite_positive(*(t for r in times for t in r))
+
+
+def test_predicted_vs_measured_combines_repeated_runs_by_their_own_errors() -> None:
+    # Two runs of one case, errors +10% and -60%, and a run of another case. The row's error is the
+    # median of the runs' errors (-25%), not the ratio of the medians (0.95 / 1.5 - 1 = -36.7%).
+    from benchmarks import bench_predicted_vs_measured as pvm
+
+    def run(schedule: str, adj: float, meas: float) -> dict[str, object]:
+        return dict(model="gpt", S=2, schedule=schedule, raw=0.5, adj=adj, adj_bw=None, meas=meas, spread=0.1,
+                    slow=1.2, comm=0.01, load=1.0)
+
+    rows = pvm.combine([run("flush", 1.1, 1.0), run("zb-v", 1.0, 1.0), run("flush", 0.8, 2.0)])
+    flush, zbv = rows
+    assert (flush["schedule"], flush["n"], zbv["n"]) == ("flush", 2, 1)
+    assert flush["err"] == pytest.approx(-0.25)
+    assert (flush["err_lo"], flush["err_hi"]) == (pytest.approx(-0.6), pytest.approx(0.1))
+    assert flush["meas"] == pytest.approx(1.5) and flush["err_bw"] is None
+    assert zbv["err"] == pytest.approx(0.0)
