@@ -189,3 +189,23 @@ def test_predicted_vs_measured_combines_repeated_runs_by_their_own_errors() -> N
     assert (flush["err_lo"], flush["err_hi"]) == (pytest.approx(-0.6), pytest.approx(0.1))
     assert flush["meas"] == pytest.approx(1.5) and flush["err_bw"] is None
     assert zbv["err"] == pytest.approx(0.0)
+
+
+def test_gloo_progress_lateness_is_past_the_later_of_wait_and_send() -> None:
+    from benchmarks import bench_gloo_progress as gp
+
+    def tries(wait: float, send: float, arrived: float) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+        warm = ({"post": 0.0, "wait": 0.0, "arrived": 9.0}, {"send": 0.0, "blocked": 9.0})  # dropped
+        r0 = [warm[0], warm[0], {"post": wait, "wait": wait, "arrived": arrived}]
+        r1 = [warm[1], warm[1], {"send": send, "blocked": 2.0}]
+        return r0, r1
+
+    # case by case: the receiver waits first (late from the send), or the send comes first (late from the wait)
+    shapes = [(1.0, 1.5, 1.502), (1.0, 0.5, 1.004), (1.0, 0.2, 1.0001), (1.0, 1.2, 1.2015)]
+    r0 = {c: tries(*shape)[0] for c, shape in zip(gp.CASES, shapes)}
+    r1 = {c: tries(*shape)[1] for c, shape in zip(gp.CASES, shapes)}
+    rows = gp.summarize(r0, r1)
+    assert [r["case"] for r in rows] == list(gp.CASES)
+    assert [round(r["median"], 3) for r in rows] == [2.0, 4.0, 0.1, 1.5]
+    assert [r["over_1ms"] for r in rows] == [1, 1, 0, 1] and {r["tries"] for r in rows} == {1}
+    assert rows[0]["before_sender_blocks"] == pytest.approx((2.0 - 1.502) * 1e3)
