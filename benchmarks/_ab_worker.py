@@ -26,7 +26,13 @@ neighbouring blocks measures the ratio, not the launch. Rank 0 writes
 ``{"ours": [[block of rank 0], ...] per rank, "theirs": ...}`` (per-step seconds) to ``--out``, with
 ``"events"`` per rank (``--trace-blocks``: ours' actions in the traced blocks after the timed ones,
 ``(name, start, end)``) and the
-``"schedule"`` ours ran (its ``ScheduleSpec`` JSON).
+``"schedule"`` ours ran (its ``ScheduleSpec`` JSON). ``--time-compute`` adds ``"compute"`` per rank:
+each side's seconds in its stage modules' forward calls (``F``) and in autograd's engine (``B``,
+every backward and gradient pass; ours' traced-graph split counted too) over its timed blocks but
+the first (left out as the benchmarks leave it out: the process warming up, the graph split's
+one-time check), so a gap between the sides' steps can be
+split into compute and the rest (the timers cost both sides alike, so those blocks time a little
+slower).
 """
 
 from __future__ import annotations
@@ -146,6 +152,55 @@ class TorchPipeline:
         return time.perf_counter() - t0
 
 
+class ComputeTimer:
+    """Seconds spent in forward calls of chosen modules and in autograd's engine, charged to the side
+    (``"ours"``/``"theirs"``) whose block runs (``side``; None: not counted)."""
+
+    def __init__(self) -> None:
+        self.side: str | None = None
+        self.took: dict[str, dict[str, float]] = {"ours": {"F": 0.0, "B": 0.0}, "theirs": {"F": 0.0, "B": 0.0}}
+        self._t0: list[float] = []
+        import torch.autograd as ag
+
+        engine = ag._engine_run_backward  # what backward() and grad() both call
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return engine(*a, **k)
+            finally:
+                if self.side is not None:
+                    self.took[self.side]["B"] += time.perf_counter() - t0
+
+        ag._engine_run_backward = timed  # type: ignore[attr-defined]
+        # ours' split at the graph level runs its forward and its W outside module calls and the engine
+        from pdcompile.runtime.graph_split import GraphSplit
+
+        for name, kind in (("forward", "F"), ("weight_grads", "B")):
+            setattr(GraphSplit, name, self._timing(getattr(GraphSplit, name), kind))
+
+    def _timing(self, fn: Any, kind: str) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if self.side is not None:
+                    self.took[self.side][kind] += time.perf_counter() - t0
+        return timed
+
+    def watch(self, module: torch.nn.Module) -> None:
+        """Time ``module``'s forward calls (hooks around the call)."""
+        module.register_forward_pre_hook(lambda m, a: self._t0.append(time.perf_counter()))
+
+        def post(m: Any, a: Any, out: Any) -> None:
+            dt = time.perf_counter() - self._t0.pop()
+            if self.side is not None:
+                self.took[self.side]["F"] += dt
+
+        module.register_forward_hook(post)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--program", required=True)
@@ -158,6 +213,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--trace-blocks", type=int, default=0,
                    help="after the timed blocks, ours runs this many more traced (untimed): what each action took")
+    p.add_argument("--time-compute", action="store_true",
+                   help="time each side's stage forwards and autograd engine calls (JSON key 'compute')")
     p.add_argument("--watchdog", type=float, default=280, help="dump stacks and exit after this many seconds")
     args, ours_flags = p.parse_known_args()
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
@@ -182,6 +239,13 @@ def main() -> None:
         other = trainer(ours_flags + shlex.split(args.theirs_flags))
     else:
         theirs = TorchPipeline(prog, args.theirs)
+    timer = ComputeTimer() if args.time_compute else None
+    if timer is not None:
+        for ex in ours.executors:
+            timer.watch(ex.module)
+        if args.theirs != "ours":
+            for st in theirs.sched._stages if hasattr(theirs.sched, "_stages") else [theirs.sched._stage]:
+                timer.watch(st.submod.inner)
     gc.collect()
     gc.freeze()  # as train.py does: what was built lives for the whole run
     times: dict[str, list[list[float]]] = {"ours": [], "theirs": []}
@@ -189,12 +253,16 @@ def main() -> None:
     for i in range(args.blocks):
         for who in (("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")):
             dist.barrier()
+            if timer is not None:
+                timer.side = who if i > 0 else None
             if who == "ours" or args.theirs == "ours":
                 t = ours if who == "ours" else other
                 times[who].append(t.segment(done[who], done[who] + args.block_steps))
                 done[who] += args.block_steps
             else:
                 times[who].append([theirs.step() for _ in range(args.block_steps)])
+    if timer is not None:
+        timer.side = None
     if args.trace_blocks:  # the same, warmed-up Trainer from here on records its actions as --trace does
         for ex in ours.executors:
             ex.recorder = timing.recorder(ours.events.append, "cpu")
@@ -202,9 +270,10 @@ def main() -> None:
         ours.segment(done["ours"], done["ours"] + args.trace_blocks * args.block_steps)
     events = list(ours.events)
     gathered: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(gathered, {**times, "events": events})
+    dist.all_gather_object(gathered, {**times, "events": events, "compute": timer.took if timer is not None else None})
     if rank == 0:
-        Path(args.out).write_text(json.dumps({**{k: [g[k] for g in gathered] for k in ("ours", "theirs", "events")},
+        Path(args.out).write_text(json.dumps({**{k: [g[k] for g in gathered]
+                                                 for k in ("ours", "theirs", "events", "compute")},
                                               "schedule": ours.schedule.to_json()}))
     dist.barrier()
     dist.destroy_process_group()

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         f"computes {SENDER_COMPUTE_S * 1e3:.0f} ms (conv forward and backward) after its send's call. Late: how long "
         f"the receiver waited past the later of its wait's start and the send's call.",
         f"Load before: {before}; after: {load_note()}.", "",
-        "| case | late, median (ms) | late, max (ms) | tries late by over 1 ms | the sender blocked, after the arrival (ms, median) |",
+        "| case | late, median (ms) | late, max (ms) | tries late by over 1 ms | the sender's own wait began, ms after the arrival (median) |",
         "|---|---|---|---|---|",
         *[f"| {r['case']} | {r['median']:.2f} | {r['max']:.2f} | {r['over_1ms']} of {r['tries']} | "
           f"{r['before_sender_blocks']:.1f} |" for r in rows],

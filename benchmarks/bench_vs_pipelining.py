@@ -2,6 +2,7 @@
 
     python benchmarks/bench_vs_pipelining.py            # 3-5 minutes on 2 cores
     python benchmarks/bench_vs_pipelining.py --quick    # a smaller run, nothing written
+    python benchmarks/bench_vs_pipelining.py --time-compute  # where the gap is: compute or the rest
 
 Setup. For each model (GPT-style: 4 pre-LN blocks, d=96, T=32, tied embeddings; VGG-style: six 3x3
 convolutions and three Linear layers on 32x32 images), pdcompile compiles ONE two-stage program
@@ -37,6 +38,12 @@ and the schedule is replayed (:func:`compute_bound`) on their median F, B, I, W 
 stage with free transfers and no overhead between actions;
 ``ceiling`` is their step over it, the most any runtime could gain on theirs there. Where the
 ceiling is near 1.05 or under, a row's 1.05 is out of reach for lack of overhead left to remove.
+
+``--time-compute`` runs the same rows with each side's stage forwards and autograd engine calls
+timed (``_ab_worker --time-compute``) and writes its own section: per rank, each side's compute per
+step and the rest of its step (waits, transfers, the runtime's own code), so a row's gap is split
+into the two. The timers cost both sides alike, so those steps are a little slower than the main
+table's.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import math
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -86,6 +94,8 @@ class Row:
     # the last stage's backward whole and split (I, then W), median seconds, where ours' trace has both
     last_b: tuple[float, float, float] | None = None
     failed: str = ""  # the launch failed: its root error (e.g. torch's runtime split on this model)
+    # --time-compute: per rank, {"ours"/"theirs": {"F": s, "B": s}} per timed step (forward calls, engine calls)
+    compute: tuple[dict[str, dict[str, float]], ...] = ()
 
     def interval(self, level: float = 0.9) -> tuple[float, float]:
         """A bootstrap ``level`` interval of :attr:`ratio` (the block pairs resampled with replacement):
@@ -110,7 +120,7 @@ class Row:
 def compare(model: str, *, size: str = "bench", batch_size: int = 32, num_microbatches: int = 4,
             stages: int = 2, blocks: int = 24, block_steps: int = 6, warmup: int = 1, skip_blocks: int = 1,
             pairs: tuple[tuple[str, tuple[str, ...], str], ...] = PAIRS, virtual: int = 1,
-            trace_blocks: int = 3) -> list[Row]:
+            trace_blocks: int = 3, time_compute: bool = False) -> list[Row]:
     """Compile ``model`` once (``virtual`` > 1: ``stages * virtual`` stages for each pair's schedule,
     whose placement differs), then for every schedule pair one launch where ours and theirs take
     turns; the first ``skip_blocks`` blocks of each side (the process warming up) are dropped. Then
@@ -142,7 +152,8 @@ def compare(model: str, *, size: str = "bench", batch_size: int = 32, num_microb
             ("" if not flags else " " + " ".join(flags))
         try:
             got = ab_launch(program, name if ours.startswith("csv:") else ours, theirs, blocks=blocks,
-                            block_steps=block_steps, flags=flags, trace_blocks=trace_blocks)
+                            block_steps=block_steps, flags=(*flags, *(("--time-compute",) if time_compute else ())),
+                            trace_blocks=trace_blocks)
         except RuntimeError as e:
             rows.append(Row(model, label, theirs, math.nan, math.nan, 0, failed=root_error(str(e))))
             continue
@@ -154,7 +165,8 @@ def compare(model: str, *, size: str = "bench", batch_size: int = 32, num_microb
         rows.append(Row(model, label, theirs, median([x for blk in mine for x in blk]),
                         median([x for blk in other for x in blk]), sum(map(len, mine)), ratios,
                         compute_bound(got["schedule"], took) if trace_blocks else math.nan,
-                        (whole, inputs, weights) if whole and inputs and weights else None))
+                        (whole, inputs, weights) if whole and inputs and weights else None,
+                        compute=per_step(got.get("compute"), (blocks - 1) * block_steps)))
     return rows
 
 
@@ -184,6 +196,30 @@ def table(rows: list[Row]) -> str:
         lines.append(f"| {r.model} | {r.ours} | {THEIR_NAME[r.theirs]} | {ms(r.ours_s)} | {ms(r.theirs_s)} | "
                      f"{r.ratio:.2f} | {lo:.2f} - {hi:.2f} | {len(r.round_ratios)} | {r.samples} | "
                      f"{ms(r.bound_s)} | {r.ceiling:.2f} |")
+    return "\n".join(lines)
+
+
+def per_step(compute: list[Any] | None, steps: int) -> tuple[dict[str, dict[str, float]], ...]:
+    """The worker's compute seconds per rank (summed over a side's timed steps) per step."""
+    if not compute or any(c is None for c in compute):
+        return ()
+    return tuple({side: {k: v / steps for k, v in c[side].items()} for side in ("ours", "theirs")} for c in compute)
+
+
+def compute_table(rows: list[Row]) -> str:
+    """Per row and rank: each side's compute per step (forwards, autograd) and the rest of its step."""
+    lines = ["| model | ours | theirs | ours/theirs throughput | rank | ours F / B (ms per step) | theirs F / B "
+             "(ms per step) | compute, ours over theirs | step less compute, ours (ms) | step less compute, theirs (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.failed or not r.compute:
+            continue
+        for rank, c in enumerate(r.compute):
+            o, t = c["ours"], c["theirs"]
+            oc, tc = o["F"] + o["B"], t["F"] + t["B"]
+            lines.append(f"| {r.model} | {r.ours} | {THEIR_NAME[r.theirs]} | {r.ratio:.2f} | {rank} | "
+                         f"{ms(o['F'])} / {ms(o['B'])} | {ms(t['F'])} / {ms(t['B'])} | {oc / tc:.3f} | "
+                         f"{ms(r.ours_s - oc)} | {ms(r.theirs_s - tc)} |")
     return "\n".join(lines)
 
 
@@ -222,13 +258,39 @@ def auto_line(model: str, choice: str, rows: list[Row]) -> str:
             f"launch-to-launch noise, about +-15% here)")
 
 
+def time_compute_main(args: argparse.Namespace) -> None:
+    """``--time-compute``: the rows again, each side's compute timed; its own RESULTS section."""
+    rows: list[Row] = []
+    before = load_note()
+    size, batch, blocks, steps = ("tiny", 8, 3, 3) if args.quick else ("bench", 32, args.blocks, args.block_steps)
+    for m in args.models.split(","):
+        rows += compare(m, size=size, batch_size=batch, blocks=blocks, block_steps=steps, trace_blocks=0,
+                        time_compute=True)
+        rows += compare(m, size=size, batch_size=batch, blocks=blocks, block_steps=steps, pairs=VIRTUAL_PAIRS,
+                        virtual=2, trace_blocks=0, time_compute=True)
+        print(compute_table(rows), flush=True)
+    body = (f"The rows of the section above, each in its own launch again, with each side's compute timed per "
+            f"rank: F = its stage modules' forward calls, B = autograd's engine calls (every backward, input- and "
+            f"weight-gradient pass), per timed step ({blocks} blocks of {steps} minibatches per side, the first block left out). 'Step less "
+            f"compute' is the side's median step (slowest rank) less that rank's compute: waits, transfers, the "
+            f"loss, the optimizer step, the runtime's own code. The timers cost both sides alike, so steps here "
+            f"are a little slower than in the main table; the throughput column is this launch's.\n"
+            f"Load: {before} at the start, {load_note()} at the end.\n\n" + compute_table(rows))
+    publish("Against torch.distributed.pipelining, compute apart (bench_vs_pipelining --time-compute)", body,
+            "python benchmarks/bench_vs_pipelining.py --time-compute", write=not args.quick)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--blocks", type=int, default=24, help="blocks per side in each launch")
     p.add_argument("--block-steps", type=int, default=6, help="minibatches per block")
     p.add_argument("--models", default="gpt,vgg")
     p.add_argument("--quick", action="store_true", help="tiny models, a few blocks, nothing written")
+    p.add_argument("--time-compute", action="store_true",
+                   help="time each side's compute per rank (its own section; the main table is left alone)")
     args = p.parse_args(argv)
+    if args.time_compute:
+        return time_compute_main(args)
     rows: list[Row] = []
     autos: list[str] = []
     before = load_note()
