@@ -162,7 +162,7 @@ class ComputeTimer:
         self._t0: list[float] = []
         import torch.autograd as ag
 
-        engine = ag._engine_run_backward  # what backward() and grad() both call
+        engine = self._engine = ag._engine_run_backward  # what backward() and grad() both call
 
         def timed(*a: Any, **k: Any) -> Any:
             t0 = time.perf_counter()
@@ -176,8 +176,21 @@ class ComputeTimer:
         # ours' split at the graph level runs its forward and its W outside module calls and the engine
         from pdcompile.runtime.graph_split import GraphSplit
 
+        self._graph = {name: getattr(GraphSplit, name) for name in ("forward", "weight_grads")}
         for name, kind in (("forward", "F"), ("weight_grads", "B")):
-            setattr(GraphSplit, name, self._timing(getattr(GraphSplit, name), kind))
+            setattr(GraphSplit, name, self._timing(self._graph[name], kind))
+        self._hooks: list[Any] = []
+
+    def close(self) -> None:
+        """Put autograd's engine call and the graph split back, and remove the module hooks."""
+        import torch.autograd as ag
+        from pdcompile.runtime.graph_split import GraphSplit
+
+        ag._engine_run_backward = self._engine  # type: ignore[attr-defined]
+        for name, fn in self._graph.items():
+            setattr(GraphSplit, name, fn)
+        for h in self._hooks:
+            h.remove()
 
     def _timing(self, fn: Any, kind: str) -> Any:
         def timed(*a: Any, **k: Any) -> Any:
@@ -191,14 +204,14 @@ class ComputeTimer:
 
     def watch(self, module: torch.nn.Module) -> None:
         """Time ``module``'s forward calls (hooks around the call)."""
-        module.register_forward_pre_hook(lambda m, a: self._t0.append(time.perf_counter()))
+        self._hooks.append(module.register_forward_pre_hook(lambda m, a: self._t0.append(time.perf_counter())))
 
         def post(m: Any, a: Any, out: Any) -> None:
             dt = time.perf_counter() - self._t0.pop()
             if self.side is not None:
                 self.took[self.side]["F"] += dt
 
-        module.register_forward_hook(post)
+        self._hooks.append(module.register_forward_hook(post))
 
 
 def main() -> None:

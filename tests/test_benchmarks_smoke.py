@@ -209,3 +209,46 @@ def test_gloo_progress_lateness_is_past_the_later_of_wait_and_send() -> None:
     assert [round(r["median"], 3) for r in rows] == [2.0, 4.0, 0.1, 1.5]
     assert [r["over_1ms"] for r in rows] == [1, 1, 0, 1] and {r["tries"] for r in rows} == {1}
     assert rows[0]["before_sender_blocks"] == pytest.approx((2.0 - 1.502) * 1e3)
+
+
+def test_compute_timer_charges_forwards_and_backwards_to_the_side_running() -> None:
+    from benchmarks._ab_worker import ComputeTimer
+
+    import time
+
+    class Slow(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.05)  # so that one call's share is known: 50 ms or more
+            return super().forward(x)
+
+    lin = Slow(64, 64)
+    timer = ComputeTimer()
+    try:
+        timer.watch(lin)
+        x = torch.randn(32, 64)
+        timer.side = "ours"
+        lin(x).sum().backward()
+        timer.side = None  # not counted: e.g. a warm-up block
+        lin(x).sum().backward()
+        timer.side = "theirs"
+        torch.autograd.grad(lin(x).sum(), [lin.weight])
+        ours, theirs = timer.took["ours"], timer.took["theirs"]
+        assert ours["F"] > 0 and ours["B"] > 0 and theirs["F"] > 0 and theirs["B"] > 0
+        assert 0.05 <= ours["F"] < 0.1 and 0.05 <= theirs["F"] < 0.1  # one call each: the uncounted one left out
+    finally:
+        timer.close()
+    before = dict(timer.took["theirs"])
+    lin(torch.randn(32, 64)).sum().backward()  # closed: nothing counts any more
+    assert timer.took["theirs"] == before
+    import torch.autograd as ag
+    assert ag._engine_run_backward is timer._engine
+
+
+def test_vs_pipelining_compute_table_splits_a_step_into_compute_and_the_rest() -> None:
+    per = bench_vs_pipelining.per_step([{"ours": {"F": 2.0, "B": 4.0}, "theirs": {"F": 2.0, "B": 2.0}}], 100)
+    assert per == ({"ours": {"F": 0.02, "B": 0.04}, "theirs": {"F": 0.02, "B": 0.02}},)
+    assert bench_vs_pipelining.per_step([None], 100) == () and bench_vs_pipelining.per_step(None, 100) == ()
+    row = bench_vs_pipelining.Row("vgg", "flush", "1f1b", 0.1, 0.05, 10, (0.5,), compute=per)
+    line = bench_vs_pipelining.compute_table([row]).splitlines()[-1]
+    # compute ours over theirs 0.06 / 0.04; the rest of the step: 100 - 60 ms ours, 50 - 40 ms theirs
+    assert "| 1.500 |" in line and line.rstrip().endswith("| 40.00 | 10.00 |"), line
