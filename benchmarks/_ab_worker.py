@@ -162,17 +162,8 @@ class ComputeTimer:
         self._t0: list[float] = []
         import torch.autograd as ag
 
-        engine = self._engine = ag._engine_run_backward  # what backward() and grad() both call
-
-        def timed(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return engine(*a, **k)
-            finally:
-                if self.side is not None:
-                    self.took[self.side]["B"] += time.perf_counter() - t0
-
-        ag._engine_run_backward = timed  # type: ignore[attr-defined]
+        self._engine = ag._engine_run_backward  # what backward() and grad() both call
+        ag._engine_run_backward = self._timing(self._engine, "B")  # type: ignore[attr-defined]
         # ours' split at the graph level runs its forward and its W outside module calls and the engine
         from pdcompile.runtime.graph_split import GraphSplit
 
