@@ -242,8 +242,9 @@ def test_non_affine_node_keeps_a_table() -> None:
 
 def test_measured_inplace_and_tuple_outputs() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
-    x = torch.randn(3, 6)
+    # wide enough that the in-place ReLU's backward stands well above the call's fixed cost
+    model = nn.Sequential(nn.Linear(6, 512), nn.ReLU(inplace=True), nn.Linear(512, 2))
+    x = torch.randn(1024, 6)
     before = model(x).detach()
     prof = profile_model(model, (x,), mode="measured", repeats=2, warmup=1, symbolic=False)
     assert prof.layer("_1").op == "ReLU" and prof.layer("_1").backward_s > 0
