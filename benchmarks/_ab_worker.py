@@ -87,6 +87,7 @@ class TorchPipeline:
         self.rank, self.world = rank, world
         specs = prog.stages_of_rank(rank)
         modules = [prog.build_stage(st.index) for st in specs]
+        self.modules = modules  # the stage modules this rank trains (what --time-compute watches)
         self.n_micro = n_micro = int(prog.raw["num_microbatches"])
         self.b = int(prog.raw["microbatch_size"])
         stages = []
@@ -248,8 +249,8 @@ def main() -> None:
         for ex in ours.executors:
             timer.watch(ex.module)
         if args.theirs != "ours":
-            for st in theirs.sched._stages if hasattr(theirs.sched, "_stages") else [theirs.sched._stage]:
-                timer.watch(st.submod.inner)
+            for module in theirs.modules:
+                timer.watch(module)
     gc.collect()
     gc.freeze()  # as train.py does: what was built lives for the whole run
     times: dict[str, list[list[float]]] = {"ours": [], "theirs": []}

@@ -460,7 +460,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             pipe, prog, setup = prepare(PLACED_BY.get(sched))
             chain, plan, step_s = pipe.state.chain, pipe.plan, setup.step_s
-            raw = raws[sched] = raws[sched] if sched in raws else predict(plan, chain, setup, sched)
+            if sched not in raws:  # the idle prediction is the same for every run of the case
+                raws[sched] = predict(plan, chain, setup, sched)
+            raw = raws[sched]
             trace = Path(tempfile.mkdtemp(prefix="pd-pvm-trace-"))
             metrics = run_program(prog, S, sched, args.steps, trace)
             meas, spread = measured_step(metrics, sched)

@@ -53,8 +53,8 @@ import math
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -258,16 +258,26 @@ def auto_line(model: str, choice: str, rows: list[Row]) -> str:
             f"launch-to-launch noise, about +-15% here)")
 
 
+def sizes(args: argparse.Namespace) -> tuple[str, int, int, int]:
+    """(model size, batch size, blocks per side, minibatches per block) of a run: --quick's tiny ones,
+    else the benchmark's."""
+    return ("tiny", 8, 3, 3) if args.quick else ("bench", 32, args.blocks, args.block_steps)
+
+
+def model_rows(model: str, args: argparse.Namespace, **kw: Any) -> list[Row]:
+    """Every row of ``model``: one stage per process (PAIRS), then 2 per process (VIRTUAL_PAIRS)."""
+    size, batch, blocks, steps = sizes(args)
+    common = dict(size=size, batch_size=batch, blocks=blocks, block_steps=steps, **kw)
+    return compare(model, **common) + compare(model, pairs=VIRTUAL_PAIRS, virtual=2, **common)
+
+
 def time_compute_main(args: argparse.Namespace) -> None:
     """``--time-compute``: the rows again, each side's compute timed; its own RESULTS section."""
     rows: list[Row] = []
     before = load_note()
-    size, batch, blocks, steps = ("tiny", 8, 3, 3) if args.quick else ("bench", 32, args.blocks, args.block_steps)
+    blocks, steps = sizes(args)[2:]
     for m in args.models.split(","):
-        rows += compare(m, size=size, batch_size=batch, blocks=blocks, block_steps=steps, trace_blocks=0,
-                        time_compute=True)
-        rows += compare(m, size=size, batch_size=batch, blocks=blocks, block_steps=steps, pairs=VIRTUAL_PAIRS,
-                        virtual=2, trace_blocks=0, time_compute=True)
+        rows += model_rows(m, args, trace_blocks=0, time_compute=True)
         print(compute_table(rows), flush=True)
     body = (f"The rows of the section above, each in its own launch again, with each side's compute timed per "
             f"rank: F = its stage modules' forward calls, B = autograd's engine calls (every backward, input- and "
@@ -295,14 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     autos: list[str] = []
     before = load_note()
     for m in args.models.split(","):
-        if args.quick:
-            rows += compare(m, size="tiny", batch_size=8, blocks=3, block_steps=3)
-            rows += compare(m, size="tiny", batch_size=8, blocks=3, block_steps=3, pairs=VIRTUAL_PAIRS, virtual=2)
-            autos.append(auto_line(m, auto_choice(m, size="tiny", batch_size=8), rows))
-        else:
-            rows += compare(m, blocks=args.blocks, block_steps=args.block_steps)
-            rows += compare(m, blocks=args.blocks, block_steps=args.block_steps, pairs=VIRTUAL_PAIRS, virtual=2)
-            autos.append(auto_line(m, auto_choice(m, size="bench", batch_size=32), rows))
+        rows += model_rows(m, args)
+        size, batch = sizes(args)[:2]
+        autos.append(auto_line(m, auto_choice(m, size=size, batch_size=batch), rows))
         print(table(rows), flush=True)
         print(autos[-1], flush=True)
     body = (f"Same emitted 2-stage program (minibatch 32 = 4 microbatches of 8, SGD) trained by pdcompile's "
