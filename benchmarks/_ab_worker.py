@@ -6,7 +6,7 @@ one launch, taking turns block by block.
 
 Each rank builds two copies of exactly the stage module our runtime builds (``stage_K.py`` +
 ``stage_K.pt`` of the emitted folder: the same split, the same weights). Ours is the emitted
-``train.py``'s own :class:`~pdcompile.runtime.launch.Trainer` (flags as train.py's, e.g. its
+``train.py``'s own :class:`~pdcompile.runtime.trainer.Trainer` (flags as train.py's, e.g. its
 default split backward), run one segment of ``--block-steps`` minibatches at a time. Theirs
 (:class:`TorchPipeline`) wraps the other copy in ``PipelineStage`` and steps torch's
 ``ScheduleGPipe`` or ``Schedule1F1B`` over the plan's number of microbatches. Blocks alternate
@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.distributed import pipelining as tp
 from torch.distributed.pipelining import PipelineStage
 
-from pdcompile.runtime import allocator, launch, timing
+from pdcompile.runtime import allocator, devices, launch, timing, trainer
 from pdcompile.runtime.program import Program, build
 
 
@@ -109,7 +109,7 @@ class TorchPipeline:
         else:
             self.sched = cls(stages, n_micro, loss_fn=loss_fn)
         params = [q for m in modules for q in m.parameters()]
-        self.opt = build(prog.raw["optimizer"], params) if params else launch.NoParameters()
+        self.opt = build(prog.raw["optimizer"], params) if params else trainer.NoParameters()
         # tied parameters: this rank's copies summed, then all-reduced over the group's ranks (our TG)
         self.tied: list[tuple[Any, list[torch.nn.Parameter]]] = []
         for group in prog.raw.get("tied", []):
@@ -231,17 +231,17 @@ def main() -> None:
     total = (args.blocks + args.trace_blocks) * args.block_steps
     rank = dist.get_rank()
 
-    def trainer(flags: list[str]) -> launch.Trainer:
-        return launch.Trainer(prog, launch.parse_args(["--schedule", args.ours, "--steps", str(total), *flags], prog),
+    def make_trainer(flags: list[str]) -> trainer.Trainer:
+        return trainer.Trainer(prog, launch.parse_args(["--schedule", args.ours, "--steps", str(total), *flags], prog),
                               rank, timeout)
 
-    ours = trainer(ours_flags)
+    ours = make_trainer(ours_flags)
     # process-wide, so both sides run with train.py's setting (set once: glibc's default adapts its
     # thresholds as a process runs, which setting them back by hand would not restore)
-    if launch.keep_freed_memory(ours.args.keep_freed_memory, torch.device("cpu")):
+    if devices.keep_freed_memory(ours.args.keep_freed_memory, torch.device("cpu")):
         allocator.keep_freed_memory(True)
     if args.theirs == "ours":
-        other = trainer(ours_flags + shlex.split(args.theirs_flags))
+        other = make_trainer(ours_flags + shlex.split(args.theirs_flags))
     else:
         theirs = TorchPipeline(prog, args.theirs)
     timer = ComputeTimer() if args.time_compute else None

@@ -10,7 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from pdcompile.runtime import allocator, launch
+from pdcompile.runtime import allocator
+from pdcompile.runtime import devices as launch
 
 pytestmark = pytest.mark.timeout(120)
 

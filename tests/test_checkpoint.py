@@ -14,7 +14,7 @@ import torch
 
 from pdcompile.errors import CheckpointError
 from pdcompile.runtime import checkpoint
-from pdcompile.runtime.launch import _segments
+from pdcompile.runtime.resume import segments as _segments
 from pdcompile.runtime.schedules import shift
 from pdcompile.runtime.schedules import Action, Kind
 

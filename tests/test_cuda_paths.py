@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pdcompile.errors import UsageError
-from pdcompile.runtime import launch, timing, weight_grads
+from pdcompile.runtime import devices, launch, timing, trainer, weight_grads
 from pdcompile.runtime.weight_grads import WeightPass, same_grads
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,7 +35,7 @@ CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 ])
 def test_choose_device(flag: str, available: bool, count: int, local_rank: int, local_world: int,
                        want: tuple[torch.device, str]) -> None:
-    assert launch.choose_device(flag, available, count, local_rank, local_world) == want
+    assert devices.choose_device(flag, available, count, local_rank, local_world) == want
 
 
 @pytest.mark.parametrize("flag,available,count,local_rank,local_world,words", [
@@ -47,7 +47,7 @@ def test_choose_device(flag: str, available: bool, count: int, local_rank: int, 
 def test_choose_device_refuses_with_cause_and_fix(flag: str, available: bool, count: int, local_rank: int,
                                                   local_world: int, words: list[str]) -> None:
     with pytest.raises(UsageError) as e:
-        launch.choose_device(flag, available, count, local_rank, local_world)
+        devices.choose_device(flag, available, count, local_rank, local_world)
     msg = str(e.value)
     assert "\n" not in msg
     for w in words:
@@ -140,19 +140,19 @@ def _fake_pinning(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
 def test_pinned_only_for_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     made = _fake_pinning(monkeypatch)
     x = torch.randn(4, 3)
-    assert launch.pinned(x, torch.device("cpu")) is x and not made
-    p = launch.pinned(x, CUDA0)
+    assert devices.pinned(x, torch.device("cpu")) is x and not made
+    p = devices.pinned(x, CUDA0)
     assert made == [p] and torch.equal(p, x)
-    assert launch.pinned(p, CUDA0) is p and len(made) == 1  # already pinned: not copied again
+    assert devices.pinned(p, CUDA0) is p and len(made) == 1  # already pinned: not copied again
     on_gpu = SimpleNamespace(device=CUDA0)  # a tensor already on the GPU is left alone
-    assert launch.pinned(on_gpu, CUDA0) is on_gpu  # type: ignore[arg-type]
+    assert devices.pinned(on_gpu, CUDA0) is on_gpu  # type: ignore[arg-type]
 
 
 def test_trainer_data_gives_views_of_a_pinned_minibatch(monkeypatch: pytest.MonkeyPatch) -> None:
     made = _fake_pinning(monkeypatch)
-    monkeypatch.setattr(launch, "_device", lambda: CUDA0)
+    monkeypatch.setattr(devices, "rank_device", lambda: CUDA0)
     x, y = torch.randn(6, 3), torch.arange(6)
-    t = launch.Trainer.__new__(launch.Trainer)
+    t = trainer.Trainer.__new__(trainer.Trainer)
     t.program = SimpleNamespace(raw={"microbatch_size": 2})
     t.M, t.data_index, t.data_iter = 3, -1, iter([((x,), y)])
     for k in range(3):

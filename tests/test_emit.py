@@ -137,7 +137,7 @@ def make(batch_size):
 
 @pytest.mark.multiproc
 def test_local_targets_refuse_a_data_source_that_differs_between_ranks(tmp_path: Path) -> None:
-    from pdcompile.runtime.launch import local_targets
+    from pdcompile.runtime.data import local_targets
     from pdcompile.runtime.program import Program
 
     _, pipe = _pipe("mlp", stages=2)

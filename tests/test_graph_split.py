@@ -253,7 +253,7 @@ def test_weight_pass_auto_is_the_graph_where_most_backwards_split(tmp_path: Path
     """auto: the graph where most of the rank's backwards in a step are split (zb-h1, zb-v, torch's
     interleaved zero bubble read from its CSV), the submodules' where a few are (flush's drain,
     DualPipeV's), on every rank; a flag given is kept."""
-    from pdcompile.runtime.launch import weight_pass
+    from pdcompile.runtime.run_schedule import weight_pass
     from pdcompile.runtime.schedules.spec import ScheduleSpec
     from pdcompile.runtime.schedules.torch_csv import register_csv
     from pdcompile.torch_orders import torch_csv

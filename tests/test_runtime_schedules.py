@@ -226,7 +226,7 @@ def test_split_backward_is_bitwise_the_unsplit_one(emit: Any, tmp_path: Path) ->
 
 def test_split_backward_default(monkeypatch: pytest.MonkeyPatch) -> None:
     """--split-backward as given; by default on, except for more CPU ranks than cores on this machine."""
-    from pdcompile.runtime.launch import split_backward
+    from pdcompile.runtime.run_schedule import split_backward
 
     cpu, gpu = torch.device("cpu"), torch.device("meta")  # any non-CPU device
     monkeypatch.setattr("os.cpu_count", lambda: 2)

@@ -84,7 +84,7 @@ def test_per_microbatch_targets_could_not_be_ordered() -> None:
 def test_refuse_sent_targets_lets_interleaved_on_more_ranks_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """train.py no longer refuses these; a schedule whose targets still cannot be ordered is refused
     before anything starts, with the way out."""
-    from pdcompile.runtime import launch
+    from pdcompile.runtime import run_schedule as launch
     from pdcompile.runtime.schedules.spec import ScheduleSpec
 
     for name, p, m in (("interleaved-1f1b", 3, 6), ("interleaved-1f1b", 4, 8), ("looped-bfs", 4, 4),

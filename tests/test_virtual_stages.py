@@ -221,7 +221,8 @@ def test_train_py_refuses_what_virtual_stages_cannot_run(programs: dict[str, Pat
 
 def test_the_compiled_virtual_program_checks_its_schedule(programs: dict[str, Path]) -> None:
     """plan.json maps stages to ranks as the schedule places them; train.py rebuilds its lists."""
-    from pdcompile.runtime.launch import check_args, parse_args, run_schedule
+    from pdcompile.runtime.launch import check_args, parse_args
+    from pdcompile.runtime.run_schedule import run_schedule
     from pdcompile.runtime.program import Program
     from pdcompile.runtime.schedules.spec import agrees
 
@@ -239,7 +240,7 @@ def test_sent_targets_are_not_refused_with_virtual_stages() -> None:
     """Interleaved on 3 ranks: the targets from rank 0 to rank 2 share that pair with chunk hand-overs
     (stage 2 -> 3 and back); sent a step at a time (tests/test_sent_targets.py) they pair as NCCL
     needs, so train.py runs them. Two ranks, the V placements and one stage per rank too."""
-    from pdcompile.runtime.launch import refuse_sent_targets
+    from pdcompile.runtime.run_schedule import refuse_sent_targets
     from pdcompile.runtime.schedules.spec import ScheduleSpec
 
     for spec in (ScheduleSpec("interleaved-1f1b", (1,) * 6, 6, virtual_stages=2),

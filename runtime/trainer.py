@@ -1,0 +1,307 @@
+"""One rank's training run (``train.py``'s work once flags are read and the process group is up):
+the stage modules, their process groups, optimizers, data and executors built once; segments of
+minibatches run as one schedule each; final weights, metrics and trace written."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import itertools
+import json
+import logging
+import resource
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdcompile.runtime import comm, devices, faults, resume, schedules, timing
+from pdcompile.runtime.data import data_source, local_targets
+from pdcompile.runtime.executor import WEIGHT_PASSES, ActionError, Mailbox, RankExecutor, StageExecutor
+from pdcompile.runtime.program import Program, build
+from pdcompile.runtime.run_schedule import refuse_sent_targets, run_schedule, weight_pass
+from pdcompile.runtime.weights import VersionedStore
+
+log = logging.getLogger("pdcompile.runtime")
+
+
+class NoParameters:
+    """The optimizer of a stage without parameters (e.g. a pooling layer alone): torch's optimizers
+    refuse an empty parameter list, and there is nothing to step."""
+
+    param_groups: list[dict[str, Any]] = []
+    state: dict[Any, dict[str, Any]] = {}
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class Trainer:
+    """One rank's training run: :meth:`__init__` builds everything once (the stage module, its
+    process groups, optimizer, data and executor); :meth:`segment` runs minibatches ``[first, end)``
+    as one schedule (a segment ends at a flush point, where a checkpoint may follow); :meth:`train`
+    is the whole run ``train.py`` makes. Benchmarks that alternate our runtime with another system
+    in one process call :meth:`segment` directly (benchmarks/_ab_worker.py)."""
+
+    def __init__(self, program: Program, args: argparse.Namespace, rank: int, timeout: datetime.timedelta) -> None:
+        self.program, self.args, self.rank = program, args, rank
+        self.specs = specs = program.stages_of_rank(rank)  # one, or several with virtual stages
+        self.spec = spec = specs[0]
+        torch.manual_seed(args.seed)
+        modules = [program.build_stage(st.index).to(devices.rank_device()) for st in specs]
+        if devices.rank_device().type == "cuda":
+            torch.cuda.set_device(devices.rank_device())
+        for module in modules:
+            module.train()
+        # Groups: every rank creates every group, in the same order.
+        replica_groups: dict[int, Any] = {}
+        for st in program.stages:
+            if len(st.ranks) > 1:
+                g = dist.new_group(list(st.ranks), timeout=timeout)
+                if rank in st.ranks:
+                    replica_groups[st.index] = g
+        tied_groups: dict[int, list[tuple[Any, ...]]] = {st.index: [] for st in specs}
+        for group in program.raw.get("tied", []):
+            # Every replica of every stage holding the parameter joins; after the replicas' all-reduce
+            # each replica holds its stage's whole gradient, so each contributes 1/replicas of it.
+            stages = sorted({s for s, _ in group})
+            ranks = sorted({r for s in stages for r in program.stages[s].ranks})
+            g = dist.new_group(ranks, timeout=timeout)
+            for st in specs:
+                mine = [n for s, n in group if s == st.index]
+                if mine:
+                    tied_groups[st.index].append((g, mine, 1.0 / len(st.ranks)))
+        # global-norm clipping: one group over every rank; each stage's gradient is counted by its replica 0,
+        # each tied parameter by the first stage holding it
+        norm_group = dist.new_group(list(range(program.world_size)), timeout=timeout) \
+            if args.clip_grad_norm is not None else None
+        self.schedule = run_schedule(program, args, rank, say=True)
+        self.M = M = args.microbatches
+        local = local_targets(program, args) and program.num_stages > 1
+        if not local and program.num_stages > 1:
+            refuse_sent_targets(self.schedule)
+        last = program.num_stages - 1
+        reads_data = any(st.index == 0 or (local and st.index == last) for st in specs)
+        self.data_iter = data_source(program, args, program.raw["microbatch_size"] * M) if reads_data else None
+        self.data_index = -1  # the last minibatch read from data_iter
+        self._micro: Any = None  # that minibatch, cut into microbatches
+        self.events: list[tuple[str, float, float]] = []
+        mailbox = Mailbox()  # hand-overs between this rank's stages
+        self.executors: list[StageExecutor] = []
+        split_by = weight_pass(args.weight_pass, self.schedule, rank)  # the rank's, once for its stages
+        for st, module in zip(specs, modules):
+            params = [q for q in module.parameters()]
+            optimizer: Any = build(program.raw["optimizer"], params) if params else NoParameters()
+            sched_spec = program.raw.get("lr_scheduler")
+            lr_scheduler = build(sched_spec, optimizer) if sched_spec and params else None
+            norm_skip = frozenset(n for group in program.raw.get("tied", []) for s, n in group
+                                  if s == st.index and s != min(t for t, _ in group))
+            self.executors.append(StageExecutor(
+                program, rank, module, optimizer, program.build_loss(devices.rank_device()) if st.index == last else None,
+                accumulation=schedules.policy(self.schedule.name).accumulation(M),
+                data=self.data if reads_data else None, local_targets=local,
+                replica_group=replica_groups.get(st.index), tied_groups=tied_groups[st.index],
+                lr_scheduler=lr_scheduler, weight_store=VersionedStore(module),
+                recorder=timing.recorder(self.events.append, devices.rank_device()) if args.trace else None,
+                measure_memory=args.metrics is not None,  # metrics report it; measuring costs a hook per saved tensor
+                clock=(lambda: timing.now(devices.rank_device())) if args.trace else time.perf_counter,
+                device=devices.rank_device(), fail_at=args.fail_at, precision=args.precision,
+                clip_grad_norm=args.clip_grad_norm, norm_group=norm_group, norm_counts=rank == st.ranks[0],
+                norm_skip=norm_skip, stage=st.index, mailbox=mailbox,
+                weight_pass=split_by,
+            ))
+        self.executor = self.executors[0]  # the rank's first stage (checkpoints: one stage per rank)
+        self.lr_scheduler = self.executor.lr_scheduler  # checkpoints and resume: one stage per rank
+        self.rank_executor = RankExecutor(self.executors)
+        self.replicas = [len(st.ranks) for st in program.stages]
+        self.tied = bool(program.raw.get("tied"))
+        self.resumed = resume.resume(program, args, rank, self.executor, self.lr_scheduler)
+        self.start = self.resumed.step if self.resumed is not None else 0  # this run's first minibatch
+        first_mb = self.start * M
+        # --targets local: the first microbatch of each last-stage replica still has its target sent, to compare
+        for ex in self.executors:
+            ex.target_check = frozenset(range(first_mb, first_mb + len(program.stages[-1].ranks)))
+        if self.resumed is not None and self.data_iter is not None:  # the data is deterministic: skip what was consumed
+            for _ in range(self.resumed.data_consumed):
+                next(self.data_iter)
+            self.data_index = self.resumed.data_consumed - 1
+        if self.data_iter is not None and args.steps > self.start:
+            self.data(first_mb)  # the data source's start-up (imports, opening files) is not the first step's time
+        self.step_times: list[float] = []
+        self.ran = False  # a segment ran (the next starts from a flush, with fresh weight versions)
+        self.promised_versions = 1  # metrics: the most weight versions the schedule keeps at once
+        # 1F1B steps after every microbatch: log once per minibatch of M, as the other schedules do.
+        self.log_every = schedules.policy(self.schedule.name).microbatches_per_log(M)
+
+    def data(self, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Microbatch ``k``'s inputs and target (minibatch ``k // M`` is read when first asked for).
+        Bound for a GPU, the minibatch is put in pinned memory (:func:`pinned`) once, its
+        microbatches being views of it."""
+        b = self.program.raw["microbatch_size"]
+        idx = k // self.M
+        while self.data_index < idx:
+            inputs, target = next(self.data_iter)  # type: ignore[arg-type]  # only ranks that read data call this
+            self.data_index += 1
+            dev = devices.rank_device()
+            self._micro = ([devices.pinned(x, dev).split(b) for x in inputs], devices.pinned(target, dev).split(b))
+        ins, tgt = self._micro
+        j = k % self.M
+        return tuple(x[j] for x in ins), tgt[j]
+
+    def segment(self, first: int, end: int) -> list[float]:
+        """Run minibatches ``[first, end)`` as one schedule, from a flush to a flush; their step times.
+
+        The schedule comes step by step (:func:`schedules.rank_run`: memory and set-up time do not
+        grow with the run), each step with the sends it lets go (``send_release``); the weight store
+        reads the actions ``reach`` ahead of the one running."""
+        args, rank, M, executor = self.args, self.rank, self.M, self.rank_executor
+        run = self.schedule.rank_run(end - first, rank)
+        if run.repeats == 0 and len(run) > 100_000:
+            log.warning("the %s schedule of %d steps does not repeat step by step here: laid out whole (%d actions "
+                        "in memory); please report it", args.schedule, end - first, len(run))
+        if self.ran:  # the pipeline drained: weight versions start afresh
+            for ex in self.executors:
+                ex.weights = VersionedStore(ex.module)
+        self.ran = True
+        self.promised_versions = max(self.promised_versions, run.promised_versions)
+        offset = first * M
+        reading = (schedules.shift(a, offset) for a, _ in run)  # the weight store's read-ahead
+        read, total = 0, len(run)
+
+        def read_to(n: int) -> None:
+            nonlocal read
+            n = min(n, total)
+            if n > read:
+                acts = list(itertools.islice(reading, n - read))
+                for ex in self.executors:
+                    ex.weights.expect([a for a in acts if a.stage == ex.stage] if len(self.executors) > 1 else acts,
+                                      more=n < total)
+                read = n
+
+        steps = steps_of(run, offset, len(self.executors))
+        executor.begin(offset)
+        times: list[float] = []
+        last = any(st.index == self.program.num_stages - 1 and rank == st.ranks[0] for st in self.specs)
+        done = 0
+        timer = timing.StepTimer(devices.rank_device())
+        chunk = next(steps, None)
+        while chunk is not None:
+            upcoming = next(steps, None)
+            actions, release, posts = chunk
+            faults.maybe_fail(args, rank, actions, M)
+            read_to(done + len(actions) + run.reach + 1)
+            timer.start()
+            executor.run(actions, release=release, posts=posts)
+            timer.stop()
+            done += len(actions)
+            if (len(self.step_times) + timer.pending) % self.log_every == 0 or upcoming is None:
+                new = timer.collect()  # a logging point: on a GPU the step times are read here (timing.StepTimer)
+                times += new
+                self.step_times += new
+                if executor.losses and last and len(self.step_times) % self.log_every == 0:
+                    log.info("step %d (minibatches %d-%d) loss %.6f (%.3f s)", len(self.step_times), first + 1,
+                             end, executor.losses[-1], times[-1])
+            chunk = upcoming
+        executor.wait_sends()
+        return times
+
+    def train(self) -> int:
+        """The whole run: every segment between checkpoints, then the final weights, metrics and trace."""
+        program, args, rank, executor = self.program, self.args, self.rank, self.executor
+        # Everything built so far lives for the whole run: move it out of the cyclic collector's sight,
+        # so a full collection during training doesn't walk torch's and the modules' objects (~10 ms).
+        gc.collect()
+        gc.freeze()
+        # Start together: a rank that finished setting up first would otherwise count the others'
+        # start-up (~0.1-1 s) in its first step's time.
+        dist.barrier()
+        t_run = timing.now(devices.rank_device())
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        try:
+            # One schedule per segment between checkpoints: a checkpoint falls on a flush point.
+            for first, end in resume.segments(self.start, args.steps, args.checkpoint_every):
+                self.segment(first, end)
+                resume.maybe_checkpoint(program, args, rank, executor, self.lr_scheduler, end, self.data_index + 1)
+        except ActionError as e:
+            log.error("%s", e)
+            raise
+        dist.barrier()
+        wall = timing.now(devices.rank_device()) - t_run
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        if args.save_final:
+            out = Path(args.save_final)
+            out.mkdir(parents=True, exist_ok=True)
+            for ex in self.executors:
+                tensors = {n: t.detach().cpu() for n, t in ex.module.named_parameters()}
+                tensors.update({n: t.detach().cpu() for n, t in ex.module.named_buffers()})
+                torch.save(tensors, out / f"stage_{ex.stage}.rank_{rank}.pt")
+        if args.metrics:
+            out = Path(args.metrics)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"rank_{rank}.json").write_text(json.dumps({
+                "rank": rank, "stage": self.spec.index, "stages": [ex.stage for ex in self.executors],
+                "schedule": args.schedule, "steps": args.steps,
+                "losses": self.rank_executor.losses, "step_times_s": self.step_times, "wall_s": wall,
+                "weight_versions": max(ex.weights.peak_versions() for ex in self.executors),
+                "sends_in_flight": self.rank_executor.peak_sends,
+                "weight_versions_promised": self.promised_versions,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                # pages the run touched afresh (each a fault that zero-fills it): see runtime/allocator.py
+                "page_faults_per_step": faults / max(1, args.steps - self.start),
+                # the stage's peak bytes at its measuring points, by category (runtime/memory.py)
+                "memory": executor.meter.report(),
+                "memory_by_stage": {str(ex.stage): ex.meter.report() for ex in self.executors},
+                # the allocator's own peak (CUDA): what the accounting and the planner's model are checked against
+                "cuda_max_memory_allocated": (torch.cuda.max_memory_allocated(devices.rank_device())
+                                              if devices.rank_device().type == "cuda" else None),
+                "precision": args.precision, "p2p_bytes_sent": comm.sent_bytes(),
+                "grad_norms": [float(n) for n in executor.grad_norms],  # unclipped, at each ST (--clip-grad-norm)
+                # split backwards by how they were split (--weight-pass: the graph, or the submodules' fallback)
+                "split_backwards": {k: sum(ex.split_counts[k] for ex in self.executors) for k in WEIGHT_PASSES},
+            }, indent=1))
+        if args.trace:
+            out = Path(args.trace)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"rank_{rank}.events.json").write_text(json.dumps(
+                # origin_s: this rank's start on the shared monotonic clock, so ranks can be aligned
+                [{"rank": rank, "name": n, "start_s": s - t_run, "end_s": e - t_run, "origin_s": t_run}
+                 for n, s, e in self.events]))
+        return 0
+
+
+_Chunk = tuple[list[schedules.Action], list[tuple[schedules.Action, ...]], list[tuple[schedules.Action, ...]]]
+
+
+def steps_of(run: schedules.RankRun, offset: int, stages: int = 1) -> Iterator[_Chunk]:
+    """A run's actions cut after each optimizer step (for per-step timing and logging; a rank with
+    ``stages`` virtual stages steps each, so after every ``stages``-th ``ST``), each with the sends
+    released after it and the receives posted before it; microbatches shifted by ``offset``
+    (:func:`schedules.shift`)."""
+    seen = 0
+    actions: list[schedules.Action] = []
+    release: list[tuple[schedules.Action, ...]] = []
+    posts: list[tuple[schedules.Action, ...]] = []
+    for a, sends, recvs in run.steps():
+        actions.append(schedules.shift(a, offset))
+        release.append(tuple(schedules.shift(b, offset) for b in sends) if sends else ())
+        posts.append(tuple(schedules.shift(b, offset) for b in recvs) if recvs else ())
+        if a.kind is schedules.Kind.STEP:
+            seen += 1
+            if seen % stages == 0:
+                yield actions, release, posts
+                actions, release, posts = [], [], []
+    if actions:
+        yield actions, release, posts
