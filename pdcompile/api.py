@@ -12,15 +12,17 @@ into microbatches; ``loss_fn(output, target)`` is traced into the last stage (``
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 import json
 import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -71,7 +73,49 @@ class Options:
     precision: str = "fp32"  # "bf16": autocast, fp32 master weights, bf16 boundary tensors, bf16 costs
     clip_grad_norm: float | None = None  # global-norm gradient clipping before each step (1f1b/2bw: per update)
     virtual_stages: int = 1  # stages per rank, for a schedule with virtual stages (interleaved-1f1b, ...)
-    csv_text: str | None = None  # schedule="csv:PATH": the torch CSV's text (schedule becomes its registered name)
+    csv_text: str | None = field(default=None, metadata={"internal": True})  # schedule="csv:PATH": the torch
+    # CSV's text (schedule becomes its registered name); set by pdcompile, not an option
+
+
+def option_names() -> list[str]:
+    """The keywords ``pdcompile()`` takes beyond its own parameters: :class:`Options`' fields (those
+    marked ``internal`` are set by pdcompile itself)."""
+    return [f.name for f in fields(Options) if not f.metadata.get("internal")]
+
+
+def check_keywords(where: str, given: Iterable[str], valid: Iterable[str]) -> None:
+    """A keyword not in ``valid`` is a :class:`UsageError` naming the closest valid one and all of them
+    (instead of Python's ``TypeError: unexpected keyword argument``)."""
+    names = sorted(set(valid))
+    for k in given:
+        if k not in names:
+            close = difflib.get_close_matches(k, names, n=1)
+            hint = f"did you mean {close[0]}=? " if close else ""
+            raise UsageError(f"{where}: unknown option {k}=; {hint}valid options: {', '.join(names)}")
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def keywords_checked(also: Callable[[], Iterable[str]] | None = None
+                     ) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """Decorate a function so that an unknown keyword is a :func:`check_keywords` error. The valid
+    names are its signature's (less ``self``), plus ``also()`` where it takes ``**kw``: read at call
+    time, so a parameter or option added later is valid with no list to update."""
+    def wrap(f: Callable[_P, _R]) -> Callable[_P, _R]:
+        params = inspect.signature(f).parameters.values()
+        own = [p.name for p in params if p.name != "self"
+               and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+        where = f.__qualname__.replace("CompiledPipeline.", "")
+
+        @functools.wraps(f)
+        def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            if any(k not in own for k in kwargs):
+                check_keywords(where, kwargs, [*own, *(also() if also is not None else ())])
+            return f(*args, **kwargs)
+        return checked
+    return wrap
 
 
 def _from_csv(opts: Options) -> Options:
@@ -354,6 +398,7 @@ class CompiledPipeline:
         """The chain with the boundary bytes this precision sends (what the planner planned with)."""
         return need(self.state.chain, "chain").on_the_wire(self.options.precision)
 
+    @keywords_checked()
     def simulate(self, num_microbatches: int | None = None, schedule: str | None = None,
                  num_steps: int = 1) -> Any:
         """The predicted timeline of the plan (:class:`pdcompile.simulate.SimResult`)."""
@@ -429,6 +474,7 @@ class CompiledPipeline:
             "clip_grad_norm": self.options.clip_grad_norm,
         }
 
+    @keywords_checked()
     def emit(self, folder: str | os.PathLike[str], *, data: dict[str, Any] | None = None,
              target: torch.Tensor | None = None) -> Path:
         """Write the torchrun program (stage modules, weights, plan.json, train.py) into ``folder``."""
@@ -437,6 +483,7 @@ class CompiledPipeline:
         return codegen.emit(self.split, folder, program=fields, model_name=type(self.model).__name__,
                             loss=traced.gm if traced is not None else None)
 
+    @keywords_checked()
     def run(self, data: Iterable[Any], steps: int, *, out: str | os.PathLike[str] | None = None,
             timeout: float = 600, progress: bool = False, extra_args: Sequence[str] = ()) -> "RunResult":
         """Emit, then train ``steps`` minibatches of ``data`` through torchrun on this machine.
@@ -543,6 +590,7 @@ def _target_key(t: torch.Tensor) -> tuple[tuple[int, ...], str]:
     return tuple(t.shape), str(t.dtype)
 
 
+@keywords_checked(also=option_names)
 def pdcompile(model: Any = None, cluster: Any = None, *, example_inputs: Any = None,
               loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
               optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, schedule: str = "flush",

@@ -521,3 +521,39 @@ def test_train_py_wrong_process_count_under_torchrun(two_stage_program: Path, tm
     assert re.findall(r"exitcode\s*:\s*(-?\d+)", log) in (["2"], ["2", "2"]), log[-3000:]
     assert log.count("train.py: error: plan.json needs 2 processes, this job has 1") == 1, log[-3000:]
     assert "[rank0]: Traceback" not in log and not (tmp_path / "final").exists()
+
+
+# --- misspelt keywords (issue 29 item 5) -------------------------------------------------------
+
+def test_misspelt_option_names_the_one_meant() -> None:
+    """An unknown keyword to ``pdcompile()`` is our UsageError naming the closest option and listing every
+    option (the signature's and :class:`Options`' fields), not Python's TypeError."""
+    from dataclasses import fields
+
+    from pdcompile.api import Options
+
+    z = get("mlp", batch_size=16, seed=0)
+    with pytest.raises(errors.UsageError) as e:
+        pdcompile(z.model, example_inputs=z.example_inputs, loss_fn=z.loss_fn, shedule="flush")
+    msg = str(e.value)
+    assert "\n" not in msg and "unknown option shedule=" in msg and "did you mean schedule=?" in msg, msg
+    listed = msg.split("valid options: ")[1].split(", ")
+    assert {f.name for f in fields(Options) if f.name != "csv_text"} <= set(listed), msg
+    assert {"example_inputs", "dump_dir"} <= set(listed) and "csv_text" not in listed, msg
+    with pytest.raises(errors.UsageError, match=r"unknown option virtual_stage=; did you mean virtual_stages=\?"):
+        pdcompile(example_inputs=z.example_inputs, loss_fn=z.loss_fn, virtual_stage=2)  # the decorator form too
+
+
+def test_misspelt_emit_and_run_keywords_name_the_one_meant(tmp_path: Path) -> None:
+    """``emit()``/``run()``/``simulate()``: the same error, before anything is written or launched."""
+    pipe = compile_mlp()
+    z = get("mlp", batch_size=16, seed=0)
+    with pytest.raises(errors.UsageError, match=r"^emit: unknown option traget=; did you mean target=\? "
+                                                r"valid options: data, folder, target$"):
+        pipe.emit(tmp_path / "program", traget=z.target)
+    with pytest.raises(errors.UsageError, match=r"^run: unknown option timout=; did you mean timeout=\?"):
+        pipe.run([(z.example_inputs, z.target)], steps=1, out=tmp_path / "run", timout=5)
+    with pytest.raises(errors.UsageError, match=r"^simulate: unknown option num_microbatch=; did you mean "
+                                                r"num_microbatches=\?"):
+        pipe.simulate(num_microbatch=2)
+    assert list(tmp_path.iterdir()) == []
