@@ -270,7 +270,10 @@ class LossProgram:
 
 def loss_program(loss_fn: Any, last_stage: fx.GraphModule, target: torch.Tensor,
                  output_key: str | None) -> LossProgram:
-    """``loss_fn`` traced on what ``last_stage`` returns and one microbatch ``target``."""
+    """``loss_fn`` traced on what ``last_stage`` returns and one microbatch ``target``. A target on the
+    meta device (a model compiled without data) is traced as zeros of its shape and dtype on the CPU."""
+    if target.is_meta:
+        target = torch.zeros(target.shape, dtype=target.dtype)
     meta = fx.node.map_aggregate(last_stage.graph.output_node().args[0],
                                  lambda a: a.meta.get("pd.tensor") if isinstance(a, fx.Node) else a)
     try:
