@@ -132,6 +132,54 @@ def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
                                 **mem), cluster
 
 
+def placement_choices(schedule: str, stages: int) -> dict[int, int]:
+    """Stages per rank -> ranks, for every count of stages per rank that ``schedule``'s policy places
+    ``stages`` stages with (its ``placement`` accepts it and puts exactly that many on each rank)."""
+    place = policy(schedule).placement
+    out: dict[int, int] = {}
+    if place is None:
+        return out
+    for v in range(1, stages + 1):
+        try:
+            ranks = place(stages, v)
+        except UsageError:
+            continue
+        held = [q for rs in ranks for q in rs]
+        if all(held.count(q) == v for q in held):
+            out[v] = len(set(held))
+    return out
+
+
+def infer_virtual_stages(schedule: str, stages: int | None, workers: int | None) -> int:
+    """Stages per rank where the user gave none: the one count ``schedule``'s placement admits for
+    ``stages`` stages (a V: 2), else the one that puts them on exactly ``workers`` ranks (interleaved:
+    ``stages / workers``). Without ``stages=``, the fewest the placement admits on ``workers`` (this
+    machine's 2 without a cluster); without a cluster, the fewest for ``stages``; fewer stages than
+    workers, one each. Where several counts fit and none exactly on ``workers``: a UsageError naming
+    the choices. 1 for a schedule
+    without a placement, and where nothing fits (the placement's own error then says why)."""
+    if schedule not in POLICIES or policy(schedule).placement is None or isinstance(stages, bool):
+        return 1
+    if stages is None:
+        p = workers if workers is not None else 2
+        return next((v for v in range(1, 9) if placement_choices(schedule, v * p).get(v) == p), 1)
+    if not isinstance(stages, int) or stages < 1:
+        return 1
+    choices = placement_choices(schedule, stages)
+    if len(choices) <= 1 or workers is None:
+        return min(choices, default=1)
+    exact = [v for v, p in choices.items() if p == workers]
+    if len(exact) == 1:
+        return exact[0]
+    if choices.get(1, workers + 1) <= workers:
+        return 1  # fewer stages than workers: one per rank, as any schedule runs them
+    fit = ", ".join(f"{v} ({p} rank{'s' if p > 1 else ''})" for v, p in sorted(choices.items()) if p <= workers)
+    counts = [v * workers for v in range(1, 4) if placement_choices(schedule, v * workers).get(v) == workers]
+    raise UsageError(f"pdcompile: schedule={schedule!r} with stages={stages} on {workers} workers: no count of "
+                     f"stages per rank puts them on exactly {workers} ranks; give virtual_stages= "
+                     f"{fit or 'explicitly'}, or stages= one of {', '.join(map(str, counts))}")
+
+
 def _virtual_plan(chain: Chain, opts: PartitionOptions, place: Any, mem: dict[str, Any]) -> tuple[Plan, ClusterSpec]:
     """Virtual stages: ``stages=`` (default ``v`` per worker of the cluster, or of this machine's 2)."""
     v = opts.virtual_stages

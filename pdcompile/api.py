@@ -32,7 +32,7 @@ from pdcompile.errors import UsageError
 from pdcompile.ir import Chain, CompileState, need
 from pdcompile.passes import codegen
 from pdcompile.passes.annotate_costs import AnnotateOptions
-from pdcompile.passes.partition import PartitionOptions, balanced_bounds, planner_schedule
+from pdcompile.passes.partition import PartitionOptions, balanced_bounds, infer_virtual_stages, planner_schedule
 from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
 from pdcompile.passes.schedule import ScheduleOptions
 from pdcompile.passes.split_stages import StageSplit
@@ -72,7 +72,8 @@ class Options:
     # where memory needs it: none, selective, the fewest first layers (partial) or full, per stage)
     precision: str = "fp32"  # "bf16": autocast, fp32 master weights, bf16 boundary tensors, bf16 costs
     clip_grad_norm: float | None = None  # global-norm gradient clipping before each step (1f1b/2bw: per update)
-    virtual_stages: int = 1  # stages per rank, for a schedule with virtual stages (interleaved-1f1b, ...)
+    virtual_stages: int | None = None  # stages per rank, for a schedule with virtual stages (interleaved-1f1b, ...);
+    # None: inferred where the placement fixes it (zb-v, dualpipe-v: 2; interleaved: stages / workers), else 1
     csv_text: str | None = field(default=None, metadata={"internal": True})  # schedule="csv:PATH": the torch
     # CSV's text (schedule becomes its registered name); set by pdcompile, not an option
 
@@ -137,6 +138,16 @@ def _from_csv(opts: Options) -> Options:
         if given is not None and given != want:
             raise UsageError(f"pdcompile: {what}={given}, but the CSV {path} has {want}; drop {what}=")
     return replace(opts, schedule=name, csv_text=text, stages=S, num_microbatches=m, virtual_stages=S // R)
+
+
+def _with_virtual_stages(opts: Options) -> Options:
+    """``virtual_stages=`` as given, else inferred from the schedule's placement, the stages and the
+    cluster's workers (:func:`~pdcompile.passes.partition.infer_virtual_stages`)."""
+    if opts.virtual_stages is not None:
+        return opts
+    workers = opts.cluster.num_workers if isinstance(opts.cluster, ClusterSpec) else None
+    stages = opts.stages if opts.stages is None or isinstance(opts.stages, int) else None
+    return replace(opts, virtual_stages=infer_virtual_stages(opts.schedule, stages, workers))
 
 
 def _check_virtual(opts: Options) -> None:
@@ -245,7 +256,7 @@ class CompiledPipeline:
                  dump_dir: str | os.PathLike[str] | None = None) -> None:
         self.model = model
         # schedule="auto": compiled with flush first, then with the schedule and M the simulator picks
-        opts = _from_csv(opts)
+        opts = _with_virtual_stages(_from_csv(opts))
         auto = opts.schedule == autoschedule.AUTO
         self.schedule_choice: tuple[list[autoschedule.Candidate], autoschedule.Candidate, list[str]] | None = None
         self._compile(model, example_inputs, replace(opts, schedule="flush") if auto else opts, dump_dir)
@@ -336,6 +347,7 @@ class CompiledPipeline:
         """The checked options, as each pass's options."""
         opts = self.options
         stages = opts.stages if isinstance(opts.stages, int) else None
+        assert opts.virtual_stages is not None, "inferred in __init__ (_with_virtual_stages)"
         target = opts.example_target
         return PassOptions(
             trace=TraceOptions(tuple(opts.leaf_modules), opts.frontend, opts.output),

@@ -248,3 +248,56 @@ def test_sent_targets_are_not_refused_with_virtual_stages() -> None:
                  ScheduleSpec("looped-bfs", (1,) * 6, 3, virtual_stages=2),
                  ScheduleSpec("zb-v", (1,) * 6, 6, virtual_stages=2), ScheduleSpec("flush", (1,) * 4, 4)):
         refuse_sent_targets(spec)
+
+
+def _v_ranks(stages: int) -> list[list[int]]:
+    """The V placement from ZB-V's definition: stage s on rank min(s, 2p-1-s), p = stages / 2."""
+    return [[min(s, stages - 1 - s)] for s in range(stages)]
+
+
+def test_virtual_stages_inferred_where_the_placement_fixes_them() -> None:
+    """``stages=4`` on 2 workers without ``virtual_stages=``: the V schedules admit only 2 per rank, the
+    interleaved ones put 4 stages on exactly 2 ranks only with 2: each plans as with ``virtual_stages=2``
+    given. Where several counts fit and none exactly on the workers, the error names them."""
+    import torch
+
+    from pdcompile import pdcompile
+    from pdcompile.cluster import local_cpu_cluster
+    from pdcompile.errors import UsageError
+
+    model, x = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)]), torch.zeros(4, 4)
+    kw: dict = dict(example_inputs=(x,), example_target=torch.zeros(4, 4), loss_fn=torch.nn.MSELoss(),
+                    num_microbatches=4)
+    two = local_cpu_cluster(2)
+    for schedule, want in (("zb-v", _v_ranks(4)), ("dualpipe-v", _v_ranks(4)),
+                           ("interleaved-1f1b", [[s % 2] for s in range(4)]), ("looped-bfs", [[s % 2] for s in range(4)])):
+        pipe = pdcompile(model, two, schedule=schedule, stages=4, **kw)
+        given = pdcompile(model, two, schedule=schedule, stages=4, virtual_stages=2, **kw)
+        assert pipe.options.virtual_stages == 2 and pipe.world_size == 2, schedule
+        assert [list(st.ranks) for st in pipe.plan.stages] == want, schedule
+        assert pipe.state.schedule_spec == given.state.schedule_spec, schedule
+        assert pipe.plan.stages == given.plan.stages and pipe.plan.notes == given.plan.notes, schedule
+    # a V fixes 2 per rank on any cluster, and without stages= it takes 2 per worker
+    assert pdcompile(model, schedule="zb-v", stages=6, **kw).world_size == 3
+    assert [list(st.ranks) for st in pdcompile(model, two, schedule="dualpipe-v", **kw).plan.stages] == _v_ranks(4)
+    # no inference where the placement has nothing to fix: one stage per rank
+    assert pdcompile(model, two, schedule="flush", stages=2, **kw).options.virtual_stages == 1
+    assert pdcompile(model, local_cpu_cluster(4), schedule="interleaved-1f1b", stages=4, **kw).world_size == 4
+    with pytest.raises(UsageError, match=r"schedule='interleaved-1f1b' with stages=6 on 4 workers: .*give "
+                                         r"virtual_stages= 2 \(3 ranks\), 3 \(2 ranks\), 6 \(1 rank\), or stages= "
+                                         r"one of 4, 8, 12$"):
+        pdcompile(model, local_cpu_cluster(4), schedule="interleaved-1f1b", stages=6, **kw)
+
+
+def test_cli_infers_virtual_stages(tmp_path: Path) -> None:
+    """``pdcompile emit zoo:mlp --schedule zb-v --stages 4 --cluster local:2`` from a fresh folder, no
+    ``--virtual-stages``: the program places the V on 2 ranks."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "pdcompile.cli", "emit", "zoo:mlp", "--schedule", "zb-v", "--stages", "4",
+                        "--cluster", "local:2", "-o", "prog"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    plan = json.loads((tmp_path / "prog" / "plan.json").read_text())
+    assert plan["world_size"] == 2 and [s["ranks"] for s in plan["stages"]] == _v_ranks(4)
+    assert plan["schedule"]["virtual_stages"] == 2

@@ -107,8 +107,9 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="gpipe, flush, 1f1b, 2bw, zb-h1; with --virtual-stages: interleaved-1f1b, looped-bfs, zb-v, "
                         "dualpipe-v; csv:PATH: a torch.distributed.pipelining schedule CSV (compute only); auto: the "
                         "fastest synchronous schedule and M, simulated (default: flush)")
-    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                   help="stages per rank, for interleaved-1f1b, looped-bfs, zb-v, dualpipe-v (--stages counts them all)")
+    p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                   help="stages per rank, for interleaved-1f1b, looped-bfs, zb-v, dualpipe-v (--stages counts them all; "
+                        "default: what the placement fixes, e.g. 2 for zb-v, --stages / workers when interleaved)")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per minibatch (default 4; "
                                                                   "with --schedule auto: chosen)")
     p.add_argument("--optimizer", default="torch.optim.SGD:lr=0.01",
@@ -157,5 +158,5 @@ def compile_from_args(args: argparse.Namespace) -> tuple[LoadedModel, Any]:
                      loss_fn=m.loss_fn, optimizer=optimizer_factory(args.optimizer), schedule=args.schedule,
                      num_microbatches=args.microbatches, stages=args.stages, leaf_modules=m.leaf_modules,
                      precision=getattr(args, "precision", "fp32"), clip_grad_norm=getattr(args, "clip_grad_norm", None),
-                     virtual_stages=getattr(args, "virtual_stages", 1))
+                     virtual_stages=getattr(args, "virtual_stages", None))
     return m, pipe
