@@ -108,6 +108,7 @@ def test_demo_from_a_fresh_folder_shows_a_b_and_c(tmp_path: Path) -> None:
     # (a) VGG-16 from PipeDream's profile on Cluster A, beside the paper's measured 5.28x
     a = s["cluster_a"]
     assert a["profile"] == "pipedream:vgg16" and a["paper_speedup"] == 5.28
+    assert a["fits"] and a["cost_models"][a["cost_model"]]["fits"]  # the headline plan fits 16 GiB
     assert "the paper measured 5.28x" in text
     shown = re.search(r"predicted speedup over data parallelism: ([0-9.]+)x with (\S+) \(cost model `(\w+)`\)", text)
     assert shown, text[:3000]
@@ -150,3 +151,66 @@ def test_demo_from_a_fresh_folder_shows_a_b_and_c(tmp_path: Path) -> None:
         assert r["predicted_s"] > 0 and r["measured_s"] > 0
         within += abs(err) <= 0.25
     assert f"{within} of {len(judged)} judged rows within 25%" in text, note
+
+
+def test_part_a_leads_with_the_plan_the_cli_prints_and_each_cost_models_answer_equals_the_cli() -> None:
+    """Part (a) against ``pdcompile plan --profile pipedream:vgg16 --cluster paper:A [--cost-model X]``
+    run through the command's entry point: the first plan is the command's default, line for line (the
+    planning time aside), and fits the V100's 16 GiB by the command's own --json figures; each cost
+    model's plan lines are the command's lines for that cost model, marked as over the device's memory
+    exactly where the command's --json says a worker needs more than it."""
+    import argparse
+    import contextlib
+    import io
+    import tempfile
+
+    from rich.console import Console
+
+    from pdcompile.cli import main
+    from pdcompile.cluster import paper_cluster
+    from pdcompile.passes.partition_dp import COST_MODELS
+
+    def cli(*extra: str) -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", *extra]) == 0
+        return out.getvalue()
+
+    def unclocked(lines: list[str]) -> list[str]:
+        return [re.sub(r"planned in [0-9.]+ ms", "planned in T ms", ln) for ln in lines]
+
+    console = Console(width=120, record=True, file=io.StringIO())
+    with tempfile.TemporaryDirectory() as tmp:
+        a = demo.part_a(argparse.Namespace(profile="pipedream:vgg16", cost_model=None), Path(tmp), console)
+    shown = console.export_text().splitlines()
+    device = paper_cluster("A").device.memory
+    assert device is not None
+
+    # the first plan: the command's default output, every line
+    want = cli().splitlines()
+    at = shown.index("$ pdcompile plan --profile pipedream:vgg16 --cluster paper:A")
+    assert unclocked(shown[at + 1: at + 1 + len(want)]) == unclocked(want)
+    default = json.loads(cli("--json"))
+    assert max(st["memory_bytes"] for st in default["stages"]) <= device  # it fits, by the command's figures
+    speedup = default["predicted"]["speedup_vs_data_parallel"]
+    assert f"predicted speedup over data parallelism: {speedup:.2f}x with {default['configuration']} (cost model " \
+           f"`{default['cost_model']}`)" in shown
+    assert shown[shown.index(next(ln for ln in shown if ln.startswith("predicted speedup"))) + 1].startswith(
+        "memory: fits, at most ")
+    assert "the paper measured 5.28x with 15-1 (SOSP'19 Table 1): predicted / measured = " \
+           f"{speedup / 5.28:.2f}" in shown
+    assert a["fits"] and a["cost_model"] == default["cost_model"]
+
+    # each cost model: its lines are the command's, its memory mark the command's figures'
+    for m in COST_MODELS:
+        text = cli("--cost-model", m).splitlines()
+        j = json.loads(cli("--cost-model", m, "--json"))
+        head = shown.index(f"  cost model `{m}` (pdcompile plan --profile pipedream:vgg16 --cluster paper:A "
+                           f"--cost-model {m}):")
+        lines = [ln[4:] for ln in shown[head + 1: head + 4]]
+        assert [ln.split(" ")[0] for ln in lines] == ["plan", "predicted:", "data"]
+        assert all(ln in text for ln in lines), (m, lines)
+        over = max(st["memory_bytes"] for st in j["stages"]) > device
+        mark = shown[head + 4]
+        assert mark.startswith("    memory: EXCEEDS DEVICE MEMORY, stage " if over else "    memory: fits, at most "), mark
+        assert a["cost_models"][m]["fits"] is (not over) and a["cost_models"][m]["configuration"] == j["configuration"]

@@ -1,7 +1,9 @@
 """``pdcompile demo``: what PipeDream is for, in three parts, no arguments needed.
 
-(a) The paper's headline case, ``pipedream:vgg16`` on its Cluster A (4 servers x 4 V100): the plan,
-    its predicted speedup over data parallelism beside the paper's, bytes moved, a timeline PNG.
+(a) The paper's headline case, ``pipedream:vgg16`` on its Cluster A (4 servers x 4 V100): the plan
+    ``pdcompile plan`` prints for it (its own parser and code), its predicted speedup over data
+    parallelism beside the paper's measured one; then each cost model's answer, marked where it does
+    not fit the device's memory; bytes moved, a timeline PNG.
 (b) The same story measured here: a VGG-shaped model emitted for two CPU processes on an emulated
     slow link (:mod:`pdcompile.slowlink`), trained beside DDP: step times, their ratio, both losses.
 (c) That pipeline's step predicted before it ran (:mod:`pdcompile.calibrate`) against the measured
@@ -52,7 +54,7 @@ def register(subparsers: Any) -> None:
                    help="emulated link between the two processes, MB/s (default: 20, i.e. 160 Mbit/s)")
     p.add_argument("--profile", default="pipedream:vgg16", help="profile for part (a) (default: pipedream:vgg16)")
     p.add_argument("--cost-model", default=None,
-                   help="planner cost model for part (a) (default: pipedream when the planner has it, else paper)")
+                   help="cost model of part (a)'s first plan (default: pdcompile plan's, the one with memory)")
     p.add_argument("--refresh-constants", action="store_true",
                    help="measure this machine's constants again instead of reading the cache")
     p.add_argument("--skip-cluster", action="store_true", help="skip part (a)")
@@ -91,36 +93,83 @@ def _load_profile(name: str) -> Any:
     return load(name)
 
 
+def plan_argv(profile: str, cost_model: str | None = None) -> list[str]:
+    """The ``pdcompile plan`` command line part (a) shows (``cost_model`` None: the command's default)."""
+    return ["plan", "--profile", profile, "--cluster", "paper:A",
+            *(["--cost-model", cost_model] if cost_model is not None else [])]
+
+
+def cli_plan(argv: Sequence[str]) -> Any:
+    """The plan ``pdcompile ARGV`` prints: the plan command's own parser, defaults and code."""
+    from pdcompile._cli import plan as plan_cmd
+
+    parser = argparse.ArgumentParser(prog="pdcompile")
+    plan_cmd.register(parser.add_subparsers())
+    return plan_cmd.plan_for(parser.parse_args(list(argv)))
+
+
+def memory_verdict(plan: Any, device_memory: float | None) -> tuple[bool, str]:
+    """Whether every worker of ``plan`` fits ``device_memory``, and a line that says so (naming the
+    stage over it)."""
+    from pdcompile.cluster import format_quantity
+
+    worst = max(plan.stages, key=lambda st: st.memory_bytes)
+    need = format_quantity(worst.memory_bytes, "memory")
+    if device_memory is None:
+        return True, f"memory: at most {need} per worker (the device's memory is not given)"
+    cap = format_quantity(device_memory, "memory")
+    if worst.memory_bytes <= device_memory:
+        return True, f"memory: fits, at most {need} per worker of the device's {cap}"
+    return False, (f"memory: EXCEEDS DEVICE MEMORY, stage {worst.index} needs {need} per worker, over the "
+                   f"device's {cap}")
+
+
+def _plain(console: Any, text: str) -> None:
+    """Print ``text`` as it is: no markup, no highlighting, no wrapping (plan lines equal the CLI's)."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
 def part_a(args: argparse.Namespace, out: Path, console: Any) -> dict[str, Any]:
-    """Plan the profile for Cluster A under each cost model; report the chosen one beside the paper."""
+    """The plan ``pdcompile plan --profile PROFILE --cluster paper:A`` prints, beside the paper's
+    measured speedup; then each cost model's answer, as ``--cost-model X`` prints it, each marked by
+    whether it fits the device's memory."""
     from pdcompile.cluster import format_quantity, paper_cluster
     from pdcompile.passes.linearize import linearize
     from pdcompile.passes.partition_dp import COST_MODELS
-    from pdcompile.plan import plan as make_plan
     from pdcompile.simulate import simulate_plan
     from pdcompile.timeline import plot_timeline, write_chrome_trace
 
-    cost_model = args.cost_model or ("pipedream" if "pipedream" in COST_MODELS else "paper")
-    if cost_model not in COST_MODELS:
-        raise UsageError(f"demo: unknown cost model {cost_model!r}; the planner has {', '.join(COST_MODELS)}")
+    if args.cost_model is not None and args.cost_model not in COST_MODELS:
+        raise UsageError(f"demo: unknown cost model {args.cost_model!r}; the planner has {', '.join(COST_MODELS)}")
     cluster = paper_cluster("A")
     chain = linearize(_load_profile(args.profile))
     console.rule(f"[bold](a) {args.profile} on the paper's Cluster A: 4 servers x 4 V100, 10 GB/s inside, "
                  f"10 Gbit/s between")
-    plans = {m: make_plan(chain, cluster, cost_model=m, schedule="1f1b") for m in COST_MODELS}
-    p = plans[cost_model]
-    console.print(p.table())
+    argv = plan_argv(args.profile, args.cost_model)
+    p = cli_plan(argv)
+    cost_model = p.cost_model
+    _plain(console, "$ pdcompile " + " ".join(argv))
+    _plain(console, p.table())
+    fits, verdict = memory_verdict(p, cluster.device.memory)
     x = p.speedup_vs_data_parallel
     console.print(f"[bold]predicted speedup over data parallelism: {x:.2f}x[/bold] with {p.configuration} "
                   f"(cost model `{cost_model}`)")
+    console.print(verdict if fits else f"[bold red]{verdict}[/bold red]", highlight=False)
     paper_config, paper_x = PAPER_A.get(args.profile, (None, None))
     if paper_x is not None:
         console.print(f"[bold]the paper measured {paper_x:.2f}x[/bold] with {paper_config} (SOSP'19 Table 1): "
                       f"predicted / measured = {x / paper_x:.2f}")
-    others = [m for m in COST_MODELS if m != cost_model]
-    if others:
-        console.print("other cost models on the same profile: " + "; ".join(
-            f"`{m}`: {plans[m].configuration} at {plans[m].speedup_vs_data_parallel:.2f}x" for m in others))
+    console.print("each cost model's answer for the same profile and cluster:")
+    answers: dict[str, dict[str, Any]] = {}
+    for m in COST_MODELS:
+        q = p if m == cost_model else cli_plan(plan_argv(args.profile, m))
+        ok, line = memory_verdict(q, cluster.device.memory)
+        _plain(console, f"  cost model `{m}` (pdcompile {' '.join(plan_argv(args.profile, m))}):")
+        for text in plan_lines(q):
+            _plain(console, "    " + text)
+        console.print("    " + (line if ok else f"[bold red]{line}[/bold red]"), highlight=False)
+        answers[m] = {"configuration": q.configuration, "speedup_vs_data_parallel": q.speedup_vs_data_parallel,
+                      "peak_memory_bytes": max(st.memory_bytes for st in q.stages), "fits": ok}
     pipe_b = comm_bytes_per_minibatch(p, chain)
     dp_b = data_parallel_bytes_per_minibatch(chain, cluster.num_workers)
     less = 1 - pipe_b / dp_b if dp_b else 0.0
@@ -139,12 +188,17 @@ def part_a(args: argparse.Namespace, out: Path, console: Any) -> dict[str, Any]:
     (out / "cluster_a_plan.json").write_text(p.to_json(indent=1))
     console.print(f"timeline: {png}")
     return {"profile": args.profile, "cost_model": cost_model, "configuration": p.configuration,
-            "speedup_vs_data_parallel": x, "paper_speedup": paper_x, "paper_configuration": paper_config,
-            "other_cost_models": {m: {"configuration": plans[m].configuration,
-                                      "speedup_vs_data_parallel": plans[m].speedup_vs_data_parallel}
-                                  for m in others},
+            "speedup_vs_data_parallel": x, "fits": fits, "paper_speedup": paper_x,
+            "paper_configuration": paper_config, "cost_models": answers,
+            "other_cost_models": {m: a for m, a in answers.items() if m != cost_model},
             "comm_bytes_per_minibatch": pipe_b, "data_parallel_comm_bytes_per_minibatch": dp_b,
             "comm_reduction": less, "timeline": str(png)}
+
+
+def plan_lines(plan: Any) -> list[str]:
+    """The lines of ``plan``'s table that give its answer: what it is, its predicted time, its speedup."""
+    return [ln for ln in plan.table().splitlines()
+            if ln.startswith(("plan for ", "predicted: ", "data parallel on "))]
 
 
 # ---------------------------------------------------------------------------------------------

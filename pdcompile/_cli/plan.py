@@ -148,6 +148,16 @@ def _sizes(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    result = plan_for(args)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(result.table())
+    return 0
+
+
+def plan_for(args: argparse.Namespace) -> Any:
+    """The plan ``pdcompile plan ARGS`` prints (``pdcompile demo`` shows the same)."""
     from pdcompile.passes.linearize import linearize
     from pdcompile.passes.partition import planner_schedule
     from pdcompile.plan import plan as make_plan
@@ -175,8 +185,4 @@ def run(args: argparse.Namespace) -> int:
                            microbatch_sizes=sizes, **options)
     else:
         result = make_plan(linearize(prof), cluster, solver=args.solver, **options)
-    if args.json:
-        print(json.dumps(result.to_dict()))
-    else:
-        print(result.table())
-    return 0
+    return result
