@@ -26,7 +26,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from pdcompile import autoschedule, passmanager
+from pdcompile import autoschedule, machine_cache, passmanager
 from pdcompile.cluster import ClusterSpec
 from pdcompile.errors import UsageError
 from pdcompile.ir import Chain, CompileState, need
@@ -588,13 +588,12 @@ class RunResult:
 
 def _cached_overhead_s() -> dict[str, float] | None:
     """The runtime's per-action cost on this machine, if :mod:`pdcompile.calibrate` has it cached for
-    this very runtime (never measured here: compiling launches nothing)."""
-    from pdcompile import calibrate
-
+    this very runtime (:func:`pdcompile.machine_cache.cached`; never measured here: compiling launches
+    nothing)."""
+    d = machine_cache.cached()
     try:
-        d = json.loads(calibrate.cache_path().read_text())
-        return dict(d["overhead_s"]) if d.get("key") == calibrate.machine_key() else None
-    except (OSError, ValueError, KeyError, TypeError):
+        return dict(d["overhead_s"]) if d is not None else None
+    except (KeyError, TypeError, ValueError):
         return None
 
 

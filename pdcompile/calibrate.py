@@ -9,13 +9,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from pdcompile import machine_cache
+from pdcompile.machine_cache import cache_path as cache_path  # where the constants are cached, kept here too
+from pdcompile.machine_cache import machine_key as machine_key
 
 OVERHEAD_KINDS = ("F", "B", "W", "SF", "SB", "RF", "RB", "ST", "WV")
 
@@ -50,28 +53,6 @@ class MachineConstants:
         return dataclasses.asdict(self)
 
 
-def cache_path() -> Path:
-    """Where the constants are kept: ``$PDCOMPILE_CACHE/machine-constants.json`` (default ``~/.cache/pdcompile``)."""
-    root = os.environ.get("PDCOMPILE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdcompile")
-    return Path(root) / "machine-constants.json"
-
-
-def machine_key() -> str:
-    """Constants hold for one host, core count, Python and torch build, and one version of the runtime
-    (its per-action cost is its code's)."""
-    import hashlib
-
-    import torch
-
-    import pdcompile.runtime as rt
-
-    h = hashlib.sha1()
-    for f in sorted(Path(rt.__file__).parent.rglob("*.py")):
-        h.update(f.read_bytes())
-    return (f"{platform.node()}|{os.cpu_count()}|{platform.python_version()}|{torch.__version__}|"
-            f"runtime {h.hexdigest()[:12]}")
-
-
 def load_or_measure(refresh: bool = False, log: Any = None) -> tuple[MachineConstants, bool]:
     """The cached constants for this machine, or freshly measured (and cached); and whether cached.
 
@@ -79,14 +60,13 @@ def load_or_measure(refresh: bool = False, log: Any = None) -> tuple[MachineCons
     keyed by host, core count, Python and torch version and the runtime's source; ``refresh=True``
     (``python -m pdcompile.calibrate --refresh``, ``pdcompile demo --refresh-constants``) measures
     again."""
-    path, key = cache_path(), machine_key()
-    if not refresh and path.is_file():
+    d = None if refresh else machine_cache.cached()
+    if d is not None:
         try:
-            d = json.loads(path.read_text())
-            if d.get("key") == key:
-                return MachineConstants(**d), True
-        except (OSError, ValueError, TypeError):
-            pass  # unreadable or from an older layout: measure again
+            return MachineConstants(**d), True
+        except TypeError:
+            pass  # from an older layout: measure again
+    path = cache_path()
     c = measure(log)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
