@@ -10,6 +10,7 @@ their class and constructor arguments, and checked, by :func:`object_spec`.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import math
@@ -210,9 +211,28 @@ _GLOBAL_IMPORTS = {
 }
 
 
+def device_free(graph: fx.Graph) -> fx.Graph:
+    """``graph``, or a copy whose constant devices (``arange(..., device=cpu)``, ``to(..., device)``: the
+    compiling process's, recorded by the export front end) read the device of the stage's first input
+    (else first parameter) at run time: a stage compiled on the meta device runs on the rank's."""
+    if not any(isinstance(a, torch.device) for n in graph.nodes for a in (*n.args, *n.kwargs.values())):
+        return graph
+    g = copy.deepcopy(graph)
+    inputs = [n for n in g.nodes if n.op == "placeholder"]
+    anchor = inputs[0] if inputs else next((n for n in g.nodes if n.op == "get_attr"), None)
+    if anchor is None:
+        return graph
+    with g.inserting_after(inputs[-1] if inputs else anchor):
+        dev = g.call_function(getattr, (anchor, "device"))
+    for n in g.nodes:
+        n.args = tuple(dev if isinstance(a, torch.device) else a for a in n.args)
+        n.kwargs = {k: dev if isinstance(v, torch.device) else v for k, v in n.kwargs.items()}
+    return g
+
+
 def _module_parts(gm: fx.GraphModule, what: str) -> tuple[list[str], list[str], str]:
     """The imports, ``__init__`` lines and ``forward`` source that rebuild ``gm`` as a plain module."""
-    code = gm.graph.python_code(root_module="self")
+    code = device_free(gm.graph).python_code(root_module="self")
     src = code.src.strip("\n")
     imports = []
     for name, obj in code.globals.items():
@@ -336,11 +356,18 @@ def _emit_into(out: Path, split: StageSplit, program: Mapping[str, Any], model_n
     for st in split.stages:
         k = st.index
         (out / f"stage_{k}.py").write_text(stage_source(split, k, model_name, loss if k == last else None))
-        tensors = {n: t.detach().clone() for n, t in st.gm.named_parameters()}
-        tensors.update({n: b.detach().clone() for n, b in st.gm.named_buffers()})
-        torch.save(tensors, out / f"stage_{k}.pt")
+        tensors = {n: t.detach() for n, t in st.gm.named_parameters()}
+        tensors.update({n: b.detach() for n, b in st.gm.named_buffers()})
+        weights: str | None = f"stage_{k}.pt"
+        if any(t.is_meta for t in tensors.values()):  # no values: the ranks fill it from plan.json's init source
+            if dict(program.get("init") or {}).get("source", "weights") == "weights":
+                raise UnsupportedModelError(f"emit: stage {k} holds meta tensors and plan.json names no source "
+                                            f"for them. Fix: emit through pdcompile(...).emit(), or init_from=PATH")
+            weights = None
+        else:
+            torch.save({n: t.clone() for n, t in tensors.items()}, out / f"stage_{k}.pt")
         stages_json.append({
-            "index": k, "module": f"stage_{k}.py", "class": f"Stage{k}", "weights": f"stage_{k}.pt",
+            "index": k, "module": f"stage_{k}.py", "class": f"Stage{k}", "weights": weights,
             "ranks": list(stage_ranks[k]), "replicas": len(stage_ranks[k]),
             "inputs": [dict(name=n, **tensor_spec(m, precision)) for n, m in zip(st.inputs, st.input_meta)],
             "outputs": [dict(name=n, **tensor_spec(m, precision)) for n, m in zip(st.outputs, st.output_meta)],

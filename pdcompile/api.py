@@ -26,7 +26,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from pdcompile import autoschedule, machine_cache, passmanager
+from pdcompile import autoschedule, init_source, machine_cache, passmanager
 from pdcompile.cluster import ClusterSpec
 from pdcompile.errors import UsageError
 from pdcompile.ir import Chain, CompileState, need
@@ -74,6 +74,9 @@ class Options:
     clip_grad_norm: float | None = None  # global-norm gradient clipping before each step (1f1b/2bw: per update)
     virtual_stages: int | None = None  # stages per rank, for a schedule with virtual stages (interleaved-1f1b, ...);
     # None: inferred where the placement fixes it (zb-v, dualpipe-v: 2; interleaved: stages / workers), else 1
+    init_from: str | os.PathLike[str] | None = None  # a checkpoint each rank reads only its stage's tensors from
+    # (HF folder, .safetensors, torch.save'd state_dict, DCP folder; runtime/sources.py); a meta model without it
+    # is initialised fresh on the ranks by its modules' own initialisers
     csv_text: str | None = field(default=None, metadata={"internal": True})  # schedule="csv:PATH": the torch
     # CSV's text (schedule becomes its registered name); set by pdcompile, not an option
 
@@ -209,6 +212,10 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
                                             or opts.example_target.dim() == 0):
         raise UsageError("pdcompile: example_target must be a tensor with a batch dimension (one minibatch "
                          "of targets)")
+    if opts.cost_mode == "measured" and (init_source.has_meta(model) or any(x.is_meta for x in example_inputs)):
+        raise UsageError("pdcompile: the model (or an example input) is on the meta device, so its costs can't be "
+                         "measured. Fix: cost_mode=\"analytic\", or plan from an imported profile (pdcompile plan "
+                         "--profile FILE)")
     if opts.recompute not in ("none", "selective", "full", "auto"):
         raise UsageError(f"pdcompile: recompute must be 'none', 'selective', 'full' or 'auto', got {opts.recompute!r}")
     if opts.schedule not in (*schedules.POLICIES, autoschedule.AUTO):
@@ -271,6 +278,8 @@ class CompiledPipeline:
         self.options = opts
         self.example_inputs, self.microbatch_size, self.num_microbatches = _check(model, example_inputs, opts)
         micro = tuple(x[: self.microbatch_size] for x in self.example_inputs)
+        if init_source.has_meta(model):  # a model on meta: the passes see the inputs' shapes on meta too
+            micro = tuple(x.to("meta") for x in micro)
         state = CompileState(model=model, example_inputs=micro)
         # the passes run the model's forward in training mode (shapes, costs), which writes buffers such as
         # BatchNorm's running statistics: put them back, for the user's model and the stages (the same tensors)
@@ -462,9 +471,10 @@ class CompiledPipeline:
             passmanager.write_dump(folder, i, r.name, r.seconds, r.dump)
         return Path(folder)
 
-    def program_fields(self, data: dict[str, Any] | None = None,
-                       target: torch.Tensor | None = None) -> dict[str, Any]:
-        """plan.json fields beyond the split: schedule, microbatching, loss, optimizer, data, target."""
+    def program_fields(self, data: dict[str, Any] | None = None, target: torch.Tensor | None = None,
+                       init_from: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """plan.json fields beyond the split: schedule, microbatching, loss, optimizer, data, target, and
+        where the ranks' weights come from (``init``: :mod:`pdcompile.init_source`)."""
         target = self._target_or_error(target)
         t = self._micro_target(target)
         plan = json.loads(self.plan.to_json())
@@ -484,25 +494,31 @@ class CompiledPipeline:
             "plan": plan,
             "precision": self.options.precision,
             "clip_grad_norm": self.options.clip_grad_norm,
+            "init": init_source.init_entry(self.model, self.split, init_from if init_from is not None
+                                           else self.options.init_from),
         }
 
     @keywords_checked()
     def emit(self, folder: str | os.PathLike[str], *, data: dict[str, Any] | None = None,
-             target: torch.Tensor | None = None) -> Path:
-        """Write the torchrun program (stage modules, weights, plan.json, train.py) into ``folder``."""
-        fields = self.program_fields(data, target)
+             target: torch.Tensor | None = None, init_from: str | os.PathLike[str] | None = None) -> Path:
+        """Write the torchrun program (stage modules, weights, plan.json, train.py) into ``folder``.
+        ``init_from``: a checkpoint the ranks read their stages from (default: ``pdcompile(init_from=)``);
+        a meta model writes no weights (docs/big-models.md)."""
+        fields = self.program_fields(data, target, init_from)
         traced = self._loss_for(self._target_or_error(target)).traced
         return codegen.emit(self.split, folder, program=fields, model_name=type(self.model).__name__,
                             loss=traced.gm if traced is not None else None)
 
     @keywords_checked()
     def run(self, data: Iterable[Any], steps: int, *, out: str | os.PathLike[str] | None = None,
-            timeout: float = 600, progress: bool = False, extra_args: Sequence[str] = ()) -> "RunResult":
+            timeout: float = 600, progress: bool = False, extra_args: Sequence[str] = (),
+            init_from: str | os.PathLike[str] | None = None) -> "RunResult":
         """Emit, then train ``steps`` minibatches of ``data`` through torchrun on this machine.
 
         ``data``: a DataLoader or any iterable of ``(inputs, target)`` minibatches of the size the
         pipeline was compiled for. They are saved next to the program and read by the first stage.
         The target's shape and dtype come from the first minibatch (no example_target= needed).
+        ``init_from``: a checkpoint the ranks start from, as in :meth:`emit`.
         """
         from pdcompile.launcher import launch
         from pdcompile.runtime.data import save_batches
@@ -519,7 +535,7 @@ class CompiledPipeline:
                              f"({self.num_microbatches} x {self.microbatch_size}); recompile or rebatch")
         prog = self.emit(folder / "program", data={"factory": "pdcompile.runtime.data:from_file",
                                                    "kwargs": {"path": str((folder / "data.pt").resolve())}},
-                         target=self._data_target(first[0]))
+                         target=self._data_target(first[0]), init_from=init_from)
         on_line = (lambda line: print(line, flush=True)) if progress else None
         rc, log = launch(prog, self.world_size, ["--steps", str(steps), "--save-final", str(folder / "final"),
                                                  "--metrics", str(folder / "metrics"), *extra_args],

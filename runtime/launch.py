@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdcompile.errors import CheckpointError, UsageError
-from pdcompile.runtime import allocator, comm, devices, faults, schedules
+from pdcompile.errors import PdcompileError, UsageError
+from pdcompile.runtime import allocator, comm, devices, faults, schedules, sources
 from pdcompile.runtime.devices import DEVICE_FLAGS, choose_device, keep_freed_memory
 from pdcompile.runtime.executor import WEIGHT_PASSES
 from pdcompile.runtime.program import PRECISIONS, Program
@@ -48,7 +48,13 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=compiled.num_microbatches,
                    help=f"microbatches per minibatch (default: the compiled {compiled.num_microbatches})")
     p.add_argument("--data", default=None, help="MODULE:FUNCTION yielding (inputs, target) minibatches")
-    p.add_argument("--seed", type=int, default=0, help="seed of the built-in random data")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the built-in random data and of a fresh initialisation (a meta model without a checkpoint)")
+    init_default = program.init.get("path") or f"the compiled source, {program.init.get('source', 'weights')}"
+    p.add_argument("--init-from", default=program.init.get("path"), metavar="PATH",
+                   help="start from this checkpoint, each rank reading only its stage's tensors: a Hugging Face "
+                        "model folder, a .safetensors file, a torch.save'd state_dict or a torch.distributed."
+                        f"checkpoint folder (default: {init_default})")
     p.add_argument("--targets", choices=("auto", "send", "local"), default="auto",
                    help="where the last stage gets each microbatch's target: 'send' (the first stage sends it), "
                         "'local' (the last stage reads the same data itself: the data source must give every "
@@ -166,6 +172,7 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
     try:
         args = parse_args(argv, program)
         check_args(args, program)
+        sources.check_init_from(args.init_from)
         run_schedule(program, args, int(os.environ.get("RANK", 0)))
     except UsageError as e:  # the same answer on every rank: say it once
         if int(os.environ.get("RANK", 0)) == 0:
@@ -201,8 +208,8 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
         allocator.keep_freed_memory(True)
     try:
         code = Trainer(program, args, rank, timeout).train()
-    except CheckpointError as e:
-        print(f"train.py: rank {rank}: CheckpointError: {e}", file=sys.stderr, flush=True)
+    except PdcompileError as e:  # a checkpoint refused, a stage no source can fill (runtime/sources.py)
+        print(f"train.py: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         # Every rank refuses together (checkpoint.agree), then leaves at once. Tearing gloo down here
         # while the peers do the same aborted about one run in ten ("terminate called without an
         # active exception", SIGABRT instead of the exit status 2 that says "bad input").

@@ -52,7 +52,7 @@ class StageSpec:
     index: int
     module: str
     cls: str
-    weights: str
+    weights: str | None  # None: no stage_K.pt (a meta model's stages are filled from plan.json's init source)
     ranks: tuple[int, ...]
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
@@ -115,10 +115,39 @@ class Program:
     def target(self) -> TensorSpec:
         return TensorSpec.from_json(self.raw["target"])
 
-    def build_stage(self, index: int) -> torch.nn.Module:
+    @property
+    def init(self) -> dict[str, Any]:
+        """Where the stages' weights come from (``runtime/sources.py``): ``{"source": "weights"}`` (the
+        emitted ``stage_K.pt``), ``"fresh"`` (the owning modules' initialisers) or ``"pretrained"``."""
+        return dict(self.raw.get("init") or {"source": "weights"})
+
+    def build_stage(self, index: int, device: torch.device | str | None = None,
+                    init_from: str | None = None, seed: int | None = None) -> torch.nn.Module:
+        """Stage ``index``'s module with its initial weights, on ``device`` (default the CPU), from the
+        program's source; ``init_from`` (a checkpoint) overrides it, ``seed`` the fresh initialisation's.
+        From a checkpoint or a fresh initialisation the module is built on the meta device and only this
+        stage's tensors get storage."""
+        from pdcompile.runtime import sources
+
         st = self.stages[index]
-        module: torch.nn.Module = getattr(_load_file(self.folder / st.module, f"pdcompile_stage_{index}"), st.cls)()
-        load_weights(module, self.folder / st.weights)
+        cls = getattr(_load_file(self.folder / st.module, f"pdcompile_stage_{index}"), st.cls)
+        init = self.init if seed is None else {**self.init, "seed": seed}
+        init_from = init_from or init.get("path")
+        source = sources.source_of(init, init_from)
+        if source == "weights" or (init_from and st.weights and (self.folder / st.weights).is_file()):
+            module: torch.nn.Module = cls()  # today's path; with init_from the checkpoint overrides what it holds
+            if st.weights is None:
+                raise ValueError(f"plan.json: stage {index} names no weights file and no source for its weights")
+            load_weights(module, self.folder / st.weights)
+            if device is not None:
+                module = module.to(device)
+            if init_from:
+                sources.fill_stage(module, index, st.param_names, init, init_from, rest_fresh=False)
+            return module
+        with torch.device("meta"):
+            module = cls()
+        module = module.to_empty(device=device if device is not None else "cpu")
+        sources.fill_stage(module, index, st.param_names, init, init_from)
         return module
 
     def build_loss(self, device: torch.device | str | None = None) -> Any:

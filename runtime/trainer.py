@@ -61,7 +61,9 @@ class Trainer:
         self.specs = specs = program.stages_of_rank(rank)  # one, or several with virtual stages
         self.spec = spec = specs[0]
         torch.manual_seed(args.seed)
-        modules = [program.build_stage(st.index).to(devices.rank_device()) for st in specs]
+        # each rank builds only its stages, from the program's source (runtime/sources.py: stage_K.pt, fresh, init_from)
+        modules = [program.build_stage(st.index, devices.rank_device(), getattr(args, "init_from", None),
+                                       seed=args.seed).to(devices.rank_device()) for st in specs]
         if devices.rank_device().type == "cuda":
             torch.cuda.set_device(devices.rank_device())
         for module in modules:

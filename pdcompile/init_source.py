@@ -1,0 +1,114 @@
+"""plan.json's ``init``: where each rank's stage weights come from (read by ``runtime/sources.py``).
+
+A model with real weights keeps the emitted ``stage_K.pt`` (``{"source": "weights"}``). A model on the
+meta device has no values to write: its ranks either read a checkpoint (``init_from=PATH``,
+``"pretrained"``) or run the model's own initialisers stage by stage (``"fresh"``). For the latter the
+entry records how a rank rebuilds each owning module on the meta device: a Hugging Face model's class
+and config (its ``_init_weights`` then initialises any of its modules), else each owning module's class
+and constructor arguments (its ``reset_parameters()`` initialises it). A meta tensor that neither can
+fill is a :class:`UsageError` here, at compile time, not on the ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdcompile.errors import UsageError
+from pdcompile.passes.codegen import class_path, object_spec
+from pdcompile.passes.split_stages import StageSplit
+
+
+def has_meta(model: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on the meta device (no values to emit)."""
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def _is_hf(m: torch.nn.Module) -> bool:
+    """A Hugging Face PreTrainedModel (duck-typed: transformers need not be installed)."""
+    return (hasattr(m, "_init_weights") and hasattr(type(m), "config_class")
+            and callable(getattr(getattr(m, "config", None), "to_json_string", None)))
+
+
+def _hf_models(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The outermost Hugging Face models in ``model``, by qualified name ("" for the model itself)."""
+    if _is_hf(model):
+        return {"": model}
+    out: dict[str, torch.nn.Module] = {}
+    for name, m in model.named_modules():
+        if name and _is_hf(m) and not any(name.startswith(p + ".") for p in out):
+            out[name] = m
+    return out
+
+
+def _owner(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _under(name: str, prefix: str) -> bool:
+    return prefix == "" or name == prefix or name.startswith(prefix + ".")
+
+
+def init_entry(model: torch.nn.Module, split: StageSplit, init_from: str | os.PathLike[str] | None,
+               seed: int = 0) -> dict[str, Any]:
+    """The ``init`` entry of plan.json for ``model`` compiled into ``split``, with the checkpoint
+    ``init_from`` if given. Raises :class:`UsageError` for meta tensors no source can fill."""
+    meta = has_meta(model)
+    if not meta and init_from is None:
+        return {"source": "weights"}
+    names = sorted({orig for st in split.stages for orig in st.param_names.values()})
+    canonical = {id(t): n for n, t in itertools.chain(model.named_parameters(), model.named_buffers())}
+    saved = model.state_dict(keep_vars=True)
+    aliases: dict[str, list[str]] = {}
+    for key, t in saved.items():
+        c = canonical.get(id(t))
+        if c is not None and c != key:
+            aliases.setdefault(c, []).append(key)
+    not_saved = [n for n in names if n not in saved and n not in aliases]
+    entry: dict[str, Any] = {"source": "pretrained" if init_from is not None else "fresh", "seed": seed,
+                             "aliases": aliases, "not_in_state_dict": not_saved}
+    if init_from is not None:
+        entry["path"] = str(Path(init_from).resolve())
+    if meta:
+        fresh = not_saved if init_from is not None else names
+        entry.update(_initialisers(model, fresh))
+    return entry
+
+
+def _initialisers(model: torch.nn.Module, names: Iterable[str]) -> dict[str, Any]:
+    """How a rank rebuilds and initialises the modules owning ``names``: ``hf`` (a Hugging Face model's
+    class, config and place in ``model``) and ``owners`` (other modules' class and arguments)."""
+    hf = _hf_models(model)
+    out: dict[str, Any] = {}
+    owners: dict[str, Any] = {}
+    for name in names:
+        owner = _owner(name)
+        prefix = next((p for p in hf if _under(owner, p)), None)
+        if prefix is not None:
+            m = hf[prefix]
+            out.setdefault("hf", {"class": class_path(type(m)), "prefix": prefix,
+                                  "config": json.loads(getattr(m, "config").to_json_string(use_diff=False))})
+            if out["hf"]["prefix"] != prefix:
+                raise UsageError(f"pdcompile: the model holds several Hugging Face models ({', '.join(hf)}) on the "
+                                 f"meta device; a fresh initialisation supports one. Fix: init_from=PATH (a "
+                                 f"checkpoint), or build the model with real weights")
+            continue
+        if owner in owners:
+            continue
+        module = model.get_submodule(owner)
+        if not callable(getattr(module, "reset_parameters", None)):
+            raise UsageError(f"pdcompile: {name!r} is on the meta device and nothing can fill it: its module "
+                             f"{owner or 'the model'} ({type(module).__name__}) has no reset_parameters(). Fix: "
+                             f"pass init_from=PATH (a checkpoint of the model), define "
+                             f"{type(module).__name__}.reset_parameters(), or build the model with real weights")
+        with torch.device("meta"):  # object_spec rebuilds it to check: no storage needed
+            owners[owner] = object_spec(module).to_json()
+    if owners:
+        out["owners"] = owners
+    return out

@@ -1,0 +1,350 @@
+"""Where a rank's stage weights come from, and filling a stage from there without the whole model.
+
+plan.json's ``init`` says it (written by :mod:`pdcompile.init_source`):
+
+- ``"weights"`` (a model compiled with real weights): the emitted ``stage_K.pt``, as always;
+- ``"fresh"`` (a meta model, no checkpoint): each of the stage's tensors is made by its owning module's
+  own initialiser (``reset_parameters()``, or a Hugging Face model's ``_init_weights``), run on a CPU copy
+  of that module alone, seeded from ``(seed, the module's original name)``: a seed gives the same initial
+  weights under every plan, stage count and replica;
+- ``"pretrained"`` (``init_from=PATH``): the stage's tensors read under the original model's names from
+  PATH, lazily: safetensors' ``safe_open`` (a file, an HF folder's ``model.safetensors`` or shards with
+  ``model.safetensors.index.json``), ``torch.load(mmap=True)`` (a ``torch.save``d state_dict), or
+  torch.distributed.checkpoint's ``load`` of only the stage's keys (a DCP folder). A tensor the model keeps
+  out of its state_dict (a non-persistent buffer such as rotary frequencies) comes from its initialiser.
+
+The stage module is built on the meta device, given storage on the rank's device with ``to_empty``,
+and every tensor filled (dtypes cast: a bf16 checkpoint into fp32 master weights). A tensor no source
+fills is an error: a meta tensor never reaches training. Only torch and safetensors here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from pdcompile.errors import CheckpointError, UsageError
+
+SOURCES = ("weights", "fresh", "pretrained")
+_NO_WEIGHTS_FIX = ("Fix: give init_from a Hugging Face model folder (model.safetensors, or shards with "
+                   "model.safetensors.index.json), a .safetensors file, a torch.save'd state_dict, or a "
+                   "torch.distributed.checkpoint folder")
+
+
+def source_of(init: Mapping[str, Any] | None, init_from: str | None) -> str:
+    """Which source fills the stages: ``init_from`` (a flag, or plan.json's path) wins, then plan.json's."""
+    if init_from:
+        return "pretrained"
+    return str((init or {}).get("source", "weights"))
+
+
+def param_seed(seed: int, name: str) -> int:
+    """The seed of the module named ``name`` (its original qualified name): the same on every rank,
+    under every plan."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+# -- reading a checkpoint lazily --------------------------------------------------------------------
+
+class Reader(Protocol):
+    path: Path
+
+    def shape(self, name: str) -> tuple[int, ...] | None: ...
+
+    def read(self, names: list[str], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+def _unreadable(path: Path, e: BaseException) -> CheckpointError:
+    why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return CheckpointError(f"init_from: {path} can't be read ({type(e).__name__}: {why}); it may be truncated "
+                           f"or not a checkpoint. Fix: save or download it again")
+
+
+class SafetensorsReader:
+    """One or several ``.safetensors`` files (an index's shards), opened lazily: a tensor is read only
+    when asked for."""
+
+    def __init__(self, path: Path, files: Mapping[str, Path] | None = None) -> None:
+        from safetensors import safe_open
+
+        self.path = path
+        self._where: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for f in sorted(set(files.values())) if files is not None else [path]:
+            try:
+                with safe_open(str(f), framework="pt", device="cpu") as h:
+                    for k in h.keys():
+                        self._where[k] = f
+                        self._shapes[k] = tuple(h.get_slice(k).get_shape())
+            except FileNotFoundError:
+                raise CheckpointError(f"init_from: {path} names the shard {f.name}, which is not there. "
+                                      f"Fix: download every shard the index names") from None
+            except Exception as e:  # noqa: BLE001 - safetensors' own error types vary by version
+                raise _unreadable(f, e) from None
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        return self._shapes.get(name)
+
+    def read(self, names: list[str], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        out: dict[str, torch.Tensor] = {}
+        for f in sorted({self._where[n] for n in names}):
+            try:
+                with safe_open(str(f), framework="pt", device="cpu") as h:
+                    for n in names:
+                        if self._where[n] == f:
+                            out[n] = h.get_tensor(n)
+            except Exception as e:  # noqa: BLE001
+                raise _unreadable(f, e) from None
+        return out
+
+
+class TorchSaveReader:
+    """A ``torch.save``d state_dict, memory-mapped (``torch.load(mmap=True)``): pages are read only for
+    the tensors used."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            sd = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+        except Exception as e:  # noqa: BLE001
+            raise _unreadable(path, e) from None
+        if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
+            sd = sd["state_dict"]
+        if not isinstance(sd, dict):
+            raise CheckpointError(f"init_from: {path} holds a {type(sd).__name__}, not a state_dict. Fix: "
+                                  f"torch.save(model.state_dict(), PATH)")
+        self._sd: dict[str, Any] = sd
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        t = self._sd.get(name)
+        return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+
+    def read(self, names: list[str], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: self._sd[n] for n in names}
+
+
+class DCPReader:
+    """A torch.distributed.checkpoint folder: ``load`` of a state_dict holding only the stage's keys
+    (``no_dist``: each rank reads its own part, no collective)."""
+
+    def __init__(self, path: Path) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.path = path
+        try:
+            self._meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except Exception as e:  # noqa: BLE001
+            raise _unreadable(path / ".metadata", e) from None
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        m = self._meta.get(name)
+        size = getattr(m, "size", None)
+        return tuple(size) if size is not None else None
+
+    def read(self, names: list[str], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        import torch.distributed.checkpoint as dcp
+
+        sd = {n: torch.empty(tuple(self._meta[n].size), dtype=self._meta[n].properties.dtype)  # type: ignore[union-attr]
+              for n in names}
+        try:
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+        except Exception as e:  # noqa: BLE001
+            raise _unreadable(self.path, e) from None
+        return sd
+
+
+def open_checkpoint(path: str | Path) -> Reader:
+    """The reader of ``path``, by what it is; a path with no weights is a :class:`UsageError`."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"init_from: {p} does not exist. {_NO_WEIGHTS_FIX}")
+    if p.is_dir():
+        index = p / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise _unreadable(index, e) from None
+            return SafetensorsReader(p, {k: p / f for k, f in weight_map.items()})
+        if (p / "model.safetensors").is_file():
+            return SafetensorsReader(p / "model.safetensors")
+        if (p / ".metadata").is_file():
+            return DCPReader(p)
+        if (p / "pytorch_model.bin").is_file():
+            return TorchSaveReader(p / "pytorch_model.bin")
+        raise UsageError(f"init_from: the folder {p} holds no weights (no model.safetensors, "
+                         f"model.safetensors.index.json, pytorch_model.bin or torch.distributed.checkpoint "
+                         f".metadata). {_NO_WEIGHTS_FIX}")
+    if p.suffix == ".safetensors":
+        return SafetensorsReader(p)
+    return TorchSaveReader(p)
+
+
+def check_init_from(init_from: str | None) -> None:
+    """Before any process group: ``init_from`` names a checkpoint that can be opened (a
+    :class:`UsageError`, said once by rank 0, rather than the same error on every rank later)."""
+    if not init_from:
+        return
+    try:
+        open_checkpoint(init_from)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+
+
+def read_stage(reader: Reader, wanted: Mapping[str, torch.Tensor], aliases: Mapping[str, list[str]],
+               stage: int) -> dict[str, torch.Tensor]:
+    """The tensors ``wanted`` (original name -> the stage's tensor, for its shape) read from ``reader``,
+    each found under its name or one of its ``aliases`` (tied names); a missing tensor or another
+    shape is a :class:`CheckpointError` naming it."""
+    found: dict[str, str] = {}
+    for name, t in wanted.items():
+        key = next((k for k in (name, *aliases.get(name, ())) if reader.shape(k) is not None), None)
+        if key is None:
+            raise CheckpointError(f"init_from: {reader.path} has no tensor {name!r}, which stage {stage} needs. "
+                                  f"Fix: init_from a checkpoint of this model (saved from its state_dict() or "
+                                  f"with save_pretrained)")
+        shape = reader.shape(key)
+        if shape != tuple(t.shape):
+            raise CheckpointError(f"init_from: tensor {key!r} in {reader.path} has shape {list(shape or ())}, "
+                                  f"stage {stage} needs {list(t.shape)}. Fix: init_from a checkpoint of the "
+                                  f"same model configuration")
+        found[name] = key
+    got = reader.read(sorted(set(found.values())), {})
+    return {name: got[key] for name, key in found.items()}
+
+
+# -- fresh initialisation by the owning modules -----------------------------------------------------
+
+def _import(path: str) -> Any:
+    mod, _, name = path.rpartition(".")
+    obj: Any = importlib.import_module(mod)
+    return getattr(obj, name)
+
+
+class FreshInit:
+    """Makes a stage's tensors the way the model's own initialisation does, one owning module at a time:
+    the owner rebuilt on the meta device (from its class and arguments, or a Hugging Face model built
+    from its config on meta), given CPU storage (``to_empty``), initialised under its own seed."""
+
+    def __init__(self, init: Mapping[str, Any]) -> None:
+        self.seed = int(init.get("seed", 0))
+        self.owners: dict[str, dict[str, Any]] = dict(init.get("owners") or {})
+        self.hf: dict[str, Any] | None = init.get("hf")
+        self._hf_model: torch.nn.Module | None = None
+
+    def _hf(self) -> torch.nn.Module:
+        if self._hf_model is None:
+            assert self.hf is not None
+            cls = _import(self.hf["class"])
+            config = cls.config_class.from_dict(self.hf["config"])
+            with torch.device("meta"):
+                self._hf_model = cls(config)
+        return self._hf_model
+
+    def _owner(self, name: str) -> tuple[torch.nn.Module, Any]:
+        """The module called ``name`` in the original model (on meta), and its initialiser."""
+        spec = self.owners.get(name)
+        if spec is not None:
+            with torch.device("meta"):
+                module: torch.nn.Module = _import(spec["class"])(**spec.get("kwargs", {}))
+            return module, lambda m: m.reset_parameters()
+        prefix = str((self.hf or {}).get("prefix", ""))
+        if self.hf is None or not (prefix == "" or name == prefix or name.startswith(prefix + ".")):
+            raise UsageError(f"stage tensors of module {name!r} are on the meta device and nothing fills them. "
+                             f"Fix: init_from=PATH (a checkpoint), or give the module reset_parameters()")
+        model = self._hf()
+        name = name[len(prefix):].lstrip(".")
+        module = model.get_submodule(name)
+        hf_owner = model  # the nearest enclosing PreTrainedModel dispatches its own _init_weights
+        parts = name.split(".") if name else []
+        for i in range(len(parts), 0, -1):
+            m = model.get_submodule(".".join(parts[:i]))
+            if hasattr(m, "_init_weights") and hasattr(m, "config"):
+                hf_owner = m
+                break
+        return module, getattr(hf_owner, "_init_weights")
+
+    def tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """``{original name: CPU tensor}`` for ``names``, each from its owning module's initialiser."""
+        by_owner: dict[str, list[str]] = {}
+        for n in names:
+            owner, _, _ = n.rpartition(".")
+            by_owner.setdefault(owner, []).append(n)
+        out: dict[str, torch.Tensor] = {}
+        for owner, members in sorted(by_owner.items()):
+            module, init = self._owner(owner)
+            module.to_empty(device="cpu", recurse=False)
+            with torch.no_grad():
+                for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+                    if hasattr(t, "_is_hf_initialized"):  # a Hugging Face flag that would make its init skip it
+                        t._is_hf_initialized = False
+                    if t.is_floating_point():
+                        t.fill_(float("nan"))  # what the initialiser leaves unset shows as NaN below
+            with _seeded(param_seed(self.seed, owner)), torch.no_grad():
+                init(module)
+            own: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False))
+            own.update(dict(module.named_buffers(recurse=False)))
+            for n in members:
+                made = own.get(n.rpartition(".")[2])
+                if made is None or made.is_meta or (made.is_floating_point() and bool(torch.isnan(made).any())):
+                    raise UsageError(f"stage tensor {n!r} is on the meta device and its module's initialiser "
+                                     f"({type(module).__name__}) does not set it. Fix: init_from=PATH (a "
+                                     f"checkpoint of the model), or build the model with real weights")
+                out[n] = made.detach()
+        return out
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+# -- filling a stage ------------------------------------------------------------------------------
+
+def stage_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters and buffers by local name, shared ones under each of their names."""
+    own: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    own.update(dict(module.named_buffers(remove_duplicate=False)))
+    return own
+
+
+def fill_stage(module: torch.nn.Module, stage: int, param_names: Mapping[str, str], init: Mapping[str, Any],
+               init_from: str | None, reader: Reader | None = None, rest_fresh: bool = True) -> None:
+    """Fill every tensor of ``module`` (materialised, uninitialised) from its source: the checkpoint at
+    ``init_from`` for what the model's state_dict holds, the owning modules' initialisers for the rest
+    (or everything, with no ``init_from``). ``rest_fresh=False``: the module already holds its emitted
+    weights; only the checkpoint's tensors are copied in."""
+    own = stage_tensors(module)
+    unnamed = sorted(set(own) - set(param_names))
+    if unnamed and rest_fresh:
+        raise UsageError(f"stage {stage}: tensors {unnamed} are not the model's own (tensor constants made while "
+                         f"tracing) and are on the meta device. Fix: compile the model with real weights")
+    wanted: dict[str, torch.Tensor] = {}
+    for local, orig in param_names.items():
+        wanted.setdefault(orig, own[local])
+    values: dict[str, torch.Tensor] = {}
+    if init_from:
+        not_saved = set(init.get("not_in_state_dict") or ())
+        reader = reader if reader is not None else open_checkpoint(init_from)
+        values.update(read_stage(reader, {n: t for n, t in wanted.items() if n not in not_saved},
+                                 init.get("aliases") or {}, stage))
+    rest = [n for n in wanted if n not in values]
+    if rest and not rest_fresh:
+        param_names = {local: orig for local, orig in param_names.items() if orig in values}
+    elif rest:
+        values.update(FreshInit(init).tensors(rest))
+    with torch.no_grad():
+        for local, orig in param_names.items():
+            own[local].copy_(values[orig])  # casts: a bf16 checkpoint into fp32 master weights
