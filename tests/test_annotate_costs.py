@@ -258,7 +258,7 @@ def test_measured_inplace_and_tuple_outputs() -> None:
 
 
 def test_backward_call_overhead_is_the_fixed_part(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdcompile.passes import annotate_costs as ac
+    from pdcompile.passes.costs import measure as ac
 
     # a call costs fixed + n * per_node: 1 node 20 us, 11 nodes 60 us -> per node 4 us, fixed 16 us
     monkeypatch.setattr(ac, "_interleaved_medians", lambda fns, *a, **k: {1: 20e-6, 11: 60e-6})
@@ -269,7 +269,7 @@ def test_backward_call_overhead_is_the_fixed_part(monkeypatch: pytest.MonkeyPatc
 
 
 def test_visit_medians_ignore_a_burst_that_covers_one_visit(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdcompile.passes import annotate_costs as ac
+    from pdcompile.passes.costs import measure as ac
 
     calls: dict[str, int] = {"a": 0, "b": 0}
     # node "a" is hit by a burst (10x slower) during its whole first visit; "b" never

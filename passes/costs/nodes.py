@@ -1,0 +1,123 @@
+"""Running single nodes of a traced graph: the values a full forward feeds each node, and one node
+callable again and again on fresh copies of them (what timing, FLOP counting and the I/W split
+run)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence, cast
+
+import torch
+import torch.fx as fx
+
+COMPUTE_OPS = ("call_module", "call_function", "call_method")
+
+
+class _Capture(fx.Interpreter):
+    """Runs the graph once and keeps every node's value (under no_grad: values only)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.values: dict[fx.Node, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        self.values[n] = result
+        return result
+
+
+def capture(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[fx.Node, Any]:
+    cap = _Capture(gm)
+    with torch.no_grad():
+        cap.run(*inputs)
+    return cap.values
+
+
+def flat_tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from flat_tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from flat_tensors(v)
+
+
+def _is_inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+    name = getattr(node.target, "__name__", str(node.target))
+    if node.op == "call_function" and getattr(node.target, "__module__", "") in ("_operator", "operator"):
+        return name.startswith("i") and name not in ("is_", "is_not", "index", "invert")
+    return name.endswith("_") and not name.endswith("__")
+
+
+class NodeCall:
+    """One node, callable again and again on fresh copies of the inputs it saw."""
+
+    def __init__(self, gm: fx.GraphModule, node: fx.Node, values: dict[fx.Node, Any]) -> None:
+        self.node = node
+        self.inplace = _is_inplace(gm, node)
+        self.module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+        self.leaves: list[torch.Tensor] = []
+        grad_ok = {}
+
+        def leaf(a: fx.Node) -> Any:
+            v = values[a]
+            if not isinstance(v, torch.Tensor):
+                return v
+            if a.op == "get_attr":  # a parameter or buffer: used as is
+                return v
+            if a.op != "placeholder" and (v.is_floating_point() or v.is_complex()):
+                if a not in grad_ok:
+                    grad_ok[a] = v.detach().clone().requires_grad_(True)
+                    self.leaves.append(grad_ok[a])
+                return grad_ok[a]
+            return v.detach()
+
+        self.args = fx.node.map_arg(node.args, leaf)
+        self.kwargs = fx.node.map_arg(node.kwargs, leaf)
+        params = list(self.module.parameters()) if self.module is not None else []
+        params += [v for v in flat_tensors((self.args, self.kwargs))
+                   if isinstance(v, torch.nn.Parameter)]
+        self.grad_inputs = [t for t in self.leaves] + [p for p in dict.fromkeys(params) if p.requires_grad]
+        self.gm = gm
+
+    def _fresh(self) -> tuple[Any, Any]:
+        if not self.inplace:
+            return self.args, self.kwargs
+        clone = lambda v: v.clone() if isinstance(v, torch.Tensor) and v.requires_grad and v.is_leaf and not isinstance(v, torch.nn.Parameter) else v  # noqa: E731
+        return (fx.node.map_aggregate(self.args, clone), fx.node.map_aggregate(self.kwargs, clone))
+
+    def forward(self) -> Any:
+        args, kwargs = self._fresh()
+        n = self.node
+        if n.op == "call_module":
+            return cast(torch.nn.Module, self.module)(*args, **kwargs)
+        if n.op == "call_function":
+            return cast(Callable[..., Any], n.target)(*args, **kwargs)
+        self_obj, *rest = args
+        return getattr(self_obj, str(n.target))(*rest, **kwargs)
+
+    def backward_fn(self, out: Any, wrt: str = "all") -> Callable[[], Any] | None:
+        """A closure running this node's backward once (None if nothing to differentiate): with
+        respect to its differentiable inputs and parameters (``wrt="all"``), or only its inputs
+        (``"inputs"``: a split backward's ``B``) or only its parameters (``"params"``: its ``W``)."""
+        outs = [t for t in flat_tensors(out) if t.requires_grad]
+        n_in = len(self.leaves)
+        inputs = {"all": self.grad_inputs, "inputs": self.grad_inputs[:n_in],
+                  "params": self.grad_inputs[n_in:]}[wrt]
+        if not outs or not inputs:
+            return None
+        grads = [torch.ones_like(t) for t in outs]
+
+        def run() -> Any:
+            return torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
+
+        return run
+
+
+def output_meta(value: Any) -> Any:
+    from pdcompile.passes.propagate_shapes import tensor_meta_of
+
+    return tensor_meta_of(value)

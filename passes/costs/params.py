@@ -1,0 +1,64 @@
+"""Parameter and buffer bytes per compute node: each tensor once, at its first user; and the
+bytes of parameters an earlier node used already (tied weights)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from pdcompile.passes.costs.nodes import COMPUTE_OPS
+
+def shared_param_bytes(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Per compute node, bytes of the parameters it uses that an earlier node used already."""
+    seen: set[int] = set()
+    out: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        if node.op not in COMPUTE_OPS:
+            continue
+        params = list(gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module" else []
+        params += [t for a in node.all_input_nodes if a.op == "get_attr"
+                   for t in [_fetch_attr(gm, str(a.target))] if isinstance(t, torch.nn.Parameter)]
+        mine = {id(p): p for p in params}
+        out[node] = sum(p.numel() * p.element_size() for i, p in mine.items() if i in seen)
+        seen.update(mine)
+    return out
+
+
+def param_attribution(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
+    """(parameter bytes, buffer bytes) per compute node: each tensor once, at its first user;
+    get_attr tensors go to the first compute node that reads them."""
+    seen: set[int] = set()
+    out: dict[fx.Node, tuple[int, int]] = {}
+
+    def nbytes(t: torch.Tensor) -> int:
+        if id(t) in seen:
+            return 0
+        seen.add(id(t))
+        return t.numel() * t.element_size()
+
+    for node in gm.graph.nodes:
+        if node.op not in COMPUTE_OPS:
+            continue
+        pb = bb = 0
+        if node.op == "call_module":
+            mod = gm.get_submodule(str(node.target))
+            pb += sum(nbytes(p) for p in mod.parameters())
+            bb += sum(nbytes(b) for b in mod.buffers())
+        for a in node.all_input_nodes:
+            if a.op == "get_attr":
+                t = _fetch_attr(gm, str(a.target))
+                if isinstance(t, torch.nn.Parameter):
+                    pb += nbytes(t)
+                elif isinstance(t, torch.Tensor):
+                    bb += nbytes(t)
+        out[node] = (pb, bb)
+    return out
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
