@@ -111,12 +111,11 @@ def keywords_checked(also: Callable[[], Iterable[str]] | None = None
         params = inspect.signature(f).parameters.values()
         own = [p.name for p in params if p.name != "self"
                and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
-        where = f.__qualname__.replace("CompiledPipeline.", "")
 
         @functools.wraps(f)
         def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             if any(k not in own for k in kwargs):
-                check_keywords(where, kwargs, [*own, *(also() if also is not None else ())])
+                check_keywords(f.__name__, kwargs, [*own, *(also() if also is not None else ())])
             return f(*args, **kwargs)
         return checked
     return wrap
