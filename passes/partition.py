@@ -156,13 +156,13 @@ def infer_virtual_stages(schedule: str, stages: int | None, workers: int | None)
     ``stages / workers``). Without ``stages=``, the fewest the placement admits on ``workers`` (this
     machine's 2 without a cluster); without a cluster, the fewest for ``stages``; fewer stages than
     workers, one each. Where several counts fit and none exactly on ``workers``: a UsageError naming
-    the choices. 1 for a schedule
-    without a placement, and where nothing fits (the placement's own error then says why)."""
+    the choices. 1 for a schedule without a placement, and where nothing fits (the placement's own
+    error then says why)."""
     if schedule not in POLICIES or policy(schedule).placement is None or isinstance(stages, bool):
         return 1
     if stages is None:
         p = workers if workers is not None else 2
-        return next((v for v in range(1, 9) if placement_choices(schedule, v * p).get(v) == p), 1)
+        return next((v for v in range(1, 9) if placement_choices(schedule, v * p).get(v) == p), 1)  # up to 8 per rank
     if not isinstance(stages, int) or stages < 1:
         return 1
     choices = placement_choices(schedule, stages)
