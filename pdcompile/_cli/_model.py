@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from pdcompile._cli.profile import call_factory, leaf_module, parse_inputs
+from pdcompile._cli._args import call_factory, leaf_module, parse_inputs, parse_literal, resolve_cluster, zoo_model
 from pdcompile.errors import UsageError
 
 MODEL_HELP = ("a model: zoo:NAME (gpt, mlp, resnet, vgg, gnmt) or MODULE:FACTORY returning an nn.Module "
@@ -37,15 +37,6 @@ def add_model_args(p: argparse.ArgumentParser, *, training: bool = True) -> None
                        help="target shape for a plain module, e.g. 8:int64:10 (class ids below 10)")
         p.add_argument("--loss", default="torch.nn.CrossEntropyLoss", help="loss class path")
         p.add_argument("--batch-size", type=int, default=16, help="zoo models: minibatch size (default 16)")
-
-
-def zoo_model(name: str, **kwargs: Any) -> Any:
-    """The zoo bundle ``name`` (``pdcompile.zoo.get``), or a UsageError listing the names."""
-    from pdcompile.zoo import get, names
-
-    if name not in names():
-        raise UsageError(f"unknown zoo model {name!r}; choose one of {names()}")
-    return get(name, **kwargs)
 
 
 def load_model(args: argparse.Namespace) -> LoadedModel:
@@ -125,7 +116,6 @@ def add_clip_arg(p: argparse.ArgumentParser) -> None:
 
 
 def optimizer_factory(text: str) -> Any:
-    from pdcompile._cli.profile import parse_literal
     from pdcompile.runtime.program import import_object
 
     cls_path, _, rest = text.partition(":")
@@ -151,8 +141,6 @@ def compile_from_args(args: argparse.Namespace) -> tuple[LoadedModel, Any]:
                          f"and --loss CLASS, or a factory returning .target and .loss_fn")
     cluster = None
     if args.cluster:
-        from pdcompile._cli.plan import resolve_cluster
-
         cluster = resolve_cluster(args.cluster)
     pipe = pdcompile(m.model, cluster, example_inputs=m.example_inputs, example_target=m.target,
                      loss_fn=m.loss_fn, optimizer=optimizer_factory(args.optimizer), schedule=args.schedule,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
+from pdcompile._cli._args import call_factory, parse_inputs, resolve_cluster
 from pdcompile.errors import UsageError
 from pdcompile.passes.partition_dp import COST_MODELS
 from pdcompile.runtime.schedules import SCHEDULES
@@ -80,24 +80,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def resolve_cluster(text: str) -> Any:
-    """``paper:A``, ``paper:B``, ``local:N`` or a TOML file."""
-    from pdcompile.cluster import ClusterSpec, local_cpu_cluster, paper_cluster
-
-    kind, _, arg = text.partition(":")
-    if kind == "paper" and arg:
-        return paper_cluster(arg)
-    if kind == "local" and arg:
-        try:
-            n = int(arg)
-        except ValueError:
-            raise UsageError(f"--cluster {text!r}: local:N takes a number of processes, e.g. local:4") from None
-        return local_cpu_cluster(n)
-    if not Path(text).is_file():
-        raise UsageError(f"--cluster {text!r}: no such file; give a cluster TOML, paper:A, paper:B or local:N")
-    return ClusterSpec.from_toml(Path(text))
-
-
 def _profile(args: argparse.Namespace) -> Any:
     from pdcompile import profile as profile_mod
 
@@ -113,8 +95,6 @@ def _profile(args: argparse.Namespace) -> Any:
     import torch
 
     from pdcompile.passes.annotate_costs import profile_model
-
-    from pdcompile._cli.profile import call_factory, parse_inputs
 
     try:
         made = call_factory(args.model, args.factory_args)

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
+from pdcompile._cli._args import call_factory, leaf_module, parse_inputs, zoo_model
 from pdcompile.errors import UsageError
 from pdcompile.profile import Profile, load, save, to_json
 
@@ -128,8 +126,6 @@ def _profile(args: argparse.Namespace) -> _Profiled:
     from pdcompile.passes.annotate_costs import profile_model
 
     if args.factory.startswith("zoo:"):
-        from pdcompile._cli._model import zoo_model
-
         made = zoo_model(args.factory[4:])
     else:
         made = call_factory(args.factory, args.factory_args)
@@ -164,74 +160,6 @@ def _profile(args: argparse.Namespace) -> _Profiled:
     else:
         target = target.to(device)
     return _Profiled(prof, model, inputs, tuple(leaf), loss_fn, target)
-
-
-def call_factory(spec: str, kv: Sequence[str]) -> Any:
-    mod_name, sep, fn_name = spec.partition(":")
-    if not sep or not mod_name or not fn_name:
-        raise UsageError(f"model {spec!r} must be MODULE:FACTORY, e.g. mypkg.models:make_net")
-    if str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise UsageError(f"cannot import {mod_name!r} ({e}); is it on PYTHONPATH?") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise UsageError(f"{mod_name} has no callable {fn_name!r}")
-    kwargs = {}
-    for item in kv:
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise UsageError(f"--arg {item!r} must be KEY=VALUE")
-        kwargs[key] = parse_literal(value)
-    return fn(**kwargs)
-
-
-def parse_literal(value: str) -> Any:
-    for conv in (int, float):
-        try:
-            return conv(value)
-        except ValueError:
-            pass
-    return value
-
-
-def leaf_module(name: str) -> Any:
-    """``pkg.mod.Class`` -> the class if it imports, else the name (a qualified submodule)."""
-    mod_name, _, cls = name.rpartition(".")
-    if mod_name:
-        try:
-            obj = getattr(importlib.import_module(mod_name), cls, None)
-            if isinstance(obj, type):
-                return obj
-        except ImportError:
-            pass
-    return name
-
-
-def parse_inputs(text: str) -> tuple[Any, ...]:
-    """``"8x3x32x32,8x50:int64"`` -> a random float tensor and a zero int64 tensor."""
-    import torch
-
-    out = []
-    gen = torch.Generator().manual_seed(0)
-    for part in text.split(","):
-        shape_s, _, dtype_s = part.strip().partition(":")
-        try:
-            shape = tuple(int(d) for d in shape_s.lower().split("x"))
-        except ValueError:
-            raise UsageError(f"--input {part!r}: a shape is dims joined by 'x', e.g. 8x3x32x32") from None
-        if any(d <= 0 for d in shape):
-            raise UsageError(f"--input {part!r}: dims must be positive")
-        dtype = getattr(torch, dtype_s or "float32", None)
-        if not isinstance(dtype, torch.dtype):
-            raise UsageError(f"--input {part!r}: unknown dtype {dtype_s!r} (e.g. float32, int64)")
-        if dtype.is_floating_point:
-            out.append(torch.randn(shape, generator=gen).to(dtype))
-        else:
-            out.append(torch.zeros(shape, dtype=dtype))
-    return tuple(out)
 
 
 def _fmt_bytes(n: float) -> str:

@@ -2,7 +2,7 @@
 
 One module per concern: :mod:`.actions` (the IR, its text form, rank routing), :mod:`.policy`
 and :mod:`.registry` (what each schedule is, by name), :mod:`.gpipe` and :mod:`.one_f_one_b` (the
-families' action orders, :mod:`.zero_bubble` ZB-H1's), :mod:`.generate` (weight-version placement),
+families' action orders, :mod:`.zero_bubble` ZB-H1's), :mod:`.generate` (weight-version placement; the schedules by name as functions),
 :mod:`.versions` (memory read off a rank's actions), :mod:`.replay` (deadlock-free replay, send
 release), :mod:`.validate`, :mod:`.periodic` (runs of any length) and :mod:`.transfers` (the order
 NCCL needs). A ``W k`` after ``B k`` splits that backward: ``B`` computes only input gradients (sent
@@ -25,9 +25,7 @@ from pdcompile.runtime.schedules.actions import (
     stage_ranks,
     stages_of_rank,
 )
-from pdcompile.runtime.schedules.generate import make_schedule
-from pdcompile.runtime.schedules.gpipe import gpipe
-from pdcompile.runtime.schedules.one_f_one_b import flush, one_f_one_b, two_bw
+from pdcompile.runtime.schedules.generate import flush, gpipe, make_schedule, one_f_one_b, two_bw
 from pdcompile.runtime.schedules.periodic import MAX_PERIODIC_BASE, RankRun, rank_run
 from pdcompile.runtime.schedules.policy import Layout, Policy, warmup_depth
 from pdcompile.runtime.schedules.registry import (

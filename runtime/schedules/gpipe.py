@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from pdcompile.runtime.schedules.actions import Action, Schedule
+from pdcompile.runtime.schedules.actions import Action
 from pdcompile.runtime.schedules.blocks import Updates, backward, forward
 from pdcompile.runtime.schedules.policy import Layout
 
@@ -23,18 +21,3 @@ def gpipe_order(lay: Layout, stage: int, replica: int, tied: bool) -> list[Actio
             acts += backward(stage, S, mb)
         updates.upto(k + 1)
     return acts
-
-
-def gpipe(num_stages: int, num_microbatches: int, tied: bool = False, *,
-          replicas: Sequence[int] | None = None, num_steps: int = 1) -> Schedule:
-    """GPipe: per step, all forwards, then all backwards (reverse order), then one synchronous step.
-
-    Each replica of stage s takes the step's microbatches ``k`` with ``k % r_s == replica``: forwards
-    in increasing order, backwards in decreasing order, then ``AR`` (if ``r_s > 1``), ``TG`` (if
-    ``tied``), ``ST``. Every forward and backward of step ``t`` uses weight version ``t``; ``WV t``
-    precedes step ``t``'s first forward: plain synchronous SGD with gradient accumulation over the
-    ``M`` microbatches of a minibatch. In flight per replica: all of its microbatches in the step.
-    """
-    from pdcompile.runtime.schedules.generate import make_schedule, replicas_for
-
-    return make_schedule("gpipe", replicas_for(num_stages, replicas), num_microbatches, tied=tied, num_steps=num_steps)

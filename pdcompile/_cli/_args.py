@@ -1,0 +1,106 @@
+"""Argument values the subcommands share: a model factory called with its ``--arg`` values, input
+shapes, leaf modules, a zoo name and a cluster. The bottom of ``_cli``: it imports no command."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from pdcompile.errors import UsageError
+
+
+def zoo_model(name: str, **kwargs: Any) -> Any:
+    """The zoo bundle ``name`` (``pdcompile.zoo.get``), or a UsageError listing the names."""
+    from pdcompile.zoo import get, names
+
+    if name not in names():
+        raise UsageError(f"unknown zoo model {name!r}; choose one of {names()}")
+    return get(name, **kwargs)
+
+
+def call_factory(spec: str, kv: Sequence[str]) -> Any:
+    mod_name, sep, fn_name = spec.partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise UsageError(f"model {spec!r} must be MODULE:FACTORY, e.g. mypkg.models:make_net")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UsageError(f"cannot import {mod_name!r} ({e}); is it on PYTHONPATH?") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise UsageError(f"{mod_name} has no callable {fn_name!r}")
+    kwargs = {}
+    for item in kv:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise UsageError(f"--arg {item!r} must be KEY=VALUE")
+        kwargs[key] = parse_literal(value)
+    return fn(**kwargs)
+
+
+def parse_literal(value: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(value)
+        except ValueError:
+            pass
+    return value
+
+
+def leaf_module(name: str) -> Any:
+    """``pkg.mod.Class`` -> the class if it imports, else the name (a qualified submodule)."""
+    mod_name, _, cls = name.rpartition(".")
+    if mod_name:
+        try:
+            obj = getattr(importlib.import_module(mod_name), cls, None)
+            if isinstance(obj, type):
+                return obj
+        except ImportError:
+            pass
+    return name
+
+
+def parse_inputs(text: str) -> tuple[Any, ...]:
+    """``"8x3x32x32,8x50:int64"`` -> a random float tensor and a zero int64 tensor."""
+    import torch
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for part in text.split(","):
+        shape_s, _, dtype_s = part.strip().partition(":")
+        try:
+            shape = tuple(int(d) for d in shape_s.lower().split("x"))
+        except ValueError:
+            raise UsageError(f"--input {part!r}: a shape is dims joined by 'x', e.g. 8x3x32x32") from None
+        if any(d <= 0 for d in shape):
+            raise UsageError(f"--input {part!r}: dims must be positive")
+        dtype = getattr(torch, dtype_s or "float32", None)
+        if not isinstance(dtype, torch.dtype):
+            raise UsageError(f"--input {part!r}: unknown dtype {dtype_s!r} (e.g. float32, int64)")
+        if dtype.is_floating_point:
+            out.append(torch.randn(shape, generator=gen).to(dtype))
+        else:
+            out.append(torch.zeros(shape, dtype=dtype))
+    return tuple(out)
+
+
+def resolve_cluster(text: str) -> Any:
+    """``paper:A``, ``paper:B``, ``local:N`` or a TOML file."""
+    from pdcompile.cluster import ClusterSpec, local_cpu_cluster, paper_cluster
+
+    kind, _, arg = text.partition(":")
+    if kind == "paper" and arg:
+        return paper_cluster(arg)
+    if kind == "local" and arg:
+        try:
+            n = int(arg)
+        except ValueError:
+            raise UsageError(f"--cluster {text!r}: local:N takes a number of processes, e.g. local:4") from None
+        return local_cpu_cluster(n)
+    if not Path(text).is_file():
+        raise UsageError(f"--cluster {text!r}: no such file; give a cluster TOML, paper:A, paper:B or local:N")
+    return ClusterSpec.from_toml(Path(text))
