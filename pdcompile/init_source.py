@@ -75,6 +75,7 @@ def init_entry(model: torch.nn.Module, split: StageSplit, init_from: str | os.Pa
                              "aliases": aliases, "not_in_state_dict": not_saved}
     if init_from is not None:
         entry["path"] = str(Path(init_from).resolve())
+        _check_checkpoint(model, init_from, [n for n in names if n not in not_saved], aliases)
     if meta:
         fresh = not_saved if init_from is not None else names
         entry.update(_initialisers(model, fresh))
@@ -112,3 +113,24 @@ def _initialisers(model: torch.nn.Module, names: Iterable[str]) -> dict[str, Any
     if owners:
         out["owners"] = owners
     return out
+
+
+def _check_checkpoint(model: torch.nn.Module, init_from: str | os.PathLike[str], names: list[str],
+                      aliases: dict[str, list[str]]) -> None:
+    """The checkpoint opens and holds every tensor the stages will read, in the model's shapes (its
+    headers only): a bad ``init_from`` is refused here rather than on every rank."""
+    from pdcompile.runtime.sources import open_checkpoint, read_stage
+
+    reader = open_checkpoint(init_from)
+    own = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
+
+    class HeadersOnly:
+        path = reader.path
+
+        def shape(self, name: str) -> tuple[int, ...] | None:
+            return reader.shape(name)
+
+        def read(self, names: list[str], like: Any) -> dict[str, torch.Tensor]:
+            return {n: torch.empty(0) for n in names}
+
+    read_stage(HeadersOnly(), {n: own[n] for n in names}, aliases, stage=-1)

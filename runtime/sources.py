@@ -205,18 +205,19 @@ def read_stage(reader: Reader, wanted: Mapping[str, torch.Tensor], aliases: Mapp
                stage: int) -> dict[str, torch.Tensor]:
     """The tensors ``wanted`` (original name -> the stage's tensor, for its shape) read from ``reader``,
     each found under its name or one of its ``aliases`` (tied names); a missing tensor or another
-    shape is a :class:`CheckpointError` naming it."""
+    shape is a :class:`CheckpointError` naming it (``stage`` -1: the whole model's, checked at compile time)."""
+    who = f"stage {stage}" if stage >= 0 else "the model"
     found: dict[str, str] = {}
     for name, t in wanted.items():
         key = next((k for k in (name, *aliases.get(name, ())) if reader.shape(k) is not None), None)
         if key is None:
-            raise CheckpointError(f"init_from: {reader.path} has no tensor {name!r}, which stage {stage} needs. "
+            raise CheckpointError(f"init_from: {reader.path} has no tensor {name!r}, which {who} needs. "
                                   f"Fix: init_from a checkpoint of this model (saved from its state_dict() or "
                                   f"with save_pretrained)")
         shape = reader.shape(key)
         if shape != tuple(t.shape):
             raise CheckpointError(f"init_from: tensor {key!r} in {reader.path} has shape {list(shape or ())}, "
-                                  f"stage {stage} needs {list(t.shape)}. Fix: init_from a checkpoint of the "
+                                  f"{who} needs {list(t.shape)}. Fix: init_from a checkpoint of the "
                                   f"same model configuration")
         found[name] = key
     got = reader.read(sorted(set(found.values())), {})
