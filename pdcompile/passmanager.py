@@ -3,6 +3,10 @@
 With ``dump_dir`` (or the environment variable ``PDCOMPILE_DUMP=dir``) it writes
 ``NN_<pass>.txt`` after every pass: a header naming the pass that made it and how long it took,
 then the pass's view of the IR (the graph with annotations, the chain, the plan, the stages...).
+Without either, no dump is formatted during the compile: each :class:`PassRecord` keeps the state
+the pass made and formats its dump the first time it is read (``dump_ir``). Some dumps cost far more
+than their pass (the schedule's lays out every rank's run), so a compile never pays for one it does
+not print.
 """
 
 from __future__ import annotations
@@ -10,7 +14,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from pdcompile.errors import PassError, PdcompileError
@@ -28,9 +33,18 @@ class Pass:
 
 @dataclass(frozen=True)
 class PassRecord:
+    """What one pass did: its name, its time, and its IR dump, formatted on first read (``dump``)
+    from the state it made."""
+
     name: str
     seconds: float
-    dump: str
+    state: CompileState = field(repr=False, compare=False)
+    formatter: Callable[[CompileState], str] = field(repr=False, compare=False)
+
+    @cached_property
+    def dump(self) -> str:
+        """The pass's view of the IR, as ``NN_<pass>.txt`` shows it below its header."""
+        return self.formatter(self.state)
 
 
 def lint(state: CompileState) -> None:
@@ -44,7 +58,8 @@ def lint(state: CompileState) -> None:
 
 def run_passes(passes: Sequence[Pass], state: CompileState, dump_dir: str | os.PathLike[str] | None = None,
                start_index: int = 0) -> tuple[CompileState, list[PassRecord]]:
-    """Run ``passes`` in order; return the final state and a record (time, dump) per pass."""
+    """Run ``passes`` in order; return the final state and a record (time, dump) per pass. Dumps are
+    formatted here only for ``dump_dir`` (or ``PDCOMPILE_DUMP``); otherwise when a record's ``dump`` is read."""
     dump_dir = dump_dir or os.environ.get("PDCOMPILE_DUMP") or None
     records: list[PassRecord] = []
     for i, p in enumerate(passes):
@@ -61,10 +76,10 @@ def run_passes(passes: Sequence[Pass], state: CompileState, dump_dir: str | os.P
                 f"{before}: {_cause(e)}"
             ) from e
         dt = time.perf_counter() - t0
-        text = p.dump(state)
-        records.append(PassRecord(p.name, dt, text))
-        if dump_dir:
-            write_dump(dump_dir, start_index + i, p.name, dt, text)
+        record = PassRecord(p.name, dt, state, p.dump)
+        records.append(record)
+        if dump_dir:  # formatted now, from the state as this pass left it
+            write_dump(dump_dir, start_index + i, p.name, dt, record.dump)
     return state, records
 
 

@@ -14,7 +14,7 @@ from pdcompile.runtime.schedules.actions import Action, Kind, shift
 from pdcompile.runtime.schedules.generate import make_schedule
 from pdcompile.runtime.schedules.registry import layout
 from pdcompile.runtime.schedules.replay import send_release
-from pdcompile.runtime.schedules.transfers import transfer_plan
+from pdcompile.runtime.schedules.transfers import rank_transfer_plan
 from pdcompile.runtime.schedules.versions import peak_weight_versions
 
 
@@ -82,8 +82,8 @@ def _base(name: str, replicas: tuple[int, ...], m: int, steps: int, rank: int, k
     sched = make_schedule(name, replicas, m, num_steps=steps, **opts)
     lay = layout(name, replicas, m, steps, virtual_stages=opts.get("virtual_stages", 1))
     place = lay.stage_ranks if lay.policy.placement is not None else None
-    return (sched[rank], send_release(sched, replicas, place)[rank], peak_weight_versions({rank: sched[rank]})[rank],
-            transfer_plan(sched, replicas, place)[rank])
+    return (sched[rank], send_release(sched, replicas, place, ranks=(rank,))[rank],
+            peak_weight_versions({rank: sched[rank]})[rank], rank_transfer_plan(sched, replicas, rank, place))
 
 
 def _reach(acts: Sequence[Action]) -> int:

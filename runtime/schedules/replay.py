@@ -98,8 +98,62 @@ def replay(sched: Schedule, replicas: Sequence[int],
         raise _deadlock(sched, name, ranks, pcs, arrived, blocked)
 
 
+def causal_replay(sched: Schedule, replicas: Sequence[int],
+                  execute: Callable[[list[tuple[int, int]], Action], None], *, name: str = "schedule",
+                  placement: Placement | None = None, step_collective: bool = False) -> None:
+    """:func:`replay`'s dependencies and callbacks in time linear in the actions: a rank that blocks
+    waits until the send or the collective it waits for completes, instead of every rank being
+    looked at again on each round. The order of the ``execute`` calls respects every dependency but
+    may differ from :func:`replay`'s, so it serves callers whose result depends on the dependencies
+    alone (vector clocks, longest paths). A deadlock is reported by :func:`replay`, as it names it."""
+    ranks = stage_ranks(replicas, placement)
+    all_ranks = sorted(sched)
+    pcs = {r: 0 for r in all_ranks}
+    sent: set[tuple[Kind, int, int]] = set()
+    waiting: dict[tuple[Kind, int, int], list[int]] = {}  # a send -> the ranks blocked on its receive
+    seen: dict[int, Counter[Kind]] = {r: Counter() for r in all_ranks}  # collectives' ordinals so far
+    arrived: dict[tuple[Kind, int, int], dict[int, int]] = {}
+    ready = list(reversed(all_ranks))
+    while ready:
+        r = ready.pop()
+        acts = sched[r]
+        while pcs[r] < len(acts):
+            i = pcs[r]
+            a = acts[i]
+            if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                key = _sender_key(a)
+                if key not in sent:
+                    waiting.setdefault(key, []).append(r)
+                    break
+            elif is_collective(a, step_collective):
+                ckey = collective_key(a, seen[r][a.kind])
+                got = arrived.setdefault(ckey, {})
+                got[r] = i
+                group = list(ranks[a.stage]) if a.kind is Kind.ALLREDUCE else all_ranks
+                if len(got) < len(group):
+                    break
+                del arrived[ckey]
+                execute([(q, got[q]) for q in group], a)
+                for q in group:
+                    seen[q][a.kind] += 1
+                    pcs[q] += 1
+                    if q != r:
+                        ready.append(q)
+                continue
+            execute([(r, i)], a)
+            if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+                key = (a.kind, a.stage, a.mb)
+                sent.add(key)
+                ready.extend(waiting.pop(key, ()))
+            pcs[r] += 1
+    if any(pcs[r] < len(sched[r]) for r in all_ranks):
+        replay(sched, replicas, name=name, placement=placement, step_collective=step_collective)  # names it
+        raise ScheduleError(f"{name}: internal: a deadlock that replay does not see")  # pragma: no cover
+
+
 def send_release(sched: Schedule, replicas: Sequence[int], placement: Placement | None = None, *,
-                 step_collective: bool = False) -> dict[int, dict[int, list[Action]]]:
+                 step_collective: bool = False, ranks: Sequence[int] | None = None
+                 ) -> dict[int, dict[int, list[Action]]]:
     """Per rank: after which of its actions the sends of earlier actions are known to be complete.
 
     A send's buffer must stay alive until the receiver has taken the message, and on gloo nothing
@@ -120,31 +174,46 @@ def send_release(sched: Schedule, replicas: Sequence[int], placement: Placement 
     runtime does not pass it: the release computed without it stays correct with clipping (every
     happens-before it uses still holds), so one release serves runs with and without clipping.
 
+    ``ranks``: only these ranks' releases (default all). A rank's release reads only what it knows
+    of the ranks it sends to, so the vector clocks are cut to those components and the replay is
+    :func:`causal_replay`: one pass over the actions, each carrying a handful of numbers.
+
     >>> from pdcompile.runtime.schedules import make_schedule
     >>> sched = make_schedule("gpipe", [1, 1], 2, split_backward=False)
     >>> {str(sched[0][i]): [str(b) for b in bs] for i, bs in send_release(sched, [1, 1])[0].items()}
     {'0B1': ['0F0', '0SF0', '0F1', '0SF1']}
     """
-    ranks = stage_ranks(replicas, placement)
-    last = len(ranks) - 1
+    where = stage_ranks(replicas, placement)
+    last = len(where) - 1
     all_ranks = sorted(sched)
-    n = max(all_ranks, default=-1) + 1
-    pos = {r: {(a.kind, a.microbatch): i for i, a in enumerate(acts)} for r, acts in sched.items()}
-    vc = {r: [-1] * n for r in all_ranks}
+    mine = set(all_ranks if ranks is None else ranks)
+    track = all_ranks if ranks is None else \
+        sorted(mine | {q for r in mine for a in sched[r] for q in _receivers(a, where)})
+    col = {q: c for c, q in enumerate(track)}
+    pos: dict[int, dict[tuple[Kind, int | None], int]] = {}  # rank -> (kind, microbatch) -> its index
+
+    def index_of(peer: int, use: Kind, k: int) -> int:
+        if peer not in pos:
+            pos[peer] = {(a.kind, a.microbatch): i for i, a in enumerate(sched[peer])}
+        return pos[peer][(use, k)]
+
+    vc = {r: [-1] * len(track) for r in all_ranks}
     snapshot: dict[tuple[Kind, int, int], list[int]] = {}  # a send -> its sender's clock then
     merge_at: dict[int, dict[tuple[Kind, int], list[int]]] = {r: {} for r in all_ranks}
-    open_: dict[int, list[tuple[int, int, Action]]] = {r: [] for r in all_ranks}  # (peer, its index, send)
-    out: dict[int, dict[int, list[Action]]] = {r: {} for r in all_ranks}
+    open_: dict[int, list[tuple[int, int, Action]]] = {r: [] for r in mine}  # (peer, its index, send)
+    out: dict[int, dict[int, list[Action]]] = {r: {} for r in all_ranks if r in mine}
 
     def merge(into: list[int], other: list[int]) -> None:
-        for q in range(n):
-            if other[q] > into[q]:
-                into[q] = other[q]
+        for q, x in enumerate(other):
+            if x > into[q]:
+                into[q] = x
 
     def release(r: int, i: int) -> None:
+        if r not in mine:
+            return
         keep = []
         for peer, at, send in open_[r]:
-            if vc[r][peer] >= at:
+            if vc[r][col[peer]] >= at:
                 out[r].setdefault(i, []).append(send)
             else:
                 keep.append((peer, at, send))
@@ -152,16 +221,18 @@ def send_release(sched: Schedule, replicas: Sequence[int], placement: Placement 
 
     def execute(parts: list[tuple[int, int]], a: Action) -> None:
         if is_collective(a, step_collective):
-            both = [-1] * n
+            both = [-1] * len(track)
             for q, i in parts:
-                vc[q][q] = i
+                if q in col:
+                    vc[q][col[q]] = i
                 merge(both, vc[q])
             for q, i in parts:
                 vc[q] = list(both)
                 release(q, i)
             return
         (r, i), k = parts[0], (a.microbatch if a.microbatch is not None else -1)
-        vc[r][r] = i
+        if r in col:
+            vc[r][col[r]] = i
         if a.kind in (Kind.FORWARD, Kind.BACKWARD) and (a.kind, k) in merge_at[r]:
             merge(vc[r], merge_at[r].pop((a.kind, k)))
         if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
@@ -169,17 +240,30 @@ def send_release(sched: Schedule, replicas: Sequence[int], placement: Placement 
             merge_at[r][(use, k)] = snapshot[_sender_key(a)]
         elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
             snapshot[(a.kind, a.stage, k)] = list(vc[r])
-            to = a.stage + 1 if a.kind is Kind.SEND_ACT else a.stage - 1
-            peer = rank_of(to, k, ranks)
-            use = Kind.FORWARD if a.kind is Kind.SEND_ACT else Kind.BACKWARD
-            open_[r].append((peer, pos[peer][(use, k)], a))
-        elif a.kind is Kind.FORWARD and a.stage == 0 and last > 0:  # the target, sent to the last stage
-            peer = rank_of(last, k, ranks)
-            open_[r].append((peer, pos[peer][(Kind.FORWARD, k)], a))
+            if r in mine:
+                to = a.stage + 1 if a.kind is Kind.SEND_ACT else a.stage - 1
+                peer = rank_of(to, k, where)
+                use = Kind.FORWARD if a.kind is Kind.SEND_ACT else Kind.BACKWARD
+                open_[r].append((peer, index_of(peer, use, k), a))
+        elif a.kind is Kind.FORWARD and a.stage == 0 and last > 0 and r in mine:  # the target, to the last stage
+            peer = rank_of(last, k, where)
+            open_[r].append((peer, index_of(peer, Kind.FORWARD, k), a))
         release(r, i)
 
-    replay(sched, replicas, execute, name="send release", placement=placement, step_collective=step_collective)
+    causal_replay(sched, replicas, execute, name="send release", placement=placement, step_collective=step_collective)
     return out
+
+
+def _receivers(a: Action, ranks: Sequence[Sequence[int]]) -> list[int]:
+    """The ranks whose consuming action releases a send of ``a`` (activations, gradients, the target)."""
+    k = a.microbatch if a.microbatch is not None else -1
+    if a.kind is Kind.SEND_ACT:
+        return [rank_of(a.stage + 1, k, ranks)]
+    if a.kind is Kind.SEND_GRAD:
+        return [rank_of(a.stage - 1, k, ranks)]
+    if a.kind is Kind.FORWARD and a.stage == 0 and len(ranks) > 1:
+        return [rank_of(len(ranks) - 1, k, ranks)]
+    return []
 
 
 def _deadlock(sched: Schedule, name: str, ranks: list[list[int]], pcs: dict[int, int],

@@ -1,9 +1,14 @@
 """A schedule as the compiler made it: the policy's name and every parameter, enough to rebuild
-the exact action lists. plan.json carries it (with the action lists of a short run, which the
-runtime checks it rebuilds), and train.py runs it."""
+the exact action lists. plan.json carries it, with a check of a short run that the runtime must
+rebuild exactly: a digest of every rank's action list, and the lists themselves for the first
+few ranks (to read, and as older plan.json files carried them all). Its size grows by one short
+digest per rank, so at a thousand ranks a rank's start-up reads and checks kilobytes, not every
+rank's actions. train.py runs it."""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +19,8 @@ from pdcompile.runtime.schedules.periodic import RankRun, rank_run
 from pdcompile.runtime.schedules.registry import layout, policy
 from pdcompile.runtime.schedules.torch_csv import csv_name, register_csv
 
-CHECK_STEPS = 2  # the run whose action lists plan.json spells out
+CHECK_STEPS = 2  # the run whose action lists plan.json checks
+CHECK_TEXT_RANKS = 16  # plan.json spells out the check run's action lists of ranks 0 .. this - 1
 
 
 @dataclass(frozen=True)
@@ -69,11 +75,13 @@ class ScheduleSpec:
 
     def to_json(self) -> dict[str, Any]:
         check = self.make(CHECK_STEPS)
+        texts = {r: actions_text(acts) for r, acts in sorted(check.items())}
         return {"policy": self.name, "replicas": list(self.replicas), "num_microbatches": self.num_microbatches,
                 "tied": self.tied, "vertical_sync": self.vertical_sync, "split_backward": self.split_backward,
                 "virtual_stages": self.virtual_stages, **({"csv": self.csv} if self.csv is not None else {}),
                 "check": {"steps": CHECK_STEPS,
-                          "ranks": {str(r): " ".join(map(str, acts)) for r, acts in sorted(check.items())}}}
+                          "digests": {str(r): digest(t) for r, t in texts.items()},
+                          "ranks": {str(r): t for r, t in texts.items() if r < CHECK_TEXT_RANKS}}}
 
     @staticmethod
     def from_json(raw: dict[str, Any]) -> ScheduleSpec:
@@ -87,16 +95,33 @@ class ScheduleSpec:
                              f"re-emit the program with this pdcompile") from None
 
 
+def actions_text(acts: Sequence[Action]) -> str:
+    """A rank's action list as plan.json spells it: the actions' text forms, space-separated."""
+    return " ".join(map(str, acts))
+
+
+def digest(text: str) -> str:
+    """plan.json's digest of one rank's :func:`actions_text` (the first 16 hex digits of its SHA-256)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def checked_lists(raw: dict[str, Any]) -> dict[int, list[Action]]:
-    """The action lists plan.json spells out for its check run, parsed."""
-    return {int(r): [Action.from_str(x) for x in text.split()] for r, text in raw["check"]["ranks"].items()}
+    """The action lists plan.json spells out for its check run (the first ranks'; an older plan.json's
+    every rank's), parsed."""
+    return {int(r): [Action.from_str(x) for x in text.split()] for r, text in raw["check"].get("ranks", {}).items()}
 
 
 def agrees(spec: ScheduleSpec, raw: dict[str, Any], rank: int) -> bool:
-    """Whether this runtime rebuilds, for ``rank``, the very actions the compiler wrote."""
-    want = checked_lists(raw).get(rank)
-    steps = int(raw["check"]["steps"])
-    return want is not None and [a for a, _ in spec.rank_run(steps, rank)] == want
+    """Whether this runtime rebuilds, for ``rank``, the very actions the compiler wrote: the rank's
+    list for the check run equals the text plan.json spells out for it, where it does, and has the
+    digest plan.json gives it, where it gives one (an older plan.json has every rank's text and no
+    digests). Only this rank's list is built and read."""
+    check = raw["check"]
+    text, want = check.get("ranks", {}).get(str(rank)), check.get("digests", {}).get(str(rank))
+    if text is None and want is None:
+        return False
+    mine = actions_text(spec.make(int(check["steps"]))[rank])
+    return (text is None or mine == text) and (want is None or digest(mine) == want)
 
 
 def default_split_backward(device_type: str, processes: int, cores: int) -> bool:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from pdcompile.errors import ScheduleError
 from pdcompile.runtime.schedules.actions import Action, Kind, Placement, Schedule, rank_of, stage_ranks
-from pdcompile.runtime.schedules.replay import collective_key, is_collective, replay
+from pdcompile.runtime.schedules.replay import causal_replay, collective_key, is_collective
 
 Posts = dict[int, list[tuple[Action, ...]]]  # rank -> per action index, the receives posted before it
 
@@ -137,7 +137,7 @@ _UNIT = {Kind.FORWARD: 1, Kind.BACKWARD: 2, Kind.WEIGHT_GRAD: 1}  # rough relati
 class _Sent:
     rank: int
     index: int  # of the sending action
-    clock: list[int]  # the sender's vector clock then
+    clock: tuple[int, ...]  # the sender's vector clock then, over the tracked ranks only
     time: int  # when it is sent if F, B and W took 1, 2 and 1 units and transfers none
 
 
@@ -147,55 +147,73 @@ def is_local(m: Message, ranks: Sequence[Sequence[int]]) -> bool:
     return src == dst
 
 
-def _send_clocks(sched: Schedule, replicas: Sequence[int], placement: Placement | None = None) -> dict[Message, _Sent]:
-    """Each message -> who sends it, when, and what its sender knows then (vector clock; knowledge
-    a message carries counts from the action that waits for it, ``F``/``B``)."""
+def _send_clocks(sched: Schedule, replicas: Sequence[int], placement: Placement | None,
+                 track: Sequence[int]) -> dict[Message, _Sent]:
+    """Each message -> who sends it, when, and what its sender knows then of the ranks in ``track``
+    (a vector clock cut to those components; knowledge a message carries counts from the action
+    that waits for it, ``F``/``B``). One pass over every action, each carrying ``len(track)``
+    numbers: a rank's plan tracks only itself and its peers."""
     S = len(replicas)
-    n = max(sched, default=-1) + 1
-    vc = {r: [-1] * n for r in sched}
+    col = {q: c for c, q in enumerate(track)}
+    vc = {r: [-1] * len(track) for r in sched}
     now = {r: 0 for r in sched}
     out: dict[Message, _Sent] = {}
 
     def execute(parts: list[tuple[int, int]], a: Action) -> None:
         if a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
-            both, t = [-1] * n, max(now[q] for q, _ in parts)
+            both, t = [-1] * len(track), max(now[q] for q, _ in parts)
             for q, i in parts:
-                vc[q][q] = i
+                if q in col:
+                    vc[q][col[q]] = i
                 both = [max(x, y) for x, y in zip(both, vc[q])]
             for q, _ in parts:
                 vc[q], now[q] = list(both), t
             return
         (r, i) = parts[0]
-        vc[r][r] = i
+        clock = vc[r]
+        if r in col:
+            clock[col[r]] = i
         for m in waits_of(a, S):
-            if m in out:
-                vc[r] = [max(x, y) for x, y in zip(vc[r], out[m].clock)]
-                now[r] = max(now[r], out[m].time)
+            got = out.get(m)
+            if got is not None:
+                vc[r] = clock = [max(x, y) for x, y in zip(clock, got.clock)]
+                now[r] = max(now[r], got.time)
+        unit = _UNIT.get(a.kind, 0)
         for m in sends_of(a, S):  # a target counts as sent with its activations (at F's end): they stay adjacent
-            out[m] = _Sent(r, i, list(vc[r]), now[r] + _UNIT.get(a.kind, 0))
-        now[r] += _UNIT.get(a.kind, 0)
+            out[m] = _Sent(r, i, tuple(clock), now[r] + unit)
+        now[r] += unit
 
-    replay(sched, replicas, execute, name="transfer order", placement=placement)
+    causal_replay(sched, replicas, execute, name="transfer order", placement=placement)
     return out
 
 
-def link_order(sched: Schedule, replicas: Sequence[int],
-               placement: Placement | None = None) -> dict[tuple[int, int], list[Message]]:
-    """Per pair of ranks ``(low, high)``, the order in which both issue their messages: a linear
-    extension of happens-before (either side's sends in its own issue order; of two messages
-    neither of which happens before the other, the one sent sooner if ``F``, ``B`` and ``W`` took
-    1, 2 and 1 units, then the smaller microbatch)."""
+def _peers(acts: Sequence[Action], S: int, ranks: Sequence[Sequence[int]]) -> list[int]:
+    """The ranks a rank with actions ``acts`` receives posted messages (``RF``/``RB``) from."""
+    return sorted({endpoints(m, ranks)[0] for a in acts for m in receives_of(a, S) if not is_local(m, ranks)})
+
+
+def link_order(sched: Schedule, replicas: Sequence[int], placement: Placement | None = None,
+               pairs: Collection[tuple[int, int]] | None = None) -> dict[tuple[int, int], list[Message]]:
+    """Per pair of ranks ``(low, high)`` (those in ``pairs``, default every pair that exchanges a
+    message), the order in which both issue their messages: a linear extension of happens-before
+    (either side's sends in its own issue order; of two messages neither of which happens before
+    the other, the one sent sooner if ``F``, ``B`` and ``W`` took 1, 2 and 1 units, then the smaller
+    microbatch). A pair's order reads only what its two ranks know of each other, so the clocks
+    track only the ranks of ``pairs``."""
     ranks = stage_ranks(replicas, placement)
-    clocks = _send_clocks(sched, replicas, placement)
+    track = sorted(sched) if pairs is None else sorted({q for pair in pairs for q in pair})
+    col = {q: c for c, q in enumerate(track)}
+    clocks = _send_clocks(sched, replicas, placement, track)
     chains: dict[tuple[int, int], dict[int, list[Message]]] = {}
     for m, sent in sorted(clocks.items(), key=lambda kv: (kv[1].rank, kv[1].index, kv[0].kind != "T")):
         src, dst = endpoints(m, ranks)
-        if src == dst:  # local: no message
+        pair = (min(src, dst), max(src, dst))
+        if src == dst or (pairs is not None and pair not in pairs):  # local: no message
             continue
-        chains.setdefault((min(src, dst), max(src, dst)), {}).setdefault(src, []).append(m)
+        chains.setdefault(pair, {}).setdefault(src, []).append(m)
 
     def before(x: Message, y: Message) -> bool:  # x happens-before y
-        return clocks[y].clock[clocks[x].rank] >= clocks[x].index
+        return clocks[y].clock[col[clocks[x].rank]] >= clocks[x].index
 
     def first(x: Message, y: Message) -> bool:  # x goes first: it must, or neither must and it is sent sooner
         if before(x, y) or before(y, x):
@@ -218,56 +236,76 @@ def link_order(sched: Schedule, replicas: Sequence[int],
     return out
 
 
-def transfer_plan(sched: Schedule, replicas: Sequence[int], placement: Placement | None = None) -> Posts:
-    """Per rank and action index, the receive actions (``RF``/``RB``) to post just before that action.
+def transfer_plan(sched: Schedule, replicas: Sequence[int], placement: Placement | None = None,
+                  ranks: Collection[int] | None = None) -> Posts:
+    """Per rank (those in ``ranks``, default all) and action index, the receive actions
+    (``RF``/``RB``) to post just before that action.
 
     On each pair's :func:`link_order`, a receive goes after this rank's sends that precede it and
     before those that follow it, and after the pair's earlier receives; within that, as early as
     one computation (``F``/``B``) before its own ``RF``/``RB``, so its data can land while the rank
     computes. Every ``RF``/``RB`` is posted exactly once, at or before its own index. The pair order
     is happens-before; ties go to the message sent sooner in a unit-cost timing.
+
+    A rank's plan needs only the orders of the pairs it receives on, so for a few ``ranks`` the
+    clocks track those ranks and their peers: one pass over the schedule's actions, each carrying a
+    handful of numbers, instead of every rank's (:func:`rank_transfer_plan`).
     """
-    ranks = stage_ranks(replicas, placement)
+    where = stage_ranks(replicas, placement)
     S = len(replicas)
-    order = link_order(sched, replicas, placement)
+    mine = sorted(sched) if ranks is None else sorted(ranks)
+    pairs = None if ranks is None else \
+        {(min(r, p), max(r, p)) for r in mine for p in _peers(sched[r], S, where)}
+    order = link_order(sched, replicas, placement, pairs)
     index: dict[Message, int] = {m: i for seq in order.values() for i, m in enumerate(seq)}
-    posts: Posts = {r: [() for _ in acts] for r, acts in sched.items()}
-    for r, acts in sched.items():
-        computes = [i for i, a in enumerate(acts) if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
-        own_send: dict[Message, int] = {}
-        recvs: dict[int, list[tuple[Message, int]]] = {}  # peer -> (primary message, its RF/RB index)
-        for i, a in enumerate(acts):
-            for m in sends_of(a, S):
-                own_send[m] = i
-            for m in receives_of(a, S):  # the activations or gradients; targets ride with activations
-                if is_local(m, ranks):
-                    continue
-                recvs.setdefault(endpoints(m, ranks)[0], []).append((m, i))
-        chosen: list[tuple[int, int, Action]] = []
-        for peer, items in recvs.items():
-            seq = order[(min(r, peer), max(r, peer))]
-            mine = [(index[m], own_send[m]) for m in seq if m in own_send]  # (order index, action index)
-            keys = [x for x, _ in mine]
-            items.sort(key=lambda it: index[it[0]])
-            lo, hi = [], []
-            for m, own in items:
-                j = bisect.bisect_left(keys, index[m])
-                lo.append(mine[j - 1][1] + 1 if j > 0 else 0)
-                hi.append(min(own, mine[j][1]) if j < len(mine) else own)
-            for t in range(len(items) - 2, -1, -1):
-                hi[t] = min(hi[t], hi[t + 1])
-            prev = 0
-            for t, (m, own) in enumerate(items):
-                c = bisect.bisect_left(computes, own)
-                want = computes[c - 1] if c > 0 else own
-                pos = min(max(want, lo[t], prev), hi[t])
-                if pos < max(lo[t], prev):
-                    raise ScheduleError(f"internal: no place on rank {r} to post the receive of {m} "
-                                        f"between steps {max(lo[t], prev)} and {hi[t]}")
-                prev = pos
-                chosen.append((pos, index[m], acts[own]))
-        for pos, _, a in sorted(chosen, key=lambda c: (c[0], c[1])):
-            posts[r][pos] = posts[r][pos] + (a,)
+    return {r: _posts(r, sched[r], S, where, order, index) for r in mine}
+
+
+def rank_transfer_plan(sched: Schedule, replicas: Sequence[int], rank: int,
+                       placement: Placement | None = None) -> list[tuple[Action, ...]]:
+    """:func:`transfer_plan` of one rank: per action index of ``rank``, the receives posted before it."""
+    return transfer_plan(sched, replicas, placement, ranks=(rank,))[rank]
+
+
+def _posts(r: int, acts: Sequence[Action], S: int, ranks: Sequence[Sequence[int]],
+           order: dict[tuple[int, int], list[Message]], index: dict[Message, int]) -> list[tuple[Action, ...]]:
+    """Where rank ``r`` posts each of its receives, from the orders of the pairs it receives on."""
+    posts: list[tuple[Action, ...]] = [() for _ in acts]
+    computes = [i for i, a in enumerate(acts) if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
+    own_send: dict[Message, int] = {}
+    recvs: dict[int, list[tuple[Message, int]]] = {}  # peer -> (primary message, its RF/RB index)
+    for i, a in enumerate(acts):
+        for m in sends_of(a, S):
+            own_send[m] = i
+        for m in receives_of(a, S):  # the activations or gradients; targets ride with activations
+            if is_local(m, ranks):
+                continue
+            recvs.setdefault(endpoints(m, ranks)[0], []).append((m, i))
+    chosen: list[tuple[int, int, Action]] = []
+    for peer, items in recvs.items():
+        seq = order[(min(r, peer), max(r, peer))]
+        mine = [(index[m], own_send[m]) for m in seq if m in own_send]  # (order index, action index)
+        keys = [x for x, _ in mine]
+        items.sort(key=lambda it: index[it[0]])
+        lo, hi = [], []
+        for m, own in items:
+            j = bisect.bisect_left(keys, index[m])
+            lo.append(mine[j - 1][1] + 1 if j > 0 else 0)
+            hi.append(min(own, mine[j][1]) if j < len(mine) else own)
+        for t in range(len(items) - 2, -1, -1):
+            hi[t] = min(hi[t], hi[t + 1])
+        prev = 0
+        for t, (m, own) in enumerate(items):
+            c = bisect.bisect_left(computes, own)
+            want = computes[c - 1] if c > 0 else own
+            pos = min(max(want, lo[t], prev), hi[t])
+            if pos < max(lo[t], prev):
+                raise ScheduleError(f"internal: no place on rank {r} to post the receive of {m} "
+                                    f"between steps {max(lo[t], prev)} and {hi[t]}")
+            prev = pos
+            chosen.append((pos, index[m], acts[own]))
+    for pos, _, a in sorted(chosen, key=lambda c: (c[0], c[1])):
+        posts[pos] = posts[pos] + (a,)
     return posts
 
 
