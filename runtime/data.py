@@ -1,16 +1,20 @@
 """Data for emitted programs: the first stage's source (``--data``, plan.json's factory, or seeded random
-minibatches), whether the last stage reads targets itself, and minibatches saved to a file by
+minibatches), read in epochs and in shares (:class:`Reader`: each input-stage replica reads only the
+microbatches it runs), whether the last stage reads targets itself, and minibatches saved to a file by
 ``CompiledPipeline.run``."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable, Iterator
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
+from pdcompile.errors import UsageError
 from pdcompile.runtime.program import Program, import_object
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
@@ -54,12 +58,162 @@ def from_file(batch_size: int, path: str) -> Iterator[Batch]:
 
 
 def data_source(program: Program, args: argparse.Namespace, batch_size: int) -> Iterator[Any]:
+    """The training data's minibatches, as one endless-or-finite iterator (no epochs, no shares)."""
+    return iter(source(program, args, batch_size))
+
+
+def source(program: Program, args: argparse.Namespace, batch_size: int, flag: str = "data") -> Any:
+    """What the data hook returns, not yet iterated: ``--data`` (or ``--eval-data``, ``flag="eval_data"``)
+    called with the minibatch size, else plan.json's factory, else seeded random minibatches."""
+    path = getattr(args, flag, None)
+    if path:
+        return import_object(path)(batch_size)
     spec = program.raw.get("data")
-    if args.data:
-        return iter(import_object(args.data)(batch_size))
-    if spec:
-        return iter(import_object(spec["factory"])(batch_size, **spec.get("kwargs", {})))
-    return random_batches(program, batch_size, args.seed)
+    if flag == "data" and spec:
+        return import_object(spec["factory"])(batch_size, **spec.get("kwargs", {}))
+    return RandomBatches(program, batch_size, args.seed)
+
+
+class RandomBatches:
+    """Endless seeded random minibatches shaped like the plan's inputs (:func:`random_batches`)."""
+
+    def __init__(self, program: Program, batch_size: int, seed: int) -> None:
+        self.program, self.batch_size, self.seed = program, batch_size, seed
+
+    def __iter__(self) -> Iterator[Any]:
+        return random_batches(self.program, self.batch_size, self.seed)
+
+
+def epoch_length(data: Any) -> int | None:
+    """Full minibatches in one pass over ``data`` (a short last one is not counted: the pipeline's
+    microbatches have fixed shapes), or None when ``data`` has no length (an endless generator)."""
+    if isinstance(data, DataLoader) and data.batch_size is not None:
+        try:
+            return len(data.sampler) // data.batch_size  # type: ignore[arg-type]
+        except TypeError:  # an IterableDataset
+            return None
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def positions(stage_ranks: Sequence[Sequence[int]], rank: int, M: int) -> Callable[[int], tuple[int, ...]] | None:
+    """Which microbatches (positions ``0..M-1``) of minibatch ``i`` this rank needs: those of the
+    stages in ``stage_ranks`` (the data-reading stages it holds), microbatch ``k`` going to replica
+    ``k % replicas`` of a stage (``StageExecutor.peer``). None: every one (no stage it reads for is replicated)."""
+    shares = [(len(rs), list(rs).index(rank)) for rs in stage_ranks if rank in rs]
+    if not shares or all(n == 1 for n, _ in shares):
+        return None
+    return lambda i: tuple(j for j in range(M) if any((i * M + j) % n == r for n, r in shares))
+
+
+class _ShareSampler:
+    """A DataLoader's batch sampler cut to this rank's share: of each minibatch's indices, only those
+    of the microbatches at ``positions(i)``, so the loader fetches (and its workers load) nothing else.
+    Each pass is seeded by its number: a shuffling sampler without a generator of its own draws its
+    order from torch's global generator, which would differ between the ranks reading shares."""
+
+    def __init__(self, inner: Iterable[list[int]], b: int, positions: Callable[[int], tuple[int, ...]],
+                 length: int, seed: int) -> None:
+        self.inner, self.b, self.positions, self.length, self.seed = inner, b, positions, length, seed
+        self.first = 0  # the global index of the next pass's first minibatch
+        self.passes = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[list[int]]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed * 100_003 + self.passes)
+            it = iter(self.inner)
+            head = list(itertools.islice(it, 1))
+        first, self.first, self.passes = self.first, self.first + self.length, self.passes + 1
+        for n, idx in enumerate(itertools.islice(itertools.chain(head, it), self.length)):
+            idx = list(idx)
+            yield [x for j in self.positions(first + n) for x in idx[j * self.b:(j + 1) * self.b]]
+
+
+def _shared_loader(loader: DataLoader[Any], b: int, positions: Callable[[int], tuple[int, ...]],
+                   length: int, seed: int) -> DataLoader[Any] | None:
+    """``loader`` fetching only this rank's share (:class:`_ShareSampler`), or None where it has no batch
+    sampler to cut (an IterableDataset: then every minibatch is read and the share kept)."""
+    if loader.batch_sampler is None or not hasattr(loader.dataset, "__getitem__"):
+        return None
+    return DataLoader(loader.dataset, batch_sampler=_ShareSampler(loader.batch_sampler, b, positions, length, seed),
+                      num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+                      timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+                      multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+                      prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
+
+
+Local = tuple[int, tuple[int, ...], tuple[torch.Tensor, ...], torch.Tensor]
+
+
+class Reader:
+    """Minibatch after minibatch (numbered on across epochs) as one rank needs them: ``next()`` gives
+    ``(i, positions, inputs, target)``, the inputs and target holding only the microbatches at
+    ``positions`` (in that order, ``b`` samples each). Each epoch is a new pass over ``data``; a
+    DataLoader is cut so that this rank fetches only its share (:class:`_ShareSampler`), any other
+    iterable is read whole and its share kept. Nothing is read before it is asked for."""
+
+    def __init__(self, data: Any, b: int, M: int, positions: Callable[[int], tuple[int, ...]] | None,
+                 length: int | None, seed: int = 0, what: str = "--data") -> None:
+        self.b, self.M, self.positions, self.length, self.what = b, M, positions, length, what
+        self.data = data
+        if isinstance(data, DataLoader) and positions is not None and length is not None:
+            self.data = _shared_loader(data, b, positions, length, seed) or data
+        self.shared = self.data is not data
+        self.index = 0  # the next minibatch's global number
+        self.epoch = 0
+        self._it: Iterator[Any] | None = None
+        self._in_epoch = 0
+
+    def _next_raw(self) -> Any:
+        if self._it is None or (self.length is not None and self._in_epoch == self.length):
+            if self._it is not None and isinstance(self.data, Iterator):
+                raise UsageError(f"{self.what}: the data hook returned an iterator, which can be read only once, "
+                                 f"and epoch {self.epoch + 2} needs another pass; return a DataLoader or a list")
+            if self._it is not None:
+                self.epoch += 1
+            self._it, self._in_epoch = iter(self.data), 0
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            raise UsageError(f"{self.what}: the data ran out after {self.index} minibatches"
+                             + (f" ({self._in_epoch} of epoch {self.epoch + 1}, whose length said {self.length})"
+                                if self.length is not None else "; give --epochs with data that has a length, "
+                                "or fewer --steps")) from None
+        self._in_epoch += 1
+        return batch
+
+    def __iter__(self) -> Iterator[Local]:
+        return self
+
+    def __next__(self) -> Local:
+        i = self.index
+        try:
+            inputs, target = self._next_raw()
+        except (TypeError, ValueError):
+            raise UsageError(f"{self.what}: minibatch {i} is not an (inputs, target) pair") from None
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        pos = tuple(range(self.M)) if self.positions is None else self.positions(i)
+        want = self.b * (len(pos) if self.shared else self.M)
+        if int(target.shape[0]) != want:
+            raise UsageError(f"{self.what}: minibatch {i} has {target.shape[0]} samples, the pipeline needs "
+                             f"{self.b * self.M} ({self.M} microbatches of {self.b}); use drop_last=True")
+        if not self.shared and self.positions is not None:  # read whole: keep this rank's microbatches
+            def keep(x: torch.Tensor) -> torch.Tensor:
+                parts = x.split(self.b)
+                return torch.cat([parts[j] for j in pos]) if pos else x[:0]
+            inputs, target = tuple(keep(x) for x in inputs), keep(target)
+        self.index += 1
+        return i, pos, inputs, target
+
+    def skip(self, n: int) -> None:
+        """Pass over ``n`` minibatches (a resumed run's consumed ones)."""
+        for _ in range(n):
+            next(self)
 
 
 DETERMINISTIC_SOURCES = ("pdcompile.runtime.data:from_file", "pdcompile.zoo:batches")  # seeded, same on every rank

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from pdcompile.errors import PdcompileError, UsageError
 from pdcompile.runtime import allocator, comm, devices, faults, schedules, sources
+from pdcompile.runtime import loop
 from pdcompile.runtime.devices import DEVICE_FLAGS, choose_device, keep_freed_memory
 from pdcompile.runtime.executor import WEIGHT_PASSES
 from pdcompile.runtime.program import PRECISIONS, Program
@@ -41,7 +42,8 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                     f"on {program.world_size} processes (launch with torchrun).",
         epilog=f"Example: torchrun --nproc-per-node={program.world_size} train.py --steps 10",
     )
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps (minibatches) to train")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps (minibatches) to train (default {loop.DEFAULT_STEPS}; or --epochs)")
     compiled = compiled_schedule(program)
     p.add_argument("--schedule", default=compiled.name,
                    help=f"{', '.join(schedules.SCHEDULES)} (default: the compiled one, {compiled.name})")
@@ -100,6 +102,7 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
     p.add_argument("--fail-at", default=None, metavar="RANK:ACTION",
                    help="raise in this rank's action (e.g. 1:1B3): tests that a failing rank ends the job")
     p.add_argument("--log-level", default="INFO")
+    loop.add_flags(p)  # --epochs, --lr-scheduler, --eval-*, --log-every, --tensorboard (runtime/loop.py)
     add_reliability_flags(p)
     return p.parse_args(argv)
 
@@ -114,7 +117,7 @@ def check_args(args: argparse.Namespace, program: Program, world: int | None = N
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise UsageError(f"{flag} {value!r}: must be an integer >= {least} ({what})")
 
-    at_least("--steps", args.steps, "optimizer steps to train; e.g. --steps 10")
+    loop.check(args)  # --steps or --epochs, and the loop's other flags
     at_least("--microbatches", args.microbatches, "microbatches per minibatch; e.g. --microbatches 4")
     at_least("--checkpoint-every", args.checkpoint_every, "minibatches between checkpoints; 0: never", least=0)
     at_least("--keep-checkpoints", args.keep_checkpoints, "complete checkpoints kept")

@@ -19,9 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdcompile.runtime import comm, devices, faults, resume, schedules, timing
-from pdcompile.runtime.data import data_source, local_targets
+from pdcompile.errors import UsageError
+from pdcompile.runtime import comm, devices, faults, loop, resume, schedules, timing
+from pdcompile.runtime.data import Reader, epoch_length, local_targets, positions, source
+from pdcompile.runtime.evaluate import Evaluator, metric_of
 from pdcompile.runtime.executor import WEIGHT_PASSES, ActionError, Mailbox, RankExecutor, StageExecutor
+from pdcompile.runtime.logs import RunLog, tokens_per_sample
 from pdcompile.runtime.program import Program, build
 from pdcompile.runtime.run_schedule import refuse_sent_targets, run_schedule, weight_pass
 from pdcompile.runtime.weights import VersionedStore
@@ -97,7 +100,19 @@ class Trainer:
             refuse_sent_targets(self.schedule)
         last = program.num_stages - 1
         reads_data = any(st.index == 0 or (local and st.index == last) for st in specs)
-        self.data_iter = data_source(program, args, program.raw["microbatch_size"] * M) if reads_data else None
+        # the data in epochs and shares (runtime/data.py): this rank reads the microbatches its stages run
+        b = program.raw["microbatch_size"]
+        readers = [program.stages[0].ranks] + ([program.stages[last].ranks] if local else [])
+        self.positions = positions(readers, rank, M)
+        train_data = source(program, args, b * M) if reads_data else None
+        self.per_epoch = loop.agree(epoch_length(train_data) if reads_data else None, devices.rank_device()) \
+            if args.epochs is not None else None
+        if args.epochs is not None:
+            if not self.per_epoch:
+                raise UsageError("--epochs needs data with a length (a DataLoader, a list) of at least one full "
+                                 "minibatch; this data has none: use --steps N")
+            args.steps = args.epochs * self.per_epoch
+        self.data_iter = Reader(train_data, b, M, self.positions, self.per_epoch, args.seed) if reads_data else None
         self.data_index = -1  # the last minibatch read from data_iter
         self._micro: Any = None  # that minibatch, cut into microbatches
         self.events: list[tuple[str, float, float]] = []
@@ -107,8 +122,8 @@ class Trainer:
         for st, module in zip(specs, modules):
             params = [q for q in module.parameters()]
             optimizer: Any = build(program.raw["optimizer"], params) if params else NoParameters()
-            sched_spec = program.raw.get("lr_scheduler")
-            lr_scheduler = build(sched_spec, optimizer) if sched_spec and params else None
+            sched_spec = loop.scheduler_spec(args, program.raw)  # --lr-scheduler, else plan.json's
+            lr_scheduler = loop.build_scheduler(sched_spec, optimizer) if params else None
             norm_skip = frozenset(n for group in program.raw.get("tied", []) for s, n in group
                                   if s == st.index and s != min(t for t, _ in group))
             self.executors.append(StageExecutor(
@@ -137,31 +152,77 @@ class Trainer:
         for ex in self.executors:
             ex.target_check = frozenset(range(first_mb, first_mb + len(program.stages[-1].ranks)))
         if self.resumed is not None and self.data_iter is not None:  # the data is deterministic: skip what was consumed
-            for _ in range(self.resumed.data_consumed):
-                next(self.data_iter)
+            self.data_iter.skip(self.resumed.data_consumed)
             self.data_index = self.resumed.data_consumed - 1
         if self.data_iter is not None and args.steps > self.start:
-            self.data(first_mb)  # the data source's start-up (imports, opening files) is not the first step's time
+            self._read(self.start)  # the data source's start-up (imports, opening files) is not the first step's time
         self.step_times: list[float] = []
         self.ran = False  # a segment ran (the next starts from a flush, with fresh weight versions)
         self.promised_versions = 1  # metrics: the most weight versions the schedule keeps at once
         # 1F1B steps after every microbatch: log once per minibatch of M, as the other schedules do.
         self.log_every = schedules.policy(self.schedule.name).microbatches_per_log(M)
+        self.reports = any(st.index == last and rank == st.ranks[0] for st in specs)  # logs, metrics.jsonl, TensorBoard
+        self.runlog = RunLog(args, self.reports, total=args.steps, start=self.start, per_epoch=self.per_epoch,
+                             samples_per_step=b * M, tokens=tokens_per_sample(program.stages[0].inputs),
+                             device=devices.rank_device())
+        self.evaluator = self._evaluator(replica_groups.get(last))
+        self.eval_results: list[dict[str, Any]] = []
 
     def data(self, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """Microbatch ``k``'s inputs and target (minibatch ``k // M`` is read when first asked for).
         Bound for a GPU, the minibatch is put in pinned memory (:func:`pinned`) once, its
         microbatches being views of it."""
-        b = self.program.raw["microbatch_size"]
         idx = k // self.M
-        while self.data_index < idx:
-            inputs, target = next(self.data_iter)  # type: ignore[arg-type]  # only ranks that read data call this
+        self._read(idx)
+        where, ins, tgt = self._micro
+        if k % self.M not in where:
+            raise RuntimeError(f"rank {self.rank} did not read microbatch {k} (not in its share of minibatch {idx})")
+        j = where[k % self.M]
+        return tuple(x[j] for x in ins), tgt[j]
+
+    def _read(self, idx: int) -> None:
+        """Read up to minibatch ``idx`` (this rank's share of it, in pinned memory for a GPU)."""
+        b = self.program.raw["microbatch_size"]
+        while self.data_index < idx:  # only ranks that read data call this
+            _, pos, inputs, target = next(self.data_iter)  # type: ignore[call-overload]
             self.data_index += 1
             dev = devices.rank_device()
-            self._micro = ([devices.pinned(x, dev).split(b) for x in inputs], devices.pinned(target, dev).split(b))
-        ins, tgt = self._micro
-        j = k % self.M
-        return tuple(x[j] for x in ins), tgt[j]
+            self._micro = ({j: n for n, j in enumerate(pos)}, [devices.pinned(x, dev).split(b) for x in inputs],
+                           devices.pinned(target, dev).split(b))
+
+    def _evaluator(self, last_group: Any) -> Evaluator | None:
+        """Validation (``--eval-data``, runtime/evaluate.py): its length agreed by every rank; the last
+        stage reads its targets only with ``--targets local`` (else the first stage sends them)."""
+        args, program, M = self.args, self.program, self.M
+        if not args.eval_data:
+            return None
+        last = program.num_stages - 1
+        local = args.targets == "local"
+        self._eval_positions = positions([program.stages[0].ranks] + ([program.stages[last].ranks] if local else []),
+                                         self.rank, M)
+        self._eval_reads = any(st.index == 0 or (local and st.index == last) for st in self.specs)
+        b = program.raw["microbatch_size"]
+        self._eval_data = source(program, args, b * M, "eval_data") if self._eval_reads else None
+        n = loop.agree(epoch_length(self._eval_data) if self._eval_reads else None, devices.rank_device())
+        steps = args.eval_steps if n is None else min(n, args.eval_steps or n)
+        if not steps:
+            raise UsageError("--eval-data has no length (an endless iterable) and no full minibatch: give "
+                             "--eval-steps N, or return a DataLoader or list")
+        self._eval_passes = 0
+        return Evaluator(program, self.rank, self.executors, steps, M, metric_of(args.eval_metric), local, last_group)
+
+    def evaluate(self, step: int) -> dict[str, float] | None:
+        """Run one validation pass after step ``step`` (at a flush point); its results on the reporting rank."""
+        assert self.evaluator is not None
+        reader = Reader(self._eval_data, self.program.raw["microbatch_size"], self.M, self._eval_positions,
+                        self.evaluator.steps, self.args.seed + self._eval_passes, "--eval-data") \
+            if self._eval_reads else None
+        self._eval_passes += 1
+        out = self.evaluator.run(reader)
+        if out is not None:
+            self.eval_results.append({"step": step, **out})
+            self.runlog.eval(step, out)
+        return out
 
     def segment(self, first: int, end: int) -> list[float]:
         """Run minibatches ``[first, end)`` as one schedule, from a flush to a flush; their step times.
@@ -200,6 +261,8 @@ class Trainer:
         done = 0
         timer = timing.StepTimer(devices.rank_device())
         chunk = next(steps, None)
+        lr = self._lr()
+        logged = len(executor.losses) if last else 0  # the losses up to the last log line
         while chunk is not None:
             upcoming = next(steps, None)
             actions, release, posts = chunk
@@ -213,12 +276,21 @@ class Trainer:
                 new = timer.collect()  # a logging point: on a GPU the step times are read here (timing.StepTimer)
                 times += new
                 self.step_times += new
-                if executor.losses and last and len(self.step_times) % self.log_every == 0:
-                    log.info("step %d (minibatches %d-%d) loss %.6f (%.3f s)", len(self.step_times), first + 1,
-                             end, executor.losses[-1], times[-1])
+                if last and len(self.step_times) % self.log_every == 0:  # a minibatch done (1f1b: M updates)
+                    losses = executor.losses[logged:]
+                    logged = len(executor.losses)
+                    self.runlog.step(self.start + len(self.step_times) // self.log_every,
+                                     sum(losses) / len(losses) if losses else None, lr,
+                                     sum(new[-self.log_every:]))
+                    lr = self._lr()
             chunk = upcoming
         executor.wait_sends()
         return times
+
+    def _lr(self) -> float | None:
+        """The learning rate the rank's last stage steps with next (its first parameter group's)."""
+        groups = self.executors[-1].optimizer.param_groups
+        return float(groups[0]["lr"]) if groups else None
 
     def train(self) -> int:
         """The whole run: every segment between checkpoints, then the final weights, metrics and trace."""
@@ -233,13 +305,17 @@ class Trainer:
         t_run = timing.now(devices.rank_device())
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         try:
-            # One schedule per segment between checkpoints: a checkpoint falls on a flush point.
-            for first, end in resume.segments(self.start, args.steps, args.checkpoint_every):
+            # One schedule per segment between checkpoints and evaluations: each falls on a flush point.
+            for first, end in loop.cuts(self.start, args.steps, args.checkpoint_every, args.eval_every):
                 self.segment(first, end)
+                if self.evaluator is not None and (end == args.steps or (args.eval_every and end % args.eval_every == 0)):
+                    self.evaluate(end)
                 resume.maybe_checkpoint(program, args, rank, executor, self.lr_scheduler, end, self.data_index + 1)
         except ActionError as e:
             log.error("%s", e)
             raise
+        finally:
+            self.runlog.close()
         dist.barrier()
         wall = timing.now(devices.rank_device()) - t_run
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
@@ -271,6 +347,8 @@ class Trainer:
                                               if devices.rank_device().type == "cuda" else None),
                 "precision": args.precision, "p2p_bytes_sent": comm.sent_bytes(),
                 "grad_norms": [float(n) for n in executor.grad_norms],  # unclipped, at each ST (--clip-grad-norm)
+                # the training loop (runtime/loop.py): passes over the data, and each evaluation (reporting rank)
+                "epochs": args.epochs, "steps_per_epoch": self.per_epoch, "eval": self.eval_results,
                 # split backwards by how they were split (--weight-pass: the graph, or the submodules' fallback)
                 "split_backwards": {k: sum(ex.split_counts[k] for ex in self.executors) for k in WEIGHT_PASSES},
             }, indent=1))

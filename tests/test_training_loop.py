@@ -1,0 +1,297 @@
+"""The training loop users expect (issue 27 items 1-4), through the emitted program's ranks, against
+single-process PyTorch on the same stages: epochs over a DataLoader that each input replica reads its
+share of, LR schedules (warm-up + cosine, OneCycleLR, 1F1B's per-update stepping), validation forward
+only through the pipeline, and the logs (metrics.jsonl, TensorBoard's event files)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _ranks import run_ranks
+from pdcompile.api import pdcompile
+from pdcompile.runtime.program import Program, build
+from pdcompile import reference
+
+ROOT = Path(__file__).resolve().parent.parent
+M, B = 2, 4  # microbatches per minibatch, samples per microbatch
+STEPS_PER_EPOCH = 100 // (M * B)  # 12 full minibatches of the 100 samples; the short 13th is dropped
+
+# What a user writes: a data module (a map-style Dataset, shuffled with a seeded generator, no drop_last),
+# LR schedules as functions of the optimizer. FETCH_LOG makes the dataset note each index a rank fetches.
+DATA_MODULE = '''
+import os
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+D, C = 6, 3
+
+
+class Points(Dataset):
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, D, generator=g)
+        self.y = (self.x[:, 0] > 0).long() + (self.x[:, 1] > 0.5).long()
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        if os.environ.get("FETCH_LOG"):
+            with open(os.environ["FETCH_LOG"] + "." + os.environ.get("RANK", "ref"), "a") as f:
+                f.write(f"{i}\\n")
+        return self.x[i], self.y[i]
+
+
+def train(batch_size):
+    return DataLoader(Points(100, 0), batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(1))
+
+
+def val(batch_size):
+    return DataLoader(Points(24, 2), batch_size=batch_size)
+
+
+def warmup_cosine(optimizer):
+    warm = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / 4)
+    cos = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=20)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [warm, cos], milestones=[4])
+
+
+def one_cycle(optimizer):
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.2, total_steps=30)
+
+
+def decay(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.8 ** s)
+'''
+
+
+@pytest.fixture
+def user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The user's data module, importable here and by the ranks (PYTHONPATH)."""
+    folder = tmp_path / "user"
+    folder.mkdir()
+    (folder / "loopdata.py").write_text(textwrap.dedent(DATA_MODULE))
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    sys.modules.pop("loopdata", None)
+    import loopdata  # type: ignore[import-not-found]
+    return loopdata
+
+
+def _emit(tmp: Path, user: Any, schedule: str, replicas: list[int] | None = None) -> Path:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(user.D, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, user.C))
+    pipe = pdcompile(model, example_inputs=(torch.randn(M * B, user.D),), example_target=torch.zeros(M * B, dtype=torch.long),
+                     loss_fn=torch.nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                     stages=2, replicas=replicas, schedule=schedule, num_microbatches=M)
+    return pipe.emit(tmp / f"prog_{schedule}")
+
+
+def _launch(tmp: Path, prog: Path, args: list[str], env: dict[str, str] | None = None) -> tuple[dict[int, Any], dict[int, Any]]:
+    """Run the program's ranks; each rank's metrics JSON and final weights, by rank."""
+    n = Program.load(prog).world_size
+    rc, log = run_ranks(prog, n, [*args, "--metrics", str(tmp / "metrics"), "--save-final", str(tmp / "final"),
+                                  "--timeout", "60"], timeout=180, env=env)
+    assert rc == 0, log[-4000:]
+    metrics = {json.loads(p.read_text())["rank"]: json.loads(p.read_text()) for p in (tmp / "metrics").glob("rank_*.json")}
+    weights = {int(p.name.split("rank_")[1].split(".")[0]): torch.load(p, weights_only=True)
+               for p in (tmp / "final").glob("stage_*.rank_*.pt")}
+    assert sorted(metrics) == sorted(weights) == list(range(n))
+    return metrics, weights
+
+
+def _minibatches(user: Any, epochs: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The loader's full minibatches, epoch after epoch, as one process reads them."""
+    loader = user.train(M * B)
+    for _ in range(epochs):
+        yield from itertools.islice(loader, STEPS_PER_EPOCH)
+
+
+def _evaluate(stages: list[torch.nn.Module], loss_fn: Any, user: Any) -> tuple[float, float]:
+    """Single-process validation: the mean over microbatches of the loss and the accuracy."""
+    losses, accs = [], []
+    with torch.no_grad():
+        for x, y in user.val(M * B):
+            for xm, ym in zip(x.split(B), y.split(B)):
+                out = xm
+                for m in stages:
+                    m.eval()
+                    out = m(out)
+                    m.train()
+                    out = out[0] if isinstance(out, tuple) and len(out) == 1 else out
+                losses.append(float(loss_fn(out, ym)))
+                accs.append(float((out.argmax(-1) == ym).float().mean()))
+    return sum(losses) / len(losses), sum(accs) / len(accs)
+
+
+def _reference_sync(prog: Path, user: Any, epochs: int, scheduler: str, evals: list[int]) -> dict[str, Any]:
+    """Flush/GPipe in one process: per minibatch the M microbatches' gradients (loss / M), one optimizer
+    step, one scheduler step; the LR and mean loss of every step, evaluations after the steps in ``evals``."""
+    program = Program.load(prog)
+    stages = [program.build_stage(k) for k in range(program.num_stages)]
+    params = [p for m in stages for p in m.parameters()]
+    opt = build(program.raw["optimizer"], params)
+    sched = getattr(user, scheduler)(opt)
+    loss_fn = program.build_loss()
+    out: dict[str, Any] = {"lr": [], "loss": [], "eval": {}}
+    for step, (x, y) in enumerate(_minibatches(user, epochs), 1):
+        out["lr"].append(opt.param_groups[0]["lr"])
+        losses = []
+        for xm, ym in zip(x.split(B), y.split(B)):
+            h: Any = xm
+            for m in stages:
+                h = m(*h) if isinstance(h, tuple) else m(h)
+            loss = loss_fn(h, ym)
+            (loss / M).backward()
+            losses.append(float(loss.detach()))
+        out["loss"].append(sum(losses) / M)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        if step in evals:
+            out["eval"][step] = _evaluate(stages, loss_fn, user)
+    out["weights"] = [{n: p.detach().clone() for n, p in m.named_parameters()} for m in stages]
+    return out
+
+
+def _assert_weights(prog: Path, got: dict[int, Any], want: list[dict[str, torch.Tensor]]) -> None:
+    program = Program.load(prog)
+    initial = [dict(program.build_stage(k).named_parameters()) for k in range(program.num_stages)]
+    for rank, w in got.items():
+        s = program.stage_of_rank(rank).index
+        for n, ref in want[s].items():
+            torch.testing.assert_close(w[n], ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {n}: {m}")
+            assert not torch.equal(ref, initial[s][n])  # it trained
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_epochs_warmup_cosine_validation_jsonl_and_tensorboard(tmp_path: Path, user: Any) -> None:
+    """flush, 2 epochs of a shuffled DataLoader with a warm-up + cosine schedule and validation every 10
+    steps: the weights, every step's LR and loss, and every evaluation equal single-process training;
+    metrics.jsonl and TensorBoard's event files hold them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    prog = _emit(tmp_path, user, "flush")
+    tb = tmp_path / "tb"
+    metrics, weights = _launch(tmp_path, prog, [
+        "--epochs", "2", "--data", "loopdata:train", "--lr-scheduler", "loopdata:warmup_cosine",
+        "--eval-data", "loopdata:val", "--eval-every", "10", "--eval-metric", "accuracy", "--tensorboard", str(tb)])
+    total = 2 * STEPS_PER_EPOCH
+    want = _reference_sync(prog, user, 2, "warmup_cosine", [10, 20, total])
+    _assert_weights(prog, weights, want["weights"])
+
+    records = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["type"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, total + 1))
+    assert [r["epoch"] for r in train] == [1] * STEPS_PER_EPOCH + [2] * STEPS_PER_EPOCH
+    assert [r["lr"] for r in train] == pytest.approx(want["lr"], rel=1e-6)
+    assert len(set(want["lr"])) > 10  # the schedule really moved the LR
+    assert [r["loss"] for r in train] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6)
+    assert all(r["samples_per_s"] > 0 and r["step_time_s"] > 0 and r["peak_memory_mb"] > 10 for r in train)
+    evals = [r for r in records if r["type"] == "eval"]
+    assert [r["step"] for r in evals] == [10, 20, total]
+    for r in evals:
+        loss, acc = want["eval"][r["step"]]
+        assert r["loss"] == pytest.approx(loss, rel=1e-5) and r["accuracy"] == pytest.approx(acc, abs=1e-9)
+    assert evals[0]["loss"] != pytest.approx(evals[-1]["loss"], rel=1e-3)  # evaluated different weights
+    last = metrics[1]
+    assert last["steps_per_epoch"] == STEPS_PER_EPOCH and [e["step"] for e in last["eval"]] == [10, 20, total]
+
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/samples_per_s", "train/step_time_s", "eval/loss", "eval/accuracy"} <= tags
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, total + 1))
+    assert [e.value for e in acc.Scalars("train/lr")] == pytest.approx(want["lr"], rel=1e-6)
+    assert [(e.step, e.value) for e in acc.Scalars("eval/loss")] == [
+        (s, pytest.approx(want["eval"][s][0], rel=1e-5)) for s in (10, 20, total)]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_gpipe_one_cycle_with_input_replicas_reading_their_shares(tmp_path: Path, user: Any) -> None:
+    """gpipe with the input stage on 2 replicas and OneCycleLR: each replica fetches only the samples of
+    its own microbatches (disjoint, together every sample the epochs use), and training and the final
+    validation equal single-process training on the whole minibatches."""
+    prog = _emit(tmp_path, user, "gpipe", replicas=[2, 1])
+    log = tmp_path / "fetch"
+    metrics, weights = _launch(tmp_path, prog, [
+        "--epochs", "2", "--data", "loopdata:train", "--lr-scheduler", "loopdata:one_cycle",
+        "--eval-data", "loopdata:val", "--eval-metric", "accuracy", "--log-every", "5"], env={"FETCH_LOG": str(log)})
+    total = 2 * STEPS_PER_EPOCH
+    os.environ["FETCH_LOG"] = str(log)  # the reference's fetches, in order, for the shares' check
+    try:
+        want = _reference_sync(prog, user, 2, "one_cycle", [total])
+    finally:
+        del os.environ["FETCH_LOG"]
+    _assert_weights(prog, weights, want["weights"])
+    ref = [int(i) for i in Path(f"{log}.ref").read_text().split()]
+    train_ref, val_ref = ref[:total * M * B], ref[total * M * B:]
+    # microbatch k of a minibatch goes to replica k % 2 of stage 0: rank 0 the first B samples, rank 1 the rest
+    for rank in (0, 1):
+        got = [int(i) for i in Path(f"{log}.{rank}").read_text().split()]
+        share = [i for n, i in enumerate(train_ref) if (n // B) % M == rank]
+        val_share = [i for n, i in enumerate(val_ref) if (n // B) % M == rank]
+        assert got == share + val_share, rank
+    assert not Path(f"{log}.2").exists()  # the last stage reads no data: its targets are sent
+    records = [json.loads(x) for x in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "train"] == [5, 10, 15, 20, total]
+    assert [r["lr"] for r in records if r["type"] == "train"] == pytest.approx(
+        [want["lr"][s - 1] for s in (5, 10, 15, 20, total)], rel=1e-6)
+    (ev,) = [r for r in records if r["type"] == "eval"]
+    assert (ev["loss"], ev["accuracy"]) == (pytest.approx(want["eval"][total][0], rel=1e-5),
+                                            pytest.approx(want["eval"][total][1], abs=1e-9))
+    assert metrics[2]["eval"] == [{"step": total, "loss": ev["loss"], "accuracy": ev["accuracy"]}]
+
+
+class _Stepping:
+    """An optimizer whose step also steps its LR scheduler (for reference.train_versioned)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, sched: Any) -> None:
+        self.opt, self.sched = opt, sched
+
+    def step(self) -> None:
+        self.opt.step()
+        self.sched.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_1f1b_steps_the_schedule_once_per_update(tmp_path: Path, user: Any) -> None:
+    """1F1B updates after every microbatch, and each stage's scheduler steps with each update (M per
+    minibatch): the weights equal PipeDream's weight-stashing reference with the scheduler stepped per
+    update, and the final validation (a drained pipeline, the newest weights) equals single-process eval."""
+    prog = _emit(tmp_path, user, "1f1b")
+    steps = 5
+    metrics, weights = _launch(tmp_path, prog, [
+        "--steps", str(steps), "--data", "loopdata:train", "--lr-scheduler", "loopdata:decay",
+        "--eval-data", "loopdata:val"])
+    program = Program.load(prog)
+    stages = [program.build_stage(k) for k in range(program.num_stages)]
+    opts = [build(program.raw["optimizer"], m.parameters()) for m in stages]
+    scheds = [user.decay(o) for o in opts]
+    micro = [((xm,), ym) for x, y in itertools.islice(user.train(M * B), steps)
+             for xm, ym in zip(x.split(B), y.split(B))]
+    fwd, bwd, group = reference.pipedream_1f1b([1, 1])
+    reference.train_versioned(stages, [_Stepping(o, s) for o, s in zip(opts, scheds)],  # type: ignore[misc]
+                              program.build_loss(), micro, fwd=fwd, bwd=bwd, group=group)
+    assert [s.last_epoch for s in scheds] == [steps * M] * 2  # once per update
+    _assert_weights(prog, weights, [{n: p.detach() for n, p in m.named_parameters()} for m in stages])
+    loss, _ = _evaluate(stages, program.build_loss(), user)
+    assert metrics[1]["eval"][0]["step"] == steps and metrics[1]["eval"][0]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert "accuracy" not in metrics[1]["eval"][0]
