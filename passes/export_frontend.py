@@ -11,10 +11,12 @@ returns (inputs, parameters, ops, output, state updates, what is rejected): :fun
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +35,30 @@ _ASSERT_OPS = {
 }
 
 
+@dataclass(frozen=True)
+class OutputView:
+    """How the model's output holds the one tensor the graph returns: ``container`` (a ``ModelOutput``,
+    dict, namedtuple or tuple) with that tensor at ``key`` (a key, or a position among ``length``).
+    The loss is called with :meth:`present` of the tensor, so it reads the output as in eager."""
+
+    container: type
+    key: str | int
+    length: int
+
+    def present(self, tensor: torch.Tensor) -> Any:
+        """The model's output structure holding ``tensor`` at ``key`` (other entries None or absent)."""
+        c = self.container
+        if isinstance(self.key, int):
+            values = [tensor if i == self.key else None for i in range(self.length)]
+            return c(*values) if hasattr(c, "_fields") else (list(values) if issubclass(c, list) else tuple(values))
+        if dataclasses.is_dataclass(c):  # a transformers ModelOutput: the other fields default to None
+            try:
+                return c(**{self.key: tensor})
+            except Exception:  # noqa: BLE001 - required fields: a mapping with only this key
+                return {self.key: tensor}
+        return {self.key: tensor} if c in (dict,) or not issubclass(c, dict) else c({self.key: tensor})
+
+
 @contextlib.contextmanager
 def _quiet_torch_logs() -> Iterator[None]:
     """torch.export logs warnings and graph dumps while it captures; our errors say what matters."""
@@ -48,6 +74,25 @@ def _quiet_torch_logs() -> Iterator[None]:
     finally:
         for lg, lv in zip(loggers, levels):
             lg.setLevel(lv)
+
+
+@contextlib.contextmanager
+def _without_kv_cache(model: torch.nn.Module) -> Iterator[None]:
+    """A transformers model captured for training, without its KV cache: ``config.use_cache`` off
+    for the capture only (training never reads the cache; exported, it is a DynamicCache output that
+    no stage can send), and the user's config as it was afterwards."""
+    configs: dict[int, Any] = {}
+    for m in model.modules():
+        cfg: Any = getattr(m, "config", None)
+        if getattr(cfg, "use_cache", None) is True:
+            configs[id(cfg)] = cfg
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
 
 
 def export_trace(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tensor, *,
@@ -77,20 +122,22 @@ def export_trace(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.T
     * State updates stay in-place aten ops on the model's buffers (``aten.batch_norm``'s running
       stats, ``aten.copy_``): not functionalised, and kept by dead-code elimination. Each stage
       holds its own copy of a buffer, so one updated in one stage and read in another drifts.
+    * A transformers model is captured without its KV cache (``config.use_cache`` off while it runs,
+      then restored).
     * Rejected, with the reason and the fix: outputs that write back state (a functionalised
       program), higher-order ops (``torch.cond``, ``torch.no_grad()`` inside ``forward``),
       script-object inputs.
     """
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     try:
-        with _quiet_torch_logs():
+        with _quiet_torch_logs(), _without_kv_cache(model):
             ep = torch.export.export(model, args, dict(kwargs or {}), strict=False)
     except Exception as e:  # noqa: BLE001 - reported with the cause
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UnsupportedModelError(
             f"export-trace: torch.export.export could not capture {type(model).__name__}: "
             f"{type(e).__name__}: {msg}. Fix: make forward() traceable by torch.export (no data-dependent "
-            f"Python control flow; for transformers models pass use_cache=False in the config)"
+            f"Python control flow)"
         ) from e
     return _flatten_program(model, ep, output)
 
@@ -177,7 +224,23 @@ def _flatten_program(model: torch.nn.Module, ep: torch.export.ExportedProgram,
     # The key the model's output structure names the tensor by ("logits"), so a loss written
     # against the model's own output (``out.logits``) can be traced onto the tensor the last stage returns.
     gm.meta["pd.output_key"] = _output_key(ep.call_spec.out_spec, output)
+    gm.meta["pd.output_view"] = _output_view(ep.call_spec.out_spec, output, name)
     return gm
+
+
+def _output_view(spec: Any, output: str | int | None, name: str) -> OutputView | None:
+    """The :class:`OutputView` of the selected tensor; None when the model returns that tensor alone."""
+    if spec.is_leaf():
+        return None
+    _output_index(spec, output, name)  # checks the choice
+    children = _children(spec)
+    keys = _keys(spec) or []
+    if isinstance(output, int):
+        index = output % len(children)
+    else:
+        index = keys.index(output if output is not None else next(k for k in DEFAULT_OUTPUT_KEYS if k in keys))
+    key: str | int = keys[index] if keys and not hasattr(spec.type, "_fields") else index
+    return OutputView(spec.type, key, len(children))
 
 
 def _output_key(spec: Any, output: str | int | None) -> str | None:

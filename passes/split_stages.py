@@ -180,6 +180,8 @@ def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.No
         else:
             g.output(tuple(env[n] for n in outs))
         sgm = fx.GraphModule(attrs, g, f"Stage{k}")
+        if k == num_stages - 1 and "pd.output_view" in gm.meta:  # how the loss sees the last output
+            sgm.meta["pd.output_view"] = gm.meta["pd.output_view"]
         for name, t in list(sgm.named_parameters(remove_duplicate=False)) + list(sgm.named_buffers(remove_duplicate=False)):
             orig = canonical.get(id(t))
             if orig is not None:

@@ -1,11 +1,15 @@
 """The ``trace-loss`` pass: the user's ``loss_fn(output, target)`` -> a GraphModule the last stage runs.
 
 Any callable returning a scalar tensor (function, lambda, closure, ``functools.partial``,
-``nn.Module``) is traced like the model, torch.fx first and ``torch.export`` when fx can't, so the
-emitted program holds the loss as source (class ``Loss`` in the last ``stage_K.py``, captured tensors
-in ``loss.pt``) rather than a pickle or an importable class path. The export front end returns one
-tensor of the model's output structure, read as ``out.logits``/``out["logits"]``; other entries are
-refused. Refused with :class:`UsageError` naming construct and fix: host syncs, Python control flow
+``nn.Module``) is traced so the emitted program holds the loss as source (class ``Loss`` in the
+last ``stage_K.py``, captured tensors in ``loss.pt``) rather than a pickle or an importable class
+path. The loss runs as Python runs it: ``make_fx`` calls it once on the concrete example output,
+presented as the model presents it (a tensor, a dict or tuple, or the model's ``ModelOutput`` holding
+the one tensor the last stage returns, :class:`~pdcompile.passes.export_frontend.OutputView`), so
+``hasattr``/``getattr``/``isinstance`` and indexing decide as in eager and the graph records the
+tensor ops taken. A loss that syncs with the host there (``.item()``, ``if`` on a value) is traced
+by torch.fx, then ``torch.export``, as before (a value read only for logging drops out). Refused with
+:class:`UsageError` naming construct and fix: host syncs that reach the result, Python control flow
 on tensor values, a non-scalar result, parameters that require grad, a trace that disagrees with
 calling ``loss_fn`` on the example.
 """
@@ -23,10 +27,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from pdcompile.errors import PdcompileError, UsageError
 from pdcompile.ir import CompileState, TensorMeta, need
 from pdcompile.passes.codegen import object_spec
+from pdcompile.passes.export_frontend import OutputView
 from pdcompile.passes.trace import host_syncs, user_frame
 
 _HOST_SYNC_OPS = ("aten::_local_scalar_dense", "aten::item")
@@ -90,20 +97,37 @@ def example_output(meta: Any, seed: int = 0) -> Any:
         return {k: example_output(v, seed + i) for i, (k, v) in enumerate(meta.items())}
     if isinstance(meta, (tuple, list)):
         values = [example_output(v, seed + i) for i, v in enumerate(meta)]
+        if hasattr(meta, "_fields"):  # a namedtuple keeps its type
+            return type(meta)(*values)
         return tuple(values) if isinstance(meta, tuple) else values
     return meta
 
 
-def trace_loss(loss_fn: Any, output: Any, target: torch.Tensor, *, output_key: str | None = None) -> TracedLoss:
+def trace_loss(loss_fn: Any, output: Any, target: torch.Tensor, *, output_key: str | None = None,
+               view: OutputView | None = None) -> TracedLoss:
     """Trace ``loss_fn`` applied to the last stage's ``output`` (an example value) and ``target``
-    (one microbatch of targets) into a :class:`TracedLoss`, or raise :class:`UsageError` saying why."""
+    (one microbatch of targets) into a :class:`TracedLoss`, or raise :class:`UsageError` saying why.
+    ``view`` (else ``output_key``) says how the model's output holds the tensor the last stage returns."""
     name = loss_name(loss_fn)
     if not callable(loss_fn):
         raise UsageError(f"pdcompile: loss_fn must be a callable (output, target) -> scalar tensor, "
                          f"got {type(loss_fn).__name__}")
     key = output_key if output_key is not None and not hasattr(torch.Tensor, output_key) else None
+    present = _presenter(view, output_key, output)
     try:
-        traced = _fx(loss_fn, key, isinstance(output, torch.Tensor))
+        traced = _concrete(loss_fn, present, output, target)
+    except UsageError:
+        raise
+    except Exception:  # noqa: BLE001 - a host sync or a failing Python check: the symbolic front ends say which
+        traced = _symbolic(loss_fn, key, output, target, name)
+    _check(traced, loss_fn, present, output, target, name)
+    return traced
+
+
+def _symbolic(loss_fn: Any, key: str | None, output: Any, target: torch.Tensor, name: str) -> TracedLoss:
+    """The loss traced on proxies: torch.fx, else torch.export (a tensor output)."""
+    try:
+        return _fx(loss_fn, key, isinstance(output, torch.Tensor))
     except UsageError:
         raise
     except Exception as fx_error:  # noqa: BLE001 - try torch.export below, report both
@@ -111,14 +135,83 @@ def trace_loss(loss_fn: Any, output: Any, target: torch.Tensor, *, output_key: s
             raise LossTraceError(f"pdcompile: loss_fn {name} can't be traced: torch.fx: {_why(fx_error)}. "
                                  f"Fix: {_FIX}") from fx_error
         try:
-            traced = _export(loss_fn, key, output, target)
+            return _export(loss_fn, key, output, target)
         except UsageError:
             raise
         except Exception as ex_error:  # noqa: BLE001
             raise LossTraceError(f"pdcompile: loss_fn {name} can't be traced: torch.fx: {_why(fx_error)}; "
                                  f"torch.export: {_why(ex_error)}. Fix: {_FIX}") from ex_error
-    _check(traced, loss_fn, key, output, target, name)
-    return traced
+
+
+class _Keyed(dict):  # type: ignore[type-arg]
+    """A model output known only by its key: ``out.logits`` and ``out["logits"]`` are the tensor."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _presenter(view: OutputView | None, key: str | None, output: Any) -> Callable[[Any], Any]:
+    """What the loss is called with for the last stage's ``output``: the model's own output structure."""
+    if view is not None and isinstance(output, torch.Tensor):
+        return view.present
+    if key is not None and isinstance(output, torch.Tensor):
+        return lambda t: _Keyed({key: t})
+    return lambda out: out
+
+
+def _concrete(loss_fn: Any, present: Callable[[Any], Any], output: Any, target: torch.Tensor) -> TracedLoss:
+    """``loss_fn`` run once by ``make_fx`` on the real example: Python-level checks decide as in eager,
+    the tensor ops are recorded. The graph takes ``(output, target)`` as the last stage hands them over."""
+    fn = _private(loss_fn)
+
+    def call(out: Any, tgt: torch.Tensor) -> torch.Tensor:
+        got = fn(present(out), tgt)
+        if not isinstance(got, torch.Tensor):
+            raise UsageError(f"pdcompile: loss_fn {loss_name(loss_fn)} returns {type(got).__name__}; a pipeline "
+                             f"needs a scalar floating-point tensor. Fix: return the loss tensor")
+        return got
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = make_fx(call, tracing_mode="real", record_stack_traces=True)(output, target)
+    return TracedLoss(_flat(_as_loss_graph(traced, output)), "make_fx")
+
+
+def _as_loss_graph(traced: fx.GraphModule, output: Any) -> fx.GraphModule:
+    """``traced`` (placeholders: the leaves of ``output``, then the target) as ``forward(output, target)``,
+    each leaf read from ``output`` by its key path."""
+    paths = [p for p, _ in pytree.tree_flatten_with_path(output)[0]]
+    g = fx.Graph()
+    out_ph, tgt_ph = g.placeholder("output"), g.placeholder("target")
+    env: dict[fx.Node, fx.Node] = {}
+    phs = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    if len(phs) != len(paths) + 1:  # pragma: no cover - make_fx flattens its inputs with pytree
+        raise RuntimeError(f"make_fx gave {len(phs)} inputs for {len(paths)} output tensors and a target")
+    for ph, path in zip(phs, paths):
+        node = out_ph
+        for k in path:
+            if isinstance(k, pytree.SequenceKey):
+                node = g.call_function(operator.getitem, (node, k.idx))
+            elif isinstance(k, pytree.MappingKey):
+                node = g.call_function(operator.getitem, (node, k.key))
+            else:
+                node = g.call_function(getattr, (node, str(getattr(k, "name"))))
+        env[ph] = node
+    env[phs[-1]] = tgt_ph
+    for n in traced.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "output":
+            flat = pytree.tree_leaves(n.args[0])
+            g.output(env[flat[0]] if len(flat) == 1 else tuple(env[a] for a in flat))
+            break
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.eliminate_dead_code()
+    gm = fx.GraphModule(traced, g, "Loss")
+    return gm
 
 
 def _why(e: BaseException) -> str:
@@ -208,7 +301,8 @@ def _flat(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(attrs, g, "Loss")
 
 
-def _check(traced: TracedLoss, loss_fn: Any, key: str | None, output: Any, target: torch.Tensor, name: str) -> None:
+def _check(traced: TracedLoss, loss_fn: Any, present: Callable[[Any], Any], output: Any, target: torch.Tensor,
+           name: str) -> None:
     """The traced loss must train nothing of its own, return a scalar, and equal ``loss_fn`` on the example."""
     trainable = [n for n, p in traced.gm.named_parameters() if p.requires_grad]
     if trainable:
@@ -228,10 +322,7 @@ def _check(traced: TracedLoss, loss_fn: Any, key: str | None, output: Any, targe
         raise UsageError(f"pdcompile: loss_fn {name} returns {what}; a pipeline needs a scalar floating-point "
                          f"tensor. Fix: reduce it (reduction='mean', .mean() or .sum())")
     try:
-        view = _to(output, dev)
-        if key is not None and isinstance(view, torch.Tensor):
-            view = view.clone()
-            object.__setattr__(view, key, view)
+        view = present(_to(output, dev))
         with warnings.catch_warnings():  # out["logits"] on the plain tensor warns, then fails
             warnings.simplefilter("ignore")
             want = loss_fn(view, tgt)
@@ -270,14 +361,16 @@ class LossProgram:
 
 def loss_program(loss_fn: Any, last_stage: fx.GraphModule, target: torch.Tensor,
                  output_key: str | None) -> LossProgram:
-    """``loss_fn`` traced on what ``last_stage`` returns and one microbatch ``target``. A target on the
+    """``loss_fn`` traced on what ``last_stage`` returns (presented as its ``meta["pd.output_view"]`` says)
+    and one microbatch ``target``. A target on the
     meta device (a model compiled without data) is traced as zeros of its shape and dtype on the CPU."""
     if target.is_meta:
         target = torch.zeros(target.shape, dtype=target.dtype)
     meta = fx.node.map_aggregate(last_stage.graph.output_node().args[0],
                                  lambda a: a.meta.get("pd.tensor") if isinstance(a, fx.Node) else a)
     try:
-        traced = trace_loss(loss_fn, example_output(meta), target, output_key=output_key)
+        traced = trace_loss(loss_fn, example_output(meta), target, output_key=output_key,
+                            view=last_stage.meta.get("pd.output_view"))
     except LossTraceError as e:
         if not isinstance(loss_fn, torch.nn.Module):
             raise
