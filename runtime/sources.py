@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import importlib
 import json
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -163,7 +164,7 @@ class DCPReader:
         return sd
 
 
-def open_checkpoint(path: str | Path) -> Reader:
+def open_checkpoint(path: str | os.PathLike[str]) -> Reader:
     """The reader of ``path``, by what it is; a path with no weights is a :class:`UsageError`."""
     p = Path(path)
     if not p.exists():

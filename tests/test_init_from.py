@@ -201,3 +201,36 @@ def test_bad_sources_are_refused_with_cause_and_fix(tmp_path: Path) -> None:
         assert rc == 2, log[-2000:]
         lines = [ln for ln in log.splitlines() if said in ln]
         assert lines and "Traceback" not in log, log[-2000:]
+
+
+MLP_FACTORY = '''
+import torch
+
+
+def make_on_meta():
+    with torch.device("meta"):
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+'''
+
+
+def test_cli_emit_init_from_a_torch_save_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from pdcompile.cli import main
+
+    (tmp_path / "meta_mlp.py").write_text(MLP_FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    torch.manual_seed(3)
+    real = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    torch.save(real.state_dict(), tmp_path / "weights.pt")
+    common = ["meta_mlp:make_on_meta", "--input", "8x8", "--target", "8:int64:4", "--stages", "2"]
+    assert main(["emit", *common, "--init-from", str(tmp_path / "weights.pt"), "-o", str(tmp_path / "out")]) == 0
+    prog = Program.load(tmp_path / "out")
+    assert prog.init == {**prog.init, "source": "pretrained", "path": str((tmp_path / "weights.pt").resolve())}
+    got = stage_weights(prog)  # plan.json's path is the default source
+    assert set(got) == set(real.state_dict())
+    for name, t in real.state_dict().items():
+        assert torch.equal(got[name], t), name
+    capsys.readouterr()
+    assert main(["emit", *common, "--init-from", str(tmp_path / "nothing_here"), "-o", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0] and "Fix" in err[0], err

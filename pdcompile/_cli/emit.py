@@ -16,6 +16,7 @@ def register(subparsers: Any) -> None:
                     "stage, their weights, plan.json and train.py (run it with torchrun).",
         epilog="Examples:\n  pdcompile emit zoo:gpt --stages 2 -o out/\n"
                "  pdcompile emit mypkg.models:make --input 32x16 --target 32:int64:10 --cluster c.toml -o out/\n"
+               "  pdcompile emit mypkg.models:make_on_meta --input 8x128:int64 --init-from hf_folder/ -o out/\n"
                "  cd out && torchrun --nproc-per-node=2 train.py --steps 10",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
@@ -24,12 +25,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("-o", "--out", required=True, help="output folder")
     p.add_argument("--ir", metavar="DIR", help="also write the IR after every pass here")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.add_argument("--init-from", metavar="PATH", default=None,
+                   help="start from this checkpoint, each rank reading only its stage's tensors under the model's "
+                        "names: a Hugging Face model folder, a .safetensors file, a torch.save'd state_dict or a "
+                        "torch.distributed.checkpoint folder (docs/big-models.md)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     m, pipe = compile_from_args(args)
-    out = pipe.emit(args.out, data=m.data)
+    out = pipe.emit(args.out, data=m.data, init_from=args.init_from)
     if args.ir:
         pipe.dump_ir(args.ir)
     info = {"out": str(out), "stages": len(pipe.split.stages), "world_size": pipe.world_size,

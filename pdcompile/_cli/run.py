@@ -26,6 +26,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", help="folder for the program and results (default: a temporary folder)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the whole run is stopped")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.add_argument("--init-from", metavar="PATH", default=None,
+                   help="start from this checkpoint, each rank reading only its stage's tensors under the model's "
+                        "names: a Hugging Face model folder, a .safetensors file, a torch.save'd state_dict or a "
+                        "torch.distributed.checkpoint folder (docs/big-models.md)")
     p.set_defaults(func=run)
 
 
@@ -42,10 +46,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         m, pipe = compile_from_args(args)
         results = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="pdcompile-run-"))
-        prog = pipe.emit(results / "program", data=m.data)
+        prog = pipe.emit(results / "program", data=m.data, init_from=args.init_from)
         world = pipe.world_size
     rc, log = launch(prog, world, ["--steps", str(args.steps), "--metrics", str(results / "metrics"),
-                                   "--save-final", str(results / "final"), "--timeout", "60"],
+                                   "--save-final", str(results / "final"), "--timeout", "60",
+                                   *(["--init-from", str(args.init_from)] if args.init_from else [])],
                      timeout=args.timeout, on_line=None if args.json else print)
     results.mkdir(parents=True, exist_ok=True)
     (results / "train.log").write_text(log)
