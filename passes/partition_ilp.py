@@ -18,8 +18,10 @@ import numpy as np
 from pdcompile.cluster import ClusterSpec, Level
 from pdcompile.errors import InfeasiblePlanError, UsageError
 from pdcompile.ir import Chain
-from pdcompile.passes.partition_dp import Block, build_plan, PlanModel
-from pdcompile.plan import Plan
+from pdcompile.passes.partition_dp import blocks_from_ranks, build_plan, partition_dp
+from pdcompile.passes.planner.blocks import Block
+from pdcompile.passes.planner.search import PlanModel
+from pdcompile.plan_data import Plan
 
 __all__ = ["partition_ilp"]
 
@@ -119,8 +121,6 @@ def partition_ilp(
     if isinstance(hint, str):
         if hint != "dp":
             raise UsageError(f"hint must be a Plan, 'dp' or None (got {hint!r})")
-        from pdcompile.passes.partition_dp import partition_dp
-
         hint = partition_dp(chain, cluster, cost_model=cost_model, schedule=schedule, memory_limit=memory_limit,
                             optimizer_state_factor=optimizer_state_factor, allow_replication=allow_replication)
     if hint is not None:
@@ -318,8 +318,6 @@ def partition_ilp(
 
 
 def _hint_blocks(hint: Plan, cl2: ClusterSpec, orig_levels: int) -> tuple[Block, ...] | None:
-    from pdcompile.passes.partition_dp import blocks_from_ranks
-
     try:
         if orig_levels == 1:
             flat = tuple(Block(s.first, s.last, len(s.ranks)) for s in hint.stages)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdcompile.errors import UsageError
+from pdcompile.passes.planner.decisions import Recompute, stage_decisions
 from pdcompile.runtime.schedules import (
     Action,
     Kind,
@@ -489,8 +490,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     ``param_bytes`` with a ring over the slowest link among its ranks. Chain costs are per
     minibatch of ``chain.batch_size`` and are scaled linearly to ``plan.microbatch_size``. A stage
     that recomputes runs again before its backward (``B``) what its mode rebuilds
-    (:meth:`~pdcompile.passes.partition_dp.PlanModel.recompute_s`).
-    Memory: the planner's stage memory (:meth:`~pdcompile.passes.partition_dp.PlanModel.memory_at`: saved
+    (:meth:`~pdcompile.passes.planner.decisions.Recompute.recompute_s`).
+    Memory: the planner's stage memory (:meth:`~pdcompile.passes.planner.memory.MemoryModel.memory_at`: saved
     activations, weights x versions, gradients, ``optimizer_state_factor`` x weights of optimizer
     state) at the simulated peak in-flight and weight-version counts. Schedule ranks are consecutive by stage; replica ``i`` of stage ``s``
     runs on ``plan.stages[s].ranks[i]`` of the cluster. ``schedule_name`` defaults to the plan's.
@@ -499,8 +500,6 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     the larger of its peak with gradients (``peak_in_flight_with_grads``) and its peak before them
     (one weight copy less); tied stages on one rank sum their copies with no collective.
     """
-    from pdcompile.passes.partition_dp import stage_model  # pure data, as this module
-
     if refit_recompute is not None and virtual_stages == 1:
         # recomputation chosen again for this schedule and microbatch size: each stage the mode that
         # fits refit_recompute bytes with least forward run again, at the in-flight and version
@@ -511,11 +510,11 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                   copy_bandwidth=copy_bandwidth, split_backward=split_backward, input_grad_share=input_grad_share,
                   weight_grad_share=weight_grad_share, optimizer_state_factor=optimizer_state_factor)
         first = simulate_plan(plan, chain, cluster, schedule_name, num_microbatches, **kw)  # type: ignore[arg-type]
-        fit = stage_model(chain, schedule=schedule_name or plan.schedule, optimizer_state_factor=optimizer_state_factor,
-                          num_microbatches=num_microbatches, memory_limit=refit_recompute)
-        chosen = [fit.choose_recompute(st_.first, st_.last, first.peak_in_flight[s],
-                                       versions=first.peak_weight_versions[s],
-                                       activation_scale=plan.microbatch_size / chain.batch_size)
+        fit = stage_decisions(chain, schedule=schedule_name or plan.schedule,
+                              optimizer_state_factor=optimizer_state_factor, num_microbatches=num_microbatches,
+                              memory_limit=refit_recompute)
+        chosen = [fit.choose(st_.first, st_.last, first.peak_in_flight[s], versions=first.peak_weight_versions[s],
+                             activation_scale=plan.microbatch_size / chain.batch_size)
                   for s, st_ in enumerate(plan.stages)]
         stages = tuple(replace(st_, recompute=mode, recompute_layers=head)
                        for st_, (mode, head) in zip(plan.stages, chosen))
@@ -525,12 +524,12 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     reps = [st_.replicas for st_ in plan.stages]
     scale = plan.microbatch_size / chain.batch_size
     layers = chain.layers
-    models: dict[str, Any] = {}
+    models: dict[str, Recompute] = {}
 
-    def model(sched: str) -> Any:  # the planner's stage model (memory, recomputation) per schedule
+    def model(sched: str) -> Recompute:  # the planner's stage memory and recomputation per schedule
         if sched not in models:
-            models[sched] = stage_model(chain, schedule=sched, optimizer_state_factor=optimizer_state_factor,
-                                        num_microbatches=num_microbatches)
+            models[sched] = stage_decisions(chain, schedule=sched, optimizer_state_factor=optimizer_state_factor,
+                                            num_microbatches=num_microbatches)
         return models[sched]
 
     fwd, bwd, params, cut, b_in, b_w = [], [], [], [], [], []
@@ -580,7 +579,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                              overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size)
     def at(s: int, k: int, versions: int, sched: str) -> float:
         st_ = plan.stages[s]
-        return float(model(sched).memory_at(st_.first, st_.last, k, versions, getattr(st_, "recompute", "none"),
+        return float(model(sched).memory.memory_at(st_.first, st_.last, k, versions, getattr(st_, "recompute", "none"),
                                             scale, getattr(st_, "recompute_layers", 0)))
 
     if virtual_stages == 1:

@@ -1,0 +1,273 @@
+"""The recomputation decision: which mode a stage runs (none, selective, partial, full) and what it
+runs again in its backward. The planner and the simulator call the same functions
+(:class:`Recompute`); the search reads partial recomputation through :class:`PartialTable`.
+
+``recompute="auto"`` gives each stage the allowed mode that fits the memory limit with the least
+forward run again (partial: its fewest first layers that fit, solved in closed form per in-flight
+count and end by :meth:`PartialTable.grid`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from pdcompile.errors import UsageError
+from pdcompile.ir import Chain
+from pdcompile.passes.planner.arrays import ChainArrays, cumsum0, rng
+from pdcompile.passes.planner.memory import EPS, MemoryModel
+from pdcompile.runtime.schedules import registry as schedule_registry
+
+__all__ = ["MODES", "RECOMPUTE", "PartialTable", "Recompute", "allowed_modes", "first_true", "stage_decisions"]
+
+RECOMPUTE = ("none", "selective", "full", "auto")  # never, every stage (cheap ops / whole forward), where memory needs it
+#: What a stage may recompute (``StageCost.recompute``): nothing; its cheap ops (selective, the layers'
+#: ``selective_*`` costs); its first layers (partial: the fewest that fit); its whole forward (full).
+MODES = ("none", "selective", "partial", "full")
+PARTIAL_EXACT = 16  # in-flight counts the partial-recomputation search takes exactly (above: rounded up)
+
+
+def allowed_modes(recompute: str, selective_known: bool, memory_on: bool) -> tuple[str, ...]:
+    """The modes a stage may be given under the ``recompute`` option (auto: those the chain's costs
+    allow, and only where a memory limit needs them)."""
+    if recompute not in RECOMPUTE:
+        raise UsageError(f"unknown recompute {recompute!r} (use one of {', '.join(RECOMPUTE)})")
+    fixed = {"none": ("none",), "selective": ("selective",), "full": ("full",)}
+    if recompute in fixed:
+        return fixed[recompute]
+    if not memory_on:
+        return ("none",)  # recomputation only where memory needs it
+    return ("none",) + (("selective",) if selective_known else ()) + ("partial", "full")
+
+
+class Recompute:
+    """The recomputation decision of stages of one chain under one memory model: the ``modes``
+    allowed, chosen per stage when ``auto`` (else the one fixed mode)."""
+
+    def __init__(self, arrays: ChainArrays, memory: MemoryModel, modes: tuple[str, ...], auto: bool) -> None:
+        self.memory = memory
+        self.modes = modes
+        self.auto = auto
+        self.PF, self.PC = arrays.PF, arrays.PC
+        self.PCsel = cumsum0(arrays.c + memory.selective_s)  # compute with selective's forward run again
+
+    def recompute_s(self, i: int, j: int, mode: str, head: int = 0) -> float:
+        """Forward seconds a stage ``i..j`` runs again in its backward under ``mode``."""
+        if mode == "full":
+            return rng(self.PF, i, j)
+        if mode == "partial":
+            return rng(self.PF, i, i + head - 1)
+        if mode == "selective":
+            return rng(self.PCsel, i, j) - rng(self.PC, i, j)
+        return 0.0
+
+    def choose(self, i: int, j: int, k: int, depth: int | None = None, *, versions: int | None = None,
+               activation_scale: float = 1.0) -> tuple[str, int]:
+        """(mode, recomputed layers) of a stage ``i..j`` with ``k`` in flight: the allowed mode that
+        fits the memory limit with the least forward run again (partial: its fewest first layers);
+        none fitting, the one that needs least memory. ``versions`` and ``activation_scale`` as for
+        :meth:`MemoryModel.memory_at` (the simulator's counts; default the planner's at ``depth``)."""
+        mem_model = self.memory
+        budget = mem_model.budget * (1 + EPS)
+        if not self.auto:
+            mode = self.modes[0]
+            return mode, (j - i + 1 if mode == "full" else 0)
+        v = mem_model.versions(depth or k) if versions is None else versions
+        best: tuple[float, float, str, int] | None = None  # (extra time, memory, mode, head)
+        least: tuple[float, str, int] | None = None
+        for mode in self.modes:
+            heads = range(1, j - i + 1) if mode == "partial" else (j - i + 1 if mode == "full" else 0,)
+            for h in heads:
+                mem = mem_model.memory_at(i, j, k, v, mode, activation_scale, head=h)
+                if least is None or mem < least[0]:
+                    least = (mem, mode, h)
+                if mem <= budget:
+                    t = self.recompute_s(i, j, mode, h)
+                    if best is None or t < best[0] * (1 - 1e-12):
+                        best = (t, mem, mode, h)
+                    break  # partial: more layers only cost more time
+        if best is not None:
+            return best[2], best[3]
+        assert least is not None
+        return least[1], least[2]
+
+
+def stage_decisions(chain: Chain, *, schedule: str = "1f1b", optimizer_state_factor: float = 1.0,
+                    num_microbatches: int = 1, memory_limit: float | None = None) -> Recompute:
+    """The planner's stage memory and recomputation decision for ``chain`` at the simulator's counts
+    (``.memory.memory_at``, :meth:`Recompute.recompute_s`); with ``memory_limit`` (bytes per worker),
+    ``recompute="auto"`` under it (:meth:`Recompute.choose`)."""
+    arrays = ChainArrays(chain)
+    on = memory_limit is not None
+    memory = MemoryModel(arrays, chain, schedule_registry.policy(schedule),
+                         optimizer_state_factor=optimizer_state_factor, num_microbatches=max(1, int(num_microbatches)),
+                         workers=1, budget=float(memory_limit) if memory_limit is not None else float("inf"), on=on)
+    return Recompute(arrays, memory, allowed_modes("auto" if on else "none", memory.selective_known, on), on)
+
+
+def first_true(n: int, shape: tuple[int, ...], at: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """Per element, the first index ``0..n-1`` where ``at(index array)`` holds (it must hold from
+    there on, as on a sorted row), ``n`` where it never does: one bisection for every element at once."""
+    lo = np.zeros(shape, dtype=np.int64)
+    hi = np.full(shape, n, dtype=np.int64)
+    while np.any(lo < hi):
+        mid = (lo + hi) // 2
+        holds = at(np.minimum(mid, n - 1))
+        hi = np.where(holds & (lo < hi), mid, hi)
+        lo = np.where(~holds & (lo < hi), mid + 1, lo)
+    return lo
+
+
+class PartialTable:
+    """Partial recomputation for the search: per (in-flight count, end), over every start, the
+    stage's time (``PT``, the compute terms a threshold bounds, plus its head's forward again) with
+    its fewest first layers recomputed that make it fit; rows built on demand, at most
+    ``store_bytes`` of them kept."""
+
+    def __init__(self, arrays: ChainArrays, memory: MemoryModel, PT: np.ndarray, store_bytes: int) -> None:
+        self.memory = memory
+        self.N = arrays.N
+        self.PF = arrays.PF
+        self.PT = PT
+        self.store_bytes = store_bytes
+        self.cap = 2.0 * float(PT[-1] + arrays.PF[-1]) or 1.0  # above any time; relative: tiny ones keep precision
+        self._store = np.empty((0, self.N + 1))
+        self._index: dict[tuple[int, int], int] = {}
+        self._index_budget: float | None = None
+        self._used = 0
+        self._kmax: tuple[float, int] | None = None  # (budget, kmax())
+
+    def grid(self, ks: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Partial recomputation for the stages ``i..end`` with ``k`` in flight (rows: pairs of
+        ``ks`` and ``ends``, columns: every start): (whether some head fits, its end ``q + 1`` with
+        the fewest layers). :meth:`MemoryModel.memory_at`'s partial moments solved for the head in closed
+        form: each bounds the nondecreasing ``(kk - 1) PX[q+1] + g PWM[q+1]`` (or ``PX[q+1]``) from
+        below or above, so the fewest layers are the largest of the lower bounds."""
+        mm = self.memory
+        N = self.N
+        R_ = len(ends)
+        I = np.arange(N)[None, :]
+        J = ends[:, None]
+        budget = mm.budget * (1 + EPS)
+        Wm = mm.PWM[J + 1] - mm.PWM[I]
+        xin = mm.xin_r[I]
+        A = mm.PX[J + 1] + mm.xout[J]  # T = A - PX[q+1] + RS[q+1]; H = PX[q+1] - PX[i]
+        PXi = mm.PX[I]
+        q1 = np.broadcast_to(I + 1, (R_, N)).copy()  # q + 1: the head's end, at least one layer
+        hi = np.full((R_, N), np.inf)
+        ok = J > I  # a head and a tail, each of at least one layer
+        tol = 1e-9 * max(1.0, float(mm.PX[-1]), float(mm.PWM[-1]))
+        terms = [mm.terms(int(k)) for k in ks]
+        v0 = np.array([mm.versions(int(k)) + mm.opt_factor for k in ks])[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for t in range(len(terms[0])):
+                cv = np.array([tt[t][0] for tt in terms], dtype=float)[:, None]
+                kk = np.array([tt[t][1] for tt in terms], dtype=float)[:, None]
+                rb = terms[0][t][2]  # the same moment of every count
+                some = kk >= 1
+                if rb == 0:  # kk (xin + T) within the budget: PX[q+1] - RS[q+1] from below; none in flight: weights
+                    low = np.searchsorted(mm.PX - mm.RS,
+                                          np.where(some, A - (budget - cv * Wm) / kk + xin - tol, -np.inf))
+                    q1 = np.maximum(q1, low)
+                    ok &= some | (cv * Wm <= budget)
+                    continue
+                # none in flight (GPipe after a backward; its gradients exist): cv W + xin + H
+                hi = np.where(some, hi, np.minimum(hi, budget - cv * Wm - xin + PXi))
+                # cv W + g Wt + kk (xin + T) + H, Wt = PWM[j+1] - PWM[q+1] (a rebuild before the step's
+                # gradients: the tail's exist): the rebuilt microbatch is charged its tail too (the
+                # meter's view; autograd frees it by then)
+                g = (cv < v0 + 0.5).astype(float)
+                R = cv * Wm + g * mm.PWM[J + 1] + kk * (xin + A) - PXi - budget
+                F = (kk - 1) * mm.PX[None, :] + g * mm.PWM[None, :] - kk * mm.RS[None, :]  # nondecreasing
+                rows = np.arange(R_)[:, None]
+                low = first_true(N + 1, R.shape, lambda m: F[rows, m] >= R - tol)  # F's rows nondecreasing
+                q1 = np.where(some, np.maximum(q1, low), q1)
+        q1c = np.minimum(q1, N)
+        ok &= (q1 <= J) & (mm.PX[q1c] <= hi + tol)
+        return ok, q1c
+
+    def rows(self, pairs: list[tuple[int, int]]) -> np.ndarray:
+        """Where rows ``(k, end)`` of the table are in ``self._store`` (built on demand): over starts
+        ``0..N``, the running minimum of the stage's time with its fewest first layers recomputed
+        that make it fit with ``k`` in flight (:meth:`grid`; ``2 cap`` where none does), so that a
+        bisection finds the smallest start within a time."""
+        if self._index_budget != self.memory.budget:
+            self._index, self._index_budget, self._used = {}, self.memory.budget, 0
+        index = self._index
+        want = sorted({pair for pair in pairs if pair not in index})
+        if want:
+            if self._used + len(want) > len(self._store):
+                cap_rows = max(1, self.store_bytes // (8 * (self.N + 1)))
+                if self._used + len(want) > cap_rows:  # full: start again (this call's rows built anew)
+                    index.clear()
+                    self._used = 0
+                    want = sorted(set(pairs))
+                rows = min(max(2 * len(self._store), self._used + len(want), 64), max(cap_rows, len(want)))
+                grown = np.empty((rows, self.N + 1))
+                grown[:self._used] = self._store[:self._used]
+                self._store = grown
+            I = np.arange(self.N)[None, :]
+            ks = np.array([k for k, _ in want], dtype=np.int64)
+            ends = np.array([e for _, e in want], dtype=np.int64)
+            ok, q1 = self.grid(ks, ends)
+            G = np.where(ok, self.PT[ends[:, None] + 1] - self.PT[I] + self.PF[q1] - self.PF[I], 2.0 * self.cap)
+            at = slice(self._used, self._used + len(want))
+            self._store[at, :self.N] = np.minimum.accumulate(G, axis=1)
+            self._store[at, self.N] = self._store[at, self.N - 1]  # column N (no start there): rows stay sorted
+            for j, pair in enumerate(want):
+                index[pair] = self._used + j
+            self._used += len(want)
+        return np.array([index[pair] for pair in pairs], dtype=np.int64)
+
+    def kmax(self) -> int:
+        """The largest in-flight count at which some stage fits with partial recomputation (0: none):
+        stages only fit less with more in flight, so a bisection finds it."""
+        key = self.memory.budget
+        if self._kmax is not None and self._kmax[0] == key:
+            return self._kmax[1]
+        ends = np.arange(self.N)
+
+        def any_fits(k: int) -> bool:
+            return bool(np.any(self.grid(np.full(self.N, k), ends)[0]))
+
+        lo, hi = 0, max(self.memory.workers, self.memory.M)
+        if any_fits(hi):
+            lo = hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if any_fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        self._kmax = (key, lo)
+        return lo
+
+    def start(self, se_c: np.ndarray, thr: np.ndarray, kin: np.ndarray, need: np.ndarray | None = None) -> np.ndarray:
+        """Smallest start of stages ending at ``se_c`` that fit with partial recomputation within
+        ``thr`` (compute terms), ``kin`` in flight; > the end where none does. ``need``: the queries
+        worth asking (elsewhere the answer is taken as none)."""
+        se_b, thr_b, k_b = np.broadcast_arrays(se_c, thr, kin)
+        N = self.N
+        out = np.full(se_b.shape, N + 1, dtype=np.int64)
+        idx = np.flatnonzero(np.broadcast_to(True if need is None else need, se_b.shape))
+        if len(idx):
+            idx = idx[k_b.ravel()[idx] <= self.kmax()]  # beyond it no stage fits
+        if not len(idx):
+            return out
+        e = se_b.ravel()[idx]
+        ks = k_b.ravel()[idx].astype(np.int64)
+        # past PARTIAL_EXACT in flight, a count is rounded up to a power of two (fewer rows to build;
+        # conservative: more in flight never lets a stage fit with fewer layers recomputed)
+        big = ks > PARTIAL_EXACT
+        ks[big] = 2 ** np.ceil(np.log2(ks[big])).astype(np.int64)
+        keys = ks * N + e
+        uniq, inv = np.unique(keys, return_inverse=True)
+        rows = self.rows([(int(u) // N, int(u) % N) for u in uniq])[inv]
+        t = np.minimum(thr_b.ravel()[idx] * (1 + EPS), self.cap)
+        # the first start whose running minimum is within t (each row nonincreasing)
+        store = self._store
+        out.reshape(-1)[idx] = first_true(N + 1, t.shape, lambda m: store[rows, m] <= t)
+        return out
+
+

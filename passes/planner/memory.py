@@ -1,0 +1,211 @@
+"""The planner's memory model: a stage's bytes per worker, and the tables the search reads.
+
+A worker of stage ``i..j`` holds its weights x the schedule's versions, gradients, optimizer state,
+and per microbatch in flight what its layers save for backward and its boundary tensors; with
+recomputation what stays saved, plus one microbatch rebuilt at its backward (``partial``: the head
+``i..i+head-1`` checkpointed, the tail as usual). The moments that may peak come from the schedule's
+``Policy`` (:meth:`MemoryModel.terms`). ``partition_dp``'s docstring has the model in full.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pdcompile.ir import Chain
+from pdcompile.passes.planner.arrays import ChainArrays, cumsum0, rng
+
+__all__ = ["EPS", "MemoryModel", "mode_of", "partial_term"]
+
+EPS = 1e-10  # relative slack in feasibility tests (floating sums); plans are re-evaluated exactly
+
+
+def mode_of(recompute: bool | str) -> str:
+    """A recomputation mode from a mode name or a flag (True: full)."""
+    return ("full" if recompute else "none") if isinstance(recompute, bool) else recompute
+
+
+def partial_term(w: float, kk: int, rb: int, xin: float, T: float, H: float) -> float:
+    """One moment's bytes of a partially recomputing stage (:meth:`MemoryModel.memory_at`): weights,
+    gradients and state ``w``; ``kk`` microbatches in flight keep their inputs ``xin`` and tails
+    ``T``; at a rebuild (``rb``) one of them holds its head ``H`` again (its tail still charged, as
+    the stage's meter counts it; none in flight: the rebuilt one's input and head)."""
+    if rb == 0:
+        return w + kk * (xin + T)
+    if kk == 0:
+        return w + xin + H
+    return w + kk * (xin + T) + H
+
+
+class MemoryModel:
+    """Stage memory of one chain under one schedule's policy, within ``budget`` bytes per worker
+    (``on``: the limit holds; off: ``budget`` is inf). ``workers``: the cluster's, the most in
+    flight the search asks about."""
+
+    def __init__(self, arrays: ChainArrays, chain: Chain, policy: Any, *, optimizer_state_factor: float,
+                 num_microbatches: int, workers: int, budget: float, on: bool) -> None:
+        self.policy = policy
+        self.opt_factor = float(optimizer_state_factor)
+        self.M = num_microbatches
+        self.workers = workers
+        self.on = on
+        self._budget = budget
+        layers = chain.layers
+        N = arrays.N
+        inb, cut, o = arrays.inb, arrays.cut, arrays.o
+        # per-microbatch activation bytes X(i..j) = PX[j+1] - PX[i] + xin[i] + xout[j]
+        known = all(l.saved_bytes is not None for l in layers)
+        sv = np.array([l.saved_bytes if known else l.output_bytes for l in layers], dtype=float)
+        self.PX = cumsum0(sv)
+        outb = np.append(np.where(np.isfinite(cut), cut, 0.0), o[-1])  # last stage: the loss keeps a copy of its input
+        sin = np.zeros(N + 1)
+        if known:
+            sin = np.array([l.saved_input_bytes for l in layers] + [0.0])
+            sout = np.array([l.saved_output_bytes for l in layers])
+            self.xin = np.maximum(inb - sin, 0.0)
+            self.xout = np.maximum(outb - sout, 0.0)
+        else:  # PipeDream's profiles: the stage's outputs plus what it receives
+            self.xin, self.xout = inb.copy(), np.zeros(N)
+        # partial: a tail's first layer keeps what it saves that a head layer saved first (counted there);
+        # as a bound nonincreasing in the head's end, the most any later layer keeps so (RS[q+1]: tail at q+1)
+        rs = np.array([l.resaved_bytes for l in layers] + [0.0], dtype=float)
+        self.RS = np.maximum.accumulate(rs[::-1])[::-1]
+        # full recomputation keeps only the inputs and outputs, and rebuilds one microbatch at its backward
+        self.xin_r, self.xout_r = inb.copy(), outb if known else np.zeros(N)
+        if known:  # the first stage receives nothing; it keeps its data inputs, as its first layer saves them
+            self.xin_r[0] = sin[0]
+        # weights a stage holds: its own and copies of those an earlier layer uses too (tied)
+        self.PWM = cumsum0(arrays.w + np.array([l.shared_param_bytes for l in layers], dtype=float))
+        # selective recomputation: per layer what stays saved (SAC's cached outputs), the forward run again
+        # and the saved bytes a rebuild makes
+        # (what the cache keeps may include outputs autograd never saves; what a rebuild makes is the rest)
+        sel = [(l.selective_saved_bytes, l.selective_recompute_s, l.selective_rebuilt_bytes) for l in layers]
+        self.selective_known = known and all(None not in t for t in sel)
+        ss, fs, rb = (np.array([t[x] for t in sel] if self.selective_known else [0.0] * N, dtype=float)
+                      for x in range(3))
+        #: per layer, the forward seconds selective recomputation runs again
+        self.selective_s = fs
+        self.PS = cumsum0(ss)
+        zero = np.zeros(N + 1)
+        #: per mode (not partial): (saved bytes kept per microbatch, rebuilt once; in, out)
+        self.parts: dict[str, tuple[np.ndarray, ...]] = {
+            "none": (self.PX, zero, self.xin, self.xout),
+            "full": (zero, self.PX, self.xin_r, self.xout_r),
+            "selective": (self.PS, cumsum0(rb), self.xin_r, self.xout_r),
+        }
+        self._tables: dict[str, np.ndarray] = {}
+
+    @property
+    def budget(self) -> float:
+        """Bytes per worker the stages must fit (inf when the limit is off)."""
+        return self._budget
+
+    @budget.setter
+    def budget(self, value: float) -> None:
+        self._budget = value
+        self._tables = {}
+
+    def versions(self, k: int) -> int:
+        """Weight versions a replica keeps with ``k`` workers at it and downstream per replica."""
+        return self.policy.weight_versions((1,) * max(1, k), 0)
+
+    def in_flight(self, depth: int, r: int) -> int:
+        """Microbatches in flight on a replica of a stage of ``r`` replicas with ``depth`` =
+        ceil(workers at and after it / r) (:meth:`Policy.in_flight`: GPipe holds its M / r)."""
+        return self.policy.in_flight((r,) + (1,) * (r * (max(1, depth) - 1)), 0, self.M)
+
+    def terms(self, k: int, depth: int | None = None, versions: int | None = None) -> list[tuple[float, int, int]]:
+        """(weight-bytes factor, microbatches of activations, rebuilds) of the moments that may
+        peak: with an update per microbatch (1F1B) gradients live from a backward (where a rebuild
+        happens) to its update, while the microbatch is no longer in flight; a schedule that holds
+        the step (GPipe) has none until its first backward frees one; else all step long."""
+        v = (self.versions(depth or k) if versions is None else versions) + self.opt_factor
+        if self.policy.update_per_microbatch:
+            return [(v, k, 1), (v + 1, k - 1, 0)]
+        if self.policy.holds_step:
+            return [(v, k, 1), (v + 1, k - 1, 1)]
+        return [(v + 1, k, 1)]
+
+    def activations(self, i: int, j: int, recompute: bool | str = False) -> float:
+        """Bytes a stage ``i..j`` keeps per microbatch in flight (full: its inputs and outputs only;
+        selective: those and what stays saved; not for ``partial``, whose bytes depend on its head)."""
+        PA, _, xin, xout = self.parts[mode_of(recompute)]
+        return rng(PA, i, j) + float(xin[i] + xout[j])
+
+    def memory(self, i: int, j: int, k: int, recompute: bool | str = False, depth: int | None = None,
+               head: int = 0) -> float:
+        """Per-worker bytes of a stage ``i..j`` with ``k`` minibatches in flight: weights x versions
+        (``depth``: the stage's warmup depth, default ``k``), gradients, optimizer state, ``k``
+        microbatches' activations (with recomputation: what stays saved, and one microbatch
+        rebuilt at its backward; ``head``: partial's recomputed layers)."""
+        return self.memory_at(i, j, k, self.versions(depth or k), recompute, head=head)
+
+    def memory_at(self, i: int, j: int, k: int, versions: int, recompute: bool | str = False,
+                  activation_scale: float = 1.0, head: int = 0) -> float:
+        """Per-worker bytes of a stage ``i..j`` with ``k`` microbatches in flight and ``versions``
+        weight versions (activations scaled by ``activation_scale``, e.g. another microbatch size).
+        ``partial``: layers ``i..i+head-1`` run under checkpoint, the rest as usual."""
+        mode = mode_of(recompute)
+        W = rng(self.PWM, i, j)
+        s = activation_scale
+        if mode == "partial":
+            q = i + head - 1
+            xin = float(self.xin_r[i]) * s
+            T = (float(self.PX[j + 1] - self.PX[q + 1] + self.RS[q + 1]) + float(self.xout[j])) * s  # tail's, per microbatch
+            H = float(self.PX[q + 1] - self.PX[i]) * s  # the head's, rebuilt at its backward
+            Wt = rng(self.PWM, q + 1, j)  # the tail's weights: its gradients exist when the head is rebuilt
+            v0 = versions + self.opt_factor
+            return max(partial_term(W * cv + (Wt if rb and cv < v0 + 0.5 else 0.0), kk, rb, xin, T, H)
+                       for cv, kk, rb in self.terms(k, versions=versions))
+        X = self.activations(i, j, mode) * s
+        R = rng(self.parts[mode][1], i, j) * s
+        return max(W * cv + X * kk + R * rb for cv, kk, rb in self.terms(k, versions=versions))
+
+    def max_in_flight(self, i: int, j: int) -> int:
+        """The largest in-flight count whose memory (:meth:`memory`, nondecreasing in it) fits
+        (0: not even one); the ILP's memory constraint reads it, so both solvers see one model."""
+        top = self.workers + 1
+        if not self.on:
+            return top
+        budget = self.budget * (1 + EPS)
+        lo, hi = 0, top  # memory(lo) fits (lo = 0: nothing needed), the answer is in lo..hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.memory(i, j, mid) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def rows(self, mode: bool | str = "none") -> np.ndarray:
+        """``T[k, end]``: smallest start of a stage ending at ``end`` whose memory under recompute
+        ``mode`` (not partial: ``decisions.PartialTable``) with ``k`` minibatches in flight fits (row 0:
+        no limit; the last row: nothing fits). Weight versions are taken at depth ``k`` (a schedule
+        whose in-flight count differs from its depth, GPipe, keeps versions that do not grow with it)."""
+        mode = mode_of(mode)
+        cached = self._tables.get(mode)
+        if cached is not None:
+            return cached
+        N = len(self.PX) - 1
+        ends = np.arange(N)
+        rows = [np.zeros(N, dtype=np.int64)]
+        if self.on:
+            kmax = max(self.workers, self.M if self.policy.holds_step else 0)
+            budget = self.budget * (1 + EPS)
+            PA, PR, xin, xout = self.parts[mode]
+            for k in range(1, kmax + 1):
+                start = np.zeros(N, dtype=np.int64)
+                for cv, kk, rb in self.terms(k):  # every moment that may peak must fit
+                    g = -(self.PWM * cv) - PA * kk - PR * rb + xin * kk  # mem(i..end) = H(end) + g(i)
+                    H = self.PWM[1:] * cv + PA[1:] * kk + PR[1:] * rb + xout * kk
+                    neg = np.maximum.accumulate(-g[:N])
+                    start = np.maximum(start, np.searchsorted(neg, -(budget - H), side="left"))
+                start = np.minimum(start, ends + 1)
+                rows.append(start.astype(np.int64))
+                if np.all(start > ends):
+                    break
+        rows.append(np.arange(1, N + 1, dtype=np.int64))
+        table = np.stack(rows)
+        self._tables[mode] = table
+        return table

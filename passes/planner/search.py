@@ -1,0 +1,509 @@
+"""The planner's search: :class:`PlanModel` holds one planning problem (chain x cluster x cost model
+x schedule) as the arrays its parts give it, a cost model (``costs.py``), the memory model
+(``memory.py``) and the recomputation decision (``decisions.py``), and decides by a vectorized
+greedy whether a bottleneck time is feasible; :func:`solve` bisects on that time. The search
+reads the cost model only through :class:`~pdcompile.passes.planner.costs.CostModel`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from pdcompile.cluster import ClusterSpec, format_quantity, require_memory
+from pdcompile.errors import InfeasiblePlanError, UsageError
+from pdcompile.ir import Chain
+from pdcompile.passes.planner.arrays import ChainArrays, rng
+from pdcompile.passes.planner.blocks import Block, Evaluation
+from pdcompile.passes.planner.costs import COST_MODELS, make_costs
+from pdcompile.passes.planner.decisions import PartialTable, Recompute, allowed_modes, RECOMPUTE
+from pdcompile.passes.planner.memory import EPS, MemoryModel, mode_of
+from pdcompile.runtime.schedules import registry as schedule_registry
+
+__all__ = ["PlanModel", "SCHEDULES", "solve"]
+
+SCHEDULES = tuple(schedule_registry.SCHEDULES)  # memory from each one's Policy (weight versions, in flight)
+BIG = np.iinfo(np.int64).max // 4
+
+
+class PlanModel:
+    """Arrays and parameters of one planning problem (chain x cluster x cost model), and its search."""
+
+    #: Bytes of partial recomputation's rows kept at most (then built again as asked).
+    partial_store_bytes = 2**28
+    #: One-query searches (the top level, rebuilds) by breakpoints (:meth:`_group_start_one`);
+    #: off: the vectorized search for them too. Both off switches are the tests' reference.
+    breakpoint_search = True
+    #: The vectorized search tries, at step ``w``, every downstream count ``d <= w - r`` (on: the
+    #: unpruned search; off: ``d = w - r`` only, which finds the same, see :meth:`_group_start`).
+    exhaustive_pairs = False
+
+    def __init__(
+        self,
+        chain: Chain,
+        cluster: ClusterSpec,
+        cost_model: str = "default",
+        schedule: str = "1f1b",
+        memory_limit: bool | None = None,
+        optimizer_state_factor: float = 1.0,
+        allow_replication: bool = True,
+        num_microbatches: int = 1,
+        recompute: str = "none",
+    ) -> None:
+        if recompute not in RECOMPUTE:
+            raise UsageError(f"unknown recompute {recompute!r} (use one of {', '.join(RECOMPUTE)})")
+        if cost_model not in COST_MODELS:
+            raise UsageError(f"unknown cost model {cost_model!r} (use one of {', '.join(COST_MODELS)})")
+        if schedule not in SCHEDULES:
+            raise UsageError(f"unknown schedule {schedule!r} (use one of {', '.join(SCHEDULES)})")
+        if len(chain) == 0:
+            raise UsageError("the chain has no layers: nothing to plan")
+        if optimizer_state_factor < 0:
+            raise UsageError(f"optimizer_state_factor must be >= 0 (got {optimizer_state_factor})")
+        if cost_model == "pipedream" and memory_limit:
+            raise UsageError("the pipedream cost model reproduces PipeDream's released optimizer, which plans without "
+                             "a memory limit by default; use cost_model='default' (or 'paper') with memory_limit=True")
+        self.chain = chain
+        self.cluster = cluster
+        self.cost_model = cost_model
+        self.schedule = schedule
+        self.policy = schedule_registry.policy(schedule)
+        self.M = max(1, int(num_microbatches))
+        # the released optimizer's model (a DP of its own) neither limits memory nor recomputes
+        self.recompute = recompute if cost_model != "pipedream" else "none"
+        self.opt_factor = float(optimizer_state_factor)
+        self.allow_replication = allow_replication
+        self.memory_on = (cost_model == "default") if memory_limit is None else bool(memory_limit)
+
+        self.arrays = arrays = ChainArrays(chain)
+        self.N = arrays.N
+        self.cut, self.PC, self.PF, self.PW = arrays.cut, arrays.PC, arrays.PF, arrays.PW
+        self.L = len(cluster.levels)
+        self.counts = [lv.count for lv in cluster.levels]
+        self.B = [float(lv.bandwidth) for lv in cluster.levels]
+        self.sizes = [cluster.unit_size(k) for k in range(self.L + 1)]
+
+        self.costs = make_costs(cost_model, arrays, cluster, self.opt_factor)
+        self.mem = MemoryModel(arrays, chain, self.policy, optimizer_state_factor=self.opt_factor,
+                               num_microbatches=self.M, workers=self.sizes[-1],
+                               budget=require_memory(cluster) if self.memory_on else math.inf, on=self.memory_on)
+        self.selective_known = self.mem.selective_known
+        if self.recompute == "selective" and not self.selective_known:
+            raise UsageError("recompute='selective' needs each layer's selective costs (what stays saved when cheap "
+                             "ops are rebuilt), which this chain lacks (profiles imported from PipeDream have none); "
+                             "use recompute='full' or 'auto'")
+        # the modes the search may give a stage
+        self.modes = allowed_modes(self.recompute, self.selective_known, self.memory_on)
+        self.decide = Recompute(arrays, self.mem, self.modes, self.recompute == "auto" and self.memory_on)
+        if self.costs.solver is None:
+            # the compute terms a level-1 stage's threshold bounds, per mode (forward run again added)
+            extra = {"none": None, "full": arrays.f, "selective": self.mem.selective_s}
+            self.time_prefix = {mode: self.costs.time_prefix(x) for mode, x in extra.items()}
+            self.PT = self.P1 = self.time_prefix["none"]
+            self.partial = PartialTable(arrays, self.mem, self.PT, self.partial_store_bytes)
+        # boundary thresholds per level: 2 a / B_k (inf: forbidden cut)
+        self.tcut = [2.0 * arrays.cut / b for b in self.B]
+        self._tau: float | None = None
+        self._nxt: dict[int, np.ndarray] = {}
+        self._pair_cache: dict[tuple[int, int, bool, bool], tuple[np.ndarray, np.ndarray]] = {}
+
+    # -- the parts, as one problem sees them ---------------------------------------------------
+    @property
+    def mem_budget(self) -> float:
+        """Bytes per worker a stage must fit (inf when the memory limit is off)."""
+        return self.mem.budget
+
+    def versions(self, k: int) -> int:
+        return self.mem.versions(k)
+
+    def in_flight(self, depth: int, r: int) -> int:
+        return self.mem.in_flight(depth, r)
+
+    def rng(self, P: np.ndarray, i: int, j: int) -> float:
+        return rng(P, i, j)
+
+    def activations(self, i: int, j: int, recompute: bool | str = False) -> float:
+        return self.mem.activations(i, j, recompute)
+
+    def memory(self, i: int, j: int, k: int, recompute: bool | str = False, depth: int | None = None,
+               head: int = 0) -> float:
+        return self.mem.memory(i, j, k, recompute, depth, head)
+
+    def memory_at(self, i: int, j: int, k: int, versions: int, recompute: bool | str = False,
+                  activation_scale: float = 1.0, head: int = 0) -> float:
+        return self.mem.memory_at(i, j, k, versions, recompute, activation_scale, head)
+
+    def max_in_flight(self, i: int, j: int) -> int:
+        return self.mem.max_in_flight(i, j)
+
+    def recompute_s(self, i: int, j: int, mode: str, head: int = 0) -> float:
+        return self.decide.recompute_s(i, j, mode, head)
+
+    def choose_recompute(self, i: int, j: int, k: int, depth: int | None = None, *, versions: int | None = None,
+                         activation_scale: float = 1.0) -> tuple[str, int]:
+        return self.decide.choose(i, j, k, depth, versions=versions, activation_scale=activation_scale)
+
+    def _mem_rows(self, mode: bool | str = "none") -> np.ndarray:
+        return self.mem.rows(mode)
+
+    def _partial_start(self, se_c: np.ndarray, thr: np.ndarray, kin: np.ndarray,
+                       need: np.ndarray | None = None) -> np.ndarray:
+        return self.partial.start(se_c, thr, kin, need)
+
+    def level1_stage(self, i: int, j: int, r: int, recompute: bool | str = False, head: int = 0) -> tuple[float, float]:
+        """(stage time per minibatch, its weight-sync part) of a level-1 stage (recompute: what the
+        mode runs again in the backward, :meth:`recompute_s`)."""
+        return self.costs.stage_time(i, j, r, self.recompute_s(i, j, mode_of(recompute), head))
+
+    def outer_comm(self, i: int, j: int, r: int, level: int) -> float:
+        """The weight-sync term of a level-``level`` (1-based, >= 2) block, per minibatch."""
+        return self.costs.weight_sync_time(i, j, r, level)
+
+    def evaluate(self, blocks: Sequence[Block]) -> Evaluation:
+        return self.costs.evaluate(self, blocks)
+
+    def data_parallel_time(self) -> float:
+        """One stage of all layers replicated over every unit of every level."""
+        return self.costs.data_parallel_time()
+
+    def memory_ok(self, ev: Evaluation) -> bool:
+        return (not self.memory_on) or ev.peak_memory <= self.mem_budget * (1 + 1e-9)
+
+    # -- the feasibility oracle --------------------------------------------------------------
+    def _set_tau(self, tau: float) -> None:
+        """Fix the bottleneck under test; build, per level, the table ``nxt[mult, p]``: the
+        smallest start >= p whose preceding cut is allowed (finite, ``2a/B_k <= mult * tau``);
+        N when none. ``mult`` is the product of the enclosing blocks' units."""
+        if self._tau == tau:
+            return
+        self._tau = tau
+        N = self.N
+        self._nxt = {}
+        finite = np.isfinite(self.cut)
+        for level in range(1, self.L + 1):
+            mmax = self.sizes[-1] // self.sizes[level]  # units of the levels above
+            mults = np.maximum(np.arange(mmax + 1, dtype=float), 1.0)[:, None]
+            ok = np.ones((mmax + 1, N + 1), dtype=bool)
+            ok[:, 1:N] = finite & (self.tcut[level - 1][None, :] <= mults * tau * (1 + EPS))
+            idx = np.where(ok, np.arange(N + 1), N)
+            self._nxt[level] = np.minimum.accumulate(idx[:, ::-1], axis=1)[:, ::-1]
+
+    @staticmethod
+    def _ss(P: np.ndarray, end: np.ndarray, thr: np.ndarray) -> np.ndarray:
+        """Smallest i with P[end+1] - P[i] <= thr (any shapes)."""
+        return np.searchsorted(P, P[end + 1] - thr * (1 + EPS), side="left")
+
+    def _pairs(self, m: int, w: int, exact: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Candidate (replicas r, downstream units d) of step ``w`` of a level with ``m`` units, as
+        (P, 1) columns: ``exact``, every d <= w - r, else only d = w - r."""
+        key = (m, w, exact, self.allow_replication)
+        got = self._pair_cache.get(key)
+        if got is None:
+            rmax = min(w, m if self.allow_replication else 1)
+            pairs = [(r, d) for r in range(1, rmax + 1) for d in (range(w - r + 1) if exact else (w - r,))]
+            got = (np.array([r for r, _ in pairs], dtype=np.int64)[:, None],
+                   np.array([d for _, d in pairs], dtype=np.int64)[:, None])
+            self._pair_cache[key] = got
+        return got
+
+    def _level1_start(self, se_c: np.ndarray, thr: np.ndarray, rr: np.ndarray, dd: np.ndarray,
+                      e2: np.ndarray, options: tuple[str, ...]) -> np.ndarray:
+        """Smallest start of level-1 stages ending at ``se_c`` within ``thr`` and the memory limit,
+        the furthest-reaching of the recomputation ``options`` (the weight-sync term, which does
+        not depend on recomputation, and the in-flight counts are computed once for both)."""
+        common = self.costs.sync_start(se_c, thr, rr)  # the weight-sync bound: the same for every mode
+        kin = None
+        if self.memory_on:
+            depth = np.ceil((rr + dd + e2) / rr - 1e-9).astype(np.int64)
+            kin = -(-self.M // rr) if self.policy.holds_step else depth  # Policy.in_flight, vectorized
+            kin = np.broadcast_to(kin, depth.shape).copy()
+        out = None
+        for mode in options:
+            if mode == "partial":
+                if kin is None:
+                    continue
+                timed = self._ss(self.PT, se_c, thr)  # partial runs more: it cannot start before this
+                # only where memory stops a stage without recomputation can partial reach further back
+                table = self.mem.rows("none")
+                bound = table[np.minimum(kin, len(table) - 1), se_c] > timed
+                s = np.maximum(self.partial.start(se_c, thr, kin, bound), timed)
+            else:
+                s = self._ss(self.time_prefix[mode], se_c, thr)
+                if kin is not None:
+                    table = self.mem.rows(mode)
+                    s = np.maximum(s, table[np.minimum(kin, len(table) - 1), se_c])
+            s = np.maximum(s, common)
+            out = s if out is None else np.minimum(out, s)
+        assert out is not None
+        return out
+
+    def _stage_starts(self, level: int, se_c: np.ndarray, rr: np.ndarray, dd: np.ndarray, mult: np.ndarray,
+                      e: np.ndarray) -> np.ndarray:
+        """Smallest start of a stage of ``rr`` units of ``level`` ending at ``se_c`` within its
+        threshold ``rr * mult * tau`` (and the memory limit, ``dd`` units of this level downstream
+        and ``e`` extra downstream workers per unit replica). Arrays of any broadcastable shapes."""
+        tau = self._tau
+        assert tau is not None
+        thr = (rr * mult) * tau  # the stage's units x its group's threshold
+        if level == 1:
+            return self._level1_start(se_c, thr, rr, dd, e, self.modes)
+        wthr = self.costs.outer_sync_bytes(thr, rr, level)
+        s = self._ss(self.PW, se_c, wthr)
+        shape = s.shape
+        s_in = self._group_start(
+            level - 1,
+            np.broadcast_to(se_c, shape).ravel(),
+            np.broadcast_to(rr * mult, shape).ravel(),
+            np.broadcast_to((e + dd * self.sizes[level - 1]) / rr, shape).ravel(),
+        ).reshape(shape)
+        return np.maximum(s, s_in)
+
+    def _group_start(
+        self, level: int, end: np.ndarray, mult: np.ndarray, e: np.ndarray, trace: list | None = None
+    ) -> np.ndarray:
+        """Smallest start of a range ending at ``end`` that one group of ``level`` (its
+        ``counts[level-1]`` units) covers within ``mult * tau``, with ``e`` extra downstream
+        workers per unit replica (memory). Vectorized over queries (1-d arrays); one query (the
+        top level, and every rebuild) goes to :meth:`_group_start_one` unless
+        ``breakpoint_search`` is off (the reference search the tests compare it with).
+
+        Step ``w`` tries a stage of ``r`` units in front of the suffix that ``d = w - r`` units
+        cover. That is the whole search, with the memory limit too: a candidate ``(r, d)`` does not
+        depend on ``w`` (its suffix ``L[d]``, its in-flight counts from ``d``), and ``L[w]`` is a
+        running minimum, so the pairs with ``d < w - r`` were all tried at step ``r + d < w``
+        (``exhaustive_pairs`` tries them again: the tests' reference)."""
+        if len(end) == 1 and self.breakpoint_search:
+            return np.array([self._group_start_one(level, int(end[0]), int(mult[0]), float(e[0]), trace)],
+                            dtype=np.int64)
+        tau = self._tau
+        assert tau is not None
+        m = self.counts[level - 1]
+        Q = len(end)
+        Ls = np.empty((m + 1, Q), dtype=np.int64)
+        Ls[0] = end + 1
+        exact = self.exhaustive_pairs and self.memory_on
+        nxt = self._nxt[level]
+        end2, mult2, e2 = end[None, :], mult[None, :], e[None, :]
+        endp1 = end2 + 1
+        cols = np.arange(Q)
+        for w in range(1, m + 1):
+            rr, dd = self._pairs(m, w, exact)
+            p = Ls[dd[:, 0]]  # (P, Q): start of the suffix covered by d units
+            p2 = np.where(p > end2, endp1, np.minimum(nxt[mult2, np.minimum(p, self.N)], endp1))
+            se = p2 - 1  # the new stage ends just before that suffix
+            se_c = np.maximum(se, 0)
+            s = self._stage_starts(level, se_c, rr, dd, mult2, e2)
+            cand = np.where((se >= 0) & (s <= se), s, BIG)
+            if trace is None:
+                np.minimum(Ls[w - 1], cand.min(axis=0), out=Ls[w])
+            else:
+                bi = np.argmin(cand, axis=0)
+                best = cand[bi, cols]
+                Ls[w] = np.minimum(Ls[w - 1], best)
+                if best[0] < Ls[w - 1][0]:
+                    b = int(bi[0])
+                    trace.append((int(rr[b, 0]), int(dd[b, 0]), int(p2[b, 0]), int(s[b, 0])))
+                else:
+                    trace.append(None)
+            if Q == 1 and trace is None and Ls[w, 0] <= 0:  # the whole chain is covered
+                Ls[m] = Ls[w]
+                break
+        return Ls[m]
+
+    def _group_start_one(self, level: int, end: int, mult: int, e: float, trace: list | None = None) -> int:
+        """:meth:`_group_start` for one query in O(breakpoints x units) stage checks, not
+        O(units^2); the same result, plan and ties.
+
+        Why it is the same search. ``L[w]`` (the smallest start ``w`` units cover) is
+        non-increasing in ``w``; call ``b`` a *breakpoint* where ``L[b] < L[b-1]`` (and ``b = 0``).
+        Step ``w`` tries ``r`` units in front of the suffix that ``d = w - r`` units cover; that
+        pair's start ``S(r, d)`` does not depend on ``w``. Let ``b <= d`` be the last breakpoint:
+        ``L[d] = L[b]``, so both pairs' stages end at the same cut, and ``d`` differs from ``b`` only
+        in the memory's in-flight counts, which grow with ``d`` (the counts passed down,
+        ``(e + d * size) / r``; the rows of :meth:`_mem_rows` are non-decreasing in the in-flight
+        count), hence ``S(r, d) >= S(r, b)``, which step ``r + b <= w`` already tried: when
+        ``d > b`` the pair cannot lower ``L[w - 1]``. So step ``w`` needs only ``S(r, b)`` for the
+        breakpoints ``b`` with ``r = w - b``: each breakpoint's row ``S(., b)`` is asked once,
+        vectorized over ``r`` (up to a horizon of steps that doubles as ``w`` grows), and a step
+        reads one entry per breakpoint. Ties break as in the vectorized search: the smallest ``r``
+        (the last breakpoint). ``tests/test_partition_dp.py`` compares the two, and the exhaustive
+        pairs, on random instances."""
+        m = self.counts[level - 1]
+        N = self.N
+        nxt_row = self._nxt[level][mult]
+        rmax = m if self.allow_replication else 1
+        big = np.iinfo(np.int32).max
+        T = np.full((m + 1, 8), big, dtype=np.int32)  # T[w, j] = S(w - b_j, b_j); big: no stage
+        bp_d: list[int] = []  # breakpoints (downstream unit counts), in order
+        bp_p2: list[int] = []  # the first position after each breakpoint's stage (its suffix's cut)
+        H = 0  # steps 1..H are filled for every breakpoint
+
+        def fill(rows: list[int], lo: int, hi: int) -> None:
+            """T[lo..hi, rows]: one vectorized query of every row's stages for those steps."""
+            ws, js = [], []
+            for j in rows:
+                a, z = max(lo, bp_d[j] + 1), min(hi, bp_d[j] + rmax)
+                if a <= z:
+                    ws.append(np.arange(a, z + 1, dtype=np.int64))
+                    js.append(np.full(z - a + 1, j, dtype=np.int64))
+            if not ws:
+                return
+            w_, j_ = np.concatenate(ws), np.concatenate(js)
+            dd = np.array(bp_d, dtype=np.int64)[j_]
+            se = np.array(bp_p2, dtype=np.int64)[j_] - 1
+            se_c = np.maximum(se, 0)
+            s = self._stage_starts(level, se_c, w_ - dd, dd, np.array(mult, dtype=np.int64), np.array(e, dtype=float))
+            T[w_, j_] = np.where((se >= 0) & (s <= se), s, big)
+
+        def add_breakpoint(d: int, start: int) -> None:
+            nonlocal T
+            j = len(bp_d)
+            if j == T.shape[1]:
+                T = np.hstack([T, np.full_like(T, big)])
+            bp_d.append(d)
+            bp_p2.append(end + 1 if start > end else min(int(nxt_row[min(start, N)]), end + 1))
+            fill([j], d + 1, H)
+
+        best_so_far = end + 1
+        add_breakpoint(0, best_so_far)
+        for w in range(1, m + 1):
+            if w > H:  # every row's stages for the next steps
+                old, H = H, min(m, max(2 * H, 32))
+                fill(list(range(len(bp_d))), old + 1, H)
+            col = T[w, :len(bp_d)]
+            j = len(bp_d) - 1 - int(np.argmin(col[::-1]))  # ties: the last breakpoint, the fewest replicas
+            best = int(col[j])
+            if best < best_so_far:
+                best_so_far = best
+                if trace is not None:
+                    trace.append((w - bp_d[j], bp_d[j], bp_p2[j], best))
+                if best <= 0:  # the whole chain is covered: no later step can do better
+                    break
+                add_breakpoint(w, best)
+            elif trace is not None:
+                trace.append(None)
+        if trace is not None:
+            trace.extend([None] * (m - len(trace)))
+        return best_so_far
+
+    def feasible(self, tau: float) -> bool:
+        self._set_tau(tau)
+        end = np.array([self.N - 1], dtype=np.int64)
+        return bool(self._group_start(self.L, end, np.array([1], dtype=np.int64), np.zeros(1))[0] <= 0)
+
+    def reconstruct(self, tau: float) -> tuple[Block, ...]:
+        self._set_tau(tau)
+        return self._rebuild(self.L, 0, self.N - 1, 1, 0.0)
+
+    def _rebuild(self, level: int, start: int, end: int, mult: int, e: float) -> tuple[Block, ...]:
+        trace: list = []
+        L = self._group_start(level, np.array([end], dtype=np.int64), np.array([mult], dtype=np.int64),
+                              np.array([e], dtype=float), trace)
+        if L[0] > start:  # pragma: no cover - callers only rebuild feasible ranges
+            raise AssertionError(f"range {start}..{end} is not coverable at level {level}")
+        choices = [None] + trace  # choices[w]
+        blocks: list[Block] = []
+        w = self.counts[level - 1]
+        req = start
+        while True:
+            while w > 0 and choices[w] is None:
+                w -= 1
+            if w == 0:
+                break
+            r, d, p2, s = choices[w]
+            first, last = max(s, req), p2 - 1
+            if first <= last:
+                inner: tuple[Block, ...] = ()
+                if level > 1:
+                    inner = self._rebuild(level - 1, first, last, mult * r,
+                                          (e + d * self.sizes[level - 1]) / r)
+                blocks.append(Block(first, last, r, inner))
+            if p2 > end:
+                break
+            req = max(req, p2)
+            w = d
+        return tuple(blocks)
+
+    def min_memory_to_fit(self) -> float:
+        """The smallest per-worker memory for which some plan fits (bisection)."""
+        saved = self.mem.budget
+        try:
+            lo = 0.0
+            hi = self.memory(0, self.N - 1, 1)  # everything on one worker
+            for _ in range(60):
+                if hi - lo <= 1e-4 * hi:
+                    break
+                mid = 0.5 * (lo + hi)
+                self.mem.budget = mid
+                if self.feasible(math.inf):
+                    hi = mid
+                else:
+                    lo = mid
+            return hi
+        finally:
+            self.mem.budget = saved
+            self._tau = None
+
+
+
+def solve(model: PlanModel) -> tuple[tuple[Block, ...], Evaluation]:
+    if model.costs.solver is not None:  # a model with its own DP (the released optimizer's)
+        blocks = model.costs.solver(model)
+        return blocks, model.evaluate(blocks)
+    if not model.feasible(math.inf):
+        need = model.min_memory_to_fit()
+        err = InfeasiblePlanError(
+            f"no plan of {model.chain.name} fits in {format_quantity(model.mem_budget, 'memory')} per worker "
+            f"on {model.cluster.num_workers} workers with schedule {model.schedule}; the smallest "
+            f"per-worker memory that fits is {format_quantity(need, 'memory')} ({need:.0f} bytes): "
+            "use devices with more memory, a smaller microbatch, or the flush schedule (one weight version)"
+        )
+        err.needed_memory_bytes = need  # type: ignore[attr-defined]  # an attribute for callers that read it
+        raise err
+    blocks = model.reconstruct(math.inf)
+    ev = model.evaluate(blocks)
+    hi = ev.seconds
+    if model.allow_replication:  # data parallelism, where it fits, often brackets the optimum far more tightly
+        dp: tuple[Block, ...] = ()
+        for count in model.counts:
+            dp = (Block(0, model.N - 1, count, dp),)
+        ev_dp = model.evaluate(dp)
+        if 0 < ev_dp.seconds < hi and ev_dp.peak_memory <= model.mem_budget and model.feasible(ev_dp.seconds):
+            hi = ev_dp.seconds  # a bound only: the plan is the search's, as without it
+    if hi <= 0:
+        return blocks, ev
+    if not math.isfinite(hi):  # pragma: no cover - every feasible plan has a finite time
+        raise InfeasiblePlanError(f"no plan of {model.chain.name} has a finite time")
+    # every plan takes at least C / workers (each stage's time >= its compute / its workers)
+    lo = min(float(model.PC[-1]) / model.cluster.num_workers * (1 - 1e-9), hi)
+    if lo <= 0:
+        lo = hi * 1e-12
+        while lo > 0 and model.feasible(lo):
+            hi, lo = lo, lo * 1e-6
+    best = (blocks, ev)
+    for _round in range(32):
+        # bisection in log space down to a 1e-5 bracket (~20 steps for a 1e4 range) ...
+        for _ in range(200):
+            if not hi > lo * (1 + 1e-5) or lo <= 0:
+                break
+            mid = lo * math.sqrt(hi / lo)
+            if not lo < mid < hi:
+                break
+            if model.feasible(mid):
+                hi = mid
+            else:
+                lo = mid
+        blocks = model.reconstruct(hi)
+        ev = model.evaluate(blocks)
+        if ev.seconds < best[1].seconds:
+            best = (blocks, ev)
+        # ... then the exact step: is anything strictly better than the found plan's own time?
+        probe = best[1].seconds * (1 - 1e-9)
+        if probe <= lo or not model.feasible(probe):
+            break
+        hi = probe
+    return best
+
+
