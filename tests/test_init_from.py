@@ -230,6 +230,15 @@ def test_cli_emit_init_from_a_torch_save_file(tmp_path: Path, monkeypatch: pytes
     assert set(got) == set(real.state_dict())
     for name, t in real.state_dict().items():
         assert torch.equal(got[name], t), name
+    # a model with real weights and init_from: stage_K.pt is still written, the checkpoint's values win
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    pipe = api.pdcompile(other, example_inputs=(torch.randn(8, 8),), example_target=torch.randint(0, 4, (8,)),
+                         loss_fn=torch.nn.CrossEntropyLoss(), stages=2, init_from=tmp_path / "weights.pt")
+    prog = Program.load(pipe.emit(tmp_path / "real"))
+    assert all(st.weights is not None and (prog.folder / st.weights).is_file() for st in prog.stages)
+    got = stage_weights(prog)
+    for name, t in real.state_dict().items():
+        assert torch.equal(got[name], t) and not torch.equal(t, other.state_dict()[name]), name
     capsys.readouterr()
     assert main(["emit", *common, "--init-from", str(tmp_path / "nothing_here"), "-o", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
