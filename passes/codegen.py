@@ -168,6 +168,51 @@ def optimizer_spec(make_optimizer: Any) -> ObjectSpec:
     return ObjectSpec(class_path(type(probe)), kwargs)
 
 
+def importable_path(fn: Any, what: str) -> str:
+    """``MODULE:QUALNAME`` of a module-level function or class, checked to import back to ``fn`` itself:
+    how an emitted program's ranks find a callable the user passed (``lr_scheduler=``, ``eval_metric=``)."""
+    from pdcompile.errors import UsageError
+    from pdcompile.runtime.program import import_object
+
+    mod, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    fix = (f"define it at the top level of an importable module (def f(optimizer): return ...), or "
+           f"functools.partial of such a function with keyword arguments")
+    if not mod or mod == "__main__" or "<" in name:
+        raise UsageError(f"{what}={fn!r}: a lambda, a nested function or one defined in __main__ can't be "
+                         f"imported by the emitted program's ranks; {fix}")
+    try:
+        same = import_object(f"{mod}:{name}") is fn
+    except (ImportError, AttributeError):
+        same = False
+    if not same:
+        raise UsageError(f"{what}={fn!r}: {mod}:{name} does not import back to it; {fix}")
+    return f"{mod}:{name}"
+
+
+def lr_scheduler_spec(make_scheduler: Any, make_optimizer: Any) -> dict[str, Any]:
+    """plan.json's ``lr_scheduler``: ``{"factory": "MODULE:FUNCTION", "kwargs": {...}}`` for a function from
+    the optimizer to a ``torch.optim.lr_scheduler`` (or ``functools.partial`` of one with literal keyword
+    arguments), checked by building it on a one-parameter optimizer of the user's kind."""
+    import functools
+
+    from pdcompile.errors import UsageError
+
+    fn, kwargs = make_scheduler, {}
+    if isinstance(make_scheduler, functools.partial):
+        if make_scheduler.args or not all(_is_literal(v) for v in make_scheduler.keywords.values()):
+            raise UsageError("lr_scheduler=functools.partial(...): give the function keyword arguments of plain "
+                             "values (numbers, strings, lists), no positional ones")
+        fn, kwargs = make_scheduler.func, dict(make_scheduler.keywords)
+    path = importable_path(fn, "lr_scheduler")
+    probe = make_scheduler(make_optimizer([torch.nn.Parameter(torch.zeros(1))]))
+    if isinstance(probe, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise UsageError("lr_scheduler=: ReduceLROnPlateau steps on a metric, not once per optimizer step; use a "
+                         "schedule of the step count (LambdaLR, OneCycleLR, SequentialLR, ...)")
+    if not isinstance(probe, torch.optim.lr_scheduler.LRScheduler):
+        raise UsageError(f"lr_scheduler= must return a torch.optim.lr_scheduler, got {type(probe).__name__}")
+    return {"factory": path, "kwargs": kwargs}
+
+
 def recompute_entries(split: StageSplit, plan_stages: list[dict[str, Any]], head_members: Mapping[int, set[str]]) -> None:
     """Add to each partially recomputing stage of plan.json's ``plan.stages`` what the runtime needs
     (``runtime/recompute.py``): ``recompute_nodes``, the count of the stage graph's first compute

@@ -74,6 +74,8 @@ class Options:
     clip_grad_norm: float | None = None  # global-norm gradient clipping before each step (1f1b/2bw: per update)
     virtual_stages: int | None = None  # stages per rank, for a schedule with virtual stages (interleaved-1f1b, ...);
     # None: inferred where the placement fixes it (zb-v, dualpipe-v: 2; interleaved: stages / workers), else 1
+    lr_scheduler: Callable[[Any], Any] | None = None  # optimizer -> torch.optim.lr_scheduler, stepped after every
+    # optimizer step on every stage (1f1b/2bw: every update); a module-level function (codegen.lr_scheduler_spec)
     init_from: str | os.PathLike[str] | None = None  # a checkpoint each rank reads only its stage's tensors from
     # (HF folder, .safetensors, torch.save'd state_dict, DCP folder; runtime/sources.py); a meta model without it
     # is initialised fresh on the ranks by its modules' own initialisers
@@ -493,6 +495,8 @@ class CompiledPipeline:
             "plan": plan,
             "precision": self.options.precision,
             "clip_grad_norm": self.options.clip_grad_norm,
+            "lr_scheduler": codegen.lr_scheduler_spec(self.options.lr_scheduler, self.options.optimizer)
+            if self.options.lr_scheduler is not None else None,
             "init": init_source.init_entry(self.model, self.split, init_from if init_from is not None
                                            else self.options.init_from),
         }
@@ -509,37 +513,84 @@ class CompiledPipeline:
                             loss=traced.gm if traced is not None else None)
 
     @keywords_checked()
-    def run(self, data: Iterable[Any], steps: int, *, out: str | os.PathLike[str] | None = None,
-            timeout: float = 600, progress: bool = False, extra_args: Sequence[str] = (),
-            init_from: str | os.PathLike[str] | None = None) -> "RunResult":
-        """Emit, then train ``steps`` minibatches of ``data`` through torchrun on this machine.
+    def run(self, data: Iterable[Any], steps: int | None = None, *, epochs: int | None = None,
+            eval_data: Iterable[Any] | None = None, eval_every: int = 0, eval_steps: int | None = None,
+            eval_metric: str | Callable[[Any, torch.Tensor], Any] | None = None,
+            out: str | os.PathLike[str] | None = None, timeout: float = 600, progress: bool = False,
+            extra_args: Sequence[str] = (), init_from: str | os.PathLike[str] | None = None) -> "RunResult":
+        """Emit, then train ``steps`` minibatches (or ``epochs`` passes) of ``data`` through torchrun on
+        this machine (docs/training-loop.md).
 
         ``data``: a DataLoader or any iterable of ``(inputs, target)`` minibatches of the size the
-        pipeline was compiled for. They are saved next to the program and read by the first stage.
-        The target's shape and dtype come from the first minibatch (no example_target= needed).
-        ``init_from``: a checkpoint the ranks start from, as in :meth:`emit`.
+        pipeline was compiled for, streamed to the ranks as they train (:mod:`pdcompile.data_stream`:
+        a few minibatches ahead, nothing saved); ``epochs`` needs ``len(data)``. The target's shape and
+        dtype come from the first minibatch (no example_target= needed). ``eval_data``: validation
+        minibatches, run forward only through the pipeline after every ``eval_every`` steps (0: at the
+        end only), ``eval_steps`` of them (default ``len(eval_data)``); ``eval_metric``: "accuracy", or a
+        module-level function ``(output, target) -> number``. Results: :attr:`RunResult.metrics`
+        (``eval``) and ``metrics/metrics.jsonl``. ``init_from``: a checkpoint the ranks start from, as
+        in :meth:`emit`. For runs over many machines, emit and launch ``train.py`` with torchrun yourself
+        (``--data MODULE:FUNCTION``: each rank reads its own share).
         """
+        from pdcompile.data_stream import Feeder, sequence
         from pdcompile.launcher import launch
-        from pdcompile.runtime.data import save_batches
+        from pdcompile.runtime.data import STREAM_ENV, epoch_length
+        from pdcompile.runtime.loop import cuts
 
-        if steps < 1:
-            raise UsageError("run: steps must be at least 1")
+        if (steps is None) == (epochs is None):
+            raise UsageError("run: give steps= (minibatches) or epochs= (passes over the data), one of them")
+        count = steps if steps is not None else epochs
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise UsageError(f"run: {'steps' if steps is not None else 'epochs'} must be an integer >= 1")
+        per_epoch = epoch_length(data) if epochs is not None else None
+        if epochs is not None and not per_epoch:
+            raise UsageError("run: epochs= needs data with a length (a DataLoader, a list) of at least one full "
+                             "minibatch; give steps= instead")
+        total = steps if steps is not None else count * (per_epoch or 0)
+        metric_flag: list[str] = []
+        if eval_metric is not None:
+            metric_flag = ["--eval-metric", eval_metric if isinstance(eval_metric, str)
+                           else codegen.importable_path(eval_metric, "eval_metric")]
+        eval_len = None
+        if eval_data is not None:
+            eval_len = eval_steps or epoch_length(eval_data)
+            if not eval_len:
+                raise UsageError("run: eval_data has no length; give eval_steps= (minibatches per evaluation)")
         folder = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="pdcompile-run-"))
         folder.mkdir(parents=True, exist_ok=True)
+        it = iter(data)
+        head = next(it, None)
+        if head is None:
+            raise UsageError("run: the data yields no minibatch")
         first: list[torch.Tensor] = []
-        size = save_batches(_noting_first_target(data, first), steps, folder / "data.pt")
-        want = self.microbatch_size * self.num_microbatches
+        next(_noting_first_target([head], first))
+        size, want = int(first[0].shape[0]), self.microbatch_size * self.num_microbatches
         if size != want:
             raise UsageError(f"run: minibatches have {size} samples, the pipeline was compiled for {want} "
                              f"({self.num_microbatches} x {self.microbatch_size}); recompile or rebatch")
-        prog = self.emit(folder / "program", data={"factory": "pdcompile.runtime.data:from_file",
-                                                   "kwargs": {"path": str((folder / "data.pt").resolve())}},
-                         target=self._data_target(first[0]), init_from=init_from)
-        on_line = (lambda line: print(line, flush=True)) if progress else None
-        rc, log = launch(prog, self.world_size, ["--steps", str(steps), "--save-final", str(folder / "final"),
-                                                 "--metrics", str(folder / "metrics"), *extra_args],
-                         timeout=timeout, on_line=on_line)
+        prog = self.emit(folder / "program", target=self._data_target(first[0]), init_from=init_from)
+        ranks = json.loads((prog / "plan.json").read_text())["stages"]
+        local = any(a == "--targets" and b == "local" for a, b in zip(extra_args, list(extra_args)[1:]))
+        feeder = Feeder(len(set(ranks[0]["ranks"]) | (set(ranks[-1]["ranks"]) if local else set())), timeout=timeout)
+        args = ["--steps", str(steps)] if steps is not None else ["--epochs", str(epochs)]
+        args += ["--data", "pdcompile.runtime.data:stream_train"]
+        try:
+            feeder.feed("train", per_epoch or total, iter([("train", sequence(data, total, per_epoch, (head, it)))]))
+            if eval_data is not None and eval_len:
+                passes = len(cuts(0, total, eval_every))
+                feeder.feed("eval", eval_len, ((f"eval/{p}", sequence(eval_data, eval_len, None, what="eval_data"))
+                                               for p in range(passes if eval_every else 1)))
+                args += ["--eval-data", "pdcompile.runtime.data:stream_eval", "--eval-every", str(eval_every),
+                         *metric_flag]
+            on_line = (lambda line: print(line, flush=True)) if progress else None
+            rc, log = launch(prog, self.world_size, [*args, "--save-final", str(folder / "final"),
+                                                     "--metrics", str(folder / "metrics"), *extra_args],
+                             timeout=timeout, on_line=on_line, env={STREAM_ENV: feeder.address})
+        finally:
+            failed = feeder.close()  # the feeding threads stopped; what the data raised, if anything
         (folder / "train.log").write_text(log)
+        if failed is not None:  # the data's own failure is the cause: say it first
+            raise UsageError(f"run: reading the data failed: {failed}; log in {folder / 'train.log'}")
         if rc != 0:
             raise RuntimeError(f"run: training failed with exit status {rc}; log in {folder / 'train.log'}:\n"
                                + log[-2000:])
@@ -587,11 +638,12 @@ class RunResult:
 
     @property
     def metrics(self) -> dict[str, Any]:
-        """Loss per step (last stage), per-rank step times and wall time."""
+        """Loss per microbatch (last stage), per-rank step times, wall time, and each evaluation's results
+        (``eval``: step, loss, metric)."""
         ranks = [json.loads(p.read_text()) for p in sorted((self.folder / "metrics").glob("rank_*.json"))]
-        last = max(ranks, key=lambda r: r["stage"])
+        last = max(ranks, key=lambda r: (r["stage"], -r["rank"]))
         return {"losses": last["losses"], "step_times_s": {r["rank"]: r["step_times_s"] for r in ranks},
-                "wall_s": max(r["wall_s"] for r in ranks), "ranks": ranks}
+                "wall_s": max(r["wall_s"] for r in ranks), "ranks": ranks, "eval": last.get("eval", [])}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained weights under the original model's names: ``model.load_state_dict(...)``."""

@@ -242,3 +242,79 @@ def random_batches(program: Program, batch_size: int, seed: int) -> Iterator[Any
 
     while True:
         yield tuple(draw(s) for s in program.stages[0].inputs), draw(program.target)
+
+
+# --- minibatches streamed from the process that called CompiledPipeline.run -------------------------
+
+STREAM_ENV = "PDCOMPILE_STREAM"  # HOST:PORT of the caller's TCPStore (pdcompile/data_stream.py)
+
+
+def stream_key(name: str, i: int) -> str:
+    """The store key of minibatch ``i`` of stream ``name`` (``train``, or ``eval/P`` for pass P)."""
+    return f"{name}/{i}"
+
+
+class StoreStream:
+    """Minibatches that ``CompiledPipeline.run`` puts, a few ahead, into a ``torch.distributed.TCPStore``
+    it hosts: ``name`` ``train`` (one sequence over every epoch: each pass yields the next ``len``) or
+    ``eval`` (pass P reads ``eval/P/0..``). Each minibatch read is counted in the store (``KEY/read``),
+    so the caller drops it once every reading rank has it: no file holds the data, no rank holds more
+    than the minibatch it trains on."""
+
+    def __init__(self, name: str, timeout: float = 600) -> None:
+        import os
+
+        address = os.environ.get(STREAM_ENV)
+        if not address:
+            raise UsageError(f"pdcompile.runtime.data:stream_{name} reads minibatches CompiledPipeline.run streams "
+                             f"({STREAM_ENV} is not set): use it only through run(), or give --data MODULE:FUNCTION")
+        host, _, port = address.rpartition(":")
+        import datetime
+
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
+        self.name, self.timeout = name, timeout
+        self.length = int(self.store.get(f"{name}/length"))
+        self.next = 0  # train: the next minibatch of the sequence
+        self.passes = 0  # eval: passes begun
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.name == "train":
+            first, self.next = self.next, self.next + self.length
+            keys = [stream_key("train", first + n) for n in range(self.length)]
+        else:
+            self.passes += 1
+            keys = [stream_key(f"eval/{self.passes - 1}", n) for n in range(self.length)]
+        for key in keys:
+            yield self._get(key)
+
+    def _get(self, key: str) -> Any:
+        import io
+        import time
+
+        deadline = time.monotonic() + self.timeout
+        pause = 0.0005
+        while not self.store.check([key]):  # polled: the store's own wait logs a warning at each timeout
+            if self.store.check(["error"]):
+                raise UsageError(f"run(): the data failed in the calling process: {self.store.get('error').decode()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"run(): minibatch {key} did not arrive within {self.timeout:g} s")
+            time.sleep(pause)
+            pause = min(0.01, pause * 2)
+        batch = torch.load(io.BytesIO(self.store.get(key)), weights_only=True)
+        self.store.add(f"{key}/read", 1)
+        return batch
+
+
+def stream_train(batch_size: int) -> StoreStream:
+    """``--data`` of a run started by ``CompiledPipeline.run``: the caller's training minibatches."""
+    return StoreStream("train")
+
+
+def stream_eval(batch_size: int) -> StoreStream:
+    """``--eval-data`` of a run started by ``CompiledPipeline.run``: the caller's validation minibatches."""
+    return StoreStream("eval")

@@ -5,6 +5,7 @@ only through the pipeline, and the logs (metrics.jsonl, TensorBoard's event file
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -295,3 +296,47 @@ def test_1f1b_steps_the_schedule_once_per_update(tmp_path: Path, user: Any) -> N
     loss, _ = _evaluate(stages, program.build_loss(), user)
     assert metrics[1]["eval"][0]["step"] == steps and metrics[1]["eval"][0]["loss"] == pytest.approx(loss, rel=1e-5)
     assert "accuracy" not in metrics[1]["eval"][0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_run_streams_epochs_with_lr_scheduler_and_validation(tmp_path: Path, user: Any) -> None:
+    """The API: ``pdcompile(lr_scheduler=)`` goes into plan.json; ``run(loader, epochs=, eval_data=)``
+    streams the minibatches to the ranks (no data file) and trains as single-process PyTorch does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(user.D, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, user.C))
+    opt = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    pipe = pdcompile(model, example_inputs=(torch.randn(M * B, user.D),), loss_fn=torch.nn.CrossEntropyLoss(),
+                     optimizer=opt, stages=2, schedule="flush", num_microbatches=M, lr_scheduler=user.warmup_cosine)
+    result = pipe.run(user.train(M * B), epochs=2, eval_data=user.val(M * B), eval_every=10, eval_metric="accuracy",
+                      out=tmp_path / "run", timeout=240)
+    plan = json.loads((result.program / "plan.json").read_text())
+    assert plan["lr_scheduler"] == {"factory": "loopdata:warmup_cosine", "kwargs": {}}
+    assert not list((tmp_path / "run").rglob("data.pt"))  # streamed, not saved
+    total = 2 * STEPS_PER_EPOCH
+    want = _reference_sync(result.program, user, 2, "warmup_cosine", [10, 20, total])
+    got, program = result.state_dict(), Program.load(result.program)
+    names = [(program.stages[s].param_names[n], ref) for s, w in enumerate(want["weights"]) for n, ref in w.items()]
+    assert sorted(n for n, _ in names) == sorted(n for n, _ in model.named_parameters())
+    for name, ref in names:  # under the model's own names
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert [e["step"] for e in result.metrics["eval"]] == [10, 20, total]
+    for e in result.metrics["eval"]:
+        assert e["loss"] == pytest.approx(want["eval"][e["step"]][0], rel=1e-5)
+        assert e["accuracy"] == pytest.approx(want["eval"][e["step"]][1], abs=1e-9)
+
+
+def test_lr_scheduler_must_be_importable_by_the_ranks(user: Any) -> None:
+    from pdcompile.errors import UsageError
+
+    model = torch.nn.Sequential(torch.nn.Linear(user.D, 4), torch.nn.ReLU(), torch.nn.Linear(4, user.C))
+    kw: dict[str, Any] = dict(example_inputs=(torch.randn(M * B, user.D),), example_target=torch.zeros(M * B, dtype=torch.long),
+                              loss_fn=torch.nn.CrossEntropyLoss(), stages=2, num_microbatches=M)
+    with pytest.raises(UsageError, match="lambda.*can't be imported.*top level"):
+        pdcompile(model, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1), **kw).program_fields()
+    with pytest.raises(UsageError, match="ReduceLROnPlateau"):
+        pdcompile(model, lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau, **kw).program_fields()
+    spec = pdcompile(model, lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3),
+                     **kw).program_fields()["lr_scheduler"]
+    assert spec == {"factory": "torch.optim.lr_scheduler:StepLR", "kwargs": {"step_size": 3}}

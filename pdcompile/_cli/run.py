@@ -22,7 +22,19 @@ def register(subparsers: Any) -> None:
     add_model_args(p)
     add_compile_args(p)
     add_clip_arg(p)
-    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 10; or --epochs)")
+    loop = p.add_argument_group("training loop (passed to train.py; docs/training-loop.md)")
+    loop.add_argument("--epochs", type=int, default=None, metavar="N", help="passes over --data instead of --steps")
+    for flag, meta, text in (("--data", "MODULE:FUNCTION", "training data: a function of the minibatch size "
+                              "returning a DataLoader or iterable of (inputs, target)"),
+                             ("--lr-scheduler", "MODULE:FUNCTION", "a function from the optimizer to a "
+                              "torch.optim.lr_scheduler, stepped after every optimizer step"),
+                             ("--eval-data", "MODULE:FUNCTION", "validation data, run forward only"),
+                             ("--eval-every", "N", "evaluate after every N steps, and at the end"),
+                             ("--eval-metric", "accuracy|MODULE:FUNCTION", "a metric besides the loss"),
+                             ("--log-every", "N", "a log line every N steps"),
+                             ("--tensorboard", "DIR", "TensorBoard event files into DIR")):
+        loop.add_argument(flag, default=None, metavar=meta, help=text)
     p.add_argument("--out", help="folder for the program and results (default: a temporary folder)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the whole run is stopped")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
@@ -36,8 +48,14 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from pdcompile.launcher import launch
 
-    if args.steps < 1:
-        raise UsageError("--steps must be at least 1")
+    if args.steps is not None and args.epochs is not None:
+        raise UsageError("--steps and --epochs both given: give one")
+    length = ["--epochs", str(args.epochs)] if args.epochs is not None else ["--steps", str(args.steps or 10)]
+    if (args.epochs if args.epochs is not None else args.steps or 10) < 1:
+        raise UsageError(f"{length[0]} must be at least 1")
+    for flag in ("data", "lr_scheduler", "eval_data", "eval_every", "eval_metric", "log_every", "tensorboard"):
+        if getattr(args, flag) is not None:
+            length += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     folder = Path(args.model)
     if (folder / "plan.json").is_file():
         prog = folder
@@ -48,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         results = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="pdcompile-run-"))
         prog = pipe.emit(results / "program", data=m.data, init_from=args.init_from)
         world = pipe.world_size
-    rc, log = launch(prog, world, ["--steps", str(args.steps), "--metrics", str(results / "metrics"),
+    rc, log = launch(prog, world, [*length, "--metrics", str(results / "metrics"),
                                    "--save-final", str(results / "final"), "--timeout", "60",
                                    *(["--init-from", str(args.init_from)] if args.init_from else [])],
                      timeout=args.timeout, on_line=None if args.json else print)
