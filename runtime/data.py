@@ -1,7 +1,7 @@
 """Data for emitted programs: the first stage's source (``--data``, plan.json's factory, or seeded random
 minibatches), read in epochs and in shares (:class:`Reader`: each input-stage replica reads only the
-microbatches it runs), whether the last stage reads targets itself, and minibatches saved to a file by
-``CompiledPipeline.run``."""
+microbatches it runs), whether the last stage reads targets itself, minibatches streamed by
+``CompiledPipeline.run`` (:class:`StoreStream`), and minibatches saved to a file (tests)."""
 
 from __future__ import annotations
 
