@@ -7,6 +7,8 @@ copied into every stage that uses them: a parameter used by several stages (tied
 each, its gradients summed across them (``TG``), recorded in ``StageSplit.tied``. Targets are
 flattened to readable names (``features.0`` -> ``features_0``), mapped back by
 ``Stage.param_names``. Only tensors may cross a boundary, else :class:`UnsupportedModelError`.
+A stage's code names no concrete device: tensors it creates (an exported graph's ``arange``, masks,
+``.to(device=...)``) follow the device of its own parameters or inputs (:func:`follow_device`).
 """
 
 from __future__ import annotations
@@ -179,6 +181,8 @@ def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.No
             g.output(fx.node.map_arg(out_node.args[0], lookup))
         else:
             g.output(tuple(env[n] for n in outs))
+        anchor = next((a for a, v in attrs.items() if isinstance(v, torch.Tensor)), None)
+        follow_device(g, anchor if anchor is not None else next((env[n] for n in ins), None))
         sgm = fx.GraphModule(attrs, g, f"Stage{k}")
         if k == num_stages - 1 and "pd.output_view" in gm.meta:  # how the loss sees the last output
             sgm.meta["pd.output_view"] = gm.meta["pd.output_view"]
@@ -198,6 +202,31 @@ def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.No
         ))
     tied = tuple(tuple(v) for v in owners.values() if len({s for s, _ in v}) > 1)
     return StageSplit(tuple(stages), tied)
+
+
+def _names_device(value: Any) -> bool:
+    found = []
+    fx.node.map_aggregate(value, lambda a: found.append(a) if isinstance(a, torch.device) else a)
+    return bool(found)
+
+
+def follow_device(graph: fx.Graph, anchor: str | fx.Node | None) -> None:
+    """Replace every concrete ``torch.device`` in ``graph``'s node arguments by the device of
+    ``anchor`` (a parameter/buffer name, read by a new ``get_attr``, or a placeholder), read once
+    before its first use: the code then runs wherever its module and inputs are (CPU, GPU, meta)."""
+    users = [n for n in graph.nodes if _names_device(n.args) or _names_device(n.kwargs)]
+    if not users or anchor is None:
+        return
+    with graph.inserting_before(users[0]):
+        source = graph.get_attr(anchor) if isinstance(anchor, str) else anchor
+        device = graph.create_node("call_function", getattr, (source, "device"), name="stage_device")
+
+    def swap(a: Any) -> Any:
+        return device if isinstance(a, torch.device) else a
+
+    for n in users:
+        n.args = fx.node.map_aggregate(n.args, swap)
+        n.kwargs = fx.node.map_aggregate(n.kwargs, swap)
 
 
 def _fetch(gm: fx.GraphModule, target: str) -> Any:

@@ -34,6 +34,7 @@ from pdcompile.errors import PdcompileError, UsageError
 from pdcompile.ir import CompileState, TensorMeta, need
 from pdcompile.passes.codegen import object_spec
 from pdcompile.passes.export_frontend import OutputView
+from pdcompile.passes.split_stages import follow_device
 from pdcompile.passes.trace import host_syncs, user_frame
 
 _HOST_SYNC_OPS = ("aten::_local_scalar_dense", "aten::item")
@@ -298,6 +299,8 @@ def _flat(gm: fx.GraphModule) -> fx.GraphModule:
             env[n] = g.node_copy(n, lambda a: env[a])
         env[n].meta = {k: v for k, v in n.meta.items() if k in ("stack_trace",)}
         env[n].type = None  # the wrapper's annotations (Any) are not the emitted code's business
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    follow_device(g, placeholders[-1] if placeholders else None)  # what it creates goes where the target is
     return fx.GraphModule(attrs, g, "Loss")
 
 
