@@ -73,6 +73,10 @@ def one_cycle(optimizer):
 
 def decay(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.8 ** s)
+
+
+def margin(output, target):  # a metric of one microbatch: the mean score of the true class
+    return output.gather(1, target[:, None]).mean()
 '''
 
 
@@ -340,3 +344,81 @@ def test_lr_scheduler_must_be_importable_by_the_ranks(user: Any) -> None:
     spec = pdcompile(model, lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3),
                      **kw).program_fields()["lr_scheduler"]
     assert spec == {"factory": "torch.optim.lr_scheduler:StepLR", "kwargs": {"step_size": 3}}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_validation_with_virtual_stages_and_a_metric_function(tmp_path: Path, user: Any) -> None:
+    """interleaved-1f1b puts stages 0 and 2 on rank 0, 1 and 3 on rank 1: validation walks each rank's
+    stages microbatch by microbatch, the targets sent from stage 0's rank to stage 3's first of their
+    messages; its loss and a user's metric function equal single-process evaluation of the final weights."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(user.D, 16)]
+    for _ in range(3):
+        layers += [torch.nn.ReLU(), torch.nn.Linear(16, 16 if len(layers) < 5 else user.C)]
+    pipe = pdcompile(torch.nn.Sequential(*layers), example_inputs=(torch.randn(M * B, user.D),),
+                     example_target=torch.zeros(M * B, dtype=torch.long), loss_fn=torch.nn.CrossEntropyLoss(),
+                     optimizer=lambda p: torch.optim.SGD(p, lr=0.1), stages=4, schedule="interleaved-1f1b",
+                     num_microbatches=M, virtual_stages=2)
+    prog = pipe.emit(tmp_path / "prog")
+    program = Program.load(prog)
+    assert [list(s.ranks) for s in program.stages] == [[0], [1], [0], [1]]
+    metrics, weights = _launch(tmp_path, prog, ["--steps", "3", "--data", "loopdata:train", "--targets", "send",
+                                                "--eval-data", "loopdata:val", "--eval-metric", "loopdata:margin"])
+    stages = []
+    for k in range(4):
+        m = program.build_stage(k)
+        m.load_state_dict(torch.load(tmp_path / "final" / f"stage_{k}.rank_{k % 2}.pt", weights_only=True))
+        stages.append(m)
+    loss_fn = program.build_loss()
+    losses, margins = [], []
+    with torch.no_grad():
+        for x, y in user.val(M * B):
+            for xm, ym in zip(x.split(B), y.split(B)):
+                h: Any = (xm,)
+                for m in stages:
+                    h = m(*h) if isinstance(h, tuple) else m(h)
+                losses.append(float(loss_fn(h, ym)))
+                margins.append(float(user.margin(h, ym)))
+    (ev,) = metrics[1]["eval"]
+    assert ev["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    assert ev["margin"] == pytest.approx(sum(margins) / len(margins), rel=1e-5)
+
+
+def test_loop_flags_refused_with_cause_and_fix(tmp_path: Path, user: Any) -> None:
+    from pdcompile.errors import UsageError
+    from pdcompile.runtime import launch
+
+    prog = _emit(tmp_path, user, "flush")
+    program = Program.load(prog)
+
+    def check(*argv: str) -> None:
+        launch.check_args(launch.parse_args(list(argv), program), program, world=2)
+
+    check("--epochs", "2", "--eval-data", "loopdata:val", "--eval-every", "5")
+    for argv, says in [(["--epochs", "2", "--steps", "3"], "both given"), (["--epochs", "0"], "--epochs 0"),
+                       (["--eval-every", "5"], "needs --eval-data"), (["--lr-scheduler", "loopdata"], "MODULE:FUNCTION"),
+                       (["--eval-data", "loopdata:nothing"], "can't import"), (["--log-every", "0"], "--log-every 0")]:
+        with pytest.raises(UsageError, match=says):
+            check(*argv)
+
+
+def test_log_records_count_tokens_for_token_inputs(tmp_path: Path) -> None:
+    """A record per --log-every steps: the interval's mean loss and step time, samples/s, and tokens/s
+    when the first input is token ids (samples x tokens per sample)."""
+    import argparse
+
+    from pdcompile.runtime.logs import RunLog, tokens_per_sample
+    from pdcompile.runtime.program import TensorSpec
+
+    ids = TensorSpec.from_json({"shape": [4, 16], "dtype": "int64", "requires_grad": False})
+    feats = TensorSpec.from_json({"shape": [4, 16], "dtype": "float32", "requires_grad": False})
+    assert tokens_per_sample([ids]) == 16 and tokens_per_sample([feats]) is None
+    args = argparse.Namespace(metrics=str(tmp_path), tensorboard=None, log_every=2)
+    run = RunLog(args, True, total=3, start=0, per_epoch=2, samples_per_step=8, tokens=16, device=torch.device("cpu"))
+    for step, (loss, secs) in enumerate([(1.0, 0.5), (3.0, 1.5), (5.0, 1.0)], 1):
+        run.step(step, loss, 0.1 * step, secs)
+    run.close()
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["epoch"], r["loss"], r["lr"]) for r in recs] == [(2, 1, 2.0, 0.2), (3, 2, 5.0, pytest.approx(0.3))]
+    assert recs[0]["step_time_s"] == 1.0 and recs[0]["samples_per_s"] == 8.0 and recs[0]["tokens_per_s"] == 128.0
