@@ -14,6 +14,11 @@
    training, and its measured step time is put beside the simulator's prediction from the GPU
    profile (plus the loss and the optimizer step, measured apart: the profile ends at the model's
    output).
+4. **A Hugging Face model through torch.export**: a small ``LlamaForCausalLM`` (its default config,
+   ``use_cache=True``) compiled on the CPU as a user would, its 2 emitted stages built and moved to
+   the device and trained in one process as in part 2: its stage code names no device (rotary
+   frequencies, masks and positions follow the stage's), and its weights equal single-process
+   training of the model on the device.
 
 Exit status 0 when every equality holds, 1 otherwise (the timing rows are measurements, not
 pass/fail). Writes its table to benchmarks/RESULTS.md (section "GPU check"). ``--dry-run`` runs the
@@ -166,9 +171,11 @@ def single_process(size: str, steps: int, device: torch.device) -> tuple[dict[st
     return initial, {k: v.detach().cpu() for k, v in model.named_parameters()}
 
 
-def train_in_process(prog: Path, size: str, steps: int, device: torch.device, out: Path) -> dict[str, torch.Tensor]:
+def train_in_process(prog: Path, size: str, steps: int, device: torch.device, out: Path,
+                     batches: Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
     """Train the emitted program's stages on ``device`` in one process; their weights merged
-    under the model's names (through the files train.py --save-final writes)."""
+    under the model's names (through the files train.py --save-final writes). ``batches``: the
+    minibatches (default the zoo model's)."""
     from pdcompile.merge import merge_weights
     from pdcompile import reference
     from pdcompile.runtime.program import Program, build
@@ -180,7 +187,7 @@ def train_in_process(prog: Path, size: str, steps: int, device: torch.device, ou
     loss_fn = program.build_loss()
     loss_fn = loss_fn.to(device) if isinstance(loss_fn, torch.nn.Module) else loss_fn
     b = program.raw["microbatch_size"]
-    it = data(size, device)
+    it = batches if batches is not None else data(size, device)
     micro = []
     for _ in range(steps):
         inputs, target = next(it)
@@ -253,6 +260,51 @@ def equality_row(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.
     ok = diff <= tolerance and moved > len(want) // 2  # equal, and training really changed the weights
     return Row(what, f"max relative weight difference to single-process training {diff:.2g} (tolerance "
                      f"{tolerance:g}); {moved}/{len(want)} parameters trained", ok)
+
+
+# --- 4. a Hugging Face model through torch.export -------------------------------------------------
+
+HF_VOCAB, HF_SEQ = 128, 16
+
+
+def hf_llama() -> torch.nn.Module:
+    """A small LlamaForCausalLM with its default config (``use_cache=True``, rotary embeddings, causal mask)."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+
+
+def hf_batches(steps: int, device: torch.device) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [on(device, ((torch.randint(0, HF_VOCAB, (MICRO * M, HF_SEQ), generator=g),),
+                        torch.randint(0, HF_VOCAB, (MICRO * M, HF_SEQ), generator=g))) for _ in range(steps)]
+
+
+def hf_row(steps: int, device: torch.device, folder: Path, tolerance: float) -> Row:
+    """Part 4: Llama's exported stages, compiled on the CPU, trained on ``device`` = single-process training."""
+    from pdcompile.api import pdcompile
+    from pdcompile.reference import train_sync
+    from pdcompile.zoo.losses import SequenceCrossEntropy
+
+    loss_fn = SequenceCrossEntropy()
+    (x,), y = hf_batches(1, torch.device("cpu"))[0]
+    pipe = pdcompile(hf_llama(), example_inputs=(x,), example_target=y, loss_fn=loss_fn, optimizer=optimizer,
+                     stages=2, schedule="flush", num_microbatches=M, frontend="export")
+    prog = pipe.emit(folder / "prog")
+    named = [k for k in range(len(pipe.split.stages)) if "device(type=" in (prog / f"stage_{k}.py").read_text()]
+    got = train_in_process(prog, "small", steps, device, folder / "final", iter(hf_batches(steps, device)))
+    ref = hf_llama().to(device)
+    initial = {k: v.detach().cpu().clone() for k, v in ref.named_parameters()}
+    train_sync(ref, lambda out, t: loss_fn(out.logits, t), optimizer(ref.parameters()), hf_batches(steps, device),
+               steps=steps, num_microbatches=M)
+    want = {k: v.detach().cpu() for k, v in ref.named_parameters()}
+    row = equality_row(f"Hugging Face Llama (torch.export, default config), 2 stages compiled on the CPU, trained "
+                       f"on {device.type}", got, want, initial, tolerance)
+    where = f"stage code naming a device: {named or 'none'}; "
+    return Row(row.check, where + row.result, bool(row.ok) and not named)
 
 
 # --- 3. the runtime on the device ------------------------------------------------------------------
@@ -356,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"{measured / predicted:.2f}", None))
         rows.append(memory_row(prog1, metrics, device))
         print(f"  runtime in {time.perf_counter() - t0:.1f} s", flush=True)
+
+        t0 = time.perf_counter()
+        rows.append(hf_row(steps, device, Path(tmp) / "hf", tolerance))
+        print(f"  Hugging Face model in {time.perf_counter() - t0:.1f} s", flush=True)
 
     ok = all(r.ok is not False for r in rows)
     body = "\n".join([
