@@ -24,9 +24,7 @@ import torch.fx as fx
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind, TensorArgument
 
 from pdcompile.errors import UnsupportedModelError, UsageError
-from pdcompile.passes.trace import trace
 
-FRONTENDS = ("auto", "fx", "export")
 DEFAULT_OUTPUT_KEYS = ("logits", "last_hidden_state")
 _KEEP_META = ("stack_trace", "nn_module_stack", "torch_fn")
 _ASSERT_OPS = {
@@ -325,37 +323,3 @@ def _keys(spec: Any) -> list[Any] | None:
         return list(ctx)
     fields = getattr(spec.type, "_fields", None)
     return list(fields) if fields is not None else None
-
-
-def trace_any(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tensor,
-              leaf_modules: Sequence[type | str] = (), frontend: str = "auto", *,
-              kwargs: Mapping[str, Any] | None = None, output: str | int | None = None) -> fx.GraphModule:
-    """The trace pass with a choice of front end.
-
-    ``"fx"``: :func:`pdcompile.passes.trace.trace` (module-level, leaf modules kept whole).
-    ``"export"``: :func:`export_trace` (aten ops; ``leaf_modules`` has no meaning and is ignored).
-    ``"auto"``: fx first; if it fails (UnsupportedModelError, any tracing error), export. With
-    ``kwargs=`` or ``output=`` (export-only options) "auto" goes straight to export. When both fail the error lists both reasons.
-    """
-    if frontend not in FRONTENDS:
-        raise UsageError(f"trace: frontend must be one of {FRONTENDS}, got {frontend!r}")
-    if frontend == "export":
-        return export_trace(model, example_inputs, kwargs=kwargs, output=output)
-    if frontend == "fx":
-        if kwargs or output is not None:
-            raise UsageError("trace: kwargs= and output= need frontend='export' (or 'auto')")
-        return trace(model, leaf_modules)
-    fx_error: BaseException | None = None
-    if not kwargs and output is None:
-        try:
-            return trace(model, leaf_modules)
-        except Exception as e:  # noqa: BLE001 - fall back to torch.export below
-            fx_error = e
-    try:
-        return export_trace(model, example_inputs, kwargs=kwargs, output=output)
-    except UnsupportedModelError as e:
-        if fx_error is None:
-            raise
-        raise UnsupportedModelError(
-            f"trace: neither front end can capture {type(model).__name__}.\n"
-            f"torch.fx: {fx_error}\ntorch.export: {e}") from e

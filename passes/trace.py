@@ -1,206 +1,61 @@
-"""The ``trace`` pass: nn.Module -> torch.fx.GraphModule, with a leaf-module policy and full diagnostics.
+"""The ``trace`` pass: nn.Module -> torch.fx.GraphModule, through one of two front ends.
 
-Modules from ``torch.nn`` (but its containers) and those the user names (by class or qualified name)
-stay whole as ``call_module`` nodes; everything else is traced through. When fx fails, a diagnostic
-tracer continues past data-dependent ``if``/``while`` and iteration over tensors, then traces each
-submodule on its own, so one :class:`UnsupportedModelError` lists every offending construct (with
-host syncs such as ``.item()``), each with its module path, source line and fix. :func:`run` picks
-the front end (fx, or ``torch.export`` through :mod:`.export_frontend`).
+``torch.fx`` (:mod:`.fx_frontend`: leaf modules kept whole, every untraceable construct listed) or
+``torch.export`` (:mod:`.export_frontend`: aten ops, for models fx can't trace, such as Hugging Face
+``transformers``). :func:`trace_any` picks one; :func:`run` writes the graph and the key of the model
+output it returns. Both front ends sit below this module and import nothing of it.
 """
 
 from __future__ import annotations
 
-import linecache
-import os
-import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from pdcompile.errors import UnsupportedModelError
+from pdcompile.errors import UnsupportedModelError, UsageError
 from pdcompile.ir import CompileState
+from pdcompile.passes.export_frontend import export_trace
+from pdcompile.passes.fx_frontend import (  # noqa: F401 - the fx front end's names, as callers know them here
+    Offence, PdTracer, diagnose, format_offences, host_syncs, is_builtin_leaf, trace, user_frame)
 
-_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
-_HOST_SYNC_METHODS = {"item": "`.item()`", "tolist": "`.tolist()`", "numpy": "`.numpy()`"}
-_FX_DIR = os.path.dirname(fx.__file__)
-_TORCH_DIR = os.path.dirname(torch.__file__)
-
-
-@dataclass(frozen=True)
-class Offence:
-    """One construct that prevents tracing or splitting."""
-
-    kind: str  # "data-dependent control flow", "iteration over a tensor", "host sync", "untraceable"
-    module: str  # qualified module path ("" = the root model)
-    where: str  # "file.py:42: `source line`" or ""
-    detail: str
-    fix: str
-
-    def __str__(self) -> str:
-        mod = self.module or "<root>"
-        loc = f" at {self.where}" if self.where else ""
-        return f"{self.kind} in module {mod!r}{loc}: {self.detail}. Fix: {self.fix}"
+FRONTENDS = ("auto", "fx", "export")
 
 
-def is_builtin_leaf(m: torch.nn.Module) -> bool:
-    """torch.nn built-in modules (not containers) are kept whole."""
-    return type(m).__module__.startswith("torch.nn") and not isinstance(m, _CONTAINERS)
+def trace_any(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tensor,
+              leaf_modules: Sequence[type | str] = (), frontend: str = "auto", *,
+              kwargs: Mapping[str, Any] | None = None, output: str | int | None = None) -> fx.GraphModule:
+    """The trace pass with a choice of front end.
 
-
-class PdTracer(fx.Tracer):
-    """fx.Tracer with our leaf policy. ``diagnose=True`` records control flow and keeps going."""
-
-    def __init__(self, leaf_modules: Sequence[type | str] = (), diagnose: bool = False) -> None:
-        super().__init__()
-        self.leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
-        self.leaf_names = {t for t in leaf_modules if isinstance(t, str)}
-        self.extra_leaf_names: set[str] = set()
-        self.diagnose = diagnose
-        self.offences: list[Offence] = []
-        self.seen_branches: set[str] = set()
-        self.record_stack_traces = True
-
-    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        if module_qualified_name in self.leaf_names or module_qualified_name in self.extra_leaf_names:
-            return True
-        if self.leaf_types and isinstance(m, self.leaf_types):
-            return True
-        return is_builtin_leaf(m)
-
-    # fx calls these when a Proxy meets Python control flow.
-    def to_bool(self, obj: fx.Proxy) -> bool:
-        if not self.diagnose:
-            return super().to_bool(obj)
-        where = user_frame()
-        seen = where in self.seen_branches
-        self.seen_branches.add(where)
-        if not seen:
-            self._record("data-dependent control flow", "a Python `if`/`while`/`assert` on a tensor's value",
-                         "compute both branches and select with torch.where, move the decision out of "
-                         "forward(), or mark the module as a leaf (leaf_modules=[...])")
-        return not seen  # a `while` on a tensor: enter its body once, then leave the loop
-
-    def iter(self, obj: fx.Proxy) -> Iterator:
-        if not self.diagnose:
-            return super().iter(obj)
-        self._record("iteration over a tensor", "a Python loop over a tensor (its length is data)",
-                     "loop over a fixed count from the model's config, or mark the module as a leaf")
-        return iter(())
-
-    def _record(self, kind: str, detail: str, fix: str) -> None:
-        self.offences.append(Offence(kind, self.scope.module_path, user_frame(), detail, fix))
-
-
-def user_frame(tb: Any = None) -> str:
-    """The innermost stack frame outside torch and pdcompile's passes, as 'file:line: `src`'."""
-    frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
-    here = os.path.dirname(__file__)
-    for fr in reversed(frames):
-        fn = fr.filename
-        if fn.startswith(_TORCH_DIR) or fn.startswith(here) or fn.startswith("<"):
-            continue
-        src = (fr.line or linecache.getline(fn, fr.lineno or 0)).strip()
-        return f"{os.path.basename(fn)}:{fr.lineno}: `{src}`"
-    return ""
-
-
-def _classify(exc: BaseException) -> tuple[str, str, str]:
-    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if "'len' is not supported" in msg or "has no len" in msg:
-        return ("iteration over a tensor", "`len()` of a tensor (its length is data) — " + msg,
-                "use a fixed length from the model's config, or mark the module as a leaf")
-    if "control flow" in msg:
-        return ("data-dependent control flow", msg,
-                "compute both branches and select with torch.where, or mark the module as a leaf")
-    return ("untraceable", f"{type(exc).__name__}: {msg}",
-            "mark the module as a leaf (leaf_modules=[...]) or rewrite the construct with tensor ops")
-
-
-def host_syncs(gm: fx.GraphModule, prefix: str = "") -> list[Offence]:
-    out = []
-    for node in gm.graph.nodes:
-        if node.op == "call_method" and node.target in _HOST_SYNC_METHODS:
-            where = ""
-            st = node.meta.get("stack_trace") or ""
-            lines = [ln.strip() for ln in st.strip().splitlines() if ln.strip()]
-            for i in range(len(lines) - 1, -1, -1):
-                if lines[i].startswith("File ") and _TORCH_DIR not in lines[i]:
-                    parts = lines[i].split('"')
-                    fname = os.path.basename(parts[1]) if len(parts) > 1 else "?"
-                    lineno = lines[i].split("line ")[-1].split(",")[0]
-                    src = lines[i + 1] if i + 1 < len(lines) else ""
-                    where = f"{fname}:{lineno}: `{src}`"
-                    break
-            scope = node.meta.get("nn_module_stack") or {}
-            module = next(reversed(scope.values()))[0] if scope else prefix
-            out.append(Offence("host sync", module, where,
-                               f"{_HOST_SYNC_METHODS[node.target]} turns a tensor into a Python value",
-                               "keep the value as a tensor (drop .item()), or mark the module as a leaf"))
-    return out
-
-
-def diagnose(model: torch.nn.Module, leaf_modules: Sequence[type | str] = ()) -> list[Offence]:
-    """Every construct that stops ``model`` from being traced and split (empty list: traceable)."""
-    offences: list[Offence] = []
-    tracer = PdTracer(leaf_modules, diagnose=True)
-    try:
-        graph = tracer.trace(model)
-        offences += tracer.offences
-        offences += host_syncs(fx.GraphModule(tracer.root, graph))
-        if not offences:
-            return []
-    except Exception:  # noqa: BLE001 - a hard failure: look module by module below
-        offences += tracer.offences
-    # Trace every non-leaf module on its own, children kept whole, to find the rest.
-    for name, sub in model.named_modules():
-        probe = PdTracer(leaf_modules, diagnose=True)
-        if probe.is_leaf_module(sub, name) or isinstance(sub, _CONTAINERS):
-            continue
-        probe.extra_leaf_names = {n for n, _ in sub.named_children()}
-        probe.leaf_names = probe.leaf_names | probe.extra_leaf_names
+    ``"fx"``: :func:`pdcompile.passes.fx_frontend.trace` (module-level, leaf modules kept whole).
+    ``"export"``: :func:`export_trace` (aten ops; ``leaf_modules`` has no meaning and is ignored).
+    ``"auto"``: fx first; if it fails (UnsupportedModelError, any tracing error), export. With
+    ``kwargs=`` or ``output=`` (export-only options) "auto" goes straight to export. When both fail the error lists both reasons.
+    """
+    if frontend not in FRONTENDS:
+        raise UsageError(f"trace: frontend must be one of {FRONTENDS}, got {frontend!r}")
+    if frontend == "export":
+        return export_trace(model, example_inputs, kwargs=kwargs, output=output)
+    if frontend == "fx":
+        if kwargs or output is not None:
+            raise UsageError("trace: kwargs= and output= need frontend='export' (or 'auto')")
+        return trace(model, leaf_modules)
+    fx_error: BaseException | None = None
+    if not kwargs and output is None:
         try:
-            g = probe.trace(sub)
-            found = probe.offences + host_syncs(fx.GraphModule(probe.root, g), name)
-        except Exception as e:  # noqa: BLE001
-            kind, detail, fix = _classify(e)
-            found = probe.offences + [Offence(kind, name, user_frame(e.__traceback__), detail, fix)]
-        for o in found:
-            o = Offence(o.kind, name, o.where, o.detail, o.fix)
-            if o not in offences:
-                offences.append(o)
-    # Findings from the whole-model pass may repeat per-module ones under the root's name.
-    unique: dict[tuple[str, str, str], Offence] = {}
-    for o in offences:
-        key = (o.kind, o.where, o.detail)
-        if key not in unique or (o.module and not unique[key].module):
-            unique[key] = o
-    return list(unique.values())
-
-
-def trace(model: torch.nn.Module, leaf_modules: Sequence[type | str] = ()) -> fx.GraphModule:
-    """Trace ``model`` into a GraphModule or raise UnsupportedModelError listing every problem."""
-    tracer = PdTracer(leaf_modules)
+            return trace(model, leaf_modules)
+        except Exception as e:  # noqa: BLE001 - fall back to torch.export below
+            fx_error = e
     try:
-        graph = tracer.trace(model)
-        gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
-    except Exception:  # noqa: BLE001
-        gm = None
-    offences = host_syncs(gm) if gm is not None else diagnose(model, leaf_modules)
-    if gm is not None and offences:
-        offences = diagnose(model, leaf_modules) or offences
-    if offences:
-        raise UnsupportedModelError(format_offences(type(model).__name__, offences))
-    assert gm is not None
-    return gm
-
-
-def format_offences(model_name: str, offences: Sequence[Offence]) -> str:
-    lines = [f"{model_name} can't be traced into a pipeline: {len(offences)} construct(s) found"]
-    lines += [f"  {i}. {o}" for i, o in enumerate(offences, 1)]
-    return "\n".join(lines)
+        return export_trace(model, example_inputs, kwargs=kwargs, output=output)
+    except UnsupportedModelError as e:
+        if fx_error is None:
+            raise
+        raise UnsupportedModelError(
+            f"trace: neither front end can capture {type(model).__name__}.\n"
+            f"torch.fx: {fx_error}\ntorch.export: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -213,7 +68,5 @@ class TraceOptions:
 def run(state: CompileState, opts: TraceOptions) -> CompileState:
     """Writes ``gm`` and ``output_key`` (the key of the model output the graph returns: the loss may
     read ``out.logits``)."""
-    from pdcompile.passes.export_frontend import trace_any  # it imports this module's trace()
-
     gm = trace_any(state.model, state.example_inputs, opts.leaf_modules, opts.frontend, output=opts.output)
     return state.replace(gm=gm, output_key=gm.meta.get("pd.output_key"))

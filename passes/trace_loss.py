@@ -35,7 +35,7 @@ from pdcompile.ir import CompileState, TensorMeta, need
 from pdcompile.passes.codegen import object_spec
 from pdcompile.passes.export_frontend import OutputView
 from pdcompile.passes.split_stages import follow_device
-from pdcompile.passes.trace import host_syncs, user_frame
+from pdcompile.passes.fx_frontend import host_syncs, user_frame
 
 _HOST_SYNC_OPS = ("aten::_local_scalar_dense", "aten::item")
 _FIX = ("write the loss with tensor operations only: no .item()/float()/.tolist(), no Python if/while on a "

@@ -21,9 +21,10 @@ from pdcompile.errors import UnsupportedModelError, UsageError
 from _ranks import run_ranks
 from pdcompile.merge import merge_weights
 from pdcompile.passes import codegen
-from pdcompile.passes.export_frontend import export_trace, trace_any
+from pdcompile.passes.export_frontend import export_trace
 from pdcompile.passes.propagate_shapes import propagate_shapes
 from pdcompile.passes.split_stages import StageSplit, even_assignment, split_stages
+from pdcompile.passes.trace import trace_any
 from pdcompile.reference import train_sync
 from pdcompile.zoo.losses import SequenceCrossEntropy
 
