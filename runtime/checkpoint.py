@@ -1,12 +1,19 @@
-"""Checkpoints of a pipeline run: per-rank files written atomically, then a manifest written last.
+"""Checkpoints of a pipeline run: torch.distributed.checkpoint (DCP) folders keyed by the model's own
+names, so a run resumes under another plan (stage count, replicas, synchronous schedule).
 
-A step folder without ``manifest.json`` is incomplete (a crash while writing) and is never resumed
-from, so such a crash leaves the previous checkpoint usable. Checkpoints fall only on flush points,
-where no stashed weights or in-flight activations exist, so the format does not depend on each
-schedule's internals or on the action where the run stopped. Loading uses
-``torch.load(weights_only=True)``; resuming refuses, with :class:`~pdcompile.errors.CheckpointError`
-naming the cause, a checkpoint that doesn't match its manifest or the running program's plan
-(:func:`verify`). The folder layout and the flush-point rule: :func:`save`.
+A step folder holds DCP's files (``.metadata`` and each rank's ``__R_0.distcp``), each rank's small
+state file ``rank_R.state.pt`` (RNG, LR scheduler, optimizer hyperparameters), a copy of the
+writer's ``plan.json`` and, written last by rank 0, ``manifest.json``. A folder without the
+manifest is incomplete (a crash while writing) and is never resumed from, so such a crash leaves
+the previous checkpoint usable. The tensors are keyed by the original model's ``state_dict`` names
+(a StageSpec's ``param_names`` map a stage's local names to them): parameters and buffers under
+their names, optimizer state under ``optim/NAME/KEY``. A tensor held by several ranks (replicas, a
+parameter tied across stages) is written once (DCP's deduplication). Checks before anything is
+read: the manifest's SHA-256 of every file a rank reads, and the model (its names and shapes) against
+the running program's (:func:`verify`); a mismatch is a :class:`~pdcompile.errors.CheckpointError`
+naming the cause. No file is unpickled beyond what ``torch.load(weights_only=True)`` accepts: DCP's
+``.metadata`` is read by an unpickler that admits only DCP's metadata types (:class:`SafeReader`).
+The collective save and the flush-point rule: :func:`save`.
 """
 
 from __future__ import annotations
@@ -15,48 +22,42 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from pdcompile.errors import CheckpointError
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST = "manifest.json"
+METADATA = ".metadata"  # DCP's own index of the tensors
+OPTIM = "optim/"  # optimizer state: optim/NAME/KEY (a module's name never holds a '/')
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_STATE_FILE = re.compile(r"^rank_(\d+)\.state\.pt$")
 
 
-# --- plan identity ----------------------------------------------------------------------------
+# --- the model a plan trains ------------------------------------------------------------------
 
 def plan_summary(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """What a checkpoint must agree on with the running program: each stage's ranks and parameters."""
+    """Each stage's ranks and parameters (recorded in the manifest; a resume may use another plan)."""
     return [{"stage": int(st["index"]), "ranks": [int(r) for r in st["ranks"]],
              "params": sorted(st.get("param_names", {}))} for st in plan["stages"]]
 
 
-def plan_hash(plan: Mapping[str, Any]) -> str:
-    """SHA-256 of :func:`plan_summary` (stable JSON)."""
-    return hashlib.sha256(json.dumps(plan_summary(plan), sort_keys=True).encode()).hexdigest()
-
-
-def _plan_difference(saved: list[dict[str, Any]], current: list[dict[str, Any]]) -> str:
-    """A human sentence saying how two plan summaries differ."""
-    if len(saved) != len(current):
-        return f"the checkpoint has {len(saved)} stages, the program {len(current)}"
-    for a, b in zip(saved, current):
-        if a["ranks"] != b["ranks"]:
-            return f"stage {a['stage']} runs on ranks {a['ranks']} in the checkpoint, {b['ranks']} in the program"
-        if a["params"] != b["params"]:
-            diff = sorted(set(a["params"]) ^ set(b["params"]))
-            return f"stage {a['stage']} has different parameters (e.g. {diff[:3]})"
-    return "the plans differ"
+def model_names(plan: Mapping[str, Any]) -> set[str]:
+    """The original model's tensor names a plan's stages hold (parameters and buffers)."""
+    return {str(n) for st in plan["stages"] for n in st.get("param_names", {}).values()}
 
 
 # --- atomic files -----------------------------------------------------------------------------
@@ -108,42 +109,47 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
+def _entry(path: Path) -> dict[str, Any]:
+    return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+
 # --- names ------------------------------------------------------------------------------------
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
-def weights_name(stage: int, rank: int) -> str:
-    return f"stage_{stage}.rank_{rank}.pt"
+def state_name(rank: int) -> str:
+    return f"rank_{rank}.state.pt"
 
 
-def state_name(stage: int, rank: int) -> str:
-    return f"stage_{stage}.rank_{rank}.state.pt"
+def optim_key(name: str, key: str) -> str:
+    return f"{OPTIM}{name}/{key}"
 
 
-def expected_files(plan: Mapping[str, Any]) -> list[str]:
-    """Every file a complete checkpoint of ``plan`` lists (besides the manifest itself)."""
-    names = ["plan.json"]
-    for st in plan["stages"]:
-        for r in st["ranks"]:
-            names += [weights_name(int(st["index"]), int(r)), state_name(int(st["index"]), int(r))]
-    return names
-
-
-# --- what one rank saves ----------------------------------------------------------------------
+# --- what a rank saves ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class RankState:
-    """Everything one rank restores, besides its weights."""
+    """What one rank restores besides tensors (its ``rank_R.state.pt``)."""
 
     step: int                    # optimizer steps finished
-    next_microbatch: int         # global index of the first microbatch after the checkpoint
-    data_consumed: int           # minibatches the data iterator has yielded (stage 0; else 0)
-    optimizer: dict[str, Any]
+    data_consumed: int           # minibatches the data iterator has yielded (ranks reading data; else 0)
     lr_scheduler: dict[str, Any] | None
-    weight_store: dict[str, Any] | None
+    param_groups: list[dict[str, Any]] | None  # the optimizer's hyperparameters (lr moves with a scheduler)
     rng: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StagePart:
+    """One stage a rank holds: its module, optimizer and LR scheduler, and ``names`` (local name ->
+    the original model's name, the StageSpec's ``param_names``)."""
+
+    module: torch.nn.Module
+    optimizer: Any
+    names: Mapping[str, str]
+    lr_scheduler: Any = None
+    stage: int = 0
 
 
 def rng_state() -> dict[str, Any]:
@@ -162,38 +168,138 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         random.setstate((py[0], tuple(py[1]), py[2]))
 
 
-def write_rank(root: str | os.PathLike[str], plan: Mapping[str, Any], stage: int, rank: int,
-               weights: Mapping[str, torch.Tensor], state: RankState) -> dict[str, tuple[str, int]]:
-    """Write this rank's two files of the checkpoint at ``state.step``; return {name: (sha256, bytes)}."""
-    folder = step_dir(root, state.step)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.detach().cpu().clone() for n, t in weights.items()}
-    payload = {"format": FORMAT, "plan_hash": plan_hash(plan), "stage": stage, "rank": rank,
-               "step": state.step, "next_microbatch": state.next_microbatch,
-               "data_consumed": state.data_consumed, "optimizer": state.optimizer,
-               "lr_scheduler": state.lr_scheduler, "weight_store": state.weight_store, "rng": state.rng}
-    return {weights_name(stage, rank): atomic_save(tensors, folder / weights_name(stage, rank)),
-            state_name(stage, rank): atomic_save(payload, folder / state_name(stage, rank))}
+def _local_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    tensors = {n: t.detach() for n, t in module.named_parameters()}
+    tensors.update({n: t.detach() for n, t in module.named_buffers()})
+    return tensors
 
 
-def write_manifest(root: str | os.PathLike[str], plan: Mapping[str, Any], step: int,
-                   files: Mapping[str, tuple[str, int]]) -> Path:
-    """Rank 0, after every rank's files are written: copy plan.json, then write the manifest (last)."""
-    folder = step_dir(root, step)
-    plan_bytes = json.dumps(plan, indent=1).encode()
-    entries = {name: {"sha256": sha, "bytes": size} for name, (sha, size) in files.items()}
-    entries["plan.json"] = {"sha256": atomic_write(folder / "plan.json", plan_bytes), "bytes": len(plan_bytes)}
-    missing = sorted(set(expected_files(plan)) - set(entries))
-    if missing:
-        raise CheckpointError(f"{folder}: refusing to write a manifest without {missing}")
-    manifest = {"format": FORMAT, "step": step, "created": time.time(), "plan_hash": plan_hash(plan),
-                "plan": plan_summary(plan), "world_size": int(plan["world_size"]),
-                "files": dict(sorted(entries.items()))}
-    atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
-    return folder
+def _original(part: StagePart, local: str) -> str:
+    name = part.names.get(local)
+    if name is None:
+        raise CheckpointError(f"stage {part.stage}: tensor {local!r} has no name in the original model (plan.json's "
+                              f"param_names); re-emit the program")
+    return name
 
 
-# --- finding, checking, loading ---------------------------------------------------------------
+def model_tensors(part: StagePart) -> dict[str, torch.Tensor]:
+    """The stage's parameters and buffers under the original model's names."""
+    return {_original(part, n): t for n, t in _local_tensors(part.module).items()}
+
+
+def _param_names(part: StagePart) -> dict[int, str]:
+    """id(parameter) -> original name."""
+    return {id(p): _original(part, n) for n, p in part.module.named_parameters()}
+
+
+def optimizer_tensors(part: StagePart) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state as ``optim/NAME/KEY`` tensors (non-tensor values are not kept:
+    every torch.optim optimizer but LBFGS keeps tensors only)."""
+    names = _param_names(part)
+    out: dict[str, torch.Tensor] = {}
+    for p, st in getattr(part.optimizer, "state", {}).items():
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor):
+                out[optim_key(names[id(p)], key)] = value.detach()
+    return out
+
+
+def _hyperparameters(optimizer: Any) -> list[dict[str, Any]] | None:
+    groups = getattr(optimizer, "param_groups", [])
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups] or None
+
+
+def rank_state(parts: Sequence[StagePart], step: int, data_consumed: int) -> RankState:
+    """This rank's :class:`RankState` at a flush point (the scheduler and hyperparameters of its first
+    stage with parameters: every stage is stepped alike)."""
+    owner = next((p for p in parts if _hyperparameters(p.optimizer)), None)
+    sched = owner.lr_scheduler if owner is not None else None
+    return RankState(step=step, data_consumed=data_consumed,
+                     lr_scheduler=sched.state_dict() if sched is not None else None,
+                     param_groups=_hyperparameters(owner.optimizer) if owner is not None else None, rng=rng_state())
+
+
+def _state_payload(state: RankState, rank: int) -> dict[str, Any]:
+    return {"format": FORMAT, "rank": rank, "step": state.step, "data_consumed": state.data_consumed,
+            "lr_scheduler": state.lr_scheduler, "param_groups": state.param_groups, "rng": state.rng}
+
+
+# --- DCP's metadata, read without unpickling arbitrary objects --------------------------------
+
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": None,  # None: every name of the module
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"WriteItemType", "LoadItemType"},
+    "torch": {"Size", "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+              "bool", "complex64", "complex128", "strided", "contiguous_format", "preserve_format",
+              "channels_last", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "copyreg": {"_reconstructor"},
+    "builtins": {"object", "set", "frozenset", "tuple", "list", "dict"},
+    "enum": {"Enum"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` only: any other class is refused (a file could run code)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        names = _ALLOWED.get(module, set())
+        if names is None or name in names:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def read_metadata(folder: str | os.PathLike[str]) -> Metadata:
+    """DCP's ``.metadata`` of a step folder, or CheckpointError."""
+    path = Path(folder) / METADATA
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing. Fix: resume from an older step folder") from None
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise CheckpointError(f"{path}: not a torch.distributed.checkpoint index ({type(e).__name__}: {e}). Fix: use "
+                              f"a checkpoint written by train.py; never unpickle files you don't trust") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"{path}: not a torch.distributed.checkpoint index")
+    return md
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, its ``.metadata`` read by :func:`read_metadata` (tensors are already read with
+    ``torch.load(weights_only=True)``; we never ask DCP for pickled non-tensor values)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = read_metadata(self.path)
+        meta = md.storage_meta if md.storage_meta is not None else StorageMeta()
+        meta.load_id = self.load_id
+        md.storage_meta = meta
+        return md
+
+
+def tensor_shapes(md: Metadata) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{key: (shape, dtype)} of every tensor a checkpoint holds."""
+    return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)}
+
+
+def files_of(md: Metadata, keys: Iterable[str]) -> set[str]:
+    """The data files that hold ``keys`` (what a rank must verify before reading them)."""
+    wanted = set(keys)
+    return {info.relative_path for idx, info in md.storage_data.items() if idx.fqn in wanted}
+
+
+def read_tensors(folder: str | os.PathLike[str], targets: dict[str, torch.Tensor]) -> None:
+    """Fill ``targets`` ({key: tensor}, in place) from a step folder, without a process group."""
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(targets, storage_reader=SafeReader(str(folder)), no_dist=True)
+
+
+# --- the manifest -----------------------------------------------------------------------------
 
 def checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path, bool]]:
     """Step folders under ``root``, oldest first: (step, folder, has a manifest)."""
@@ -229,31 +335,37 @@ def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a pdcompile checkpoint manifest (no 'files'/'step'). "
                               f"Fix: point at a folder written by train.py --checkpoint-dir")
     if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this pdcompile reads {FORMAT}")
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this pdcompile reads {FORMAT} (per-rank "
+                              f"files of format 1 resume only with the pdcompile that wrote them)")
     return manifest
 
 
-def verify(folder: str | os.PathLike[str], plan: Mapping[str, Any],
-           names: Iterable[str] | None = None) -> dict[str, Any]:
-    """Check a checkpoint against the running plan; return its manifest or raise CheckpointError.
+def expected_files(manifest: Mapping[str, Any]) -> list[str]:
+    """The files every complete checkpoint lists: DCP's index, the plan, each writing rank's state."""
+    return [METADATA, "plan.json", *(state_name(r) for r in range(int(manifest.get("world_size", 0))))]
 
-    Checks, in order: the manifest is readable; it was made for the same plan (stages, ranks,
-    parameter names); it lists every file the plan needs; and the files in ``names`` (default: all)
-    exist with the recorded size and SHA-256.
-    """
-    folder = Path(folder)
-    manifest = read_manifest(folder)
-    if manifest.get("plan_hash") != plan_hash(plan):
-        why = _plan_difference(manifest.get("plan", []), plan_summary(plan))
-        raise CheckpointError(f"{folder}: made by another plan ({why}). Fix: resume with the program that "
+
+def check_model(manifest: Mapping[str, Any], plan: Mapping[str, Any], folder: Path) -> None:
+    """Refuse a checkpoint of another model: the original names the program's stages hold must be the
+    checkpoint's (shapes are checked where a rank reads its tensors)."""
+    saved, mine = set(manifest.get("model", {})), model_names(plan)
+    if saved != mine:
+        only_ck, only_prog = sorted(saved - mine), sorted(mine - saved)
+        why = "; ".join(s for s in (f"{len(only_ck)} tensors only in the checkpoint (e.g. {only_ck[:2]})" if only_ck
+                                    else "", f"{len(only_prog)} only in this program's model (e.g. {only_prog[:2]})"
+                                    if only_prog else "") if s)
+        raise CheckpointError(f"{folder}: a checkpoint of another model ({why}). Fix: resume with the model that "
                               f"wrote it, or point --checkpoint-dir at an empty folder")
-    missing = [n for n in expected_files(plan) if n not in manifest["files"]]
-    if missing:
-        raise CheckpointError(f"{folder}: incomplete manifest, missing {missing}. Fix: resume from an "
-                              f"older step folder")
-    for name in (manifest["files"] if names is None else names):
-        entry = manifest["files"][name]
+
+
+def check_files(folder: Path, manifest: Mapping[str, Any], names: Iterable[str]) -> None:
+    """Each of ``names`` is listed in the manifest and on disk with the recorded size and SHA-256."""
+    for name in names:
+        entry = manifest["files"].get(name)
         path = folder / name
+        if entry is None:
+            raise CheckpointError(f"{folder}: incomplete manifest, missing [{name!r}]. Fix: resume from an "
+                                  f"older step folder")
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in the manifest but missing. Fix: restore the file or "
                                   f"resume from an older step folder")
@@ -262,6 +374,25 @@ def verify(folder: str | os.PathLike[str], plan: Mapping[str, Any],
             raise CheckpointError(f"{path}: checksum mismatch ({size} bytes, manifest says {entry['bytes']}; "
                                   f"SHA-256 differs): the file is corrupt or truncated. Fix: resume from an "
                                   f"older step folder")
+
+
+def verify(folder: str | os.PathLike[str], plan: Mapping[str, Any] | None,
+           names: Iterable[str] | None = None) -> dict[str, Any]:
+    """Check a checkpoint; return its manifest or raise CheckpointError.
+
+    In order: the manifest is readable; it holds the model ``plan`` trains (its original names; any
+    plan of that model may resume it; None skips this); it lists every file a complete checkpoint
+    has; the files in ``names`` (default: all listed) exist with the recorded size and SHA-256.
+    """
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if plan is not None:
+        check_model(manifest, plan, folder)
+    missing = [n for n in expected_files(manifest) if n not in manifest["files"]]
+    if missing:
+        raise CheckpointError(f"{folder}: incomplete manifest, missing {missing}. Fix: resume from an "
+                              f"older step folder")
+    check_files(folder, manifest, manifest["files"] if names is None else names)
     return manifest
 
 
@@ -276,37 +407,151 @@ def load_tensors(path: Path) -> Any:
                               f"Fix: use a checkpoint written by train.py; never unpickle files you don't trust") from None
 
 
-def load_rank(folder: str | os.PathLike[str], plan: Mapping[str, Any], stage: int,
-              rank: int) -> tuple[dict[str, torch.Tensor], RankState]:
-    """Verify this rank's files (and the manifest) and load them: (weights, state)."""
+def _read_state(folder: Path, manifest: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    name = state_name(rank)
+    check_files(folder, manifest, [name])
+    payload = load_tensors(folder / name)
+    if not isinstance(payload, dict) or payload.get("step") != manifest["step"] or payload.get("rank") != rank:
+        raise CheckpointError(f"{folder / name}: not the state of rank {rank} at step {manifest['step']}")
+    return payload
+
+
+def load_state(folder: Path, manifest: Mapping[str, Any], rank: int) -> RankState:
+    """This rank's :class:`RankState`: its own RNG where the writing job had this rank; the LR
+    scheduler and hyperparameters of the first writing rank that had them (every stage steps alike)."""
+    world = int(manifest["world_size"])
+    own = _read_state(folder, manifest, rank) if rank < world else None
+    sched = own if own is not None and own.get("param_groups") else None
+    r = 0
+    while sched is None and r < world:
+        payload = own if r == rank and own is not None else _read_state(folder, manifest, r)
+        sched = payload if payload.get("param_groups") else None
+        r += 1
+    return RankState(step=int(manifest["step"]), data_consumed=int(manifest.get("data_consumed", 0)),
+                     lr_scheduler=sched.get("lr_scheduler") if sched else None,
+                     param_groups=sched.get("param_groups") if sched else None,
+                     rng=own["rng"] if own is not None else {})
+
+
+def load_rank(folder: str | os.PathLike[str], plan: Mapping[str, Any] | None, rank: int,
+              parts: Sequence[StagePart]) -> RankState:
+    """Load this rank's stages from a checkpoint, in place: parameters and buffers, optimizer state and
+    hyperparameters, LR scheduler (not the RNG: :func:`set_rng_state` with the returned state's).
+
+    Reads only the files that hold the stages' tensors (DCP's index says which), each verified
+    against the manifest first. Refuses a checkpoint of another model (names, then shapes).
+    """
     folder = Path(folder)
-    names = [weights_name(stage, rank), state_name(stage, rank), "plan.json"]
-    manifest = verify(folder, plan, names)
-    weights = load_tensors(folder / names[0])
-    payload = load_tensors(folder / names[1])
-    if not isinstance(payload, dict) or payload.get("step") != manifest["step"] or \
-            (payload.get("stage"), payload.get("rank")) != (stage, rank):
-        raise CheckpointError(f"{folder / names[1]}: not the state of stage {stage} rank {rank} at step "
-                              f"{manifest['step']}")
-    state = RankState(step=int(payload["step"]), next_microbatch=int(payload["next_microbatch"]),
-                      data_consumed=int(payload["data_consumed"]), optimizer=payload["optimizer"],
-                      lr_scheduler=payload.get("lr_scheduler"), weight_store=payload.get("weight_store"),
-                      rng=payload["rng"])
-    return weights, state
-
-
-def restore_module(module: torch.nn.Module, weights: Mapping[str, torch.Tensor], where: str = "") -> None:
-    """Copy checkpointed parameters and buffers into ``module`` in place (names must match exactly)."""
-    own: dict[str, torch.Tensor] = dict(module.named_parameters())
-    own.update(dict(module.named_buffers()))
-    if set(own) != set(weights):
-        raise CheckpointError(f"{where}: tensors {sorted(set(own) ^ set(weights))[:5]} don't match the stage module")
+    manifest = verify(folder, plan, [METADATA])
+    md = read_metadata(folder)
+    shapes = tensor_shapes(md)
+    targets: dict[str, torch.Tensor] = {}
+    copies: list[tuple[torch.Tensor, str]] = []  # a tensor several of the rank's stages hold: read once
+    for part in parts:
+        for name, t in model_tensors(part).items():
+            if name not in shapes:
+                raise CheckpointError(f"{folder}: no tensor {name!r} (stage {part.stage}): a checkpoint of another "
+                                      f"model. Fix: resume with the model that wrote it")
+            if shapes[name][0] != tuple(t.shape):
+                raise CheckpointError(f"{folder}: {name} has shape {list(shapes[name][0])} in the checkpoint, "
+                                      f"{list(t.shape)} in stage {part.stage}: a checkpoint of another model. Fix: "
+                                      f"resume with the model that wrote it")
+            if name in targets:
+                copies.append((t, name))
+            else:
+                targets[name] = t
+    optim: list[dict[str, dict[str, torch.Tensor]]] = []
+    for part in parts:
+        per_param: dict[str, dict[str, torch.Tensor]] = {}
+        for name in _param_names(part).values():
+            prefix = f"{OPTIM}{name}/"
+            for key, (shape, dtype) in shapes.items():
+                if key.startswith(prefix):
+                    if key not in targets:
+                        targets[key] = torch.empty(shape, dtype=dtype)
+                    per_param.setdefault(name, {})[key[len(prefix):]] = targets[key]
+        optim.append(per_param)
+    check_files(folder, manifest, sorted(files_of(md, targets)))
+    state = load_state(folder, manifest, rank)
     with torch.no_grad():
-        for name, t in own.items():
-            if t.shape != weights[name].shape:
-                raise CheckpointError(f"{where}: {name} has shape {tuple(weights[name].shape)}, the stage "
-                                      f"module's is {tuple(t.shape)}")
-            t.copy_(weights[name])
+        read_tensors(folder, targets)
+        for t, name in copies:
+            t.copy_(targets[name])
+    for part, per_param in zip(parts, optim):
+        _load_optimizer(part, per_param, state.param_groups)
+        if part.lr_scheduler is not None and state.lr_scheduler is not None:
+            part.lr_scheduler.load_state_dict(state.lr_scheduler)
+    return state
+
+
+def _load_optimizer(part: StagePart, per_param: Mapping[str, Mapping[str, torch.Tensor]],
+                    saved_groups: list[dict[str, Any]] | None) -> None:
+    groups = getattr(part.optimizer, "param_groups", [])
+    if not groups:
+        return
+    names = _param_names(part)
+    index: dict[int, int] = {}
+    for g in groups:
+        for p in g["params"]:
+            index.setdefault(id(p), len(index))
+    by_index = {index[id(p)]: p for g in groups for p in g["params"]}
+    out_groups = []
+    for i, g in enumerate(groups):
+        hyper = dict(saved_groups[min(i, len(saved_groups) - 1)]) if saved_groups else \
+            {k: v for k, v in g.items() if k != "params"}
+        hyper["params"] = [index[id(p)] for p in g["params"]]
+        out_groups.append(hyper)
+    state = {i: dict(per_param[names[id(p)]]) for i, p in by_index.items() if names[id(p)] in per_param}
+    part.optimizer.load_state_dict({"state": state, "param_groups": out_groups})
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+def state_dict_of(parts: Sequence[StagePart]) -> dict[str, torch.Tensor]:
+    """What a rank writes: its stages' tensors and optimizer state under the model's names (a tensor
+    two of its stages hold, once)."""
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for k, v in {**model_tensors(part), **optimizer_tensors(part)}.items():
+            out.setdefault(k, v)
+    return out
+
+
+def write_manifest(folder: Path, plan: Mapping[str, Any], step: int, data_consumed: int, world_size: int,
+                   files: Mapping[str, Mapping[str, Any]], md: Metadata) -> None:
+    """Rank 0, once every rank's files are on disk: copy plan.json, hash DCP's index, write the manifest (last)."""
+    entries = {name: dict(e) for name, e in files.items()}
+    plan_bytes = json.dumps(plan, indent=1).encode()
+    entries["plan.json"] = {"sha256": atomic_write(folder / "plan.json", plan_bytes), "bytes": len(plan_bytes)}
+    entries[METADATA] = _entry(folder / METADATA)
+    manifest = {"format": FORMAT, "step": step, "data_consumed": data_consumed, "created": time.time(),
+                "world_size": world_size, "plan": plan_summary(plan),
+                "model": {k: {"shape": list(shape), "dtype": str(dtype).replace("torch.", "")}
+                          for k, (shape, dtype) in sorted(tensor_shapes(md).items()) if not k.startswith(OPTIM)},
+                "files": dict(sorted(entries.items()))}
+    missing = [n for n in expected_files(manifest) if n not in entries]
+    if missing:
+        raise CheckpointError(f"{folder}: refusing to write a manifest without {missing}")
+    atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def write_offline(root: str | os.PathLike[str], plan: Mapping[str, Any], step: int,
+                  tensors: Mapping[str, torch.Tensor], state: RankState, world_size: int = 1) -> Path:
+    """A complete checkpoint written by one process (tools and tests): ``tensors`` under the model's
+    names (and ``optim/...`` keys), every rank's state ``state``."""
+    folder = step_dir(root, step)
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    files = {state_name(r): dict(zip(("sha256", "bytes"), atomic_save(_state_payload(state, r),
+                                                                     folder / state_name(r))))
+             for r in range(world_size)}
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        md = dcp.save(dict(tensors), storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    files.update({p.name: _entry(p) for p in folder.glob("__*.distcp")})
+    write_manifest(folder, plan, step, state.data_consumed, world_size, files, md)
+    return folder
 
 
 def prune(root: str | os.PathLike[str], keep: int = 2) -> list[Path]:
@@ -325,69 +570,48 @@ def prune(root: str | os.PathLike[str], keep: int = 2) -> list[Path]:
     return removed
 
 
-# --- the collective save (every rank at the same step boundary) ------------------------------
-
-def _encode(files: Mapping[str, tuple[str, int]], names: list[str], device: torch.device) -> torch.Tensor:
-    """(sha256, size) of ``names`` as a uint8 tensor [len(names), 40], to gather without pickling."""
-    rows = [bytes.fromhex(files[n][0]) + int(files[n][1]).to_bytes(8, "big") for n in names]
-    return torch.tensor([list(r) for r in rows], dtype=torch.uint8, device=device)
-
-
-def _decode(t: torch.Tensor) -> list[tuple[str, int]]:
-    out = []
-    for row in t.cpu().tolist():
-        b = bytes(row)
-        out.append((b[:32].hex(), int.from_bytes(b[32:], "big")))
-    return out
-
-
-def save(root: str | os.PathLike[str], plan: Mapping[str, Any], rank: int,
-         weights: Mapping[str, torch.Tensor], state: RankState, *, keep: int = 2,
-         device: torch.device | str = "cpu", before_manifest: Any = None) -> Path:
+def save(root: str | os.PathLike[str], plan: Mapping[str, Any], rank: int, parts: Sequence[StagePart],
+         state: RankState, *, keep: int = 2, before_manifest: Any = None) -> Path:
     """Collective: every rank calls this at the same step boundary (a flush point).
 
     Writes ``root/step_00000005/`` (``root``: ``train.py --checkpoint-dir``, one folder every rank
-    can see): ``stage_K.rank_R.pt`` (the rank's parameters and buffers, {local name: tensor}: the
-    format of --save-final, read by ``pdcompile.merge.merge_weights``), ``stage_K.rank_R.state.pt``
-    (:class:`RankState`), ``plan.json`` (a copy, so the folder merges on its own) and, last, by rank
-    0, ``manifest.json`` (every file with its SHA-256 and size, the step, the plan's hash). Every
-    file goes to a temporary name, is fsynced and renamed, its folder fsynced; the newest ``keep``
-    complete checkpoints are kept.
+    can see): this rank's ``rank_R.state.pt`` (atomically), then, with ``torch.distributed.checkpoint.save``,
+    its stages' tensors under the model's names (``__R_0.distcp``, and DCP's ``.metadata`` by rank 0;
+    a tensor several ranks hold is written by one). Each rank hashes the files it wrote; the hashes
+    are gathered on rank 0 (also the barrier that says every file is on disk); ``before_manifest()``
+    runs on every rank (fault injection); after a barrier rank 0 writes ``plan.json`` and, last,
+    ``manifest.json`` (every file's SHA-256 and size, the step, the data position, the model's names
+    and shapes), then prunes to the newest ``keep``; a last barrier keeps any rank from running ahead.
+    An incomplete folder of the same step (a crash while writing it) is cleared first.
 
     A flush point is where every microbatch of the finished steps has run its backward and its
-    optimizer step. Synchronous schedules (GPipe, Flush) flush after every step; for asynchronous
-    ones (1F1B, 2BW) launch.py drains the pipeline at each checkpoint boundary (the schedule is laid
-    out per segment of ``--checkpoint-every`` steps) and each segment starts a fresh weight store
-    (``weight_store`` stays None). We chose this over saving stash buffers and in-flight
-    activations, which would tie the format to each schedule's internals.
-
-    Each rank writes its files atomically; their checksums are gathered on rank 0 (which is also
-    the barrier that says every file is on disk); ``before_manifest()`` runs on every rank (fault
-    injection); after a second barrier rank 0 writes the manifest and prunes old checkpoints; a
-    last barrier keeps any rank from running ahead of the manifest.
+    optimizer step: synchronous schedules flush after every step; for asynchronous ones (1F1B, 2BW)
+    the trainer drains the pipeline at each checkpoint boundary (the schedule is laid out per segment
+    of ``--checkpoint-every`` steps) and each segment starts a fresh weight store. So a checkpoint
+    holds no stashed weights or activations, and any plan of the model can resume it.
     """
     import torch.distributed as dist
 
-    stage = next(int(st["index"]) for st in plan["stages"] if rank in st["ranks"])
-    files = write_rank(root, plan, stage, rank, weights, state)
+    folder = step_dir(root, state.step)
+    if rank == 0 and folder.is_dir() and not (folder / MANIFEST).exists():
+        shutil.rmtree(folder, ignore_errors=True)
+    dist.barrier()
+    folder.mkdir(parents=True, exist_ok=True)
+    mine = {state_name(rank): dict(zip(("sha256", "bytes"), atomic_save(_state_payload(state, rank),
+                                                                       folder / state_name(rank))))}
+    md = dcp.save(state_dict_of(parts), storage_writer=dcp.FileSystemWriter(str(folder)))
+    mine.update({p.name: _entry(p) for p in folder.glob(f"__{rank}_*.distcp")})
     world = dist.get_world_size()
-    names_of = {}
-    for st in plan["stages"]:
-        for r in st["ranks"]:
-            names_of[int(r)] = [weights_name(int(st["index"]), int(r)), state_name(int(st["index"]), int(r))]
-    dev = torch.device(device)
-    mine = _encode(files, names_of[rank], dev)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (mine, state.data_consumed))
     if before_manifest is not None:
         before_manifest()
     dist.barrier()
-    folder = step_dir(root, state.step)
     if rank == 0:
-        every: dict[str, tuple[str, int]] = {}
-        for r, t in enumerate(gathered):
-            every.update(zip(names_of[r], _decode(t)))
-        write_manifest(root, plan, state.step, every)
+        files: dict[str, Any] = {}
+        for f, _ in gathered:
+            files.update(f)
+        write_manifest(folder, plan, state.step, max(d for _, d in gathered), world, files, md)
         prune(root, keep)
     dist.barrier()
     return folder

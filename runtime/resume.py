@@ -1,16 +1,14 @@
 """Checkpoints and resume in a training run (formats and checks: runtime/checkpoint.py): the
 segments a run is cut into (a checkpoint falls on a flush point), saving a rank's part after one,
-and loading it back under ``--resume``."""
+and loading it back under ``--resume``, under this plan or any other plan of the same model."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from pdcompile.errors import CheckpointError
 from pdcompile.runtime import checkpoint, devices, faults
@@ -27,16 +25,17 @@ def segments(start: int, steps: int, every: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def stage_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    tensors = {n: t.detach() for n, t in module.named_parameters()}
-    tensors.update({n: t.detach() for n, t in module.named_buffers()})
-    return tensors
+def parts(program: Program, executors: Sequence[StageExecutor]) -> list[checkpoint.StagePart]:
+    """The rank's stages as a checkpoint sees them: module, optimizer, LR scheduler, original names."""
+    return [checkpoint.StagePart(ex.module, ex.optimizer, program.stages[ex.stage].param_names, ex.lr_scheduler,
+                                 ex.stage) for ex in executors]
 
 
-def resume(program: Program, args: argparse.Namespace, rank: int, executor: StageExecutor,
-            lr_scheduler: Any) -> checkpoint.RankState | None:
-    """--resume: verify and load this rank's part of a checkpoint into the module, optimizer, LR
-    scheduler, weight store and RNG; every rank must resume the same step, or all refuse."""
+def resume(program: Program, args: argparse.Namespace, rank: int,
+           executors: Sequence[StageExecutor]) -> checkpoint.RankState | None:
+    """--resume: verify and load this rank's part of a checkpoint (its stages' tensors, found by the
+    model's names, so any plan of the model may have written it) into the modules, optimizers, LR
+    schedulers and RNG; every rank must resume the same step, or all refuse."""
     if args.checkpoint_every and not args.checkpoint_dir:
         raise CheckpointError("--checkpoint-every needs --checkpoint-dir DIR (a folder every rank can see)")
     if args.resume is None:
@@ -63,8 +62,7 @@ def resume(program: Program, args: argparse.Namespace, rank: int, executor: Stag
     state = None
     if error is None and folder is not None:
         try:
-            weights, state = checkpoint.load_rank(folder, program.raw, executor.stage, rank)
-            checkpoint.restore_module(executor.module, weights, str(folder))
+            state = checkpoint.load_rank(folder, program.raw, rank, parts(program, executors))
         except CheckpointError as e:
             error = e
     _, failed = checkpoint.agree(int(error is not None), devices.rank_device())
@@ -75,31 +73,27 @@ def resume(program: Program, args: argparse.Namespace, rank: int, executor: Stag
     if state is None:
         log.info("no checkpoint in %s yet: starting afresh", args.checkpoint_dir)
         return None
-    executor.optimizer.load_state_dict(state.optimizer)
-    if lr_scheduler is not None and state.lr_scheduler is not None:
-        lr_scheduler.load_state_dict(state.lr_scheduler)
-    checkpoint.set_rng_state(state.rng)
+    if state.rng:
+        checkpoint.set_rng_state(state.rng)
+    else:  # the writing job had fewer ranks: this rank's random numbers start from --seed
+        log.info("the checkpoint has no RNG state of rank %d (written by fewer ranks): seeded afresh", rank)
     log.info("resumed from %s: step %d, %d minibatches consumed", folder, state.step, state.data_consumed)
     return state
 
 
-def maybe_checkpoint(program: Program, args: argparse.Namespace, rank: int, executor: StageExecutor,
-                      lr_scheduler: Any, step: int, data_consumed: int) -> None:
+def maybe_checkpoint(program: Program, args: argparse.Namespace, rank: int, executors: Sequence[StageExecutor],
+                     step: int, data_consumed: int) -> None:
     """Checkpoint after ``step`` minibatches if it is a multiple of --checkpoint-every (a flush point)."""
     if not args.checkpoint_every or step % args.checkpoint_every:
         return
-    state = checkpoint.RankState(
-        step=step, next_microbatch=step * args.microbatches, data_consumed=data_consumed,
-        optimizer=executor.optimizer.state_dict(),
-        lr_scheduler=lr_scheduler.state_dict() if lr_scheduler is not None else None,
-        weight_store=None,  # at a flush point every weight version but the live one is gone (checkpoint.py)
-        rng=checkpoint.rng_state())
+    mine = parts(program, executors)
+    state = checkpoint.rank_state(mine, step, data_consumed)
     hook = None
     if args.fail_while_checkpointing and args.fail_at_step == step and rank == args.fail_rank:
         def hook() -> None:
             faults.inject_fault(args, rank, f"while writing the checkpoint of step {step}")
     t0 = time.perf_counter()
-    folder = checkpoint.save(args.checkpoint_dir, program.raw, rank, stage_tensors(executor.module), state,
-                             keep=args.keep_checkpoints, device=devices.rank_device(), before_manifest=hook)
+    folder = checkpoint.save(args.checkpoint_dir, program.raw, rank, mine, state, keep=args.keep_checkpoints,
+                             before_manifest=hook)
     if rank == 0:
         log.info("checkpoint %s (%.3f s)", folder, time.perf_counter() - t0)

@@ -145,7 +145,7 @@ class Trainer:
         self.rank_executor = RankExecutor(self.executors)
         self.replicas = [len(st.ranks) for st in program.stages]
         self.tied = bool(program.raw.get("tied"))
-        self.resumed = resume.resume(program, args, rank, self.executor, self.lr_scheduler)
+        self.resumed = resume.resume(program, args, rank, self.executors)
         self.start = self.resumed.step if self.resumed is not None else 0  # this run's first minibatch
         first_mb = self.start * M
         # --targets local: the first microbatch of each last-stage replica still has its target sent, to compare
@@ -310,7 +310,7 @@ class Trainer:
                 self.segment(first, end)
                 if self.evaluator is not None and (end == args.steps or (args.eval_every and end % args.eval_every == 0)):
                     self.evaluate(end)
-                resume.maybe_checkpoint(program, args, rank, executor, self.lr_scheduler, end, self.data_index + 1)
+                resume.maybe_checkpoint(program, args, rank, self.executors, end, self.data_index + 1)
         except ActionError as e:
             log.error("%s", e)
             raise

@@ -117,7 +117,7 @@ def ckpt_case(name: str, causes: tuple[str, ...], api: str = "verify", **kw: Any
 
     def call_api(c: Ctx) -> Any:
         if api == "load_rank":
-            return checkpoint.load_rank(c.ck[name], plan_a(c), 0, 0)
+            return checkpoint.load_rank(c.ck[name], plan_a(c), 0, [_stage_0(c)])
         return checkpoint.verify(c.ck[name], plan_a(c))
 
     return Case(f"ckpt_{name}", f"generated: {name}", errors.CheckpointError, causes, api=call_api,
@@ -202,15 +202,15 @@ CASES: list[Case] = [
          api=lambda c: compile_mlp(stages=2, num_microbatches=3),
          cli=emit_cli("zoo:mlp", "--stages", "2", "--microbatches", "3")),
     # checkpoints (made by one torchrun run, then damaged) ---------------------------------
-    ckpt_case("truncated", ("stage_1.rank_1.pt", "checksum mismatch", "corrupt or truncated")),
-    ckpt_case("corrupted", ("stage_0.rank_0.pt", "checksum mismatch", "SHA-256 differs")),
-    ckpt_case("swapped", ("stage_0.rank_0.pt", "checksum mismatch")),
+    ckpt_case("truncated", ("__1_0.distcp", "checksum mismatch", "corrupt or truncated")),
+    ckpt_case("corrupted", ("__0_0.distcp", "checksum mismatch", "SHA-256 differs")),
+    ckpt_case("swapped", ("__0_0.distcp", "checksum mismatch")),
     ckpt_case("truncated_manifest", ("manifest.json", "not valid JSON", "truncated or corrupt")),
-    ckpt_case("missing_file", ("stage_1.rank_1.state.pt", "listed in the manifest but missing")),
-    ckpt_case("manifest_missing_entry", ("incomplete manifest", "stage_1.rank_1.state.pt")),
-    ckpt_case("other_plan", ("made by another plan", "the checkpoint has 3 stages, the program 2")),
+    ckpt_case("missing_file", ("rank_1.state.pt", "listed in the manifest but missing")),
+    ckpt_case("manifest_missing_entry", ("incomplete manifest", "rank_1.state.pt")),
+    ckpt_case("other_model", ("a checkpoint of another model", "only in the checkpoint", "layers.0.weight")),
     ckpt_case("no_manifest", ("no manifest.json", "incomplete")),
-    ckpt_case("unsafe_pickle", ("stage_0.rank_0.pt", "weights_only=True"), api="load_rank"),
+    ckpt_case("unsafe_pickle", (".metadata", "never unpickle files you don't trust"), api="load_rank"),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
@@ -245,19 +245,23 @@ class NotATensor:
         self.payload = "anything"
 
 
-def _synthetic_checkpoint(root: Path, prog: Path, step: int) -> Path:
-    """A complete checkpoint of ``prog`` written with runtime/checkpoint.py's own functions."""
+def _stage_0(c: Ctx) -> checkpoint.StagePart:
+    """Program A's stage 0 as rank 0 builds it."""
+    from pdcompile.runtime.program import Program
+
+    assert c.prog_a is not None
+    program = Program.load(c.prog_a)
+    module = program.build_stage(0)
+    return checkpoint.StagePart(module, _opt(list(module.parameters())), program.stages[0].param_names)
+
+
+def _other_model_checkpoint(root: Path, prog: Path, step: int) -> Path:
+    """A complete checkpoint of another model (a GPT's weights) written with runtime/checkpoint.py's own functions."""
     plan = json.loads((prog / "plan.json").read_text())
-    files: dict[str, tuple[str, int]] = {}
-    for st in plan["stages"]:
-        weights = torch.load(prog / st["weights"], weights_only=True)
-        opt = _opt([torch.nn.Parameter(t) for t in weights.values() if t.is_floating_point()])
-        state = checkpoint.RankState(step=step, next_microbatch=2 * step, data_consumed=step,
-                                     optimizer=opt.state_dict(), lr_scheduler=None, weight_store=None,
-                                     rng=checkpoint.rng_state())
-        for r in st["ranks"]:
-            files.update(checkpoint.write_rank(root, plan, st["index"], r, weights, state))
-    return checkpoint.write_manifest(root, plan, step, files)
+    state = checkpoint.RankState(step=step, data_consumed=step, lr_scheduler=None, param_groups=None,
+                                 rng=checkpoint.rng_state())
+    return checkpoint.write_offline(root, plan, step, get("gpt", batch_size=8, seed=0).model.state_dict(), state,
+                                    world_size=2)
 
 
 @pytest.fixture(scope="session")
@@ -272,32 +276,31 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Ctx:
     checkpoint.verify(good, json.loads((prog_a / "plan.json").read_text()))  # the original is sound
     ck: dict[str, Path] = {}
     for case in CASES:
-        if case.name.startswith("ckpt_") and case.name != "ckpt_other_plan":
+        if case.name.startswith("ckpt_") and case.name != "ckpt_other_model":
             ck[case.name[5:]] = shutil.copytree(good, root / case.name / STEP)
-    w1 = ck["truncated"] / "stage_1.rank_1.pt"
+    w1 = ck["truncated"] / "__1_0.distcp"
     w1.write_bytes(w1.read_bytes()[: w1.stat().st_size // 2])
-    w0 = ck["corrupted"] / "stage_0.rank_0.pt"
+    w0 = ck["corrupted"] / "__0_0.distcp"
     data = bytearray(w0.read_bytes())
     data[len(data) // 2] ^= 0xFF
     w0.write_bytes(bytes(data))
-    a, b = ck["swapped"] / "stage_0.rank_0.pt", ck["swapped"] / "stage_1.rank_1.pt"
+    a, b = ck["swapped"] / "__0_0.distcp", ck["swapped"] / "__1_0.distcp"
     tmp = a.read_bytes()
     a.write_bytes(b.read_bytes())
     b.write_bytes(tmp)
     m = ck["truncated_manifest"] / checkpoint.MANIFEST
     m.write_text(m.read_text()[: len(m.read_text()) // 2])
-    (ck["missing_file"] / "stage_1.rank_1.state.pt").unlink()
-    _rewrite_manifest(ck["manifest_missing_entry"], lambda m: m["files"].pop("stage_1.rank_1.state.pt"))
+    (ck["missing_file"] / "rank_1.state.pt").unlink()
+    _rewrite_manifest(ck["manifest_missing_entry"], lambda m: m["files"].pop("rank_1.state.pt"))
     # killed between the stage files and the manifest: rank 0 writes plan.json and the manifest last
     (ck["no_manifest"] / checkpoint.MANIFEST).unlink()
     (ck["no_manifest"] / "plan.json").unlink()
-    # a weights file that isn't tensors, with a manifest that vouches for it (checksums can't catch it)
+    # DCP's index replaced by another pickled object, with a manifest that vouches for it (checksums can't catch it)
     unsafe = ck["unsafe_pickle"]
-    (unsafe / "stage_0.rank_0.pt").write_bytes(pickle.dumps({"fc.weight": NotATensor()}, protocol=2))
-    _rewrite_manifest(unsafe, _rehash(unsafe, "stage_0.rank_0.pt"))
-    # program B splits the same model into 3 stages: its checkpoint belongs to another plan
-    prog_b = _emit(root / "prog_b", 3)
-    ck["other_plan"] = _synthetic_checkpoint(root / "ck_b", prog_b, 1)
+    (unsafe / checkpoint.METADATA).write_bytes(pickle.dumps({"fc.weight": NotATensor()}, protocol=2))
+    _rewrite_manifest(unsafe, _rehash(unsafe, checkpoint.METADATA))
+    # a checkpoint of another model (program A's plan, a GPT's weights)
+    ck["other_model"] = _other_model_checkpoint(root / "ck_b", prog_a, 1)
     return Ctx(out=root / "unused", ck=ck, prog_a=prog_a)
 
 
@@ -412,15 +415,15 @@ def test_emit_failure_keeps_an_existing_program_whole(tmp_path: Path, capfd: pyt
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name,causes", [
-    ("truncated", ("rank 1: CheckpointError", "stage_1.rank_1.pt", "checksum mismatch")),
-    ("other_plan", ("CheckpointError", "made by another plan", "the checkpoint has 3 stages, the program 2")),
+    ("truncated", ("rank 1: CheckpointError", "__1_0.distcp", "checksum mismatch")),
+    ("other_model", ("CheckpointError", "a checkpoint of another model", "only in the checkpoint")),
 ])
 def test_train_resume_refuses(name: str, causes: tuple[str, ...], ckpts: Ctx, tmp_path: Path) -> None:
     assert ckpts.prog_a is not None
     folder = ckpts.ck[name]
     ck_dir = tmp_path / "ck"
     shutil.copytree(folder, ck_dir / STEP)  # resume picks the newest complete checkpoint in ck_dir
-    args = ["--resume", str(ck_dir / STEP)] if name == "other_plan" else ["--resume"]  # a step folder, or newest
+    args = ["--resume", str(ck_dir / STEP)] if name == "other_model" else ["--resume"]  # a step folder, or newest
     before = _snapshot(ck_dir)
     rc, log = launch(ckpts.prog_a, 2, ["--timeout", "60", "--steps", "3", "--checkpoint-dir", str(ck_dir),
                                        "--checkpoint-every", "1", "--save-final", str(tmp_path / "final"), *args],

@@ -1,10 +1,12 @@
-"""Checkpoint files without torchrun: atomic writes, the manifest, and every refusal on resume."""
+"""Checkpoint folders without torchrun: atomic writes, the manifest, reading by the model's names
+under another plan, and every refusal on resume."""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
+import pickle
 import random
 from pathlib import Path
 from typing import Any
@@ -27,35 +29,55 @@ PLAN: dict[str, Any] = {
         {"index": 1, "ranks": [1, 2], "param_names": {"out.weight": "net.2.weight"}},
     ],
 }
+# the same model as one stage (another plan): local names differ, the original names are the same
+ONE_STAGE: dict[str, Any] = {
+    "world_size": 1,
+    "stages": [{"index": 0, "ranks": [0], "param_names": {"a.weight": "net.0.weight", "a.bias": "net.0.bias",
+                                                         "b.weight": "net.2.weight"}}],
+}
 
 
-def _module(stage: int) -> torch.nn.Module:
-    torch.manual_seed(stage)
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
     m = torch.nn.Module()
-    if stage == 0:
-        m.fc = torch.nn.Linear(4, 3)
-    else:
-        m.out = torch.nn.Linear(3, 2, bias=False)
+    m.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2, bias=False))
     return m
 
 
-def _state(step: int, module: torch.nn.Module) -> checkpoint.RankState:
-    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    sum(p.sum() for p in module.parameters()).backward()
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """The whole model one SGD-with-momentum step in, and a StepLR one step in."""
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    m.net(torch.randn(5, 4)).pow(2).sum().backward()
     opt.step()
-    return checkpoint.RankState(step=step, next_microbatch=step * 2, data_consumed=step, optimizer=opt.state_dict(),
-                                lr_scheduler=None, weight_store=None, rng=checkpoint.rng_state())
+    sched.step()
+    return m, opt, sched
 
 
-def _write(root: Path, step: int, plan: dict[str, Any] = PLAN, manifest: bool = True) -> Path:
-    files: dict[str, tuple[str, int]] = {}
-    for st in plan["stages"]:
-        for r in st["ranks"]:
-            m = _module(st["index"])
-            files.update(checkpoint.write_rank(root, plan, st["index"], r, dict(m.named_parameters()), _state(step, m)))
-    if manifest:
-        checkpoint.write_manifest(root, plan, step, files)
-    return checkpoint.step_dir(root, step)
+def _write(root: Path, step: int, manifest: bool = True, world_size: int = 3) -> Path:
+    """A checkpoint of the trained model under its own names, written by one process."""
+    m, opt, sched = _trained()
+    part = checkpoint.StagePart(m, opt, {n: n for n, _ in m.named_parameters()}, sched)
+    state = checkpoint.rank_state([part], step, step)
+    folder = checkpoint.write_offline(root, PLAN, step, checkpoint.state_dict_of([part]), state, world_size)
+    if not manifest:
+        (folder / checkpoint.MANIFEST).unlink()
+    return folder
+
+
+def _stage(plan: dict[str, Any], index: int) -> checkpoint.StagePart:
+    """A fresh stage of ``plan`` (zeros, fresh optimizer and scheduler) named as plan.json names it."""
+    names = plan["stages"][index]["param_names"]
+    m = torch.nn.Module()
+    shapes = {"net.0.weight": (3, 4), "net.0.bias": (3,), "net.2.weight": (2, 3)}
+    for local, orig in names.items():
+        mod, leaf = local.split(".")
+        if not hasattr(m, mod):
+            m.add_module(mod, torch.nn.Module())
+        getattr(m, mod).register_parameter(leaf, torch.nn.Parameter(torch.zeros(shapes[orig])))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    return checkpoint.StagePart(m, opt, names, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), index)
 
 
 def test_atomic_write_replaces_whole_file_and_leaves_no_temporary(tmp_path: Path) -> None:
@@ -81,22 +103,30 @@ def test_atomic_write_failing_rename_keeps_old_file(tmp_path: Path, monkeypatch:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]  # the temporary is gone
 
 
-def test_roundtrip_restores_weights_optimizer_and_position(tmp_path: Path) -> None:
+def test_another_plan_reads_weights_optimizer_and_position(tmp_path: Path) -> None:
+    """Written from the whole model; read by the 2-stage plan's stages (and its replicas) and by a
+    1-stage plan, each under its own local names."""
     folder = _write(tmp_path, 4)
     manifest = checkpoint.verify(folder, PLAN)
-    assert manifest["step"] == 4
-    assert set(manifest["files"]) == set(checkpoint.expected_files(PLAN))
-    weights, state = checkpoint.load_rank(folder, PLAN, 1, 2)
-    m = _module(1)
-    want = _state(4, m)
-    assert (state.step, state.next_microbatch, state.data_consumed) == (4, 8, 4)
-    assert torch.equal(state.optimizer["state"][0]["momentum_buffer"], want.optimizer["state"][0]["momentum_buffer"])
-    fresh = torch.nn.Module()
-    fresh.out = torch.nn.Linear(3, 2, bias=False)
-    checkpoint.restore_module(fresh, weights, str(folder))
-    assert torch.equal(fresh.out.weight, m.out.weight)
-    # the weights file is the --save-final format: {local name: tensor}
-    assert set(torch.load(folder / "stage_0.rank_0.pt", weights_only=True)) == {"fc.weight", "fc.bias"}
+    assert manifest["step"] == 4 and set(manifest["model"]) == {"net.0.weight", "net.0.bias", "net.2.weight"}
+    assert set(checkpoint.expected_files(manifest)) <= set(manifest["files"])
+    want, want_opt, _ = _trained()
+    params = dict(want.named_parameters())
+    for plan, rank, index in [(PLAN, 0, 0), (PLAN, 1, 1), (PLAN, 2, 1), (ONE_STAGE, 0, 0)]:
+        part = _stage(plan, index)
+        state = checkpoint.load_rank(folder, plan, rank, [part])
+        assert (state.step, state.data_consumed) == (4, 4)
+        for local, p in part.module.named_parameters():
+            orig = part.names[local]
+            assert torch.equal(p, params[orig]), orig
+            assert torch.equal(part.optimizer.state[p]["momentum_buffer"],
+                               want_opt.state[params[orig]]["momentum_buffer"]), orig
+        assert part.optimizer.param_groups[0]["lr"] == 0.05  # the scheduler's halved rate
+        assert part.lr_scheduler.last_epoch == 1
+    # the tensors are keyed by the model's names; the optimizer's as optim/NAME/KEY
+    shapes = checkpoint.tensor_shapes(checkpoint.read_metadata(folder))
+    assert set(shapes) == {"net.0.weight", "net.0.bias", "net.2.weight",
+                           *(checkpoint.optim_key(n, "momentum_buffer") for n in manifest["model"])}
 
 
 def test_rng_state_roundtrip() -> None:
@@ -107,6 +137,18 @@ def test_rng_state_roundtrip() -> None:
     checkpoint.set_rng_state(saved)
     b = (torch.rand(3), random.random())
     assert torch.equal(a[0], b[0]) and a[1] == b[1]
+
+
+def test_rng_of_each_writing_rank_comes_back(tmp_path: Path) -> None:
+    folder = _write(tmp_path, 2, world_size=2)
+    manifest = checkpoint.read_manifest(folder)
+    saved = checkpoint.load_state(folder, manifest, 1)
+    torch.rand(4)
+    checkpoint.set_rng_state(saved.rng)
+    a = torch.rand(3)
+    checkpoint.set_rng_state(saved.rng)
+    assert torch.equal(a, torch.rand(3))
+    assert checkpoint.load_state(folder, manifest, 5).rng == {}  # a rank the writing job did not have
 
 
 def test_folder_without_manifest_is_incomplete(tmp_path: Path) -> None:
@@ -122,61 +164,52 @@ def test_truncated_manifest_refused(tmp_path: Path) -> None:
     text = (folder / "manifest.json").read_text()
     (folder / "manifest.json").write_text(text[: len(text) // 2])
     with pytest.raises(CheckpointError, match="not valid JSON.*truncated"):
-        checkpoint.load_rank(folder, PLAN, 0, 0)
+        checkpoint.load_rank(folder, PLAN, 0, [_stage(PLAN, 0)])
 
 
 def test_manifest_missing_a_rank_refused(tmp_path: Path) -> None:
     folder = _write(tmp_path, 2)
     manifest = json.loads((folder / "manifest.json").read_text())
-    del manifest["files"]["stage_1.rank_2.state.pt"]
+    del manifest["files"]["rank_2.state.pt"]
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match=r"incomplete manifest, missing \['stage_1.rank_2.state.pt'\]"):
-        checkpoint.load_rank(folder, PLAN, 0, 0)
-
-
-def test_write_manifest_refuses_missing_files(tmp_path: Path) -> None:
-    m = _module(0)
-    files = checkpoint.write_rank(tmp_path, PLAN, 0, 0, dict(m.named_parameters()), _state(1, m))
-    with pytest.raises(CheckpointError, match="stage_1.rank_1.pt"):
-        checkpoint.write_manifest(tmp_path, PLAN, 1, files)
-    assert checkpoint.latest(tmp_path) is None
+    with pytest.raises(CheckpointError, match=r"incomplete manifest, missing \['rank_2.state.pt'\]"):
+        checkpoint.load_rank(folder, PLAN, 0, [_stage(PLAN, 0)])
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
-def test_damaged_file_refused(tmp_path: Path, damage: str) -> None:
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "rank_1.state.pt"])
+def test_damaged_file_refused(tmp_path: Path, damage: str, name: str) -> None:
     folder = _write(tmp_path, 2)
-    f = folder / "stage_1.rank_1.pt"
+    f = folder / name
     data = bytearray(f.read_bytes())
     if damage == "flip":
         data[len(data) // 2] ^= 0x01
         f.write_bytes(bytes(data))
-        match = "stage_1.rank_1.pt: checksum mismatch"
+        match = f"{name}: checksum mismatch"
     elif damage == "truncate":
         f.write_bytes(bytes(data[:-10]))
-        match = "stage_1.rank_1.pt: checksum mismatch"
+        match = f"{name}: checksum mismatch"
     else:
         f.unlink()
-        match = "stage_1.rank_1.pt: listed in the manifest but missing"
+        match = f"{name}: listed in the manifest but missing"
     with pytest.raises(CheckpointError, match=match):
-        checkpoint.load_rank(folder, PLAN, 1, 1)
-    checkpoint.load_rank(folder, PLAN, 1, 2)  # the other replica's files are fine
+        checkpoint.load_rank(folder, PLAN, 1, [_stage(PLAN, 1)])
     with pytest.raises(CheckpointError, match=match):
         checkpoint.verify(folder, PLAN)  # checking every file finds it too
 
 
-@pytest.mark.parametrize("change,match", [
-    (lambda p: p["stages"][1].update(ranks=[1]), r"stage 1 runs on ranks \[1, 2\] in the checkpoint, \[1\]"),
-    (lambda p: p["stages"].append({"index": 2, "ranks": [3], "param_names": {}}),
-     "the checkpoint has 2 stages, the program 3"),
-    (lambda p: p["stages"][0]["param_names"].update({"fc2.weight": "x"}), "stage 0 has different parameters"),
-])
-def test_other_plan_refused(tmp_path: Path, change: Any, match: str) -> None:
+def test_another_model_refused(tmp_path: Path) -> None:
     folder = _write(tmp_path, 2)
     other = copy.deepcopy(PLAN)
-    change(other)
-    assert checkpoint.plan_hash(other) != checkpoint.plan_hash(PLAN)
-    with pytest.raises(CheckpointError, match=f"made by another plan \\({match}"):
-        checkpoint.load_rank(folder, other, 0, 0)
+    other["stages"][1]["param_names"]["out.bias"] = "net.2.bias"
+    with pytest.raises(CheckpointError, match=r"a checkpoint of another model \(1 only in this program's model "
+                                              r"\(e.g. \['net.2.bias'\]\)\)"):
+        checkpoint.load_rank(folder, other, 1, [_stage(PLAN, 1)])
+    wide = _stage(PLAN, 1)  # the same names, another shape
+    wide.module.out.weight = torch.nn.Parameter(torch.zeros(2, 5))
+    with pytest.raises(CheckpointError, match=r"net.2.weight has shape \[2, 3\] in the checkpoint, \[2, 5\] in "
+                                              r"stage 1: a checkpoint of another model"):
+        checkpoint.load_rank(folder, PLAN, 1, [wide])
 
 
 class _Evil:
@@ -184,16 +217,27 @@ class _Evil:
         return (os.system, ("touch pwned",))
 
 
-def test_arbitrary_objects_are_never_unpickled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _vouch(folder: Path, name: str) -> None:
+    """A manifest consistent with a replaced file (checksums can't catch a malicious writer)."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": checkpoint.sha256_file(folder / name), "bytes": (folder / name).stat().st_size}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", ["rank_0.state.pt", ".metadata"])
+def test_arbitrary_objects_are_never_unpickled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     monkeypatch.chdir(tmp_path)
     folder = _write(tmp_path, 2)
-    evil = folder / "stage_0.rank_0.state.pt"
-    torch.save({"step": 2, "payload": _Evil()}, evil)
-    manifest = json.loads((folder / "manifest.json").read_text())  # a consistent manifest for it
-    manifest["files"][evil.name] = {"sha256": checkpoint.sha256_file(evil), "bytes": evil.stat().st_size}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match="can't be loaded with weights_only=True"):
-        checkpoint.load_rank(folder, PLAN, 0, 0)
+    evil = folder / name
+    if name == ".metadata":
+        evil.write_bytes(pickle.dumps(_Evil()))
+        match = r"\.metadata: not a torch.distributed.checkpoint index \(UnpicklingError: posix.system"
+    else:
+        torch.save({"step": 2, "payload": _Evil()}, evil)
+        match = "can't be loaded with weights_only=True"
+    _vouch(folder, name)
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.load_rank(folder, PLAN, 0, [_stage(PLAN, 0)])
     assert not (tmp_path / "pwned").exists()
 
 
@@ -223,7 +267,7 @@ def test_shift_renumbers_microbatches_not_versions() -> None:
 
 @pytest.fixture(scope="module")
 def emitted_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, torch.Tensor]]:
-    """An emitted 2-stage mlp and a complete checkpoint of its initial weights (written as ranks would)."""
+    """An emitted 2-stage mlp and a complete checkpoint of its initial weights (under the model's names)."""
     from pdcompile.api import pdcompile
     from pdcompile.zoo import get
 
@@ -233,14 +277,13 @@ def emitted_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
                      stages=2, schedule="flush", num_microbatches=2, leaf_modules=z.leaf_modules)
     prog = pipe.emit(root / "prog")
     plan = json.loads((prog / "plan.json").read_text())
-    files: dict[str, tuple[str, int]] = {}
+    tensors = {}
     for st in plan["stages"]:
-        weights = torch.load(prog / st["weights"], weights_only=True)
-        for r in st["ranks"]:
-            state = checkpoint.RankState(step=3, next_microbatch=6, data_consumed=3, optimizer={}, lr_scheduler=None,
-                                         weight_store=None, rng=checkpoint.rng_state())
-            files.update(checkpoint.write_rank(root / "ck", plan, st["index"], r, weights, state))
-    checkpoint.write_manifest(root / "ck", plan, 3, files)
+        for local, t in torch.load(prog / st["weights"], weights_only=True).items():
+            tensors[st["param_names"][local]] = t
+    state = checkpoint.RankState(step=3, data_consumed=3, lr_scheduler=None, param_groups=None,
+                                 rng=checkpoint.rng_state())
+    checkpoint.write_offline(root / "ck", plan, 3, tensors, state, world_size=2)
     want = {k: v.detach() for k, v in z.model.state_dict().items()}
     return prog, root / "ck", want
 
@@ -269,10 +312,10 @@ def test_merge_cli_refuses_corrupt_checkpoint(tmp_path: Path, emitted_checkpoint
     _, ck, _ = emitted_checkpoint
     bad = tmp_path / "ck"
     shutil.copytree(ck, bad)
-    f = checkpoint.step_dir(bad, 3) / "stage_1.rank_1.pt"
+    f = checkpoint.step_dir(bad, 3) / "__0_0.distcp"
     f.write_bytes(f.read_bytes()[:-7])  # truncated
     assert main(["merge", str(bad), "-o", str(tmp_path / "model.pt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "CheckpointError" in err[0] and "stage_1.rank_1.pt: checksum mismatch" in err[0]
+    assert len(err) == 1 and "CheckpointError" in err[0] and "__0_0.distcp: checksum mismatch" in err[0]
     assert not (tmp_path / "model.pt").exists()
     assert main(["merge", str(tmp_path / "nothing"), "-o", str(tmp_path / "model.pt")]) == 2

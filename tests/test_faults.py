@@ -62,14 +62,16 @@ def _assert_bitwise(got: dict[str, dict[str, torch.Tensor]], want: dict[str, dic
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], tuple[Path, dict]]:
-    """Fault-free 10-step runs (program folder, final weights), made once per (stages, schedule)."""
+    """Fault-free 10-step runs (program folder, final weights), made once per (stages, schedule); their
+    checkpoints (every 5 steps) are in the program folder's sibling ``ck``."""
     cache: dict[tuple[int, str], tuple[Path, dict]] = {}
 
     def get_run(stages: int, schedule: str) -> tuple[Path, dict]:
         if (stages, schedule) not in cache:
             root = tmp_path_factory.mktemp(f"straight{stages}{schedule}")
             prog = _emit(root / "prog", stages, schedule)
-            rc, out = _run(prog, stages, "--steps", str(STEPS), "--save-final", str(root / "final"))
+            rc, out = _run(prog, stages, "--steps", str(STEPS), "--save-final", str(root / "final"),
+                           "--checkpoint-dir", str(root / "ck"), "--checkpoint-every", "5")
             assert rc == 0, out[-3000:]
             cache[(stages, schedule)] = (prog, _weights(root / "final"))
         return cache[(stages, schedule)]
@@ -119,7 +121,7 @@ def test_kill_between_files_and_manifest_keeps_previous(tmp_path: Path, straight
     assert "while writing the checkpoint of step 6" in out
     # step 6's stage files are all there, but no manifest: it is incomplete and not resumed from
     six = checkpoint.step_dir(ck, 6)
-    assert (six / "stage_0.rank_0.pt").is_file() and (six / "stage_1.rank_1.state.pt").is_file()
+    assert (six / "__0_0.distcp").is_file() and (six / "rank_1.state.pt").is_file()
     assert not (six / checkpoint.MANIFEST).exists()
     assert checkpoint.latest(ck) == checkpoint.step_dir(ck, 3)
     plan = json.loads((prog / "plan.json").read_text())
@@ -150,23 +152,14 @@ def test_resume_1f1b_is_exact(tmp_path: Path) -> None:
 
 def test_resume_refuses_corrupt_checkpoint(tmp_path: Path, straight) -> None:  # noqa: ANN001
     prog, _ = straight(2, "flush")
-    plan = json.loads((prog / "plan.json").read_text())
-    ck = tmp_path / "ck"
-    files: dict[str, tuple[str, int]] = {}
-    for st in plan["stages"]:  # a checkpoint of the initial weights, written as the ranks would
-        w = torch.load(prog / st["weights"], weights_only=True)
-        for r in st["ranks"]:
-            state = checkpoint.RankState(step=2, next_microbatch=4, data_consumed=2, optimizer={},
-                                         lr_scheduler=None, weight_store=None, rng=checkpoint.rng_state())
-            files.update(checkpoint.write_rank(ck, plan, st["index"], r, w, state))
-    checkpoint.write_manifest(ck, plan, 2, files)
-    f = checkpoint.step_dir(ck, 2) / "stage_1.rank_1.pt"
+    ck = shutil.copytree(prog.parent / "ck", tmp_path / "ck")  # the straight run's checkpoints (5 and 10)
+    f = checkpoint.step_dir(ck, 10) / "__1_0.distcp"  # what rank 1 wrote, and reads back
     data = bytearray(f.read_bytes())
     data[-20] ^= 0xFF
     f.write_bytes(bytes(data))
-    rc, out = _run(prog, 2, "--steps", "4", "--checkpoint-dir", str(ck), "--resume", torchrun=True)
+    rc, out = _run(prog, 2, "--steps", "12", "--checkpoint-dir", str(ck), "--resume", torchrun=True)
     assert rc != 0 and "exitcode  : 2" in out, out[-3000:]  # a rank exited 2: bad input
-    assert "rank 1: CheckpointError" in out and "stage_1.rank_1.pt: checksum mismatch" in out
+    assert "rank 1: CheckpointError" in out and "__1_0.distcp: checksum mismatch" in out
     assert "rank 0: CheckpointError" in out and "another rank refused" in out  # all ranks refuse
 
 

@@ -1,4 +1,5 @@
-"""``pdcompile merge``: a checkpoint's stage weights as one state dict under the original model's names."""
+"""``pdcompile merge``: a run's stage weights under the original model's names, as a Hugging Face
+folder (safetensors, sharded above a size) or one state dict file."""
 
 from __future__ import annotations
 
@@ -11,29 +12,40 @@ from pdcompile.errors import CheckpointError, UsageError
 
 EXAMPLES = """\
 Examples:
-  pdcompile merge ckpt/ -o model.pt                   newest complete checkpoint in ckpt/
-  pdcompile merge ckpt/step_00000100 -o model.pt      that checkpoint
-  pdcompile merge results/final --program out/ -o model.pt   weights from train.py --save-final
+  pdcompile merge ckpt/ -o out/ --like hf_model/      newest checkpoint in ckpt/ as a Hugging Face folder
+  pdcompile merge ckpt/step_00000100 -o out/ --max-shard-size 2GB   that checkpoint, in shards of 2 GB
+  pdcompile merge results/final --program prog/ -o out/   weights from train.py --save-final
+  pdcompile merge ckpt/ -o model.pt                    one state dict file (torch.save), and model.safetensors
 
-A checkpoint is verified first (manifest complete, every checksum matching) and merged with the
-plan.json stored in it. Parameters tied across stages, or held by every replica of a stage,
-appear once. Besides the .pt file (torch.save of {name: tensor}; load it with
-torch.load(path, weights_only=True)), a .safetensors file is written when safetensors is installed."""
+A folder output is Hugging Face's layout: model.safetensors, or above --max-shard-size shards
+model-00001-of-0000N.safetensors with model.safetensors.index.json. It is written a stage at a
+time, so memory stays about the largest stage. --like copies a Hugging Face folder's config and
+tokenizer files beside them and writes the tensors that model saves (a tied lm_head once), so
+transformers' from_pretrained(out/) loads the result.
+
+A checkpoint is verified first (manifest complete, every checksum matching; with --program, the
+same model). Parameters tied across stages, or held by every replica of a stage, appear once."""
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "merge", help="merge a checkpoint's per-stage weights into one state dict of the original model",
+        "merge", help="a run's stage weights as one model: a Hugging Face folder or a state dict file",
         description="Merge the weights of every stage and replica of a checkpoint (or of train.py "
                     "--save-final) back under the original model's parameter names.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
+    p.add_argument("checkpoint", metavar="DIR",
                    help="a --checkpoint-dir (its newest complete checkpoint), one step_NNNNNNNN folder, or a "
                         "--save-final folder (then give --program)")
-    p.add_argument("-o", "--output", required=True, metavar="PATH", help="the merged .pt file to write")
+    p.add_argument("-o", "--output", required=True, metavar="OUT",
+                   help="a folder (Hugging Face's layout), or a file ending in .pt (one torch.save'd state dict)")
     p.add_argument("--program", metavar="DIR", help="the emitted program folder (plan.json); default: the "
                    "copy inside the checkpoint")
-    p.add_argument("--no-safetensors", action="store_true", help="write only the .pt file")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="folder output: shards above this size, as Hugging Face cuts them (default 5GB)")
+    p.add_argument("--like", metavar="HF_FOLDER",
+                   help="folder output: copy this Hugging Face folder's config and tokenizer files, and write the "
+                        "tensors its model saves")
+    p.add_argument("--no-safetensors", action="store_true", help=".pt output: write only the .pt file")
     p.set_defaults(func=run)
 
 
@@ -58,32 +70,57 @@ def resolve(path: str | Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdcompile.merge import merge_weights
+    from pdcompile import merge
     from pdcompile.runtime import checkpoint
 
     folder = resolve(args.checkpoint)
-    program = Path(args.program) if args.program else folder
-    if not (program / "plan.json").is_file():
-        raise UsageError(f"{program}: no plan.json. Fix: pass --program with the emitted program folder")
-    plan = json.loads((program / "plan.json").read_text())
-    step = None
-    if not any(folder.glob("stage_*.rank_*.pt")) or (folder / checkpoint.MANIFEST).is_file():
-        step = checkpoint.verify(folder, plan)["step"]  # a checkpoint: complete and intact, or refused
-    merged = merge_weights(program, folder)
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    checkpoint.atomic_save({k: v.contiguous() for k, v in merged.items()}, out)
-    written = [out]
-    if not args.no_safetensors:
-        try:
+    to_file = out.suffix == ".pt"
+    if to_file and args.like:
+        raise UsageError("--like writes a Hugging Face folder: give -o a folder, not a .pt file")
+    size = merge.parse_size(args.max_shard_size)
+    like = merge.like_files(args.like) if args.like else []  # refused before anything is written
+    plan = None
+    if args.program:
+        if not (Path(args.program) / "plan.json").is_file():
+            raise UsageError(f"{args.program}: no plan.json. Fix: pass --program with the emitted program folder")
+        plan = json.loads((Path(args.program) / "plan.json").read_text())
+    step = None
+    if (folder / checkpoint.MANIFEST).is_file() or not any(folder.glob("stage_*.rank_*.pt")):
+        step = checkpoint.read_manifest(folder)["step"]
+        source = merge.checkpoint_source(folder, plan)  # complete and intact (and of --program's model), or refused
+    else:
+        if plan is None:
+            raise UsageError(f"{folder}: train.py --save-final files need --program with the emitted program folder")
+        source = merge.save_final_source(args.program, folder)
+    where = f"step {step} of {folder}" if step is not None else str(folder)
+    if to_file:
+        merged: dict[str, Any] = {}
+        for part in source.stream():
+            merged.update(part)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint.atomic_save({k: v.contiguous() for k, v in merged.items()}, out)
+        written = [out]
+        if not args.no_safetensors:
             from safetensors.torch import save as st_save
-        except ImportError:  # safetensors is optional: the .pt file is always written
-            st_save = None  # type: ignore[assignment]  # optional import
-        if st_save is not None:
             side = out.with_suffix(".safetensors")
             checkpoint.atomic_write(side, st_save({k: v.contiguous() for k, v in merged.items()}))
             written.append(side)
-    n = sum(t.numel() for t in merged.values())
-    where = f"step {step} of {folder}" if step is not None else str(folder)
-    print(f"merged {len(merged)} tensors ({n:,} values) from {where} into {', '.join(map(str, written))}")
+        n = sum(t.numel() for t in merged.values())
+        print(f"merged {len(merged)} tensors ({n:,} values) from {where} into {', '.join(map(str, written))}")
+        return 0
+    names = None
+    if args.like:
+        hf = merge.hf_names(args.like)
+        if hf is not None:
+            names = [n for n in source.shapes if n in hf]
+            dropped = sorted(set(source.shapes) - hf)
+            if dropped:
+                print(f"not written (the Hugging Face model does not save them): {', '.join(dropped)}")
+    files = merge.write_hf(source, out, size, names)
+    copied = merge.copy_like(args.like, out) if args.like else []
+    n = sum(merge._nbytes(*source.shapes[k]) for k in (names if names is not None else source.shapes))
+    print(f"merged {len(names) if names is not None else len(source.shapes)} tensors ({n:,} bytes) from {where} "
+          f"into {out}/: {', '.join(p.name for p in files)}" + (f"; copied {len(like)} files of {args.like}"
+                                                                 if copied else ""))
     return 0
