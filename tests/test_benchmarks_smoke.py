@@ -252,3 +252,27 @@ def test_vs_pipelining_compute_table_splits_a_step_into_compute_and_the_rest() -
     line = bench_vs_pipelining.compute_table([row]).splitlines()[-1]
     # compute ours over theirs 0.06 / 0.04; the rest of the step: 100 - 60 ms ours, 50 - 40 ms theirs
     assert "| 1.500 |" in line and line.rstrip().endswith("| 40.00 | 10.00 |"), line
+
+
+@pytest.mark.slow  # three child processes that compile a tiny meta Llama: ~40 s idle, minutes when loaded
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_big_model_compile_emit_and_startup_tables_at_tiny_sizes() -> None:
+    """bench_big_model --quick: a tiny meta Llama compiled and emitted in a child process, and a 4-stage
+    plan on 4 and 8 ranks compiled, emitted and one rank started up to its first action; every cell
+    filled, nothing written to RESULTS.md."""
+    from benchmarks import _results, bench_big_model
+
+    before = _results.RESULTS.read_text()
+    body = bench_big_model.main(["--quick"])
+    assert _results.RESULTS.read_text() == before
+    assert "error" not in body and "failed" not in body and "not finished" not in body
+    models = [ln for ln in body.splitlines() if ln.startswith("| tiny")]
+    ranks = [ln.split("|")[1:-1] for ln in body.splitlines() if ln.startswith(("| 4 |", "| 8 |"))]
+    assert len(models) == 1 and len(ranks) == 2
+    for row in ranks:
+        compile_s, emit_s, kib, startup_s, check_s, run_s, rss = (float(c) for c in row[3:10])
+        _finite_positive(compile_s, emit_s, kib, startup_s, run_s, rss)
+        assert check_s >= 0 and startup_s >= run_s
+        assert row[1].strip() == f"4 ({'-'.join([str(int(row[0]) // 4)] * 4)})"
+    assert ranks[1][10].strip().endswith("x")  # the growth per doubling

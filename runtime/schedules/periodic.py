@@ -13,14 +13,13 @@ from dataclasses import dataclass
 from pdcompile.runtime.schedules.actions import Action, Kind, shift
 from pdcompile.runtime.schedules.generate import make_schedule
 from pdcompile.runtime.schedules.registry import layout
-from pdcompile.runtime.schedules.replay import send_release
-from pdcompile.runtime.schedules.transfers import rank_transfer_plan
+from pdcompile.runtime.schedules.transfers import rank_plan
 from pdcompile.runtime.schedules.versions import peak_weight_versions
 
 
 @dataclass(frozen=True)
 class RankRun:
-    """One rank's actions for a run of any length, with the sends each lets go (:func:`send_release`),
+    """One rank's actions for a run of any length, with the sends each lets go (:func:`~.replay.send_release`),
     held in memory that does not grow with the run: ``head``, then ``period`` ``repeats`` times (copy
     ``k`` shifted ``k`` steps later), then ``tail`` (shifted ``repeats`` steps). Iterating gives
     ``(action, sends released after it)`` in order; :meth:`steps` adds the receives posted before
@@ -82,8 +81,8 @@ def _base(name: str, replicas: tuple[int, ...], m: int, steps: int, rank: int, k
     sched = make_schedule(name, replicas, m, num_steps=steps, **opts)
     lay = layout(name, replicas, m, steps, virtual_stages=opts.get("virtual_stages", 1))
     place = lay.stage_ranks if lay.policy.placement is not None else None
-    return (sched[rank], send_release(sched, replicas, place, ranks=(rank,))[rank],
-            peak_weight_versions({rank: sched[rank]})[rank], rank_transfer_plan(sched, replicas, rank, place))
+    release, posts = rank_plan(sched, replicas, rank, place)
+    return sched[rank], release, peak_weight_versions({rank: sched[rank]})[rank], posts
 
 
 def _reach(acts: Sequence[Action]) -> int:
@@ -140,7 +139,7 @@ def _derive(name: str, replicas: tuple[int, ...], m: int, base: int, unit: int, 
 def rank_run(name: str, replicas: Sequence[int], num_microbatches: int, num_steps: int, rank: int, *,
              tied: bool = False, vertical_sync: bool = False, split_backward: bool = True,
              virtual_stages: int = 1) -> RankRun:
-    """``make_schedule(...)[rank]`` with its :func:`send_release` and where it posts its receives
+    """``make_schedule(...)[rank]`` with its :func:`~.replay.send_release` and where it posts its receives
     (:func:`~pdcompile.runtime.transfers.transfer_plan`), for a run of ``num_steps`` steps,
     in memory and time that do not grow with ``num_steps``.
 

@@ -113,6 +113,7 @@ def causal_replay(sched: Schedule, replicas: Sequence[int],
     waiting: dict[tuple[Kind, int, int], list[int]] = {}  # a send -> the ranks blocked on its receive
     seen: dict[int, Counter[Kind]] = {r: Counter() for r in all_ranks}  # collectives' ordinals so far
     arrived: dict[tuple[Kind, int, int], dict[int, int]] = {}
+    collectives = (Kind.ALLREDUCE, Kind.TIED_GRADS, Kind.STEP) if step_collective else (Kind.ALLREDUCE, Kind.TIED_GRADS)
     ready = list(reversed(all_ranks))
     while ready:
         r = ready.pop()
@@ -120,12 +121,14 @@ def causal_replay(sched: Schedule, replicas: Sequence[int],
         while pcs[r] < len(acts):
             i = pcs[r]
             a = acts[i]
-            if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                key = _sender_key(a)
+            kind = a.kind
+            if kind is Kind.RECV_ACT or kind is Kind.RECV_GRAD:
+                key = (Kind.SEND_ACT, a.stage - 1, a.microbatch) if kind is Kind.RECV_ACT else \
+                    (Kind.SEND_GRAD, a.stage + 1, a.microbatch)
                 if key not in sent:
-                    waiting.setdefault(key, []).append(r)
+                    waiting.setdefault(key, []).append(r)  # type: ignore[arg-type]
                     break
-            elif is_collective(a, step_collective):
+            elif kind in collectives:
                 ckey = collective_key(a, seen[r][a.kind])
                 got = arrived.setdefault(ckey, {})
                 got[r] = i
@@ -141,10 +144,10 @@ def causal_replay(sched: Schedule, replicas: Sequence[int],
                         ready.append(q)
                 continue
             execute([(r, i)], a)
-            if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
-                key = (a.kind, a.stage, a.mb)
-                sent.add(key)
-                ready.extend(waiting.pop(key, ()))
+            if kind is Kind.SEND_ACT or kind is Kind.SEND_GRAD:
+                key = (kind, a.stage, a.microbatch)  # type: ignore[assignment]
+                sent.add(key)  # type: ignore[arg-type]
+                ready.extend(waiting.pop(key, ()))  # type: ignore[arg-type]
             pcs[r] += 1
     if any(pcs[r] < len(sched[r]) for r in all_ranks):
         replay(sched, replicas, name=name, placement=placement, step_collective=step_collective)  # names it
@@ -183,6 +186,19 @@ def send_release(sched: Schedule, replicas: Sequence[int], placement: Placement 
     >>> {str(sched[0][i]): [str(b) for b in bs] for i, bs in send_release(sched, [1, 1])[0].items()}
     {'0B1': ['0F0', '0SF0', '0F1', '0SF1']}
     """
+    execute, out = release_recorder(sched, replicas, placement, step_collective=step_collective, ranks=ranks)
+    causal_replay(sched, replicas, execute, name="send release", placement=placement, step_collective=step_collective)
+    return out
+
+
+Execute = Callable[[list[tuple[int, int]], Action], None]
+
+
+def release_recorder(sched: Schedule, replicas: Sequence[int], placement: Placement | None = None, *,
+                     step_collective: bool = False, ranks: Sequence[int] | None = None
+                     ) -> tuple[Execute, dict[int, dict[int, list[Action]]]]:
+    """:func:`send_release` as a replay callback and the result it fills, so that one replay can
+    serve it and :func:`~.transfers.clock_recorder` together (:func:`~.periodic.rank_run`)."""
     where = stage_ranks(replicas, placement)
     last = len(where) - 1
     all_ranks = sorted(sched)
@@ -219,8 +235,12 @@ def send_release(sched: Schedule, replicas: Sequence[int], placement: Placement 
                 keep.append((peer, at, send))
         open_[r] = keep
 
+    F, B, RF, RB, SF, SB = Kind.FORWARD, Kind.BACKWARD, Kind.RECV_ACT, Kind.RECV_GRAD, Kind.SEND_ACT, Kind.SEND_GRAD
+    collectives = (Kind.ALLREDUCE, Kind.TIED_GRADS, Kind.STEP) if step_collective else (Kind.ALLREDUCE, Kind.TIED_GRADS)
+
     def execute(parts: list[tuple[int, int]], a: Action) -> None:
-        if is_collective(a, step_collective):
+        kind = a.kind
+        if kind in collectives:
             both = [-1] * len(track)
             for q, i in parts:
                 if q in col:
@@ -231,27 +251,30 @@ def send_release(sched: Schedule, replicas: Sequence[int], placement: Placement 
                 release(q, i)
             return
         (r, i), k = parts[0], (a.microbatch if a.microbatch is not None else -1)
-        if r in col:
-            vc[r][col[r]] = i
-        if a.kind in (Kind.FORWARD, Kind.BACKWARD) and (a.kind, k) in merge_at[r]:
-            merge(vc[r], merge_at[r].pop((a.kind, k)))
-        if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-            use = Kind.FORWARD if a.kind is Kind.RECV_ACT else Kind.BACKWARD
-            merge_at[r][(use, k)] = snapshot[_sender_key(a)]
-        elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
-            snapshot[(a.kind, a.stage, k)] = list(vc[r])
+        c = col.get(r)
+        if c is not None:
+            vc[r][c] = i
+        if kind is F or kind is B:
+            got = merge_at[r].pop((kind, k), None)
+            if got is not None:
+                merge(vc[r], got)
+            if kind is F and a.stage == 0 and last > 0 and r in mine:  # the target, to the last stage
+                peer = rank_of(last, k, where)
+                open_[r].append((peer, index_of(peer, F, k), a))
+        elif kind is RF:
+            merge_at[r][(F, k)] = snapshot[(SF, a.stage - 1, k)]
+        elif kind is RB:
+            merge_at[r][(B, k)] = snapshot[(SB, a.stage + 1, k)]
+        elif kind is SF or kind is SB:
+            snapshot[(kind, a.stage, k)] = list(vc[r])
             if r in mine:
-                to = a.stage + 1 if a.kind is Kind.SEND_ACT else a.stage - 1
+                to = a.stage + 1 if kind is SF else a.stage - 1
                 peer = rank_of(to, k, where)
-                use = Kind.FORWARD if a.kind is Kind.SEND_ACT else Kind.BACKWARD
-                open_[r].append((peer, index_of(peer, use, k), a))
-        elif a.kind is Kind.FORWARD and a.stage == 0 and last > 0 and r in mine:  # the target, to the last stage
-            peer = rank_of(last, k, where)
-            open_[r].append((peer, index_of(peer, Kind.FORWARD, k), a))
-        release(r, i)
+                open_[r].append((peer, index_of(peer, F if kind is SF else B, k), a))
+        if r in mine:
+            release(r, i)
 
-    causal_replay(sched, replicas, execute, name="send release", placement=placement, step_collective=step_collective)
-    return out
+    return execute, out
 
 
 def _receivers(a: Action, ranks: Sequence[Sequence[int]]) -> list[int]:

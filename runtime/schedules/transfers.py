@@ -13,13 +13,13 @@ pair's order, needs no post, and is received as soon as it is sent. Pure Python,
 from __future__ import annotations
 
 import bisect
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from pdcompile.errors import ScheduleError
 from pdcompile.runtime.schedules.actions import Action, Kind, Placement, Schedule, rank_of, stage_ranks
-from pdcompile.runtime.schedules.replay import causal_replay, collective_key, is_collective
+from pdcompile.runtime.schedules.replay import Execute, causal_replay, collective_key, is_collective, release_recorder
 
 Posts = dict[int, list[tuple[Action, ...]]]  # rank -> per action index, the receives posted before it
 
@@ -133,14 +133,6 @@ def waits_of(a: Action, num_stages: int, targets: Collection[int] | None = None)
 _UNIT = {Kind.FORWARD: 1, Kind.BACKWARD: 2, Kind.WEIGHT_GRAD: 1}  # rough relative costs, for ties only
 
 
-@dataclass(frozen=True)
-class _Sent:
-    rank: int
-    index: int  # of the sending action
-    clock: tuple[int, ...]  # the sender's vector clock then, over the tracked ranks only
-    time: int  # when it is sent if F, B and W took 1, 2 and 1 units and transfers none
-
-
 def is_local(m: Message, ranks: Sequence[Sequence[int]]) -> bool:
     """Whether ``m`` goes between two stages on one rank (no message: a hand-over in memory)."""
     src, dst = endpoints(m, ranks)
@@ -148,19 +140,35 @@ def is_local(m: Message, ranks: Sequence[Sequence[int]]) -> bool:
 
 
 def _send_clocks(sched: Schedule, replicas: Sequence[int], placement: Placement | None,
-                 track: Sequence[int]) -> dict[Message, _Sent]:
+                 track: Sequence[int]) -> dict[_Key, _Clock]:
+    """Each message -> who sends it, when, and what its sender knows then of ``track``
+    (:func:`clock_recorder` over :func:`causal_replay`)."""
+    execute, out = clock_recorder(replicas, track)
+    causal_replay(sched, replicas, execute, name="transfer order", placement=placement)
+    return out
+
+
+_Key = tuple[int, str, int]  # a Message's fields, in its order: (microbatch, kind, stage)
+_Clock = tuple[int, int, tuple[int, ...], int]  # a message's sender: rank, index, its clock then, the unit-cost time
+
+
+def clock_recorder(replicas: Sequence[int], track: Sequence[int]) -> tuple[Execute, dict[_Key, _Clock]]:
     """Each message -> who sends it, when, and what its sender knows then of the ranks in ``track``
     (a vector clock cut to those components; knowledge a message carries counts from the action
     that waits for it, ``F``/``B``). One pass over every action, each carrying ``len(track)``
-    numbers: a rank's plan tracks only itself and its peers."""
+    numbers: a rank's plan tracks only itself and its peers. Messages are keyed by plain tuples of
+    :class:`Message`'s fields (:func:`waits_of`, :func:`sends_of` and ``_UNIT`` inlined: this runs
+    on every action of the cluster)."""
     S = len(replicas)
     col = {q: c for c, q in enumerate(track)}
-    vc = {r: [-1] * len(track) for r in sched}
-    now = {r: 0 for r in sched}
-    out: dict[Message, _Sent] = {}
+    vc: dict[int, list[int]] = defaultdict(lambda: [-1] * len(track))
+    now: dict[int, int] = defaultdict(int)
+    out: dict[_Key, _Clock] = {}
+    F, B, W, SF, SB = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD, Kind.SEND_ACT, Kind.SEND_GRAD
 
     def execute(parts: list[tuple[int, int]], a: Action) -> None:
-        if a.kind in (Kind.ALLREDUCE, Kind.TIED_GRADS):
+        kind = a.kind
+        if kind is Kind.ALLREDUCE or kind is Kind.TIED_GRADS:
             both, t = [-1] * len(track), max(now[q] for q, _ in parts)
             for q, i in parts:
                 if q in col:
@@ -171,20 +179,32 @@ def _send_clocks(sched: Schedule, replicas: Sequence[int], placement: Placement 
             return
         (r, i) = parts[0]
         clock = vc[r]
-        if r in col:
-            clock[col[r]] = i
-        for m in waits_of(a, S):
+        c = col.get(r)
+        if c is not None:
+            clock[c] = i
+        k, st = (a.microbatch if a.microbatch is not None else -1), a.stage
+        if kind is F:
+            waits = ((k, "A", st - 1), (k, "T", 0)) if st == S - 1 and st > 0 else ((k, "A", st - 1),) if st > 0 else ()
+        elif kind is B and st < S - 1:
+            waits = ((k, "G", st + 1),)
+        else:
+            waits = ()
+        for m in waits:
             got = out.get(m)
             if got is not None:
-                vc[r] = clock = [max(x, y) for x, y in zip(clock, got.clock)]
-                now[r] = max(now[r], got.time)
-        unit = _UNIT.get(a.kind, 0)
-        for m in sends_of(a, S):  # a target counts as sent with its activations (at F's end): they stay adjacent
-            out[m] = _Sent(r, i, tuple(clock), now[r] + unit)
+                vc[r] = clock = [max(x, y) for x, y in zip(clock, got[2])]
+                if got[3] > now[r]:
+                    now[r] = got[3]
+        unit = 1 if kind is F or kind is W else 2 if kind is B else 0
+        if kind is SF:
+            out[(k, "A", st)] = (r, i, tuple(clock), now[r])
+        elif kind is SB:
+            out[(k, "G", st)] = (r, i, tuple(clock), now[r])
+        elif kind is F and st == 0 and S > 1:  # a target counts as sent with its activations (at F's end)
+            out[(k, "T", 0)] = (r, i, tuple(clock), now[r] + unit)
         now[r] += unit
 
-    causal_replay(sched, replicas, execute, name="transfer order", placement=placement)
-    return out
+    return execute, out
 
 
 def _peers(acts: Sequence[Action], S: int, ranks: Sequence[Sequence[int]]) -> list[int]:
@@ -200,25 +220,33 @@ def link_order(sched: Schedule, replicas: Sequence[int], placement: Placement | 
     the other, the one sent sooner if ``F``, ``B`` and ``W`` took 1, 2 and 1 units, then the smaller
     microbatch). A pair's order reads only what its two ranks know of each other, so the clocks
     track only the ranks of ``pairs``."""
-    ranks = stage_ranks(replicas, placement)
     track = sorted(sched) if pairs is None else sorted({q for pair in pairs for q in pair})
-    col = {q: c for c, q in enumerate(track)}
     clocks = _send_clocks(sched, replicas, placement, track)
-    chains: dict[tuple[int, int], dict[int, list[Message]]] = {}
-    for m, sent in sorted(clocks.items(), key=lambda kv: (kv[1].rank, kv[1].index, kv[0].kind != "T")):
+    return _link_order(clocks, track, stage_ranks(replicas, placement), pairs)
+
+
+def _link_order(clocks: dict[_Key, _Clock], track: Sequence[int], ranks: Sequence[Sequence[int]],
+                pairs: Collection[tuple[int, int]] | None) -> dict[tuple[int, int], list[Message]]:
+    """:func:`link_order` from the send clocks over ``track``."""
+    col = {q: c for c, q in enumerate(track)}
+    sent: dict[Message, _Clock] = {}
+    for key, clock in clocks.items():
+        m = Message(*key)
         src, dst = endpoints(m, ranks)
-        pair = (min(src, dst), max(src, dst))
-        if src == dst or (pairs is not None and pair not in pairs):  # local: no message
-            continue
-        chains.setdefault(pair, {}).setdefault(src, []).append(m)
+        if src != dst and (pairs is None or (min(src, dst), max(src, dst)) in pairs):  # local: no message
+            sent[m] = clock
+    chains: dict[tuple[int, int], dict[int, list[Message]]] = {}
+    for m, clock in sorted(sent.items(), key=lambda kv: (kv[1][0], kv[1][1], kv[0].kind != "T")):
+        src, dst = endpoints(m, ranks)
+        chains.setdefault((min(src, dst), max(src, dst)), {}).setdefault(src, []).append(m)
 
     def before(x: Message, y: Message) -> bool:  # x happens-before y
-        return clocks[y].clock[col[clocks[x].rank]] >= clocks[x].index
+        return sent[y][2][col[sent[x][0]]] >= sent[x][1]
 
     def first(x: Message, y: Message) -> bool:  # x goes first: it must, or neither must and it is sent sooner
         if before(x, y) or before(y, x):
             return before(x, y)
-        return (clocks[x].time, x) < (clocks[y].time, y)
+        return (sent[x][3], x) < (sent[y][3], y)
 
     out: dict[tuple[int, int], list[Message]] = {}
     for pair, by in chains.items():
@@ -265,6 +293,26 @@ def rank_transfer_plan(sched: Schedule, replicas: Sequence[int], rank: int,
                        placement: Placement | None = None) -> list[tuple[Action, ...]]:
     """:func:`transfer_plan` of one rank: per action index of ``rank``, the receives posted before it."""
     return transfer_plan(sched, replicas, placement, ranks=(rank,))[rank]
+
+
+def rank_plan(sched: Schedule, replicas: Sequence[int], rank: int, placement: Placement | None = None
+              ) -> tuple[dict[int, list[Action]], list[tuple[Action, ...]]]:
+    """One rank's :func:`~.replay.send_release` and :func:`rank_transfer_plan` from one replay of
+    the schedule (both callbacks on each action): what a rank's start-up needs of the cluster."""
+    where = stage_ranks(replicas, placement)
+    pair = {(min(rank, p), max(rank, p)) for p in _peers(sched[rank], len(replicas), where)}
+    track = sorted({q for pr in pair for q in pr})
+    clocks_at, clocks = clock_recorder(replicas, track)
+    release_at, release = release_recorder(sched, replicas, placement, ranks=(rank,))
+
+    def both(parts: list[tuple[int, int]], a: Action) -> None:
+        clocks_at(parts, a)
+        release_at(parts, a)
+
+    causal_replay(sched, replicas, both, name="transfer order", placement=placement)
+    order = _link_order(clocks, track, where, pair)
+    index: dict[Message, int] = {m: i for seq in order.values() for i, m in enumerate(seq)}
+    return release[rank], _posts(rank, sched[rank], len(replicas), where, order, index)
 
 
 def _posts(r: int, acts: Sequence[Action], S: int, ranks: Sequence[Sequence[int]],
