@@ -119,18 +119,8 @@ def _check_checkpoint(model: torch.nn.Module, init_from: str | os.PathLike[str],
                       aliases: dict[str, list[str]]) -> None:
     """The checkpoint opens and holds every tensor the stages will read, in the model's shapes (its
     headers only): a bad ``init_from`` is refused here rather than on every rank."""
-    from pdcompile.runtime.sources import open_checkpoint, read_stage
+    from pdcompile.runtime.sources import locate, open_checkpoint
 
     reader = open_checkpoint(init_from)
     own = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
-
-    class HeadersOnly:
-        path = reader.path
-
-        def shape(self, name: str) -> tuple[int, ...] | None:
-            return reader.shape(name)
-
-        def read(self, names: list[str], like: Any) -> dict[str, torch.Tensor]:
-            return {n: torch.empty(0) for n in names}
-
-    read_stage(HeadersOnly(), {n: own[n] for n in names}, aliases, stage=-1)
+    locate(reader, {n: own[n] for n in names}, aliases, stage=-1)

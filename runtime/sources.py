@@ -202,11 +202,12 @@ def check_init_from(init_from: str | None) -> None:
         raise UsageError(str(e)) from None
 
 
-def read_stage(reader: Reader, wanted: Mapping[str, torch.Tensor], aliases: Mapping[str, list[str]],
-               stage: int) -> dict[str, torch.Tensor]:
-    """The tensors ``wanted`` (original name -> the stage's tensor, for its shape) read from ``reader``,
-    each found under its name or one of its ``aliases`` (tied names); a missing tensor or another
-    shape is a :class:`CheckpointError` naming it (``stage`` -1: the whole model's, checked at compile time)."""
+def locate(reader: Reader, wanted: Mapping[str, torch.Tensor], aliases: Mapping[str, list[str]],
+           stage: int) -> dict[str, str]:
+    """Where each tensor of ``wanted`` (original name -> the stage's tensor, for its shape) is in
+    ``reader``: under its name or one of its ``aliases`` (tied names). From the headers only; a missing
+    tensor or another shape is a :class:`CheckpointError` naming it (``stage`` -1: the whole model's,
+    checked at compile time)."""
     who = f"stage {stage}" if stage >= 0 else "the model"
     found: dict[str, str] = {}
     for name, t in wanted.items():
@@ -221,8 +222,7 @@ def read_stage(reader: Reader, wanted: Mapping[str, torch.Tensor], aliases: Mapp
                                   f"{who} needs {list(t.shape)}. Fix: init_from a checkpoint of the "
                                   f"same model configuration")
         found[name] = key
-    got = reader.read(sorted(set(found.values())), {})
-    return {name: got[key] for name, key in found.items()}
+    return found
 
 
 # -- fresh initialisation by the owning modules -----------------------------------------------------
@@ -276,13 +276,13 @@ class FreshInit:
                 break
         return module, getattr(hf_owner, "_init_weights")
 
-    def tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """``{original name: CPU tensor}`` for ``names``, each from its owning module's initialiser."""
+    def tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(original name, CPU tensor)`` for ``names``, each from its owning module's initialiser, one
+        owning module at a time (a stage never holds a second copy of itself)."""
         by_owner: dict[str, list[str]] = {}
         for n in names:
             owner, _, _ = n.rpartition(".")
             by_owner.setdefault(owner, []).append(n)
-        out: dict[str, torch.Tensor] = {}
         for owner, members in sorted(by_owner.items()):
             module, init = self._owner(owner)
             module.to_empty(device="cpu", recurse=False)
@@ -302,8 +302,8 @@ class FreshInit:
                     raise UsageError(f"stage tensor {n!r} is on the meta device and its module's initialiser "
                                      f"({type(module).__name__}) does not set it. Fix: init_from=PATH (a "
                                      f"checkpoint of the model), or build the model with real weights")
-                out[n] = made.detach()
-        return out
+                yield n, made.detach()  # copied into the stage before the next is made
+            module.to_empty(device="meta", recurse=False)  # the owner's CPU copy freed
 
 
 @contextlib.contextmanager
@@ -333,20 +333,25 @@ def fill_stage(module: torch.nn.Module, stage: int, param_names: Mapping[str, st
     if unnamed and rest_fresh:
         raise UsageError(f"stage {stage}: tensors {unnamed} are not the model's own (tensor constants made while "
                          f"tracing) and are on the meta device. Fix: compile the model with real weights")
-    wanted: dict[str, torch.Tensor] = {}
+    locals_of: dict[str, list[str]] = {}
     for local, orig in param_names.items():
-        wanted.setdefault(orig, own[local])
-    values: dict[str, torch.Tensor] = {}
-    if init_from:
+        locals_of.setdefault(orig, []).append(local)
+    done: set[str] = set()
+
+    def put(orig: str, value: torch.Tensor) -> None:
+        with torch.no_grad():
+            for local in locals_of[orig]:
+                own[local].copy_(value)  # casts: a bf16 checkpoint into fp32 master weights
+        done.add(orig)
+
+    if init_from:  # tensor by tensor: a rank holds its stage and one tensor read, never a whole file
         not_saved = set(init.get("not_in_state_dict") or ())
         reader = reader if reader is not None else open_checkpoint(init_from)
-        values.update(read_stage(reader, {n: t for n, t in wanted.items() if n not in not_saved},
-                                 init.get("aliases") or {}, stage))
-    rest = [n for n in wanted if n not in values]
-    if rest and not rest_fresh:
-        param_names = {local: orig for local, orig in param_names.items() if orig in values}
-    elif rest:
-        values.update(FreshInit(init).tensors(rest))
-    with torch.no_grad():
-        for local, orig in param_names.items():
-            own[local].copy_(values[orig])  # casts: a bf16 checkpoint into fp32 master weights
+        keys = locate(reader, {n: own[ls[0]] for n, ls in locals_of.items() if n not in not_saved},
+                      init.get("aliases") or {}, stage)
+        for orig, key in keys.items():
+            put(orig, reader.read([key], {})[key])
+    rest = [n for n in locals_of if n not in done]
+    if rest and rest_fresh:
+        for orig, value in FreshInit(init).tensors(rest):
+            put(orig, value)
