@@ -319,3 +319,27 @@ def test_merge_cli_refuses_corrupt_checkpoint(tmp_path: Path, emitted_checkpoint
     assert len(err) == 1 and "CheckpointError" in err[0] and "__0_0.distcp: checksum mismatch" in err[0]
     assert not (tmp_path / "model.pt").exists()
     assert main(["merge", str(tmp_path / "nothing"), "-o", str(tmp_path / "model.pt")]) == 2
+
+
+def test_merge_to_a_folder_streams_shards_and_refuses_bad_options(tmp_path: Path, emitted_checkpoint,  # noqa: ANN001
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    from safetensors.torch import load_file
+
+    from pdcompile.cli import main
+
+    _, ck, want = emitted_checkpoint
+    out = tmp_path / "hf"
+    assert main(["merge", str(ck), "-o", str(out), "--max-shard-size", "1kB"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    got: dict[str, torch.Tensor] = {}
+    for f in sorted(set(index["weight_map"].values())):
+        got.update(load_file(str(out / f)))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary left
+    for bad, cause in [(["--max-shard-size", "lots"], "--max-shard-size 'lots'"),
+                       (["--like", str(tmp_path)], "no config.json")]:
+        capsys.readouterr()
+        assert main(["merge", str(ck), "-o", str(tmp_path / "bad"), *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and cause in err[0], err
+        assert not (tmp_path / "bad").exists()
