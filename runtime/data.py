@@ -6,12 +6,17 @@ microbatches it runs), whether the last stage reads targets itself, minibatches 
 from __future__ import annotations
 
 import argparse
+import datetime
+import io
 import itertools
+import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from pdcompile.errors import UsageError
@@ -262,17 +267,11 @@ class StoreStream:
     than the minibatch it trains on."""
 
     def __init__(self, name: str, timeout: float = 600) -> None:
-        import os
-
         address = os.environ.get(STREAM_ENV)
         if not address:
             raise UsageError(f"pdcompile.runtime.data:stream_{name} reads minibatches CompiledPipeline.run streams "
                              f"({STREAM_ENV} is not set): use it only through run(), or give --data MODULE:FUNCTION")
         host, _, port = address.rpartition(":")
-        import datetime
-
-        import torch.distributed as dist
-
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
         self.name, self.timeout = name, timeout
         self.length = int(self.store.get(f"{name}/length"))
@@ -293,9 +292,6 @@ class StoreStream:
             yield self._get(key)
 
     def _get(self, key: str) -> Any:
-        import io
-        import time
-
         deadline = time.monotonic() + self.timeout
         pause = 0.0005
         while not self.store.check([key]):  # polled: the store's own wait logs a warning at each timeout
