@@ -97,3 +97,127 @@ def test_the_package_and_tests_do_not_import_benchmarks() -> None:
     for p in [*_modules(), *(ROOT / "tests").glob("*.py")]:
         if p not in allowed:
             assert not any(m.split(".")[0] == "benchmarks" for m in _imports(p)), p
+
+
+# -- no import circles, no file too long to read ----------------------------------------------------
+
+INSTALLED = {"pdcompile": "pdcompile", "passes": "pdcompile.passes", "runtime": "pdcompile.runtime"}
+MAX_LINES = 800
+
+
+def _module_files() -> dict[str, Path]:
+    """Every module of the package by its installed name (``passes/x.py`` is ``pdcompile.passes.x``;
+    a package by its ``__init__.py``)."""
+    out: dict[str, Path] = {}
+    for folder, dotted in INSTALLED.items():
+        for p in (ROOT / folder).rglob("*.py"):
+            if "__pycache__" in p.parts:
+                continue
+            parts = list(p.relative_to(ROOT / folder).with_suffix("").parts)
+            out[".".join([dotted, *(parts[:-1] if parts[-1] == "__init__" else parts)])] = p
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or \
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+
+
+def _imported_modules(name: str, source: str, known: set[str], is_package: bool = False) -> set[str]:
+    """The modules of ``known`` that module ``name`` imports, at any depth (inside functions too), not
+    counting those under ``if TYPE_CHECKING:``. ``from a import b`` is ``a.b`` where that is a module,
+    else ``a``; relative imports are resolved."""
+    here = name if is_package else name.rpartition(".")[0]
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for n in node.orelse:
+                visit(n)
+            return
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = here.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            out.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return {m for m in out if m in known and m != name}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    files = _module_files()
+    return {m: _imported_modules(m, p.read_text(), set(files), p.name == "__init__.py") for m, p in files.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per group of modules that reach each other (a strongly connected component): the
+    shortest one through the group's first module, as the list of modules in import order."""
+    reach = {v: _reachable(graph, v) for v in graph}
+    groups: list[list[str]] = []
+    seen: set[str] = set()
+    for v in sorted(graph):
+        if v in seen or v not in reach[v]:
+            continue
+        group = sorted(w for w in reach[v] if v in reach[w])
+        seen.update(group)
+        groups.append(group)
+    return [_shortest_circle(graph, g[0]) for g in groups]
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    out: set[str] = set()
+    todo = list(graph[start])
+    while todo:
+        v = todo.pop()
+        if v not in out:
+            out.add(v)
+            todo.extend(graph.get(v, ()))
+    return out
+
+
+def _shortest_circle(graph: dict[str, set[str]], start: str) -> list[str]:
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph.get(v, ())):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [*reversed(path), start]
+                if w not in parent:
+                    parent[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"{start} is on no circle")
+
+
+def test_the_circle_finder_counts_lazy_imports_and_not_type_checking_ones() -> None:
+    known = {"p", "p.a", "p.b", "p.c", "p.d"}
+    src_a = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p import d\n\ndef f():\n    from .b import x\n"
+    assert _imported_modules("p.a", src_a, known) == {"p.b"}
+    assert _imported_modules("p", "from . import c\nimport p.a\n", known, is_package=True) == {"p.c", "p.a"}
+    graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a", "p.d"}, "p.d": set(), "p": {"p.d"}}
+    assert _circles(graph) == [["p.a", "p.b", "p.c", "p.a"]]
+    assert _circles({**graph, "p.c": {"p.d"}}) == []
+
+
+def test_no_import_circles() -> None:
+    """Each module can be read and changed from the bottom up: no two import each other, through
+    however many others, even lazily inside a function (which only hides a circle)."""
+    circles = _circles(_import_graph())
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_no_source_file_over_800_lines() -> None:
+    long = {p.relative_to(ROOT).as_posix(): n for p in _module_files().values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines (split them by concern): {long}"
