@@ -2,11 +2,11 @@
 
 The GPT-style zoo model (``--size full``: GPT-2 small, ~124M parameters, tied embedding and output
 projection) is compiled into 3 stages. Each stage gets an Adam optimizer with one step taken (so its
-state holds ``exp_avg`` and ``exp_avg_sq``: twice the weights), then the stages are checkpointed
-with ``pdcompile.runtime.checkpoint`` exactly as train.py's ranks do it (``write_rank`` per rank:
-torch.save to memory, SHA-256, temporary file, fsync, rename; then ``write_manifest`` by rank 0) and
-loaded back (``load_rank``: manifest, plan check, SHA-256 of the rank's files,
-``torch.load(weights_only=True)``; then ``restore_module`` and the optimizer's ``load_state_dict``).
+state holds ``exp_avg`` and ``exp_avg_sq``: twice the weights), then each stage is checkpointed with
+``pdcompile.runtime.checkpoint`` under the model's names (torch.distributed.checkpoint's files, the
+rank's state file, SHA-256 of each, the manifest last: ``write_offline``, one process) and loaded back
+(``load_rank``: manifest, SHA-256 of the files it reads, DCP's load in place, the optimizer's
+``load_state_dict``); the whole model is then merged into Hugging Face's safetensors layout.
 The restored weights and optimizer state are checked bitwise against the saved ones.
 
 Stages run one after another in this process (train.py's ranks save in parallel, so a real
@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -34,6 +35,7 @@ import torch  # noqa: E402
 
 from benchmarks._results import write_section  # noqa: E402
 from pdcompile.api import pdcompile  # noqa: E402
+from pdcompile import merge  # noqa: E402
 from pdcompile.runtime import checkpoint  # noqa: E402
 from pdcompile.zoo import get, gpt  # noqa: E402
 
@@ -74,73 +76,62 @@ def run(size: str, repeats: int, folder: Path) -> tuple[str, dict[str, Any]]:
     plan = {"world_size": STAGES,
             "stages": [{"index": st.index, "ranks": [st.index], "param_names": dict(st.param_names)} for st in stages]}
     opts = [_adam(st.gm) for st in stages]
-    rows: dict[int, dict[str, Any]] = {st.index: {"save": [], "load": [], "verify": []} for st in stages}
-    manifest_s: list[float] = []
+    parts = [checkpoint.StagePart(st.gm, opt, dict(st.param_names), None, st.index) for st, opt in zip(stages, opts)]
+    rows: dict[int, dict[str, Any]] = {st.index: {"save": [], "load": []} for st in stages}
+    merge_s: list[float] = []
     bitwise = True
     for rep in range(repeats):
-        root = folder / f"rep{rep}"
-        files: dict[str, tuple[str, int]] = {}
-        saved: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
-        for st, opt in zip(stages, opts):
-            weights = {n: t for n, t in st.gm.state_dict().items()}
-            state = checkpoint.RankState(step=1, next_microbatch=2, data_consumed=1, optimizer=opt.state_dict(),
-                                         lr_scheduler=None, weight_store=None, rng=checkpoint.rng_state())
+        for st, part in zip(stages, parts):  # each stage as its rank writes it: its own DCP part, then read back
+            root = folder / f"rep{rep}" / f"stage{st.index}"
+            state = checkpoint.rank_state([part], 1, 1)
             t = time.perf_counter()
-            written = checkpoint.write_rank(root, plan, st.index, st.index, weights, state)
+            step = checkpoint.write_offline(root, plan, 1, checkpoint.state_dict_of([part]), state)
             rows[st.index]["save"].append(time.perf_counter() - t)
-            files.update(written)
-            rows[st.index]["weights_bytes"] = written[checkpoint.weights_name(st.index, st.index)][1]
-            rows[st.index]["state_bytes"] = written[checkpoint.state_name(st.index, st.index)][1]
+            rows[st.index]["bytes"] = sum(p.stat().st_size for p in step.iterdir())
             rows[st.index]["params"] = sum(p.numel() for p in st.gm.parameters())
-            saved[st.index] = ({n: t.detach().clone() for n, t in weights.items()}, opt.state_dict())
-        t = time.perf_counter()
-        step_folder = checkpoint.write_manifest(root, plan, 1, files)
-        manifest_s.append(time.perf_counter() - t)
-        for st, opt in zip(stages, opts):
-            names = [checkpoint.weights_name(st.index, st.index), checkpoint.state_name(st.index, st.index)]
+            want_w = {n: t.detach().clone() for n, t in st.gm.state_dict().items()}
+            want_opt = copy.deepcopy(part.optimizer.state_dict())
+            with torch.no_grad():
+                for p in st.gm.parameters():
+                    p.zero_()
+            fresh = torch.optim.Adam(st.gm.parameters(), lr=1e-4)
             t = time.perf_counter()
-            checkpoint.verify(step_folder, plan, names)
-            rows[st.index]["verify"].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            weights, state = checkpoint.load_rank(step_folder, plan, st.index, st.index)
-            checkpoint.restore_module(st.gm, weights, str(step_folder))
-            opt.load_state_dict(state.optimizer)
+            checkpoint.load_rank(step, None, st.index, [checkpoint.StagePart(st.gm, fresh, part.names, None, st.index)])
             rows[st.index]["load"].append(time.perf_counter() - t)
-            want_w, want_opt = saved[st.index]
             got = st.gm.state_dict()
             bitwise &= set(got) == set(want_w) and all(torch.equal(got[n], want_w[n]) for n in want_w)
-            bitwise &= _same_optimizer_state(want_opt, opt.state_dict())
-        shutil.rmtree(root)
+            bitwise &= _same_optimizer_state(want_opt, fresh.state_dict())
+        # the whole model in one checkpoint, merged back into Hugging Face's layout (2 GB shards)
+        whole = checkpoint.write_offline(folder / f"rep{rep}" / "all", plan, 1, checkpoint.state_dict_of(parts),
+                                         checkpoint.rank_state(parts, 1, 1))
+        t = time.perf_counter()
+        merge.write_hf(merge.checkpoint_source(whole, plan), folder / f"rep{rep}" / "hf", "2GB")
+        merge_s.append(time.perf_counter() - t)
+        shutil.rmtree(folder / f"rep{rep}")
     med = statistics.median
-    lines = ["| stage | parameters | weights file (MiB) | state file (MiB) | save (s) | load + verify (s) | "
-             "of which manifest + SHA-256 check (s) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| stage | parameters | files (MiB) | save (s) | load + verify (s) |", "|---|---|---|---|---|"]
     for k, r in sorted(rows.items()):
-        lines.append(f"| {k} | {r['params'] / 1e6:.1f} M | {_mib(r['weights_bytes'])} | {_mib(r['state_bytes'])} | "
-                     f"{med(r['save']):.2f} | {med(r['load']):.2f} | {med(r['verify']):.2f} |")
-    total_bytes = sum(r["weights_bytes"] + r["state_bytes"] for r in rows.values())
+        lines.append(f"| {k} | {r['params'] / 1e6:.1f} M | {_mib(r['bytes'])} | {med(r['save']):.2f} | "
+                     f"{med(r['load']):.2f} |")
     lines.append(f"| all | {sum(r['params'] for r in rows.values()) / 1e6:.1f} M | "
-                 f"{_mib(sum(r['weights_bytes'] for r in rows.values()))} | "
-                 f"{_mib(sum(r['state_bytes'] for r in rows.values()))} | "
-                 f"{sum(med(r['save']) for r in rows.values()):.2f} | {sum(med(r['load']) for r in rows.values()):.2f} | "
-                 f"{sum(med(r['verify']) for r in rows.values()):.2f} |")
+                 f"{_mib(sum(r['bytes'] for r in rows.values()))} | {sum(med(r['save']) for r in rows.values()):.2f} | "
+                 f"{sum(med(r['load']) for r in rows.values()):.2f} |")
     c = gpt.CONFIGS[size]
     cfg = f"{c.n_layers} layers, d={c.d_model}, T={c.seq_len}, vocabulary {c.vocab_size}"
     body = "\n".join([
         f"GPT-style zoo model, size `{size}` ({cfg}), {STAGES} stages "
-        f"(compiled in {compile_s:.1f} s), Adam after one step; median of {repeats} run(s); files on local disk. "
-        f"Tied embedding/output weights are stored in both stages that hold them.",
+        f"(compiled in {compile_s:.1f} s), Adam after one step; median of {repeats} run(s); files on local disk.",
         "",
         *lines,
         "",
-        f"Manifest (rank 0, after every rank's files): {med(manifest_s):.3f} s. Total on disk: "
-        f"{_mib(total_bytes)} MiB. Restored weights and optimizer state bitwise equal to the saved ones: "
-        f"{'yes' if bitwise else 'NO'}.",
+        f"Restored weights and optimizer state bitwise equal to the saved ones: {'yes' if bitwise else 'NO'}. "
+        f"`pdcompile merge` of the whole checkpoint into Hugging Face safetensors: {med(merge_s):.2f} s.",
         "",
-        "Save = torch.save into memory + SHA-256 + write + fsync + rename, for the weights and the state file; "
-        "load + verify = manifest and plan check, SHA-256 of the rank's two files, torch.load(weights_only=True), "
-        "copy into the module and the optimizer. Stages ran one after another in one process; train.py's ranks "
-        "save in parallel, so a pipeline's checkpoint costs about its largest stage. Times on a shared, loaded "
-        "machine vary by 2x between runs.",
+        "Save = torch.distributed.checkpoint's save of the stage's tensors and Adam state under the model's names "
+        "(one process), the rank's state file, SHA-256 of each file, the manifest; load + verify = manifest, SHA-256 "
+        "of DCP's index and of the files holding the stage's tensors, DCP's load in place, the optimizer's "
+        "load_state_dict. Stages ran one after another in one process; train.py's ranks save in parallel, so a "
+        "pipeline's checkpoint costs about its largest stage. Times on a shared, loaded machine vary by 2x between runs.",
     ])
     return body, {"bitwise": bitwise, "rows": rows}
 
