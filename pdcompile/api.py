@@ -514,7 +514,7 @@ class CompiledPipeline:
 
     @keywords_checked()
     def run(self, data: Iterable[Any], steps: int | None = None, *, epochs: int | None = None,
-            eval_data: Iterable[Any] | None = None, eval_every: int = 0, eval_steps: int | None = None,
+            eval_data: Iterable[Any] | None = None, eval_every: int | str = 0, eval_steps: int | None = None,
             eval_metric: str | Callable[[Any, torch.Tensor], Any] | None = None,
             out: str | os.PathLike[str] | None = None, timeout: float = 600, progress: bool = False,
             extra_args: Sequence[str] = (), init_from: str | os.PathLike[str] | None = None) -> "RunResult":
@@ -525,8 +525,8 @@ class CompiledPipeline:
         pipeline was compiled for, streamed to the ranks as they train (:mod:`pdcompile.data_stream`:
         a few minibatches ahead, nothing saved); ``epochs`` needs ``len(data)``. The target's shape and
         dtype come from the first minibatch (no example_target= needed). ``eval_data``: validation
-        minibatches, run forward only through the pipeline after every ``eval_every`` steps (0: at the
-        end only), ``eval_steps`` of them (default ``len(eval_data)``); ``eval_metric``: "accuracy", or a
+        minibatches, run forward only through the pipeline after every ``eval_every`` steps (``"epoch"``:
+        every epoch; 0: at the end only), ``eval_steps`` of them (default ``len(eval_data)``); ``eval_metric``: "accuracy", or a
         module-level function ``(output, target) -> number``. Results: :attr:`RunResult.metrics`
         (``eval``) and ``metrics/metrics.jsonl``. ``init_from``: a checkpoint the ranks start from, as
         in :meth:`emit`. For runs over many machines, emit and launch ``train.py`` with torchrun yourself
@@ -577,7 +577,7 @@ class CompiledPipeline:
         try:
             feeder.feed("train", per_epoch or total, iter([("train", sequence(data, total, per_epoch, (head, it)))]))
             if eval_data is not None and eval_len:
-                passes = len(cuts(0, total, eval_every))
+                passes = len(cuts(0, total, (per_epoch or 0) if eval_every == "epoch" else int(eval_every)))
                 feeder.feed("eval", eval_len, ((f"eval/{p}", sequence(eval_data, eval_len, None, what="eval_data"))
                                                for p in range(passes if eval_every else 1)))
                 args += ["--eval-data", "pdcompile.runtime.data:stream_eval", "--eval-every", str(eval_every),

@@ -29,8 +29,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-data", default=None, metavar="MODULE:FUNCTION",
                    help="validation data: a function of the minibatch size returning a DataLoader or iterable of "
                         "(inputs, target); run forward only through the pipeline")
-    g.add_argument("--eval-every", type=int, default=0, metavar="N",
-                   help="evaluate after every N steps (a flush point), and at the end; 0: at the end only")
+    g.add_argument("--eval-every", type=_every, default=0, metavar="N|epoch",
+                   help="evaluate after every N steps (a flush point), or after every epoch ('epoch', with "
+                        "--epochs), and at the end; 0: at the end only")
     g.add_argument("--eval-steps", type=int, default=None, metavar="N",
                    help="minibatches of --eval-data per evaluation (default: one pass over it)")
     g.add_argument("--eval-metric", default=None, metavar="accuracy|MODULE:FUNCTION",
@@ -59,7 +60,12 @@ def check(args: argparse.Namespace) -> None:
         at_least("--epochs", epochs, "passes over --data; e.g. --epochs 2")
     else:
         at_least("--steps", args.steps, "optimizer steps to train; e.g. --steps 10")
-    at_least("--eval-every", getattr(args, "eval_every", 0), "steps between evaluations; 0: at the end only", least=0)
+    if getattr(args, "eval_every", 0) == "epoch":
+        if epochs is None:
+            raise UsageError("--eval-every epoch needs --epochs N (with --steps, give --eval-every STEPS)")
+    else:
+        at_least("--eval-every", getattr(args, "eval_every", 0), "steps between evaluations, or 'epoch'; 0: at the "
+                 "end only", least=0)
     if getattr(args, "eval_steps", None) is not None:
         at_least("--eval-steps", args.eval_steps, "minibatches per evaluation")
     at_least("--log-every", getattr(args, "log_every", 1), "steps between log lines")
@@ -72,6 +78,16 @@ def check(args: argparse.Namespace) -> None:
     metric = getattr(args, "eval_metric", None)
     if metric is not None and metric != "accuracy":
         _importable(args, "eval_metric")
+
+
+def _every(text: str) -> int | str:
+    """``--eval-every``'s value: a number of steps, or ``epoch``."""
+    if text == "epoch":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of steps or 'epoch'") from None
 
 
 def _importable(args: argparse.Namespace, flag: str) -> None:

@@ -112,6 +112,8 @@ class Trainer:
                 raise UsageError("--epochs needs data with a length (a DataLoader, a list) of at least one full "
                                  "minibatch; this data has none: use --steps N")
             args.steps = args.epochs * self.per_epoch
+            if args.eval_every == "epoch":
+                args.eval_every = self.per_epoch
         self.data_iter = Reader(train_data, b, M, self.positions, self.per_epoch, args.seed) if reads_data else None
         self.data_index = -1  # the last minibatch read from data_iter
         self._micro: Any = None  # that minibatch, cut into microbatches

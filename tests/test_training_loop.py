@@ -305,27 +305,28 @@ def test_1f1b_steps_the_schedule_once_per_update(tmp_path: Path, user: Any) -> N
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_run_streams_epochs_with_lr_scheduler_and_validation(tmp_path: Path, user: Any) -> None:
-    """The API: ``pdcompile(lr_scheduler=)`` goes into plan.json; ``run(loader, epochs=, eval_data=)``
-    streams the minibatches to the ranks (no data file) and trains as single-process PyTorch does."""
+    """The API: ``pdcompile(lr_scheduler=)`` goes into plan.json; ``run(loader, epochs=, eval_data=,
+    eval_every="epoch")`` streams the minibatches to the ranks (no data file) and trains and evaluates as
+    single-process PyTorch does."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(user.D, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
                                 torch.nn.ReLU(), torch.nn.Linear(16, user.C))
     opt = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
     pipe = pdcompile(model, example_inputs=(torch.randn(M * B, user.D),), loss_fn=torch.nn.CrossEntropyLoss(),
                      optimizer=opt, stages=2, schedule="flush", num_microbatches=M, lr_scheduler=user.warmup_cosine)
-    result = pipe.run(user.train(M * B), epochs=2, eval_data=user.val(M * B), eval_every=10, eval_metric="accuracy",
-                      out=tmp_path / "run", timeout=240)
+    result = pipe.run(user.train(M * B), epochs=2, eval_data=user.val(M * B), eval_every="epoch",
+                      eval_metric="accuracy", out=tmp_path / "run", timeout=240)
     plan = json.loads((result.program / "plan.json").read_text())
     assert plan["lr_scheduler"] == {"factory": "loopdata:warmup_cosine", "kwargs": {}}
     assert not list((tmp_path / "run").rglob("data.pt"))  # streamed, not saved
     total = 2 * STEPS_PER_EPOCH
-    want = _reference_sync(result.program, user, 2, "warmup_cosine", [10, 20, total])
+    want = _reference_sync(result.program, user, 2, "warmup_cosine", [STEPS_PER_EPOCH, total])
     got, program = result.state_dict(), Program.load(result.program)
     names = [(program.stages[s].param_names[n], ref) for s, w in enumerate(want["weights"]) for n, ref in w.items()]
     assert sorted(n for n, _ in names) == sorted(n for n, _ in model.named_parameters())
     for name, ref in names:  # under the model's own names
         torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    assert [e["step"] for e in result.metrics["eval"]] == [10, 20, total]
+    assert [e["step"] for e in result.metrics["eval"]] == [STEPS_PER_EPOCH, total]  # after each epoch
     for e in result.metrics["eval"]:
         assert e["loss"] == pytest.approx(want["eval"][e["step"]][0], rel=1e-5)
         assert e["accuracy"] == pytest.approx(want["eval"][e["step"]][1], abs=1e-9)
@@ -397,7 +398,8 @@ def test_loop_flags_refused_with_cause_and_fix(tmp_path: Path, user: Any) -> Non
 
     check("--epochs", "2", "--eval-data", "loopdata:val", "--eval-every", "5")
     for argv, says in [(["--epochs", "2", "--steps", "3"], "both given"), (["--epochs", "0"], "--epochs 0"),
-                       (["--eval-every", "5"], "needs --eval-data"), (["--lr-scheduler", "loopdata"], "MODULE:FUNCTION"),
+                       (["--eval-every", "5"], "needs --eval-data"),
+                       (["--eval-data", "loopdata:val", "--eval-every", "epoch"], "needs --epochs"), (["--lr-scheduler", "loopdata"], "MODULE:FUNCTION"),
                        (["--eval-data", "loopdata:nothing"], "can't import"), (["--log-every", "0"], "--log-every 0")]:
         with pytest.raises(UsageError, match=says):
             check(*argv)
