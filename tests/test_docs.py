@@ -131,6 +131,16 @@ def test_the_options_the_api_page_names_are_pdcompiles() -> None:
     named = set(re.findall(r"`([a-z_]+)=", PAGES["docs/api.md"]))
     assert {"schedule", "recompute", "init_from"} <= named and named <= valid, sorted(named - valid)
 
+
+def test_every_option_is_on_the_api_page() -> None:
+    import inspect
+
+    from pdcompile.api import option_names, pdcompile
+
+    options = set(option_names()) | set(inspect.signature(pdcompile).parameters) - {"model", "kw"}
+    missing = sorted(o for o in options if f"`{o}" not in PAGES["docs/api.md"])
+    assert not missing, f"options of pdcompile() that docs/api.md does not name: {missing}"
+
 # -- code a page shows ----------------------------------------------------------------------------
 
 
@@ -304,3 +314,9 @@ def test_every_flag_a_page_names_exists(page: str, train_py_flags: set[str]) -> 
     named = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", PAGES[page]))
     unknown = sorted(f for f in named if f not in known and f'"{f}"' not in benchmarks)
     assert not unknown, f"{page} names flags no program takes: {unknown}"
+
+
+def test_every_train_py_flag_is_documented(train_py_flags: set[str]) -> None:
+    named = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", "".join(PAGES.values())))
+    missing = sorted(train_py_flags - named - {"--help"})
+    assert not missing, f"train.py flags no page names (docs/emitted-program.md lists them): {missing}"
