@@ -119,17 +119,20 @@ def boundary_values(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages:
 
 
 def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.Node], int],
-                 model: torch.nn.Module | None = None) -> StageSplit:
+                 model: torch.nn.Module | None = None, *, rebuild: bool = True) -> StageSplit:
     """Split ``gm`` (annotated by propagate-shapes) into stages by ``assign`` (node name -> stage).
 
     ``model``: the original module, to name parameters as the user knows them (defaults to gm).
+    ``rebuild``: values that depend only on positions (:func:`rebuildable`) are computed again in
+    each stage that reads them instead of being sent to it.
     """
     nodes = list(gm.graph.nodes)
     stage_of = {n.name: (assign(n) if callable(assign) else assign[n.name])
                 for n in nodes if n.op not in ("placeholder", "get_attr", "output")}
     num_stages = max(stage_of.values(), default=0) + 1
     _check_assignment(gm, stage_of, num_stages)
-    live = boundary_values(gm, stage_of, num_stages)
+    rebuilt = rebuildable(gm) if rebuild else set()
+    live = [[v for v in vals if v not in rebuilt] for vals in boundary_values(gm, stage_of, num_stages)]
     grad_nodes = nodes_needing_grad(gm)
     for k, vals in enumerate(live):
         for v in vals:
@@ -163,10 +166,12 @@ def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.No
                 attrs[flat] = _fetch(gm, str(n.target))
                 env[n] = g.get_attr(flat)
                 env[n].meta = dict(n.meta)
+            elif n not in env and n in rebuilt:  # made again here, just before its first use
+                env[n] = g.node_copy(n, lookup)
             return env[n]
 
         for n in nodes:
-            if n.op in ("placeholder", "get_attr", "output") or stage_of[n.name] != k:
+            if n.op in ("placeholder", "get_attr", "output") or stage_of[n.name] != k or n in rebuilt:
                 continue
             if n.op == "call_module":
                 flat = _flat(n.target, used_names)
@@ -202,6 +207,56 @@ def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.No
         ))
     tied = tuple(tuple(v) for v in owners.values() if len({s for s, _ in v}) > 1)
     return StageSplit(tuple(stages), tied)
+
+
+_HEAVY = ("mm", "conv", "linear", "matmul", "einsum", "attention", "lstm", "gru", "rnn")
+_RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential", "poisson")
+
+
+def _cheap_pure(n: fx.Node) -> bool:
+    """An op that gives the same value each time it runs, writes nothing, and costs about what its
+    output's bytes cost to move (no matrix products or convolutions)."""
+    if n.op not in ("call_function", "call_method"):
+        return False
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        if t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags:
+            return False
+        name = t._schema.name.split("::")[-1]
+    else:
+        name = t if isinstance(t, str) else getattr(t, "__name__", "")
+        if n.op == "call_method" and name.endswith("_") and not name.endswith("__"):
+            return False  # in place
+    return not any(h in name for h in _HEAVY + _RANDOM)
+
+
+def rebuildable(gm: fx.GraphModule) -> set[fx.Node]:
+    """The compute nodes whose value depends on no model input and no trainable parameter, only on
+    constants and buffers nothing writes (an exported graph's position ids, causal masks, rotary
+    tables), through cheap pure ops: a stage reading one computes it again, bitwise the same, rather
+    than receive it with every microbatch."""
+    mutated: set[str] = set()
+    for n in gm.graph.nodes:
+        writes = isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+        if writes or (n.op == "call_method" and str(n.target).endswith("_") and not str(n.target).endswith("__")):
+            stack, seen = list(n.all_input_nodes), set()
+            while stack:
+                a = stack.pop()
+                if a in seen:
+                    continue
+                seen.add(a)
+                if a.op == "get_attr":
+                    mutated.add(str(a.target))
+                stack += a.all_input_nodes
+    free: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            obj = _fetch(gm, str(n.target))
+            if isinstance(obj, torch.Tensor) and not obj.requires_grad and str(n.target) not in mutated:
+                free.add(n)
+        elif _cheap_pure(n) and all(a in free for a in n.all_input_nodes):
+            free.add(n)
+    return {n for n in free if n.op != "get_attr"}
 
 
 def _names_device(value: Any) -> bool:
