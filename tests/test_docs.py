@@ -159,8 +159,13 @@ def test_a_pages_code_runs_as_written(page: str, tmp_path: Path, monkeypatch: py
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     namespace: dict = {"__name__": "readme_snippet"}
+    printed: str | None = None  # what the last bash block printed, until the next block
     for i, (lang, code, why) in enumerate(_fences(PAGES[page])):
         name = re.fullmatch(r"# ([\w.-]+\.py)", code.split("\n", 1)[0].strip())
+        if lang == "" and printed is not None:  # the output a page shows for the commands before it
+            missing = [ln for ln in code.splitlines() if ln.strip() and not re.search(_shape_of(ln), printed)]
+            assert not missing, f"{page}: the commands printed no line like {missing}"
+        printed = None
         if lang == "python" and name:
             (tmp_path / name.group(1)).write_text(code)
         elif lang == "python":
@@ -170,11 +175,20 @@ def test_a_pages_code_runs_as_written(page: str, tmp_path: Path, monkeypatch: py
             done = subprocess.run(["bash", "-e", "-c", code], cwd=tmp_path, env=env, capture_output=True,
                                   text=True, timeout=600)
             assert done.returncode == 0, f"{page} bash block {i} failed:\n{code}\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+            printed = done.stdout + done.stderr
     if "pipe" in namespace:
         assert namespace["pipe"].split.stages
     if "result" in namespace:
         assert len(namespace["result"].metrics["losses"]) > 0
         assert (tmp_path / "out" / "plan.json").is_file() and any((tmp_path / "ir").iterdir())
+
+
+def _shape_of(line: str) -> str:
+    """A pattern for a line of shown output: its words as they are, each number any number, each run of
+    spaces any run (times, losses and rates differ from run to run)."""
+    parts = re.split(r"(\d+(?:[.,]\d+)*(?:e[-+]?\d+)?|\s+)", line.strip())
+    return "".join(r"[-+0-9.,e]+" if re.fullmatch(r"\d.*", p) else r"\s+" if p.isspace() else re.escape(p)
+                   for p in parts if p)
 
 
 def _normalise(text: str) -> str:
