@@ -109,6 +109,26 @@ class SafetensorsReader:
         return out
 
 
+    def copy_into(self, name: str, dest: torch.Tensor, chunk_bytes: int = 16 << 20) -> None:
+        """Copy tensor ``name`` into ``dest`` (casting) in slices of about ``chunk_bytes`` along dim 0:
+        a rank never holds a whole read copy of its largest tensor (an embedding) beside the stage."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self._where[name]), framework="pt", device="cpu") as h:
+                if dest.dim() == 0:
+                    dest.copy_(h.get_tensor(name))
+                    return
+                part = h.get_slice(name)
+                rows = dest.shape[0]
+                row_bytes = max(1, dest[0].numel() * dest.element_size())
+                step = max(1, chunk_bytes // row_bytes)
+                for i in range(0, rows, step):
+                    dest[i:i + step].copy_(part[i:i + step])
+        except Exception as e:  # noqa: BLE001
+            raise _unreadable(self._where[name], e) from None
+
+
 class TorchSaveReader:
     """A ``torch.save``d state_dict, memory-mapped (``torch.load(mmap=True)``): pages are read only for
     the tensors used."""
@@ -350,7 +370,15 @@ def fill_stage(module: torch.nn.Module, stage: int, param_names: Mapping[str, st
         keys = locate(reader, {n: own[ls[0]] for n, ls in locals_of.items() if n not in not_saved},
                       init.get("aliases") or {}, stage)
         for orig, key in keys.items():
-            put(orig, reader.read([key], {})[key])
+            if isinstance(reader, SafetensorsReader):  # sliced: no whole copy of a big tensor
+                first, *more = locals_of[orig]
+                with torch.no_grad():
+                    reader.copy_into(key, own[first])
+                    for local in more:
+                        own[local].copy_(own[first])
+                done.add(orig)
+            else:
+                put(orig, reader.read([key], {})[key])
     rest = [n for n in locals_of if n not in done]
     if rest and rest_fresh:
         for orig, value in FreshInit(init).tensors(rest):

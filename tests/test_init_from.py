@@ -157,6 +157,11 @@ def test_every_checkpoint_format_fills_each_stage_with_the_models_tensors(tmp_pa
         assert set(got) == set(want) - {"lm_head.weight"}, source
         for name, t in got.items():
             assert t.dtype == torch.float32 and torch.equal(t, want[name]), (source, name)
+    from pdcompile.runtime.sources import SafetensorsReader
+
+    dest = torch.empty(VOCAB, 32)  # a big tensor is copied in slices of rows: here 64 bytes, 0.5 rows at a time
+    SafetensorsReader(tmp_path / "one.safetensors").copy_into("model.embed_tokens.weight", dest, chunk_bytes=64)
+    assert torch.equal(dest, want["model.embed_tokens.weight"])
     got = stage_weights(prog, tmp_path / "bf16.safetensors")  # bf16 checkpoint -> fp32 master weights
     for name, t in got.items():
         assert t.dtype == torch.float32, name
