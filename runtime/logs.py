@@ -85,11 +85,8 @@ class RunLog:
             out.mkdir(parents=True, exist_ok=True)
             self.jsonl = (out / "metrics.jsonl").open("a" if start else "w")
         if getattr(args, "tensorboard", None):
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:  # tensorboard is an extra
-                raise RuntimeError(f"--tensorboard needs the tensorboard package ({e}): "
-                                   "pip install 'pdcompile[tensorboard]'") from None
+            from torch.utils.tensorboard import SummaryWriter  # the tensorboard extra: checked by loop.check
+
             self.tb = SummaryWriter(args.tensorboard)
         if sys.stdout.isatty():
             self.bar = Bar(total, start)

@@ -75,6 +75,12 @@ def check(args: argparse.Namespace) -> None:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --eval-data MODULE:FUNCTION (the validation data)")
     for flag in ("lr_scheduler", "eval_data"):
         _importable(args, flag)
+    if getattr(args, "tensorboard", None):
+        try:
+            import torch.utils.tensorboard  # noqa: F401 - needs the tensorboard package, an extra
+        except ImportError as e:
+            raise UsageError(f"--tensorboard needs the tensorboard package ({e}): pip install "
+                             f"'pdcompile[tensorboard]' (or pip install tensorboard)") from None
     metric = getattr(args, "eval_metric", None)
     if metric is not None and metric != "accuracy":
         _importable(args, "eval_metric")
