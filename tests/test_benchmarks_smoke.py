@@ -276,3 +276,13 @@ def test_big_model_compile_emit_and_startup_tables_at_tiny_sizes() -> None:
         assert check_s >= 0 and startup_s >= run_s
         assert row[1].strip() == f"4 ({'-'.join([str(int(row[0]) // 4)] * 4)})"
     assert ranks[1][10].strip().endswith("x")  # the growth per doubling
+
+
+def test_boundary_bytes_of_a_tiny_llama_drop_the_position_values() -> None:
+    pytest.importorskip("transformers")
+    from benchmarks import bench_boundary_bytes
+
+    b = bench_boundary_bytes.boundary_bytes(hidden=128, seq=16, stages=2)
+    (fs, bs, ns), (fr, br, nr) = b["sent"], b["rebuilt"]
+    mask, rotary = 16 * 16, 2 * 16 * 128 * 4  # the causal mask (bool) and rotary cos/sin (fp32) no longer sent
+    assert ns - nr == 3 and fs - fr == mask + rotary and bs == br > 0
