@@ -16,7 +16,15 @@ under ``default`` with the memory limit and ``recompute="auto"`` (the DP chooses
 stage), and under ``paper``; target under 60 s each. Growth: GNMT-16 and VGG-16 on 8 x 256 .. 8 x 2048
 (workers x2 -> time x?). Peak memory: tracemalloc's peak during a second, untimed plan (numpy's arrays included).
 
+As the command line plans (issue 29 item 6): every profile with ``pdcompile plan --json``'s defaults
+(cost model ``default``, ``recompute="auto"``, pooled workers on) on A, B and 8 x 128 = 1024 workers,
+``planning_seconds`` as the plan reports it; targets under 0.1 s on A and B, under 2 s on 8 x 128;
+growth per doubling of workers (8 x 16 .. 8 x 128). ``--check-plans``: every plan (those, and
+``paper``'s) compared with the plans chosen before the planner's split and speed work
+(``benchmarks/planner_plans.json``, sha256 of each plan's JSON): they must be identical.
+
 Usage: python benchmarks/bench_planner.py [--quick] [--no-ilp] [--ilp-time-limit S] [--no-scale]
+       [--no-cli] [--check-plans]
 """
 
 from __future__ import annotations
@@ -27,10 +35,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
+from typing import Any  # noqa: E402
 
 from benchmarks._results import write_section  # noqa: E402
 from pdcompile.cluster import ClusterSpec, paper_cluster  # noqa: E402
@@ -222,6 +233,99 @@ def scale(quick: bool) -> tuple[str, bool]:
     return "\n".join(lines), ok_all
 
 
+CLI_CLUSTERS: dict[str, tuple[ClusterSpec, float]] = {
+    "A": (paper_cluster("A"), 0.1),
+    "B": (paper_cluster("B"), 0.1),
+    "C8x128": (paper_cluster("B", servers=128), 2.0),
+}
+CLI_GROWTH = (16, 32, 64, 128)
+PLANS_FILE = Path(__file__).resolve().parent / "planner_plans.json"
+
+
+def _cli_plan(prof: Any, chain: Chain, cluster: ClusterSpec, cm: str) -> Plan | str:
+    """``pdcompile plan --json``'s plan (its defaults with the dp solver), or the error's first clause."""
+    from pdcompile.plan import plan as make_plan
+    from pdcompile.profile import optimizer_state_factor
+
+    try:
+        return make_plan(chain, cluster, solver="dp", cost_model=cm, schedule="1f1b", memory_limit=None,
+                         optimizer_state_factor=optimizer_state_factor(prof.optimizer), recompute="auto",
+                         pool=cm != "pipedream")
+    except PdcompileError as e:
+        return str(e).split(";")[0]
+
+
+def _fingerprint(p: Plan) -> str:
+    d = p.to_dict()
+    d.pop("planning_seconds")
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+def cli(quick: bool, check: bool) -> tuple[str, bool]:
+    """Every profile as ``pdcompile plan --json`` plans it, on A, B and 8 x 128; growth per doubling."""
+    names = pipedream_profiles()
+    if quick:
+        names = [n for n in names if n in ("alexnet", "vgg16", "resnet50", "gnmt")]
+    ref = json.loads(PLANS_FILE.read_text())["plans"] if check else {}
+    ok_all, rows, growth = True, [], []
+    same = differ = 0
+    for name in names:
+        prof = load(f"pipedream:{name}")
+        chain = linearize(prof)
+        for cname, (cluster, target) in CLI_CLUSTERS.items():
+            for cm in ("default", "paper") if check else ("default",):
+                c0 = time.process_time()
+                p = _cli_plan(prof, chain, cluster, cm)
+                cpu = time.process_time() - c0
+                secs = p.planning_seconds if isinstance(p, Plan) else math.nan
+                key = f"{name}|{cname}|{cm}"
+                verdict = ""
+                if check and key in ref:
+                    want = ref[key].get("sha256")
+                    ok_same = (want is None and isinstance(p, str)) or (isinstance(p, Plan) and _fingerprint(p) == want)
+                    same += ok_same
+                    differ += not ok_same
+                    verdict = "same" if ok_same else "**differs**"
+                print(f"cli {key}: {secs:.3f} s {verdict}", file=sys.stderr, flush=True)
+                if cm != "default":
+                    continue
+                ok = secs < target
+                ok_all &= ok
+                what = p.configuration if isinstance(p, Plan) else f"infeasible: {p}"
+                pooled = isinstance(p, Plan) and any(n.startswith("pooled") for n in p.notes)
+                rows.append(f"| {name} | {len(chain)} | {cname} | {secs:.3f} | {cpu:.3f} | {'yes' if ok else '**no**'} | "
+                            f"{what}{' (pooled)' if pooled else ''} | {verdict or '-'} |")
+    for name in [n for n in ("gnmt", "nasnetalarge") if n in names]:
+        prof = load(f"pipedream:{name}")
+        chain = linearize(prof)
+        prev = None
+        for servers in CLI_GROWTH:
+            p = _cli_plan(prof, chain, paper_cluster("B", servers=servers), "default")
+            secs = p.planning_seconds if isinstance(p, Plan) else math.nan
+            ratio = "" if prev is None else f"{secs / prev:.2f}"
+            prev = secs
+            growth.append(f"| {name} | 8 x {servers} | {8 * servers} | {secs:.3f} | {ratio} |")
+    lines = [
+        "As the command line plans (`pdcompile plan --profile pipedream:NAME --cluster C --json`: cost model "
+        "`default` with the 16 GiB memory limit, `recompute=\"auto\"`, pooled workers on): `planning_seconds` "
+        "as the plan reports it, and CPU seconds. Targets: under 0.1 s on A and B, under 2 s on 8 x 128 "
+        "(Cluster B's servers, 1024 workers)."
+        + (f" Plans compared with those chosen before the split and speed work (`benchmarks/planner_plans.json`, "
+           f"`default` and `paper` on each cluster): {same} identical, {differ} different." if check else ""),
+        "",
+        "| profile | layers | cluster | planning s | CPU s | on target | configuration | plan as before |",
+        "|---|---:|---|---:|---:|---|---|---|",
+        *rows,
+        "",
+        "Growth per doubling of workers (the same defaults):",
+        "",
+        "| profile | cluster | workers | planning s | x previous |",
+        "|---|---|---:|---:|---:|",
+        *growth,
+    ]
+    return "\n".join(lines), ok_all and differ == 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="four profiles only")
@@ -230,11 +334,22 @@ def main() -> int:
     ap.add_argument("--ilp-max-layers", type=int, default=70)
     ap.add_argument("--no-write", action="store_true", help="print only; don't touch RESULTS.md")
     ap.add_argument("--no-scale", action="store_true", help="skip the 8 x 2048 scale measurement")
+    ap.add_argument("--no-cli", action="store_true", help="skip the command line's defaults on A, B, 8 x 128")
+    ap.add_argument("--check-plans", action="store_true",
+                    help="compare every plan with benchmarks/planner_plans.json (the plans chosen before)")
+    ap.add_argument("--only-cli", action="store_true", help="the command line's section only")
     args = ap.parse_args()
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    body, ok = run(args.quick, not args.no_ilp, args.ilp_time_limit, args.ilp_max_layers)
-    if not args.no_scale:
+    if args.only_cli:
+        body, ok = cli(args.quick, args.check_plans)
+    else:
+        body, ok = run(args.quick, not args.no_ilp, args.ilp_time_limit, args.ilp_max_layers)
+        if not args.no_cli:
+            cbody, cok = cli(args.quick, args.check_plans)
+            body += "\n\n" + cbody
+            ok &= cok
+    if not args.no_scale and not args.only_cli:
         sbody, sok = scale(args.quick)
         body += "\n\n" + sbody
         ok &= sok
@@ -243,7 +358,7 @@ def main() -> int:
              f"after: {', '.join(f'{x:.2f}' for x in load_after)}.")
     body += f"\n\nWhole benchmark: {time.perf_counter() - t0:.0f} s. All targets met: {'yes' if ok else 'no'}."
     print(body)
-    if not args.no_write and not args.quick:
+    if not args.no_write and not args.quick and not args.only_cli:
         write_section("Planner (bench_planner)", body)
     return 0
 

@@ -228,22 +228,15 @@ def partition_dp(
     args = (cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication, num_microbatches, recompute)
     model = PlanModel(chain, cluster, *args)
     baseline = model
-    try:
-        blocks, ev = solve(model)
-    except InfeasiblePlanError:
-        if not (pool and model.L > 1):
-            raise
-        blocks, ev = (), None
     notes = []
-    if pool and model.L > 1:  # the workers as one pool at the slowest link: stages need not nest
+    ev: Evaluation | None
+    if not (pool and model.L > 1):
+        blocks, ev = solve(model)
+    else:  # the workers also as one pool at the slowest link: stages need not nest
         pooled = PlanModel(chain, pool_cluster(cluster), *args)
-        try:
-            pblocks, pev = solve(pooled)
-        except InfeasiblePlanError:
-            if ev is None:
-                solve(model)  # raises the hierarchy's error (it names the memory that fits)
-            pblocks, pev = (), None
-        if pev is not None and (ev is None or pev.seconds < ev.seconds * (1 - 1e-9)):
+        ev, pev, blocks, pblocks = _solve_both(model, pooled)
+        if ev is None or (pev is not None and pev.seconds < ev.seconds * (1 - 1e-9)):
+            assert pev is not None
             model, blocks, ev = pooled, pblocks, pev
             notes.append(f"pooled: the stages need not nest in {cluster.levels[-1].name}; every stage and link "
                          f"is rated at the slowest link ({format_quantity(pooled.B[0], 'bandwidth')})")
@@ -251,6 +244,51 @@ def partition_dp(
     optimal = True
     return build_plan(model, blocks, ev, solver="dp", planning_seconds=time.perf_counter() - t0,
                        optimal=optimal, gap=0.0 if optimal else math.nan, notes=notes, baseline=baseline)
+
+
+def _dp_seconds(model: PlanModel) -> float:
+    """Data parallelism's time under ``model`` where it fits (else inf): which search to run first."""
+    dp: tuple[Block, ...] = ()
+    for count in model.counts:
+        dp = (Block(0, model.N - 1, count, dp),)
+    ev = model.evaluate(dp)
+    return ev.seconds if model.memory_ok(ev) else math.inf
+
+
+def _solve_both(model: PlanModel, pooled: PlanModel) -> tuple[Evaluation | None, Evaluation | None,
+                                                              tuple[Block, ...], tuple[Block, ...]]:
+    """The hierarchy's and the pool's plans, as far as the choice between them needs: the pool's
+    is kept only when strictly faster (``pev < ev (1 - 1e-9)``). One is searched first (the one
+    whose data parallelism is faster); the other only where one feasibility test at that bound
+    (the bisection's own exact step) says it could change the choice. Raises the hierarchy's
+    InfeasiblePlanError when neither fits."""
+    ev: Evaluation | None = None
+    pev: Evaluation | None = None
+    blocks: tuple[Block, ...] = ()
+    pblocks: tuple[Block, ...] = ()
+    if _dp_seconds(pooled) < _dp_seconds(model):
+        try:
+            pblocks, pev = solve(pooled)
+        except InfeasiblePlanError:
+            pass
+        if pev is None or pev.seconds <= 0 or model.feasible(pev.seconds / (1 - 1e-9)):
+            try:
+                blocks, ev = solve(model)
+            except InfeasiblePlanError:  # the hierarchy's error (it names the memory that fits) when neither fits
+                if pev is None:
+                    raise
+    else:
+        try:
+            blocks, ev = solve(model)
+        except InfeasiblePlanError:
+            pass
+        if ev is None or (ev.seconds > 0 and pooled.feasible(ev.seconds * (1 - 1e-9))):
+            try:
+                pblocks, pev = solve(pooled)
+            except InfeasiblePlanError:
+                if ev is None:
+                    solve(model)  # raises the hierarchy's error (it names the memory that fits)
+    return ev, pev, blocks, pblocks
 
 
 def pool_cluster(cluster: ClusterSpec) -> ClusterSpec:

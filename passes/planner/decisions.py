@@ -9,8 +9,6 @@ count and end by :meth:`PartialTable.grid`).
 
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 
 from pdcompile.errors import UsageError
@@ -19,7 +17,7 @@ from pdcompile.passes.planner.arrays import ChainArrays, cumsum0, rng
 from pdcompile.passes.planner.memory import EPS, MemoryModel
 from pdcompile.runtime.schedules import registry as schedule_registry
 
-__all__ = ["MODES", "RECOMPUTE", "PartialTable", "Recompute", "allowed_modes", "first_true", "stage_decisions"]
+__all__ = ["MODES", "RECOMPUTE", "PartialTable", "Recompute", "allowed_modes", "stage_decisions"]
 
 RECOMPUTE = ("none", "selective", "full", "auto")  # never, every stage (cheap ops / whole forward), where memory needs it
 #: What a stage may recompute (``StageCost.recompute``): nothing; its cheap ops (selective, the layers'
@@ -106,17 +104,11 @@ def stage_decisions(chain: Chain, *, schedule: str = "1f1b", optimizer_state_fac
     return Recompute(arrays, memory, allowed_modes("auto" if on else "none", memory.selective_known, on), on)
 
 
-def first_true(n: int, shape: tuple[int, ...], at: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """Per element, the first index ``0..n-1`` where ``at(index array)`` holds (it must hold from
-    there on, as on a sorted row), ``n`` where it never does: one bisection for every element at once."""
-    lo = np.zeros(shape, dtype=np.int64)
-    hi = np.full(shape, n, dtype=np.int64)
-    while np.any(lo < hi):
-        mid = (lo + hi) // 2
-        holds = at(np.minimum(mid, n - 1))
-        hi = np.where(holds & (lo < hi), mid, hi)
-        lo = np.where(~holds & (lo < hi), mid + 1, lo)
-    return lo
+def _groups(keys: np.ndarray) -> list[np.ndarray]:
+    """The positions of each distinct value of ``keys`` (1-d), in order of the values."""
+    order = np.argsort(keys, kind="stable")
+    cuts = np.flatnonzero(np.diff(keys[order])) + 1
+    return np.split(order, cuts)
 
 
 class PartialTable:
@@ -132,8 +124,9 @@ class PartialTable:
         self.PT = PT
         self.store_bytes = store_bytes
         self.cap = 2.0 * float(PT[-1] + arrays.PF[-1]) or 1.0  # above any time; relative: tiny ones keep precision
-        self._store = np.empty((0, self.N + 1))
-        self._index: dict[tuple[int, int], int] = {}
+        self._neg = np.empty((0, self.N + 1))
+        # the row of each (count class, end) in _neg; -1: not built
+        self._row_of = np.full((PARTIAL_EXACT + 64, self.N), -1, dtype=np.int64)
         self._index_budget: float | None = None
         self._used = 0
         self._kmax: tuple[float, int] | None = None  # (budget, kmax())
@@ -180,45 +173,57 @@ class PartialTable:
                 g = (cv < v0 + 0.5).astype(float)
                 R = cv * Wm + g * mm.PWM[J + 1] + kk * (xin + A) - PXi - budget
                 F = (kk - 1) * mm.PX[None, :] + g * mm.PWM[None, :] - kk * mm.RS[None, :]  # nondecreasing
-                rows = np.arange(R_)[:, None]
-                low = first_true(N + 1, R.shape, lambda m: F[rows, m] >= R - tol)  # F's rows nondecreasing
+                # F's rows are nondecreasing (sums and products of monotone arrays round monotonically),
+                # and equal for equal counts: one bisection per count finds the first F >= R - tol
+                low = np.empty(R.shape, dtype=np.int64)
+                for rows in _groups(ks):
+                    low[rows] = np.searchsorted(F[rows[0]], R[rows] - tol, side="left")
                 q1 = np.where(some, np.maximum(q1, low), q1)
         q1c = np.minimum(q1, N)
         ok &= (q1 <= J) & (mm.PX[q1c] <= hi + tol)
         return ok, q1c
 
-    def rows(self, pairs: list[tuple[int, int]]) -> np.ndarray:
-        """Where rows ``(k, end)`` of the table are in ``self._store`` (built on demand): over starts
-        ``0..N``, the running minimum of the stage's time with its fewest first layers recomputed
-        that make it fit with ``k`` in flight (:meth:`grid`; ``2 cap`` where none does), so that a
-        bisection finds the smallest start within a time."""
+    def _klass(self, ks: np.ndarray) -> np.ndarray:
+        """The row class of each in-flight count (exact up to PARTIAL_EXACT, then one per power of two)."""
+        big = ks > PARTIAL_EXACT
+        return np.where(big, PARTIAL_EXACT - 4 + np.log2(np.maximum(ks, 1)).astype(np.int64), ks)
+
+    def rows(self, ks: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Where rows ``(k, end)`` of the table are in ``self._neg`` (built on demand; negated, so that
+        rows are nondecreasing): over starts ``0..N``, the running minimum of the stage's time with
+        its fewest first layers recomputed that make it fit with ``k`` in flight (:meth:`grid`;
+        ``2 cap`` where none does), so that a bisection finds the smallest start within a time.
+        ``ks`` are counts as :meth:`start` rounds them."""
         if self._index_budget != self.memory.budget:
-            self._index, self._index_budget, self._used = {}, self.memory.budget, 0
-        index = self._index
-        want = sorted({pair for pair in pairs if pair not in index})
-        if want:
-            if self._used + len(want) > len(self._store):
+            self._row_of.fill(-1)
+            self._index_budget, self._used = self.memory.budget, 0
+        kc = self._klass(ks)
+        got = self._row_of[kc, ends]
+        missing = got < 0
+        if np.any(missing):
+            keys = np.unique(ks[missing] * self.N + ends[missing])
+            want_k, want_e = keys // self.N, keys % self.N
+            if self._used + len(keys) > len(self._neg):
                 cap_rows = max(1, self.store_bytes // (8 * (self.N + 1)))
-                if self._used + len(want) > cap_rows:  # full: start again (this call's rows built anew)
-                    index.clear()
+                if self._used + len(keys) > cap_rows:  # full: start again (this call's rows built anew)
+                    self._row_of.fill(-1)
                     self._used = 0
-                    want = sorted(set(pairs))
-                rows = min(max(2 * len(self._store), self._used + len(want), 64), max(cap_rows, len(want)))
+                    keys = np.unique(ks * self.N + ends)
+                    want_k, want_e = keys // self.N, keys % self.N
+                rows = min(max(2 * len(self._neg), self._used + len(keys), 64), max(cap_rows, len(keys)))
                 grown = np.empty((rows, self.N + 1))
-                grown[:self._used] = self._store[:self._used]
-                self._store = grown
+                grown[:self._used] = self._neg[:self._used]
+                self._neg = grown
             I = np.arange(self.N)[None, :]
-            ks = np.array([k for k, _ in want], dtype=np.int64)
-            ends = np.array([e for _, e in want], dtype=np.int64)
-            ok, q1 = self.grid(ks, ends)
-            G = np.where(ok, self.PT[ends[:, None] + 1] - self.PT[I] + self.PF[q1] - self.PF[I], 2.0 * self.cap)
-            at = slice(self._used, self._used + len(want))
-            self._store[at, :self.N] = np.minimum.accumulate(G, axis=1)
-            self._store[at, self.N] = self._store[at, self.N - 1]  # column N (no start there): rows stay sorted
-            for j, pair in enumerate(want):
-                index[pair] = self._used + j
-            self._used += len(want)
-        return np.array([index[pair] for pair in pairs], dtype=np.int64)
+            ok, q1 = self.grid(want_k, want_e)
+            G = np.where(ok, self.PT[want_e[:, None] + 1] - self.PT[I] + self.PF[q1] - self.PF[I], 2.0 * self.cap)
+            at = slice(self._used, self._used + len(keys))
+            self._neg[at, :self.N] = -np.minimum.accumulate(G, axis=1)
+            self._neg[at, self.N] = self._neg[at, self.N - 1]  # column N (no start there): rows stay sorted
+            self._row_of[self._klass(want_k), want_e] = np.arange(self._used, self._used + len(keys))
+            self._used += len(keys)
+            got = self._row_of[kc, ends]
+        return got
 
     def kmax(self) -> int:
         """The largest in-flight count at which some stage fits with partial recomputation (0: none):
@@ -261,13 +266,14 @@ class PartialTable:
         # conservative: more in flight never lets a stage fit with fewer layers recomputed)
         big = ks > PARTIAL_EXACT
         ks[big] = 2 ** np.ceil(np.log2(ks[big])).astype(np.int64)
-        keys = ks * N + e
-        uniq, inv = np.unique(keys, return_inverse=True)
-        rows = self.rows([(int(u) // N, int(u) % N) for u in uniq])[inv]
+        rows = self.rows(ks, e)
         t = np.minimum(thr_b.ravel()[idx] * (1 + EPS), self.cap)
-        # the first start whose running minimum is within t (each row nonincreasing)
-        store = self._store
-        out.reshape(-1)[idx] = first_true(N + 1, t.shape, lambda m: store[rows, m] <= t)
+        # the first start whose running minimum is within t: each stored row (negated) is nondecreasing,
+        # so one bisection per row for all its queries
+        found = np.empty(len(idx), dtype=np.int64)
+        for sel in _groups(rows):
+            found[sel] = np.searchsorted(self._neg[rows[sel[0]]], -t[sel], side="left")
+        out.reshape(-1)[idx] = found
         return out
 
 

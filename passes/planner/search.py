@@ -209,10 +209,13 @@ class PlanModel:
         return got
 
     def _level1_start(self, se_c: np.ndarray, thr: np.ndarray, rr: np.ndarray, dd: np.ndarray,
-                      e2: np.ndarray, options: tuple[str, ...]) -> np.ndarray:
+                      e2: np.ndarray, options: tuple[str, ...], cutoff: np.ndarray | int | None = None) -> np.ndarray:
         """Smallest start of level-1 stages ending at ``se_c`` within ``thr`` and the memory limit,
         the furthest-reaching of the recomputation ``options`` (the weight-sync term, which does
-        not depend on recomputation, and the in-flight counts are computed once for both)."""
+        not depend on recomputation, and the in-flight counts are computed once for all).
+
+        ``cutoff``: the caller reads a start only where it is below this; elsewhere the answer may
+        be any start at or above it (partial recomputation is not asked there)."""
         common = self.costs.sync_start(se_c, thr, rr)  # the weight-sync bound: the same for every mode
         kin = None
         if self.memory_on:
@@ -222,33 +225,40 @@ class PlanModel:
         out = None
         for mode in options:
             if mode == "partial":
-                if kin is None:
-                    continue
-                timed = self._ss(self.PT, se_c, thr)  # partial runs more: it cannot start before this
-                # only where memory stops a stage without recomputation can partial reach further back
-                table = self.mem.rows("none")
-                bound = table[np.minimum(kin, len(table) - 1), se_c] > timed
-                s = np.maximum(self.partial.start(se_c, thr, kin, bound), timed)
-            else:
-                s = self._ss(self.time_prefix[mode], se_c, thr)
-                if kin is not None:
-                    table = self.mem.rows(mode)
-                    s = np.maximum(s, table[np.minimum(kin, len(table) - 1), se_c])
+                continue
+            s = self._ss(self.time_prefix[mode], se_c, thr)
+            if kin is not None:
+                table = self.mem.rows(mode)
+                s = np.maximum(s, table[np.minimum(kin, len(table) - 1), se_c])
             s = np.maximum(s, common)
+            out = s if out is None else np.minimum(out, s)
+        if "partial" in options and kin is not None:
+            timed = self._ss(self.PT, se_c, thr)  # partial runs more: it cannot start before this
+            # only where memory stops a stage without recomputation can partial reach further back, and
+            # only where that bound is below what the other modes reach and what the caller reads
+            table = self.mem.rows("none")
+            low = np.maximum(timed, common)
+            need = table[np.minimum(kin, len(table) - 1), se_c] > timed
+            if out is not None:
+                need &= low < out
+            if cutoff is not None:
+                need &= low < cutoff
+            s = np.maximum(np.maximum(self.partial.start(se_c, thr, kin, need), timed), common)
             out = s if out is None else np.minimum(out, s)
         assert out is not None
         return out
 
     def _stage_starts(self, level: int, se_c: np.ndarray, rr: np.ndarray, dd: np.ndarray, mult: np.ndarray,
-                      e: np.ndarray) -> np.ndarray:
+                      e: np.ndarray, cutoff: np.ndarray | int | None = None) -> np.ndarray:
         """Smallest start of a stage of ``rr`` units of ``level`` ending at ``se_c`` within its
         threshold ``rr * mult * tau`` (and the memory limit, ``dd`` units of this level downstream
-        and ``e`` extra downstream workers per unit replica). Arrays of any broadcastable shapes."""
+        and ``e`` extra downstream workers per unit replica). Arrays of any broadcastable shapes.
+        ``cutoff``: as for :meth:`_level1_start`."""
         tau = self._tau
         assert tau is not None
         thr = (rr * mult) * tau  # the stage's units x its group's threshold
         if level == 1:
-            return self._level1_start(se_c, thr, rr, dd, e, self.modes)
+            return self._level1_start(se_c, thr, rr, dd, e, self.modes, cutoff)
         wthr = self.costs.outer_sync_bytes(thr, rr, level)
         s = self._ss(self.PW, se_c, wthr)
         shape = s.shape
@@ -294,7 +304,8 @@ class PlanModel:
             p2 = np.where(p > end2, endp1, np.minimum(nxt[mult2, np.minimum(p, self.N)], endp1))
             se = p2 - 1  # the new stage ends just before that suffix
             se_c = np.maximum(se, 0)
-            s = self._stage_starts(level, se_c, rr, dd, mult2, e2)
+            # a pair changes L[w] only below L[w - 1]: elsewhere any start at or above it does
+            s = self._stage_starts(level, se_c, rr, dd, mult2, e2, Ls[w - 1][None, :])
             cand = np.where((se >= 0) & (s <= se), s, BIG)
             if trace is None:
                 np.minimum(Ls[w - 1], cand.min(axis=0), out=Ls[w])
@@ -354,7 +365,9 @@ class PlanModel:
             dd = np.array(bp_d, dtype=np.int64)[j_]
             se = np.array(bp_p2, dtype=np.int64)[j_] - 1
             se_c = np.maximum(se, 0)
-            s = self._stage_starts(level, se_c, w_ - dd, dd, np.array(mult, dtype=np.int64), np.array(e, dtype=float))
+            # a step reads an entry only below the best start so far, which only decreases
+            s = self._stage_starts(level, se_c, w_ - dd, dd, np.array(mult, dtype=np.int64), np.array(e, dtype=float),
+                                   best_so_far)
             T[w_, j_] = np.where((se >= 0) & (s <= se), s, big)
 
         def add_breakpoint(d: int, start: int) -> None:
