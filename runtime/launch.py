@@ -131,9 +131,6 @@ def check_args(args: argparse.Namespace, program: Program, world: int | None = N
         raise UsageError(f"--schedule {args.schedule}: this program was compiled with {kind} "
                          f"({compiled.virtual_stages} per rank), which {args.schedule} does not run; use one of "
                          f"{', '.join(fits)}, or re-emit the program for {args.schedule}")
-    if virtual and (args.checkpoint_every or args.resume):
-        raise UsageError("--checkpoint-every/--resume with virtual stages (several stages per rank): checkpoints "
-                         "hold one stage per rank for now; drop the flag, or compile a schedule with a stage per rank")
     if args.precision not in PRECISIONS:
         raise UsageError(f"--precision {args.precision!r}: use one of {', '.join(PRECISIONS)}")
     if args.clip_grad_norm is not None:

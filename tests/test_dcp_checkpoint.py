@@ -1,7 +1,8 @@
 """Checkpoints under the model's own names resume under another plan: a 2-stage flush run checkpointed
 at step 2, resumed as a 3-stage GPipe run to step 4 (checkpointed again), resumed as a 2-stage plan
-with a replicated first stage to step 6, ends where single-process PyTorch training ends (SGD with
-momentum and a StepLR schedule); a checkpoint of another model is refused with exit 2."""
+with a replicated first stage to step 6, then as interleaved 1F1B (two stages per rank) to step 8,
+ends where single-process PyTorch training ends (SGD with momentum and a StepLR schedule); a
+checkpoint of another model is refused with exit 2."""
 
 from __future__ import annotations
 
@@ -91,6 +92,26 @@ def test_resume_under_other_plans_equals_uninterrupted_training(tmp_path: Path) 
     # the replicas' copies of stage 0 were written once
     six = checkpoint.verify(checkpoint.step_dir(ck, 6), None)
     assert six["world_size"] == 3 and [s for s, _, done in checkpoint.checkpoints(ck) if done] == [4, 6]
+
+    # and by interleaved 1F1B: two stages on each of two ranks
+    z = get("mlp", batch_size=8, seed=0)
+    pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
+                     optimizer=_opt, stages=4, virtual_stages=2, schedule="interleaved-1f1b", num_microbatches=MICRO,
+                     leaf_modules=z.leaf_modules)
+    virtual = pipe.emit(tmp_path / "virtual", data={"factory": "pdcompile.zoo:batches", "kwargs": {"name": "mlp"}})
+    plan = json.loads((virtual / "plan.json").read_text())
+    assert [s["ranks"] for s in plan["stages"]] == [[0], [1], [0], [1]]
+    plan["lr_scheduler"] = SCHED
+    (virtual / "plan.json").write_text(json.dumps(plan, indent=1))
+    rc, out = _run(virtual, 2, "--steps", "8", *every, "--resume", "--save-final", str(tmp_path / "f8"))
+    assert rc == 0, out[-3000:]
+    assert "step 6, 6 minibatches consumed" in out
+    want8 = _reference(8)
+    got8 = merge_weights(virtual, tmp_path / "f8")
+    for k in want8:
+        torch.testing.assert_close(got8[k], want8[k], rtol=0, atol=1e-5, msg=k)
+    eight = checkpoint.verify(checkpoint.step_dir(ck, 8), None)  # both stages of each rank saved
+    assert set(eight["model"]) == set(want8)
 
     # a checkpoint of another model: every rank refuses, exit 2, one line naming the cause
     other = _emit(tmp_path / "other", "gpt", 2, "flush")

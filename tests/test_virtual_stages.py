@@ -205,7 +205,6 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ("interleaved-1f1b", ["--schedule", "flush"], "compiled with several stages per rank"),
     ("flush", ["--schedule", "looped-bfs"], "compiled with one stage per rank"),
     ("interleaved-1f1b", ["--clip-grad-norm", "1"], "--clip-grad-norm with virtual stages"),
-    ("interleaved-1f1b", ["--checkpoint-every", "1", "--checkpoint-dir", "ck"], "checkpoints hold one stage per rank"),
 ])
 def test_train_py_refuses_what_virtual_stages_cannot_run(programs: dict[str, Path], which: str, flags: list[str],
                                                           match: str) -> None:
