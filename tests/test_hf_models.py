@@ -268,3 +268,23 @@ def test_torchrun_training_equals_single_process(tmp_path: Path, name: str,
         torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=f"{name}: {k}")
         moved += int(k in initial and not torch.equal(v, initial[k]))
     assert moved > len(initial) // 2  # training really changed the weights
+
+
+def test_a_causal_lm_as_it_comes_is_captured_without_its_kv_cache() -> None:
+    """GPT-2 with its default config (use_cache=True): captured, its config left as it was."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB,
+                                                                 n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                                 attn_pdrop=0.0))
+    before = model.config.to_dict()
+    assert before["use_cache"] is True
+    x = tokens(3)
+    gm = export_trace(model, (x,))
+    assert model.config.to_dict() == before
+    with torch.no_grad():
+        out = model(x)
+        assert out.past_key_values is not None  # the user's model still caches, as configured
+        torch.testing.assert_close(gm(x), out.logits, rtol=0, atol=0)
+    with pytest.raises(UnsupportedModelError):  # a failed capture restores the config too
+        export_trace(model, (x.float(),))
+    assert model.config.to_dict() == before
