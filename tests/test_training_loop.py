@@ -424,3 +424,18 @@ def test_log_records_count_tokens_for_token_inputs(tmp_path: Path) -> None:
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["epoch"], r["loss"], r["lr"]) for r in recs] == [(2, 1, 2.0, 0.2), (3, 2, 5.0, pytest.approx(0.3))]
     assert recs[0]["step_time_s"] == 1.0 and recs[0]["samples_per_s"] == 8.0 and recs[0]["tokens_per_s"] == 128.0
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_run_says_when_the_streamed_data_runs_out(tmp_path: Path, user: Any) -> None:
+    """run(data, steps=5) over 3 minibatches: the ranks stop and run() names the data as the cause."""
+    from pdcompile.errors import UsageError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(user.D, 8), torch.nn.ReLU(), torch.nn.Linear(8, user.C))
+    pipe = pdcompile(model, example_inputs=(torch.randn(M * B, user.D),), loss_fn=torch.nn.CrossEntropyLoss(),
+                     stages=2, num_microbatches=M)
+    data = [(torch.randn(M * B, user.D), torch.zeros(M * B, dtype=torch.long))] * 3
+    with pytest.raises(UsageError, match="the data ran out after 3 minibatches; 5 are needed"):
+        pipe.run(data, steps=5, out=tmp_path / "run", timeout=150)
