@@ -186,7 +186,7 @@ class Trainer:
         """Read up to minibatch ``idx`` (this rank's share of it, in pinned memory for a GPU)."""
         b = self.program.raw["microbatch_size"]
         while self.data_index < idx:  # only ranks that read data call this
-            _, pos, inputs, target = next(self.data_iter)  # type: ignore[call-overload]
+            _, pos, inputs, target = next(self.data_iter)  # type: ignore[arg-type]
             self.data_index += 1
             dev = devices.rank_device()
             self._micro = ({j: n for n, j in enumerate(pos)}, [devices.pinned(x, dev).split(b) for x in inputs],
