@@ -113,6 +113,8 @@ def trace_loss(loss_fn: Any, output: Any, target: torch.Tensor, *, output_key: s
     if not callable(loss_fn):
         raise UsageError(f"pdcompile: loss_fn must be a callable (output, target) -> scalar tensor, "
                          f"got {type(loss_fn).__name__}")
+    if isinstance(loss_fn, torch.nn.Module):  # named as the user knows them, before tracing renames them
+        _refuse_trainable([n for n, p in loss_fn.named_parameters() if p.requires_grad], name)
     key = output_key if output_key is not None and not hasattr(torch.Tensor, output_key) else None
     present = _presenter(view, output_key, output)
     try:
@@ -307,10 +309,7 @@ def _flat(gm: fx.GraphModule) -> fx.GraphModule:
 def _check(traced: TracedLoss, loss_fn: Any, present: Callable[[Any], Any], output: Any, target: torch.Tensor,
            name: str) -> None:
     """The traced loss must train nothing of its own, return a scalar, and equal ``loss_fn`` on the example."""
-    trainable = [n for n, p in traced.gm.named_parameters() if p.requires_grad]
-    if trainable:
-        raise UsageError(f"pdcompile: loss_fn {name} has trainable parameters {trainable}; the pipeline trains "
-                         f"only the model's. Fix: make them part of the model, or requires_grad_(False)")
+    _refuse_trainable([n for n, p in traced.gm.named_parameters() if p.requires_grad], name)
     dev = next((t.device for t in traced.gm.buffers()), torch.device("cpu"))
     out = _to(output, dev)
     tgt = target.to(dev)
@@ -336,6 +335,12 @@ def _check(traced: TracedLoss, loss_fn: Any, present: Callable[[Any], Any], outp
         if not (math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) or (math.isnan(a) and math.isnan(b))):
             raise UsageError(f"pdcompile: the traced loss_fn {name} gives {a} on the example, calling it gives {b}: "
                              f"it depends on something tracing can't see (global state, randomness). Fix: {_FIX}")
+
+
+def _refuse_trainable(trainable: list[str], name: str) -> None:
+    if trainable:
+        raise UsageError(f"pdcompile: loss_fn {name} has trainable parameters {trainable}; the pipeline trains "
+                         f"only the model's. Fix: make them part of the model, or requires_grad_(False)")
 
 
 def _to(value: Any, dev: torch.device) -> Any:

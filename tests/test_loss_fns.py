@@ -261,13 +261,25 @@ def _branches(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+class ScaledCE(torch.nn.Module):
+    """A loss with a parameter of its own that would train: refused, named as the user named it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.scale * F.cross_entropy(out, target)
+
+
 @pytest.mark.parametrize("fn,match", [
     (lambda out, t: F.cross_entropy(out, t) / out.abs().max().item(), r"host sync: `\.item\(\)`.*test_loss_fns\.py"),
     (_branches, r"control flow.*`if loss > 1:"),
     (lambda out, t: float(F.cross_entropy(out, t)), "can't be traced.*float"),
     (lambda out, t: F.cross_entropy(out, t, reduction="none"), "a pipeline needs a scalar"),
     ("cross_entropy", "loss_fn must be callable"),
-], ids=["item", "branch-on-data", "float", "not-scalar", "not-callable"])
+    (ScaledCE(), r"trainable parameters \['scale'\]"),
+], ids=["item", "branch-on-data", "float", "not-scalar", "not-callable", "trainable"])
 def test_untraceable_losses_are_refused_with_the_cause(fn: Any, match: str) -> None:
     with pytest.raises(UsageError, match=match) as e:
         _compile(mlp(), mlp_batches(), fn)
