@@ -25,6 +25,7 @@ import hashlib
 import importlib
 import json
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -178,7 +179,9 @@ class DCPReader:
         sd = {n: torch.empty(tuple(self._meta[n].size), dtype=self._meta[n].properties.dtype)  # type: ignore[union-attr]
               for n in names}
         try:
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+                dcp.load(sd, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
         except Exception as e:  # noqa: BLE001
             raise _unreadable(self.path, e) from None
         return sd
