@@ -305,6 +305,7 @@ class Trainer:
         # start-up (~0.1-1 s) in its first step's time.
         dist.barrier()
         t_run = timing.now(devices.rank_device())
+        self.runlog.start_clock()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         try:
             # One schedule per segment between checkpoints and evaluations: each falls on a flush point.

@@ -271,11 +271,11 @@ def test_big_model_compile_emit_and_startup_tables_at_tiny_sizes() -> None:
     ranks = [ln.split("|")[1:-1] for ln in body.splitlines() if ln.startswith(("| 4 |", "| 8 |"))]
     assert len(models) == 1 and len(ranks) == 2
     for row in ranks:
-        compile_s, emit_s, kib, startup_s, check_s, run_s, rss = (float(c) for c in row[3:10])
-        _finite_positive(compile_s, emit_s, kib, startup_s, run_s, rss)
+        compile_s, emit_s, kib, startup_s, cpu_s, check_s, run_s, rss = (float(c) for c in row[3:11])
+        _finite_positive(compile_s, emit_s, kib, startup_s, cpu_s, run_s, rss)
         assert check_s >= 0 and startup_s >= run_s
         assert row[1].strip() == f"4 ({'-'.join([str(int(row[0]) // 4)] * 4)})"
-    assert ranks[1][10].strip().endswith("x")  # the growth per doubling
+    assert ranks[1][11].strip().endswith("x")  # the growth per doubling
 
 
 def test_boundary_bytes_of_a_tiny_llama_drop_the_position_values() -> None:

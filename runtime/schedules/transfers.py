@@ -231,6 +231,8 @@ def _link_order(clocks: dict[_Key, _Clock], track: Sequence[int], ranks: Sequenc
     col = {q: c for c, q in enumerate(track)}
     sent: dict[Message, _Clock] = {}
     for key, clock in clocks.items():
+        if clock[0] not in col:  # sent by a rank of no pair here
+            continue
         m = Message(*key)
         src, dst = endpoints(m, ranks)
         if src != dst and (pairs is None or (min(src, dst), max(src, dst)) in pairs):  # local: no message
