@@ -142,8 +142,8 @@ class Trainer:
                 norm_skip=norm_skip, stage=st.index, mailbox=mailbox,
                 weight_pass=split_by,
             ))
-        self.executor = self.executors[0]  # the rank's first stage (checkpoints: one stage per rank)
-        self.lr_scheduler = self.executor.lr_scheduler  # checkpoints and resume: one stage per rank
+        self.executor = self.executors[0]  # the rank's first stage (metrics, losses)
+        self.lr_scheduler = self.executor.lr_scheduler  # the first stage's (checkpoints save every stage's)
         self.rank_executor = RankExecutor(self.executors)
         self.replicas = [len(st.ranks) for st in program.stages]
         self.tied = bool(program.raw.get("tied"))
