@@ -78,6 +78,7 @@ class RunLog:
         self.tb: Any = None
         self.bar: Bar | None = None
         self._since: list[tuple[float, float]] = []  # (loss, seconds) of the steps since the last line
+        self.t0 = time.monotonic()  # records' time_s counts from here (:meth:`start_clock`)
         if not enabled:
             return
         if getattr(args, "metrics", None):
@@ -90,6 +91,11 @@ class RunLog:
             self.tb = SummaryWriter(args.tensorboard)
         if sys.stdout.isatty():
             self.bar = Bar(total, start)
+
+    def start_clock(self) -> None:
+        """The run starts now (after every rank is ready): records carry ``time_s`` since then, so a metric
+        can be plotted against wall-clock time (time to accuracy)."""
+        self.t0 = time.monotonic()
 
     def epoch_of(self, step: int) -> float | None:
         """The epoch, counted from 1, that step ``step`` (1-based) falls in; None without epochs."""
@@ -114,7 +120,7 @@ class RunLog:
             "loss": sum(losses) / len(losses) if losses else None, "lr": lr,
             "step_time_s": secs / n, "samples_per_s": self.samples * n / secs if secs > 0 else None,
             "tokens_per_s": self.samples * n * self.tokens / secs if self.tokens and secs > 0 else None,
-            "peak_memory_mb": peak_memory_mb(self.device),
+            "peak_memory_mb": peak_memory_mb(self.device), "time_s": time.monotonic() - self.t0,
         }
         parts = [f"step {step}/{self.total}"]
         if rec["epoch"] is not None:
@@ -137,7 +143,8 @@ class RunLog:
         """An evaluation after step ``step``: its loss and metric."""
         if not self.enabled:
             return
-        rec = {"type": "eval", "step": step, "epoch": self.epoch_of(step) if step else 0, **results}
+        rec = {"type": "eval", "step": step, "epoch": self.epoch_of(step) if step else 0,
+               "time_s": time.monotonic() - self.t0, **results}
         self._emit(rec, f"eval after step {step}: " + "  ".join(f"{k} {v:.6f}" for k, v in results.items()))
         if self.tb is not None:
             for k, v in results.items():

@@ -205,6 +205,8 @@ def test_epochs_warmup_cosine_validation_jsonl_and_tensorboard(tmp_path: Path, u
     assert len(set(want["lr"])) > 10  # the schedule really moved the LR
     assert [r["loss"] for r in train] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6)
     assert all(r["samples_per_s"] > 0 and r["step_time_s"] > 0 and r["peak_memory_mb"] > 10 for r in train)
+    times = [r["time_s"] for r in records]  # wall-clock since the run's start, in order (time to accuracy)
+    assert times == sorted(times) and 0 < times[0] and times[-1] > sum(r["step_time_s"] for r in train)
     evals = [r for r in records if r["type"] == "eval"]
     assert [r["step"] for r in evals] == [10, 20, total]
     for r in evals:
