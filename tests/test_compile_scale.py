@@ -14,10 +14,9 @@ import pytest
 
 from pdcompile.errors import ScheduleError, UsageError
 from pdcompile.runtime.schedules import make_schedule
-from pdcompile.runtime.schedules.actions import Action, Kind, Placement, Schedule, stage_ranks
+from pdcompile.runtime.schedules.actions import Action, Kind, Placement, Schedule, rank_of, stage_ranks
 from pdcompile.runtime.schedules.registry import SCHEDULES, VIRTUAL_SCHEDULES, layout
 from pdcompile.runtime.schedules.replay import _sender_key, is_collective, replay, send_release
-from pdcompile.runtime.schedules.actions import rank_of
 from pdcompile.runtime.schedules.transfers import (
     Message,
     Posts,
@@ -184,7 +183,7 @@ def _cases() -> Iterator[tuple[str, Schedule, list[int], Placement | None]]:
             yield f"{name} {replicas} M={m}", sched, replicas, None
     for name in VIRTUAL_SCHEDULES:
         for p, m, steps in ((2, 4, 2), (3, 6, 1), (4, 8, 2)):
-            v = 2 if name in ("zb-v", "dualpipe-v") else 2
+            v = 2  # stages per rank
             replicas = [1] * (p * v)
             sched = make_schedule(name, replicas, m, num_steps=steps, virtual_stages=v)
             place = layout(name, replicas, m, steps, virtual_stages=v).stage_ranks
