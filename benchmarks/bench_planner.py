@@ -326,6 +326,60 @@ def cli(quick: bool, check: bool) -> tuple[str, bool]:
     return "\n".join(lines), ok_all and differ == 0
 
 
+def versus(rev: str, quick: bool) -> tuple[str, bool]:
+    """The command line's defaults planned by ``passes/partition_dp.py`` as it was at git revision
+    ``rev`` and as it is, alternately in this process (the same load for both): CPU seconds, ratio,
+    and whether the plans are identical."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    from pdcompile.passes.partition_dp import partition_dp as now
+    from pdcompile.profile import optimizer_state_factor
+
+    root = Path(__file__).resolve().parent.parent
+    src = subprocess.run(["git", "show", f"{rev}:passes/partition_dp.py"], cwd=root, capture_output=True, text=True,
+                         check=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "partition_dp_then.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location("partition_dp_then", path)
+        assert spec and spec.loader
+        then_mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = then_mod  # its dataclasses look their module up
+        spec.loader.exec_module(then_mod)
+    names = pipedream_profiles()
+    if quick:
+        names = [n for n in names if n in ("alexnet", "vgg16", "resnet50", "gnmt")]
+    rows, same_all = [], True
+    for name in names:
+        prof = load(f"pipedream:{name}")
+        chain = linearize(prof)
+        kw = dict(cost_model="default", optimizer_state_factor=optimizer_state_factor(prof.optimizer),
+                  recompute="auto", pool=True)
+        for cname, (cluster, _target) in CLI_CLUSTERS.items():
+            cpu, plans = [], []
+            for solve in (then_mod.partition_dp, now):
+                c0 = time.process_time()
+                plans.append(solve(chain, cluster, **kw))
+                cpu.append(time.process_time() - c0)
+            same = _fingerprint(plans[0]) == _fingerprint(plans[1])
+            same_all &= same
+            print(f"versus {name} {cname}: {cpu[0]:.3f} -> {cpu[1]:.3f} s {'same' if same else 'DIFFERS'}",
+                  file=sys.stderr, flush=True)
+            rows.append(f"| {name} | {cname} | {cpu[0]:.3f} | {cpu[1]:.3f} | {cpu[0] / max(cpu[1], 1e-9):.1f}x | "
+                        f"{'yes' if same else '**no**'} |")
+    lines = [
+        f"Before and after in one process, alternately (the same load for both): `partition_dp` as at `{rev}` "
+        "and as now, with the command line's defaults (`default`, `recompute=\"auto\"`, pool on); CPU seconds.",
+        "",
+        "| profile | cluster | before CPU s | after CPU s | faster | same plan |",
+        "|---|---|---:|---:|---:|---|",
+        *rows,
+    ]
+    return "\n".join(lines), same_all
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="four profiles only")
@@ -338,10 +392,14 @@ def main() -> int:
     ap.add_argument("--check-plans", action="store_true",
                     help="compare every plan with benchmarks/planner_plans.json (the plans chosen before)")
     ap.add_argument("--only-cli", action="store_true", help="the command line's section only")
+    ap.add_argument("--versus", metavar="REV",
+                    help="only: the command line's defaults planned by partition_dp.py at git REV and now, alternately")
     args = ap.parse_args()
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    if args.only_cli:
+    if args.versus:
+        body, ok = versus(args.versus, args.quick)
+    elif args.only_cli:
         body, ok = cli(args.quick, args.check_plans)
     else:
         body, ok = run(args.quick, not args.no_ilp, args.ilp_time_limit, args.ilp_max_layers)
@@ -349,7 +407,7 @@ def main() -> int:
             cbody, cok = cli(args.quick, args.check_plans)
             body += "\n\n" + cbody
             ok &= cok
-    if not args.no_scale and not args.only_cli:
+    if not args.no_scale and not args.only_cli and not args.versus:
         sbody, sok = scale(args.quick)
         body += "\n\n" + sbody
         ok &= sok
@@ -358,7 +416,7 @@ def main() -> int:
              f"after: {', '.join(f'{x:.2f}' for x in load_after)}.")
     body += f"\n\nWhole benchmark: {time.perf_counter() - t0:.0f} s. All targets met: {'yes' if ok else 'no'}."
     print(body)
-    if not args.no_write and not args.quick and not args.only_cli:
+    if not args.no_write and not args.quick and not args.only_cli and not args.versus:
         write_section("Planner (bench_planner)", body)
     return 0
 

@@ -20,7 +20,7 @@ from pdcompile.passes.planner.evaluate import evaluate_tree
 from pdcompile.passes.planner.memory import EPS
 from pdcompile.passes.planner.pipedream import PipeDreamCosts
 
-__all__ = ["COST_MODELS", "CostModel", "DefaultCosts", "PaperCosts", "make_costs"]
+__all__ = ["COST_CLASSES", "COST_MODELS", "CostModel", "DefaultCosts", "PaperCosts", "make_costs"]
 
 COST_MODELS = ("default", "paper", "pipedream")
 
@@ -31,6 +31,10 @@ class CostModel(Protocol):
     name: str
     #: the model's own solver, where the bisection search does not apply (None: the search)
     solver: Callable[[Any], tuple[Block, ...]] | None
+    #: whether the memory limit is on unless the caller says (``memory_limit=None``)
+    memory_by_default: bool
+    #: whether it models memory at all (a limit, recomputation); off: it refuses a limit, never recomputes
+    models_memory: bool
 
     def stage_time(self, i: int, j: int, r: int, again: float = 0.0) -> tuple[float, float]:
         """(time, its weight-sync part) of a worker-level stage ``i..j`` on ``r`` replicas that runs
@@ -79,6 +83,8 @@ class _Ours:
 
     name = ""
     solver: Callable[[Any], tuple[Block, ...]] | None = None
+    memory_by_default = False
+    models_memory = True
 
     def __init__(self, arrays: ChainArrays, cluster: ClusterSpec) -> None:
         self.a = arrays
@@ -139,6 +145,7 @@ class DefaultCosts(_Ours):
     memory bandwidth``, 0 when the device's is unknown)."""
 
     name = "default"
+    memory_by_default = True
 
     def __init__(self, arrays: ChainArrays, cluster: ClusterSpec, optimizer_state_factor: float) -> None:
         super().__init__(arrays, cluster)
@@ -178,6 +185,10 @@ class DefaultCosts(_Ours):
     def outer_sync_bytes(self, thr: np.ndarray, r: np.ndarray, level: int) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(r > 1, r * thr * self.B[level - 1] / (2.0 * (r - 1)), np.inf)
+
+
+#: each cost model's class, by name (what a model promises before it is built: ``memory_by_default``, ``models_memory``)
+COST_CLASSES: dict[str, Any] = {"default": DefaultCosts, "paper": PaperCosts, "pipedream": PipeDreamCosts}
 
 
 def make_costs(name: str, arrays: ChainArrays, cluster: ClusterSpec, optimizer_state_factor: float) -> CostModel:

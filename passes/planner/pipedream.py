@@ -24,6 +24,8 @@ class PipeDreamCosts:
     paper takes the max; it plans by its own DP (``solver``)."""
 
     name = "pipedream"
+    memory_by_default = False
+    models_memory = False  # the released optimizer plans without a memory limit and never recomputes
 
     def __init__(self, arrays: ChainArrays, cluster: ClusterSpec) -> None:
         self.a = arrays

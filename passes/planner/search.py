@@ -17,7 +17,7 @@ from pdcompile.errors import InfeasiblePlanError, UsageError
 from pdcompile.ir import Chain
 from pdcompile.passes.planner.arrays import ChainArrays, rng
 from pdcompile.passes.planner.blocks import Block, Evaluation
-from pdcompile.passes.planner.costs import COST_MODELS, make_costs
+from pdcompile.passes.planner.costs import COST_CLASSES, COST_MODELS, make_costs
 from pdcompile.passes.planner.decisions import PartialTable, Recompute, allowed_modes, RECOMPUTE
 from pdcompile.passes.planner.memory import EPS, MemoryModel, mode_of
 from pdcompile.runtime.schedules import registry as schedule_registry
@@ -44,7 +44,7 @@ class PlanModel:
         self,
         chain: Chain,
         cluster: ClusterSpec,
-        cost_model: str = "default",
+        cost_model: str = COST_MODELS[0],
         schedule: str = "1f1b",
         memory_limit: bool | None = None,
         optimizer_state_factor: float = 1.0,
@@ -62,7 +62,8 @@ class PlanModel:
             raise UsageError("the chain has no layers: nothing to plan")
         if optimizer_state_factor < 0:
             raise UsageError(f"optimizer_state_factor must be >= 0 (got {optimizer_state_factor})")
-        if cost_model == "pipedream" and memory_limit:
+        kind = COST_CLASSES[cost_model]
+        if not kind.models_memory and memory_limit:
             raise UsageError("the pipedream cost model reproduces PipeDream's released optimizer, which plans without "
                              "a memory limit by default; use cost_model='default' (or 'paper') with memory_limit=True")
         self.chain = chain
@@ -71,11 +72,11 @@ class PlanModel:
         self.schedule = schedule
         self.policy = schedule_registry.policy(schedule)
         self.M = max(1, int(num_microbatches))
-        # the released optimizer's model (a DP of its own) neither limits memory nor recomputes
-        self.recompute = recompute if cost_model != "pipedream" else "none"
+        # a model without memory (the released optimizer's) neither limits it nor recomputes
+        self.recompute = recompute if kind.models_memory else "none"
         self.opt_factor = float(optimizer_state_factor)
         self.allow_replication = allow_replication
-        self.memory_on = (cost_model == "default") if memory_limit is None else bool(memory_limit)
+        self.memory_on = kind.memory_by_default if memory_limit is None else bool(memory_limit)
 
         self.arrays = arrays = ChainArrays(chain)
         self.N = arrays.N
