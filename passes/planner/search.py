@@ -403,6 +403,12 @@ class PlanModel:
         return best_so_far
 
     def feasible(self, tau: float) -> bool:
+        """Whether some configuration has every stage, link and weight sync within ``tau``."""
+        # the search checks each worker-level stage's compute terms (PT's, the least of any mode) within
+        # its workers x tau, so a plan's sum over the chain is within all workers x tau (the 1e-9: far
+        # above the rounding of those checks): below that bound no plan exists, and no search is needed
+        if float(self.PT[-1]) > self.sizes[-1] * tau * (1 + EPS) * (1 + 1e-9):
+            return False
         self._set_tau(tau)
         end = np.array([self.N - 1], dtype=np.int64)
         return bool(self._group_start(self.L, end, np.array([1], dtype=np.int64), np.zeros(1))[0] <= 0)
