@@ -10,7 +10,6 @@ their class and constructor arguments, and checked, by :func:`object_spec`.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import json
 import math
@@ -256,28 +255,9 @@ _GLOBAL_IMPORTS = {
 }
 
 
-def device_free(graph: fx.Graph) -> fx.Graph:
-    """``graph``, or a copy whose constant devices (``arange(..., device=cpu)``, ``to(..., device)``: the
-    compiling process's, recorded by the export front end) read the device of the stage's first input
-    (else first parameter) at run time: a stage compiled on the meta device runs on the rank's."""
-    if not any(isinstance(a, torch.device) for n in graph.nodes for a in (*n.args, *n.kwargs.values())):
-        return graph
-    g = copy.deepcopy(graph)
-    inputs = [n for n in g.nodes if n.op == "placeholder"]
-    anchor = inputs[0] if inputs else next((n for n in g.nodes if n.op == "get_attr"), None)
-    if anchor is None:
-        return graph
-    with g.inserting_after(inputs[-1] if inputs else anchor):
-        dev = g.call_function(getattr, (anchor, "device"))
-    for n in g.nodes:
-        n.args = tuple(dev if isinstance(a, torch.device) else a for a in n.args)
-        n.kwargs = {k: dev if isinstance(v, torch.device) else v for k, v in n.kwargs.items()}
-    return g
-
-
 def _module_parts(gm: fx.GraphModule, what: str) -> tuple[list[str], list[str], str]:
     """The imports, ``__init__`` lines and ``forward`` source that rebuild ``gm`` as a plain module."""
-    code = device_free(gm.graph).python_code(root_module="self")
+    code = gm.graph.python_code(root_module="self")
     src = code.src.strip("\n")
     imports = []
     for name, obj in code.globals.items():
