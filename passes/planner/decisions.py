@@ -172,12 +172,14 @@ class PartialTable:
                 # meter's view; autograd frees it by then)
                 g = (cv < v0 + 0.5).astype(float)
                 R = cv * Wm + g * mm.PWM[J + 1] + kk * (xin + A) - PXi - budget
-                F = (kk - 1) * mm.PX[None, :] + g * mm.PWM[None, :] - kk * mm.RS[None, :]  # nondecreasing
-                # F's rows are nondecreasing (sums and products of monotone arrays round monotonically),
-                # and equal for equal counts: one bisection per count finds the first F >= R - tol
+                # F = (kk - 1) PX + g PWM - kk RS is nondecreasing (sums and products of monotone arrays
+                # round monotonically) and the same for equal counts: one F and one bisection per count
+                # find the first F >= R - tol
                 low = np.empty(R.shape, dtype=np.int64)
                 for rows in _groups(ks):
-                    low[rows] = np.searchsorted(F[rows[0]], R[rows] - tol, side="left")
+                    r0 = rows[0]
+                    F = (kk[r0] - 1) * mm.PX + g[r0] * mm.PWM - kk[r0] * mm.RS
+                    low[rows] = np.searchsorted(F, R[rows] - tol, side="left")
                 q1 = np.where(some, np.maximum(q1, low), q1)
         q1c = np.minimum(q1, N)
         ok &= (q1 <= J) & (mm.PX[q1c] <= hi + tol)
