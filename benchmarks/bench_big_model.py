@@ -213,11 +213,11 @@ def ranks_part(quick: bool, timeout: float, counts: list[int]) -> str:
             growth = f"{(r['startup_s'] / prev[1]) ** (1 / math.log2(n / prev[0])):.2f}x"
         if "startup_s" in r:
             prev = (n, r["startup_s"])
-        emit = _f(r.get("emit_s")) if "emit_error" not in r else f"failed: {r['emit_error']}"
+        emit = _f(r.get("emit_s"), ".3g") if "emit_error" not in r else f"failed: {r['emit_error']}"
         rows.append(f"| {n} | {r['stages']} ({r['replicas']}) | {16 * reps} | {r['compile_s']:.1f} | {emit} | "
-                    f"{_f(r.get('plan_json_kib'))} | {_f(r.get('startup_s'))} | {_f(r.get('startup_cpu_s'))} | "
+                    f"{_f(r.get('plan_json_kib'))} | {_f(r.get('startup_s'), '.3g')} | {_f(r.get('startup_cpu_s'), '.3g')} | "
                     f"{_f(r.get('check_s'), '.2f')} | "
-                    f"{_f(r.get('run_s'))} | {r['peak_rss_gib']:.2f} | {growth} |")
+                    f"{_f(r.get('run_s'), '.3g')} | {r['peak_rss_gib']:.2f} | {growth} |")
         print(rows[-1], flush=True)
     return "\n".join(rows)
 

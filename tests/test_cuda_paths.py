@@ -154,7 +154,7 @@ def test_trainer_data_gives_views_of_a_pinned_minibatch(monkeypatch: pytest.Monk
     x, y = torch.randn(6, 3), torch.arange(6)
     t = trainer.Trainer.__new__(trainer.Trainer)
     t.program = SimpleNamespace(raw={"microbatch_size": 2})
-    t.M, t.data_index, t.data_iter = 3, -1, iter([((x,), y)])
+    t.M, t.data_index, t.data_iter = 3, -1, iter([(0, (0, 1, 2), (x,), y)])  # runtime/data.py Reader's items
     for k in range(3):
         (xk,), yk = t.data(k)
         assert torch.equal(xk, x[2 * k:2 * k + 2]) and torch.equal(yk, y[2 * k:2 * k + 2])
