@@ -24,7 +24,11 @@ growth per doubling of workers (8 x 16 .. 8 x 128). ``--check-plans``: every pla
 (``benchmarks/planner_plans.json``, sha256 of each plan's JSON): they must be identical.
 
 Usage: python benchmarks/bench_planner.py [--quick] [--no-ilp] [--ilp-time-limit S] [--no-scale]
-       [--no-cli] [--check-plans]
+       [--no-cli] [--check-plans] [--only-cli] [--versus BEFORE[:AFTER]]
+
+``--versus BEFORE[:AFTER]``: the command line's defaults planned by the package at git revision
+BEFORE and at AFTER (default: the working tree), each in its own worker process, asked alternately
+so that both see the same load: CPU seconds and whether the plans are identical.
 """
 
 from __future__ import annotations
@@ -326,52 +330,107 @@ def cli(quick: bool, check: bool) -> tuple[str, bool]:
     return "\n".join(lines), ok_all and differ == 0
 
 
-def versus(rev: str, quick: bool) -> tuple[str, bool]:
-    """The command line's defaults planned by ``passes/partition_dp.py`` as it was at git revision
-    ``rev`` and as it is, alternately in this process (the same load for both): CPU seconds, ratio,
-    and whether the plans are identical."""
-    import importlib.util
+_WORKER = r"""
+import json, sys, time
+root = sys.argv[1]
+if root:  # the tree at a revision, laid out as it installs; the editable install's finder set aside
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f)]
+    sys.path.insert(0, root)
+from pdcompile.cluster import paper_cluster
+from pdcompile.passes.linearize import linearize
+from pdcompile.passes.partition_dp import partition_dp
+from pdcompile.profile import load, optimizer_state_factor
+for line in sys.stdin:
+    name, servers = line.split()
+    prof = load(f"pipedream:{name}")
+    chain = linearize(prof)
+    cluster = paper_cluster(servers) if servers in ("A", "B") else paper_cluster("B", servers=int(servers))
+    cpu = float("inf")
+    for _ in range(3 if servers in ("A", "B") else 1):  # the least of three where a plan is quick
+        c0 = time.process_time()
+        plan = partition_dp(chain, cluster, cost_model="default", recompute="auto", pool=True,
+                            optimizer_state_factor=optimizer_state_factor(prof.optimizer))
+        cpu = min(cpu, time.process_time() - c0)
+    d = plan.to_dict()
+    d.pop("planning_seconds")
+    print(json.dumps({"cpu": cpu, "plan": d}), flush=True)
+"""
+
+
+def _common(a: Any, b: Any) -> tuple[Any, Any]:
+    """``a`` and ``b`` with the dict keys only one of them has dropped (at every depth): a field a
+    later revision adds to the Plan does not make the same plan differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted(set(a) & set(b))
+        pairs = [_common(a[k], b[k]) for k in keys]
+        return {k: x for k, (x, _) in zip(keys, pairs)}, {k: y for k, (_, y) in zip(keys, pairs)}
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        pairs = [_common(x, y) for x, y in zip(a, b)]
+        return [x for x, _ in pairs], [y for _, y in pairs]
+    return a, b
+
+
+def versus(revs: str, quick: bool) -> tuple[str, bool]:
+    """The command line's defaults planned by the whole package at git revision ``BEFORE`` and at
+    ``AFTER`` (``BEFORE:AFTER``; no ``AFTER``: the working tree), one worker process each, asked
+    alternately (the same load for both; who goes first alternates too): CPU seconds, ratio, and
+    whether the plans are identical."""
     import subprocess
     import tempfile
 
-    from pdcompile.passes.partition_dp import partition_dp as now
-    from pdcompile.profile import optimizer_state_factor
-
     root = Path(__file__).resolve().parent.parent
-    src = subprocess.run(["git", "show", f"{rev}:passes/partition_dp.py"], cwd=root, capture_output=True, text=True,
-                         check=True).stdout
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "partition_dp_then.py"
-        path.write_text(src)
-        spec = importlib.util.spec_from_file_location("partition_dp_then", path)
-        assert spec and spec.loader
-        then_mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = then_mod  # its dataclasses look their module up
-        spec.loader.exec_module(then_mod)
+    before, _, after = revs.partition(":")
     names = pipedream_profiles()
     if quick:
         names = [n for n in names if n in ("alexnet", "vgg16", "resnet50", "gnmt")]
     rows, same_all = [], True
-    for name in names:
-        prof = load(f"pipedream:{name}")
-        chain = linearize(prof)
-        kw = dict(cost_model="default", optimizer_state_factor=optimizer_state_factor(prof.optimizer),
-                  recompute="auto", pool=True)
-        for cname, (cluster, _target) in CLI_CLUSTERS.items():
-            cpu, plans = [], []
-            for solve in (then_mod.partition_dp, now):
-                c0 = time.process_time()
-                plans.append(solve(chain, cluster, **kw))
-                cpu.append(time.process_time() - c0)
-            same = _fingerprint(plans[0]) == _fingerprint(plans[1])
-            same_all &= same
-            print(f"versus {name} {cname}: {cpu[0]:.3f} -> {cpu[1]:.3f} s {'same' if same else 'DIFFERS'}",
-                  file=sys.stderr, flush=True)
-            rows.append(f"| {name} | {cname} | {cpu[0]:.3f} | {cpu[1]:.3f} | {cpu[0] / max(cpu[1], 1e-9):.1f}x | "
-                        f"{'yes' if same else '**no**'} |")
+    with tempfile.TemporaryDirectory() as tmp:
+        workers = []
+        for k, rev in enumerate((before, after)):
+            tree = ""
+            if rev:  # the tree at rev as it installs: pdcompile/, passes/ and runtime/ inside it (setup.cfg)
+                src = Path(tmp) / f"tree{k}"
+                src.mkdir()
+                archive = subprocess.run(["git", "archive", rev], cwd=root, capture_output=True, check=True).stdout
+                subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+                for sub in ("passes", "runtime"):
+                    (src / sub).rename(src / "pdcompile" / sub)
+                tree = str(src)
+            workers.append(subprocess.Popen([sys.executable, "-c", _WORKER, tree], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, text=True, cwd=tmp))
+
+        def ask(w: subprocess.Popen, name: str, servers: str) -> dict:
+            assert w.stdin and w.stdout
+            w.stdin.write(f"{name} {servers}\n")
+            w.stdin.flush()
+            return json.loads(w.stdout.readline())
+
+        for w in workers:  # warm up: imports and numpy's first calls
+            ask(w, "alexnet", "A")
+        turn = 0
+        for name in names:
+            for cname, servers in (("A", "A"), ("B", "B"), ("C8x128", "128")):
+                order = (0, 1) if turn % 2 == 0 else (1, 0)
+                turn += 1
+                got: dict[int, dict] = {}
+                for k in order:
+                    got[k] = ask(workers[k], name, servers)
+                a, b = _common(got[0]["plan"], got[1]["plan"])
+                same = a == b
+                same_all &= same
+                cpu = (got[0]["cpu"], got[1]["cpu"])
+                print(f"versus {name} {cname}: {cpu[0]:.3f} -> {cpu[1]:.3f} s {'same' if same else 'DIFFERS'}",
+                      file=sys.stderr, flush=True)
+                rows.append(f"| {name} | {cname} | {cpu[0]:.3f} | {cpu[1]:.3f} | {cpu[0] / max(cpu[1], 1e-9):.1f}x | "
+                            f"{'yes' if same else '**no**'} |")
+        for w in workers:
+            assert w.stdin
+            w.stdin.close()
+            w.wait(timeout=60)
     lines = [
-        f"Before and after in one process, alternately (the same load for both): `partition_dp` as at `{rev}` "
-        "and as now, with the command line's defaults (`default`, `recompute=\"auto\"`, pool on); CPU seconds.",
+        f"Before and after, alternately (the same load for both): the package at `{before}` and "
+        f"{f'at `{after}`' if after else 'as now'}, each in its own process, with the command line's defaults "
+        "(`default`, `recompute=\"auto\"`, pool on); CPU seconds per plan (on A and B the least of three).",
         "",
         "| profile | cluster | before CPU s | after CPU s | faster | same plan |",
         "|---|---|---:|---:|---:|---|",
@@ -392,8 +451,9 @@ def main() -> int:
     ap.add_argument("--check-plans", action="store_true",
                     help="compare every plan with benchmarks/planner_plans.json (the plans chosen before)")
     ap.add_argument("--only-cli", action="store_true", help="the command line's section only")
-    ap.add_argument("--versus", metavar="REV",
-                    help="only: the command line's defaults planned by partition_dp.py at git REV and now, alternately")
+    ap.add_argument("--versus", metavar="BEFORE[:AFTER]",
+                    help="only: the command line's defaults planned by the package at git BEFORE and at AFTER "
+                         "(default: the working tree), alternately")
     args = ap.parse_args()
     load_before = os.getloadavg()
     t0 = time.perf_counter()
