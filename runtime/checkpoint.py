@@ -463,12 +463,14 @@ def load_rank(folder: str | os.PathLike[str], plan: Mapping[str, Any] | None, ra
     optim: list[dict[str, dict[str, torch.Tensor]]] = []
     for part in parts:
         per_param: dict[str, dict[str, torch.Tensor]] = {}
-        for name in _param_names(part).values():
+        for local_name, param in part.module.named_parameters():
+            name = _original(part, local_name)
             prefix = f"{OPTIM}{name}/"
             for key, (shape, dtype) in shapes.items():
                 if key.startswith(prefix):
-                    if key not in targets:
-                        targets[key] = torch.empty(shape, dtype=dtype)
+                    if key not in targets:  # a sharded parameter's state (a DTensor) is read as its shard
+                        targets[key] = torch.empty_like(param.detach(), dtype=dtype) \
+                            if _is_dtensor(param) and shape == tuple(param.shape) else torch.empty(shape, dtype=dtype)
                     per_param.setdefault(name, {})[key[len(prefix):]] = targets[key]
         optim.append(per_param)
     check_files(folder, manifest, sorted(files_of(md, targets)))
@@ -482,6 +484,12 @@ def load_rank(folder: str | os.PathLike[str], plan: Mapping[str, Any] | None, ra
         if part.lr_scheduler is not None and state.lr_scheduler is not None:
             part.lr_scheduler.load_state_dict(state.lr_scheduler)
     return state
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _load_optimizer(part: StagePart, per_param: Mapping[str, Mapping[str, torch.Tensor]],

@@ -21,6 +21,7 @@ from pdcompile.runtime.program import Program, StageSpec
 from pdcompile.runtime.recompute import StageRecompute
 from pdcompile.runtime.schedules import Action, Kind
 from pdcompile.runtime.schedules.transfers import TargetPosts, several_per_rank
+from pdcompile.runtime.shard import FullShard, local
 from pdcompile.runtime.graph_split import GraphSplit, graph_route
 from pdcompile.runtime.weight_grads import WeightPass
 
@@ -176,7 +177,8 @@ class StageExecutor:
                  clip_grad_norm: float | None = None, norm_group: Any = None, norm_counts: bool = True,
                  measure_memory: bool = True,
                  norm_skip: frozenset[str] = frozenset(), stage: int | None = None,
-                 mailbox: Mailbox | None = None, weight_pass: str = DEFAULT_WEIGHT_PASS) -> None:
+                 mailbox: Mailbox | None = None, weight_pass: str = DEFAULT_WEIGHT_PASS,
+                 sharded: FullShard | None = None) -> None:
         self.program = program
         self.rank = rank
         # stage: which of the rank's stages this executor runs (virtual stages: one executor each,
@@ -255,6 +257,8 @@ class StageExecutor:
         self.norm_counts = norm_counts
         self.norm_skip = norm_skip
         self.grad_norms: list[torch.Tensor] = []  # the unclipped global norm at each ST (metrics)
+        # shard "full" (runtime/shard.py): FSDP2 reduces at the replica's last backward of a step, never split
+        self.sharded = sharded
 
     def begin(self, first_microbatch: int) -> None:
         """A run of the schedule starts at ``first_microbatch`` (its targets are posted in order from there)."""
@@ -299,6 +303,9 @@ class StageExecutor:
     def prepare(self, actions: Sequence[Action]) -> None:
         """Read the actions about to run: which of this stage's backwards are split (a ``W`` follows)."""
         self._split = {a.mb for a in actions if a.kind is Kind.WEIGHT_GRAD and a.stage == self.stage}
+        if self.sharded is not None:  # FSDP2's hooks reduce in the backward: B does it all, W nothing
+            self._split = set()
+            self.sharded.prepare(actions, self.stage)
 
     def execute(self, a: Action, posts: Sequence[Action] = (), release: Sequence[Action] = ()) -> None:
         """One action of :meth:`run`, with the receives posted before it and the sends released after it."""
@@ -543,6 +550,8 @@ class StageExecutor:
             self.split_counts["graph" if isinstance(route, GraphSplit) else "submodules"] += 1
             self._weight_pass[a.mb] = (route, work)
         elif roots:
+            if self.sharded is not None:
+                self.sharded.before_backward(a.mb)
             torch.autograd.backward(roots, seeds)
         st.outputs, st.loss = [], None  # free the graph (and the weight version it holds)
         self.weights.after_backward(a.mb)
@@ -620,14 +629,14 @@ class StageExecutor:
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.norm_counts:
             for n, g in grads.items():
-                if n not in self.norm_skip:
-                    sq = sq + torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+                if n not in self.norm_skip:  # a full stage's DTensor: this replica's shard
+                    sq = sq + torch.linalg.vector_norm(local(g), dtype=torch.float32) ** 2
         dist.all_reduce(sq, group=self.norm_group)
         norm = sq.sqrt()
         self.grad_norms.append(norm.detach())
         coef = torch.clamp(float(self.clip_grad_norm or 0.0) / (norm + 1e-6), max=1.0)
         for g in grads.values():
-            g.mul_(coef.to(g.dtype))
+            local(g).mul_(coef.to(g.dtype))
 
     def _posted(self, a: Action, works: list[Any]) -> None:
         self.sends.setdefault(a, []).extend(works)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pdcompile.errors import PdcompileError, UsageError
-from pdcompile.runtime import allocator, comm, devices, faults, schedules, sources
+from pdcompile.runtime import allocator, comm, devices, faults, schedules, shard, sources
 from pdcompile.runtime import loop
 from pdcompile.runtime.devices import DEVICE_FLAGS, choose_device, keep_freed_memory
 from pdcompile.runtime.executor import WEIGHT_PASSES
@@ -173,7 +173,10 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
         args = parse_args(argv, program)
         check_args(args, program)
         sources.check_init_from(args.init_from)
-        run_schedule(program, args, int(os.environ.get("RANK", 0)))
+        spec = run_schedule(program, args, int(os.environ.get("RANK", 0)))
+        shard.refuse(shard.stage_modes(program.raw), [len(st.ranks) for st in program.stages], schedule=spec.name,
+                     version_lag=schedules.policy(spec.name).version_lag, tied=bool(program.raw.get("tied")),
+                     microbatches=args.microbatches)
     except UsageError as e:  # the same answer on every rank: say it once
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)

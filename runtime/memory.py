@@ -29,13 +29,15 @@ from typing import Any
 
 import torch
 
+from pdcompile.runtime.shard import local
+
 
 def storages(tensors: Iterable[Any]) -> dict[int, int]:
     """``{storage pointer: bytes}`` of the tensors among ``tensors`` (each storage once)."""
     out: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
+            st = local(t).untyped_storage()  # a sharded stage's DTensor: this replica's shard
             out[st.data_ptr()] = st.nbytes()
     return out
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pdcompile.errors import UsageError
-from pdcompile.runtime import comm, devices, faults, loop, resume, schedules, timing
+from pdcompile.runtime import comm, devices, faults, loop, resume, schedules, shard, timing
 from pdcompile.runtime.data import Reader, epoch_length, local_targets, positions, source
 from pdcompile.runtime.evaluate import Evaluator, metric_of
 from pdcompile.runtime.executor import WEIGHT_PASSES, ActionError, Mailbox, RankExecutor, StageExecutor
@@ -121,9 +121,16 @@ class Trainer:
         mailbox = Mailbox()  # hand-overs between this rank's stages
         self.executors: list[StageExecutor] = []
         split_by = weight_pass(args.weight_pass, self.schedule, rank)  # the rank's, once for its stages
+        # each stage's replicas sharded as plan.json says (runtime/shard.py): FSDP2 before the optimizer is built
+        self.shard_modes = [shard.effective(m, len(st.ranks)) for m, st in zip(shard.stage_modes(program.raw),
+                                                                                program.stages)]
         for st, module in zip(specs, modules):
+            mode = self.shard_modes[st.index]
+            full = shard.FullShard(module, replica_groups[st.index], devices.rank_device()) if mode == "full" else None
             params = [q for q in module.parameters()]
-            optimizer: Any = build(program.raw["optimizer"], params) if params else NoParameters()
+            optimizer: Any = (shard.zero1(program.raw["optimizer"], params, replica_groups[st.index])
+                              if mode == "optimizer" else build(program.raw["optimizer"], params)) \
+                if params else NoParameters()
             sched_spec = loop.scheduler_spec(args, program.raw)  # --lr-scheduler, else plan.json's
             lr_scheduler = loop.build_scheduler(sched_spec, optimizer) if params else None
             norm_skip = frozenset(n for group in program.raw.get("tied", []) for s, n in group
@@ -132,15 +139,16 @@ class Trainer:
                 program, rank, module, optimizer, program.build_loss(devices.rank_device()) if st.index == last else None,
                 accumulation=schedules.policy(self.schedule.name).accumulation(M),
                 data=self.data if reads_data else None, local_targets=local,
-                replica_group=replica_groups.get(st.index), tied_groups=tied_groups[st.index],
+                replica_group=None if full else replica_groups.get(st.index), tied_groups=tied_groups[st.index],
                 lr_scheduler=lr_scheduler, weight_store=VersionedStore(module),
                 recorder=timing.recorder(self.events.append, devices.rank_device()) if args.trace else None,
                 measure_memory=args.metrics is not None,  # metrics report it; measuring costs a hook per saved tensor
                 clock=(lambda: timing.now(devices.rank_device())) if args.trace else time.perf_counter,
                 device=devices.rank_device(), fail_at=args.fail_at, precision=args.precision,
-                clip_grad_norm=args.clip_grad_norm, norm_group=norm_group, norm_counts=rank == st.ranks[0],
+                clip_grad_norm=args.clip_grad_norm, norm_group=norm_group,
+                norm_counts=rank == st.ranks[0] or full is not None,  # full: each replica counts its shard
                 norm_skip=norm_skip, stage=st.index, mailbox=mailbox,
-                weight_pass=split_by,
+                weight_pass=split_by, sharded=full,
             ))
         self.executor = self.executors[0]  # the rank's first stage (metrics, losses)
         self.lr_scheduler = self.executor.lr_scheduler  # the first stage's (checkpoints save every stage's)
@@ -325,10 +333,8 @@ class Trainer:
         if args.save_final:
             out = Path(args.save_final)
             out.mkdir(parents=True, exist_ok=True)
-            for ex in self.executors:
-                tensors = {n: t.detach().cpu() for n, t in ex.module.named_parameters()}
-                tensors.update({n: t.detach().cpu() for n, t in ex.module.named_buffers()})
-                torch.save(tensors, out / f"stage_{ex.stage}.rank_{rank}.pt")
+            for ex in self.executors:  # whole tensors (a full stage's replicas gather theirs together)
+                torch.save(shard.full_tensors(ex.module), out / f"stage_{ex.stage}.rank_{rank}.pt")
         if args.metrics:
             out = Path(args.metrics)
             out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,157 @@
+"""Sharded stage replicas in the runtime (issue 26; runtime/shard.py), through launched ranks under
+the NCCL-rules mode, against single-process PyTorch training (Adam, global-norm clipping):
+
+* ``full`` (FSDP2) on a stage of 2 replicas, plan [2, 1], 3 ranks, flush, 4 microbatches (a replica
+  accumulates 2 before its one reduce-scatter), clipping; a DCP checkpoint at step 2;
+* that checkpoint resumed as ``optimizer`` (ZeRO-1) on both stages of a [2, 2] plan, 4 ranks, gpipe;
+* that run's checkpoint (each replica saved its share of Adam's state) resumed as ``full`` under zb-h1;
+* ``full`` under 1F1B refused by train.py's ``main``: exit 2 and one line.
+
+Every run ends where one process training the whole model on the same minibatches ends (1e-5)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _ranks import run_ranks
+from pdcompile.api import pdcompile
+from pdcompile.errors import UsageError
+from pdcompile.merge import merge_weights
+from pdcompile.runtime import checkpoint, shard
+from pdcompile.runtime import launch as runtime_launch
+from pdcompile.zoo import batches, get
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.multiproc]
+
+MICRO, BATCH, LR, MAX_NORM = 4, 8, 0.01, 0.3
+
+
+def _opt(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=LR)
+
+
+def _emit(folder: Path, replicas: list[int], modes: list[str], schedule: str) -> Path:
+    """The MLP in 2 stages with ``replicas``; each stage's ``shard`` set to ``modes`` in plan.json."""
+    z = get("mlp", batch_size=BATCH, seed=0)
+    pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
+                     optimizer=_opt, stages=2, replicas=replicas, schedule=schedule, num_microbatches=MICRO,
+                     leaf_modules=z.leaf_modules)
+    prog = pipe.emit(folder, data={"factory": "pdcompile.zoo:batches", "kwargs": {"name": "mlp"}})
+    plan = json.loads((prog / "plan.json").read_text())
+    assert [len(s["ranks"]) for s in plan["stages"]] == replicas
+    for st, mode in zip(plan["stages"], modes):
+        st["shard"] = mode
+    (prog / "plan.json").write_text(json.dumps(plan, indent=1))
+    return prog
+
+
+def _reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process: the whole MLP, the same minibatches cut into MICRO microbatches, Adam, the
+    gradient's global norm clipped to MAX_NORM before each step; final weights, unclipped norms."""
+    z = get("mlp", batch_size=BATCH, seed=0)
+    opt = _opt(z.model.parameters())
+    data = batches(BATCH, "mlp")
+    norms = []
+    for _ in range(steps):
+        (x,), y = next(data)
+        opt.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO)):
+            (z.loss_fn(z.model(xs), ys) / MICRO).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(z.model.parameters(), MAX_NORM)))
+        opt.step()
+    return {k: v.detach().clone() for k, v in z.model.state_dict().items()}, norms
+
+
+def _run(prog: Path, nproc: int, *args: str) -> str:
+    rc, out = run_ranks(prog, nproc, ["--timeout", "60", "--clip-grad-norm", str(MAX_NORM), *args], timeout=150)
+    assert rc == 0, out[-4000:]
+    return out
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], also_differs: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=k)
+    assert any(not torch.allclose(got[k], also_differs[k], atol=1e-4) for k in want)  # it trained
+
+
+def _norms(folder: Path) -> list[float]:
+    """The unclipped global norms of the reporting rank (every rank computes the same)."""
+    found = {tuple(json.loads(p.read_text())["grad_norms"]) for p in folder.glob("rank_*.json")}
+    assert len(found) == 1, found  # every rank clipped with the same norm
+    return list(found.pop())
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stage 0 of two replicas under ``full``, stage 1 unreplicated (3 ranks), compiled for flush."""
+    return _emit(tmp_path_factory.mktemp("full") / "prog", [2, 1], ["full", "none"], "flush")
+
+
+def test_sharded_replicas_train_like_one_process_and_resume_across_modes(tmp_path: Path, full: Path) -> None:
+    want2, norms = _reference(2)
+    want4, _ = _reference(4)
+    want6, norms6 = _reference(6)
+    assert all(n > MAX_NORM for n in norms6)  # clipping really scales every step
+
+    # full (FSDP2) over stage 0's two replicas: 3 ranks, flush, checkpoints at steps 2 and 4
+    ck = tmp_path / "ck"
+    _run(full, 3, "--steps", "4", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
+         "--save-final", str(tmp_path / "w_full"), "--metrics", str(tmp_path / "m_full"))
+    _close(merge_weights(full, tmp_path / "w_full"), want4, want2)
+    assert _norms(tmp_path / "m_full") == pytest.approx(_reference(4)[1], rel=1e-5)
+    # each replica saved its half of stage 0's weights and Adam state: DCP's index holds two chunks
+    md = checkpoint.read_metadata(checkpoint.step_dir(ck, 2))
+    w0 = next(k for k in md.state_dict_metadata if k.endswith("weight") and not k.startswith("optim/"))
+    assert len(md.state_dict_metadata[w0].chunks) == 2  # type: ignore[union-attr]
+    assert len(md.state_dict_metadata[f"optim/{w0}/exp_avg"].chunks) == 2  # type: ignore[union-attr]
+
+    # the full run's step 2, resumed as ZeRO-1 on both stages of a [2, 2] plan (4 ranks, gpipe) to step 4
+    zero = _emit(tmp_path / "zero", [2, 2], ["optimizer", "optimizer"], "gpipe")
+    ck2 = tmp_path / "ck2"
+    out = _run(zero, 4, "--steps", "4", "--resume", str(checkpoint.step_dir(ck, 2)), "--checkpoint-dir", str(ck2),
+               "--checkpoint-every", "4", "--save-final", str(tmp_path / "w_zero"),
+               "--metrics", str(tmp_path / "m_zero"))
+    assert "step 2, 2 minibatches consumed" in out
+    _close(merge_weights(zero, tmp_path / "w_zero"), want4, want2)
+    assert _norms(tmp_path / "m_zero") == pytest.approx(norms6[2:4], rel=1e-5)
+    # ZeRO-1: each replica held (and saved) Adam's state of its share of the stage's parameters only
+    states = [json.loads(p.read_text())["memory"]["optimizer_state"] for p in sorted((tmp_path / "m_zero").glob("rank_*.json"))]
+    params = [json.loads(p.read_text())["memory"]["weights"] for p in sorted((tmp_path / "m_zero").glob("rank_*.json"))]
+    for s in range(2):
+        pair = states[2 * s:2 * s + 2]
+        assert 0 < min(pair) and sum(pair) < 2 * params[2 * s] + 64, (states, params)  # 2 x weights, once
+
+    # that checkpoint (Adam's state written in shares by the ZeRO replicas) resumed as full under zb-h1
+    _run(full, 3, "--steps", "6", "--schedule", "zb-h1", "--resume", str(checkpoint.step_dir(ck2, 4)),
+         "--save-final", str(tmp_path / "w_zb"))
+    _close(merge_weights(full, tmp_path / "w_zb"), want6, want4)
+
+
+def test_full_refused_where_a_schedule_cannot_honour_it(full: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Weight stashing keeps full copies: ``full`` under 1F1B is refused by train.py's ``main`` before
+    any process group, exit 2, one line naming the cause and the fix (the plain-data check below)."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exc:
+        runtime_launch.main(full, ["--steps", "1", "--schedule", "1f1b"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "shard 'full' under --schedule 1f1b" in err and "Fix:" in err and "Traceback" not in err
+    # the same check, as plain data: tied parameters, fewer microbatches than replicas; a one-replica stage is none
+    kw: dict[str, Any] = dict(schedule="flush", version_lag=0)
+    with pytest.raises(UsageError, match="tied"):
+        shard.refuse(["full", "none"], [2, 1], tied=True, microbatches=4, **kw)
+    with pytest.raises(UsageError, match="--microbatches 2"):
+        shard.refuse(["full", "none"], [2, 1], tied=False, microbatches=1, **kw)
+    shard.refuse(["none", "full"], [2, 1], tied=True, microbatches=1, **kw)  # stage 1 has one replica: nothing
+    shard.refuse(["optimizer", "none"], [2, 1], schedule="1f1b", version_lag=None, tied=True, microbatches=1)
+    with pytest.raises(UsageError, match="shard 'sharded'"):
+        shard.stage_modes({"stages": [{"shard": "sharded"}]})
+    assert shard.stage_modes({"stages": [{}, {}], "plan": {"stages": [{"shard": "full"}, {}]}}) == ["full", "none"]
