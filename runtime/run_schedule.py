@@ -50,7 +50,7 @@ def weight_pass(flag: str, schedule: ScheduleSpec, rank: int) -> str:
     long runs)."""
     if flag != "auto":
         return flag
-    kinds = Counter(a.kind for a, _ in schedule.rank_run(1, rank))
+    kinds = Counter(a.kind for a in schedule.make(1, ranks=(rank,))[rank])  # one step of this rank alone
     return "graph" if 2 * kinds[Kind.WEIGHT_GRAD] > kinds[Kind.BACKWARD] else "submodules"
 
 

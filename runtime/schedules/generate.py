@@ -5,7 +5,7 @@ schedules by name as functions (:func:`gpipe`, :func:`flush`, :func:`one_f_one_b
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from pdcompile.errors import ScheduleError, UsageError
 from pdcompile.runtime.schedules.actions import Action, Kind, Schedule, stages_of_rank
@@ -68,7 +68,7 @@ def insert_versions(acts: list[Action], version_of: Callable[[int], int], stage:
 
 def make_schedule(name: str, replicas: Sequence[int], num_microbatches: int, *, tied: bool = False,
                   vertical_sync: bool = False, num_steps: int = 1, split_backward: bool = True,
-                  virtual_stages: int = 1) -> Schedule:
+                  virtual_stages: int = 1, ranks: Collection[int] | None = None) -> Schedule:
     """Build the named schedule (:data:`SCHEDULES`) for a pipeline with ``replicas[s]`` replicas of stage s.
 
     ``virtual_stages``: stages per rank, for a schedule with a placement (interleaved-1f1b,
@@ -83,23 +83,33 @@ def make_schedule(name: str, replicas: Sequence[int], num_microbatches: int, *, 
     ``split_backward`` (gpipe and flush; ignored by the others): every stage but the first splits
     its last backward of each step into ``B`` (input gradients, sent at once) and ``W`` (weight
     gradients) — see the package docstring.
+
+    ``ranks``: only these ranks' lists (default every rank's), each equal to the whole schedule's:
+    a rank's order depends only on its stage and replica, and its weight versions on its own steps
+    (or, with vertical sync, on the input stage's ranks', which are then built too but not returned).
     """
+    only = None if ranks is None else set(ranks)
     lay = layout(name, replicas, num_microbatches, num_steps, vertical_sync, split_backward, virtual_stages)
     if tied and lay.policy.update_per_microbatch and len(set(lay.replicas)) > 1:
         raise UsageError(
             f"1F1B steps every r_s microbatches on a stage with r_s replicas, so with replicas "
             f"{list(lay.replicas)} the stages' steps don't line up and tied gradients can't be summed "
             f"step by step; use equal replica counts, or flush/gpipe/2bw")
-    ranks = lay.stage_ranks
+    where = lay.stage_ranks
+    wanted = None if only is None else set(only)
+    if wanted is not None and lay.vertical_sync:  # versions read the input stage's steps
+        wanted |= set(where[0])
     base: Schedule = {}
-    for s, rs in enumerate(ranks):
+    for s, rs in enumerate(where):
         for i, rank in enumerate(rs):
-            if rank not in base:  # a rank's first stage; with virtual stages its order covers all of them
-                base[rank] = lay.policy.order(lay, s, i, tied)
+            if rank not in base and (wanted is None or rank in wanted):
+                base[rank] = lay.policy.order(lay, s, i, tied)  # its first stage's: with virtual stages, all of them
     versions = expected_versions(lay, base)
     out: Schedule = {}
     for rank, acts in base.items():
-        stages = stages_of_rank(rank, ranks)
+        if only is not None and rank not in only:
+            continue
+        stages = stages_of_rank(rank, where)
         for s in stages:
             acts = insert_versions(acts, functools.partial(_version_of, versions, s),
                                    stage=s if len(stages) > 1 else None)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pdcompile.runtime.schedules.actions import Action, Kind, shift
 from pdcompile.runtime.schedules.generate import make_schedule
 from pdcompile.runtime.schedules.registry import layout
+from pdcompile.runtime.schedules.replay import near_ranks
 from pdcompile.runtime.schedules.transfers import rank_plan
 from pdcompile.runtime.schedules.versions import peak_weight_versions
 
@@ -77,10 +78,18 @@ _Base = tuple[list[Action], dict[int, list[Action]], int, list[tuple[Action, ...
 
 
 def _base(name: str, replicas: tuple[int, ...], m: int, steps: int, rank: int, kw: tuple) -> _Base:
+    """``rank``'s list of a ``steps``-step run with its release and posts. With one stage per rank
+    only the rank's own list and its peers' are built (:func:`~.transfers.rank_plan` reads no
+    other); with virtual stages (one pipeline) every rank's."""
     opts = dict(kw)
-    sched = make_schedule(name, replicas, m, num_steps=steps, **opts)
     lay = layout(name, replicas, m, steps, virtual_stages=opts.get("virtual_stages", 1))
     place = lay.stage_ranks if lay.policy.placement is not None else None
+    if place is None:
+        mine = make_schedule(name, replicas, m, num_steps=steps, ranks=(rank,), **opts)
+        sched = {**mine, **make_schedule(name, replicas, m, num_steps=steps,
+                                         ranks=near_ranks(mine[rank], rank, lay.stage_ranks), **opts)}
+    else:
+        sched = make_schedule(name, replicas, m, num_steps=steps, **opts)
     release, posts = rank_plan(sched, replicas, rank, place)
     return sched[rank], release, peak_weight_versions({rank: sched[rank]})[rank], posts
 

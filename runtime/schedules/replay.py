@@ -100,14 +100,21 @@ def replay(sched: Schedule, replicas: Sequence[int],
 
 def causal_replay(sched: Schedule, replicas: Sequence[int],
                   execute: Callable[[list[tuple[int, int]], Action], None], *, name: str = "schedule",
-                  placement: Placement | None = None, step_collective: bool = False) -> None:
+                  placement: Placement | None = None, step_collective: bool = False, part: bool = False) -> None:
     """:func:`replay`'s dependencies and callbacks in time linear in the actions: a rank that blocks
     waits until the send or the collective it waits for completes, instead of every rank being
     looked at again on each round. The order of the ``execute`` calls respects every dependency but
     may differ from :func:`replay`'s, so it serves callers whose result depends on the dependencies
-    alone (vector clocks, longest paths). A deadlock is reported by :func:`replay`, as it names it."""
-    ranks = stage_ranks(replicas, placement)
+    alone (vector clocks, longest paths). A deadlock is reported by :func:`replay`, as it names it.
+
+    ``part``: ``sched`` holds only some ranks (a rank and its peers): a receive from a rank not in it
+    runs at once, and a collective waits only for its participants in it. What the replay proves
+    then still holds in the whole cluster (its dependencies are a subset of the cluster's)."""
+    where = ranks = stage_ranks(replicas, placement)
     all_ranks = sorted(sched)
+    present = set(all_ranks)
+    if part:
+        ranks = [[q for q in rs if q in present] for rs in ranks]
     pcs = {r: 0 for r in all_ranks}
     sent: set[tuple[Kind, int, int]] = set()
     waiting: dict[tuple[Kind, int, int], list[int]] = {}  # a send -> the ranks blocked on its receive
@@ -125,7 +132,7 @@ def causal_replay(sched: Schedule, replicas: Sequence[int],
             if kind is Kind.RECV_ACT or kind is Kind.RECV_GRAD:
                 key = (Kind.SEND_ACT, a.stage - 1, a.microbatch) if kind is Kind.RECV_ACT else \
                     (Kind.SEND_GRAD, a.stage + 1, a.microbatch)
-                if key not in sent:
+                if key not in sent and not (part and rank_of(key[1], a.mb, where) not in present):
                     waiting.setdefault(key, []).append(r)  # type: ignore[arg-type]
                     break
             elif kind in collectives:
@@ -150,6 +157,9 @@ def causal_replay(sched: Schedule, replicas: Sequence[int],
                 ready.extend(waiting.pop(key, ()))  # type: ignore[arg-type]
             pcs[r] += 1
     if any(pcs[r] < len(sched[r]) for r in all_ranks):
+        if part:
+            raise ScheduleError(f"{name}: rule 'no deadlock' broken: ranks {all_ranks} wait on each other "
+                                f"(validate the whole schedule to see where)")
         replay(sched, replicas, name=name, placement=placement, step_collective=step_collective)  # names it
         raise ScheduleError(f"{name}: internal: a deadlock that replay does not see")  # pragma: no cover
 
@@ -178,17 +188,48 @@ def send_release(sched: Schedule, replicas: Sequence[int], placement: Placement 
     happens-before it uses still holds), so one release serves runs with and without clipping.
 
     ``ranks``: only these ranks' releases (default all). A rank's release reads only what it knows
-    of the ranks it sends to, so the vector clocks are cut to those components and the replay is
-    :func:`causal_replay`: one pass over the actions, each carrying a handful of numbers.
+    of the ranks it sends to, so the vector clocks are cut to those components. With one stage per
+    rank it replays only the rank and the ranks it exchanges messages with (:func:`near_ranks`,
+    ``causal_replay(part=True)``): what that proves holds in the whole cluster, and a target's
+    send is known complete at the latest at the first stage's ``B k``, whose gradient came down
+    from the last stage's ``B k``, after its ``F k``. So a rank's release costs its own and its
+    peers' actions, whatever the size of the cluster. With virtual stages (one pipeline, one
+    replica per stage) the whole schedule is replayed.
 
     >>> from pdcompile.runtime.schedules import make_schedule
     >>> sched = make_schedule("gpipe", [1, 1], 2, split_backward=False)
     >>> {str(sched[0][i]): [str(b) for b in bs] for i, bs in send_release(sched, [1, 1])[0].items()}
     {'0B1': ['0F0', '0SF0', '0F1', '0SF1']}
     """
-    execute, out = release_recorder(sched, replicas, placement, step_collective=step_collective, ranks=ranks)
-    causal_replay(sched, replicas, execute, name="send release", placement=placement, step_collective=step_collective)
+    if placement is not None:  # virtual stages: one pipeline, replayed whole
+        execute, got = release_recorder(sched, replicas, placement, step_collective=step_collective, ranks=ranks)
+        causal_replay(sched, replicas, execute, name="send release", placement=placement,
+                      step_collective=step_collective)
+        return got
+    where = stage_ranks(replicas)
+    out: dict[int, dict[int, list[Action]]] = {}
+    for r in (sorted(sched) if ranks is None else ranks):
+        part = {q: sched[q] for q in [r, *near_ranks(sched[r], r, where)]}
+        execute, got = release_recorder(part, replicas, step_collective=step_collective, ranks=(r,))
+        causal_replay(part, replicas, execute, name="send release", step_collective=step_collective, part=True)
+        out[r] = got[r]
     return out
+
+
+def near_ranks(acts: Sequence[Action], rank: int, ranks: Sequence[Sequence[int]]) -> list[int]:
+    """The other ranks a rank with actions ``acts`` sends to or receives from (targets included)."""
+    S = len(ranks)
+    out: set[int] = set()
+    for a in acts:
+        if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD) or (a.kind is Kind.FORWARD and a.stage == 0):
+            out.update(_receivers(a, ranks))
+        elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+            _, stage, mb = _sender_key(a)
+            out.add(rank_of(stage, mb, ranks))
+        elif a.kind is Kind.FORWARD and a.stage == S - 1 and S > 1:
+            out.add(rank_of(0, a.mb, ranks))
+    out.discard(rank)
+    return sorted(out)
 
 
 Execute = Callable[[list[tuple[int, int]], Action], None]
@@ -212,6 +253,13 @@ def release_recorder(sched: Schedule, replicas: Sequence[int], placement: Placem
         if peer not in pos:
             pos[peer] = {(a.kind, a.microbatch): i for i, a in enumerate(sched[peer])}
         return pos[peer][(use, k)]
+
+    last_f: dict[int, dict[int, int]] = {}  # a last-stage rank -> microbatch -> its index of that stage's F
+
+    def last_forward(peer: int, k: int) -> int:
+        if peer not in last_f:
+            last_f[peer] = {a.mb: i for i, a in enumerate(sched[peer]) if a.kind is Kind.FORWARD and a.stage == last}
+        return last_f[peer][k]
 
     vc = {r: [-1] * len(track) for r in all_ranks}
     snapshot: dict[tuple[Kind, int, int], list[int]] = {}  # a send -> its sender's clock then
@@ -258,13 +306,21 @@ def release_recorder(sched: Schedule, replicas: Sequence[int], placement: Placem
             got = merge_at[r].pop((kind, k), None)
             if got is not None:
                 merge(vc[r], got)
+            if kind is B and a.stage == 0 and last > 0 and r in mine:  # k's gradient came down from the last stage
+                peer = rank_of(last, k, where)
+                if peer in col:
+                    vc[r][col[peer]] = max(vc[r][col[peer]], last_forward(peer, k))
             if kind is F and a.stage == 0 and last > 0 and r in mine:  # the target, to the last stage
                 peer = rank_of(last, k, where)
                 open_[r].append((peer, index_of(peer, F, k), a))
         elif kind is RF:
-            merge_at[r][(F, k)] = snapshot[(SF, a.stage - 1, k)]
+            got = snapshot.get((SF, a.stage - 1, k))  # None: sent by a rank outside a part's replay
+            if got is not None:
+                merge_at[r][(F, k)] = got
         elif kind is RB:
-            merge_at[r][(B, k)] = snapshot[(SB, a.stage + 1, k)]
+            got = snapshot.get((SB, a.stage + 1, k))
+            if got is not None:
+                merge_at[r][(B, k)] = got
         elif kind is SF or kind is SB:
             snapshot[(kind, a.stage, k)] = list(vc[r])
             if r in mine:

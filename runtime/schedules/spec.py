@@ -8,7 +8,7 @@ rank's actions. train.py runs it."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,11 +51,11 @@ class ScheduleSpec:
         return (f"{self.name} on replicas {list(self.replicas)}, {self.num_microbatches} microbatches per step"
                 + (f" ({', '.join(opts)})" if opts else ""))
 
-    def make(self, num_steps: int) -> Schedule:
-        """Every rank's actions for ``num_steps`` steps."""
+    def make(self, num_steps: int, ranks: Collection[int] | None = None) -> Schedule:
+        """Every rank's actions for ``num_steps`` steps (``ranks``: only those ranks', built alone)."""
         return make_schedule(self.name, self.replicas, self.num_microbatches, tied=self.tied,
                              vertical_sync=self.vertical_sync, num_steps=num_steps, split_backward=self.split_backward,
-                             virtual_stages=self.virtual_stages)
+                             virtual_stages=self.virtual_stages, ranks=ranks)
 
     @property
     def stage_ranks(self) -> list[list[int]]:
@@ -115,12 +115,12 @@ def agrees(spec: ScheduleSpec, raw: dict[str, Any], rank: int) -> bool:
     """Whether this runtime rebuilds, for ``rank``, the very actions the compiler wrote: the rank's
     list for the check run equals the text plan.json spells out for it, where it does, and has the
     digest plan.json gives it, where it gives one (an older plan.json has every rank's text and no
-    digests). Only this rank's list is built and read."""
+    digests). Only this rank's list is built (``make_schedule(ranks=...)``) and read."""
     check = raw["check"]
     text, want = check.get("ranks", {}).get(str(rank)), check.get("digests", {}).get(str(rank))
     if text is None and want is None:
         return False
-    mine = actions_text(spec.make(int(check["steps"]))[rank])
+    mine = actions_text(spec.make(int(check["steps"]), ranks=(rank,))[rank])
     return (text is None or mine == text) and (want is None or digest(mine) == want)
 
 

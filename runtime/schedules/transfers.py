@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from pdcompile.errors import ScheduleError
 from pdcompile.runtime.schedules.actions import Action, Kind, Placement, Schedule, rank_of, stage_ranks
-from pdcompile.runtime.schedules.replay import Execute, causal_replay, collective_key, is_collective, release_recorder
+from pdcompile.runtime.schedules.replay import Execute, causal_replay, collective_key, is_collective, near_ranks, release_recorder
 
 Posts = dict[int, list[tuple[Action, ...]]]  # rank -> per action index, the receives posted before it
 
@@ -139,15 +139,6 @@ def is_local(m: Message, ranks: Sequence[Sequence[int]]) -> bool:
     return src == dst
 
 
-def _send_clocks(sched: Schedule, replicas: Sequence[int], placement: Placement | None,
-                 track: Sequence[int]) -> dict[_Key, _Clock]:
-    """Each message -> who sends it, when, and what its sender knows then of ``track``
-    (:func:`clock_recorder` over :func:`causal_replay`)."""
-    execute, out = clock_recorder(replicas, track)
-    causal_replay(sched, replicas, execute, name="transfer order", placement=placement)
-    return out
-
-
 _Key = tuple[int, str, int]  # a Message's fields, in its order: (microbatch, kind, stage)
 _Clock = tuple[int, int, tuple[int, ...], int]  # a message's sender: rank, index, its clock then, the unit-cost time
 
@@ -215,14 +206,47 @@ def _peers(acts: Sequence[Action], S: int, ranks: Sequence[Sequence[int]]) -> li
 def link_order(sched: Schedule, replicas: Sequence[int], placement: Placement | None = None,
                pairs: Collection[tuple[int, int]] | None = None) -> dict[tuple[int, int], list[Message]]:
     """Per pair of ranks ``(low, high)`` (those in ``pairs``, default every pair that exchanges a
-    message), the order in which both issue their messages: a linear extension of happens-before
-    (either side's sends in its own issue order; of two messages neither of which happens before
-    the other, the one sent sooner if ``F``, ``B`` and ``W`` took 1, 2 and 1 units, then the smaller
-    microbatch). A pair's order reads only what its two ranks know of each other, so the clocks
-    track only the ranks of ``pairs``."""
-    track = sorted(sched) if pairs is None else sorted({q for pair in pairs for q in pair})
-    clocks = _send_clocks(sched, replicas, placement, track)
-    return _link_order(clocks, track, stage_ranks(replicas, placement), pairs)
+    message), the order in which both issue their messages (:func:`pair_order`). With one stage per
+    rank a pair's order is a function of its two ranks' action lists alone, so both sides, each
+    knowing only its own peers' lists, derive the same one."""
+    where = stage_ranks(replicas, placement)
+    if pairs is None:
+        pairs = {(min(r, p), max(r, p)) for r in sched for p in _peers(sched[r], len(replicas), where)}
+    if placement is not None:  # virtual stages: the whole pipeline's replay (see pair_order)
+        track = sorted({q for pair in pairs for q in pair})
+        execute, clocks = clock_recorder(replicas, track)
+        causal_replay(sched, replicas, execute, name="transfer order", placement=placement)
+        return _link_order(clocks, track, where, pairs)
+    return {pair: pair_order(sched, replicas, pair) for pair in sorted(pairs)}
+
+
+def pair_order(sched: Schedule, replicas: Sequence[int], pair: tuple[int, int],
+               placement: Placement | None = None) -> list[Message]:
+    """The order in which ranks ``pair = (low, high)`` issue their messages to each other: each
+    side's sends in its own issue order; of a message from each side, the one that happens before
+    the other first, else the one sent sooner if ``F``, ``B`` and ``W`` took 1, 2 and 1 units, then
+    the smaller microbatch.
+
+    With one stage per rank (no ``placement``) happens-before and the unit-cost times come from a
+    replay of the two ranks alone (``sched`` needs no other rank's list; messages from other ranks
+    arrive at once, a collective joins its participants among the two). Any such order lets NCCL
+    complete the pair's transfers: a rank blocks only in a computation that waits for a message,
+    and by then it has issued everything that comes before that message on the pair, so no pair
+    waits for anything but the schedule's own dependencies. Reading only the pair keeps a rank's
+    plan linear in its own and its peers' actions, whatever the size of the cluster.
+
+    With virtual stages the targets travel a step's at a time and are posted where the last
+    stage's rank posts its step's first receive, wherever that is; a replay of the two ranks alone
+    can order a step's targets after a message that rank sends later (the tie's unit-cost times
+    no longer see the pipeline). There the times come from the whole cluster's replay: such a
+    schedule has one replica per stage, so its cluster is one pipeline (:func:`link_order`)."""
+    if placement is not None:
+        return link_order(sched, replicas, placement, {pair}).get(pair, [])
+    track = sorted(set(pair))
+    part = {q: sched[q] for q in track}
+    execute, clocks = clock_recorder(replicas, track)
+    causal_replay(part, replicas, execute, name="transfer order", part=True)
+    return _link_order(clocks, track, stage_ranks(replicas), {pair}).get(pair, [])
 
 
 def _link_order(clocks: dict[_Key, _Clock], track: Sequence[int], ranks: Sequence[Sequence[int]],
@@ -271,21 +295,18 @@ def transfer_plan(sched: Schedule, replicas: Sequence[int], placement: Placement
     """Per rank (those in ``ranks``, default all) and action index, the receive actions
     (``RF``/``RB``) to post just before that action.
 
-    On each pair's :func:`link_order`, a receive goes after this rank's sends that precede it and
+    On each pair's :func:`pair_order`, a receive goes after this rank's sends that precede it and
     before those that follow it, and after the pair's earlier receives; within that, as early as
     one computation (``F``/``B``) before its own ``RF``/``RB``, so its data can land while the rank
-    computes. Every ``RF``/``RB`` is posted exactly once, at or before its own index. The pair order
-    is happens-before; ties go to the message sent sooner in a unit-cost timing.
+    computes. Every ``RF``/``RB`` is posted exactly once, at or before its own index.
 
-    A rank's plan needs only the orders of the pairs it receives on, so for a few ``ranks`` the
-    clocks track those ranks and their peers: one pass over the schedule's actions, each carrying a
-    handful of numbers, instead of every rank's (:func:`rank_transfer_plan`).
+    A rank's plan reads only its own list and those of the ranks it receives from: ``sched`` needs
+    no other (:func:`rank_transfer_plan`).
     """
     where = stage_ranks(replicas, placement)
     S = len(replicas)
     mine = sorted(sched) if ranks is None else sorted(ranks)
-    pairs = None if ranks is None else \
-        {(min(r, p), max(r, p)) for r in mine for p in _peers(sched[r], S, where)}
+    pairs = {(min(r, p), max(r, p)) for r in mine for p in _peers(sched[r], S, where)}
     order = link_order(sched, replicas, placement, pairs)
     index: dict[Message, int] = {m: i for seq in order.values() for i, m in enumerate(seq)}
     return {r: _posts(r, sched[r], S, where, order, index) for r in mine}
@@ -297,24 +318,38 @@ def rank_transfer_plan(sched: Schedule, replicas: Sequence[int], rank: int,
     return transfer_plan(sched, replicas, placement, ranks=(rank,))[rank]
 
 
+def peers(sched: Schedule, replicas: Sequence[int], rank: int, placement: Placement | None = None) -> list[int]:
+    """The ranks ``rank`` exchanges messages with (targets included), read off its own list: the
+    ranks whose lists its plan and its send release read (:func:`rank_plan`)."""
+    return near_ranks(sched[rank], rank, stage_ranks(replicas, placement))
+
+
 def rank_plan(sched: Schedule, replicas: Sequence[int], rank: int, placement: Placement | None = None
               ) -> tuple[dict[int, list[Action]], list[tuple[Action, ...]]]:
-    """One rank's :func:`~.replay.send_release` and :func:`rank_transfer_plan` from one replay of
-    the schedule (both callbacks on each action): what a rank's start-up needs of the cluster."""
-    where = stage_ranks(replicas, placement)
-    pair = {(min(rank, p), max(rank, p)) for p in _peers(sched[rank], len(replicas), where)}
-    track = sorted({q for pr in pair for q in pr})
-    clocks_at, clocks = clock_recorder(replicas, track)
-    release_at, release = release_recorder(sched, replicas, placement, ranks=(rank,))
+    """One rank's :func:`~.replay.send_release` and :func:`rank_transfer_plan`: what a rank's
+    start-up needs of the cluster. With one stage per rank ``sched`` needs only ``rank``'s list and
+    its :func:`peers`': the release replays those ranks alone (what it proves holds in the whole
+    cluster), each pair's order its two ranks. With virtual stages (one pipeline) every rank's."""
+    if placement is not None:
+        where = stage_ranks(replicas, placement)
+        pair = {(min(rank, p), max(rank, p)) for p in _peers(sched[rank], len(replicas), where)}
+        track = sorted({q for pr in pair for q in pr})
+        clocks_at, clocks = clock_recorder(replicas, track)
+        release_at, release = release_recorder(sched, replicas, placement, ranks=(rank,))
 
-    def both(parts: list[tuple[int, int]], a: Action) -> None:
-        clocks_at(parts, a)
-        release_at(parts, a)
+        def both(parts: list[tuple[int, int]], a: Action) -> None:
+            clocks_at(parts, a)
+            release_at(parts, a)
 
-    causal_replay(sched, replicas, both, name="transfer order", placement=placement)
-    order = _link_order(clocks, track, where, pair)
-    index: dict[Message, int] = {m: i for seq in order.values() for i, m in enumerate(seq)}
-    return release[rank], _posts(rank, sched[rank], len(replicas), where, order, index)
+        causal_replay(sched, replicas, both, name="transfer order", placement=placement)
+        order = _link_order(clocks, track, where, pair)
+        index: dict[Message, int] = {m: i for seq in order.values() for i, m in enumerate(seq)}
+        return release[rank], _posts(rank, sched[rank], len(replicas), where, order, index)
+    near = [rank] + peers(sched, replicas, rank)
+    part = {q: sched[q] for q in near}
+    release_part, release = release_recorder(part, replicas, ranks=(rank,))
+    causal_replay(part, replicas, release_part, name="send release", part=True)
+    return release[rank], rank_transfer_plan(part, replicas, rank)
 
 
 def _posts(r: int, acts: Sequence[Action], S: int, ranks: Sequence[Sequence[int]],
