@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pdcompile.ir import CompileState, need
 from pdcompile.runtime.schedules import format_grid
-from pdcompile.runtime.schedules.spec import CHECK_STEPS, ScheduleSpec, default_split_backward
+from pdcompile.runtime.schedules.spec import CHECK_STEPS, CHECK_TEXT_RANKS, ScheduleSpec, default_split_backward
 
 
 @dataclass(frozen=True)
@@ -43,12 +43,16 @@ def run(state: CompileState, opts: ScheduleOptions) -> CompileState:
 
 def format_schedule(state: CompileState) -> str:
     """The dump: the spec, the periodic form every rank runs for a run of any length, and the action
-    lists of a short run exactly as plan.json spells them out (what train.py checks it rebuilds)."""
+    lists of a short run exactly as plan.json spells them out (what train.py checks it rebuilds).
+    Like plan.json it shows the first :data:`CHECK_TEXT_RANKS` ranks, each derived alone (its own
+    and its peers' lists), so a dump of a thousand-rank plan costs what sixteen ranks' start-ups do."""
     spec = need(state.schedule_spec, "schedule_spec")
+    shown = range(min(spec.world_size, CHECK_TEXT_RANKS))
+    rest = spec.world_size - len(shown)
     lines = [f"schedule: {spec}", "",
              "periodic form (any number of steps N; a period's later copies shift microbatches and versions):"]
     steps = 64
-    for rank in range(spec.world_size):
+    for rank in shown:
         run = spec.rank_run(steps, rank)
         if run.repeats:
             lines.append(f"rank {rank}: head {' '.join(map(str, run.head))}")
@@ -56,6 +60,8 @@ def format_schedule(state: CompileState) -> str:
             lines.append(f"        tail {' '.join(map(str, run.tail))}")
         else:
             lines.append(f"rank {rank}: laid out whole (no period)")
+    if rest:
+        lines.append(f"(ranks {len(shown)} .. {spec.world_size - 1} not shown: plan.json checks them by digest)")
     lines += ["", f"the first {CHECK_STEPS} steps, every action (plan.json schedule.check):",
-              format_grid(spec.make(CHECK_STEPS), compute_only=False)]
+              format_grid(spec.make(CHECK_STEPS, ranks=shown), compute_only=False)]
     return "\n".join(lines)
