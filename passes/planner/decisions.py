@@ -240,7 +240,7 @@ class PartialTable:
 
         def any_fits(k: int) -> bool:
             return bool(np.any(self.grid(np.full(len(few), k), few)[0])
-                        or np.any(self.grid(np.full(self.N, k), ends)[0]))
+                        or (len(few) < self.N and np.any(self.grid(np.full(self.N, k), ends)[0])))
 
         lo, hi = 0, max(self.memory.workers, self.memory.M)
         if any_fits(hi):
