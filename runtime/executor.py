@@ -259,6 +259,7 @@ class StageExecutor:
         self.grad_norms: list[torch.Tensor] = []  # the unclipped global norm at each ST (metrics)
         # shard "full" (runtime/shard.py): FSDP2 reduces at the replica's last backward of a step, never split
         self.sharded = sharded
+        self.meter.sharded = sharded is not None
 
     def begin(self, first_microbatch: int) -> None:
         """A run of the schedule starts at ``first_microbatch`` (its targets are posted in order from there)."""
@@ -554,6 +555,8 @@ class StageExecutor:
                 self.sharded.before_backward(a.mb)
             torch.autograd.backward(roots, seeds)
         st.outputs, st.loss = [], None  # free the graph (and the weight version it holds)
+        if self.sharded is not None:  # full: the gathered copy and unsharded gradients, before the reduce-scatter
+            self._measure()
         self.weights.after_backward(a.mb)
         if self.is_first:
             self.mbs.pop(a.mb, None)

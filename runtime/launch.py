@@ -175,7 +175,8 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
         sources.check_init_from(args.init_from)
         spec = run_schedule(program, args, int(os.environ.get("RANK", 0)))
         shard.refuse(shard.stage_modes(program.raw), [len(st.ranks) for st in program.stages], schedule=spec.name,
-                     version_lag=schedules.policy(spec.name).version_lag, tied=bool(program.raw.get("tied")),
+                     version_lag=schedules.policy(spec.name).version_lag,
+                     tied={int(s) for group in program.raw.get("tied", []) for s, _ in group},
                      microbatches=args.microbatches)
     except UsageError as e:  # the same answer on every rank: say it once
         if int(os.environ.get("RANK", 0)) == 0:

@@ -100,6 +100,7 @@ class MemoryMeter:
         self.recompute_bytes = 0  # one microbatch's saved tensors, rebuilt at its backward (recompute)
         self.peak: dict[str, int] = {"total": 0}
         self.microbatch_peak = 0  # the most bytes one microbatch in flight held at a measuring point
+        self.sharded = False  # shard "full" (runtime/shard.py): weights are this replica's shard, plus "gathered"
 
     @contextmanager
     def saving(self, microbatch: int, weights: Iterable[torch.Tensor] = ()) -> Iterator[Spans]:
@@ -110,8 +111,13 @@ class MemoryMeter:
             return
         skip = self.static | set(storages(weights))
         mine = self.activations.setdefault(microbatch, {})
+        gathered = not self.sharded  # shard "full": FSDP2 gathers the parameters inside the forward, not before
 
         def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal gathered
+            if not gathered:  # the first saved tensor: the gathered working copy is held now (not an activation)
+                skip.update(storages(p for p in self.module.parameters() if p is local(p)))
+                gathered = True
             if t.untyped_storage().data_ptr() not in skip:
                 _note(mine, t, self.data_storages)
             return t.detach()  # a detached alias: no cycle through an output's own grad_fn
@@ -155,6 +161,9 @@ class MemoryMeter:
             "weights": self.param_bytes * live_versions, "gradients": sum(grads.values()),
             "optimizer_state": sum(state.values()), "activations": sum(acts.values()),
             "receive_buffers": sum(recv.values()), "recompute": self.recompute_bytes if rebuilding else 0,
+            # FSDP2's gathered working copy, while the module holds it (its parameters are plain tensors then)
+            "gathered": sum(p.numel() * p.element_size() for p in self.module.parameters() if p is local(p))
+            if self.sharded else 0,
             "in_flight": len(keep),
         }
         total = sum(v for k, v in parts.items() if k != "in_flight")

@@ -13,7 +13,8 @@
   (``requires_gradient_sync`` off before it: :class:`FullShard`). The reduction sums, as ``AR``
   does (the loss is already scaled by 1/microbatches). Its backward is never split into ``B`` and
   ``W`` (FSDP2 reduces in its backward hooks; ``W`` is then a no-op). Refused with weight
-  versions (1F1B, 2BW: a stash is a full copy) and tied parameters (:func:`refuse`).
+  versions (1F1B, 2BW: a stash is a full copy) and on a stage with a parameter tied to another stage
+  (:func:`refuse`).
 
 Global-norm clipping counts each replica's own shard under ``full`` (:func:`local`); a checkpoint
 saves sharded tensors with DCP under the model's names, so it resumes under any mode or replica
@@ -23,7 +24,7 @@ count (runtime/checkpoint.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,9 +58,10 @@ def effective(mode: str, replicas: int) -> str:
 
 
 def refuse(modes: Sequence[str], replicas: Sequence[int], *, schedule: str, version_lag: int | None,
-           tied: bool, microbatches: int) -> None:
+           tied: Collection[int], microbatches: int) -> None:
     """A :class:`UsageError` for a ``full`` stage the run cannot honour (plain data, before any process
-    group): weight versions, tied parameters, fewer microbatches than replicas."""
+    group): weight versions, a parameter tied with another stage (``tied``: the stages holding one),
+    fewer microbatches than replicas."""
     full = [k for k, (m, r) in enumerate(zip(modes, replicas)) if effective(m, r) == "full"]
     if not full:
         return
@@ -68,13 +70,14 @@ def refuse(modes: Sequence[str], replicas: Sequence[int], *, schedule: str, vers
         raise UsageError(f"stage {k} has shard 'full' under --schedule {schedule}, which keeps stashed weight "
                          f"versions (each a full copy of the stage). Fix: shard='optimizer' (optimizer state only), "
                          f"or a synchronous schedule (flush, gpipe, zb-h1, ...)")
-    if tied:
-        raise UsageError(f"stage {k} has shard 'full' in a model with parameters tied across stages, whose gradients "
-                         f"are summed outside FSDP. Fix: shard='optimizer' or 'none' for it")
-    if microbatches < replicas[k]:
-        raise UsageError(f"stage {k} has shard 'full' over {replicas[k]} replicas but a step has {microbatches} "
-                         f"microbatches: a replica without one would miss the step's reduce-scatter. Fix: "
-                         f"--microbatches {replicas[k]} or more")
+    for k in full:
+        if k in tied:
+            raise UsageError(f"stage {k} has shard 'full' and a parameter tied with another stage, whose gradients "
+                             f"are summed outside FSDP. Fix: shard='optimizer' or 'none' for stage {k}")
+        if microbatches < replicas[k]:
+            raise UsageError(f"stage {k} has shard 'full' over {replicas[k]} replicas but a step has {microbatches} "
+                             f"microbatches: a replica without one would miss the step's reduce-scatter. Fix: "
+                             f"--microbatches {replicas[k]} or more")
 
 
 def _mesh(group: Any, device: torch.device) -> Any:

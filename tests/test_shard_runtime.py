@@ -146,12 +146,13 @@ def test_full_refused_where_a_schedule_cannot_honour_it(full: Path, monkeypatch:
     assert "shard 'full' under --schedule 1f1b" in err and "Fix:" in err and "Traceback" not in err
     # the same check, as plain data: tied parameters, fewer microbatches than replicas; a one-replica stage is none
     kw: dict[str, Any] = dict(schedule="flush", version_lag=0)
-    with pytest.raises(UsageError, match="tied"):
-        shard.refuse(["full", "none"], [2, 1], tied=True, microbatches=4, **kw)
+    with pytest.raises(UsageError, match="stage 0 has shard 'full' and a parameter tied"):
+        shard.refuse(["full", "none", "none"], [2, 1, 1], tied={0, 2}, microbatches=4, **kw)
+    shard.refuse(["full", "none", "none"], [2, 1, 1], tied={1, 2}, microbatches=4, **kw)  # the tie is elsewhere
     with pytest.raises(UsageError, match="--microbatches 2"):
-        shard.refuse(["full", "none"], [2, 1], tied=False, microbatches=1, **kw)
-    shard.refuse(["none", "full"], [2, 1], tied=True, microbatches=1, **kw)  # stage 1 has one replica: nothing
-    shard.refuse(["optimizer", "none"], [2, 1], schedule="1f1b", version_lag=None, tied=True, microbatches=1)
+        shard.refuse(["full", "none"], [2, 1], tied=(), microbatches=1, **kw)
+    shard.refuse(["none", "full"], [2, 1], tied={0, 1}, microbatches=1, **kw)  # stage 1 has one replica: nothing
+    shard.refuse(["optimizer", "none"], [2, 1], schedule="1f1b", version_lag=None, tied={0, 1}, microbatches=1)
     with pytest.raises(UsageError, match="shard 'sharded'"):
         shard.stage_modes({"stages": [{"shard": "sharded"}]})
     assert shard.stage_modes({"stages": [{}, {}], "plan": {"stages": [{"shard": "full"}, {}]}}) == ["full", "none"]
