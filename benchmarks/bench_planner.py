@@ -262,6 +262,9 @@ def _cli_plan(prof: Any, chain: Chain, cluster: ClusterSpec, cm: str) -> Plan | 
 def _fingerprint(p: Plan) -> str:
     d = p.to_dict()
     d.pop("planning_seconds")
+    for st in d["stages"]:  # the stored plans predate shard= (issue 26): an unsharded stage reads as they do
+        if st.get("shard") == "none":
+            st.pop("shard")
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 

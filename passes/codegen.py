@@ -368,6 +368,7 @@ def _emit_into(out: Path, split: StageSplit, program: Mapping[str, Any], model_n
     """Write every file of the program into the (empty, temporary) folder ``out``."""
     stage_ranks = program.get("stage_ranks") or [[k] for k in range(len(split.stages))]
     precision = str(program.get("precision", "fp32"))
+    planned = [dict(d) for d in dict(program.get("plan") or {}).get("stages", [])]  # the plan's stages, when given
     stages_json = []
     last = len(split.stages) - 1
     loss_json: dict[str, Any] | None = None
@@ -394,6 +395,8 @@ def _emit_into(out: Path, split: StageSplit, program: Mapping[str, Any], model_n
         stages_json.append({
             "index": k, "module": f"stage_{k}.py", "class": f"Stage{k}", "weights": weights,
             "ranks": list(stage_ranks[k]), "replicas": len(stage_ranks[k]),
+            # how the replicas hold the stage's state (docs/api.md shard=; runtime/shard.py runs it)
+            "shard": str(planned[k].get("shard", "none")) if k < len(planned) else "none",
             "inputs": [dict(name=n, **tensor_spec(m, precision)) for n, m in zip(st.inputs, st.input_meta)],
             "outputs": [dict(name=n, **tensor_spec(m, precision)) for n, m in zip(st.outputs, st.output_meta)],
             "param_names": dict(st.param_names), "nodes": list(st.nodes),

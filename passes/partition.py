@@ -22,6 +22,7 @@ from pdcompile.errors import UsageError
 from pdcompile.ir import Chain, CompileState, need
 from pdcompile.passes.partition_dp import SCHEDULES as DP_SCHEDULES
 from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
+from pdcompile.passes.planner.sharding import resolve as resolve_shard
 from pdcompile.plan import Plan
 from pdcompile.plan import plan as choose_plan
 from pdcompile.runtime.schedules import POLICIES, policy, stage_ranks
@@ -96,10 +97,28 @@ class PartitionOptions:
     recompute: str = "none"  # per stage: "none", "selective", "full" or "auto" (where memory needs it, model doc)
     precision: str = "fp32"  # "bf16": boundaries send half the bytes (Chain.on_the_wire)
     virtual_stages: int = 1  # stages per rank, for a schedule with a placement (stages= counts them all)
+    shard: str | tuple[str, ...] = "auto"  # replicas' state per stage: "none", "optimizer", "full", "auto"
 
 
 def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
-    """The plan for ``chain`` and the cluster it is for."""
+    """The plan for ``chain`` and the cluster it is for, each stage with its ``shard`` mode."""
+    plan, cluster = _choose(chain, opts)
+    if opts.stages is None and opts.solver != "dp":  # the ILP plans unsharded: a mode asked is set on its plan
+        plan = with_shard(plan, opts.shard, opts.schedule, opts.num_microbatches)
+    return plan, cluster
+
+
+def with_shard(plan: Plan, shard: str | Sequence[str], schedule: str, num_microbatches: int | None) -> Plan:
+    """``plan`` with each stage's mode under the option ``shard`` (planner/sharding.py ``resolve``)."""
+    modes, notes = resolve_shard([st.replicas for st in plan.stages], shard, schedule, num_microbatches,
+                                 [st.shard for st in plan.stages])
+    if all(m == st.shard for m, st in zip(modes, plan.stages)) and not notes:
+        return plan
+    stages = tuple(dataclasses.replace(st, shard=m) for st, m in zip(plan.stages, modes))
+    return dataclasses.replace(plan, stages=stages, notes=(*plan.notes, *notes))
+
+
+def _choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
     # the DP's memory model reads every schedule's own Policy (GPipe: all M in flight); the ILP's knows fewer
     sched = opts.schedule if opts.solver == "dp" else planner_schedule(opts.schedule)
     # a given split is evaluated with the DP's model, which knows the schedules by name; one it does not
@@ -107,7 +126,8 @@ def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
     fixed = opts.schedule if opts.schedule in DP_SCHEDULES else planner_schedule(opts.schedule)
     if opts.schedule not in DP_SCHEDULES:
         sched = fixed
-    mem: dict[str, Any] = {"num_microbatches": opts.num_microbatches, "recompute": opts.recompute}
+    mem: dict[str, Any] = {"num_microbatches": opts.num_microbatches, "recompute": opts.recompute,
+                           "shard": opts.shard}
     place = policy(opts.schedule).placement if opts.schedule in POLICIES else None
     if place is not None:
         return _virtual_plan(chain, opts, place, mem)

@@ -18,6 +18,7 @@ from pdcompile.passes.planner.costs import COST_MODELS
 from pdcompile.passes.planner.decisions import MODES, RECOMPUTE, stage_decisions
 from pdcompile.passes.planner.memory import EPS
 from pdcompile.passes.planner.search import SCHEDULES, PlanModel, solve
+from pdcompile.passes.planner.sharding import resolve as resolve_shard
 from pdcompile.plan_data import Plan, StagePlan
 
 __all__ = [
@@ -60,6 +61,9 @@ def build_plan(
     chain = model.chain
     base = baseline or model
     stages = []
+    shards, shard_notes = resolve_shard([len(sc.ranks) for sc in ev.stages], model.shard, model.schedule,
+                                        model.M if model.microbatches_known else None,
+                                        [sc.shard for sc in ev.stages])
     for idx, sc in enumerate(ev.stages):
         layers = chain.layers[sc.first:sc.last + 1]
         members = tuple(m for l in layers for m in (l.members or (l.name,)))
@@ -68,11 +72,11 @@ def build_plan(
             members=members, replicas=len(sc.ranks), ranks=sc.ranks, compute_s=sc.compute_s,
             comm_s=sc.comm_s, memory_bytes=sc.memory_bytes, time_s=sc.time_s, send_s=sc.send_s,
             in_flight=sc.in_flight, weight_versions=sc.weight_versions,
-            recompute=sc.recompute, recompute_layers=sc.recompute_layers,
+            recompute=sc.recompute, recompute_layers=sc.recompute_layers, shard=shards[idx],
         ))
     dp = base.data_parallel_time()
     b = chain.batch_size
-    notes = list(notes)
+    notes = [*notes, *shard_notes, *_shard_reasons(model, ev)]
     device_memory = model.cluster.device.memory
     if not model.memory_on and device_memory:
         for idx, sc in enumerate(ev.stages):
@@ -108,6 +112,25 @@ def build_plan(
     )
 
 
+def _shard_reasons(model: PlanModel, ev: Evaluation) -> list[str]:
+    """Why ``shard="auto"`` sharded a stage: what the modes it prefers need, against the limit."""
+    out: list[str] = []
+    if model.shard != "auto" or not model.memory_on:
+        return out
+    for idx, sc in enumerate(ev.stages):
+        r = len(sc.ranks)
+        if sc.shard == "none" or r <= 1:
+            continue
+        prefer = model.shard_modes(idx, r)
+        needs = [(m, model.mem.memory_at(sc.first, sc.last, sc.in_flight, sc.weight_versions, sc.recompute,
+                                         head=sc.recompute_layers, shard=m, replicas=r))
+                 for m in prefer[:prefer.index(sc.shard)]]
+        need = ", ".join(f"{m} needs {format_quantity(b, 'memory')}" for m, b in needs)
+        out.append(f"stage {idx} (x{r}): {sc.shard} ({format_quantity(sc.memory_bytes, 'memory')}): {need} of the "
+                   f"{format_quantity(model.mem_budget, 'memory')} limit")
+    return out
+
+
 def partition_dp(
     chain: Chain,
     cluster: ClusterSpec,
@@ -120,6 +143,8 @@ def partition_dp(
     num_microbatches: int = 1,
     recompute: str = "none",
     pool: bool = False,
+    shard: str | Sequence[str] = "none",
+    microbatches_known: bool = True,
 ) -> Plan:
     """The best plan for ``chain`` on ``cluster`` under ``cost_model`` (see the module doc).
 
@@ -128,6 +153,9 @@ def partition_dp(
 
     ``num_microbatches``: per minibatch (a schedule that holds them all, GPipe, keeps ``M / r`` in
     flight). ``recompute``: ``none``, ``full`` (every stage) or ``auto`` (where memory needs it).
+    ``shard``: how a replicated stage's replicas hold its state, ``none``, ``optimizer``, ``full``, one per
+    stage, or ``auto`` (per stage, the cheapest that fits; ``planner/sharding.py``); ``microbatches_known``
+    off: the step's microbatch count is not known (``full`` is then not refused for too few).
 
     ``memory_limit``: None = the cost model's default (on for ``default``, off for ``paper`` and
     ``pipedream``, which refuses it).
@@ -225,7 +253,8 @@ def partition_dp(
     if pool and cost_model == "pipedream":
         raise UsageError("the pipedream cost model reproduces PipeDream's released optimizer, whose stages nest in "
                          "the cluster's levels; pool=True goes with cost_model='default' or 'paper'")
-    args = (cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication, num_microbatches, recompute)
+    args = (cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication, num_microbatches, recompute,
+            shard if isinstance(shard, str) else tuple(shard), microbatches_known)
     model = PlanModel(chain, cluster, *args)
     baseline = model
     notes = []
@@ -308,7 +337,7 @@ def pool_cluster(cluster: ClusterSpec) -> ClusterSpec:
 
 def _model(chain: Chain, cluster: ClusterSpec, options: dict[str, Any]) -> PlanModel:
     allowed = {"cost_model", "schedule", "memory_limit", "optimizer_state_factor", "allow_replication",
-               "num_microbatches", "recompute", "pool"}
+               "num_microbatches", "recompute", "pool", "shard", "microbatches_known"}
     bad = set(options) - allowed
     if bad:
         raise UsageError(f"unknown option(s) {sorted(bad)}; use {sorted(allowed)}")
@@ -399,13 +428,16 @@ def stage_memory(chain: Chain, first: int, last: int, in_flight: int, *, schedul
 
 def stage_memory_at(chain: Chain, first: int, last: int, *, in_flight: int, weight_versions: int,
                     schedule: str = "1f1b", optimizer_state_factor: float = 1.0, recompute: bool | str = False,
-                    num_microbatches: int = 1, activation_scale: float = 1.0, head: int = 0) -> float:
+                    num_microbatches: int = 1, activation_scale: float = 1.0, head: int = 0, shard: str = "none",
+                    replicas: int = 1) -> float:
     """Per-worker bytes of stage ``first..last`` at given in-flight and weight-version counts: the
     planner's stage memory (module doc), for the simulator's counts; activations scaled by
-    ``activation_scale``."""
+    ``activation_scale``; its ``replicas`` holding weights, gradients and optimizer state as ``shard``
+    (``planner/sharding.py``: the prediction ``bench_memory_model`` measures against)."""
     model = stage_decisions(chain, schedule=schedule, optimizer_state_factor=optimizer_state_factor,
                             num_microbatches=num_microbatches).memory
-    return model.memory_at(first, last, in_flight, weight_versions, recompute, activation_scale, head)
+    return model.memory_at(first, last, in_flight, weight_versions, recompute, activation_scale, head,
+                           shard=shard, replicas=replicas)
 
 
 def data_parallel_time(chain: Chain, cluster: ClusterSpec, cost_model: str = "default") -> float:

@@ -34,6 +34,8 @@ from pdcompile.passes import codegen
 from pdcompile.passes.annotate_costs import AnnotateOptions
 from pdcompile.passes.partition import PartitionOptions, balanced_bounds, infer_virtual_stages, planner_schedule
 from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
+from pdcompile.passes.planner.sharding import check_option as check_shard
+from pdcompile.passes.planner.sharding import describe as describe_shard
 from pdcompile.passes.schedule import ScheduleOptions
 from pdcompile.passes.split_stages import StageSplit
 from pdcompile.passes.trace import TraceOptions
@@ -70,6 +72,8 @@ class Options:
     replicas: Sequence[int] | None = None  # replicas per stage (e.g. [2, 1]); default one each
     recompute: str = "auto"  # activation recomputation per stage: "none", "selective", "full", "auto" (the planner,
     # where memory needs it: none, selective, the fewest first layers (partial) or full, per stage)
+    shard: str | Sequence[str] = "auto"  # replicas' state per replicated stage: "none", "optimizer" (ZeRO-1), "full"
+    # (FSDP2), "auto" (the planner: the cheapest that fits), or one per stage (with stages=); planner/sharding.py
     precision: str = "fp32"  # "bf16": autocast, fp32 master weights, bf16 boundary tensors, bf16 costs
     clip_grad_norm: float | None = None  # global-norm gradient clipping before each step (1f1b/2bw: per update)
     virtual_stages: int | None = None  # stages per rank, for a schedule with virtual stages (interleaved-1f1b, ...);
@@ -223,6 +227,10 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
         raise UsageError(f"pdcompile: schedule must be one of {SCHEDULE_NAMES}, 'auto' or 'csv:PATH' (a torch "
                          f"schedule CSV), got {opts.schedule!r}")
     _check_virtual(opts)
+    if not isinstance(check_shard(opts.shard), str) and (not isinstance(opts.stages, int)
+                                                          or len(opts.shard) != opts.stages):
+        raise UsageError(f"pdcompile: shard={list(opts.shard)} gives a mode per stage, which needs stages= as many "
+                         f"(got stages={opts.stages!r}); or give one mode (or 'auto') for all")
     if opts.precision not in PRECISIONS:
         raise UsageError(f"pdcompile: precision must be one of {PRECISIONS}, got {opts.precision!r}")
     if opts.clip_grad_norm is not None:
@@ -366,7 +374,8 @@ class CompiledPipeline:
             partition=PartitionOptions(opts.schedule, stages, tuple(opts.replicas) if opts.replicas is not None
                                        else None, opts.cluster, opts.solver, opts.cost_model,
                                        num_microbatches=self.num_microbatches, recompute=opts.recompute,
-                                       precision=opts.precision, virtual_stages=opts.virtual_stages),
+                                       precision=opts.precision, virtual_stages=opts.virtual_stages,
+                                       shard=check_shard(opts.shard)),
             schedule=ScheduleOptions(opts.schedule, self.num_microbatches, virtual_stages=opts.virtual_stages,
                                      csv=opts.csv_text),
             loss=TraceLossOptions(opts.loss_fn, self._micro_target(target)) if target is not None else None,
@@ -462,6 +471,7 @@ class CompiledPipeline:
             t = alt.seconds_per_minibatch
             note = "" if not alt.notes else f"  ({'; '.join(alt.notes)})"
             lines.append(f"  {name:<26} {t:.4g} s per minibatch  ({t / best:.2f}x the chosen plan's time){note}")
+        lines += describe_shard(plan, self.options.shard)
         if self.schedule_choice is not None:
             lines += ["", autoschedule.format_choice(*self.schedule_choice)]
         return "\n".join(lines)

@@ -17,10 +17,12 @@ from typing import Any, Iterable, Sequence
 
 from pdcompile.errors import UsageError
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "StagePlan", "Plan"]
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "SHARD_MODES", "StagePlan", "Plan"]
 
 PLAN_FORMAT = "pdcompile-plan"
 PLAN_VERSION = 1
+#: how a replicated stage's replicas hold its state (docs/api.md): whole copies, ZeRO-1, FSDP
+SHARD_MODES = ("none", "optimizer", "full")
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,9 @@ class StagePlan:
     minibatch (the value compared against the bottleneck); ``send_s`` the time of the boundary
     after it (activations forward + gradients back; 0 for the last stage). ``memory_bytes`` is the
     peak per-worker memory: weights x ``weight_versions`` + gradients + optimizer state + the
-    stashed activations of ``in_flight`` minibatches.
+    stashed activations of ``in_flight`` minibatches. ``shard`` is how its replicas hold that state:
+    ``none`` (whole copies), ``optimizer`` (ZeRO-1: optimizer state 1/r per replica) or ``full``
+    (FSDP: parameters, gradients and optimizer state 1/r, gathered for the step); one replica: none.
     """
 
     index: int
@@ -53,6 +57,7 @@ class StagePlan:
     weight_versions: int = 1
     recompute: str = "none"  # activation recomputation: "none", "selective" (cheap ops), "partial", "full"
     recompute_layers: int = 0  # layers whose forward runs again in the backward (partial: the first ones)
+    shard: str = "none"  # the replicas' state: "none", "optimizer" (ZeRO-1) or "full" (FSDP2), SHARD_MODES
 
     @property
     def recompute_text(self) -> str:
@@ -240,6 +245,9 @@ class Plan:
         recomputes = any(s.recompute != "none" for s in self.stages)  # the column only when some stage does
         if recomputes:
             cols.append("recompute")
+        shards = any(s.shard != "none" for s in self.stages)  # likewise only when some stage shards
+        if shards:
+            cols.append("shard")
         rows = []
         for s in self.stages:
             names = _abbrev_names(s.layer_names)
@@ -247,7 +255,7 @@ class Plan:
                 str(s.index), f"{s.first}..{s.last}", names, str(s.replicas), _ranges(s.ranks),
                 _fmt_s(s.compute_s), _fmt_s(s.comm_s), _fmt_s(s.send_s), _fmt_s(s.time_s),
                 _fmt_bytes(s.memory_bytes), str(s.in_flight),
-            ] + ([s.recompute_text] if recomputes else []))
+            ] + ([s.recompute_text] if recomputes else []) + ([s.shard] if shards else []))
         widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
         lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
         for r in rows:

@@ -580,7 +580,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     def at(s: int, k: int, versions: int, sched: str) -> float:
         st_ = plan.stages[s]
         return float(model(sched).memory.memory_at(st_.first, st_.last, k, versions, getattr(st_, "recompute", "none"),
-                                            scale, getattr(st_, "recompute_layers", 0)))
+                                            scale, getattr(st_, "recompute_layers", 0),
+                                            shard=getattr(st_, "shard", "none"), replicas=st_.replicas))
 
     if virtual_stages == 1:
         memory = [at(s, res.peak_in_flight[s], res.peak_weight_versions[s], name) for s in range(len(plan.stages))]

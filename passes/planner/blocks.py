@@ -114,6 +114,7 @@ class StageCost:
     weight_versions: int
     recompute: str = "none"  # one of MODES
     recompute_layers: int = 0  # layers whose forward runs again (partial: the stage's first ones; full: all)
+    shard: str = "none"  # how its replicas hold its state (planner/sharding.py)
 
 
 @dataclass(frozen=True)

@@ -61,11 +61,12 @@ class Recompute:
         return 0.0
 
     def choose(self, i: int, j: int, k: int, depth: int | None = None, *, versions: int | None = None,
-               activation_scale: float = 1.0) -> tuple[str, int]:
+               activation_scale: float = 1.0, shard: str = "none", replicas: int = 1) -> tuple[str, int]:
         """(mode, recomputed layers) of a stage ``i..j`` with ``k`` in flight: the allowed mode that
         fits the memory limit with the least forward run again (partial: its fewest first layers);
         none fitting, the one that needs least memory. ``versions`` and ``activation_scale`` as for
-        :meth:`MemoryModel.memory_at` (the simulator's counts; default the planner's at ``depth``)."""
+        :meth:`MemoryModel.memory_at` (the simulator's counts; default the planner's at ``depth``); the
+        weights held as ``shard`` over ``replicas`` (planner/sharding.py)."""
         mem_model = self.memory
         budget = mem_model.budget * (1 + EPS)
         if not self.auto:
@@ -77,7 +78,7 @@ class Recompute:
         for mode in self.modes:
             heads = range(1, j - i + 1) if mode == "partial" else (j - i + 1 if mode == "full" else 0,)
             for h in heads:
-                mem = mem_model.memory_at(i, j, k, v, mode, activation_scale, head=h)
+                mem = mem_model.memory_at(i, j, k, v, mode, activation_scale, head=h, shard=shard, replicas=replicas)
                 if least is None or mem < least[0]:
                     least = (mem, mode, h)
                 if mem <= budget:

@@ -17,7 +17,8 @@ __all__ = ["evaluate_tree"]
 
 def evaluate_tree(model: Any, blocks: Sequence[Block]) -> Evaluation:
     """``blocks`` under ``model`` (a ``search.PlanModel``): its cost model's stage, weight-sync and
-    boundary times, its recomputation decision and memory model at each stage's in-flight count."""
+    boundary times, its recomputation and sharding decision and memory model at each stage's in-flight
+    count."""
     costs = model.costs
     terms: list[tuple[str, float]] = []
     stages: list[StageCost] = []
@@ -30,7 +31,8 @@ def evaluate_tree(model: Any, blocks: Sequence[Block]) -> Evaluation:
             if level == 1:
                 depth = math.ceil((b.units + d_after + e) / b.units)
                 k = model.in_flight(depth, b.units)
-                mode, head = model.choose_recompute(b.first, b.last, k, depth)
+                reps = len(flat[len(stages)][2])
+                shard, mode, head = model.choose_stage(b.first, b.last, k, depth, len(stages), reps)
                 again = model.recompute_s(b.first, b.last, mode, head)
                 t, comm = costs.stage_time(b.first, b.last, b.units, again)
                 terms.append((f"stage {len(stages)} ({span(names, b.first, b.last)})", float(t * scale)))
@@ -39,7 +41,8 @@ def evaluate_tree(model: Any, blocks: Sequence[Block]) -> Evaluation:
                     b.first, b.last, flat[len(stages)][2],
                     compute_s=float(compute / b.units * scale),
                     comm_s=float(comm * scale), time_s=float(t * scale), send_s=0.0,
-                    memory_bytes=model.memory(b.first, b.last, k, mode, depth, head), in_flight=k,
+                    memory_bytes=model.mem.memory(b.first, b.last, k, mode, depth, head, shard=shard, replicas=reps),
+                    in_flight=k, shard=shard,
                     weight_versions=model.versions(depth), recompute=mode,
                     recompute_layers=head if mode == "partial" else (b.last - b.first + 1 if mode == "full" else 0),
                 ))

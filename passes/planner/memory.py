@@ -15,10 +15,14 @@ import numpy as np
 
 from pdcompile.ir import Chain
 from pdcompile.passes.planner.arrays import ChainArrays, cumsum0, rng
+from pdcompile.passes.planner.sharding import weight_factors
 
-__all__ = ["EPS", "MemoryModel", "mode_of", "partial_term"]
+__all__ = ["EPS", "SHARD_EXACT", "MemoryModel", "mode_of", "partial_term"]
 
 EPS = 1e-10  # relative slack in feasibility tests (floating sums); plans are re-evaluated exactly
+#: replica counts the search rates sharded memory at exactly; above, at the power of two below (a bound:
+#: a sharded stage's memory falls as its replicas grow), one table each (the plan's evaluation is exact)
+SHARD_EXACT = 16
 
 
 def mode_of(recompute: bool | str) -> str:
@@ -95,6 +99,7 @@ class MemoryModel:
             "selective": (self.PS, cumsum0(rb), self.xin_r, self.xout_r),
         }
         self._tables: dict[str, np.ndarray] = {}
+        self._stacks: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
 
     @property
     def budget(self) -> float:
@@ -105,6 +110,7 @@ class MemoryModel:
     def budget(self, value: float) -> None:
         self._budget = value
         self._tables = {}
+        self._stacks = {}
 
     def versions(self, k: int) -> int:
         """Weight versions a replica keeps with ``k`` workers at it and downstream per replica."""
@@ -115,12 +121,21 @@ class MemoryModel:
         ceil(workers at and after it / r) (:meth:`Policy.in_flight`: GPipe holds its M / r)."""
         return self.policy.in_flight((r,) + (1,) * (r * (max(1, depth) - 1)), 0, self.M)
 
-    def terms(self, k: int, depth: int | None = None, versions: int | None = None) -> list[tuple[float, int, int]]:
+    def base(self, versions: int, shard: str = "none", replicas: int = 1) -> float:
+        """Bytes per weight byte before the step's gradients exist: ``versions + f`` unsharded, else
+        ``shard``'s over ``replicas`` (``sharding.weight_factors``)."""
+        if shard == "none" or replicas <= 1:
+            return versions + self.opt_factor
+        return weight_factors(shard, replicas, versions, self.opt_factor)[0]
+
+    def terms(self, k: int, depth: int | None = None, versions: int | None = None, shard: str = "none",
+              replicas: int = 1) -> list[tuple[float, int, int]]:
         """(weight-bytes factor, microbatches of activations, rebuilds) of the moments that may
         peak: with an update per microbatch (1F1B) gradients live from a backward (where a rebuild
         happens) to its update, while the microbatch is no longer in flight; a schedule that holds
-        the step (GPipe) has none until its first backward frees one; else all step long."""
-        v = (self.versions(depth or k) if versions is None else versions) + self.opt_factor
+        the step (GPipe) has none until its first backward frees one; else all step long. The
+        weights' factor is ``shard``'s over ``replicas`` (``sharding.weight_factors``)."""
+        v = self.base(self.versions(depth or k) if versions is None else versions, shard, replicas)
         if self.policy.update_per_microbatch:
             return [(v, k, 1), (v + 1, k - 1, 0)]
         if self.policy.holds_step:
@@ -134,33 +149,58 @@ class MemoryModel:
         return rng(PA, i, j) + float(xin[i] + xout[j])
 
     def memory(self, i: int, j: int, k: int, recompute: bool | str = False, depth: int | None = None,
-               head: int = 0) -> float:
+               head: int = 0, shard: str = "none", replicas: int = 1) -> float:
         """Per-worker bytes of a stage ``i..j`` with ``k`` minibatches in flight: weights x versions
         (``depth``: the stage's warmup depth, default ``k``), gradients, optimizer state, ``k``
         microbatches' activations (with recomputation: what stays saved, and one microbatch
-        rebuilt at its backward; ``head``: partial's recomputed layers)."""
-        return self.memory_at(i, j, k, self.versions(depth or k), recompute, head=head)
+        rebuilt at its backward; ``head``: partial's recomputed layers); the weights' part as
+        ``shard`` holds it over ``replicas``."""
+        return self.memory_at(i, j, k, self.versions(depth or k), recompute, head=head, shard=shard,
+                              replicas=replicas)
 
     def memory_at(self, i: int, j: int, k: int, versions: int, recompute: bool | str = False,
-                  activation_scale: float = 1.0, head: int = 0) -> float:
+                  activation_scale: float = 1.0, head: int = 0, shard: str = "none", replicas: int = 1) -> float:
         """Per-worker bytes of a stage ``i..j`` with ``k`` microbatches in flight and ``versions``
         weight versions (activations scaled by ``activation_scale``, e.g. another microbatch size).
-        ``partial``: layers ``i..i+head-1`` run under checkpoint, the rest as usual."""
+        ``partial``: layers ``i..i+head-1`` run under checkpoint, the rest as usual. ``shard`` over
+        ``replicas``: how the replicas hold weights, gradients and optimizer state (sharding.py)."""
         mode = mode_of(recompute)
         W = rng(self.PWM, i, j)
         s = activation_scale
+        terms = self.terms(k, versions=versions, shard=shard, replicas=replicas)
         if mode == "partial":
             q = i + head - 1
             xin = float(self.xin_r[i]) * s
             T = (float(self.PX[j + 1] - self.PX[q + 1] + self.RS[q + 1]) + float(self.xout[j])) * s  # tail's, per microbatch
             H = float(self.PX[q + 1] - self.PX[i]) * s  # the head's, rebuilt at its backward
             Wt = rng(self.PWM, q + 1, j)  # the tail's weights: its gradients exist when the head is rebuilt
-            v0 = versions + self.opt_factor
+            v0 = self.base(versions, shard, replicas)
             return max(partial_term(W * cv + (Wt if rb and cv < v0 + 0.5 else 0.0), kk, rb, xin, T, H)
-                       for cv, kk, rb in self.terms(k, versions=versions))
+                       for cv, kk, rb in terms)
         X = self.activations(i, j, mode) * s
         R = rng(self.parts[mode][1], i, j) * s
-        return max(W * cv + X * kk + R * rb for cv, kk, rb in self.terms(k, versions=versions))
+        return max(W * cv + X * kk + R * rb for cv, kk, rb in terms)
+
+    def sharded_starts(self, mode: str, shard: str, kin: np.ndarray, ends: np.ndarray, reps: np.ndarray) -> np.ndarray:
+        """:meth:`rows`' smallest start for each (in flight ``kin``, ``ends``, ``reps`` replicas), a
+        stage of several replicas held as ``shard``; vectorized over replica counts by one stack of the
+        tables of their classes (exact up to :data:`SHARD_EXACT`, then the power of two below)."""
+        kin, ends, reps = np.broadcast_arrays(kin, ends, np.maximum(reps, 1))
+        cls = np.where(reps > SHARD_EXACT, 2 ** np.floor(np.log2(reps)).astype(np.int64), reps)
+        key = (mode_of(mode), shard)
+        slot_of, stack = self._stacks.get(key, (np.full(1, -1, dtype=np.int64), np.empty((0, 1, 0), dtype=np.int64)))
+        top = int(cls.max()) if cls.size else 1
+        if top >= len(slot_of):
+            slot_of = np.concatenate([slot_of, np.full(top + 1 - len(slot_of), -1, dtype=np.int64)])
+        missing = np.unique(cls[slot_of[cls] < 0]) if cls.size else cls
+        if len(missing):
+            tables = [stack[q] for q in range(len(stack))]
+            tables += [self.rows(mode, shard, int(r)) for r in missing]
+            H = max(len(t) for t in tables)
+            stack = np.stack([np.concatenate([t, np.repeat(t[-1:], H - len(t), axis=0)]) for t in tables])
+            slot_of[missing] = np.arange(len(tables) - len(missing), len(tables))
+        self._stacks[key] = (slot_of, stack)
+        return stack[slot_of[cls], np.minimum(kin, stack.shape[1] - 1), ends]
 
     def max_in_flight(self, i: int, j: int) -> int:
         """The largest in-flight count whose memory (:meth:`memory`, nondecreasing in it) fits
@@ -178,13 +218,15 @@ class MemoryModel:
                 hi = mid - 1
         return lo
 
-    def rows(self, mode: bool | str = "none") -> np.ndarray:
+    def rows(self, mode: bool | str = "none", shard: str = "none", replicas: int = 1) -> np.ndarray:
         """``T[k, end]``: smallest start of a stage ending at ``end`` whose memory under recompute
         ``mode`` (not partial: ``decisions.PartialTable``) with ``k`` minibatches in flight fits (row 0:
         no limit; the last row: nothing fits). Weight versions are taken at depth ``k`` (a schedule
-        whose in-flight count differs from its depth, GPipe, keeps versions that do not grow with it)."""
+        whose in-flight count differs from its depth, GPipe, keeps versions that do not grow with it).
+        ``shard`` over ``replicas``: the weights' part as :meth:`terms` holds it (a table each)."""
         mode = mode_of(mode)
-        cached = self._tables.get(mode)
+        key = mode if shard == "none" or replicas <= 1 else f"{mode}/{shard}/{replicas}"
+        cached = self._tables.get(key)
         if cached is not None:
             return cached
         N = len(self.PX) - 1
@@ -196,7 +238,7 @@ class MemoryModel:
             PA, PR, xin, xout = self.parts[mode]
             for k in range(1, kmax + 1):
                 start = np.zeros(N, dtype=np.int64)
-                for cv, kk, rb in self.terms(k):  # every moment that may peak must fit
+                for cv, kk, rb in self.terms(k, shard=shard, replicas=replicas):  # every moment that may peak must fit
                     g = -(self.PWM * cv) - PA * kk - PR * rb + xin * kk  # mem(i..end) = H(end) + g(i)
                     H = self.PWM[1:] * cv + PA[1:] * kk + PR[1:] * rb + xout * kk
                     neg = np.maximum.accumulate(-g[:N])
@@ -207,5 +249,5 @@ class MemoryModel:
                     break
         rows.append(np.arange(1, N + 1, dtype=np.int64))
         table = np.stack(rows)
-        self._tables[mode] = table
+        self._tables[key] = table
         return table

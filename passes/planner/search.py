@@ -20,6 +20,9 @@ from pdcompile.passes.planner.blocks import Block, Evaluation
 from pdcompile.passes.planner.costs import COST_CLASSES, COST_MODELS, make_costs
 from pdcompile.passes.planner.decisions import PartialTable, Recompute, allowed_modes, RECOMPUTE
 from pdcompile.passes.planner.memory import EPS, MemoryModel, mode_of
+from pdcompile.passes.planner.sharding import allowed as shard_allowed
+from pdcompile.passes.planner.sharding import check_option as check_shard
+from pdcompile.passes.planner.sharding import full_refusal
 from pdcompile.runtime.schedules import registry as schedule_registry
 
 __all__ = ["PlanModel", "SCHEDULES", "solve"]
@@ -51,6 +54,8 @@ class PlanModel:
         allow_replication: bool = True,
         num_microbatches: int = 1,
         recompute: str = "none",
+        shard: str | tuple[str, ...] = "none",
+        microbatches_known: bool = True,
     ) -> None:
         if recompute not in RECOMPUTE:
             raise UsageError(f"unknown recompute {recompute!r} (use one of {', '.join(RECOMPUTE)})")
@@ -76,6 +81,12 @@ class PlanModel:
         self.recompute = recompute if kind.models_memory else "none"
         self.opt_factor = float(optimizer_state_factor)
         self.allow_replication = allow_replication
+        #: the ``shard=`` option (planner/sharding.py); ``microbatches_known``: off where a caller plans without
+        #: a step's microbatch count (``pdcompile plan``), so ``full`` is not refused for too few of them
+        self.shard = check_shard(shard, "planner")
+        self.microbatches_known = microbatches_known
+        if self.shard == "full" and self.policy.version_lag != 0:  # refused before any search (sharding.resolve)
+            raise UsageError(f"shard='full': {full_refusal(schedule, 2, None)}")
         self.memory_on = kind.memory_by_default if memory_limit is None else bool(memory_limit)
 
         self.arrays = arrays = ChainArrays(chain)
@@ -95,6 +106,11 @@ class PlanModel:
             raise UsageError("recompute='selective' needs each layer's selective costs (what stays saved when cheap "
                              "ops are rebuilt), which this chain lacks (profiles imported from PipeDream have none); "
                              "use recompute='full' or 'auto'")
+        #: the mode whose memory the search reads for a replicated stage: of those the option allows, the one
+        #: that needs least (a stage fits under some mode iff under it; all take the same time, sharding.py)
+        self.search_shard = "none"
+        if self.memory_on and kind.models_memory and isinstance(self.shard, str):
+            self.search_shard = "optimizer" if self.shard == "auto" else self.shard
         # the modes the search may give a stage
         self.modes = allowed_modes(self.recompute, self.selective_known, self.memory_on)
         self.decide = Recompute(arrays, self.mem, self.modes, self.recompute == "auto" and self.memory_on)
@@ -153,6 +169,39 @@ class PlanModel:
                        need: np.ndarray | None = None) -> np.ndarray:
         return self.partial.start(se_c, thr, kin, need)
 
+    def shard_modes(self, stage: int, replicas: int) -> tuple[str, ...]:
+        """The shard modes stage ``stage`` of ``replicas`` replicas may take, preferred first (auto:
+        none, then full, then optimizer, where it can run; without a memory limit: none)."""
+        asked = self.shard if isinstance(self.shard, str) else (
+            self.shard[stage] if stage < len(self.shard) else "none")
+        if asked == "auto" and not (self.memory_on and self.costs.solver is None):
+            return ("none",)
+        return shard_allowed(asked, replicas, self.schedule, self.M if self.microbatches_known else None)
+
+    def choose_stage(self, i: int, j: int, k: int, depth: int, stage: int, replicas: int) -> tuple[str, str, int]:
+        """(shard mode, recompute mode, recomputed layers) of stage ``stage`` = ``i..j`` of ``replicas``
+        replicas with ``k`` in flight: of the pairs that fit, the least forward run again (every shard mode
+        takes the same time), ties to the preferred shard mode (:meth:`shard_modes`); none fitting, the pair
+        that needs least memory."""
+        shards = self.shard_modes(stage, replicas)
+        if len(shards) == 1 and shards[0] == "none":
+            return ("none", *self.decide.choose(i, j, k, depth))
+        budget = self.mem_budget * (1 + EPS)
+        best: tuple[float, str, str, int] | None = None
+        least: tuple[float, str, str, int] | None = None
+        for sh in shards:
+            mode, head = self.decide.choose(i, j, k, depth, shard=sh, replicas=replicas)
+            mem = self.mem.memory(i, j, k, mode, depth, head, shard=sh, replicas=replicas)
+            if least is None or mem < least[0]:
+                least = (mem, sh, mode, head)
+            if mem <= budget:
+                t = self.recompute_s(i, j, mode, head)
+                if best is None or t < best[0] * (1 - 1e-12):
+                    best = (t, sh, mode, head)
+        assert least is not None
+        _, sh, mode, head = best if best is not None else least
+        return sh, mode, head
+
     def level1_stage(self, i: int, j: int, r: int, recompute: bool | str = False, head: int = 0) -> tuple[float, float]:
         """(stage time per minibatch, its weight-sync part) of a level-1 stage (recompute: what the
         mode runs again in the backward, :meth:`recompute_s`)."""
@@ -209,14 +258,31 @@ class PlanModel:
             self._pair_cache[key] = got
         return got
 
+    def _mem_start(self, mode: str, kin: np.ndarray, se_c: np.ndarray, reps: np.ndarray,
+                   low: np.ndarray) -> np.ndarray:
+        """Smallest start of stages ending at ``se_c`` with ``kin`` in flight whose memory under
+        recompute ``mode`` fits; a stage of ``reps`` > 1 replicas under :attr:`search_shard`
+        (:meth:`MemoryModel.sharded_starts`), asked only where the unsharded start is above ``low``
+        (the time's bound: sharded memory is never more, so elsewhere it changes nothing)."""
+        table = self.mem.rows(mode)
+        kin, se_c, reps, low = np.broadcast_arrays(kin, se_c, reps, low)
+        out = table[np.minimum(kin, len(table) - 1), se_c]
+        if self.search_shard != "none":
+            need = (out > low) & (reps > 1)
+            if np.any(need):
+                out[need] = self.mem.sharded_starts(mode, self.search_shard, kin[need], se_c[need], reps[need])
+        return out
+
     def _level1_start(self, se_c: np.ndarray, thr: np.ndarray, rr: np.ndarray, dd: np.ndarray,
-                      e2: np.ndarray, options: tuple[str, ...], cutoff: np.ndarray | int | None = None) -> np.ndarray:
+                      e2: np.ndarray, options: tuple[str, ...], cutoff: np.ndarray | int | None = None,
+                      mult: np.ndarray | int = 1) -> np.ndarray:
         """Smallest start of level-1 stages ending at ``se_c`` within ``thr`` and the memory limit,
         the furthest-reaching of the recomputation ``options`` (the weight-sync term, which does
         not depend on recomputation, and the in-flight counts are computed once for all).
 
         ``cutoff``: the caller reads a start only where it is below this; elsewhere the answer may
-        be any start at or above it (partial recomputation is not asked there)."""
+        be any start at or above it (partial recomputation is not asked there). ``mult``: the units of
+        the enclosing blocks (a stage's replicas are ``rr * mult``, what sharding divides by)."""
         common = self.costs.sync_start(se_c, thr, rr)  # the weight-sync bound: the same for every mode
         kin = None
         if self.memory_on:
@@ -229,8 +295,7 @@ class PlanModel:
                 continue
             s = self._ss(self.time_prefix[mode], se_c, thr)
             if kin is not None:
-                table = self.mem.rows(mode)
-                s = np.maximum(s, table[np.minimum(kin, len(table) - 1), se_c])
+                s = np.maximum(s, self._mem_start(mode, kin, se_c, rr * mult, np.maximum(s, common)))
             s = np.maximum(s, common)
             out = s if out is None else np.minimum(out, s)
         if "partial" in options and kin is not None:
@@ -259,7 +324,7 @@ class PlanModel:
         assert tau is not None
         thr = (rr * mult) * tau  # the stage's units x its group's threshold
         if level == 1:
-            return self._level1_start(se_c, thr, rr, dd, e, self.modes, cutoff)
+            return self._level1_start(se_c, thr, rr, dd, e, self.modes, cutoff, mult)
         wthr = self.costs.outer_sync_bytes(thr, rr, level)
         s = self._ss(self.PW, se_c, wthr)
         shape = s.shape
@@ -469,6 +534,34 @@ class PlanModel:
 
 
 def solve(model: PlanModel) -> tuple[tuple[Block, ...], Evaluation]:
+    """The best configuration of ``model`` and its evaluation. ``shard="auto"`` under a memory limit
+    keeps the unsharded search's configuration unless sharding makes one fit or strictly faster
+    (:func:`_solve_auto`)."""
+    if model.shard == "auto" and model.search_shard != "none":
+        return _solve_auto(model)
+    return _solve(model)
+
+
+def _solve_auto(model: PlanModel) -> tuple[tuple[Block, ...], Evaluation]:
+    """``shard="auto"``: the configuration the search finds without sharding (evaluated under ``auto``,
+    where a stage may shard instead of recomputing), unless some configuration is strictly faster with
+    sharding (one feasibility test at that time says whether to search) or none fits without it: so
+    that equally fast plans do not shard."""
+    base = PlanModel(model.chain, model.cluster, model.cost_model, model.schedule, model.memory_on, model.opt_factor,
+                     model.allow_replication, model.M, model.recompute, "none", model.microbatches_known)
+    try:
+        blocks0, ev0 = _solve(base)
+    except InfeasiblePlanError:
+        return _solve(model)
+    ev = model.evaluate(blocks0)
+    if ev.seconds > 0 and model.feasible(ev.seconds * (1 - 1e-9)):
+        blocks1, ev1 = _solve(model)
+        if ev1.seconds < ev.seconds * (1 - 1e-9):
+            return blocks1, ev1
+    return blocks0, ev
+
+
+def _solve(model: PlanModel) -> tuple[tuple[Block, ...], Evaluation]:
     if model.costs.solver is not None:  # a model with its own DP (the released optimizer's)
         blocks = model.costs.solver(model)
         return blocks, model.evaluate(blocks)

@@ -104,3 +104,16 @@ def resolve_cluster(text: str) -> Any:
     if not Path(text).is_file():
         raise UsageError(f"--cluster {text!r}: no such file; give a cluster TOML, paper:A, paper:B or local:N")
     return ClusterSpec.from_toml(Path(text))
+
+
+SHARD_HELP = ("how a replicated stage's replicas hold its weights, gradients and optimizer state: none (whole "
+              "copies), optimizer (ZeRO-1), full (FSDP2), auto (the planner: the cheapest that fits; default), "
+              "or one per stage separated by commas (with --stages)")
+
+
+def parse_shard(text: str) -> str | tuple[str, ...]:
+    """``--shard MODE`` or ``--shard M1,M2,...`` (one per stage), checked."""
+    from pdcompile.passes.planner.sharding import check_option
+
+    parts = [x.strip() for x in text.split(",")]
+    return check_option(parts[0] if len(parts) == 1 else tuple(parts), where=f"--shard {text!r}")

@@ -6,7 +6,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from pdcompile._cli._args import call_factory, leaf_module, parse_inputs, parse_literal, resolve_cluster, zoo_model
+from pdcompile._cli._args import (SHARD_HELP, call_factory, leaf_module, parse_inputs, parse_literal, parse_shard,
+                                  resolve_cluster, zoo_model)
 from pdcompile.errors import UsageError
 
 MODEL_HELP = ("a model: zoo:NAME (gpt, mlp, resnet, vgg, gnmt) or MODULE:FACTORY returning an nn.Module "
@@ -105,6 +106,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                                                                   "with --schedule auto: chosen)")
     p.add_argument("--optimizer", default="torch.optim.SGD:lr=0.01",
                    help="CLASS[:KEY=VALUE,...], e.g. torch.optim.Adam:lr=0.001 (default SGD lr=0.01)")
+    p.add_argument("--shard", default="auto", metavar="MODE[,MODE...]", help=SHARD_HELP)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: autocast with fp32 master weights, bf16 boundary tensors, costs at the bf16 peak")
 
@@ -146,5 +148,6 @@ def compile_from_args(args: argparse.Namespace) -> tuple[LoadedModel, Any]:
                      loss_fn=m.loss_fn, optimizer=optimizer_factory(args.optimizer), schedule=args.schedule,
                      num_microbatches=args.microbatches, stages=args.stages, leaf_modules=m.leaf_modules,
                      precision=getattr(args, "precision", "fp32"), clip_grad_norm=getattr(args, "clip_grad_norm", None),
-                     virtual_stages=getattr(args, "virtual_stages", None))
+                     virtual_stages=getattr(args, "virtual_stages", None),
+                     shard=parse_shard(getattr(args, "shard", "auto")))
     return m, pipe

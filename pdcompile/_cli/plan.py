@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from pdcompile._cli._args import call_factory, parse_inputs, resolve_cluster
+from pdcompile._cli._args import SHARD_HELP, call_factory, parse_inputs, parse_shard, resolve_cluster
 from pdcompile.errors import UsageError
 from pdcompile.passes.partition_dp import COST_MODELS
 from pdcompile.runtime.schedules import SCHEDULES
@@ -68,6 +68,8 @@ def register(subparsers: Any) -> None:
                    help="activation recomputation per stage: never, every stage's cheap ops (selective), every "
                    "stage's forward (full), or where memory needs it: per stage none, selective, its fewest "
                    "first layers, or full (default: auto with dp, none with ilp)")
+    p.add_argument("--shard", default="auto", metavar="MODE", help=SHARD_HELP.replace(
+        ", or one per stage separated by commas (with --stages)", ""))
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--pool", dest="pool", action="store_true", default=None,
                       help="also plan the workers as one pool at the slowest link, so a stage may span servers "
@@ -145,6 +147,10 @@ def plan_for(args: argparse.Namespace) -> Any:
 
     if args.time_limit <= 0:
         raise UsageError(f"--time-limit must be positive (got {args.time_limit})")
+    shard = parse_shard(args.shard)
+    if not isinstance(shard, str):
+        raise UsageError(f"--shard {args.shard!r}: pdcompile plan chooses the stages, so give one mode (or auto) "
+                         f"for every replicated stage")
     cluster = resolve_cluster(args.cluster)
     prof = _profile(args)
     options: dict[str, Any] = dict(
@@ -159,10 +165,16 @@ def plan_for(args: argparse.Namespace) -> Any:
     )
     if args.solver == "ilp":
         options.update(time_limit_s=args.time_limit, hint="dp")
+    else:  # the step's microbatch count is not known here: full is not refused for too few
+        options.update(shard=shard, microbatches_known=False)
     if args.microbatch:
         sizes = _sizes(args.microbatch)
         result = make_plan(lambda b: linearize(prof.at_batch_size(b)), cluster, solver=args.solver,
                            microbatch_sizes=sizes, **options)
     else:
         result = make_plan(linearize(prof), cluster, solver=args.solver, **options)
+    if args.solver == "ilp":  # the ILP plans unsharded: a mode asked is set on its plan
+        from pdcompile.passes.partition import with_shard
+
+        result = with_shard(result, shard, options["schedule"], None)
     return result

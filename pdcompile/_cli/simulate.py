@@ -44,6 +44,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--profile", metavar="FILE", help="with a plan: the profile it was made from (layer costs)")
     p.add_argument("--solver", default="dp", help="planner for a profile: dp or ilp (default dp)")
     p.add_argument("--cost-model", default="default", help="planner cost model: default, paper or pipedream")
+    p.add_argument("--shard", default="auto", metavar="MODE", help="planner, for a profile: how a replicated stage's "
+                   "replicas hold its state, none, optimizer (ZeRO-1), full (FSDP2) or auto (default)")
     p.add_argument("--no-overlap", action="store_true", help="senders wait for their transfers to finish")
     p.add_argument("--trace", metavar="OUT.json", help="write the predicted timeline as a Chrome/Perfetto trace")
     p.add_argument("--png", metavar="OUT.png", help="write the timeline as a PNG (measured below, with --measured)")
@@ -124,8 +126,14 @@ def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
             raise UsageError(f"{args.source} is a profile: it must be planned for a cluster first; "
                              f"give --cluster FILE.toml (or paper:A, paper:B, local:N)")
         chain = linearize(obj)
+        from pdcompile._cli._args import parse_shard
+
+        shard = parse_shard(args.shard)
+        if not isinstance(shard, str):
+            raise UsageError(f"--shard {args.shard!r}: the planner chooses the stages, so give one mode (or auto)")
+        extra: dict[str, Any] = {"shard": shard, "microbatches_known": False} if args.solver == "dp" else {}
         plan = make_plan(chain, cluster, solver=args.solver, cost_model=args.cost_model,
-                         schedule=planner_schedule)
+                         schedule=planner_schedule, **extra)
         notes.append(f"planned {Path(args.source).name} for the cluster: configuration {plan.configuration}")
         res = simulate_plan(plan, chain, cluster, schedule, m, num_steps=args.steps, overlap_comm=overlap)
         return res, plan, schedule, m, notes

@@ -1,0 +1,108 @@
+"""``shard=``: the option, its resolution per stage, the plan table, plan.json and the CLI flag (the
+planner's choice and memory model: tests/test_shard_planner.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdcompile import pdcompile
+from pdcompile.errors import UsageError
+from pdcompile.passes.planner.sharding import check_option, resolve
+from pdcompile.plan import Plan
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _model() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+    return m, torch.randn(8, 16), torch.randint(0, 10, (8,))
+
+
+def _compile(**kw: object) -> object:
+    m, x, y = _model()
+    return pdcompile(m, example_inputs=(x,), example_target=y, loss_fn=torch.nn.CrossEntropyLoss(), **kw)
+
+
+def test_resolve_applies_a_mode_to_replicated_stages_and_says_what_it_left() -> None:
+    assert resolve([2, 1, 3], "full", "flush", 4) == (("full", "none", "full"),
+                                                      ("shard='full': stage 1 has one replica and runs unsharded",))
+    assert resolve([2, 2], "optimizer", "1f1b", 1) == (("optimizer", "optimizer"), ())
+    assert resolve([2, 1], "auto", "flush", 4) == (("none", "none"), ())
+    assert resolve([2, 1], "auto", "flush", 4, planned=("full", "none")) == (("full", "none"), ())
+    assert resolve([2, 1], ("optimizer", "none"), "gpipe", 4) == (("optimizer", "none"), ())
+
+
+@pytest.mark.parametrize("replicas, shard, schedule, m, words", [
+    ([2, 1], ("full", "full"), "flush", 4, "stage 1 has one replica"),
+    ([2, 1], ("full",), "flush", 4, "names 1 stages but the plan has 2"),
+    ([2, 1], "full", "1f1b", 4, "stashed weight versions"),
+    ([2, 1], "full", "2bw", 4, "stashed weight versions"),
+    ([4, 1], "full", "gpipe", 2, "at least 4 microbatches"),
+])
+def test_resolve_refuses_what_a_stage_cannot_run(replicas: list[int], shard: object, schedule: str, m: int,
+                                                 words: str) -> None:
+    with pytest.raises(UsageError, match=words):
+        resolve(replicas, shard, schedule, m)  # type: ignore[arg-type]
+
+
+def test_check_option() -> None:
+    assert check_option("auto") == "auto"
+    assert check_option(["full", "none"]) == ("full", "none")
+    for bad in ("zero", ["full", "zero3"], [], 3):
+        with pytest.raises(UsageError, match="shard"):
+            check_option(bad)
+
+
+def test_the_plan_carries_each_stage_mode_into_its_table_json_and_plan_json(tmp_path: object) -> None:
+    pipe = _compile(stages=2, replicas=[2, 1], shard="full")
+    plan = pipe.plan  # type: ignore[attr-defined]
+    assert [s.shard for s in plan.stages] == ["full", "none"]
+    table = str(plan)
+    assert table.splitlines()[3].split()[-1] == "shard" and table.splitlines()[4].split()[-1] == "full"
+    assert "stage 1 has one replica and runs unsharded" in table
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "stage 0 (x2): full" in pipe.explain()  # type: ignore[attr-defined]
+    out = pipe.emit(tmp_path / "prog")  # type: ignore[attr-defined, operator]
+    doc = json.loads((out / "plan.json").read_text())
+    assert [s["shard"] for s in doc["stages"]] == ["full", "none"]
+    assert [s["shard"] for s in doc["plan"]["stages"]] == ["full", "none"]
+
+
+def test_no_column_when_no_stage_shards() -> None:
+    plan = _compile(stages=2, replicas=[2, 1], shard="none").plan  # type: ignore[attr-defined]
+    assert [s.shard for s in plan.stages] == ["none", "none"] and "shard" not in str(plan)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(shard="zero3"), "shard must be one of"),
+    (dict(shard=["full", "none"]), "needs stages= as many"),
+    (dict(shard=["full", "none"], stages=3), "needs stages= as many"),
+    (dict(shard=["full", "full"], stages=2, replicas=[2, 1]), "stage 1 has one replica"),
+    (dict(shard="full", stages=2, replicas=[2, 1], schedule="1f1b"), "shard='optimizer'"),
+])
+def test_bad_options_are_one_line_usage_errors(kw: dict[str, object], words: str) -> None:
+    with pytest.raises(UsageError, match=words) as e:
+        _compile(**kw)
+    assert "\n" not in str(e.value)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pdcompile.cli", *args], capture_output=True, text=True, timeout=100)
+
+
+def test_cli_shard_flag() -> None:
+    ok = _cli("plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", "--schedule", "flush", "--shard", "full",
+              "--json")
+    assert ok.returncode == 0, ok.stderr
+    stages = json.loads(ok.stdout)["stages"]
+    assert [s["shard"] for s in stages] == ["full" if s["replicas"] > 1 else "none" for s in stages]
+    bad = _cli("plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", "--shard", "full")  # 1f1b stashes
+    assert bad.returncode == 2 and "shard='optimizer'" in bad.stderr and "Traceback" not in bad.stderr
+    bad = _cli("plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", "--shard", "zero")
+    assert bad.returncode == 2 and "shard must be one of" in bad.stderr
