@@ -5,6 +5,8 @@ the NCCL-rules mode, against single-process PyTorch training (Adam, global-norm 
   accumulates 2 before its one reduce-scatter), clipping; a DCP checkpoint at step 2;
 * that checkpoint resumed as ``optimizer`` (ZeRO-1) on both stages of a [2, 2] plan, 4 ranks, gpipe;
 * that run's checkpoint (each replica saved its share of Adam's state) resumed as ``full`` under zb-h1;
+* ``optimizer`` under 1F1B (weight stashing: the optimizer state alone is sharded) against PipeDream's
+  1F1B in one process;
 * ``full`` under 1F1B refused by train.py's ``main``: exit 2 and one line.
 
 Every run ends where one process training the whole model on the same minibatches ends (1e-5)."""
@@ -18,9 +20,11 @@ from typing import Any
 import pytest
 import torch
 
+from _emitted import stages_and_microbatches
 from _ranks import run_ranks
 from pdcompile.api import pdcompile
 from pdcompile.errors import UsageError
+from pdcompile import reference
 from pdcompile.merge import merge_weights
 from pdcompile.runtime import checkpoint, shard
 from pdcompile.runtime import launch as runtime_launch
@@ -93,7 +97,14 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _emit(tmp_path_factory.mktemp("full") / "prog", [2, 1], ["full", "none"], "flush")
 
 
-def test_sharded_replicas_train_like_one_process_and_resume_across_modes(tmp_path: Path, full: Path) -> None:
+@pytest.fixture(scope="module")
+def zero(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both stages of two replicas under ``optimizer`` (ZeRO-1, 4 ranks), compiled for gpipe."""
+    return _emit(tmp_path_factory.mktemp("zero") / "prog", [2, 2], ["optimizer", "optimizer"], "gpipe")
+
+
+def test_sharded_replicas_train_like_one_process_and_resume_across_modes(tmp_path: Path, full: Path,
+                                                                          zero: Path) -> None:
     want2, norms = _reference(2)
     want4, _ = _reference(4)
     want6, norms6 = _reference(6)
@@ -112,7 +123,6 @@ def test_sharded_replicas_train_like_one_process_and_resume_across_modes(tmp_pat
     assert len(md.state_dict_metadata[f"optim/{w0}/exp_avg"].chunks) == 2  # type: ignore[union-attr]
 
     # the full run's step 2, resumed as ZeRO-1 on both stages of a [2, 2] plan (4 ranks, gpipe) to step 4
-    zero = _emit(tmp_path / "zero", [2, 2], ["optimizer", "optimizer"], "gpipe")
     ck2 = tmp_path / "ck2"
     out = _run(zero, 4, "--steps", "4", "--resume", str(checkpoint.step_dir(ck, 2)), "--checkpoint-dir", str(ck2),
                "--checkpoint-every", "4", "--save-final", str(tmp_path / "w_zero"),
@@ -131,6 +141,25 @@ def test_sharded_replicas_train_like_one_process_and_resume_across_modes(tmp_pat
     _run(full, 3, "--steps", "6", "--schedule", "zb-h1", "--resume", str(checkpoint.step_dir(ck2, 4)),
          "--save-final", str(tmp_path / "w_zb"))
     _close(merge_weights(full, tmp_path / "w_zb"), want6, want4)
+
+
+def test_zero1_under_1f1b_shards_the_optimizer_state_only(tmp_path: Path, zero: Path) -> None:
+    """1F1B with weight stashing keeps whole weight versions; ZeRO-1 shards the optimizer state there
+    as everywhere: the run equals PipeDream's 1F1B on [2, 2] computed in one process (the stashed
+    versions of pdcompile.reference), with clipping per update."""
+    program, stages, optimizers, micro = stages_and_microbatches(zero, "mlp", 2, MICRO)
+    fwd, bwd, group = reference.pipedream_1f1b([2, 2])
+    norms: list[float] = []
+    reference.train_versioned(stages, optimizers, program.build_loss(), micro, fwd=fwd, bwd=bwd, group=group,
+                              scale=1.0, max_norm=MAX_NORM, norms=norms)
+    assert any(n > MAX_NORM for n in norms)
+    _run(zero, 4, "--steps", "2", "--schedule", "1f1b", "--save-final", str(tmp_path / "w"))
+    for st, module in zip(program.stages, stages):
+        want = dict(module.named_parameters())
+        for r in st.ranks:  # every replica ends with the same whole weights
+            got = torch.load(tmp_path / "w" / f"stage_{st.index}.rank_{r}.pt", weights_only=True)
+            for n, p in want.items():
+                torch.testing.assert_close(got[n], p.detach(), rtol=0, atol=1e-5, msg=f"stage {st.index} {n}")
 
 
 def test_full_refused_where_a_schedule_cannot_honour_it(full: Path, monkeypatch: pytest.MonkeyPatch,
