@@ -40,17 +40,15 @@ def _opt(params: Any) -> torch.optim.Optimizer:
 
 
 def _emit(folder: Path, replicas: list[int], modes: list[str], schedule: str) -> Path:
-    """The MLP in 2 stages with ``replicas``; each stage's ``shard`` set to ``modes`` in plan.json."""
+    """The MLP in 2 stages with ``replicas``, compiled with ``shard=modes`` (one per stage)."""
     z = get("mlp", batch_size=BATCH, seed=0)
     pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
                      optimizer=_opt, stages=2, replicas=replicas, schedule=schedule, num_microbatches=MICRO,
-                     leaf_modules=z.leaf_modules)
+                     leaf_modules=z.leaf_modules, shard=modes)
     prog = pipe.emit(folder, data={"factory": "pdcompile.zoo:batches", "kwargs": {"name": "mlp"}})
     plan = json.loads((prog / "plan.json").read_text())
     assert [len(s["ranks"]) for s in plan["stages"]] == replicas
-    for st, mode in zip(plan["stages"], modes):
-        st["shard"] = mode
-    (prog / "plan.json").write_text(json.dumps(plan, indent=1))
+    assert shard.stage_modes(plan) == modes  # what the runtime reads: each stage's "shard"
     return prog
 
 
