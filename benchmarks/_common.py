@@ -228,3 +228,58 @@ def finish_worker(times: Sequence[float], out: str | os.PathLike[str]) -> None:
         Path(out).write_text(json.dumps({"step_times_s": gathered}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+# --- Llama shapes and one configuration per process (bench_big_model, bench_init_from) ----------------------------
+
+LLAMA_SHAPES: dict[str, dict[str, Any]] = {  # transformers' LlamaConfig fields
+    # the published models
+    "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
+    "llama-3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
+                        rope_theta=500000.0),
+    # bench_big_model's ranks part: 16 layers, so 16 stages of one layer each and the ends
+    "llama-16-layers": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                            num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048),
+    # bench_init_from: 322M parameters
+    "llama-300m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=20,
+                       num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=512),
+    # --quick
+    "tiny": dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64),
+    "tiny-16-layers": dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=16,
+                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64),
+}
+
+
+def llama_config(name: str) -> Any:
+    """transformers' ``LlamaConfig`` of shape ``name`` (:data:`LLAMA_SHAPES`), without a KV cache."""
+    import transformers
+
+    return transformers.LlamaConfig(use_cache=False, **LLAMA_SHAPES[name])
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set (``ru_maxrss``; Linux counts KiB): Python, torch and all."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_child(script: str, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """``python script --child JSON(cfg)`` in a process of its own; the dict it printed last (a JSON line),
+    with ``wall_s``; or ``{"error": ..., "wall_s": ...}`` when it failed or ran past ``timeout``."""
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, script, "--child", json.dumps(cfg)], capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"not finished in {timeout:.0f} s", "wall_s": time.perf_counter() - t0}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        tail = (p.stderr.strip().splitlines() or ["?"])[-1]
+        return {"error": f"exit {p.returncode}: {tail[:160]}", "wall_s": time.perf_counter() - t0}
+    return {**json.loads(lines[-1]), "wall_s": time.perf_counter() - t0}

@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,27 +37,11 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import _common  # noqa: E402
+from benchmarks._common import llama_config, peak_rss_mib  # noqa: E402
 from benchmarks._results import publish  # noqa: E402
 
 GiB = 2.0**30
-
-# transformers' LlamaConfig fields of the published models
-LLAMA = {
-    "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
-    "llama-3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
-                        rope_theta=500000.0),
-    # the ranks part's model: 16 layers, so 16 stages of one layer each and the ends
-    "llama-16-layers": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
-                            num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048),
-    # --quick
-    "tiny": dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64),
-    "tiny-16-layers": dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=16,
-                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64),
-}
-
 
 def h100_cluster(gpus: int) -> Any:
     """``gpus`` H100 SXM (80 GiB, 3.35 TB/s) 8 to a server: NVLink 450 GB/s per direction inside,
@@ -77,9 +60,7 @@ def h100_cluster(gpus: int) -> Any:
 # --- one configuration, in its own process -----------------------------------------------------------------------
 
 def _peak_rss_gib() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # Linux: KiB
+    return peak_rss_mib() / 1024
 
 
 def child(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -93,7 +74,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     t0 = time.perf_counter()
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(use_cache=False, **LLAMA[cfg["model"]]))
+        model = transformers.LlamaForCausalLM(llama_config(cfg["model"]))
         x = torch.randint(0, 100, (cfg["batch"], cfg["seq"]))
         t = torch.randint(0, 100, (cfg["batch"], cfg["seq"]))
     out["params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
@@ -151,17 +132,7 @@ def startup(prog: Path, rank: int, steps: int) -> dict[str, Any]:
 
 
 def run_child(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], capture_output=True, text=True,
-                           timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"not finished in {timeout:.0f} s", "wall_s": time.perf_counter() - t0}
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        tail = (p.stderr.strip().splitlines() or ["?"])[-1]
-        return {"error": f"exit {p.returncode}: {tail[:160]}", "wall_s": time.perf_counter() - t0}
-    return {**json.loads(lines[-1]), "wall_s": time.perf_counter() - t0}
+    return _common.run_child(__file__, cfg, timeout)
 
 
 # --- the two parts ------------------------------------------------------------------------------------------------

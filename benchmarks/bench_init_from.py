@@ -1,10 +1,11 @@
 """A Hugging Face model of about 300M parameters started from safetensors in 2- and 4-stage pipelines,
-against today's emit path (#28 Measure, third item).
+against today's emit path (#28 Measure, third item); and the readers of a stage's tensors side by side.
 
-    python benchmarks/bench_init_from.py            # ~10 minutes on 2 shared cores, about 6 GB of disk in /tmp
-    python benchmarks/bench_init_from.py --quick    # a tiny Llama, prints only
+    python benchmarks/bench_init_from.py                 # ~15 minutes on 2 shared cores, ~6 GB of disk in /tmp
+    python benchmarks/bench_init_from.py --part readers  # one part
+    python benchmarks/bench_init_from.py --quick         # a tiny Llama, prints only
 
-The model: a Llama of 20 layers, width 1024 (transformers' ``LlamaConfig``), saved once with
+The model: a Llama of 20 layers, width 1024 (``benchmarks/_common.py`` ``llama-300m``), saved once with
 ``save_pretrained`` (fp32 safetensors). Two ways to a program, each compiled in its own process:
 
 - *init_from*: the model built on the meta device, compiled with analytic costs, emitted with
@@ -12,11 +13,17 @@ The model: a Llama of 20 layers, width 1024 (transformers' ``LlamaConfig``), sav
 - *emit*: today's path: ``from_pretrained`` in the compiling process, whose ``stage_K.pt`` files
   the ranks load.
 
-Each program then trains 1 step (SGD without momentum: no optimizer state) under torchrun. Reported:
-the compiling process's peak RSS (``ru_maxrss``; target < 1 GiB with init_from), each rank's peak RSS
-(the metrics' ``peak_rss_mb``), and that rank's share of weights and gradients (fp32: 8 bytes per
-parameter of its stage) plus 15%, the target, above the RSS of a process that has only imported
-what a rank imports (torch, transformers, the runtime).
+*pipelines*: each program trains 1 step (SGD without momentum: no optimizer state; ``--optimizer adam``:
+two states per parameter) under torchrun. Reported: the compiling process's peak RSS (``ru_maxrss``;
+target < 1 GiB with init_from); each rank's peak RSS (the metrics' ``peak_rss_mb``); the baseline of a
+process that has only imported what a rank imports before it builds anything (torch and the runtime;
+``python -c "import torch"`` alone is reported too); and the stage's share (its weights, gradients and
+optimizer state, fp32). Target: rank peak - baseline <= share x 1.15.
+
+*readers*: stage 0 and the last stage of the 4-stage program filled in a fresh process by each reader:
+ours (plain reads, ``runtime/sources.py``), safetensors' ``safe_open`` slices (the mapped file, our path
+before), and torch.distributed.checkpoint's ``HuggingFaceStorageReader`` (``dcp.load`` of the stage's
+keys into its own tensors). Reported: seconds, and the peak RSS above the stage's weights.
 """
 
 from __future__ import annotations
@@ -34,38 +41,27 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._common import llama_config, peak_rss_mib, run_child  # noqa: E402
 from benchmarks._results import publish  # noqa: E402
 
 MiB = 2.0**20
-CONFIGS = {
-    "llama-300m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=20,
-                       num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=512),
-    "tiny": dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64),
-}
 BATCH, SEQ = 2, 32
-
-
-def _rss_mib() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+READERS = ("ours", "safe_open", "hf_storage_reader")
 
 
 def child(cfg: dict[str, Any]) -> dict[str, Any]:
-    """One step in its own process: ``save`` the model, ``baseline`` (imports only), or compile and emit
-    (``way``: init_from or emit) for ``stages`` stages."""
+    """One step in its own process: ``save`` the model, compile and emit (``way``: init_from or emit) for
+    ``stages`` stages, or ``read`` one stage with one reader."""
+    if cfg["step"] == "read":
+        return read_stage(Path(cfg["prog"]), cfg["stage"], cfg["reader"], Path(cfg["hf"]))
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(use_cache=False, **CONFIGS[cfg["model"]])
+    config = llama_config(cfg["model"])
     if cfg["step"] == "save":
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(config).save_pretrained(cfg["hf"])
         return {}
-    import pdcompile.runtime.trainer  # noqa: F401 - what a rank imports
-    if cfg["step"] == "baseline":
-        return {"rss_mib": _rss_mib()}
     from pdcompile.api import pdcompile
     from pdcompile.zoo.losses import SequenceCrossEntropy
 
@@ -76,26 +72,88 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     else:
         model = transformers.LlamaForCausalLM.from_pretrained(cfg["hf"])
     x = torch.randint(0, 100, (BATCH, SEQ))
+    adam = cfg["optimizer"] == "adam"
     pipe = pdcompile(model, example_inputs=(x,), example_target=torch.randint(0, 100, (BATCH, SEQ)),
                      loss_fn=SequenceCrossEntropy(), stages=cfg["stages"], num_microbatches=BATCH,
-                     cost_mode="analytic", optimizer=lambda p: torch.optim.SGD(p, lr=0.01))
+                     cost_mode="analytic", optimizer=(lambda p: torch.optim.Adam(p, lr=1e-4)) if adam
+                     else (lambda p: torch.optim.SGD(p, lr=0.01)))
     pipe.emit(cfg["out"], init_from=cfg["hf"] if cfg["way"] == "init_from" else None)
     params = {st.index: sum(p.numel() for p in st.gm.parameters()) for st in pipe.split.stages}
-    return {"compile_emit_s": time.perf_counter() - t0, "rss_mib": _rss_mib(), "stage_params": params,
+    return {"compile_emit_s": time.perf_counter() - t0, "rss_mib": peak_rss_mib(), "stage_params": params,
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def run_child(cfg: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
-    p = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], capture_output=True, text=True,
-                       timeout=timeout)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError(f"child {cfg['step']} failed ({p.returncode}): {p.stderr[-2000:]}")
-    return dict(json.loads(lines[-1]))
+def read_stage(prog: Path, stage: int, reader: str, hf: Path) -> dict[str, Any]:
+    """Stage ``stage`` of ``prog`` built on meta, given storage, and filled from ``hf`` by ``reader``;
+    checked against safetensors' own whole-tensor reads."""
+    import warnings
+
+    import torch
+    from safetensors import safe_open
+
+    from pdcompile.runtime import sources
+    from pdcompile.runtime.program import Program, _load_file
+
+    p = Program.load(prog)
+    spec = p.stages[stage]
+    with torch.device("meta"):
+        module = getattr(_load_file(p.folder / spec.module, "stage"), spec.cls)()
+    module = module.to_empty(device="cpu")
+    own = sources.stage_tensors(module)
+    skip = set(p.init.get("not_in_state_dict") or ())
+    wanted = {orig: own[local] for local, orig in spec.param_names.items() if orig not in skip}
+    weights = sum(t.numel() * t.element_size() for t in wanted.values()) / MiB
+    files = sorted(hf.glob("*.safetensors"))
+    import torch.distributed.checkpoint as dcp  # imported before the clock, as a rank would have
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    before = peak_rss_mib()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        if reader == "ours":
+            ck = sources.open_checkpoint(hf)
+            assert isinstance(ck, sources.SafetensorsReader)
+            for name, t in wanted.items():
+                ck.copy_into(name, t)
+        elif reader == "safe_open":  # our path before: the file mapped, 16 MiB slices of rows
+            for f in files:
+                with safe_open(str(f), framework="pt", device="cpu") as h:
+                    for name in h.keys():
+                        if name in wanted:
+                            t, part = wanted[name], h.get_slice(name)
+                            step = max(1, (16 << 20) // max(1, t[0].numel() * t.element_size()))
+                            for i in range(0, t.shape[0], step):
+                                t[i:i + step].copy_(part[i:i + step])
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.load(dict(wanted), storage_reader=HuggingFaceStorageReader(str(hf)), no_dist=True)
+    seconds = time.perf_counter() - t0
+    peak = peak_rss_mib()
+    wrong = 0
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            wrong += sum(not torch.equal(wanted[k], h.get_tensor(k)) for k in h.keys() if k in wanted)
+    return {"s": seconds, "above_weights_mib": peak - before - weights, "weights_mib": weights, "wrong": wrong}
+
+
+def _baseline(code: str) -> float:
+    """Peak RSS (MiB) of a fresh ``python -c code``: what a process holds before it does anything."""
+    out = subprocess.run([sys.executable, "-c", f"{code}\nimport resource\n"
+                          "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"],
+                         capture_output=True, text=True, check=True, timeout=300)
+    return float(out.stdout.split()[-1])
+
+
+def _child(cfg: dict[str, Any]) -> dict[str, Any]:
+    r = run_child(__file__, cfg, timeout=1800)
+    if "error" in r:
+        raise RuntimeError(f"child {cfg['step']} failed: {r['error']}")
+    return r
 
 
 def train_one_step(prog: Path, world: int, metrics: Path) -> dict[int, float]:
-    """Each rank's peak RSS (MiB) over start-up and one training step."""
+    """Each rank's peak RSS (MiB) over start-up and one training step, by stage."""
     from pdcompile.launcher import launch
 
     rc, log = launch(prog, world, ["--steps", "1", "--metrics", str(metrics), "--timeout", "600"], timeout=1800)
@@ -105,36 +163,58 @@ def train_one_step(prog: Path, world: int, metrics: Path) -> dict[int, float]:
     return {int(r["stage"]): float(r["peak_rss_mb"]) for r in ranks}
 
 
-def run(quick: bool) -> str:
-    model = "tiny" if quick else "llama-300m"
-    rows = ["| way | stages | compile + emit (s) | compiling process peak RSS (MiB) | rank: peak RSS (MiB) | "
-            "rank: above an idle rank (MiB) | target: weights + grads + 15% (MiB) |", "|---|---|---|---|---|---|---|"]
-    with tempfile.TemporaryDirectory(prefix="bench-init-from-") as tmp:
-        hf = Path(tmp) / "hf"
-        run_child({"step": "save", "model": model, "hf": str(hf)})
-        size = sum(f.stat().st_size for f in hf.glob("*.safetensors")) / MiB
-        idle = run_child({"step": "baseline", "model": model})["rss_mib"]
-        for stages in (2, 4):
-            for way in ("init_from", "emit"):
-                out = Path(tmp) / f"{way}_{stages}"
-                r = run_child({"step": "compile", "model": model, "hf": str(hf), "way": way, "stages": stages,
-                               "out": str(out)})
-                ranks = train_one_step(out, stages, Path(tmp) / f"m_{way}_{stages}")
-                shares = {int(k): 8 * n / MiB * 1.15 for k, n in r["stage_params"].items()}
-                rows.append(f"| {way} | {stages} | {r['compile_emit_s']:.1f} | {r['rss_mib']:.0f} | "
-                            + ", ".join(f"{ranks[k]:.0f}" for k in sorted(ranks)) + " | "
-                            + ", ".join(f"{ranks[k] - idle:.0f}" for k in sorted(ranks)) + " | "
-                            + ", ".join(f"{shares[k]:.0f}" for k in sorted(shares)) + " |")
-                print(rows[-1], flush=True)
-                shutil.rmtree(out, ignore_errors=True)
-        params = r["params"]
-    return (f"{model}: {params / 1e6:.0f}M parameters, {size:.0f} MiB of fp32 safetensors; a process that only "
-            f"imported torch, transformers and the runtime: {idle:.0f} MiB. Minibatch {BATCH} x {SEQ} tokens, "
-            f"{BATCH} microbatches, flush, one step. Per rank: stage 0 first.\n\n" + "\n".join(rows))
+def pipelines(model: str, hf: Path, tmp: Path, optimizer: str) -> str:
+    torch_only = _baseline("import torch")
+    base = _baseline("import torch\nimport pdcompile.runtime.trainer")
+    per_param = 8 + (8 if optimizer == "adam" else 0)  # fp32 weight + gradient (+ Adam's two states)
+    rows = ["| way | stages | compile + emit (s) | compiling process: peak RSS (MiB) | rank: peak RSS (MiB) | "
+            "rank: peak - baseline (MiB) | share: weights + grads" + (" + Adam state" if optimizer == "adam" else "")
+            + " (MiB) | (peak - baseline) / share | target met (<= 1.15) |", "|---|---|---|---|---|---|---|---|---|"]
+    r: dict[str, Any] = {}
+    for stages in (2, 4):
+        for way in ("init_from", "emit"):
+            out = tmp / f"{way}_{stages}"
+            r = _child({"step": "compile", "model": model, "hf": str(hf), "way": way, "stages": stages,
+                        "out": str(out), "optimizer": optimizer})
+            ranks = train_one_step(out, stages, tmp / f"m_{way}_{stages}")
+            share = {int(k): per_param * n / MiB for k, n in r["stage_params"].items()}
+            ks = sorted(ranks)
+            ratio = [(ranks[k] - base) / share[k] for k in ks]
+            rows.append(f"| {way} | {stages} | {r['compile_emit_s']:.1f} | {r['rss_mib']:.0f} | "
+                        + ", ".join(f"{ranks[k]:.0f}" for k in ks) + " | "
+                        + ", ".join(f"{ranks[k] - base:.0f}" for k in ks) + " | "
+                        + ", ".join(f"{share[k]:.0f}" for k in ks) + " | "
+                        + ", ".join(f"{x:.2f}" for x in ratio) + " | "
+                        + ("yes" if all(x <= 1.15 for x in ratio) else f"{sum(x <= 1.15 for x in ratio)} of {len(ks)}")
+                        + " |")
+            print(rows[-1], flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    return (f"{model}: {r['params'] / 1e6:.0f}M parameters; optimizer {optimizer}. Baselines (peak RSS of a fresh "
+            f"process): `python -c \"import torch\"` {torch_only:.0f} MiB; what a rank imports before it builds "
+            f"anything (torch, pdcompile.runtime) {base:.0f} MiB: the 'baseline' below. Minibatch {BATCH} x {SEQ} "
+            f"tokens, {BATCH} microbatches, flush, one step. Per rank: stage 0 first.\n\n" + "\n".join(rows))
+
+
+def readers(model: str, hf: Path, tmp: Path) -> str:
+    prog = tmp / "readers_prog"
+    _child({"step": "compile", "model": model, "hf": str(hf), "way": "init_from", "stages": 4, "out": str(prog),
+            "optimizer": "sgd"})
+    rows = ["| reader | stage | its weights (MiB) | seconds | peak RSS above its weights (MiB) | tensors wrong |",
+            "|---|---|---|---|---|---|"]
+    for stage in (0, 3):
+        for reader in READERS:
+            r = _child({"step": "read", "prog": str(prog), "stage": stage, "reader": reader, "hf": str(hf)})
+            rows.append(f"| {reader} | {stage} | {r['weights_mib']:.0f} | {r['s']:.2f} | {r['above_weights_mib']:.0f} "
+                        f"| {r['wrong']} |")
+            print(rows[-1], flush=True)
+    return ("Stage 0 (embedding first) and stage 3 (LM head last) of the 4-stage program, each filled in a fresh "
+            "process from the one-file fp32 checkpoint:\n\n" + "\n".join(rows))
 
 
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=["pipelines", "readers", "all"], default="all")
+    ap.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     ap.add_argument("--quick", action="store_true", help="a tiny Llama; print only")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -143,10 +223,23 @@ def main(argv: list[str] | None = None) -> str:
         return ""
     with open("/proc/loadavg") as f:
         load = f.read().strip()
-    table = run(a.quick)
-    body = (f"{table}\n\nLoad before the run (`cat /proc/loadavg`): {load}; machine: 2-core CPU, shared.\n")
+    model = "tiny" if a.quick else "llama-300m"
+    parts = []
+    with tempfile.TemporaryDirectory(prefix="bench-init-from-") as t:
+        tmp = Path(t)
+        hf = tmp / "hf"
+        _child({"step": "save", "model": model, "hf": str(hf)})
+        size = sum(f.stat().st_size for f in hf.glob("*.safetensors")) / MiB
+        if a.part in ("pipelines", "all"):
+            parts.append(pipelines(model, hf, tmp, a.optimizer))
+        if a.part in ("readers", "all"):
+            parts.append(readers(model, hf, tmp))
+    body = (f"The checkpoint: {size:.0f} MiB of fp32 safetensors (one file).\n\n" + "\n\n".join(parts)
+            + f"\n\nLoad before the run (`cat /proc/loadavg`): {load}; machine: 2-core CPU, shared.\n")
     publish("Big model: a 300M HF model from safetensors vs emitted weights", body,
-            "python benchmarks/bench_init_from.py", write=not a.quick)
+            f"python benchmarks/bench_init_from.py{' --part ' + a.part if a.part != 'all' else ''}"
+            f"{' --optimizer adam' if a.optimizer == 'adam' else ''}",
+            write=not a.quick and a.part == "all" and a.optimizer == "sgd")  # other runs: printed, read by hand
     return body
 
 

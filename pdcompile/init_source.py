@@ -79,7 +79,43 @@ def init_entry(model: torch.nn.Module, split: StageSplit, init_from: str | os.Pa
     if meta:
         fresh = not_saved if init_from is not None else names
         entry.update(_initialisers(model, fresh))
+        values = _small_values(model, entry, not_saved)
+        if values:
+            entry["values"] = values
     return entry
+
+
+MAX_VALUE_ELEMENTS = 4096  # plan.json stays small: rotary frequencies are head_dim / 2 numbers
+
+
+def _small_values(model: torch.nn.Module, entry: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The values of the small buffers among ``names`` (kept out of the state_dict, so no checkpoint holds
+    them) whose initialiser does not depend on the seed, made here by the ranks' own code
+    (``runtime/sources.py`` ``FreshInit``, under two seeds: kept where both agree). A rank filled from a
+    checkpoint then needs no initialiser: it neither imports the model's library (transformers: ~80 MiB
+    of a rank's memory) nor builds the model on meta."""
+    from pdcompile.runtime.sources import FreshInit
+
+    buffers = dict(model.named_buffers())
+    small = [n for n in names if n in buffers and buffers[n].numel() <= MAX_VALUE_ELEMENTS]
+    if not small:
+        return {}
+    hf = _hf_models(model).get(str((entry.get("hf") or {}).get("prefix", "")))
+    made: list[dict[str, torch.Tensor]] = []
+    for seed in (0, 1):
+        fresh = FreshInit({**entry, "seed": seed}, hf_model=hf)
+        try:
+            made.append({n: t.clone() for n, t in fresh.tensors(small)})
+        except UsageError:
+            return {}  # an initialiser that can't make them: the ranks report it, as before
+    out: dict[str, Any] = {}
+    total = 0
+    for n in small:
+        a, b = made[0][n], made[1][n]
+        if torch.equal(a, b) and total + a.numel() <= MAX_VALUE_ELEMENTS:
+            total += a.numel()
+            out[n] = {"dtype": str(a.dtype).replace("torch.", ""), "shape": list(a.shape), "data": a.tolist()}
+    return out
 
 
 def _initialisers(model: torch.nn.Module, names: Iterable[str]) -> dict[str, Any]:

@@ -8,10 +8,12 @@ plan.json's ``init`` says it (written by :mod:`pdcompile.init_source`):
   of that module alone, seeded from ``(seed, the module's original name)``: a seed gives the same initial
   weights under every plan, stage count and replica;
 - ``"pretrained"`` (``init_from=PATH``): the stage's tensors read under the original model's names from
-  PATH, lazily: safetensors' ``safe_open`` (a file, an HF folder's ``model.safetensors`` or shards with
-  ``model.safetensors.index.json``), ``torch.load(mmap=True)`` (a ``torch.save``d state_dict), or
+  PATH, lazily: a safetensors file (a file, an HF folder's ``model.safetensors`` or shards with
+  ``model.safetensors.index.json``; headers by ``safe_open``, each tensor read with plain reads into the
+  stage's own tensor), ``torch.load(mmap=True)`` (a ``torch.save``d state_dict), or
   torch.distributed.checkpoint's ``load`` of only the stage's keys (a DCP folder). A tensor the model keeps
-  out of its state_dict (a non-persistent buffer such as rotary frequencies) comes from its initialiser.
+  out of its state_dict (a non-persistent buffer such as rotary frequencies) comes from plan.json's
+  ``values`` (made at compile time when small and the same under every seed), else its initialiser.
 
 The stage module is built on the meta device, given storage on the rank's device with ``to_empty``,
 and every tensor filled (dtypes cast: a bf16 checkpoint into fp32 master weights). A tensor no source
@@ -21,6 +23,8 @@ fills is an error: a meta tensor never reaches training. Only torch and safetens
 from __future__ import annotations
 
 import contextlib
+import copy
+import ctypes
 import hashlib
 import importlib
 import json
@@ -80,6 +84,7 @@ class SafetensorsReader:
         self.path = path
         self._where: dict[str, Path] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._offsets: dict[Path, dict[str, tuple[int, int, torch.dtype]]] = {}
         for f in sorted(set(files.values())) if files is not None else [path]:
             try:
                 with safe_open(str(f), framework="pt", device="cpu") as h:
@@ -111,23 +116,80 @@ class SafetensorsReader:
 
 
     def copy_into(self, name: str, dest: torch.Tensor, chunk_bytes: int = 16 << 20) -> None:
-        """Copy tensor ``name`` into ``dest`` (casting) in slices of about ``chunk_bytes`` along dim 0:
-        a rank never holds a whole read copy of its largest tensor (an embedding) beside the stage."""
-        from safetensors import safe_open
-
+        """Copy tensor ``name`` into ``dest`` (casting), read from the file with plain reads: straight into
+        ``dest``'s memory when the dtypes agree, else through a buffer of about ``chunk_bytes`` (rows of
+        dim 0). No mapping of the file: a mapped file's pages count in the process's RSS while mapped (a
+        rank would hold its largest tensor twice); read pages stay in the page cache, not the process."""
+        f = self._where[name]
         try:
-            with safe_open(str(self._where[name]), framework="pt", device="cpu") as h:
-                if dest.dim() == 0:
-                    dest.copy_(h.get_tensor(name))
+            if f not in self._offsets:
+                self._offsets[f] = _data_offsets(f)
+            begin, end, dtype = self._offsets[f][name]
+        except Exception as e:  # noqa: BLE001 - a header the safe_open above accepted, but damaged
+            raise _unreadable(f, e) from None
+        if end - begin != dest.numel() * torch.empty((), dtype=dtype).element_size():
+            raise _unreadable(f, ValueError(f"{name!r} holds {end - begin} bytes, not {dest.numel()} {dtype}"))
+        try:
+            with open(f, "rb", buffering=0) as h:
+                if dtype == dest.dtype and dest.is_contiguous() and dest.device.type == "cpu":
+                    _read_exactly(h, begin, _bytes_of(dest))
                     return
-                part = h.get_slice(name)
-                rows = dest.shape[0]
-                row_bytes = max(1, dest[0].numel() * dest.element_size())
-                step = max(1, chunk_bytes // row_bytes)
+                flat = dest.reshape(-1) if dest.is_contiguous() else None
+                row = max(1, dest[0].numel() if dest.dim() else 1)
+                src_row_bytes = (end - begin) // max(1, dest.shape[0] if dest.dim() else 1)
+                rows = dest.shape[0] if dest.dim() else 1
+                step = max(1, chunk_bytes // max(1, src_row_bytes))
+                buf = bytearray(min(rows, step) * src_row_bytes)
                 for i in range(0, rows, step):
-                    dest[i:i + step].copy_(part[i:i + step])
+                    n = min(step, rows - i)
+                    view = memoryview(buf)[:n * src_row_bytes]
+                    _read_exactly(h, begin + i * src_row_bytes, view)
+                    part = torch.frombuffer(view, dtype=dtype)
+                    if flat is not None:
+                        flat[i * row:(i + n) * row].copy_(part)
+                    elif dest.dim():
+                        dest[i:i + n].copy_(part.view(n, *dest.shape[1:]))
+                    else:
+                        dest.copy_(part.view(()))
+        except CheckpointError:
+            raise
         except Exception as e:  # noqa: BLE001
-            raise _unreadable(self._where[name], e) from None
+            raise _unreadable(f, e) from None
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _data_offsets(path: Path) -> dict[str, tuple[int, int, torch.dtype]]:
+    """A safetensors file's tensors: absolute ``(begin, end)`` byte offsets and dtype, from its header (an
+    8-byte little-endian length, then JSON; the data follows it: the format's own definition)."""
+    with open(path, "rb") as h:
+        n = int.from_bytes(h.read(8), "little")
+        header = json.loads(h.read(n))
+    base = 8 + n
+    return {k: (base + v["data_offsets"][0], base + v["data_offsets"][1], _ST_DTYPES[v["dtype"]])
+            for k, v in header.items() if k != "__metadata__"}
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's memory, writable, as bytes (through ctypes: no numpy needed); valid while
+    ``t`` lives."""
+    raw = (ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return memoryview(raw).cast("B")
+
+
+def _read_exactly(h: Any, offset: int, into: memoryview) -> None:
+    """Fill ``into`` from byte ``offset`` of the open file ``h`` (short reads continued; end of file is an
+    error: a truncated file)."""
+    h.seek(offset)
+    got = 0
+    while got < len(into):
+        n = h.readinto(into[got:])
+        if not n:
+            raise EOFError(f"the file ends {len(into) - got} bytes early")
+        got += n
 
 
 class TorchSaveReader:
@@ -261,11 +323,14 @@ class FreshInit:
     the owner rebuilt on the meta device (from its class and arguments, or a Hugging Face model built
     from its config on meta), given CPU storage (``to_empty``), initialised under its own seed."""
 
-    def __init__(self, init: Mapping[str, Any]) -> None:
+    def __init__(self, init: Mapping[str, Any], hf_model: torch.nn.Module | None = None) -> None:
+        """``hf_model``: the Hugging Face model ``init["hf"]`` describes, already built (on meta, in the
+        compiling process): its owning modules are copied, not rebuilt, and the model is left as it was."""
         self.seed = int(init.get("seed", 0))
         self.owners: dict[str, dict[str, Any]] = dict(init.get("owners") or {})
         self.hf: dict[str, Any] | None = init.get("hf")
-        self._hf_model: torch.nn.Module | None = None
+        self._hf_model: torch.nn.Module | None = hf_model
+        self._copy = hf_model is not None
 
     def _hf(self) -> torch.nn.Module:
         if self._hf_model is None:
@@ -290,6 +355,8 @@ class FreshInit:
         model = self._hf()
         name = name[len(prefix):].lstrip(".")
         module = model.get_submodule(name)
+        if self._copy:  # another's model: initialise a copy of the module (on meta: no storage copied)
+            module = copy.deepcopy(module)
         hf_owner = model  # the nearest enclosing PreTrainedModel dispatches its own _init_weights
         parts = name.split(".") if name else []
         for i in range(len(parts), 0, -1):
@@ -334,6 +401,18 @@ def _seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
+
+
+def given_values(init: Mapping[str, Any], names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of ``names`` that plan.json's ``init["values"]`` holds (``{name: {"dtype", "shape",
+    "data"}}``: small buffers no checkpoint holds, such as rotary frequencies, made once at compile time by
+    the same initialiser: :func:`pdcompile.init_source.init_entry`). A rank that finds all of its stage's
+    tensors there or in the checkpoint never imports the model's library nor builds its model on meta."""
+    values: Mapping[str, Any] = init.get("values") or {}
+    for n in names:
+        v = values.get(n)
+        if v is not None:
+            yield n, torch.tensor(v["data"], dtype=getattr(torch, v["dtype"])).reshape(v["shape"])
 
 
 # -- filling a stage ------------------------------------------------------------------------------
@@ -383,6 +462,10 @@ def fill_stage(module: torch.nn.Module, stage: int, param_names: Mapping[str, st
             else:
                 put(orig, reader.read([key], {})[key])
     rest = [n for n in locals_of if n not in done]
+    if rest and rest_fresh:
+        for orig, value in given_values(init, rest):  # small buffers made at compile time: no initialiser here
+            put(orig, value)
+        rest = [n for n in rest if n not in done]
     if rest and rest_fresh:
         for orig, value in FreshInit(init).tensors(rest):
             put(orig, value)

@@ -10,8 +10,8 @@ one line naming the cause and the fix.
 
 from __future__ import annotations
 
-import json
-import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from pdcompile.reference import train_sync
 from pdcompile.runtime.data import save_batches
 from pdcompile.runtime.program import Program
 from pdcompile.zoo.losses import SequenceCrossEntropy
+from _hf_llama import Logits, llama_config, token_batches
 from _ranks import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -35,9 +36,7 @@ VOCAB, SEQ, BATCH, MICRO, STEPS, LR = 100, 8, 4, 2, 3, 0.05
 
 
 def config(**kw: Any) -> Any:
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-                                    use_cache=False, **kw)
+    return llama_config(VOCAB, **kw)
 
 
 def pretrained(folder: Path, **kw: Any) -> Path:
@@ -56,11 +55,7 @@ def optimizer(params: Any) -> torch.optim.Optimizer:
 
 
 def batches() -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
-    out = []
-    for i in range(STEPS):
-        g = torch.Generator().manual_seed(100 + i)
-        out.append(((torch.randint(1, VOCAB, (BATCH, SEQ), generator=g),), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)))
-    return out
+    return token_batches(VOCAB, STEPS, BATCH, SEQ)
 
 
 def meta_pipeline(init_from: Path | None = None, **kw: Any) -> api.CompiledPipeline:
@@ -69,17 +64,6 @@ def meta_pipeline(init_from: Path | None = None, **kw: Any) -> api.CompiledPipel
         x, t = torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
     return api.pdcompile(model, example_inputs=(x,), example_target=t, loss_fn=SequenceCrossEntropy(),
                          optimizer=optimizer, stages=2, num_microbatches=MICRO, schedule="flush", init_from=init_from)
-
-
-class Logits(torch.nn.Module):
-    """The model as the pipeline sees it: its logits."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x).logits
 
 
 def trained_alone(model: torch.nn.Module, data: list[Any]) -> dict[str, torch.Tensor]:
@@ -159,9 +143,25 @@ def test_every_checkpoint_format_fills_each_stage_with_the_models_tensors(tmp_pa
             assert t.dtype == torch.float32 and torch.equal(t, want[name]), (source, name)
     from pdcompile.runtime.sources import SafetensorsReader
 
-    dest = torch.empty(VOCAB, 32)  # a big tensor is copied in slices of rows: here 64 bytes, 0.5 rows at a time
+    emb = want["model.embed_tokens.weight"]
+    dest = torch.empty(VOCAB, 32)  # same dtype: read straight into the tensor
     SafetensorsReader(tmp_path / "one.safetensors").copy_into("model.embed_tokens.weight", dest, chunk_bytes=64)
-    assert torch.equal(dest, want["model.embed_tokens.weight"])
+    assert torch.equal(dest, emb)
+    dest = torch.empty(32, VOCAB).t()  # cast, and not contiguous: through a buffer of 64 bytes, one bf16 row a read
+    SafetensorsReader(tmp_path / "bf16.safetensors").copy_into("model.embed_tokens.weight", dest, chunk_bytes=64)
+    assert torch.equal(dest, emb.to(torch.bfloat16).float())
+    # the rotary frequencies no checkpoint holds come from plan.json: a rank builds its stages without transformers
+    assert set(prog.init["values"]) == {"model.rotary_emb.inv_freq"}
+    code = ("import sys, torch; sys.modules['transformers'] = None\n"  # importing it fails
+            "from pdcompile.runtime.program import Program\n"
+            f"p = Program.load({str(prog.folder)!r})\n"
+            f"torch.save([dict(p.build_stage(k, init_from={str(hf)!r}).named_buffers()) for k in range(2)], "
+            f"{str(tmp_path / 'buffers.pt')!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    built = torch.load(tmp_path / "buffers.pt")
+    held = [t for k in range(2) for n, t in built[k].items() if prog.stages[k].param_names[n].endswith("inv_freq")]
+    assert held and all(torch.equal(t, want["model.rotary_emb.inv_freq"]) for t in held)
     got = stage_weights(prog, tmp_path / "bf16.safetensors")  # bf16 checkpoint -> fp32 master weights
     for name, t in got.items():
         assert t.dtype == torch.float32, name

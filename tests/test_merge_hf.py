@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from _hf_llama import Logits, llama_config, token_batches
 from _ranks import run_ranks
 from pdcompile import api
 from pdcompile.cli import main
@@ -29,34 +30,12 @@ VOCAB, SEQ, BATCH, MICRO, STEPS, LR = 64, 8, 4, 2, 3, 0.05
 
 def llama() -> Any:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                                   tie_word_embeddings=True, use_cache=False, attn_implementation="eager")
-    return transformers.LlamaForCausalLM(cfg)
+    return transformers.LlamaForCausalLM(llama_config(VOCAB, num_key_value_heads=1, tie_word_embeddings=True,
+                                                      attn_implementation="eager"))
 
 
 def _opt(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
-
-
-class Logits(torch.nn.Module):
-    """The model as the pipeline trains it: its logits."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x).logits
-
-
-def _data() -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
-    out = []
-    for i in range(STEPS):
-        g = torch.Generator().manual_seed(100 + i)
-        out.append(((torch.randint(1, VOCAB, (BATCH, SEQ), generator=g),), torch.randint(0, VOCAB, (BATCH, SEQ),
-                                                                                        generator=g)))
-    return out
 
 
 @pytest.mark.multiproc
@@ -68,7 +47,7 @@ def test_merged_folder_loads_with_from_pretrained(tmp_path: Path, capsys: pytest
     saved_keys = set(safetensors_torch.load_file(str(like / "model.safetensors")))
     assert "lm_head.weight" not in saved_keys and "model.embed_tokens.weight" in saved_keys  # tied: saved once
 
-    data = _data()
+    data = token_batches(VOCAB, STEPS, BATCH, SEQ)
     (x,), target = data[0]
     pipe = api.pdcompile(llama(), example_inputs=(x,), example_target=target, loss_fn=SequenceCrossEntropy(),
                          optimizer=_opt, stages=2, schedule="flush", num_microbatches=MICRO, frontend="export")
