@@ -9,7 +9,13 @@ over the steps after the first (the reporting rank's). Memory: stage 0's replica
 gradients; optimizer state; activations; receive buffers). Predicted: the planner's stage memory
 for the same stages under the mode (``plan_from_assignment(..., shard=mode)``), where it has one.
 
-Usage: python benchmarks/bench_shard.py [--steps 6] [--write]
+``--variants``: instead, what the suite does not run: a stage of 2 replicas under a mode against
+the same program under ``none`` (3 steps, Adam, final weights' largest difference), with ``--precision
+bf16``, with ``recompute="full"``, with validation passes (``--eval-data``, their losses too), under
+2BW (``optimizer``), and the GPT whose embedding is tied across stages (``optimizer``; ``full`` is
+refused there).
+
+Usage: python benchmarks/bench_shard.py [--steps 6] [--variants] [--write]
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from benchmarks._results import write_section  # noqa: E402
 from pdcompile.api import pdcompile  # noqa: E402
 from pdcompile.launcher import launch  # noqa: E402
 from pdcompile.passes.partition_dp import plan_from_assignment  # noqa: E402
-from pdcompile.zoo import mlp  # noqa: E402
+from pdcompile.merge import merge_weights  # noqa: E402
+from pdcompile.zoo import batches as zoo_batches  # noqa: E402
+from pdcompile.zoo import get, mlp  # noqa: E402
 
 CFG = dict(in_features=512, hidden=[1024, 1024, 1024], num_classes=256)
 MODES = ("none", "optimizer", "full")
@@ -58,6 +66,50 @@ def batches(batch_size: int, seed: int = 0, **cfg: object) -> Iterator[tuple[tup
         i += 1
 
 
+def eval_batches(batch_size: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """``--variants``' validation data (``--eval-data benchmarks.bench_shard:eval_batches``): 2 minibatches."""
+    it = zoo_batches(batch_size, "mlp", seed=1000)
+    return [next(it) for _ in range(2)]
+
+
+VARIANTS = (  # (name, zoo model, replicas, mode, compile options, train.py flags)
+    ("bf16", "mlp", [2, 1], "full", {}, ["--precision", "bf16"]),
+    ("recompute full", "mlp", [2, 1], "full", {"recompute": "full"}, []),
+    ("validation", "mlp", [2, 1], "full", {}, ["--eval-data", "benchmarks.bench_shard:eval_batches", "--eval-every", "1"]),
+    ("2bw", "mlp", [2, 1], "optimizer", {}, ["--schedule", "2bw"]),
+    ("tied embedding (GPT)", "gpt", [2, 1, 1], "optimizer", {}, []),
+)
+
+
+def variants(tmp: Path, env: dict[str, str]) -> list[str]:
+    """Each variant under its mode and under ``none``: the final weights' largest difference, and the
+    validation losses' where there are some."""
+    rows = []
+    for name, model, reps, mode, kw, flags in VARIANTS:
+        got: dict[str, tuple[dict[str, torch.Tensor], list[float]]] = {}
+        for m in ("none", mode):
+            z = get(model, batch_size=8, seed=0)
+            pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
+                             optimizer=lambda p: torch.optim.Adam(p, lr=0.01), stages=len(reps), replicas=reps,
+                             schedule="flush", num_microbatches=4, leaf_modules=z.leaf_modules,
+                             shard=[m] + ["none"] * (len(reps) - 1), **kw)
+            d = tmp / f"{name.split()[0]}_{m}"
+            prog = pipe.emit(d / "prog", data={"factory": "pdcompile.zoo:batches", "kwargs": {"name": model}})
+            rc, log = launch(prog, sum(reps), ["--steps", "3", "--save-final", str(d / "w"), "--metrics", str(d / "m"),
+                                               "--timeout", "120", *flags], timeout=900, env=env)
+            if rc != 0:
+                raise SystemExit(f"{name} {m} failed (exit {rc}):\n{log[-3000:]}")
+            evals = [e["loss"] for p in sorted((d / "m").glob("rank_*.json")) for e in json.loads(p.read_text())["eval"]]
+            got[m] = (merge_weights(prog, d / "w"), evals)
+        (a, ea), (b, eb) = got["none"], got[mode]
+        diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+        ediff = max((abs(x - y) for x, y in zip(ea, eb)), default=None)
+        rows.append(f"| {name} | {mode} | {'x'.join(map(str, reps))} | {diff:.3g} | "
+                    f"{'—' if ediff is None else f'{ediff:.3g} ({len(eb)} losses)'} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def _predicted(pipe, mode: str, M: int) -> float | None:  # type: ignore[no-untyped-def]
     """The planner's memory of stage 0 under ``mode`` (None where this planner has no ``shard``)."""
     assign = [(s.first, s.last, s.replicas, s.ranks) for s in pipe.plan.stages]
@@ -74,9 +126,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--microbatch-size", type=int, default=2)
+    ap.add_argument("--variants", action="store_true", help="each mode against none under other options")
     ap.add_argument("--write", action="store_true", help="write the section of benchmarks/RESULTS.md")
     args = ap.parse_args()
     load_start = os.getloadavg()[0]
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if args.variants:
+        with tempfile.TemporaryDirectory() as tmp:
+            vrows = variants(Path(tmp), env)
+        body = (f"Each variant trains 3 steps (Adam, 4 microbatches of 2, flush unless named) with its first stage's "
+                f"2 replicas under the mode, and again under `none`; the largest difference of the final weights, "
+                f"and of the validation losses where the run has some. Load average {load_start:.1f} at the start, "
+                f"{os.getloadavg()[0]:.1f} at the end.\n\n"
+                "| variant | mode | replicas | weights: largest difference | validation losses: largest difference |\n"
+                "|---|---|---|---|---|\n" + "\n".join(vrows) + "\n")
+        print(body)
+        if args.write:
+            write_section("Sharded replicas against none under other options (bench_shard --variants)", body)
+        return
     cfg = _config(**CFG)
     M = args.microbatches
     (x,), y = mlp.make_batch(cfg, torch.device("cpu"), 0, M * args.microbatch_size)
@@ -84,7 +151,6 @@ def main() -> None:
     pipe = pdcompile(mlp.MLP(cfg), example_inputs=(x,), example_target=y, loss_fn=torch.nn.CrossEntropyLoss(),
                      optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), stages=2, replicas=[2, 1], schedule="flush",
                      num_microbatches=M, recompute="none", shard="none")
-    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         base = pipe.emit(Path(tmp) / "base", data={"factory": "benchmarks.bench_shard:batches", "kwargs": CFG})
