@@ -36,6 +36,7 @@ from pdcompile.passes.partition import PartitionOptions, balanced_bounds, infer_
 from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
 from pdcompile.passes.planner.sharding import check_option as check_shard
 from pdcompile.passes.planner.sharding import describe as describe_shard
+from pdcompile.passes.planner.sharding import untie as untie_shard
 from pdcompile.passes.schedule import ScheduleOptions
 from pdcompile.passes.split_stages import StageSplit
 from pdcompile.passes.trace import TraceOptions
@@ -299,6 +300,9 @@ class CompiledPipeline:
             with torch.no_grad():
                 for b, v in kept:
                     b.copy_(v)
+        if self.split.tied:  # FSDP2 cannot shard a parameter whose gradient is summed across stages
+            self.state = self.state.replace(plan=untie_shard(self.plan, {s for g in self.split.tied for s, _ in g},
+                                                             opts.shard))
         if opts.clip_grad_norm is not None:
             _check_clipping(need(self.state.schedule_spec, "schedule_spec"))
 

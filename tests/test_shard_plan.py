@@ -106,3 +106,28 @@ def test_cli_shard_flag() -> None:
     assert bad.returncode == 2 and "shard='optimizer'" in bad.stderr and "Traceback" not in bad.stderr
     bad = _cli("plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", "--shard", "zero")
     assert bad.returncode == 2 and "shard must be one of" in bad.stderr
+
+
+class _Tied(torch.nn.Module):
+    """A first and a last layer sharing one weight (tied across stages when split in two)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid, self.head = (torch.nn.Linear(16, 16) for _ in range(3))
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(torch.relu(self.emb(x)))))
+
+
+def test_full_is_not_given_to_a_stage_with_a_tied_parameter() -> None:
+    from pdcompile.passes.planner.sharding import untie
+
+    x, y = torch.randn(8, 16), torch.randint(0, 16, (8,))
+    with pytest.raises(UsageError, match="tied to another stage"):
+        pdcompile(_Tied(), example_inputs=(x,), example_target=y, loss_fn=torch.nn.CrossEntropyLoss(), stages=2,
+                  replicas=[2, 2], shard="full")
+    plan = _compile(stages=2, replicas=[2, 1], shard="full").plan  # type: ignore[attr-defined]
+    got = untie(plan, {0}, "auto")  # auto had chosen full for a tied stage: ZeRO-1 instead, said in a note
+    assert [s.shard for s in got.stages] == ["optimizer", "none"] and "tied across stages" in got.notes[-1]
+    assert untie(plan, {1}, "auto") is plan

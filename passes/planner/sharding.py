@@ -139,3 +139,25 @@ def describe(plan: Any, shard: str | Sequence[str]) -> list[str]:
     for st in reps:
         lines.append(f"  stage {st.index} (x{st.replicas}): {st.shard}")
     return lines
+
+
+def untie(plan: Any, tied_stages: set[int], shard: str | Sequence[str]) -> Any:
+    """``plan`` with no ``full`` stage among ``tied_stages`` (stages holding a parameter tied across
+    stages, whose gradients are summed outside FSDP2, which the runtime refuses): ``auto`` gives such a
+    stage ``optimizer`` instead (it needs less memory than ``full`` and takes the same time), with a
+    note; a ``full`` asked for one is a :class:`UsageError` naming the fix."""
+    from dataclasses import replace
+
+    hit = [st for st in plan.stages if st.index in tied_stages and st.shard == "full"]
+    if not hit:
+        return plan
+    asked = [shard] * len(plan.stages) if isinstance(shard, str) else list(shard)
+    forced = [st.index for st in hit if asked[st.index] == "full"]
+    if forced:
+        raise UsageError(f"shard='full' on stage {forced[0]}, which holds a parameter tied to another stage's (its "
+                         f"gradient is summed across stages, outside FSDP2): give shard='optimizer' or 'none' for it")
+    stages = tuple(replace(st, shard="optimizer") if st in hit else st for st in plan.stages)
+    note = (f"shard: stage{'s' if len(hit) > 1 else ''} {', '.join(str(st.index) for st in hit)} hold{'' if len(hit) > 1 else 's'} "
+            f"a parameter tied across stages, which FSDP2 cannot shard: optimizer (ZeRO-1) instead of full (the "
+            f"memory column keeps full's bytes, a bound)")
+    return replace(plan, stages=stages, notes=(*plan.notes, note))
