@@ -130,6 +130,7 @@ FIXED_HEAD = ("| cluster | stages x replicas (balanced split) | per-worker peak:
 
 def fixed(chain: Any, cluster: Any, M: int, name: str) -> list[str]:
     """Data parallelism and straight splits of ``S`` stages x ``n / S`` replicas under each mode: which fit."""
+    from pdcompile.errors import UsageError
     from pdcompile.passes.partition import balanced_bounds
     from pdcompile.passes.partition_dp import plan_from_assignment
 
@@ -141,14 +142,22 @@ def fixed(chain: Any, cluster: Any, M: int, name: str) -> list[str]:
         R = n // S
         bounds = [0, *balanced_bounds(chain, S), len(chain)]
         assign = [(a, b - 1, R, tuple(range(k * R, (k + 1) * R))) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-        plans = [plan_from_assignment(chain, cluster, assign, schedule="flush", num_microbatches=M, recompute="auto",
-                                      optimizer_state_factor=2.0, shard=mode) for mode in ("none", "optimizer", "full")]
+        if R > M:  # a replica without a microbatch in a step: no mode runs it
+            continue
+        plans = []
+        for mode in ("none", "optimizer", "full"):
+            try:
+                plans.append(plan_from_assignment(chain, cluster, assign, schedule="flush", num_microbatches=M,
+                                                  recompute="auto", optimizer_state_factor=2.0, shard=mode))
+            except UsageError as e:
+                plans.append(str(e))
         limit = cluster.device.memory
-        peaks = [max(s.memory_bytes for s in p.stages) for p in plans]
-        fits = ["yes" if pk <= limit * (1 + 1e-9) else "no" for pk in peaks]
-        rec = ", ".join(sorted({s.recompute_text for s in plans[0].stages})) or "-"
-        rows.append(f"| {name} | {S} x {R} | {' / '.join(f'{pk / GiB:.1f}' for pk in peaks)} | {' / '.join(fits)} | "
-                    f"{rec} | {' / '.join(f'{p.samples_per_second:.4g}' for p in plans)} |")
+        peaks = [max(s.memory_bytes for s in p.stages) if not isinstance(p, str) else None for p in plans]
+        fits = ["refused" if pk is None else "yes" if pk <= limit * (1 + 1e-9) else "no" for pk in peaks]
+        rec = ", ".join(sorted({s.recompute_text for s in plans[0].stages})) or "-"  # type: ignore[union-attr]
+        rows.append(f"| {name} | {S} x {R} | {' / '.join('-' if pk is None else f'{pk / GiB:.1f}' for pk in peaks)} | "
+                    f"{' / '.join(fits)} | {rec} | "
+                    f"{' / '.join('-' if isinstance(p, str) else f'{p.samples_per_second:.4g}' for p in plans)} |")
         print(rows[-1], flush=True)
     return rows
 

@@ -514,7 +514,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                               optimizer_state_factor=optimizer_state_factor, num_microbatches=num_microbatches,
                               memory_limit=refit_recompute)
         chosen = [fit.choose(st_.first, st_.last, first.peak_in_flight[s], versions=first.peak_weight_versions[s],
-                             activation_scale=plan.microbatch_size / chain.batch_size)
+                             activation_scale=plan.microbatch_size / chain.batch_size,
+                             shard=getattr(st_, "shard", "none"), replicas=st_.replicas)
                   for s, st_ in enumerate(plan.stages)]
         stages = tuple(replace(st_, recompute=mode, recompute_layers=head)
                        for st_, (mode, head) in zip(plan.stages, chosen))

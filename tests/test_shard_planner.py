@@ -185,3 +185,27 @@ def test_auto_shards_where_a_profile_needs_it_and_nowhere_else(name: str, gib: f
     ample_none, ample_auto, _ = _profile_plans(name, 16.0)
     drop = lambda p: {k: v for k, v in p.to_dict().items() if k != "planning_seconds"}  # noqa: E731
     assert drop(ample_auto) == drop(ample_none)
+
+
+def test_the_simulator_holds_each_stage_as_its_mode() -> None:
+    """simulate_plan's peak memory per stage is the memory model's under the stage's shard mode, at the
+    simulated in-flight and version counts (and so below the unsharded bytes at those counts)."""
+    from test_partition_dp import make_chain
+
+    from pdcompile.passes.partition_dp import plan_from_assignment
+    from pdcompile.simulate import simulate_plan
+
+    chain = make_chain([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [400.0, 300.0, 200.0], [10.0, 20.0, 5.0], [8.0, 8.0])
+    cluster = flat_cluster(3, 100.0, memory=1e6)
+    for mode in ("optimizer", "full"):
+        plan = plan_from_assignment(chain, cluster, [(0, 1, 2), (2, 2, 1)], schedule="flush", num_microbatches=4,
+                                    optimizer_state_factor=2.0, shard=mode)
+        assert [s.shard for s in plan.stages] == [mode, "none"]
+        res = simulate_plan(plan, chain, cluster, "flush", 4, optimizer_state_factor=2.0)
+        for s in plan.stages:
+            kw = dict(in_flight=res.peak_in_flight[s.index], weight_versions=res.peak_weight_versions[s.index],
+                      schedule="flush", optimizer_state_factor=2.0, num_microbatches=4)
+            want = stage_memory_at(chain, s.first, s.last, shard=s.shard, replicas=s.replicas, **kw)
+            assert math.isclose(res.peak_memory_bytes[s.index], want, rel_tol=1e-12)
+            if s.shard != "none":
+                assert want < stage_memory_at(chain, s.first, s.last, **kw)
