@@ -26,7 +26,7 @@ from pdcompile.errors import PassError, UsageError
 from pdcompile.ir import CompileState, TensorMeta, meta_bytes, need
 from pdcompile.passes.costs.flops import node_flops, rnn_flops
 from pdcompile.passes.costs.measure import backward_call_overhead, medians
-from pdcompile.passes.costs.nodes import COMPUTE_OPS, NodeCall, capture, flat_tensors, output_meta
+from pdcompile.passes.costs.nodes import COMPUTE_OPS, NodeCall, call_key, capture, flat_tensors, output_meta
 from pdcompile.passes.costs.params import param_attribution, shared_param_bytes
 from pdcompile.passes.costs.profile import profile_from_graph
 from pdcompile.passes.costs.roofline import (
@@ -231,6 +231,7 @@ def annotate_costs(
     if symbolic:
         exprs = symbolic_costs(gm, inputs, nodes, batch_fn)
 
+    counted: dict[Any, tuple[int, int, bool, float]] = {}  # analytic: FLOPs by call_key
     timed: dict[tuple[fx.Node, str], Callable[[], Any] | None] = {}
     whole: dict[fx.Node, float] = {}  # a node whose backward is one part: 1 inputs only, 0 parameters only
     call_overhead = backward_call_overhead(device) if mode == "measured" else 0.0
@@ -248,8 +249,11 @@ def annotate_costs(
                     symbolic_note=note if node.op != "output" else "",
                 )
                 continue
-            call = NodeCall(gm, node, values)
-            ff, bf, out = node_flops(call, values)
+            if mode == "analytic":
+                ff, bf, has_backward, share = analytic_flops(gm, node, values, counted)
+            else:
+                call = NodeCall(gm, node, values)
+                ff, bf, out = node_flops(call, values)
             if mode == "measured":
                 fwd_s = bwd_s = 0.0
                 with torch.enable_grad():  # timed below, over all nodes at once
@@ -262,10 +266,9 @@ def annotate_costs(
             else:
                 assert spec is not None
                 in_bytes = sum(t.numel() * t.element_size()
-                               for t in flat_tensors((call.args, call.kwargs)))
+                               for t in flat_tensors(fx.node.map_arg((node.args, node.kwargs), values.__getitem__)))
                 fwd_s = spec.seconds(ff, in_bytes + out_bytes)
-                bwd_s = spec.seconds(bf, 2 * (in_bytes + out_bytes)) if call.backward_fn(out) else 0.0
-                share = input_grad_flop_share(call, out, bf)
+                bwd_s = spec.seconds(bf, 2 * (in_bytes + out_bytes)) if has_backward else 0.0
             pb, bb = attribution[node]
             node.meta["pd.cost"] = NodeCost(
                 forward_s=fwd_s, backward_s=bwd_s, forward_flops=ff, backward_flops=bf,
@@ -295,6 +298,23 @@ def annotate_costs(
                                            backward_s=bwd_s, **parts,
                                            selective_recompute_s=secs[(node, "fwd")] * selective[node][1])
     return gm
+
+
+def analytic_flops(gm: fx.GraphModule, node: fx.Node, values: dict[fx.Node, Any],
+                   counted: dict[Any, tuple[int, int, bool, float]]) -> tuple[int, int, bool, float]:
+    """A node's (forward FLOPs, backward FLOPs, whether it has a backward, the input gradients'
+    share of the backward FLOPs), counted on its :class:`NodeCall`; a node whose
+    :func:`~pdcompile.passes.costs.nodes.call_key` is in ``counted`` (a repeated layer's twin)
+    reads its twin's counts instead of running FlopCounterMode again."""
+    key = call_key(node, values)
+    if key is not None and key in counted:
+        return counted[key]
+    call = NodeCall(gm, node, values)
+    ff, bf, out = node_flops(call, values)
+    found = (ff, bf, call.backward_fn(out) is not None, input_grad_flop_share(call, out, bf))
+    if key is not None:
+        counted[key] = found
+    return found
 
 
 def format_costs(gm: fx.GraphModule) -> str:

@@ -181,16 +181,25 @@ def diagnose(model: torch.nn.Module, leaf_modules: Sequence[type | str] = ()) ->
     return list(unique.values())
 
 
-def trace(model: torch.nn.Module, leaf_modules: Sequence[type | str] = ()) -> fx.GraphModule:
-    """Trace ``model`` into a GraphModule or raise UnsupportedModelError listing every problem."""
+def trace(model: torch.nn.Module, leaf_modules: Sequence[type | str] = (), *,
+          explain: bool = True) -> fx.GraphModule:
+    """Trace ``model`` into a GraphModule or raise UnsupportedModelError listing every problem.
+
+    ``explain=False`` raises as soon as the model is found untraceable, without :func:`diagnose`'s
+    module-by-module search for every problem (seconds on a Hugging Face model): what ``trace_any``
+    does when another front end may still capture the model, so the list is only made for an error."""
     tracer = PdTracer(leaf_modules)
     try:
         graph = tracer.trace(model)
         gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
     except Exception:  # noqa: BLE001
         gm = None
-    offences = host_syncs(gm) if gm is not None else diagnose(model, leaf_modules)
-    if gm is not None and offences:
+    offences = host_syncs(gm) if gm is not None else []
+    if not explain and (gm is None or offences):
+        raise UnsupportedModelError(f"{type(model).__name__} can't be traced by torch.fx")
+    if gm is None:
+        offences = diagnose(model, leaf_modules)
+    elif offences:
         offences = diagnose(model, leaf_modules) or offences
     if offences:
         raise UnsupportedModelError(format_offences(type(model).__name__, offences))

@@ -42,20 +42,30 @@ def trace_any(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tens
         if kwargs or output is not None:
             raise UsageError("trace: kwargs= and output= need frontend='export' (or 'auto')")
         return trace(model, leaf_modules)
-    fx_error: BaseException | None = None
+    fx_failed = False
     if not kwargs and output is None:
         try:
-            return trace(model, leaf_modules)
-        except Exception as e:  # noqa: BLE001 - fall back to torch.export below
-            fx_error = e
+            return trace(model, leaf_modules, explain=False)
+        except Exception:  # noqa: BLE001 - fall back to torch.export below
+            fx_failed = True
     try:
         return export_trace(model, example_inputs, kwargs=kwargs, output=output)
     except UnsupportedModelError as e:
-        if fx_error is None:
+        if not fx_failed:
             raise
+        fx_error = _fx_error(model, leaf_modules)  # what fx found, listed only now that it is reported
         raise UnsupportedModelError(
             f"trace: neither front end can capture {type(model).__name__}.\n"
             f"torch.fx: {fx_error}\ntorch.export: {e}") from e
+
+
+def _fx_error(model: torch.nn.Module, leaf_modules: Sequence[type | str]) -> BaseException:
+    """The fx front end's error for ``model``, with every offending construct listed (:func:`diagnose`)."""
+    try:
+        trace(model, leaf_modules)
+    except Exception as e:  # noqa: BLE001 - the error is the answer
+        return e
+    return UnsupportedModelError(f"{type(model).__name__} traced by torch.fx only on a second try")
 
 
 @dataclass(frozen=True)

@@ -86,18 +86,21 @@ def loss_name(fn: Any) -> str:
     return getattr(inner, "__qualname__", None) or type(fn).__name__
 
 
-def example_output(meta: Any, seed: int = 0) -> Any:
-    """A tensor (or the structure of tensors) ``meta`` describes, with seeded random values."""
+def example_output(meta: Any, seed: int = 0, *, on_meta: bool = False) -> Any:
+    """A tensor (or the structure of tensors) ``meta`` describes, with seeded random values
+    (``on_meta``: on the meta device, without values)."""
     g = torch.Generator().manual_seed(seed)
     if isinstance(meta, TensorMeta):
         dtype = getattr(torch, meta.dtype.replace("torch.", ""))
+        if on_meta:
+            return torch.empty(meta.shape, dtype=dtype, device="meta")
         if dtype.is_floating_point or dtype.is_complex:
             return torch.randn(meta.shape, generator=g).to(dtype)
         return torch.zeros(meta.shape, dtype=dtype)
     if isinstance(meta, dict):
-        return {k: example_output(v, seed + i) for i, (k, v) in enumerate(meta.items())}
+        return {k: example_output(v, seed + i, on_meta=on_meta) for i, (k, v) in enumerate(meta.items())}
     if isinstance(meta, (tuple, list)):
-        values = [example_output(v, seed + i) for i, v in enumerate(meta)]
+        values = [example_output(v, seed + i, on_meta=on_meta) for i, v in enumerate(meta)]
         if hasattr(meta, "_fields"):  # a namedtuple keeps its type
             return type(meta)(*values)
         return tuple(values) if isinstance(meta, tuple) else values
@@ -121,10 +124,25 @@ def trace_loss(loss_fn: Any, output: Any, target: torch.Tensor, *, output_key: s
         traced = _concrete(loss_fn, present, output, target)
     except UsageError:
         raise
-    except Exception:  # noqa: BLE001 - a host sync or a failing Python check: the symbolic front ends say which
+    except Exception as e:  # noqa: BLE001 - a host sync or a failing Python check: the symbolic front ends say which
+        if target.is_meta and _about_meta(e):
+            raise  # a value read, or a tensor of another device: values decide (loss_program)
         traced = _symbolic(loss_fn, key, output, target, name)
     _check(traced, loss_fn, present, output, target, name)
     return traced
+
+
+def _about_meta(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it) is the meta device's doing: a value read (``.item()``, ``bool``,
+    ``.tolist()``) or a tensor on another device; torch's messages name the meta device."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if "meta" in str(cur).lower():
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def _symbolic(loss_fn: Any, key: str | None, output: Any, target: torch.Tensor, name: str) -> TracedLoss:
@@ -308,9 +326,10 @@ def _flat(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _check(traced: TracedLoss, loss_fn: Any, present: Callable[[Any], Any], output: Any, target: torch.Tensor,
            name: str) -> None:
-    """The traced loss must train nothing of its own, return a scalar, and equal ``loss_fn`` on the example."""
+    """The traced loss must train nothing of its own, return a scalar, and equal ``loss_fn`` on the example
+    (an example on the meta device has no values to compare: only the rest is checked)."""
     _refuse_trainable([n for n, p in traced.gm.named_parameters() if p.requires_grad], name)
-    dev = next((t.device for t in traced.gm.buffers()), torch.device("cpu"))
+    dev = next((t.device for t in traced.gm.buffers()), torch.device("meta" if target.is_meta else "cpu"))
     out = _to(output, dev)
     tgt = target.to(dev)
     try:
@@ -323,6 +342,8 @@ def _check(traced: TracedLoss, loss_fn: Any, present: Callable[[Any], Any], outp
             else type(got).__name__
         raise UsageError(f"pdcompile: loss_fn {name} returns {what}; a pipeline needs a scalar floating-point "
                          f"tensor. Fix: reduce it (reduction='mean', .mean() or .sum())")
+    if got.is_meta:
+        return
     try:
         view = present(_to(output, dev))
         with warnings.catch_warnings():  # out["logits"] on the plain tensor warns, then fails
@@ -370,15 +391,24 @@ class LossProgram:
 def loss_program(loss_fn: Any, last_stage: fx.GraphModule, target: torch.Tensor,
                  output_key: str | None) -> LossProgram:
     """``loss_fn`` traced on what ``last_stage`` returns (presented as its ``meta["pd.output_view"]`` says)
-    and one microbatch ``target``. A target on the
-    meta device (a model compiled without data) is traced as zeros of its shape and dtype on the CPU."""
-    if target.is_meta:
-        target = torch.zeros(target.shape, dtype=target.dtype)
+    and one microbatch ``target``.
+
+    A target on the meta device (a model compiled without data) is traced on meta tensors first (a
+    Llama-3's logits need no 2 GiB of values; :func:`trace_loss` on meta tensors); where anything
+    fails there, as before: on random values of the output and zeros of the target on the CPU, which
+    decides and reports."""
     meta = fx.node.map_aggregate(last_stage.graph.output_node().args[0],
                                  lambda a: a.meta.get("pd.tensor") if isinstance(a, fx.Node) else a)
+    view = last_stage.meta.get("pd.output_view")
+    if target.is_meta:
+        try:
+            traced = trace_loss(loss_fn, example_output(meta, on_meta=True), target, output_key=output_key,
+                                view=view)
+            return LossProgram(traced, {"traced": traced.frontend, "from": loss_name(loss_fn)})
+        except Exception:  # noqa: BLE001 - decided, and reported, on values below
+            target = torch.zeros(target.shape, dtype=target.dtype)
     try:
-        traced = trace_loss(loss_fn, example_output(meta), target, output_key=output_key,
-                            view=last_stage.meta.get("pd.output_view"))
+        traced = trace_loss(loss_fn, example_output(meta), target, output_key=output_key, view=view)
     except LossTraceError as e:
         if not isinstance(loss_fn, torch.nn.Module):
             raise

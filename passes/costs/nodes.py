@@ -121,3 +121,60 @@ def output_meta(value: Any) -> Any:
     from pdcompile.passes.propagate_shapes import tensor_meta_of
 
     return tensor_meta_of(value)
+
+
+class _Uncacheable(Exception):
+    """A value :func:`call_key` can't describe exactly: the node is counted on its own."""
+
+
+def _value_key(v: Any) -> Any:
+    """``v`` described by everything a call's FLOP count and backward can depend on: a tensor's
+    shape, strides, offset, dtype, device and autograd flags (not its data); a Python value exactly,
+    tagged with its type (``1``, ``True`` and ``1.0`` differ; floats by ``float.hex``)."""
+    if isinstance(v, torch.Tensor):
+        return ("T", tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, v.device,
+                v.requires_grad, v.is_leaf, isinstance(v, torch.nn.Parameter))
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_value_key(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple((_value_key(k), _value_key(x)) for k, x in v.items()))
+    if isinstance(v, float):
+        return ("float", v.hex())
+    if isinstance(v, slice):
+        return ("slice", _value_key(v.start), _value_key(v.stop), _value_key(v.step))
+    if v is None or v is Ellipsis or isinstance(v, (bool, int, str, torch.dtype, torch.device, torch.layout,
+                                                   torch.memory_format)):
+        return (type(v).__name__, v)
+    raise _Uncacheable(type(v).__name__)
+
+
+def call_key(node: fx.Node, values: dict[fx.Node, Any]) -> Any:
+    """A hashable description of what :class:`NodeCall` of ``node`` would run, such that two nodes
+    with the same key have the same forward and backward FLOP counts (None: not described; count it).
+
+    For ``call_function``/``call_method`` nodes only (a module's call depends on its attributes): the
+    target, the arguments with each input node as the position of its first use in this call (``x * x``
+    differs from ``x * y``), what kind of node made it (a parameter read, a graph input, an activation:
+    :class:`NodeCall` treats each differently) and :func:`_value_key` of its value; and the node's own
+    output's description (an output whose shape depends on the data is in the key too). A Llama's
+    decoder layers repeat one another node for node, so their calls are counted once."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    first: dict[fx.Node, int] = {}
+
+    def walk(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            kind = "attr" if a.op == "get_attr" else "input" if a.op == "placeholder" else "value"
+            return ("node", first.setdefault(a, len(first)), kind, _value_key(values[a]))
+        if isinstance(a, (tuple, list)):
+            return (type(a).__name__, tuple(walk(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((_value_key(k), walk(x)) for k, x in a.items()))
+        return ("const", _value_key(a))
+
+    try:
+        key = (node.op, node.target, walk(node.args), walk(node.kwargs), _value_key(values.get(node)))
+        hash(key)
+    except (_Uncacheable, TypeError):
+        return None
+    return key

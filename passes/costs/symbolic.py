@@ -11,7 +11,7 @@ import torch.fx as fx
 from pdcompile.errors import UsageError
 from pdcompile.ir import meta_bytes
 from pdcompile.passes.costs.flops import node_flops
-from pdcompile.passes.costs.nodes import COMPUTE_OPS, NodeCall, capture, output_meta
+from pdcompile.passes.costs.nodes import COMPUTE_OPS, NodeCall, call_key, capture, output_meta
 
 FIT_BATCH_SIZES = (2, 3)
 CHECK_BATCH_SIZES = (5,)
@@ -36,11 +36,17 @@ def _sizes_at(gm: fx.GraphModule, inputs: Sequence[Any], nodes: Sequence[fx.Node
     """(output bytes, forward FLOPs, backward FLOPs) of every node, at the batch of ``inputs``."""
     values = capture(gm, inputs)
     out: dict[fx.Node, tuple[int, int, int]] = {}
+    counted: dict[Any, tuple[int, int]] = {}  # by call_key: a repeated layer's twins are counted once
     for node in nodes:
         nb = meta_bytes(output_meta(values.get(node)))
         ff = bf = 0
         if flops and node.op in COMPUTE_OPS:
-            ff, bf, _ = node_flops(NodeCall(gm, node, values), values)
+            key = call_key(node, values)
+            if key is None or key not in counted:
+                ff, bf, _ = node_flops(NodeCall(gm, node, values), values)
+                if key is not None:
+                    counted[key] = (ff, bf)
+            ff, bf = counted.get(key, (ff, bf))
         out[node] = (nb, ff, bf)
     return out
 
