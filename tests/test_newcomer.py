@@ -59,6 +59,19 @@ def cwd(tmp_path: Path) -> Path:
     return d
 
 
+@pytest.fixture(scope="module")
+def emitted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``pdcompile emit zoo:mlp --stages 2 -o rel`` typed in a fresh, empty folder, once for the module:
+    the program lands relative to that folder; each test copies it into its own cwd as ``rel``."""
+    d = tmp_path_factory.mktemp("emit") / "cwd"
+    d.mkdir()
+    _pdcompile(d, "emit", "zoo:mlp", "--stages", "2", "-o", "rel")
+    assert sorted(p.name for p in d.iterdir()) == ["rel"]
+    assert (d / "rel" / "plan.json").is_file() and (d / "rel" / "train.py").is_file()
+    assert json.loads((d / "rel" / "plan.json").read_text())["world_size"] == 2
+    return d / "rel"
+
+
 def _stage_files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("stage_*.rank_*.pt"))
 
@@ -66,11 +79,9 @@ def _stage_files(folder: Path) -> list[str]:
 # --- paths -----------------------------------------------------------------------------------
 
 @pytest.mark.multiproc
-def test_emit_run_merge_with_relative_paths(cwd: Path) -> None:
-    """``emit -o rel``, ``run rel --out res``, ``merge res/final --program rel -o merged/model.pt``."""
-    _pdcompile(cwd, "emit", "zoo:mlp", "--stages", "2", "-o", "rel")
-    assert (cwd / "rel" / "plan.json").is_file() and (cwd / "rel" / "train.py").is_file()
-    assert json.loads((cwd / "rel" / "plan.json").read_text())["world_size"] == 2
+def test_emit_run_merge_with_relative_paths(cwd: Path, emitted: Path) -> None:
+    """``emit -o rel`` (the fixture), ``run rel --out res``, ``merge res/final --program rel -o merged/model.pt``."""
+    shutil.copytree(emitted, cwd / "rel")
     _pdcompile(cwd, "run", "rel", "--steps", "2", "--out", "res")
     assert _stage_files(cwd / "res" / "final") == ["stage_0.rank_0.pt", "stage_1.rank_1.pt"]
     assert sorted(p.name for p in (cwd / "res" / "metrics").glob("*.json")), "no metrics under res/metrics"
@@ -84,10 +95,10 @@ def test_emit_run_merge_with_relative_paths(cwd: Path) -> None:
 
 
 @pytest.mark.multiproc
-def test_torchrun_train_py_with_relative_output_flags(cwd: Path) -> None:
+def test_torchrun_train_py_with_relative_output_flags(cwd: Path, emitted: Path) -> None:
     """``torchrun rel/train.py --save-final fin --metrics met --trace tr --checkpoint-dir ck``, typed in
     ``cwd``: every folder is made under ``cwd`` (not under rel/), and ``merge ck`` reads it back."""
-    _pdcompile(cwd, "emit", "zoo:mlp", "--stages", "2", "-o", "rel")
+    shutil.copytree(emitted, cwd / "rel")
     _run(cwd, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
          f"--master-port={free_port()}", "rel/train.py", "--steps", "2", "--timeout", "60",
          "--save-final", "fin", "--metrics", "met", "--trace", "tr", "--checkpoint-dir", "ck", "--checkpoint-every", "1")
@@ -101,10 +112,11 @@ def test_torchrun_train_py_with_relative_output_flags(cwd: Path) -> None:
 
 
 @pytest.mark.multiproc
-def test_launch_takes_a_relative_folder_and_relative_flags(cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launch_takes_a_relative_folder_and_relative_flags(cwd: Path, emitted: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The launcher itself (used by ``run``, ``demo`` and the API): a relative program folder and
     relative ``--save-final``/``--metrics``, resolved against the caller's cwd."""
-    _pdcompile(cwd, "emit", "zoo:mlp", "--stages", "2", "-o", "rel")
+    shutil.copytree(emitted, cwd / "rel")
     monkeypatch.chdir(cwd)
     rc, log = launch("rel", 2, ["--steps", "1", "--timeout", "60", "--save-final", "out/final",
                                 "--metrics", "out/metrics"], timeout=240)
