@@ -354,8 +354,8 @@ def test_gpt_with_dropout_trains_the_same_with_selective_and_partial(tmp_path: P
 @pytest.mark.timeout(300)
 def test_vgg_trains_the_same_with_selective_and_partial(tmp_path: Path) -> None:
     pipe, prog = _emit_vgg(tmp_path)
-    _run_modes(tmp_path, pipe, prog, {"flush": [{0: "selective", 1: "partial"}],
-                                      "1f1b": [{0: "partial", 1: "selective"}]},
+    # no flush run here: the GPT test above runs selective and partial on each stage under flush
+    _run_modes(tmp_path, pipe, prog, {"1f1b": [{0: "partial", 1: "selective"}]},
                head=1.0)  # VGG's first stage: conv relu conv relu pool, a head the tail reads all of but its end
 
 
