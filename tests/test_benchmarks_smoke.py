@@ -151,9 +151,11 @@ def test_bench_models_build_and_run() -> None:
 
 def _tta_records() -> list[dict]:
     """train.py's metrics.jsonl for 3 evaluations: each starts at its step's train record and takes 1 s."""
-    return [{"type": "train", "step": 10, "time_s": 5.0}, {"type": "eval", "step": 10, "time_s": 6.0, "accuracy": 0.5, "loss": 1.0},
-            {"type": "train", "step": 20, "time_s": 10.0}, {"type": "eval", "step": 20, "time_s": 11.0, "accuracy": 0.9, "loss": 0.5},
-            {"type": "train", "step": 30, "time_s": 15.0}, {"type": "eval", "step": 30, "time_s": 16.0, "accuracy": 0.95, "loss": 0.4}]
+    out: list[dict] = []
+    for step, acc, loss in ((10, 0.5, 1.0), (20, 0.9, 0.5), (30, 0.95, 0.4)):
+        out += [{"type": "train", "step": step, "time_s": step / 2},
+                {"type": "eval", "step": step, "time_s": step / 2 + 1, "accuracy": acc, "loss": loss}]
+    return out
 
 
 def test_time_to_accuracy_curves_tables_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
