@@ -21,8 +21,8 @@ process that has only imported what a rank imports before it builds anything (to
 optimizer state, fp32). Target: rank peak - baseline <= share x 1.15.
 
 *readers*: stage 0 and the last stage of the 4-stage program filled in a fresh process by each reader:
-ours (plain reads, ``runtime/sources.py``), safetensors' ``safe_open`` slices (the mapped file, our path
-before), and torch.distributed.checkpoint's ``HuggingFaceStorageReader`` (``dcp.load`` of the stage's
+ours (plain reads, ``runtime/sources.py``), safetensors' ``safe_open`` slices (the file mapped for each
+tensor: our path before), and torch.distributed.checkpoint's ``HuggingFaceStorageReader`` (``dcp.load`` of the stage's
 keys into its own tensors). Reported: seconds, and the peak RSS above the stage's weights.
 """
 
@@ -115,15 +115,14 @@ def read_stage(prog: Path, stage: int, reader: str, hf: Path) -> dict[str, Any]:
             assert isinstance(ck, sources.SafetensorsReader)
             for name, t in wanted.items():
                 ck.copy_into(name, t)
-        elif reader == "safe_open":  # our path before: the file mapped, 16 MiB slices of rows
-            for f in files:
-                with safe_open(str(f), framework="pt", device="cpu") as h:
-                    for name in h.keys():
-                        if name in wanted:
-                            t, part = wanted[name], h.get_slice(name)
-                            step = max(1, (16 << 20) // max(1, t[0].numel() * t.element_size()))
-                            for i in range(0, t.shape[0], step):
-                                t[i:i + step].copy_(part[i:i + step])
+        elif reader == "safe_open":  # our path before: the file mapped once per tensor, 16 MiB slices of rows
+            where = {k: f for f in files for k in _keys(f)}
+            for name, t in wanted.items():
+                with safe_open(str(where[name]), framework="pt", device="cpu") as h:
+                    part = h.get_slice(name)
+                    step = max(1, (16 << 20) // max(1, t[0].numel() * t.element_size()))
+                    for i in range(0, t.shape[0], step):
+                        t[i:i + step].copy_(part[i:i + step])
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -135,6 +134,13 @@ def read_stage(prog: Path, stage: int, reader: str, hf: Path) -> dict[str, Any]:
         with safe_open(str(f), framework="pt", device="cpu") as h:
             wrong += sum(not torch.equal(wanted[k], h.get_tensor(k)) for k in h.keys() if k in wanted)
     return {"s": seconds, "above_weights_mib": peak - before - weights, "weights_mib": weights, "wrong": wrong}
+
+
+def _keys(f: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt", device="cpu") as h:
+        return list(h.keys())
 
 
 def _baseline(code: str) -> float:
