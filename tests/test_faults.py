@@ -132,19 +132,18 @@ def test_kill_between_files_and_manifest_keeps_previous(tmp_path: Path, straight
     _assert_bitwise(_weights(tmp_path / "final"), want)
 
 
-def test_resume_1f1b_is_exact(tmp_path: Path) -> None:
+def test_resume_1f1b_is_exact(tmp_path: Path, straight) -> None:  # noqa: ANN001
     """1F1B drains the pipeline at each checkpoint, so a run resumed from the straight run's step-5
     checkpoint (stash empty there) ends where the straight run (same --checkpoint-every) ends."""
-    prog = _emit(tmp_path / "prog", 2, "1f1b")
-    a, b = tmp_path / "a", tmp_path / "b"
-    common = ["--steps", str(STEPS), "--schedule", "1f1b", "--checkpoint-every", "5"]
-    rc, out = _run(prog, 2, *common, "--checkpoint-dir", str(a), "--save-final", str(tmp_path / "fa"))
-    assert rc == 0, out[-3000:]
-    shutil.copytree(checkpoint.step_dir(a, 5), checkpoint.step_dir(b, 5))
-    rc, out = _run(prog, 2, *common, "--checkpoint-dir", str(b), "--resume", "--save-final", str(tmp_path / "fb"))
+    prog, want = straight(2, "1f1b")  # compiled for 1F1B: train.py runs it without --schedule
+    assert json.loads((prog / "plan.json").read_text())["schedule"]["policy"] == "1f1b"
+    b = tmp_path / "b"
+    shutil.copytree(checkpoint.step_dir(prog.parent / "ck", 5), checkpoint.step_dir(b, 5))
+    rc, out = _run(prog, 2, "--steps", str(STEPS), "--checkpoint-every", "5", "--checkpoint-dir", str(b), "--resume",
+                   "--save-final", str(tmp_path / "fb"))
     assert rc == 0, out[-3000:]
     assert "resumed from" in out
-    got, want = _weights(tmp_path / "fb"), _weights(tmp_path / "fa")
+    got = _weights(tmp_path / "fb")
     for f in want:
         for name in want[f]:
             torch.testing.assert_close(got[f][name], want[f][name], rtol=0, atol=1e-6)
