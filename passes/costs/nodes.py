@@ -129,10 +129,10 @@ class _Uncacheable(Exception):
 
 def _value_key(v: Any) -> Any:
     """``v`` described by everything a call's FLOP count and backward can depend on: a tensor's
-    shape, strides, offset, dtype, device and autograd flags (not its data); a Python value exactly,
+    class, layout, shape, strides, offset, dtype, device and autograd flags (not its data); a Python value exactly,
     tagged with its type (``1``, ``True`` and ``1.0`` differ; floats by ``float.hex``)."""
     if isinstance(v, torch.Tensor):
-        return ("T", tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, v.device,
+        return ("T", type(v), v.layout, tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, v.device,
                 v.requires_grad, v.is_leaf, isinstance(v, torch.nn.Parameter))
     if isinstance(v, (tuple, list)):
         return (type(v).__name__, tuple(_value_key(x) for x in v))
@@ -175,6 +175,6 @@ def call_key(node: fx.Node, values: dict[fx.Node, Any]) -> Any:
     try:
         key = (node.op, node.target, walk(node.args), walk(node.kwargs), _value_key(values.get(node)))
         hash(key)
-    except (_Uncacheable, TypeError):
+    except Exception:  # noqa: BLE001 - _Uncacheable, unhashable, a tensor without strides (sparse): counted
         return None
     return key
