@@ -287,15 +287,16 @@ def test_virtual_stages_inferred_where_the_placement_fixes_them() -> None:
         pdcompile(model, local_cpu_cluster(4), schedule="interleaved-1f1b", stages=6, **kw)
 
 
-def test_cli_infers_virtual_stages(tmp_path: Path) -> None:
+def test_cli_infers_virtual_stages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
     """``pdcompile emit zoo:mlp --schedule zb-v --stages 4 --cluster local:2`` from a fresh folder, no
-    ``--virtual-stages``: the program places the V on 2 ranks."""
-    import subprocess
-    import sys
+    ``--virtual-stages``: the program places the V on 2 ranks. The CLI's main in this process (the
+    console script is tests/test_newcomer.py's): no second torch import."""
+    from pdcompile.cli import main
 
-    p = subprocess.run([sys.executable, "-m", "pdcompile.cli", "emit", "zoo:mlp", "--schedule", "zb-v", "--stages", "4",
-                        "--cluster", "local:2", "-o", "prog"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
+    monkeypatch.chdir(tmp_path)
+    rc = main(["emit", "zoo:mlp", "--schedule", "zb-v", "--stages", "4", "--cluster", "local:2", "-o", "prog"])
+    assert rc == 0, capsys.readouterr().err[-2000:]
     plan = json.loads((tmp_path / "prog" / "plan.json").read_text())
     assert plan["world_size"] == 2 and [s["ranks"] for s in plan["stages"]] == _v_ranks(4)
     assert plan["schedule"]["virtual_stages"] == 2
