@@ -5,9 +5,6 @@ single-process SGD through torchrun under NCCL's rules, every rank running the C
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -90,14 +87,16 @@ def test_a_broken_csv_is_refused_naming_the_rule_and_the_cell(tmp_path: Path) ->
         pdcompile(model, schedule=f"csv:{path}", num_microbatches=4, **kw)
 
 
-def test_the_cli_emits_a_torch_csv_program(tmp_path: Path) -> None:
-    """`pdcompile emit MODEL --schedule csv:schedule.csv` from a fresh folder, relative paths."""
+def test_the_cli_emits_a_torch_csv_program(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`pdcompile emit MODEL --schedule csv:schedule.csv` from a fresh folder, relative paths (the CLI's
+    main in this process: no second torch import)."""
+    from pdcompile.cli import main
+
     torch_orders.torch_csv("interleaved-1f1b", 2, 4, 2, path=tmp_path / "schedule.csv")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    p = subprocess.run([sys.executable, "-m", "pdcompile.cli", "emit", "zoo:mlp", "-o", "prog",
-                        "--schedule", "csv:schedule.csv"], cwd=tmp_path, capture_output=True, text=True, env=env,
-                       timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
+    monkeypatch.chdir(tmp_path)
+    rc = main(["emit", "zoo:mlp", "-o", "prog", "--schedule", "csv:schedule.csv"])
+    assert rc == 0, capsys.readouterr().err[-2000:]
     plan = json.loads((tmp_path / "prog" / "plan.json").read_text())
     assert plan["schedule"]["csv"] == (tmp_path / "schedule.csv").read_text()
     assert plan["world_size"] == 2 and [s["ranks"] for s in plan["stages"]] == [[0], [1], [0], [1]]
