@@ -127,7 +127,9 @@ def test_bf16_pipeline_equals_single_process_autocast(tmp_path: Path) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("schedule", ["flush", "gpipe"])
+# flush only (gpipe's row dropped: it clips at the same point, after the minibatch's last backward;
+# gpipe with a replicated stage trains in tests/test_training_loop.py and tests/test_shard_runtime.py)
+@pytest.mark.parametrize("schedule", ["flush"])
 def test_clip_grad_norm_equals_single_process(tmp_path: Path, schedule: str) -> None:
     max_norm = 0.05
     prog = _emit(tmp_path, stages=3, replicas=[2, 1, 1], clip_grad_norm=max_norm)
