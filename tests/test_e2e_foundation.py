@@ -42,8 +42,9 @@ def _reference(name: str) -> dict[str, torch.Tensor]:
     return state
 
 
+# no plain mlp under flush: the resnet and gpt flush rows cover it
 @pytest.mark.parametrize("name,stages,schedule", [
-    ("mlp", 2, "flush"), ("mlp", 3, "gpipe"),
+    ("mlp", 3, "gpipe"),
     ("resnet", 2, "flush"), ("resnet", 3, "flush"),
     ("gpt", 2, "gpipe"), ("gpt", 3, "flush"),
 ])
