@@ -427,13 +427,15 @@ def main(argv: list[str] | None = None) -> None:
     before = load_note()
     curves = []
     if args.report:
-        loads = []
+        dates, loads = [], []
         for f in args.report:
             for line in f.read_text().splitlines():
                 rec = json.loads(line)
-                loads.append(f"{rec.pop('date')}: {rec.pop('load')}")
+                dates.append(rec.pop("date"))
+                loads.append(float(rec.pop("load").split()[2]))  # "load average A / B / C ...": A, 1 minute
                 curves.append(Curve(**rec))
-        load_text = f"{loads[0]} after the first run, {loads[-1]} after the last"
+        load_text = (f"1-minute load average {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} cores at "
+                     f"the ends of the runs ({min(dates)} to {max(dates)})")
     else:
         for w in workloads:
             curves += measure(w, links, systems, args.budget_s, args.quick, args.save)
@@ -441,7 +443,8 @@ def main(argv: list[str] | None = None) -> None:
     png = plot(curves, workloads, PNG if write else Path(tempfile.mkdtemp(prefix="pd-tta-png-")) / "tta.png")
     body = (f"{NPROC} CPU processes (gloo). Links: `slow` = 20 MB/s emulated (pdcompile/slowlink.py), `loopback` "
             f"as is. Training time = wall-clock since every rank was ready, evaluations excluded; a run stops at "
-            f"the first evaluation meeting the target or after {args.budget_s:.0f} s. Load: {load_text}. "
+            f"the first evaluation meeting the target or at its time budget ({args.budget_s:.0f} s unless said). "
+            f"Load: {load_text}. "
             f"Curves: `{png.name}`.\n")
     for w in workloads:
         body += f"\n### {w.title}\n\n" + table([c for c in curves if c.workload == w.name], w) + "\n"
