@@ -125,8 +125,9 @@ def _versions(schedule: str, replicas: list[int], vertical_sync: bool = False) -
 
 
 # gpipe and flush on mlp, resnet and gpt: tests/test_e2e_foundation.py (same reference semantics).
+# 2bw's replicated stage and skip connection in one launch (resnet, [2, 1, 1]; an mlp [2, 1] row before)
 CASES = [
-    ("mlp", 2, "2bw", [2, 1]), ("resnet", 2, "1f1b", [2, 1]), ("resnet", 3, "2bw", None),
+    ("resnet", 2, "1f1b", [2, 1]), ("resnet", 3, "2bw", [2, 1, 1]),
     ("gpt", 3, "1f1b", None), ("gpt", 3, "2bw", None),
 ]
 
