@@ -140,7 +140,7 @@ def partition_dp(
     memory_limit: bool | None = None,
     optimizer_state_factor: float = 1.0,
     allow_replication: bool = True,
-    num_microbatches: int = 1,
+    num_microbatches: int | None = None,
     recompute: str = "none",
     pool: bool = False,
     shard: str | Sequence[str] = "none",
@@ -152,7 +152,7 @@ def partition_dp(
     stages need not nest in the hierarchy, and keep that plan when it is strictly faster.
 
     ``num_microbatches``: per minibatch (a schedule that holds them all, GPipe, keeps ``M / r`` in
-    flight). ``recompute``: ``none``, ``full`` (every stage) or ``auto`` (where memory needs it).
+    flight; one that accumulates, flush, at most ``M / r`` of its warmup depth; None: 1, uncapped). ``recompute``: ``none``, ``full`` (every stage) or ``auto`` (where memory needs it).
     ``shard``: how a replicated stage's replicas hold its state, ``none``, ``optimizer``, ``full``, one per
     stage, or ``auto`` (per stage, the cheapest that fits; ``planner/sharding.py``); ``microbatches_known``
     off: the step's microbatch count is not known (``full`` is then not refused for too few).

@@ -42,16 +42,42 @@ def partial_term(w: float, kk: int, rb: int, xin: float, T: float, H: float) -> 
     return w + kk * (xin + T) + H
 
 
+def closed_starts(g: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Per end ``e``: the smallest ``s`` with ``g[i] <= c[e]`` for every ``i`` in ``s..e`` (``e + 1``: none).
+
+    A stage's memory is not monotone in its start: what it receives across its first cut (``xin``)
+    can outweigh the layers a later start drops (Llama's rotary tables and residual cross many cuts).
+    The search reads a start as "every later start fits too" (a group clips its first stage to where
+    the previous one ends), so the table keeps only starts whose every shorter suffix fits: a range
+    maximum by binary lifting over a sparse table, vectorized over the ends."""
+    N = len(g)
+    levels = [g]
+    while (1 << len(levels)) <= N:
+        prev, half = levels[-1], 1 << (len(levels) - 1)
+        levels.append(np.maximum(prev[:-half], prev[half:]))  # max of g[i .. i + 2^l - 1]
+    s = np.arange(1, N + 1, dtype=np.int64)
+    for lv in range(len(levels) - 1, -1, -1):
+        cand = s - (1 << lv)
+        ok = cand >= 0
+        vals = levels[lv][np.clip(cand, 0, len(levels[lv]) - 1)]
+        s = np.where(ok & (vals <= c), cand, s)
+    return s
+
+
 class MemoryModel:
     """Stage memory of one chain under one schedule's policy, within ``budget`` bytes per worker
     (``on``: the limit holds; off: ``budget`` is inf). ``workers``: the cluster's, the most in
     flight the search asks about."""
 
     def __init__(self, arrays: ChainArrays, chain: Chain, policy: Any, *, optimizer_state_factor: float,
-                 num_microbatches: int, workers: int, budget: float, on: bool) -> None:
+                 num_microbatches: int, workers: int, budget: float, on: bool,
+                 microbatches_known: bool = False) -> None:
         self.policy = policy
         self.opt_factor = float(optimizer_state_factor)
         self.M = num_microbatches
+        #: a replica never holds more than its share of a step's microbatches in flight (the generator warms
+        #: up with min(depth, its microbatches)): where the step is real (accumulating schedules, M known)
+        self.cap = microbatches_known and not policy.update_per_microbatch
         self.workers = workers
         self.on = on
         self._budget = budget
@@ -118,8 +144,11 @@ class MemoryModel:
 
     def in_flight(self, depth: int, r: int) -> int:
         """Microbatches in flight on a replica of a stage of ``r`` replicas with ``depth`` =
-        ceil(workers at and after it / r) (:meth:`Policy.in_flight`: GPipe holds its M / r)."""
-        return self.policy.in_flight((r,) + (1,) * (r * (max(1, depth) - 1)), 0, self.M)
+        ceil(workers at and after it / r) (:meth:`Policy.in_flight`: GPipe holds its M / r), and with
+        :attr:`cap` at most its ceil(M / r) microbatches of the step (flush: 32 per step on a stage 56 deep
+        holds 32)."""
+        k = self.policy.in_flight((r,) + (1,) * (r * (max(1, depth) - 1)), 0, self.M)
+        return min(k, -(-self.M // max(1, r))) if self.cap else k
 
     def base(self, versions: int, shard: str = "none", replicas: int = 1) -> float:
         """Bytes per weight byte before the step's gradients exist: ``versions + f`` unsharded, else
@@ -241,8 +270,7 @@ class MemoryModel:
                 for cv, kk, rb in self.terms(k, shard=shard, replicas=replicas):  # every moment that may peak must fit
                     g = -(self.PWM * cv) - PA * kk - PR * rb + xin * kk  # mem(i..end) = H(end) + g(i)
                     H = self.PWM[1:] * cv + PA[1:] * kk + PR[1:] * rb + xout * kk
-                    neg = np.maximum.accumulate(-g[:N])
-                    start = np.maximum(start, np.searchsorted(neg, -(budget - H), side="left"))
+                    start = np.maximum(start, closed_starts(g[:N], budget - H))
                 start = np.minimum(start, ends + 1)
                 rows.append(start.astype(np.int64))
                 if np.all(start > ends):

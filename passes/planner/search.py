@@ -52,7 +52,7 @@ class PlanModel:
         memory_limit: bool | None = None,
         optimizer_state_factor: float = 1.0,
         allow_replication: bool = True,
-        num_microbatches: int = 1,
+        num_microbatches: int | None = None,
         recompute: str = "none",
         shard: str | tuple[str, ...] = "none",
         microbatches_known: bool = True,
@@ -76,7 +76,8 @@ class PlanModel:
         self.cost_model = cost_model
         self.schedule = schedule
         self.policy = schedule_registry.policy(schedule)
-        self.M = max(1, int(num_microbatches))
+        self.num_microbatches = num_microbatches  # None: not given (the step's count is then 1, uncapped)
+        self.M = max(1, int(num_microbatches or 1))
         # a model without memory (the released optimizer's) neither limits it nor recomputes
         self.recompute = recompute if kind.models_memory else "none"
         self.opt_factor = float(optimizer_state_factor)
@@ -100,7 +101,8 @@ class PlanModel:
         self.costs = make_costs(cost_model, arrays, cluster, self.opt_factor)
         self.mem = MemoryModel(arrays, chain, self.policy, optimizer_state_factor=self.opt_factor,
                                num_microbatches=self.M, workers=self.sizes[-1],
-                               budget=require_memory(cluster) if self.memory_on else math.inf, on=self.memory_on)
+                               budget=require_memory(cluster) if self.memory_on else math.inf, on=self.memory_on,
+                               microbatches_known=microbatches_known and num_microbatches is not None)
         self.selective_known = self.mem.selective_known
         if self.recompute == "selective" and not self.selective_known:
             raise UsageError("recompute='selective' needs each layer's selective costs (what stays saved when cheap "
@@ -288,6 +290,8 @@ class PlanModel:
         if self.memory_on:
             depth = np.ceil((rr + dd + e2) / rr - 1e-9).astype(np.int64)
             kin = -(-self.M // rr) if self.policy.holds_step else depth  # Policy.in_flight, vectorized
+            if self.mem.cap:  # MemoryModel.in_flight: at most a replica's share of the step
+                kin = np.minimum(kin, -(-self.M // rr))
             kin = np.broadcast_to(kin, depth.shape).copy()
         out = None
         for mode in options:
@@ -548,7 +552,8 @@ def _solve_auto(model: PlanModel) -> tuple[tuple[Block, ...], Evaluation]:
     sharding (one feasibility test at that time says whether to search) or none fits without it: so
     that equally fast plans do not shard."""
     base = PlanModel(model.chain, model.cluster, model.cost_model, model.schedule, model.memory_on, model.opt_factor,
-                     model.allow_replication, model.M, model.recompute, "none", model.microbatches_known)
+                     model.allow_replication, model.num_microbatches, model.recompute, "none",
+                     model.microbatches_known)
     try:
         blocks0, ev0 = _solve(base)
     except InfeasiblePlanError:
