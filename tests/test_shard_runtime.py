@@ -39,12 +39,12 @@ def _opt(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=LR)
 
 
-def _emit(folder: Path, replicas: list[int], modes: list[str], schedule: str) -> Path:
-    """The MLP in 2 stages with ``replicas``, compiled with ``shard=modes`` (one per stage)."""
+def _emit(folder: Path, replicas: list[int], modes: list[str], schedule: str, recompute: str = "none") -> Path:
+    """The MLP in 2 stages with ``replicas``, compiled with ``shard=modes`` (one per stage) and ``recompute``."""
     z = get("mlp", batch_size=BATCH, seed=0)
     pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
                      optimizer=_opt, stages=2, replicas=replicas, schedule=schedule, num_microbatches=MICRO,
-                     leaf_modules=z.leaf_modules, shard=modes)
+                     leaf_modules=z.leaf_modules, shard=modes, recompute=recompute)
     prog = pipe.emit(folder, data={"factory": "pdcompile.zoo:batches", "kwargs": {"name": "mlp"}})
     plan = json.loads((prog / "plan.json").read_text())
     assert [len(s["ranks"]) for s in plan["stages"]] == replicas
@@ -91,8 +91,11 @@ def _norms(folder: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Stage 0 of two replicas under ``full``, stage 1 unreplicated (3 ranks), compiled for flush."""
-    return _emit(tmp_path_factory.mktemp("full") / "prog", [2, 1], ["full", "none"], "flush")
+    """Stage 0 of two replicas under ``full``, stage 1 unreplicated (3 ranks), compiled for flush, every
+    stage's forward run again in its backward (recompute="full": FSDP2's hooks under torch.utils.checkpoint)."""
+    prog = _emit(tmp_path_factory.mktemp("full") / "prog", [2, 1], ["full", "none"], "flush", recompute="full")
+    assert all(s.get("recompute") == "full" for s in json.loads((prog / "plan.json").read_text())["plan"]["stages"])
+    return prog
 
 
 @pytest.fixture(scope="module")
