@@ -98,6 +98,7 @@ class PartitionOptions:
     precision: str = "fp32"  # "bf16": boundaries send half the bytes (Chain.on_the_wire)
     virtual_stages: int = 1  # stages per rank, for a schedule with a placement (stages= counts them all)
     shard: str | tuple[str, ...] = "auto"  # replicas' state per stage: "none", "optimizer", "full", "auto"
+    optimizer_state_factor: float = 1.0  # optimizer-state bytes per weight byte (Adam 2, SGD momentum 1, SGD 0)
 
 
 def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
@@ -127,7 +128,7 @@ def _choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
     if opts.schedule not in DP_SCHEDULES:
         sched = fixed
     mem: dict[str, Any] = {"num_microbatches": opts.num_microbatches, "recompute": opts.recompute,
-                           "shard": opts.shard}
+                           "shard": opts.shard, "optimizer_state_factor": opts.optimizer_state_factor}
     place = policy(opts.schedule).placement if opts.schedule in POLICIES else None
     if place is not None:
         return _virtual_plan(chain, opts, place, mem)

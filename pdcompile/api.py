@@ -200,6 +200,24 @@ def _default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01)
 
 
+def optimizer_state_factor_of(optimizer: Callable[[Any], torch.optim.Optimizer]) -> float:
+    """Optimizer-state bytes per weight byte of the optimizer ``optimizer`` builds (the planner's
+    memory model): built on one small parameter and stepped once, the bytes of its per-parameter
+    state tensors (Adam's ``exp_avg`` and ``exp_avg_sq``: 2; SGD with momentum: 1; plain SGD: 0; a
+    scalar ``step`` is not counted). One that cannot be built or stepped so: 1."""
+    p = torch.nn.Parameter(torch.zeros(64))
+    try:
+        opt = optimizer([p])
+        p.grad = torch.full_like(p, 1e-3)
+        opt.step()
+        state = opt.state.get(p, {})
+    except Exception:  # noqa: BLE001 - a factory that wants its real parameters: the old default
+        return 1.0
+    nbytes = sum(t.numel() * t.element_size() for t in state.values()
+                 if isinstance(t, torch.Tensor) and t.numel() == p.numel())
+    return nbytes / (p.numel() * p.element_size())
+
+
 def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.Tensor, ...], int, int]:
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"pdcompile: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -379,7 +397,8 @@ class CompiledPipeline:
                                        else None, opts.cluster, opts.solver, opts.cost_model,
                                        num_microbatches=self.num_microbatches, recompute=opts.recompute,
                                        precision=opts.precision, virtual_stages=opts.virtual_stages,
-                                       shard=check_shard(opts.shard)),
+                                       shard=check_shard(opts.shard),
+                                       optimizer_state_factor=optimizer_state_factor_of(opts.optimizer)),
             schedule=ScheduleOptions(opts.schedule, self.num_microbatches, virtual_stages=opts.virtual_stages,
                                      csv=opts.csv_text),
             loss=TraceLossOptions(opts.loss_fn, self._micro_target(target)) if target is not None else None,
@@ -442,7 +461,8 @@ class CompiledPipeline:
         tied_bytes, tied_stages = self._tied()
         return simulate_plan(self.plan, self.wire_chain, self.cluster,
                              schedule or self.options.schedule, num_microbatches or self.num_microbatches, num_steps=num_steps,
-                             tied_bytes=tied_bytes, tied_stages=tied_stages)
+                             tied_bytes=tied_bytes, tied_stages=tied_stages,
+                             optimizer_state_factor=optimizer_state_factor_of(self.options.optimizer))
 
     def alternatives(self) -> list[tuple[str, Plan]]:
         """Other configurations on the same cluster, each as a Plan: pure data parallelism and

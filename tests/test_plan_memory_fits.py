@@ -76,3 +76,26 @@ def test_random_nonmonotone_chains_fit_as_simulated() -> None:
                  float(rng.choice([0.0, 20.0, 60.0])), float(rng.choice([0.0, 0.0, 4.0, 10.0]))) for _ in range(n)]
         cuts = [float(rng.choice([1.0, 10.0, 60.0])) for _ in range(n - 1)]
         check(chain_of(rows, cuts), float(rng.uniform(150, 600)), int(rng.choice([2, 4, 8])))
+
+
+def test_the_api_plans_with_its_optimizers_state() -> None:
+    """pdcompile() rates a stage's optimizer state from the optimizer passed: Adam keeps exp_avg and
+    exp_avg_sq (2 bytes per weight byte), SGD with momentum its buffer (1), plain SGD none (0); a
+    stage's planned bytes differ between them by exactly that many times its weight bytes."""
+    import torch
+
+    from pdcompile.api import optimizer_state_factor_of, pdcompile
+
+    opts = {"adam": lambda p: torch.optim.Adam(p, lr=1e-3), "momentum": lambda p: torch.optim.SGD(p, 0.1, 0.9),
+            "sgd": lambda p: torch.optim.SGD(p, lr=0.1)}
+    assert [optimizer_state_factor_of(o) for o in opts.values()] == [2.0, 1.0, 0.0]
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    pipes = {name: pdcompile(model, example_inputs=(x,), example_target=y, loss_fn=torch.nn.MSELoss(), optimizer=o,
+                             stages=2, num_microbatches=2, schedule="flush") for name, o in opts.items()}
+    chain = pipes["sgd"].wire_chain
+    weights = [sum(l.param_bytes for l in chain.layers[s.first:s.last + 1]) for s in pipes["sgd"].plan.stages]
+    assert sum(weights) == sum(p.numel() * 4 for p in model.parameters()) and min(weights) > 0
+    for k, W in enumerate(weights):
+        sgd, mom, adam = (pipes[n].plan.stages[k].memory_bytes for n in ("sgd", "momentum", "adam"))
+        assert math.isclose(mom - sgd, W, rel_tol=1e-9) and math.isclose(adam - sgd, 2 * W, rel_tol=1e-9)
