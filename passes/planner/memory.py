@@ -23,6 +23,8 @@ EPS = 1e-10  # relative slack in feasibility tests (floating sums); plans are re
 #: replica counts the search rates sharded memory at exactly; above, at the power of two below (a bound:
 #: a sharded stage's memory falls as its replicas grow), one table each (the plan's evaluation is exact)
 SHARD_EXACT = 16
+#: queries :meth:`MemoryModel.sharded_starts` answers one by one (more: from whole tables, built once)
+SHARD_DIRECT = 32
 
 
 def mode_of(recompute: bool | str) -> str:
@@ -216,6 +218,8 @@ class MemoryModel:
         tables of their classes (exact up to :data:`SHARD_EXACT`, then the power of two below)."""
         kin, ends, reps = np.broadcast_arrays(kin, ends, np.maximum(reps, 1))
         cls = np.where(reps > SHARD_EXACT, 2 ** np.floor(np.log2(reps)).astype(np.int64), reps)
+        if kin.size <= SHARD_DIRECT:  # the search asks a few (where memory clipped an unsharded start)
+            return self._sharded_direct(mode_of(mode), shard, kin.ravel(), ends.ravel(), cls.ravel()).reshape(kin.shape)
         key = (mode_of(mode), shard)
         slot_of, stack = self._stacks.get(key, (np.full(1, -1, dtype=np.int64), np.empty((0, 1, 0), dtype=np.int64)))
         top = int(cls.max()) if cls.size else 1
@@ -230,6 +234,33 @@ class MemoryModel:
             slot_of[missing] = np.arange(len(tables) - len(missing), len(tables))
         self._stacks[key] = (slot_of, stack)
         return stack[slot_of[cls], np.minimum(kin, stack.shape[1] - 1), ends]
+
+    def _sharded_direct(self, mode: str, shard: str, kin: np.ndarray, ends: np.ndarray,
+                        reps: np.ndarray) -> np.ndarray:
+        """:meth:`sharded_starts` for a few queries, each read off its own stage memories rather than
+        whole tables (:meth:`rows`, a table per replica class costs ``kmax`` passes over the chain): the
+        same arithmetic, so the same starts (past ``kmax`` in flight, or row 0, as the table reads)."""
+        out = np.zeros(len(kin), dtype=np.int64)
+        if not self.on:
+            return out
+        kmax = max(self.workers, self.M if self.policy.holds_step else 0)
+        budget = self.budget * (1 + EPS)
+        PA, PR, xin, xout = self.parts[mode]
+        for q in range(len(kin)):
+            k, e, r = int(kin[q]), int(ends[q]), int(reps[q])
+            if k == 0:
+                continue
+            start = e + 1
+            if k <= kmax:
+                start = 0
+                for cv, kk, rb in self.terms(k, shard=shard, replicas=r):  # as rows(): every moment must fit
+                    g = -(self.PWM[:e + 1] * cv) - PA[:e + 1] * kk - PR[:e + 1] * rb + xin[:e + 1] * kk
+                    H = self.PWM[e + 1:e + 2] * cv + PA[e + 1:e + 2] * kk + PR[e + 1:e + 2] * rb + xout[e:e + 1] * kk
+                    bad = np.flatnonzero(g > budget - H)
+                    if len(bad):
+                        start = max(start, int(bad[-1]) + 1)
+            out[q] = min(start, e + 1)
+        return out
 
     def max_in_flight(self, i: int, j: int) -> int:
         """The largest in-flight count whose memory (:meth:`memory`, nondecreasing in it) fits

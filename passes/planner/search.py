@@ -554,6 +554,11 @@ def _solve_auto(model: PlanModel) -> tuple[tuple[Block, ...], Evaluation]:
     base = PlanModel(model.chain, model.cluster, model.cost_model, model.schedule, model.memory_on, model.opt_factor,
                      model.allow_replication, model.num_microbatches, model.recompute, "none",
                      model.microbatches_known)
+    # the same chain, cluster, schedule and budget: one memory model, one set of unsharded tables (the
+    # sharded ones are keyed apart), built once for both searches
+    base.mem, base.decide = model.mem, model.decide
+    if model.costs.solver is None:
+        base.partial = model.partial
     try:
         blocks0, ev0 = _solve(base)
     except InfeasiblePlanError:

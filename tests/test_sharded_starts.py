@@ -1,0 +1,40 @@
+"""``MemoryModel.sharded_starts`` answers a few queries one by one (``_sharded_direct``, what the search
+asks) and many from whole tables (``rows``, built by a range maximum over the chain): both must give
+the same start for every in-flight count, end, replica count, mode, shard mode, schedule and budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pdcompile.passes.planner.memory as memory
+from pdcompile import profile as profile_mod
+from pdcompile._cli._args import resolve_cluster
+from pdcompile.passes.linearize import linearize
+from pdcompile.passes.planner.search import PlanModel
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "flush", "gpipe", "2bw"])
+def test_direct_starts_equal_the_tables(schedule: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    chain = linearize(profile_mod.load("pipedream:inception_v3"))
+    cluster = resolve_cluster("paper:B")  # 16 workers on two levels
+    rng = np.random.default_rng(1)
+    for num_microbatches in (None, 4):
+        model = PlanModel(chain, cluster, "default", schedule, True, 1.0, True, num_microbatches, "auto", "auto")
+        mem = model.mem
+        whole = mem.memory(0, model.N - 1, 1)
+        for frac in (0.05, 0.3, 1.5):  # most, some, none of the stages clipped
+            mem.budget = whole * frac
+            for mode in ("none", "full"):
+                for shard in (("optimizer", "full") if schedule in ("flush", "gpipe") else ("optimizer",)):
+                    kin = rng.integers(0, 40, 80)  # past the tables' rows too (more than the 16 workers)
+                    ends = rng.integers(0, model.N, 80)
+                    reps = rng.integers(1, 40, 80)  # past SHARD_EXACT: classes by powers of two
+                    monkeypatch.setattr(memory, "SHARD_DIRECT", -1)
+                    tables = mem.sharded_starts(mode, shard, kin, ends, reps)
+                    monkeypatch.setattr(memory, "SHARD_DIRECT", 10**9)
+                    direct = mem.sharded_starts(mode, shard, kin, ends, reps)
+                    assert np.array_equal(direct, tables), (schedule, num_microbatches, frac, mode, shard)
+                    assert np.any(tables <= ends) or frac < 0.1  # not all "nothing fits"
