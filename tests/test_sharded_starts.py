@@ -26,15 +26,15 @@ def test_direct_starts_equal_the_tables(schedule: str, monkeypatch: pytest.Monke
         mem = model.mem
         whole = mem.memory(0, model.N - 1, 1)
         for frac in (0.05, 0.3, 1.5):  # most, some, none of the stages clipped
-            mem.budget = whole * frac
+            mem.budget = whole * frac  # (a new budget drops the tables built)
             for mode in ("none", "full"):
                 for shard in (("optimizer", "full") if schedule in ("flush", "gpipe") else ("optimizer",)):
                     kin = rng.integers(0, 40, 80)  # past the tables' rows too (more than the 16 workers)
                     ends = rng.integers(0, model.N, 80)
                     reps = rng.integers(1, 40, 80)  # past SHARD_EXACT: classes by powers of two
+                    monkeypatch.setattr(memory, "SHARD_DIRECT", 10**9)  # no table built yet: one by one
+                    direct = mem.sharded_starts(mode, shard, kin, ends, reps)
                     monkeypatch.setattr(memory, "SHARD_DIRECT", -1)
                     tables = mem.sharded_starts(mode, shard, kin, ends, reps)
-                    monkeypatch.setattr(memory, "SHARD_DIRECT", 10**9)
-                    direct = mem.sharded_starts(mode, shard, kin, ends, reps)
                     assert np.array_equal(direct, tables), (schedule, num_microbatches, frac, mode, shard)
                     assert np.any(tables <= ends) or frac < 0.1  # not all "nothing fits"

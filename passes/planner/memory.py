@@ -23,8 +23,9 @@ EPS = 1e-10  # relative slack in feasibility tests (floating sums); plans are re
 #: replica counts the search rates sharded memory at exactly; above, at the power of two below (a bound:
 #: a sharded stage's memory falls as its replicas grow), one table each (the plan's evaluation is exact)
 SHARD_EXACT = 16
-#: queries :meth:`MemoryModel.sharded_starts` answers one by one (more: from whole tables, built once)
-SHARD_DIRECT = 32
+#: queries per table row (in-flight count) :meth:`MemoryModel.sharded_starts` answers one by one rather than
+#: building tables (more: whole tables, built once)
+SHARD_DIRECT = 4
 
 
 def mode_of(recompute: bool | str) -> str:
@@ -218,14 +219,16 @@ class MemoryModel:
         tables of their classes (exact up to :data:`SHARD_EXACT`, then the power of two below)."""
         kin, ends, reps = np.broadcast_arrays(kin, ends, np.maximum(reps, 1))
         cls = np.where(reps > SHARD_EXACT, 2 ** np.floor(np.log2(reps)).astype(np.int64), reps)
-        if kin.size <= SHARD_DIRECT:  # the search asks a few (where memory clipped an unsharded start)
-            return self._sharded_direct(mode_of(mode), shard, kin.ravel(), ends.ravel(), cls.ravel()).reshape(kin.shape)
         key = (mode_of(mode), shard)
         slot_of, stack = self._stacks.get(key, (np.full(1, -1, dtype=np.int64), np.empty((0, 1, 0), dtype=np.int64)))
         top = int(cls.max()) if cls.size else 1
         if top >= len(slot_of):
             slot_of = np.concatenate([slot_of, np.full(top + 1 - len(slot_of), -1, dtype=np.int64)])
         missing = np.unique(cls[slot_of[cls] < 0]) if cls.size else cls
+        # a table costs a pass over the chain per in-flight count; the search asks a few queries (where memory
+        # clipped an unsharded start): those are answered one by one unless their tables are built already
+        if len(missing) and kin.size <= SHARD_DIRECT * max(self.workers, self.M if self.policy.holds_step else 0):
+            return self._sharded_direct(key[0], shard, kin.ravel(), ends.ravel(), cls.ravel()).reshape(kin.shape)
         if len(missing):
             tables = [stack[q] for q in range(len(stack))]
             tables += [self.rows(mode, shard, int(r)) for r in missing]
