@@ -8,7 +8,14 @@ import numpy as np
 from pdcompile.errors import UsageError
 from pdcompile.ir import Chain
 
-__all__ = ["ChainArrays", "cumsum0", "rng"]
+__all__ = ["ChainArrays", "cumsum0", "rng", "sorted_unique"]
+
+
+def sorted_unique(a: np.ndarray) -> np.ndarray:
+    """``np.unique(a)`` (flattened, sorted, each value once) without ``np.unique``, whose first call
+    imports ``numpy.ma`` (~10 ms of a cold ``pdcompile plan``, a tenth of its 0.1 s target)."""
+    s = np.sort(a, axis=None)
+    return s[np.concatenate(([True], s[1:] != s[:-1]))] if s.size else s
 
 
 def cumsum0(x: np.ndarray) -> np.ndarray:

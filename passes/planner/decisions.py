@@ -13,7 +13,7 @@ import numpy as np
 
 from pdcompile.errors import UsageError
 from pdcompile.ir import Chain
-from pdcompile.passes.planner.arrays import ChainArrays, cumsum0, rng
+from pdcompile.passes.planner.arrays import ChainArrays, cumsum0, rng, sorted_unique
 from pdcompile.passes.planner.memory import EPS, MemoryModel
 from pdcompile.runtime.schedules import registry as schedule_registry
 
@@ -204,14 +204,14 @@ class PartialTable:
         got = self._row_of[kc, ends]
         missing = got < 0
         if np.any(missing):
-            keys = np.unique(ks[missing] * self.N + ends[missing])
+            keys = sorted_unique(ks[missing] * self.N + ends[missing])
             want_k, want_e = keys // self.N, keys % self.N
             if self._used + len(keys) > len(self._neg):
                 cap_rows = max(1, self.store_bytes // (8 * (self.N + 1)))
                 if self._used + len(keys) > cap_rows:  # full: start again (this call's rows built anew)
                     self._row_of.fill(-1)
                     self._used = 0
-                    keys = np.unique(ks * self.N + ends)
+                    keys = sorted_unique(ks * self.N + ends)
                     want_k, want_e = keys // self.N, keys % self.N
                 rows = min(max(2 * len(self._neg), self._used + len(keys), 64), max(cap_rows, len(keys)))
                 grown = np.empty((rows, self.N + 1))
@@ -237,7 +237,7 @@ class PartialTable:
         ends = np.arange(self.N)
 
         # a witness among every 16th end and the last 64 first (one fit answers; else every end)
-        few = np.union1d(ends[::16], ends[-64:])
+        few = sorted_unique(np.concatenate((ends[::16], ends[-64:])))  # np.union1d, without numpy.ma
 
         def any_fits(k: int) -> bool:
             return bool(np.any(self.grid(np.full(len(few), k), few)[0])

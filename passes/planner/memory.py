@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from pdcompile.ir import Chain
-from pdcompile.passes.planner.arrays import ChainArrays, cumsum0, rng
+from pdcompile.passes.planner.arrays import ChainArrays, cumsum0, rng, sorted_unique
 from pdcompile.passes.planner.sharding import weight_factors
 
 __all__ = ["EPS", "SHARD_EXACT", "MemoryModel", "mode_of", "partial_term"]
@@ -224,7 +224,7 @@ class MemoryModel:
         top = int(cls.max()) if cls.size else 1
         if top >= len(slot_of):
             slot_of = np.concatenate([slot_of, np.full(top + 1 - len(slot_of), -1, dtype=np.int64)])
-        missing = np.unique(cls[slot_of[cls] < 0]) if cls.size else cls
+        missing = sorted_unique(cls[slot_of[cls] < 0]) if cls.size else cls
         # a table costs a pass over the chain per in-flight count; the search asks a few queries (where memory
         # clipped an unsharded start): those are answered one by one unless their tables are built already
         if len(missing) and kin.size <= SHARD_DIRECT * max(self.workers, self.M if self.policy.holds_step else 0):
