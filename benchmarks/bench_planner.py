@@ -254,7 +254,7 @@ def _cli_plan(prof: Any, chain: Chain, cluster: ClusterSpec, cm: str) -> Plan | 
     try:
         return make_plan(chain, cluster, solver="dp", cost_model=cm, schedule="1f1b", memory_limit=None,
                          optimizer_state_factor=optimizer_state_factor(prof.optimizer), recompute="auto",
-                         pool=cm != "pipedream")
+                         pool=cm != "pipedream", shard="auto", microbatches_known=False)  # as pdcompile/_cli/plan.py
     except PdcompileError as e:
         return str(e).split(";")[0]
 
