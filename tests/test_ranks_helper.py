@@ -16,7 +16,11 @@ SCRIPT = textwrap.dedent("""
     rank = int(os.environ["RANK"])
     print(f"rank {rank} of {os.environ['WORLD_SIZE']} at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
           flush=True)
-    if sys.argv[1] == "fail" and rank == 1:
+    open(os.path.join(sys.argv[2], str(rank)), "w").close()
+    if sys.argv[1] == "fail" and rank == 1:  # fail once every rank has started, so each printed its line
+        deadline = time.monotonic() + 30
+        while len(os.listdir(sys.argv[2])) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         sys.exit(3)
     if sys.argv[1] != "ok":
         time.sleep(60)
@@ -29,7 +33,9 @@ def test_run_script_reports_the_first_failure_and_stops_the_rest(tmp_path: Path,
     script = tmp_path / "ranks.py"
     script.write_text(SCRIPT)
     t0 = time.monotonic()
-    rc, out = run_script(script, 3, [mode], timeout=5)
+    started = tmp_path / "started"
+    started.mkdir()
+    rc, out = run_script(script, 3, [mode, str(started)], timeout=5)
     took = time.monotonic() - t0
     assert rc == status, out
     assert all(f"rank {r} of 3 at 127.0.0.1:" in out for r in range(3)), out
