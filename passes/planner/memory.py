@@ -46,25 +46,34 @@ def partial_term(w: float, kk: int, rb: int, xin: float, T: float, H: float) -> 
 
 
 def closed_starts(g: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """Per end ``e``: the smallest ``s`` with ``g[i] <= c[e]`` for every ``i`` in ``s..e`` (``e + 1``: none).
+    """Per end ``e``: the smallest ``s`` with ``g[i] <= c[e]`` for every ``i`` in ``s..e`` (``e + 1``: none);
+    along the last axis, so one call answers a stack of rows (``g``, ``c`` of one shape).
 
     A stage's memory is not monotone in its start: what it receives across its first cut (``xin``)
     can outweigh the layers a later start drops (Llama's rotary tables and residual cross many cuts).
     The search reads a start as "every later start fits too" (a group clips its first stage to where
     the previous one ends), so the table keeps only starts whose every shorter suffix fits: a range
     maximum by binary lifting over a sparse table, vectorized over the ends."""
-    N = len(g)
+    N = g.shape[-1]
     levels = [g]
     while (1 << len(levels)) <= N:
         prev, half = levels[-1], 1 << (len(levels) - 1)
-        levels.append(np.maximum(prev[:-half], prev[half:]))  # max of g[i .. i + 2^l - 1]
-    s = np.arange(1, N + 1, dtype=np.int64)
+        levels.append(np.maximum(prev[..., :-half], prev[..., half:]))  # max of g[i .. i + 2^l - 1]
+    rows = int(np.prod(c.shape[:-1], dtype=np.int64))
+    s = np.broadcast_to(np.arange(1, N + 1, dtype=np.int64), (rows, N))
+    c2 = c.reshape(rows, N)
     for lv in range(len(levels) - 1, -1, -1):
+        L = levels[lv].shape[-1]
+        flat = np.broadcast_to(levels[lv], c.shape[:-1] + (L,)).reshape(-1)
         cand = s - (1 << lv)
-        ok = cand >= 0
-        vals = levels[lv][np.clip(cand, 0, len(levels[lv]) - 1)]
-        s = np.where(ok & (vals <= c), cand, s)
-    return s
+        vals = flat[np.clip(cand, 0, L - 1) + (np.arange(rows, dtype=np.int64) * L)[:, None]]
+        s = np.where((cand >= 0) & (vals <= c2), cand, s)
+    return s.reshape(c.shape)
+
+
+#: table rows (in-flight counts) :meth:`MemoryModel.rows` computes in one vectorized block: about this many
+#: elements per block (a block past the first row that fits nothing is work thrown away)
+ROW_BLOCK_ELEMENTS = 1 << 17
 
 
 class MemoryModel:
@@ -299,16 +308,23 @@ class MemoryModel:
             kmax = max(self.workers, self.M if self.policy.holds_step else 0)
             budget = self.budget * (1 + EPS)
             PA, PR, xin, xout = self.parts[mode]
-            for k in range(1, kmax + 1):
-                start = np.zeros(N, dtype=np.int64)
-                for cv, kk, rb in self.terms(k, shard=shard, replicas=replicas):  # every moment that may peak must fit
+            block = max(1, min(64, ROW_BLOCK_ELEMENTS // max(1, N)))
+            k0 = 1
+            while k0 <= kmax:
+                ks = range(k0, min(kmax, k0 + block - 1) + 1)
+                terms = [self.terms(k, shard=shard, replicas=replicas) for k in ks]  # every moment that may peak must fit
+                start = np.zeros((len(ks), N), dtype=np.int64)
+                for t in range(len(terms[0])):
+                    cv, kk, rb = (np.array([[tk[t][x]] for tk in terms]) for x in range(3))
                     g = -(self.PWM * cv) - PA * kk - PR * rb + xin * kk  # mem(i..end) = H(end) + g(i)
                     H = self.PWM[1:] * cv + PA[1:] * kk + PR[1:] * rb + xout * kk
-                    start = np.maximum(start, closed_starts(g[:N], budget - H))
+                    start = np.maximum(start, closed_starts(g[:, :N], budget - H))
                 start = np.minimum(start, ends + 1)
-                rows.append(start.astype(np.int64))
-                if np.all(start > ends):
+                full = np.flatnonzero(np.all(start > ends, axis=1))  # from the first row that fits nothing: done
+                rows.extend(start[: int(full[0]) + 1 if len(full) else len(ks)])
+                if len(full):
                     break
+                k0 += len(ks)
         rows.append(np.arange(1, N + 1, dtype=np.int64))
         table = np.stack(rows)
         self._tables[key] = table
