@@ -7,13 +7,17 @@ the NCCL-rules mode, against single-process PyTorch training (Adam, global-norm 
 * that run's checkpoint (each replica saved its share of Adam's state) resumed as ``full`` under zb-h1;
 * ``optimizer`` under 1F1B (weight stashing: the optimizer state alone is sharded) against PipeDream's
   1F1B in one process;
-* ``full`` under 1F1B refused by train.py's ``main``: exit 2 and one line.
+* ``full`` under 1F1B refused by train.py's ``main``: exit 2 and one line;
+* ``--precision bf16``: the ``full`` program's plan run as ``full``, ``optimizer`` and ``none`` (the same
+  stages, plan.json's ``shard`` alone changed), 3 ranks, 2 steps: sharded ends bitwise where ``none`` ends.
 
 Every run ends where one process training the whole model on the same minibatches ends (1e-5)."""
 
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +56,10 @@ def _emit(folder: Path, replicas: list[int], modes: list[str], schedule: str, re
     return prog
 
 
-def _reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _reference(steps: int, max_norm: float = MAX_NORM) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process: the whole MLP, the same minibatches cut into MICRO microbatches, Adam, the
-    gradient's global norm clipped to MAX_NORM before each step; final weights, unclipped norms."""
+    gradient's global norm clipped to ``max_norm`` before each step (inf: not clipped); final weights,
+    unclipped norms."""
     z = get("mlp", batch_size=BATCH, seed=0)
     opt = _opt(z.model.parameters())
     data = batches(BATCH, "mlp")
@@ -64,7 +69,7 @@ def _reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
         opt.zero_grad(set_to_none=True)
         for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO)):
             (z.loss_fn(z.model(xs), ys) / MICRO).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(z.model.parameters(), MAX_NORM)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(z.model.parameters(), max_norm)))
         opt.step()
     return {k: v.detach().clone() for k, v in z.model.state_dict().items()}, norms
 
@@ -186,3 +191,47 @@ def test_full_refused_where_a_schedule_cannot_honour_it(full: Path, monkeypatch:
     with pytest.raises(UsageError, match="shard 'sharded'"):
         shard.stage_modes({"stages": [{"shard": "sharded"}]})
     assert shard.stage_modes({"stages": [{}, {}], "plan": {"stages": [{"shard": "full"}, {}]}}) == ["full", "none"]
+
+
+def _as_mode(prog: Path, mode: str, dest: Path) -> Path:
+    """A copy of the program ``prog`` whose replicated stage 0 runs under ``mode`` (plan.json's
+    ``shard``, in ``stages`` and in ``plan.stages``, the only change: the same stages and weights)."""
+    shutil.copytree(prog, dest)
+    plan = json.loads((dest / "plan.json").read_text())
+    for entry in (plan["stages"][0], plan["plan"]["stages"][0]):
+        entry["shard"] = mode
+    (dest / "plan.json").write_text(json.dumps(plan))
+    assert shard.stage_modes(plan) == [mode, "none"]
+    return dest
+
+
+def test_sharded_replicas_under_bf16_train_bitwise_as_unsharded(tmp_path: Path, full: Path) -> None:
+    """bf16 (autocast forward and loss, fp32 master weights, fp32 gradients reduced in fp32) under
+    sharding: plan [2, 1], flush, 4 microbatches, Adam, 2 steps, no clipping, stage 0 as ``full``,
+    ``optimizer`` and ``none``. Bitwise, not within a tolerance: with 2 replicas FSDP2's reduce-scatter and
+    ``AR``'s all-reduce add the same two fp32 numbers, Adam's update is element-wise (a shard's is the
+    whole tensor's restricted to it) and ZeRO-1's broadcast copies its owner's fp32 update. A reduction
+    in bf16, or bf16 master weights, would round gradients or weights (relative 4e-3): a difference. The
+    runs are bf16: they differ from one process's fp32 training, by what bf16's rounding moves Adam."""
+    final = {}
+    for mode in ("none", "full", "optimizer"):
+        prog = full if mode == "full" else _as_mode(full, mode, tmp_path / f"prog_{mode}")
+        rc, out = run_ranks(prog, 3, ["--timeout", "60", "--steps", "2", "--precision", "bf16",
+                                      "--save-final", str(tmp_path / f"w_{mode}")], timeout=150)
+        assert rc == 0, out[-4000:]
+        final[mode] = merge_weights(prog, tmp_path / f"w_{mode}")
+    fp32, _ = _reference(2, math.inf)
+    start = {k: v.detach() for k, v in get("mlp", batch_size=BATCH, seed=0).model.state_dict().items()}
+    for mode in ("full", "optimizer"):
+        assert set(final[mode]) == set(final["none"])
+        for k, v in final["none"].items():
+            assert torch.equal(final[mode][k], v), (mode, k, float((final[mode][k] - v).abs().max()))
+    none = final["none"]
+    assert all(none[k].dtype == torch.float32 for k in none)  # fp32 master weights
+    assert any(not torch.equal(none[k], fp32[k]) for k in none)  # bf16 was in effect ...
+    # ... and trained as fp32 does up to bf16's rounding: Adam's first updates are about +-lr an element, so
+    # an element whose gradient bf16 rounds across 0 moves 2 lr the other way (measured: at most 0.02 an
+    # element, 0.085 of the update's norm); compared by norm, against the update fp32 made
+    for k in none:
+        assert float((none[k] - fp32[k]).norm()) <= 0.25 * float((fp32[k] - start[k]).norm()), k
+    assert any(not torch.allclose(none[k], start[k], atol=1e-4) for k in none)  # it trained
