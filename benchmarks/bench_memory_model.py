@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from benchmarks._results import write_section  # noqa: E402
 from pdcompile.api import pdcompile  # noqa: E402
 from pdcompile.launcher import launch  # noqa: E402
-from pdcompile.passes.partition_dp import PlanModel, plan_from_assignment  # noqa: E402
+from pdcompile.passes.partition_dp import PlanModel, PlanOptions, plan_from_assignment  # noqa: E402
 from pdcompile.simulate import simulate_plan  # noqa: E402
 from pdcompile.zoo import get, gpt, vgg  # noqa: E402
 
@@ -70,7 +70,7 @@ def _predict(pipe, name: str, M: int, mode: str):  # type: ignore[no-untyped-def
                                 recompute="none" if mode == "partial" else mode)
     if mode != "partial":
         return [(st.in_flight, st.memory_bytes) for st in plan.stages]
-    model = PlanModel(chain, cluster, schedule=name, memory_limit=False, num_microbatches=M, recompute="auto")
+    model = PlanModel(chain, cluster, PlanOptions(schedule=name, memory_limit=False, num_microbatches=M, recompute="auto"))
     return [(st.in_flight, model.memory_at(st.first, st.last, st.in_flight, st.weight_versions, own.recompute,
                                            head=own.recompute_layers))
             for st, own in zip(plan.stages, pipe.plan.stages)]

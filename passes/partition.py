@@ -22,6 +22,7 @@ from pdcompile.errors import UsageError
 from pdcompile.ir import Chain, CompileState, need
 from pdcompile.passes.partition_dp import SCHEDULES as DP_SCHEDULES
 from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
+from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.passes.planner.sharding import resolve as resolve_shard
 from pdcompile.plan import Plan
 from pdcompile.plan import plan as choose_plan
@@ -120,23 +121,23 @@ def with_shard(plan: Plan, shard: str | Sequence[str], schedule: str, num_microb
 
 
 def _choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
-    # the DP's memory model reads every schedule's own Policy (GPipe: all M in flight); the ILP's knows fewer
-    sched = opts.schedule if opts.solver == "dp" else planner_schedule(opts.schedule)
-    # a given split is evaluated with the DP's model, which knows the schedules by name; one it does not
-    # (a torch CSV's) with its policy's planner_model
-    fixed = opts.schedule if opts.schedule in DP_SCHEDULES else planner_schedule(opts.schedule)
-    if opts.schedule not in DP_SCHEDULES:
-        sched = fixed
-    mem: dict[str, Any] = {"num_microbatches": opts.num_microbatches, "recompute": opts.recompute,
-                           "shard": opts.shard, "optimizer_state_factor": opts.optimizer_state_factor}
+    # both planners' memory models read every schedule's own Policy (GPipe: all M in flight) and know the
+    # schedules by name; one they do not (a torch CSV's) is planned as its policy's planner_model
+    sched = opts.schedule if opts.schedule in DP_SCHEDULES else planner_schedule(opts.schedule)
+    # a given split is rated under the default cost model, as it always was
+    mem = PlanOptions(num_microbatches=opts.num_microbatches, recompute=opts.recompute, shard=opts.shard,
+                      optimizer_state_factor=opts.optimizer_state_factor)
     place = policy(opts.schedule).placement if opts.schedule in POLICIES else None
     if place is not None:
         return _virtual_plan(chain, opts, place, mem)
     if opts.stages is None:
         cluster = opts.cluster if opts.cluster is not None else local_cpu_cluster(2)
-        extra = mem if opts.solver == "dp" else {}
-        return choose_plan(chain, cluster, solver=opts.solver, cost_model=opts.cost_model, schedule=sched,
-                           **extra), cluster
+        planning = dataclasses.replace(mem, cost_model=opts.cost_model, schedule=sched)
+        if opts.solver != "dp":  # the ILP plans unsharded (choose sets the mode) and without recomputation,
+            # which "auto" allows; "full" or "selective" it refuses
+            planning = dataclasses.replace(planning, shard="none",
+                                           recompute="none" if opts.recompute == "auto" else opts.recompute)
+        return choose_plan(chain, cluster, planning, solver=opts.solver), cluster
     n = opts.stages
     reps: Sequence[int] = opts.replicas if opts.replicas is not None else [1] * n
     cluster = opts.cluster if opts.cluster is not None and opts.cluster.num_workers >= sum(reps) \
@@ -144,13 +145,11 @@ def _choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
     # a given split: the memory limit of a cluster the user gave (recompute="auto" fits stages in it), else none
     limit = None if opts.cluster is not None and cluster is opts.cluster else False
     if opts.replicas is None:
-        return pipeline_plan(chain, balanced_bounds(chain, n), cluster, schedule=fixed, memory_limit=limit,
-                             **mem), cluster
+        return pipeline_plan(chain, balanced_bounds(chain, n), cluster, mem, schedule=sched, memory_limit=limit), cluster
     # the same balanced split, stage k on ranks stage_ranks(replicas)[k]
     bounds = [0, *balanced_bounds(chain, n), len(chain)]
     assignment = [(a, b - 1, len(r), tuple(r)) for (a, b), r in zip(zip(bounds, bounds[1:]), stage_ranks(reps))]
-    return plan_from_assignment(chain, cluster, assignment, schedule=fixed, memory_limit=limit,
-                                **mem), cluster
+    return plan_from_assignment(chain, cluster, assignment, mem, schedule=sched, memory_limit=limit), cluster
 
 
 def placement_choices(schedule: str, stages: int) -> dict[int, int]:
@@ -201,16 +200,16 @@ def infer_virtual_stages(schedule: str, stages: int | None, workers: int | None)
                      f"{fit or 'explicitly'}, or stages= one of {', '.join(map(str, counts))}")
 
 
-def _virtual_plan(chain: Chain, opts: PartitionOptions, place: Any, mem: dict[str, Any]) -> tuple[Plan, ClusterSpec]:
+def _virtual_plan(chain: Chain, opts: PartitionOptions, place: Any, mem: PlanOptions) -> tuple[Plan, ClusterSpec]:
     """Virtual stages: ``stages=`` (default ``v`` per worker of the cluster, or of this machine's 2)."""
     v = opts.virtual_stages
     workers = opts.cluster.num_workers if opts.cluster is not None else 2
     return virtual_plan(chain, opts.cluster, opts.schedule, v, opts.stages if opts.stages is not None else v * workers,
-                        **mem)
+                        mem)
 
 
 def virtual_plan(chain: Chain, cluster: ClusterSpec | None, schedule: str, v: int, n: int,
-                 **mem: Any) -> tuple[Plan, ClusterSpec]:
+                 mem: PlanOptions | None = None) -> tuple[Plan, ClusterSpec]:
     """``n`` stages of balanced compute placed ``v`` per rank as ``schedule``'s policy says, and the
     cluster they run on (this machine's CPUs without one, or one too small)."""
     place = policy(schedule).placement
@@ -224,7 +223,7 @@ def virtual_plan(chain: Chain, cluster: ClusterSpec | None, schedule: str, v: in
     # each stage costed as if on a worker of its own (the DP's model has no shared workers; the
     # simulator times the interleaving), then placed on the schedule's ranks
     costing = given if given is not None and given.num_workers >= n else local_cpu_cluster(n)
-    plan = plan_from_assignment(chain, costing, assignment, schedule="flush", memory_limit=False, **mem)
+    plan = plan_from_assignment(chain, costing, assignment, mem, schedule="flush", memory_limit=False)
     stages = tuple(dataclasses.replace(st, ranks=tuple(r)) for st, r in zip(plan.stages, ranks))
     return dataclasses.replace(plan, stages=stages, num_workers=p,
                                notes=(*plan.notes, f"{v} virtual stages per rank on {p} ranks ({schedule}); "

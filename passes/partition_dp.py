@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 from pdcompile.cluster import ClusterSpec, Level, format_quantity
@@ -17,6 +18,7 @@ from pdcompile.passes.planner.blocks import Block, Evaluation, StageCost, blocks
 from pdcompile.passes.planner.costs import COST_MODELS
 from pdcompile.passes.planner.decisions import MODES, RECOMPUTE, stage_decisions
 from pdcompile.passes.planner.memory import EPS
+from pdcompile.passes.planner.options import PlanOptions, plan_options
 from pdcompile.passes.planner.search import SCHEDULES, PlanModel, solve
 from pdcompile.passes.planner.sharding import resolve as resolve_shard
 from pdcompile.plan_data import Plan, StagePlan
@@ -29,6 +31,7 @@ __all__ = [
     "Block",
     "Evaluation",
     "PlanModel",
+    "PlanOptions",
     "StageCost",
     "partition_dp",
     "pipeline_plan",
@@ -131,33 +134,16 @@ def _shard_reasons(model: PlanModel, ev: Evaluation) -> list[str]:
     return out
 
 
-def partition_dp(
-    chain: Chain,
-    cluster: ClusterSpec,
-    *,
-    cost_model: str = "default",
-    schedule: str = "1f1b",
-    memory_limit: bool | None = None,
-    optimizer_state_factor: float = 1.0,
-    allow_replication: bool = True,
-    num_microbatches: int | None = None,
-    recompute: str = "none",
-    pool: bool = False,
-    shard: str | Sequence[str] = "none",
-    microbatches_known: bool = True,
-) -> Plan:
-    """The best plan for ``chain`` on ``cluster`` under ``cost_model`` (see the module doc).
+def partition_dp(chain: Chain, cluster: ClusterSpec, options: PlanOptions | None = None, **overrides: Any) -> Plan:
+    """The best plan for ``chain`` on ``cluster`` under ``options`` (:class:`PlanOptions`, each field
+    also a keyword override, e.g. ``partition_dp(chain, cluster, schedule="flush")``).
 
     ``pool``: also plan the workers as one pool at the slowest link (:func:`pool_cluster`), where
     stages need not nest in the hierarchy, and keep that plan when it is strictly faster.
-
     ``num_microbatches``: per minibatch (a schedule that holds them all, GPipe, keeps ``M / r`` in
-    flight; one that accumulates, flush, at most ``M / r`` of its warmup depth; None: 1, uncapped). ``recompute``: ``none``, ``full`` (every stage) or ``auto`` (where memory needs it).
-    ``shard``: how a replicated stage's replicas hold its state, ``none``, ``optimizer``, ``full``, one per
-    stage, or ``auto`` (per stage, the cheapest that fits; ``planner/sharding.py``); ``microbatches_known``
-    off: the step's microbatch count is not known (``full`` is then not refused for too few).
-
-    ``memory_limit``: None = the cost model's default (on for ``default``, off for ``paper`` and
+    flight; one that accumulates, flush, at most ``M / r`` of its warmup depth; None: 1, uncapped).
+    ``shard="auto"``: per stage, the cheapest mode that fits (``planner/sharding.py``).
+    ``memory_limit`` None: the cost model's default (on for ``default``, off for ``paper`` and
     ``pipedream``, which refuses it).
     Raises :class:`InfeasiblePlanError` (with the smallest per-worker memory that would fit)
     when no plan fits, and :class:`ClusterSpecError` when the limit is on but the device memory
@@ -250,19 +236,19 @@ def partition_dp(
     vectorized with numpy; see ``benchmarks/bench_planner.py``.
     """
     t0 = time.perf_counter()
-    if pool and cost_model == "pipedream":
+    opts = plan_options(options, overrides)
+    pool = opts.pool
+    if pool and opts.cost_model == "pipedream":
         raise UsageError("the pipedream cost model reproduces PipeDream's released optimizer, whose stages nest in "
                          "the cluster's levels; pool=True goes with cost_model='default' or 'paper'")
-    args = (cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication, num_microbatches, recompute,
-            shard if isinstance(shard, str) else tuple(shard), microbatches_known)
-    model = PlanModel(chain, cluster, *args)
+    model = PlanModel(chain, cluster, opts)
     baseline = model
     notes = []
     ev: Evaluation | None
     if not (pool and model.L > 1):
         blocks, ev = solve(model)
     else:  # the workers also as one pool at the slowest link: stages need not nest
-        pooled = PlanModel(chain, pool_cluster(cluster), *args)
+        pooled = PlanModel(chain, pool_cluster(cluster), opts)
         ev, pev, blocks, pblocks = _solve_both(model, pooled)
         if ev is None or (pev is not None and pev.seconds < ev.seconds * (1 - 1e-9)):
             assert pev is not None
@@ -335,18 +321,14 @@ def pool_cluster(cluster: ClusterSpec) -> ClusterSpec:
     return ClusterSpec(cluster.device, (Level("pool", cluster.num_workers, min(cluster.bandwidths)),))
 
 
-def _model(chain: Chain, cluster: ClusterSpec, options: dict[str, Any]) -> PlanModel:
-    allowed = {"cost_model", "schedule", "memory_limit", "optimizer_state_factor", "allow_replication",
-               "num_microbatches", "recompute", "pool", "shard", "microbatches_known"}
-    bad = set(options) - allowed
-    if bad:
-        raise UsageError(f"unknown option(s) {sorted(bad)}; use {sorted(allowed)}")
-    options = dict(options)
-    if options.pop("pool", False):  # rate the stages on the pool (ranks need not nest)
+def _model(chain: Chain, cluster: ClusterSpec, options: PlanOptions | None, overrides: dict[str, Any]) -> PlanModel:
+    """The model a given configuration is rated under (``pool``: on :func:`pool_cluster`)."""
+    opts = plan_options(options, overrides)
+    if opts.pool:  # rate the stages on the pool (ranks need not nest)
         cluster = pool_cluster(cluster)
-    if options.get("memory_limit") is None and cluster.device.memory is None:
-        options = {**options, "memory_limit": False}  # evaluating needs no limit
-    return PlanModel(chain, cluster, **options)
+    if opts.memory_limit is None and cluster.device.memory is None:
+        opts = replace(opts, memory_limit=False)  # evaluating needs no limit
+    return PlanModel(chain, cluster, opts)
 
 
 def _to_blocks(stages: Any, cluster: ClusterSpec) -> tuple[Block, ...]:
@@ -394,26 +376,28 @@ def _check_cover(blocks: Sequence[Block], first: int, last: int, cluster: Cluste
                          f"than it has ({cluster.levels[level - 1].count})")
 
 
-def evaluate(chain: Chain, cluster: ClusterSpec, stages: Any, **options: Any) -> Evaluation:
+def evaluate(chain: Chain, cluster: ClusterSpec, stages: Any, options: PlanOptions | None = None,
+             **overrides: Any) -> Evaluation:
     """Evaluate a configuration (Plan, StagePlans, ``(first, last, replicas[, ranks])`` tuples, or
     a Block tree) under the cost model: time, bottleneck, per-stage costs and memory
     (``pool=True``: on :func:`pool_cluster`, where the ranks need not nest)."""
-    model = _model(chain, cluster, {k: v for k, v in options.items()})
+    model = _model(chain, cluster, options, overrides)
     blocks = _to_blocks(stages, model.cluster)
     _check_cover(blocks, 0, len(chain) - 1, model.cluster, len(model.cluster.levels))
     return model.evaluate(blocks)
 
 
-def pipeline_time(chain: Chain, cluster: ClusterSpec, stages: Any, **options: Any) -> float:
+def pipeline_time(chain: Chain, cluster: ClusterSpec, stages: Any, options: PlanOptions | None = None,
+                  **overrides: Any) -> float:
     """Seconds per minibatch of a given configuration under the cost model (see :func:`evaluate`)."""
-    return evaluate(chain, cluster, stages, **options).seconds
+    return evaluate(chain, cluster, stages, options, **overrides).seconds
 
 
 def stage_time(chain: Chain, cluster: ClusterSpec, first: int, last: int, replicas: int, *,
                cost_model: str = "default") -> float:
     """Time per minibatch of one worker-level stage ``first..last`` replicated ``replicas`` times
     over the innermost level's links."""
-    return PlanModel(chain, cluster, cost_model, memory_limit=False).level1_stage(first, last, replicas)[0]
+    return PlanModel(chain, cluster, PlanOptions(cost_model, memory_limit=False)).level1_stage(first, last, replicas)[0]
 
 
 def stage_memory(chain: Chain, first: int, last: int, in_flight: int, *, schedule: str = "1f1b",
@@ -422,7 +406,7 @@ def stage_memory(chain: Chain, first: int, last: int, in_flight: int, *, schedul
     from pdcompile.cluster import Device, Level
 
     cluster = ClusterSpec(Device("any", memory=1.0), (Level("l", 1, 1.0),))
-    model = PlanModel(chain, cluster, "paper", schedule, False, optimizer_state_factor)
+    model = PlanModel(chain, cluster, PlanOptions("paper", schedule, False, optimizer_state_factor))
     return model.memory(first, last, in_flight)
 
 
@@ -442,26 +426,27 @@ def stage_memory_at(chain: Chain, first: int, last: int, *, in_flight: int, weig
 
 def data_parallel_time(chain: Chain, cluster: ClusterSpec, cost_model: str = "default") -> float:
     """Seconds per minibatch of pure data parallelism over all workers under ``cost_model``."""
-    return PlanModel(chain, cluster, cost_model, memory_limit=False).data_parallel_time()
+    return PlanModel(chain, cluster, PlanOptions(cost_model, memory_limit=False)).data_parallel_time()
 
 
-def plan_from_assignment(chain: Chain, cluster: ClusterSpec, assignment: Any, *, solver: str = "fixed",
-                         **options: Any) -> Plan:
+def plan_from_assignment(chain: Chain, cluster: ClusterSpec, assignment: Any, options: PlanOptions | None = None, *,
+                         solver: str = "fixed", **overrides: Any) -> Plan:
     """A Plan for a given configuration (see :func:`evaluate` for the accepted forms)."""
     t0 = time.perf_counter()
-    model = _model(chain, cluster, options)
+    model = _model(chain, cluster, options, overrides)
     blocks = _to_blocks(assignment, model.cluster)
     _check_cover(blocks, 0, len(chain) - 1, model.cluster, len(model.cluster.levels))
     ev = model.evaluate(blocks)
     notes = []
     if not model.memory_ok(ev):
         notes.append(f"exceeds the memory limit: {format_quantity(ev.peak_memory, 'memory')} per worker")
-    baseline = _model(chain, cluster, {k: v for k, v in options.items() if k != "pool"})
+    baseline = _model(chain, cluster, replace(model.options, pool=False), {}) if model.options.pool else model
     return build_plan(model, blocks, ev, solver=solver, planning_seconds=time.perf_counter() - t0,
                        optimal=False, gap=math.nan, notes=notes, baseline=baseline)
 
 
-def pipeline_plan(chain: Chain, stage_bounds: Sequence[int], cluster: ClusterSpec, **options: Any) -> Plan:
+def pipeline_plan(chain: Chain, stage_bounds: Sequence[int], cluster: ClusterSpec, options: PlanOptions | None = None,
+                  **overrides: Any) -> Plan:
     """A straight pipeline with a fixed split: stage ``k`` runs on rank ``k`` alone.
 
     ``stage_bounds`` are the first positions of stages 1..S-1 (e.g. ``[3, 7]`` splits a 10-layer
@@ -473,4 +458,4 @@ def pipeline_plan(chain: Chain, stage_bounds: Sequence[int], cluster: ClusterSpe
     if len(bounds) - 1 > cluster.num_workers:
         raise UsageError(f"{len(bounds) - 1} stages need {len(bounds) - 1} workers; the cluster has {cluster.num_workers}")
     assignment = [(a, b - 1, 1, (k,)) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-    return plan_from_assignment(chain, cluster, assignment, solver="fixed", **options)
+    return plan_from_assignment(chain, cluster, assignment, options, solver="fixed", **overrides)

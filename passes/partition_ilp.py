@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,8 @@ from pdcompile.errors import InfeasiblePlanError, UsageError
 from pdcompile.ir import Chain
 from pdcompile.passes.partition_dp import blocks_from_ranks, build_plan, partition_dp
 from pdcompile.passes.planner.blocks import Block
+from pdcompile.passes.planner.memory import EPS
+from pdcompile.passes.planner.options import PlanOptions, plan_options
 from pdcompile.passes.planner.search import PlanModel
 from pdcompile.plan_data import Plan
 
@@ -56,20 +59,17 @@ def _simple_plans(model: PlanModel) -> tuple[float, tuple[Block, ...] | None]:
 def partition_ilp(
     chain: Chain,
     cluster: ClusterSpec,
+    options: PlanOptions | None = None,
     *,
-    cost_model: str = "default",
-    schedule: str = "1f1b",
-    memory_limit: bool | None = None,
-    optimizer_state_factor: float = 1.0,
-    allow_replication: bool = True,
     time_limit_s: float = 30.0,
     hint: Plan | str | None = None,
     workers: int | None = None,
-    pool: bool = False,
-    recompute: str = "none",
+    **overrides: Any,
 ) -> Plan:
     """The optimal plan by CP-SAT within ``time_limit_s`` (``Plan.optimal``; else ``Plan.gap``,
-    the relative distance to the proven lower bound). Options as for ``partition_dp``.
+    the relative distance to the proven lower bound). ``options`` (and keyword overrides) as for
+    ``partition_dp``; refused: the ``pipedream`` cost model, ``pool`` on two levels, recomputation. It plans
+    unsharded (``shard`` is read as ``none``: ``passes.partition.with_shard`` sets a mode on its plan).
 
     ``hint``: a plan for the same problem, or ``"dp"`` (plan with ``partition_dp`` first), warm-
     starts the search and bounds it (sound: the optimum is at most a feasible plan's time);
@@ -98,6 +98,8 @@ def partition_ilp(
     """
     from ortools.sat.python import cp_model
 
+    opts = replace(plan_options(options, overrides), shard="none")
+    cost_model, pool, recompute, allow_replication = opts.cost_model, opts.pool, opts.recompute, opts.allow_replication
     if cost_model == "pipedream":
         raise UsageError("the ILP solver does not model the pipedream cost model (the released optimizer's sums "
                          "and exact worker counts); use solver='dp' (--solver dp) for it")
@@ -110,7 +112,7 @@ def partition_ilp(
     t0 = time.perf_counter()
     orig_levels = len(cluster.levels)
     cl2 = _two_level(cluster)
-    model = PlanModel(chain, cl2, cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication)
+    model = PlanModel(chain, cl2, opts)
     N = model.N
     m1, m2 = model.counts
     B1, B2 = model.B
@@ -121,8 +123,7 @@ def partition_ilp(
     if isinstance(hint, str):
         if hint != "dp":
             raise UsageError(f"hint must be a Plan, 'dp' or None (got {hint!r})")
-        hint = partition_dp(chain, cluster, cost_model=cost_model, schedule=schedule, memory_limit=memory_limit,
-                            optimizer_state_factor=optimizer_state_factor, allow_replication=allow_replication)
+        hint = partition_dp(chain, cluster, opts)
     if hint is not None:
         ub = min(ub, hint.seconds_per_minibatch)
     # candidate terms, to size the time unit
@@ -147,9 +148,12 @@ def partition_ilp(
 
     # -- candidates ----------------------------------------------------------------------------
     K = np.zeros(len(I), dtype=np.int64)
+    held: list[int] | None = None  # per r, what a replica holds where that does not depend on the depth
     if model.memory_on:
         for n_, (i, j) in enumerate(zip(I.tolist(), J.tolist())):
             K[n_] = model.max_in_flight(i, j)
+        if model.policy.holds_step:
+            held = [0] + [model.in_flight(1, r) for r in range(1, rmax + 1)]
     xs: dict[tuple[int, int, int], Any] = {}
     ys: dict[tuple[int, int, int, int], Any] = {}
     y_time: dict[tuple[int, int, int, int], int] = {}
@@ -164,6 +168,8 @@ def partition_ilp(
                 if R > 1:
                     cp.add(T >= q(oc)).only_enforce_if(xs[(i, j, R)])
             for r in range(1, rmax + 1 if fits else 1):
+                if held is not None and model.memory(i, j, held[r]) > model.mem_budget * (1 + EPS):
+                    continue  # a schedule that holds the step keeps M / r in flight, whatever the depth
                 t = model.level1_stage(i, j, r)[0] / R
                 if t > ub:
                     continue
@@ -244,8 +250,8 @@ def partition_ilp(
         kidx = {(i, j): n_ for n_, (i, j) in enumerate(zip(I.tolist(), J.tolist()))}
         for (i, j, r, R), v in ys.items():
             k = int(K[kidx[(i, j)]])
-            if k >= m1 * m2 + 1:
-                continue  # fits whatever is downstream
+            if k >= m1 * m2 + 1 or held is not None or (model.mem.cap and -(-model.M // r) <= k):
+                continue  # fits whatever is downstream (capped: a replica holds at most its M / r of a step)
             cp.add(R * rem[j] + m1 * G[j] <= (k - 1) * R * r).only_enforce_if(v)
 
     # -- bounds that tighten the relaxation ------------------------------------------------------
@@ -278,8 +284,7 @@ def partition_ilp(
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE) and status != cp_model.INFEASIBLE and hint is not None:
         # out of time before even taking the warm start: return it, unproven
         blocks = _hint_blocks(hint, cl2, orig_levels) or ()
-        model_orig = PlanModel(chain, cluster, cost_model, schedule, memory_limit, optimizer_state_factor,
-                            allow_replication)
+        model_orig = PlanModel(chain, cluster, opts)
         flat = blocks[0].inner if orig_levels == 1 else blocks
         return build_plan(model_orig, flat, model_orig.evaluate(flat), solver="ilp",
                            planning_seconds=time.perf_counter() - t0, optimal=False, gap=math.nan,
@@ -303,7 +308,7 @@ def partition_ilp(
         for i, j, R in outer
     )
     blocks = blocks2[0].inner if orig_levels == 1 else blocks2
-    model_orig = PlanModel(chain, cluster, cost_model, schedule, memory_limit, optimizer_state_factor, allow_replication)
+    model_orig = PlanModel(chain, cluster, opts)
     ev = model_orig.evaluate(blocks)
     obj, bound = solver.objective_value, solver.best_objective_bound
     gap = max(0.0, (obj - bound) / obj) if obj > 0 else 0.0

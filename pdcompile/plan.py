@@ -14,22 +14,24 @@ from typing import TYPE_CHECKING, Any, Sequence
 from pdcompile.errors import InfeasiblePlanError, UsageError
 from pdcompile.passes.partition_dp import partition_dp
 from pdcompile.passes.partition_ilp import partition_ilp
+from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.plan_data import PLAN_FORMAT, PLAN_VERSION, Plan, StagePlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from pdcompile.cluster import ClusterSpec
     from pdcompile.ir import Chain
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "StagePlan", "Plan", "plan"]
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "StagePlan", "Plan", "PlanOptions", "plan"]
 
 
 def plan(
     chain: "Chain | Callable[[int], Chain]",
     cluster: "ClusterSpec",
+    options: PlanOptions | None = None,
     *,
     solver: str = "dp",
     microbatch_sizes: Sequence[int] | None = None,
-    **options: Any,
+    **overrides: Any,
 ) -> Plan:
     """Plan ``chain`` for ``cluster`` with ``solver`` (``"dp"`` or ``"ilp"``).
 
@@ -37,8 +39,9 @@ def plan(
     ``chain_for(b) -> Chain`` giving the costs at microbatch size ``b``; then every size in
     ``microbatch_sizes`` is planned and the plan with the highest predicted samples per second
     that fits in memory wins (ties: the smaller size). Raises
-    :class:`~pdcompile.errors.InfeasiblePlanError` when no size fits. Other keyword options go to
-    the solver (``cost_model``, ``schedule``, ``memory_limit``, ...).
+    :class:`~pdcompile.errors.InfeasiblePlanError` when no size fits. ``options``
+    (:class:`PlanOptions`) and other keyword options go to the solver (``schedule=``, ...; the ILP's
+    ``time_limit_s``, ``hint``).
     """
     solvers: dict[str, Callable[..., Plan]] = {"dp": partition_dp, "ilp": partition_ilp}
     if solver not in solvers:
@@ -47,7 +50,7 @@ def plan(
     if not callable(chain):
         if microbatch_sizes:
             raise UsageError("microbatch_sizes needs a callable chain_for(b) -> Chain")
-        return solve(chain, cluster, **options)
+        return solve(chain, cluster, options, **overrides)
     if not microbatch_sizes:
         raise UsageError("a callable chain needs microbatch_sizes to choose from")
     t0 = time.perf_counter()
@@ -57,7 +60,7 @@ def plan(
         if b <= 0:
             raise UsageError(f"microbatch sizes must be positive (got {b})")
         try:
-            p = solve(chain(b), cluster, **options)
+            p = solve(chain(b), cluster, options, **overrides)
         except InfeasiblePlanError as e:
             failures.append(f"{b}: {e}")
             continue

@@ -111,9 +111,11 @@ def ref_time(chain: Chain, cluster: ClusterSpec, blocks, model: str) -> float:
     return pipe(blocks, len(cluster.levels))
 
 
-def ref_memory_ok(chain: Chain, cluster: ClusterSpec, blocks, limit: float, schedule="1f1b", f=1.0) -> bool:
+def ref_memory_ok(chain: Chain, cluster: ClusterSpec, blocks, limit: float, schedule="1f1b", f=1.0,
+                  M: int | None = None) -> bool:
     """Every worker's bytes within ``limit``: downstream workers counted exactly within a group,
-    downstream outer blocks with all the workers of their units."""
+    downstream outer blocks with all the workers of their units; with ``M`` microbatches a step, a
+    replica of ``r`` holds at most ``ceil(M / r)`` (flush, 2BW), GPipe exactly that."""
     L = chain.layers
     inb = in_bytes(chain)
 
@@ -125,10 +127,16 @@ def ref_memory_ok(chain: Chain, cluster: ClusterSpec, blocks, limit: float, sche
                 k = math.ceil(Fraction(blk.units + after) / blk.units + e / blk.units)
                 W = _sum([l.param_bytes for l in L], blk.first, blk.last)
                 X = _sum([l.output_bytes for l in L], blk.first, blk.last) + inb[blk.first]
-                versions = {"1f1b": k, "flush": 1, "2bw": 2}[schedule]
-                # 1F1B updates after every backward: its gradients are never alive with all k in flight
-                need = max(W * (versions + f) + X * k, W * (versions + 1 + f) + X * (k - 1)) \
-                    if schedule == "1f1b" else W * (versions + 1 + f) + X * k
+                versions = {"1f1b": k, "flush": 1, "2bw": 2, "gpipe": 1}[schedule]
+                if M is not None and schedule != "1f1b":
+                    share = math.ceil(M / blk.units)
+                    k = share if schedule == "gpipe" else min(k, share)
+                # 1F1B updates after every backward: its gradients are never alive with all k in flight;
+                # GPipe has none while it holds the whole step
+                if schedule in ("1f1b", "gpipe"):
+                    need = max(W * (versions + f) + X * k, W * (versions + 1 + f) + X * (k - 1))
+                else:
+                    need = W * (versions + 1 + f) + X * k
                 if need > limit * (1 + 1e-9):
                     return False
             elif not ok(blk.inner, level - 1, (e + after * size) / blk.units):
@@ -785,3 +793,22 @@ def test_sorted_unique_is_numpys_unique_and_planning_never_imports_numpy_ma() ->
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+def test_plan_options_one_list_of_fields() -> None:
+    """``PlanOptions``: every entry point's keyword options are its fields (an unknown one names them),
+    a per-stage list is kept as a tuple, and ``str`` lists every field in order."""
+    from pdcompile.passes.planner.options import PlanOptions
+
+    o = PlanOptions(schedule="flush", shard=["none", "optimizer"])  # type: ignore[arg-type]
+    assert o.shard == ("none", "optimizer") and hash(o) == hash(PlanOptions(schedule="flush", shard=("none", "optimizer")))
+    assert str(o) == ("cost_model=default schedule=flush memory_limit=None optimizer_state_factor=1.0 "
+                      "allow_replication=True num_microbatches=None recompute=none pool=False shard=none,optimizer "
+                      "microbatches_known=True")
+    chain = make_chain([1.0, 2.0], [1.0, 2.0], [1.0, 1.0], [1.0, 1.0], [1.0])
+    with pytest.raises(UsageError, match="unknown planning option.*'optimizer_state_factor'"):
+        partition_dp(chain, flat_cluster(2, 1.0), optimiser_state_factor=2.0)
+    # options and keyword overrides plan alike
+    a = partition_dp(chain, flat_cluster(2, 1.0), PlanOptions(cost_model="paper", schedule="flush"))
+    b = partition_dp(chain, flat_cluster(2, 1.0), cost_model="paper", schedule="flush")
+    assert a.to_dict() | {"planning_seconds": 0} == b.to_dict() | {"planning_seconds": 0}

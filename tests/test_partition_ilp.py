@@ -113,3 +113,57 @@ def test_ilp_refuses_pooled_workers_and_recomputation() -> None:
     flat = flat_cluster(3, 10.0)
     _same(partition_dp(chain, flat, cost_model="paper", pool=True).seconds_per_minibatch,
           partition_ilp(chain, flat, cost_model="paper", pool=True))
+
+
+def _pass_plan(chain, cluster, solver, **kw):  # type: ignore[no-untyped-def]
+    """The partition pass's plan by ``solver`` (the path ``pdcompile(..., solver=)`` takes)."""
+    from pdcompile.passes.partition import PartitionOptions, choose
+
+    return choose(chain, PartitionOptions(cluster=cluster, recompute="none", shard="none", solver=solver, **kw))[0]
+
+
+def _both(chain, cluster, **kw):  # type: ignore[no-untyped-def]
+    return [_pass_plan(chain, cluster, s, **kw) for s in ("dp", "ilp")]
+
+
+def test_ilp_plans_with_the_users_optimizer_state() -> None:
+    """Adam's state (2 x the weights) makes data parallelism too big for the limit where momentum
+    SGD's (1 x) fits: the ILP, as the partition pass calls it, must plan with the user's factor too."""
+    chain = make_chain([0.5, 1.5], [0.5, 1.5], [10.0, 10.0], [1.0, 1.0], [1.0])
+    cluster = flat_cluster(2, 100.0, memory=70.0)  # whole model: 20 x (1 + 1 + f) + 2 bytes
+    configs = {}
+    for f in (1.0, 2.0):
+        d, p = _both(chain, cluster, schedule="flush", num_microbatches=2, optimizer_state_factor=f)
+        _same(d.seconds_per_minibatch, p)
+        blocks = blocks_from_ranks([(s.first, s.last, s.ranks) for s in p.stages], cluster)
+        assert ref_memory_ok(chain, cluster, blocks, 70.0, "flush", f=f, M=2)
+        configs[f] = (d.configuration, p.configuration)
+    assert configs[1.0] == ("2", "2") and configs[2.0] == ("1-1", "1-1"), configs  # the factor changes what fits
+    # recomputation: "auto" allows none, which the ILP plans; "full" it refuses rather than drop
+    assert _pass_plan(chain, cluster, "ilp", optimizer_state_factor=2.0, num_microbatches=2).configuration == "1-1"
+    from pdcompile.passes.partition import PartitionOptions, choose
+
+    with pytest.raises(UsageError, match="recomputation"):
+        choose(chain, PartitionOptions(cluster=cluster, solver="ilp", recompute="full"))
+
+
+@SETTINGS
+@given(chain=chains(5), two=st.booleans(), frac=st.floats(0.1, 1.2), f=st.sampled_from([0.0, 1.0, 2.0]),
+       M=st.integers(1, 6), schedule=st.sampled_from(["1f1b", "flush", "2bw", "gpipe"]))
+def test_ilp_equals_dp_through_the_partition_pass(chain, two, frac, f, M, schedule):
+    """DP = ILP with the options the partition pass passes (the optimizer's state factor, the step's
+    microbatches, which cap what a replica holds), and the ILP's plan fits by the reference."""
+    limit = max(frac * stage_memory(chain, 0, len(chain) - 1, 1, schedule="flush", optimizer_state_factor=f), 1e-6)
+    cluster = two_level(2, 3, 20.0, 2.0, memory=limit) if two else flat_cluster(5, 3.0, memory=limit)
+    kw = dict(schedule=schedule, num_microbatches=M, optimizer_state_factor=f)
+    try:
+        d, p = _both(chain, cluster, **kw)
+    except InfeasiblePlanError:
+        for solver in ("dp", "ilp"):
+            with pytest.raises(InfeasiblePlanError):
+                _pass_plan(chain, cluster, solver, **kw)
+        return
+    _same(d.seconds_per_minibatch, p)
+    blocks = blocks_from_ranks([(s.first, s.last, s.ranks) for s in p.stages], cluster)
+    assert ref_memory_ok(chain, cluster, blocks, limit, schedule, f=f, M=M)
+

@@ -28,7 +28,7 @@ from test_partition_dp import chains, two_level  # noqa: E402
 from pdcompile.cluster import ClusterSpec, Device, Level, paper_cluster  # noqa: E402
 from pdcompile.errors import InfeasiblePlanError  # noqa: E402
 from pdcompile.ir import Chain  # noqa: E402
-from pdcompile.passes.partition_dp import PlanModel, partition_dp, stage_memory  # noqa: E402
+from pdcompile.passes.partition_dp import PlanModel, PlanOptions, partition_dp, stage_memory  # noqa: E402
 from pdcompile.passes.linearize import linearize  # noqa: E402
 from pdcompile.plan import Plan  # noqa: E402
 from pdcompile.profile import load  # noqa: E402
@@ -118,7 +118,7 @@ def test_memory_rows_are_nondecreasing_in_the_in_flight_count(chain: Chain, sche
     earlier (every row of the start table is at or after the previous one)."""
     limit = frac * stage_memory(chain, 0, len(chain) - 1, 1, schedule=schedule)
     cluster = ClusterSpec(Device("d", memory=max(limit, 1e-6)), (Level("l", 12, 1.0),))
-    model = PlanModel(chain, cluster, "default", schedule, True, num_microbatches=5)
+    model = PlanModel(chain, cluster, PlanOptions("default", schedule, True, num_microbatches=5))
     table = model._mem_rows(recompute)
     assert np.all(np.diff(table, axis=0) >= 0)
 
@@ -135,8 +135,8 @@ def test_partial_recompute_start_equals_a_scan_of_every_head(chain: Chain, sched
     n = len(chain)
     limit = frac * stage_memory(chain, 0, n - 1, 1, schedule=schedule)
     cluster = ClusterSpec(Device("d", memory=max(limit, 1e-6)), (Level("l", 4, 1.0),))
-    model = PlanModel(chain, cluster, "paper" if paper else "default", schedule, True, num_microbatches=3,
-                      recompute="auto")
+    model = PlanModel(chain, cluster, PlanOptions("paper" if paper else "default", schedule, True, num_microbatches=3,
+                                                  recompute="auto"))
     base = model.PC if paper else model.P1
     budget = model.mem_budget * (1 + 1e-10)
     thr = tfrac * float(base[-1] + model.PF[-1])

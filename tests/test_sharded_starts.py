@@ -11,6 +11,7 @@ import pdcompile.passes.planner.memory as memory
 from pdcompile import profile as profile_mod
 from pdcompile._cli._args import resolve_cluster
 from pdcompile.passes.linearize import linearize
+from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.passes.planner.search import PlanModel
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,7 +25,8 @@ def test_direct_starts_equal_the_tables(schedule: str, monkeypatch: pytest.Monke
     if schedule == "flush":  # tables built 3 rows per block (a block ends past the first row that fits nothing)
         monkeypatch.setattr(memory, "ROW_BLOCK_ELEMENTS", 3 * len(chain.layers))
     for num_microbatches in (None, 4):
-        model = PlanModel(chain, cluster, "default", schedule, True, 1.0, True, num_microbatches, "auto", "auto")
+        model = PlanModel(chain, cluster, PlanOptions(schedule=schedule, memory_limit=True, num_microbatches=num_microbatches,
+                                                      recompute="auto", shard="auto"))
         mem = model.mem
         whole = mem.memory(0, model.N - 1, 1)
         for frac in (0.05, 0.3, 1.5):  # most, some, none of the stages clipped

@@ -1,5 +1,6 @@
 """PipeDream's planner in parts (used by ``passes/partition_dp.py``, the entry point):
 
+- ``options.py``: ``PlanOptions``, the planning options every entry point takes;
 - ``blocks.py``: configurations (a tree of blocks, one pipeline per level) and their evaluation records;
 - ``arrays.py``: a chain's per-layer costs as checked arrays and prefix sums;
 - ``costs.py``: the cost models (``default``, ``paper``), each one object behind :class:`costs.CostModel`;

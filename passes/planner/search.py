@@ -8,6 +8,7 @@ reads the cost model only through :class:`~pdcompile.passes.planner.costs.CostMo
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
@@ -20,6 +21,7 @@ from pdcompile.passes.planner.blocks import Block, Evaluation
 from pdcompile.passes.planner.costs import COST_CLASSES, COST_MODELS, make_costs
 from pdcompile.passes.planner.decisions import PartialTable, Recompute, allowed_modes, RECOMPUTE
 from pdcompile.passes.planner.memory import EPS, MemoryModel, mode_of
+from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.passes.planner.sharding import allowed as shard_allowed
 from pdcompile.passes.planner.sharding import check_option as check_shard
 from pdcompile.passes.planner.sharding import full_refusal
@@ -43,20 +45,11 @@ class PlanModel:
     #: unpruned search; off: ``d = w - r`` only, which finds the same, see :meth:`_group_start`).
     exhaustive_pairs = False
 
-    def __init__(
-        self,
-        chain: Chain,
-        cluster: ClusterSpec,
-        cost_model: str = COST_MODELS[0],
-        schedule: str = "1f1b",
-        memory_limit: bool | None = None,
-        optimizer_state_factor: float = 1.0,
-        allow_replication: bool = True,
-        num_microbatches: int | None = None,
-        recompute: str = "none",
-        shard: str | tuple[str, ...] = "none",
-        microbatches_known: bool = True,
-    ) -> None:
+    def __init__(self, chain: Chain, cluster: ClusterSpec, options: PlanOptions | None = None) -> None:
+        """``options.pool`` is the caller's (``partition_dp`` plans on the pooled cluster it gives)."""
+        opts = self.options = options if options is not None else PlanOptions()
+        cost_model, schedule, recompute = opts.cost_model, opts.schedule, opts.recompute
+        num_microbatches, microbatches_known = opts.num_microbatches, opts.microbatches_known
         if recompute not in RECOMPUTE:
             raise UsageError(f"unknown recompute {recompute!r} (use one of {', '.join(RECOMPUTE)})")
         if cost_model not in COST_MODELS:
@@ -65,10 +58,10 @@ class PlanModel:
             raise UsageError(f"unknown schedule {schedule!r} (use one of {', '.join(SCHEDULES)})")
         if len(chain) == 0:
             raise UsageError("the chain has no layers: nothing to plan")
-        if optimizer_state_factor < 0:
-            raise UsageError(f"optimizer_state_factor must be >= 0 (got {optimizer_state_factor})")
+        if opts.optimizer_state_factor < 0:
+            raise UsageError(f"optimizer_state_factor must be >= 0 (got {opts.optimizer_state_factor})")
         kind = COST_CLASSES[cost_model]
-        if not kind.models_memory and memory_limit:
+        if not kind.models_memory and opts.memory_limit:
             raise UsageError("the pipedream cost model reproduces PipeDream's released optimizer, which plans without "
                              "a memory limit by default; use cost_model='default' (or 'paper') with memory_limit=True")
         self.chain = chain
@@ -80,15 +73,15 @@ class PlanModel:
         self.M = max(1, int(num_microbatches or 1))
         # a model without memory (the released optimizer's) neither limits it nor recomputes
         self.recompute = recompute if kind.models_memory else "none"
-        self.opt_factor = float(optimizer_state_factor)
-        self.allow_replication = allow_replication
+        self.opt_factor = float(opts.optimizer_state_factor)
+        self.allow_replication = opts.allow_replication
         #: the ``shard=`` option (planner/sharding.py); ``microbatches_known``: off where a caller plans without
         #: a step's microbatch count (``pdcompile plan``), so ``full`` is not refused for too few of them
-        self.shard = check_shard(shard, "planner")
+        self.shard = check_shard(opts.shard, "planner")
         self.microbatches_known = microbatches_known
         if self.shard == "full" and self.policy.version_lag != 0:  # refused before any search (sharding.resolve)
             raise UsageError(f"shard='full': {full_refusal(schedule, 2, None)}")
-        self.memory_on = kind.memory_by_default if memory_limit is None else bool(memory_limit)
+        self.memory_on = kind.memory_by_default if opts.memory_limit is None else bool(opts.memory_limit)
 
         self.arrays = arrays = ChainArrays(chain)
         self.N = arrays.N
@@ -551,9 +544,8 @@ def _solve_auto(model: PlanModel) -> tuple[tuple[Block, ...], Evaluation]:
     where a stage may shard instead of recomputing), unless some configuration is strictly faster with
     sharding (one feasibility test at that time says whether to search) or none fits without it: so
     that equally fast plans do not shard."""
-    base = PlanModel(model.chain, model.cluster, model.cost_model, model.schedule, model.memory_on, model.opt_factor,
-                     model.allow_replication, model.num_microbatches, model.recompute, "none",
-                     model.microbatches_known)
+    base = PlanModel(model.chain, model.cluster, replace(model.options, memory_limit=model.memory_on,
+                                                         recompute=model.recompute, shard="none"))
     # the same chain, cluster, schedule and budget: one memory model, one set of unsharded tables (the
     # sharded ones are keyed apart), built once for both searches
     base.mem, base.decide = model.mem, model.decide

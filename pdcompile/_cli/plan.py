@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 def plan_for(args: argparse.Namespace) -> Any:
     """The plan ``pdcompile plan ARGS`` prints (``pdcompile demo`` shows the same)."""
     from pdcompile.passes.linearize import linearize
-    from pdcompile.passes.partition import planner_schedule
+    from pdcompile.plan import PlanOptions
     from pdcompile.plan import plan as make_plan
     from pdcompile.profile import optimizer_state_factor
 
@@ -153,28 +153,27 @@ def plan_for(args: argparse.Namespace) -> Any:
                          f"for every replicated stage")
     cluster = resolve_cluster(args.cluster)
     prof = _profile(args)
-    options: dict[str, Any] = dict(
+    dp = args.solver == "dp"
+    options = PlanOptions(
         cost_model=args.cost_model,
-        # the ILP's memory constraint assumes in flight = depth: it plans GPipe/ZB-H1 by their policy's planner model
-        schedule=args.schedule if args.solver == "dp" else planner_schedule(args.schedule),
+        schedule=args.schedule,
         memory_limit=args.memory_limit,
         optimizer_state_factor=optimizer_state_factor(prof.optimizer),
-        recompute=args.recompute or ("auto" if args.solver == "dp" else "none"),
+        recompute=args.recompute or ("auto" if dp else "none"),
         # pooled workers: the DP's, except under the released optimizer's model, whose stages nest
-        pool=(args.solver == "dp" and args.cost_model != "pipedream") if args.pool is None else args.pool,
+        pool=(dp and args.cost_model != "pipedream") if args.pool is None else args.pool,
+        # the step's microbatch count is not known here: full is not refused for too few (the ILP plans unsharded)
+        shard=shard if dp else "none", microbatches_known=False,
     )
-    if args.solver == "ilp":
-        options.update(time_limit_s=args.time_limit, hint="dp")
-    else:  # the step's microbatch count is not known here: full is not refused for too few
-        options.update(shard=shard, microbatches_known=False)
+    extra: dict[str, Any] = {} if dp else dict(time_limit_s=args.time_limit, hint="dp")
     if args.microbatch:
         sizes = _sizes(args.microbatch)
-        result = make_plan(lambda b: linearize(prof.at_batch_size(b)), cluster, solver=args.solver,
-                           microbatch_sizes=sizes, **options)
+        result = make_plan(lambda b: linearize(prof.at_batch_size(b)), cluster, options, solver=args.solver,
+                           microbatch_sizes=sizes, **extra)
     else:
-        result = make_plan(linearize(prof), cluster, solver=args.solver, **options)
+        result = make_plan(linearize(prof), cluster, options, solver=args.solver, **extra)
     if args.solver == "ilp":  # the ILP plans unsharded: a mode asked is set on its plan
         from pdcompile.passes.partition import with_shard
 
-        result = with_shard(result, shard, options["schedule"], None)
+        result = with_shard(result, shard, options.schedule, None)
     return result

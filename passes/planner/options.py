@@ -1,0 +1,61 @@
+"""The planning options: one frozen :class:`PlanOptions` that ``partition_dp``, ``partition_ilp``,
+:class:`~pdcompile.passes.planner.search.PlanModel`, ``pdcompile plan`` and the partition pass all
+take, so a new option is added here once. Below every planner module: it imports none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdcompile.errors import UsageError
+
+__all__ = ["PlanOptions", "plan_options"]
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What one planning problem asks besides its chain and cluster (defaults: ``partition_dp``'s).
+    Values are checked where they are read (``PlanModel``), with the message naming the fix."""
+
+    cost_model: str = "default"  # "default", "paper" or "pipedream" (planner/costs.py)
+    schedule: str = "1f1b"  # whose Policy gives weight versions and microbatches in flight
+    memory_limit: bool | None = None  # None: the cost model's default (on for default, off for paper)
+    optimizer_state_factor: float = 1.0  # optimizer-state bytes per weight byte (Adam 2, momentum SGD 1, SGD 0)
+    allow_replication: bool = True  # stages may be replicated (data parallel within a stage)
+    num_microbatches: int | None = None  # per minibatch; None: 1, and in-flight counts not capped by it
+    recompute: str = "none"  # "none", "selective", "full" or "auto" (per stage, where memory needs it)
+    pool: bool = False  # also plan the workers as one pool at the slowest link (partition_dp.pool_cluster)
+    shard: str | tuple[str, ...] = "none"  # replicas' state: "none", "optimizer", "full", "auto", or one per stage
+    microbatches_known: bool = True  # off: the step's count is unknown (full is then not refused for too few)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.shard, list):  # a list per stage is kept as a tuple: the options stay hashable
+            object.__setattr__(self, "shard", tuple(self.shard))
+
+    def __str__(self) -> str:
+        def show(v: Any) -> str:
+            return ",".join(v) if isinstance(v, tuple) else str(v)
+
+        return " ".join(f"{f.name}={show(getattr(self, f.name))}" for f in dataclasses.fields(self))
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def with_(self, overrides: Mapping[str, Any]) -> PlanOptions:
+        """These options with ``overrides`` (keyword options of the entry points); an unknown name is a
+        UsageError listing the known ones."""
+        if not overrides:
+            return self
+        bad = sorted(set(overrides) - set(self.names()))
+        if bad:
+            raise UsageError(f"unknown planning option(s) {bad}; use {sorted(self.names())}")
+        return dataclasses.replace(self, **overrides)
+
+
+def plan_options(options: PlanOptions | None, overrides: Mapping[str, Any]) -> PlanOptions:
+    """``options`` (default: :class:`PlanOptions`'s defaults) with keyword ``overrides``."""
+    return (options if options is not None else PlanOptions()).with_(overrides)
