@@ -1,10 +1,12 @@
-"""Time to accuracy on real data: DDP, Flush, 1F1B with weight stashing, 2BW and the planner's choice,
-on an emulated 20 MB/s link and on loopback.
+"""Time to accuracy on real data: DDP, Flush, 1F1B with weight stashing, 2BW, the planner's choice and
+PipeDream as a whole (its planner's stages and replicas under 1F1B), on an emulated 20 MB/s link and on
+loopback.
 
     python benchmarks/bench_time_to_accuracy.py --save curves.jsonl   # 1-2 hours on 2 shared cores
-    python benchmarks/bench_time_to_accuracy.py --report curves.jsonl # the tables and PNG from saved curves
+    python benchmarks/bench_time_to_accuracy.py --report curves.jsonl # the tables and PNG from saved curves,
+                                                                      # the reading from time_to_accuracy_notes.md
     python benchmarks/bench_time_to_accuracy.py --quick               # generated data, tiny models, DDP and the
-                                                                      # planner's on the slow link, nothing written
+                                                                      # two planners' on the slow link, nothing written
 
 Data (installed once; the benchmark says so when either is missing):
 
@@ -35,11 +37,24 @@ installs the link emulation):
   update sees the whole minibatch as DDP's does; stages update with weights up to 2 updates stale.
 * 2BW: the flush program run with ``--schedule 2bw`` (gradients applied one version late).
 * Planner (auto): ``pdcompile(..., cluster=local_cpu_cluster(3, link), schedule="auto")``: the
-  planner picks stages, replicas, the schedule and the microbatch count for the link it is told.
+  planner picks stages, replicas, the schedule and the microbatch count for the link it is told,
+  among the synchronous schedules (which pay the pipeline's fill and drain every step).
+* Planner + 1F1B (PipeDream itself): ``pdcompile(..., cluster=local_cpu_cluster(3, link),
+  schedule="1f1b", num_microbatches=M)``: the planner picks stages and replicas for the link it is
+  told, planning for 1F1B with weight stashing (it may leave a process idle). ``M`` is the fewest
+  microbatches that every stage's replica count divides, planned again until the plan agrees: one
+  per minibatch, as the hand-split 1F1B above, without replicas; with a stage of ``r`` replicas,
+  ``r`` microbatches, so the stage's update (once per ``r`` microbatches, its replicas' gradients
+  summed) covers one whole minibatch as DDP's does, and every replica reads a share of every minibatch.
+
+The tables' plan column shows each planner's plan and its prediction. Under the tables ``--report``
+writes the goals' verdicts computed from the curves (:func:`goals`), then the reading, a Markdown
+file the lead edits: ``benchmarks/time_to_accuracy_notes.md`` (``--notes FILE`` for another).
 
 Timing: ``train_s`` is wall-clock seconds since every rank was ready with each evaluation's own
 time taken out (train.py's ``time_s`` less each evaluation's span; the DDP worker counts the same).
-A run stops at the first evaluation that meets the target, or at its time budget. Bytes per epoch:
+A run stops at the first evaluation that meets the target, or at its time budget; a run that fails is a
+row ending "failed" with its first rank's error in the plan column, and the other systems still run. Bytes per epoch:
 what all ranks receive together for training (DDP: the ring all-reduce of every gradient, 2(p-1)/p
 of the model per rank per step; pipelines: every boundary activation and its gradient, the targets
 sent to the last stage, and replicated stages' all-reduces), from the model and plan.json.
@@ -52,6 +67,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,9 +85,14 @@ from benchmarks._common import ROOT, load_note
 from pdcompile import datasets, slowlink
 
 PNG = Path(__file__).resolve().parent / "time_to_accuracy.png"
+NOTES = Path(__file__).resolve().parent / "time_to_accuracy_notes.md"  # the reading --report adds by default
 NPROC = 3
 LINKS = {"slow": 20e6, "loopback": 0.0}  # bytes/s of the emulated link (0: loopback as is)
-SYSTEMS = ("DDP", "Flush", "1F1B + weight stashing", "2BW", "Planner (auto)")
+SYSTEMS = ("DDP", "Flush", "1F1B + weight stashing", "2BW", "Planner (auto)", "Planner + 1F1B")
+PLANNERS = {"Planner (auto)": "auto", "Planner + 1F1B": "1f1b"}  # system: the schedule it plans with
+QUICK_SYSTEMS = ("DDP", *PLANNERS)
+ASYNC_1F1B = ("1F1B + weight stashing", "Planner + 1F1B")  # the systems PipeDream's statistical argument is about
+SPEEDUP_GOAL, EPOCHS_GOAL = 3.0, 0.20  # the planner's pipeline >= 3x DDP (slow link); 1F1B's epochs within 20%
 
 
 @dataclass
@@ -87,7 +108,7 @@ class Curve:
     values: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)  # the validation loss at each evaluation
     bytes_per_epoch: float = math.nan
-    stopped: str = ""  # "target", "budget" or "end" (ran every epoch)
+    stopped: str = ""  # "target", "budget", "end" (ran every epoch) or "failed" (the note ends with why)
     note: str = ""
 
     def first(self, w: _tta.Workload) -> int | None:
@@ -170,9 +191,18 @@ def launch_until(module_args: list[str], metrics: Path, w: _tta.Workload, bps: f
     text = log.read_text()
     if not ended:
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(module_args[:2])} failed ({proc.returncode}):\n{text[-3000:]}")
+            raise RuntimeError(f"{' '.join(module_args[:2])} failed ({proc.returncode}): {failure(text)}\n"
+                               f"{text[-3000:]}")
         ended = "end"
     return ended, text
+
+
+def failure(log: str) -> str:
+    """A failed run's cause in one line: the first error line train.py printed for a rank, else the first
+    line naming an exception (``...Error: ...``), else the log's last line."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    return next((ln for ln in lines if ln.startswith("train.py: rank")),
+                next((ln for ln in lines if re.search(r"\w(Error|Exception): ", ln)), lines[-1] if lines else "no output"))
 
 
 def read_records(metrics: Path) -> list[dict[str, Any]]:
@@ -298,11 +328,31 @@ def run_ddp(w: _tta.Workload, link: str, per_epoch: int, budget_s: float, quick:
     return c
 
 
+def planner_program(w: _tta.Workload, system: str, link: str) -> tuple[Path, str]:
+    """The program a planner system (:data:`PLANNERS`) compiles for ``link``, and its plan column: the
+    plan, its prediction, and whether the microbatch count was chosen without this runtime's calibration."""
+    from pdcompile.cluster import local_cpu_cluster
+
+    schedule = PLANNERS[system]
+    cluster = local_cpu_cluster(NPROC, bandwidth=LINKS[link] or 2e9)
+    if schedule == "1f1b":  # the fewest microbatches that every stage's replica count divides (see SYSTEMS' doc)
+        for m in (k for k in range(1, w.batch + 1) if w.batch % k == 0):
+            prog, pipe = compile_program(w, schedule, m, None, cluster)
+            if all(m % st.replicas == 0 for st in pipe.plan.stages):
+                break
+        step = m * pipe.plan.seconds_per_minibatch  # the planner's steady state: per microbatch
+        return prog, f"{describe(prog)}; planner's prediction {step:.3g} s/step"
+    prog, pipe = compile_program(w, schedule, None, None, cluster)
+    _, chosen, _ = pipe.schedule_choice
+    cost = pipe.action_cost
+    uncalibrated = "" if cost is None or cost.calibrated else \
+        f"; the runtime's per-action cost not calibrated ({cost.problem}): built-in used"
+    return prog, f"{describe(prog)}; predicted {chosen.step_s:.3g} s/step{uncalibrated}"
+
+
 def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], budget_s: float,
             quick: bool, save: Path | None = None) -> list[Curve]:
     """Every system's curve on every link for workload ``w``."""
-    from pdcompile.cluster import local_cpu_cluster
-
     per_epoch = _tta.steps_per_epoch(w)
     progs: dict[str, Path] = {}
     if {"Flush", "2BW"} & set(systems):
@@ -311,28 +361,24 @@ def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], 
         progs["1f1b"], _ = compile_program(w, "1f1b", 1, NPROC)
     curves = []
     for link in links:
-        auto, auto_note = None, ""
-        if "Planner (auto)" in systems:
-            bw = LINKS[link] or 2e9
-            auto, pipe = compile_program(w, "auto", None, None, local_cpu_cluster(NPROC, bandwidth=bw))
-            _, chosen, notes = pipe.schedule_choice
-            uncached = any("not cached" in n for n in notes)  # then more microbatches always look free
-            auto_note = (f"{describe(auto)}; predicted {chosen.step_s:.3f} s/step"
-                         + ("; the runtime's per-action cost not cached (pdcompile.calibrate)" if uncached else ""))
+        planned = {s: planner_program(w, s, link) for s in PLANNERS if s in systems}
         for system in systems:
             print(f"[{time.strftime('%H:%M:%S')}] {w.name} {link} {system} ({load_note()})", flush=True)
-            if system == "DDP":
-                c = run_ddp(w, link, per_epoch, budget_s, quick)
-            elif system == "Flush":
-                c = run_pipeline(progs["flush"], w, link, system, per_epoch, budget_s)
-            elif system == "2BW":
-                c = run_pipeline(progs["flush"], w, link, system, per_epoch, budget_s, schedule="2bw")
-            elif system == "1F1B + weight stashing":
-                c = run_pipeline(progs["1f1b"], w, link, system, per_epoch, budget_s)
-            else:
-                assert auto is not None
-                c = run_pipeline(auto, w, link, system, per_epoch, budget_s)
-                c.note = auto_note
+            note = planned[system][1] if system in planned else ""
+            try:
+                if system == "DDP":
+                    c = run_ddp(w, link, per_epoch, budget_s, quick)
+                elif system == "Flush":
+                    c = run_pipeline(progs["flush"], w, link, system, per_epoch, budget_s)
+                elif system == "2BW":
+                    c = run_pipeline(progs["flush"], w, link, system, per_epoch, budget_s, schedule="2bw")
+                elif system == "1F1B + weight stashing":
+                    c = run_pipeline(progs["1f1b"], w, link, system, per_epoch, budget_s)
+                else:
+                    c = run_pipeline(planned[system][0], w, link, system, per_epoch, budget_s)
+                c.note = note
+            except RuntimeError as e:  # a run that failed is a row saying why; the other systems still run
+                c = Curve(w.name, link, system, stopped="failed", note="; ".join(filter(None, (note, str(e).split("\n")[0]))))
             print(f"    {c.stopped}: time {c.time_to(w):.1f} s, epochs {c.epochs_to(w):.3f}, best {c.best(w):.4f}",
                   flush=True)
             curves.append(c)
@@ -367,6 +413,66 @@ def table(curves: list[Curve], w: _tta.Workload) -> str:
     return "\n".join(lines)
 
 
+def goals(curves: list[Curve], w: _tta.Workload) -> list[str]:
+    """The issue's goals for workload ``w``, judged from the curves: a line per goal with every run's
+    figure, each marked met or missed. The planners' speed-up over DDP on the slow link (>= 3x: met when
+    a planner system's run meets it), and the asynchronous 1F1B systems' epochs to the target against
+    DDP's on the same link (within 20%: met when every run does, partly when some do)."""
+    def ddp(link: str) -> Curve | None:
+        return next((c for c in reversed(curves) if c.system == "DDP" and c.link == link), None)  # as table()
+
+    def mark(ok: bool) -> str:
+        return "met" if ok else "missed"
+
+    speed_figs, speed_ok = [], []
+    base = ddp("slow")
+    for c in curves:
+        if c.system not in PLANNERS or c.link != "slow" or base is None:
+            continue
+        if math.isnan(base.time_to(w)):
+            speed_figs.append(f"{c.system}: DDP did not reach the target")
+            continue
+        speed = base.time_to(w) / c.time_to(w)
+        speed_ok.append(speed >= SPEEDUP_GOAL)
+        if c.stopped == "failed":
+            speed_figs.append(f"{c.system} failed")
+            continue
+        speed_figs.append(f"{c.system} {speed:.2f}x, {mark(speed_ok[-1])}" if speed == speed else
+                          f"{c.system} not reached (last evaluation at {c.train_s[-1] if c.train_s else 0:.0f} s, best "
+                          f"{c.best(w):.4f}; DDP {base.time_to(w):.0f} s), missed")
+    epoch_figs, epoch_ok = [], []
+    for c in curves:
+        ref = ddp(c.link)
+        if c.system not in ASYNC_1F1B or ref is None:
+            continue
+        e, e0 = c.epochs_to(w), ref.epochs_to(w)
+        if math.isnan(e0):
+            epoch_figs.append(f"{c.system} {c.link}: DDP did not reach the target")
+            continue
+        epoch_ok.append(e == e and e <= e0 * (1 + EPOCHS_GOAL))
+        if c.stopped == "failed":
+            epoch_figs.append(f"{c.system} {c.link} failed")
+            continue
+        epoch_figs.append(f"{c.system} {c.link} {e:.3f} vs DDP's {e0:.3f} ({e / e0 - 1:+.0%}), {mark(epoch_ok[-1])}"
+                          if e == e else f"{c.system} {c.link} not reached within {c.epochs[-1] if c.epochs else 0:.3f} "
+                          f"epochs (DDP {e0:.3f}), missed")
+    speeds = "not measured" if not speed_ok else mark(any(speed_ok))
+    epochs = "not measured" if not epoch_ok else "met" if all(epoch_ok) else "partly met" if any(epoch_ok) \
+        else "missed"
+    return [f"- {w.title}: the planner's pipeline >= {SPEEDUP_GOAL:g}x DDP's speed to the target on the slow link: "
+            f"**{speeds}** ({'; '.join(speed_figs) or 'no planner and DDP runs on the slow link'}).",
+            f"- {w.title}: 1F1B's epochs to the target within {EPOCHS_GOAL:.0%} of DDP's: **{epochs}** "
+            f"({'; '.join(epoch_figs) or 'no 1F1B and DDP runs on one link'})."]
+
+
+def read_notes(path: Path) -> str:
+    """The reading: a Markdown file, less a leading ``<!-- ... -->`` comment (what the file is for)."""
+    text = path.read_text()
+    if text.lstrip().startswith("<!--") and "-->" in text:
+        text = text.split("-->", 1)[1]
+    return text.strip() + "\n"
+
+
 def plot(curves: list[Curve], workloads: list[_tta.Workload], path: Path = PNG) -> Path:
     """Metric against training seconds, one line per system: a row per workload, a column per link."""
     import matplotlib
@@ -382,7 +488,8 @@ def plot(curves: list[Curve], workloads: list[_tta.Workload], path: Path = PNG) 
             ax = axes[i][j]
             for c in curves:
                 if c.workload == w.name and c.link == link and c.values:
-                    label = c.system + (" [per-action cost uncached]" if "not cached" in c.note else "")
+                    uncalibrated = "not cached" in c.note or "not calibrated" in c.note  # older curves: "not cached"
+                    label = c.system + (" [per-action cost uncalibrated]" if uncalibrated else "")
                     ax.plot(c.train_s, c.values, marker="o", ms=2.5, label=label)
             ax.axhline(w.target, color="grey", lw=0.8, ls=":")
             ax.set_xlabel("training time (s, wall-clock, evaluations excluded)")
@@ -410,10 +517,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--save", type=Path, default=None, help="append every finished curve to this JSONL file")
     p.add_argument("--report", type=Path, nargs="+", default=None,
                    help="measure nothing: the tables and PNG from curves saved with --save")
-    p.add_argument("--notes", type=Path, default=None, help="a Markdown file added under the tables (the reading)")
+    p.add_argument("--notes", type=Path, default=None, help="a Markdown file added under the tables (the reading; "
+                   f"with --report, default {NOTES.relative_to(ROOT)})")
     args = p.parse_args(argv)
     write = not (args.quick or args.no_write)
-    quick_systems = f"DDP,{SYSTEMS[-1]}" if args.quick else ",".join(SYSTEMS)
+    quick_systems = ",".join(QUICK_SYSTEMS if args.quick else SYSTEMS)
     systems = tuple(s for s in SYSTEMS if s in (args.systems or quick_systems).split(","))
     links_asked = (args.links or ("slow" if args.quick else "slow,loopback")).split(",")
     links = tuple(link for link in LINKS if link in links_asked)
@@ -448,8 +556,11 @@ def main(argv: list[str] | None = None) -> None:
             f"Curves: `{png.name}`.\n")
     for w in workloads:
         body += f"\n### {w.title}\n\n" + table([c for c in curves if c.workload == w.name], w) + "\n"
-    if args.notes:
-        body += "\n" + args.notes.read_text()
+    body += "\nGoals, judged from the curves above:\n" + "\n".join(
+        line for w in workloads for line in goals([c for c in curves if c.workload == w.name], w)) + "\n"
+    notes = args.notes or (NOTES if args.report and NOTES.is_file() else None)
+    if notes:
+        body += "\n" + read_notes(notes)
     if write:
         from benchmarks._results import write_section
 

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -28,7 +29,7 @@ import torch
 
 from pdcompile import autoschedule, init_source, machine_cache, passmanager
 from pdcompile.cluster import ClusterSpec
-from pdcompile.errors import UsageError
+from pdcompile.errors import UncalibratedWarning, UsageError
 from pdcompile.ir import Chain, CompileState, need
 from pdcompile.passes import codegen
 from pdcompile.passes.annotate_costs import AnnotateOptions
@@ -294,6 +295,8 @@ class CompiledPipeline:
         opts = _with_virtual_stages(_from_csv(opts))
         auto = opts.schedule == autoschedule.AUTO
         self.schedule_choice: tuple[list[autoschedule.Candidate], autoschedule.Candidate, list[str]] | None = None
+        # schedule="auto" on CPU workers: the runtime's per-action cost it charged (calibrated or built-in)
+        self.action_cost: machine_cache.ActionCost | None = None
         self._compile(model, example_inputs, replace(opts, schedule="flush") if auto else opts, dump_dir)
         if auto:
             self._choose_schedule(model, example_inputs, opts, dump_dir)
@@ -342,11 +345,16 @@ class CompiledPipeline:
         fixed = self.num_microbatches if asked.num_microbatches is not None or asked.microbatch_size is not None \
             else None
         tied_bytes, tied_stages = self._tied()
-        overhead = _cached_overhead_s() if self.cluster.device.name == "cpu" else None
+        cost = machine_cache.action_cost() if self.cluster.device.name == "cpu" else None
+        overhead = cost.seconds if cost is not None else 0.0
         counts = autoschedule.microbatch_counts(batch, fixed)
+        if fixed is None:  # every replica of a stage takes an equal share of every minibatch (with fewer
+            # microbatches than replicas, a replica idles whole steps, and the input stage's reader of a
+            # DataLoader fails on a minibatch with nothing for its rank: runtime/data.py)
+            counts = [m for m in counts if all(m % st.replicas == 0 for st in self.plan.stages)] or counts
         cands = autoschedule.candidates(self.plan, self.wire_chain, self.cluster, batch, names, counts,
                                         recompute=asked.recompute, split_backward=split, tied_bytes=tied_bytes,
-                                        tied_stages=tied_stages, overhead_s=overhead or 0.0)
+                                        tied_stages=tied_stages, overhead_s=overhead)
         ranks = len({r for st in self.plan.stages for r in st.ranks})
         if (asked.replicas is None or all(r == 1 for r in asked.replicas)) and asked.clip_grad_norm is None:
             # virtual stages on the plan's ranks, one replica per stage: the tie (if any) joins the first and last
@@ -355,12 +363,10 @@ class CompiledPipeline:
                 cands += autoschedule.virtual_candidates(
                     self.wire_chain, self.cluster, ranks, batch, virtual, counts, vs=(v,), split_backward=split,
                     tied_bytes=tied_bytes, tied_stages=[0, v * ranks - 1] if tied_bytes else [],
-                    overhead_s=overhead or 0.0)
+                    overhead_s=overhead)
         chosen = autoschedule.best(cands)
-        if overhead is None:
-            skipped = [*skipped, "note: the runtime's per-action cost is not cached here (python -m "
-                                 "pdcompile.calibrate measures it), so more microbatches always look faster"]
-        self.schedule_choice = (cands, chosen, skipped)
+        self.action_cost = cost
+        self.schedule_choice = (cands, chosen, [*_action_cost_notes(cost, self.cluster, fixed is None), *skipped])
         if chosen.virtual_stages > 1:
             ranks_v = chosen.virtual_stages * ranks
             self._compile(model, example_inputs, replace(asked, schedule=chosen.schedule, microbatch_size=None,
@@ -687,15 +693,30 @@ class RunResult:
         return {k: merged[c] for k, c in self.aliases.items() if c in merged}
 
 
-def _cached_overhead_s() -> dict[str, float] | None:
-    """The runtime's per-action cost on this machine, if :mod:`pdcompile.calibrate` has it cached for
-    this very runtime (:func:`pdcompile.machine_cache.cached`; never measured here: compiling launches
-    nothing)."""
-    d = machine_cache.cached()
-    try:
-        return dict(d["overhead_s"]) if d is not None else None
-    except (KeyError, TypeError, ValueError):
-        return None
+def _action_cost_notes(cost: machine_cache.ActionCost | None, cluster: ClusterSpec, chose_m: bool) -> list[str]:
+    """explain()'s line on the per-action cost ``schedule="auto"`` charged (:func:`pdcompile.machine_cache.action_cost`,
+    read from the cache, never measured here: compiling launches nothing); not calibrated for this runtime
+    while it chose the microbatch count, also an :class:`UncalibratedWarning`."""
+    if cost is None:
+        return [f"note: no per-action cost charged: {machine_cache.CALIBRATE_COMMAND} measures this machine's CPU "
+                f"runtime, not {cluster.device.name} workers'"]
+    if cost.calibrated:
+        return []
+    line = cost.warning()
+    if chose_m:
+        warnings.warn(line, UncalibratedWarning, stacklevel=_outside_pdcompile())
+    else:
+        line = line.replace("chose the microbatch count", "chose the schedule at the given microbatch count")
+    return [f"warning: {line}"]
+
+
+def _outside_pdcompile() -> int:
+    """The ``stacklevel`` of the innermost caller outside the pdcompile package (a warning names the user's line)."""
+    here = str(Path(__file__).resolve().parent)
+    frame, level = inspect.currentframe(), 0
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(here):
+        frame, level = frame.f_back, level + 1
+    return max(level, 1)
 
 
 def _target_key(t: torch.Tensor) -> tuple[tuple[int, ...], str]:

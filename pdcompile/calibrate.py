@@ -20,7 +20,7 @@ from pdcompile import machine_cache
 from pdcompile.machine_cache import cache_path as cache_path  # where the constants are cached, kept here too
 from pdcompile.machine_cache import machine_key as machine_key
 
-OVERHEAD_KINDS = ("F", "B", "W", "SF", "SB", "RF", "RB", "ST", "WV")
+OVERHEAD_KINDS = machine_cache.ACTION_KINDS
 
 
 def _calibration_model() -> Any:

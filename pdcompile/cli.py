@@ -5,7 +5,7 @@ adds its parser and sets ``func=run`` where ``run(args) -> int``.
 
 Exit status: 0 success; 1 the job ran and failed (e.g. a training rank died); 2 bad input
 (any :class:`pdcompile.errors.PdcompileError`: one line with the cause and the fix, no traceback
-unless ``--debug``).
+unless ``--debug``). A :class:`pdcompile.errors.PdcompileWarning` is one line on stderr.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import argparse
 import importlib
 import pkgutil
 import sys
+import warnings
+from typing import Any
 
 from pdcompile import _cli
-from pdcompile.errors import PdcompileError
+from pdcompile.errors import PdcompileError, PdcompileWarning
 
 # Shown first in --help, in this order; any other module in _cli/ follows alphabetically.
 _ORDER = ["demo", "check", "profile", "plan", "emit", "run", "simulate", "merge"]
@@ -39,8 +41,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    """A :class:`PdcompileWarning` as one line on stderr (any other warning as Python shows it)."""
+    if issubclass(category, PdcompileWarning):
+        print(f"pdcompile: warning: {message}", file=sys.stderr)
+    else:
+        warnings._showwarning_orig(message, category, *args, **kwargs)  # type: ignore[attr-defined]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     debug = "--debug" in argv
     try:
         parser = build_parser()

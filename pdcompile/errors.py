@@ -1,7 +1,7 @@
-"""Our exception types: each names the cause and the fix.
+"""Our exception and warning types: each names the cause and the fix.
 
 The CLI turns any :class:`PdcompileError` into one line on stderr and exit status 2
-(a traceback only with ``--debug``).
+(a traceback only with ``--debug``), and any :class:`PdcompileWarning` into one line on stderr.
 """
 
 from __future__ import annotations
@@ -46,3 +46,13 @@ class PassError(PdcompileError):
 
 class UsageError(PdcompileError):
     """Arguments given to the API or CLI are invalid."""
+
+
+class PdcompileWarning(UserWarning):
+    """Base class of pdcompile's warnings: it worked, less well than it could; one line naming the
+    cause and the fix (the CLI prints it as ``pdcompile: warning: ...`` on stderr)."""
+
+
+class UncalibratedWarning(PdcompileWarning):
+    """``schedule="auto"`` chose the microbatch count without this runtime's measured per-action cost
+    (``python -m pdcompile.calibrate`` measures it)."""

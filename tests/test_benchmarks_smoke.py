@@ -183,6 +183,37 @@ def test_time_to_accuracy_curves_tables_and_plot(tmp_path: Path, monkeypatch: py
     assert png.stat().st_size > 1000
 
 
+def test_time_to_accuracy_goals_judged_from_the_curves(tmp_path: Path) -> None:
+    """The goals' verdicts under the tables: the planners' speed-up over DDP on the slow link (met when a
+    planner's run reaches 3x), the 1F1B systems' epochs against DDP's on the same link (within 20%);
+    and the reading file without its leading comment. (Planner + 1F1B's runs add launches: not run here.)"""
+    tta = bench_time_to_accuracy
+    w = dataclasses.replace(tta._tta.workload("fashion"), target=0.88)
+
+    def run(link: str, system: str, epoch: float, t: float, value: float = 0.9) -> object:
+        return tta.Curve("fashion", link, system, [10], [epoch], [t], [value])
+
+    curves = [run("slow", "DDP", 1.0, 30.0), run("slow", "Planner (auto)", 1.0, 15.0),
+              run("slow", "Planner + 1F1B", 1.1, 9.0), run("loopback", "DDP", 1.0, 10.0),
+              run("loopback", "1F1B + weight stashing", 1.5, 8.0)]
+    speed, epochs = tta.goals(curves, w)
+    assert "**met**" in speed and "Planner (auto) 2.00x, missed" in speed and "Planner + 1F1B 3.33x, met" in speed
+    assert "**partly met**" in epochs and "Planner + 1F1B slow 1.100 vs DDP's 1.000 (+10%), met" in epochs
+    assert "1F1B + weight stashing loopback 1.500 vs DDP's 1.000 (+50%), missed" in epochs
+    slow_only = [c for c in curves if c.system != "Planner + 1F1B"]
+    speed, epochs = tta.goals(slow_only + [run("slow", "Planner + 1F1B", 2.0, 60.0, value=0.5)], w)
+    assert "**missed**" in speed and "Planner + 1F1B not reached" in speed and "**missed**" in epochs
+    failed = tta.Curve("fashion", "slow", "Planner (auto)", stopped="failed")  # a run that failed: a row, not a crash
+    assert "(Planner (auto) failed)" in tta.goals([curves[0], failed], w)[0]
+    log = "W1203 noise\ntrain.py: rank 1: UsageError: --data: bad\n[rank0]: RuntimeError: reset by peer\n====="
+    assert tta.failure(log) == "train.py: rank 1: UsageError: --data: bad"
+    assert tta.failure(log.split("\n", 2)[2]) == "[rank0]: RuntimeError: reset by peer" and tta.failure("") == "no output"
+    notes = tmp_path / "notes.md"
+    notes.write_text("<!-- what this file is for -->\nReading.\n- a cause\n")
+    assert tta.read_notes(notes) == "Reading.\n- a cause\n"
+    assert set(tta.PLANNERS) <= set(tta.SYSTEMS) and set(tta.QUICK_SYSTEMS) <= set(tta.SYSTEMS)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.multiproc
 @pytest.mark.slow  # two torchrun launches and a compile on generated data: ~20 s idle
