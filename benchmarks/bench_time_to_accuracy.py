@@ -47,7 +47,7 @@ installs the link emulation):
   ``r`` microbatches, so the stage's update (once per ``r`` microbatches, its replicas' gradients
   summed) covers one whole minibatch as DDP's does, and every replica reads a share of every minibatch.
 
-The tables' plan column shows each planner's plan and its prediction. Under the tables ``--report``
+The tables' plan column shows each pipeline's plan (a planner's with its prediction). Under the tables ``--report``
 writes the goals' verdicts computed from the curves (:func:`goals`), then the reading, a Markdown
 file the lead edits: ``benchmarks/time_to_accuracy_notes.md`` (``--notes FILE`` for another).
 
@@ -364,7 +364,9 @@ def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], 
         planned = {s: planner_program(w, s, link) for s in PLANNERS if s in systems}
         for system in systems:
             print(f"[{time.strftime('%H:%M:%S')}] {w.name} {link} {system} ({load_note()})", flush=True)
-            note = planned[system][1] if system in planned else ""
+            hand = {"Flush": "flush", "2BW": "flush", "1F1B + weight stashing": "1f1b"}.get(system)
+            note = planned[system][1] if system in planned else describe(progs[hand]) if hand else ""
+            note = note.replace("flush", "flush program run with --schedule 2bw") if system == "2BW" else note
             try:
                 if system == "DDP":
                     c = run_ddp(w, link, per_epoch, budget_s, quick)
