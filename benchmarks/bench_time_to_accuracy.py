@@ -347,7 +347,9 @@ def planner_program(w: _tta.Workload, system: str, link: str) -> tuple[Path, str
     cost = pipe.action_cost
     uncalibrated = "" if cost is None or cost.calibrated else \
         f"; the runtime's per-action cost not calibrated ({cost.problem}): built-in used"
-    return prog, f"{describe(prog)}; predicted {chosen.step_s:.3g} s/step{uncalibrated}"
+    again = "" if pipe.num_microbatches == chosen.num_microbatches else \
+        f" for {chosen.num_microbatches} microbatches on the plan before it was made again"
+    return prog, f"{describe(prog)}; predicted {chosen.step_s:.3g} s/step{again}{uncalibrated}"
 
 
 def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], budget_s: float,

@@ -376,6 +376,16 @@ class CompiledPipeline:
         elif (chosen.schedule, chosen.num_microbatches) != (self.options.schedule, self.num_microbatches):
             self._compile(model, example_inputs, replace(asked, schedule=chosen.schedule, microbatch_size=None,
                                                          num_microbatches=chosen.num_microbatches), dump_dir)
+            # planned again at the new microbatch size, a stage may have more replicas than the count allows
+            reps = math.lcm(*(st.replicas for st in self.plan.stages))
+            more = [m for m in autoschedule.microbatch_counts(batch) if m > chosen.num_microbatches and m % reps == 0] \
+                if fixed is None else []
+            if self.num_microbatches % reps and more:
+                self.schedule_choice[2].insert(0, f"note: planned again at {chosen.num_microbatches} microbatches, "
+                                                  f"a stage has {reps} replicas: compiled with {more[0]}, so each "
+                                                  f"replica takes a share of every minibatch")
+                self._compile(model, example_inputs, replace(asked, schedule=chosen.schedule, microbatch_size=None,
+                                                             num_microbatches=more[0]), dump_dir)
         else:
             self.options = replace(asked, schedule=chosen.schedule)
 

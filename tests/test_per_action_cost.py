@@ -130,3 +130,28 @@ def test_auto_gives_every_replica_a_share_of_every_minibatch(tmp_path: Path,
                          stages=1, replicas=[2], schedule="auto")
     assert {c.num_microbatches for c in pipe.schedule_choice[0]} == {m for m in (1, 2, 4, 8) if m % 2 == 0}
     assert pipe.num_microbatches % 2 == 0
+
+
+def test_a_plan_replicated_when_planned_again_still_gives_every_replica_a_share(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small GPT on 3 CPU processes over a 20 MB/s link: auto's first plan (flush, 4 microbatches)
+    has no replicas and its choice is 1 microbatch; planned again at the whole minibatch, the plan is
+    one stage on 3 replicas, so auto compiles the fewest microbatches that 3 divides, and says so."""
+    import torch
+
+    from pdcompile.api import pdcompile
+    from pdcompile.cluster import local_cpu_cluster
+    from pdcompile.zoo import gpt
+    from pdcompile.zoo.losses import SequenceCrossEntropy
+
+    monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=65, seq_len=64, d_model=16, n_heads=2, n_layers=3))
+    x, y = torch.randint(0, 65, (12, 64)), torch.randint(0, 65, (12, 64))
+    with pytest.warns(UncalibratedWarning):
+        pipe = pdcompile(model, local_cpu_cluster(3, bandwidth=20e6), example_inputs=(x,), example_target=y,
+                         loss_fn=SequenceCrossEntropy(), schedule="auto")
+    chosen = pipe.schedule_choice[1]
+    assert all(pipe.num_microbatches % st.replicas == 0 for st in pipe.plan.stages)
+    assert (chosen.num_microbatches, [st.replicas for st in pipe.plan.stages], pipe.num_microbatches) == (1, [3], 3)
+    assert "planned again at 1 microbatches, a stage has 3 replicas: compiled with 3" in pipe.explain()
