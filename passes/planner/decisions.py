@@ -14,7 +14,7 @@ import numpy as np
 from pdcompile.errors import UsageError
 from pdcompile.ir import Chain
 from pdcompile.passes.planner.arrays import ChainArrays, cumsum0, rng, sorted_unique
-from pdcompile.passes.planner.memory import EPS, MemoryModel
+from pdcompile.passes.planner.memory import EPS, SHARD_EXACT, MemoryModel
 from pdcompile.runtime.schedules import registry as schedule_registry
 
 __all__ = ["MODES", "RECOMPUTE", "PartialTable", "Recompute", "allowed_modes", "stage_decisions"]
@@ -118,8 +118,13 @@ class PartialTable:
     its fewest first layers recomputed that make it fit; rows built on demand, at most
     ``store_bytes`` of them kept."""
 
-    def __init__(self, arrays: ChainArrays, memory: MemoryModel, PT: np.ndarray, store_bytes: int) -> None:
+    def __init__(self, arrays: ChainArrays, memory: MemoryModel, PT: np.ndarray, store_bytes: int,
+                 shard: str = "none", replicas: int = 1) -> None:
+        self.arrays = arrays
         self.memory = memory
+        #: how the stage's replicas hold its weights and state (planner/sharding.py): a table each
+        self.shard, self.replicas = shard, replicas
+        self._sharded: dict[tuple[str, int], PartialTable] = {}
         self.N = arrays.N
         self.PF = arrays.PF
         self.PT = PT
@@ -152,8 +157,8 @@ class PartialTable:
         hi = np.full((R_, N), np.inf)
         ok = J > I  # a head and a tail, each of at least one layer
         tol = 1e-9 * max(1.0, float(mm.PX[-1]), float(mm.PWM[-1]))
-        terms = [mm.terms(int(k)) for k in ks]
-        v0 = np.array([mm.versions(int(k)) + mm.opt_factor for k in ks])[:, None]
+        terms = [mm.terms(int(k), shard=self.shard, replicas=self.replicas) for k in ks]
+        v0 = np.array([mm.base(mm.versions(int(k)), self.shard, self.replicas) for k in ks])[:, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             for t in range(len(terms[0])):
                 cv = np.array([tt[t][0] for tt in terms], dtype=float)[:, None]
@@ -254,6 +259,26 @@ class PartialTable:
                 hi = mid - 1
         self._kmax = (key, lo)
         return lo
+
+    def start_sharded(self, se_c: np.ndarray, thr: np.ndarray, kin: np.ndarray, need: np.ndarray | None,
+                      reps: np.ndarray, shard: str) -> np.ndarray:
+        """:meth:`start` for stages of ``reps`` replicas holding their state as ``shard`` (a stage of one
+        replica, or ``none``: unsharded): a table per replica count (exact up to ``SHARD_EXACT``, then the
+        power of two below: fewer replicas hold more, a bound), each answering its own queries."""
+        if shard == "none":
+            return self.start(se_c, thr, kin, need)
+        se_b, thr_b, k_b, r_b = np.broadcast_arrays(se_c, thr, kin, reps)
+        need_b = np.broadcast_to(True if need is None else need, se_b.shape)
+        cls = np.where(r_b > SHARD_EXACT, 2 ** np.floor(np.log2(np.maximum(r_b, 1))).astype(np.int64), r_b)
+        out = self.start(se_b, thr_b, k_b, need_b & (cls <= 1))
+        for r in sorted_unique(cls[need_b & (cls > 1)].ravel()):
+            table = self._sharded.get((shard, int(r)))
+            if table is None:
+                table = PartialTable(self.arrays, self.memory, self.PT, self.store_bytes, shard, int(r))
+                self._sharded[(shard, int(r))] = table
+            sel = need_b & (cls == r)
+            out = np.where(sel, table.start(se_b, thr_b, k_b, sel), out)
+        return out
 
     def start(self, se_c: np.ndarray, thr: np.ndarray, kin: np.ndarray, need: np.ndarray | None = None) -> np.ndarray:
         """Smallest start of stages ending at ``se_c`` that fit with partial recomputation within
