@@ -21,7 +21,7 @@ def machine() -> str:
     try:
         import torch
 
-        tv = torch.__version__
+        tv: str = str(torch.__version__)
     except ImportError:  # pragma: no cover
         tv = "n/a"
     mem = ""

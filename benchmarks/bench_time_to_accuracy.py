@@ -110,6 +110,8 @@ class Curve:
     bytes_per_epoch: float = math.nan
     stopped: str = ""  # "target", "budget", "end" (ran every epoch) or "failed" (the note ends with why)
     note: str = ""
+    load: str = ""  # the load average when the run ended (load_note()), and when (UTC)
+    date: str = ""
 
     def first(self, w: _tta.Workload) -> int | None:
         return next((i for i, v in enumerate(self.values) if w.reached(v)), None)
@@ -385,11 +387,11 @@ def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], 
                 c = Curve(w.name, link, system, stopped="failed", note="; ".join(filter(None, (note, str(e).split("\n")[0]))))
             print(f"    {c.stopped}: time {c.time_to(w):.1f} s, epochs {c.epochs_to(w):.3f}, best {c.best(w):.4f}",
                   flush=True)
+            c.load, c.date = load_note(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             curves.append(c)
             if save is not None:  # one JSON line per curve as it finishes: a long run can be reported in pieces
                 with open(save, "a") as f:
-                    f.write(json.dumps({**dataclasses.asdict(c), "load": load_note(),
-                                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}) + "\n")
+                    f.write(json.dumps(dataclasses.asdict(c)) + "\n")
     return curves
 
 
@@ -399,13 +401,20 @@ def _num(x: float, fmt: str) -> str:
     return "not reached" if math.isnan(x) else format(x, fmt)
 
 
+def _load1(note: str) -> str:
+    """The 1-minute figure of a ``load_note()`` ("load average A / B / C ..."), or "" if none."""
+    parts = note.split()
+    return parts[2] if len(parts) > 2 else ""
+
+
 def table(curves: list[Curve], w: _tta.Workload) -> str:
     """One row per (link, system): time and epochs to the target, the speed-up over DDP on that link,
     the best value reached, MB per epoch, how the run ended."""
     unit = "test accuracy" if w.higher_is_better else "validation loss (nats/char)"
     tgt = f"{w.target:.0%}" if w.higher_is_better else f"{w.target:g}"
     lines = [f"| link | system | time to {tgt} (s) | epochs to {tgt} | DDP time / this time | best {unit} | "
-             f"s per step | MB moved per epoch (all ranks) | run ended at | plan |", "|---" * 10 + "|"]
+             f"s per step | MB moved per epoch (all ranks) | run ended at | plan | 1-min load at its end |",
+             "|---" * 11 + "|"]
     ddp = {c.link: c.time_to(w) for c in curves if c.system == "DDP"}
     for c in curves:
         t = c.time_to(w)
@@ -413,7 +422,7 @@ def table(curves: list[Curve], w: _tta.Workload) -> str:
         best = f"{c.best(w):.4f}"
         lines.append(f"| {c.link} | {c.system} | {_num(t, '.1f')} | {_num(c.epochs_to(w), '.3f')} | "
                      f"{_num(speed, '.2f')} | {best} | {c.step_s():.3f} | {c.bytes_per_epoch / 1e6:,.1f} | "
-                     f"{c.stopped} | {c.note} |")
+                     f"{c.stopped} | {c.note} | {_load1(c.load)} |")
     return "\n".join(lines)
 
 
@@ -543,8 +552,8 @@ def main(argv: list[str] | None = None) -> None:
         for f in args.report:
             for line in f.read_text().splitlines():
                 rec = json.loads(line)
-                dates.append(rec.pop("date"))
-                loads.append(float(rec.pop("load").split()[2]))  # "load average A / B / C ...": A, 1 minute
+                dates.append(rec["date"])
+                loads.append(float(_load1(rec["load"])))  # "load average A / B / C ...": A, 1 minute
                 curves.append(Curve(**rec))
         load_text = (f"1-minute load average {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} cores at "
                      f"the ends of the runs ({min(dates)} to {max(dates)})")
