@@ -19,6 +19,7 @@ from pdcompile.passes.planner.blocks import Block, Evaluation
 from pdcompile.passes.planner.evaluate import evaluate_tree
 from pdcompile.passes.planner.memory import EPS
 from pdcompile.passes.planner.pipedream import PipeDreamCosts
+from pdcompile.passes.planner.sharding import comm_factors
 
 __all__ = ["COST_CLASSES", "COST_MODELS", "CostModel", "DefaultCosts", "PaperCosts", "make_costs"]
 
@@ -36,9 +37,10 @@ class CostModel(Protocol):
     #: whether it models memory at all (a limit, recomputation); off: it refuses a limit, never recomputes
     models_memory: bool
 
-    def stage_time(self, i: int, j: int, r: int, again: float = 0.0) -> tuple[float, float]:
+    def stage_time(self, i: int, j: int, r: int, again: float = 0.0, shard: str = "none") -> tuple[float, float]:
         """(time, its weight-sync part) of a worker-level stage ``i..j`` on ``r`` replicas that runs
-        ``again`` seconds of forward again in its backward (recomputation)."""
+        ``again`` seconds of forward again in its backward (recomputation), its replicas holding their
+        state as ``shard`` (``sharding.comm_factors``: what each mode moves and exposes)."""
         ...
 
     def boundary_time(self, nbytes: float, level: int) -> float:
@@ -90,8 +92,46 @@ class _Ours:
         self.a = arrays
         self.B = [float(lv.bandwidth) for lv in cluster.levels]
         self.counts = [lv.count for lv in cluster.levels]
+        self._stacks: dict[tuple[str, str, float], np.ndarray] = {}  # _stacked_start's arrays
 
-    def stage_time(self, i: int, j: int, r: int, again: float = 0.0) -> tuple[float, float]:
+    def stage_time(self, i: int, j: int, r: int, again: float = 0.0, shard: str = "none") -> tuple[float, float]:
+        raise NotImplementedError
+
+    def comm_per_byte(self, r: np.ndarray | int) -> np.ndarray:
+        """Seconds per weight byte of a level-1 stage's all-reduce over ``r`` replicas, as the model charges it."""
+        raise NotImplementedError
+
+    def shard_starts(self, P: np.ndarray, end: np.ndarray, thr: np.ndarray, r: np.ndarray,
+                     shard: str, key: str = "none") -> tuple[np.ndarray, np.ndarray]:
+        """For level-1 stages ending at ``end`` on ``r`` replicas held as ``shard``: (smallest start whose
+        compute terms, prefix ``P`` (:meth:`time_prefix`, named ``key``), plus the exposed communication
+        fit ``thr``; smallest start whose weight-sync bound, overlapped and exposed communication, fits
+        ``thr``)."""
+        ov, ex = comm_factors(shard)
+        compute = self._stacked_start(("time", key, ex), P, ex, end, thr, r) if ex else smallest_start(P, end, thr)
+        sync = self.sync_start(end, thr, r) if ov + ex == 1.0 else self._sync_scaled(end, thr, r, ov + ex)
+        return compute, sync
+
+    def _stacked_start(self, key: tuple[str, str, float], P: np.ndarray, scale: float, end: np.ndarray,
+                       thr: np.ndarray, r: np.ndarray) -> np.ndarray:
+        """Smallest i with ``P[end+1] - P[i] + scale a_r (PW[end+1] - PW[i]) <= thr`` (``a_r``:
+        :meth:`comm_per_byte`) on one array of the rows ``r = 0..m1`` each offset above the one before, so
+        that one bisection serves every ``r`` (as :class:`DefaultCosts`' weight-sync bound); built once."""
+        flat = self._stacks.get(key)
+        N1 = self.a.N + 1
+        if flat is None:
+            rows = P[None, :] + scale * self.comm_per_byte(np.arange(self.counts[0] + 1))[:, None] * self.a.PW[None, :]
+            span = 2.0 * float(rows[:, -1].max()) or 1.0  # relative, so tiny times keep their precision
+            flat = (rows + span * np.arange(self.counts[0] + 1)[:, None]).ravel()
+            self._stacks[key] = flat
+        row = np.asarray(r) * N1
+        v = flat[row + end + 1] - thr * (1 + EPS)
+        return np.searchsorted(flat, v, side="left") - row
+
+    def _sync_scaled(self, end: np.ndarray, thr: np.ndarray, r: np.ndarray, scale: float) -> np.ndarray:
+        raise NotImplementedError
+
+    def sync_start(self, end: np.ndarray, thr: np.ndarray, r: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
     def weight_sync_time(self, i: int, j: int, r: int, level: int) -> float:
@@ -117,11 +157,18 @@ class PaperCosts(_Ours):
 
     name = "paper"
 
-    def stage_time(self, i: int, j: int, r: int, again: float = 0.0) -> tuple[float, float]:
+    def stage_time(self, i: int, j: int, r: int, again: float = 0.0, shard: str = "none") -> tuple[float, float]:
         W = rng(self.a.PW, i, j)
         C = rng(self.a.PC, i, j) + again
         comm = 2.0 * (r - 1) * W / self.B[0]
-        return max(C, comm) / r, comm / r
+        ov, ex = comm_factors(shard)
+        return (max(C, ov * comm) + ex * comm) / r, (ov + ex) * comm / r
+
+    def comm_per_byte(self, r: np.ndarray | int) -> np.ndarray:
+        return np.asarray(2.0 * np.maximum(np.asarray(r) - 1, 0) / self.B[0], dtype=float)
+
+    def _sync_scaled(self, end: np.ndarray, thr: np.ndarray, r: np.ndarray, scale: float) -> np.ndarray:
+        return self.sync_start(end, thr / scale, r)
 
     def weight_sync_time(self, i: int, j: int, r: int, level: int) -> float:
         return 2.0 * (r - 1) * rng(self.a.PW, i, j) / self.B[level - 1] / r
@@ -162,12 +209,24 @@ class DefaultCosts(_Ours):
     def _alpha(self, r: int) -> float:
         return 2.0 * (r - 1) / (r * self.B[0]) + self.kappa if r >= 1 else 0.0
 
-    def stage_time(self, i: int, j: int, r: int, again: float = 0.0) -> tuple[float, float]:
+    def stage_time(self, i: int, j: int, r: int, again: float = 0.0, shard: str = "none") -> tuple[float, float]:
         W = rng(self.a.PW, i, j)
         F = rng(self.a.PF, i, j)
         Bw = rng(self.a.PC, i, j) - F + again
         ar = 2.0 * (r - 1) * W / (r * self.B[0])
-        return (F + max(Bw, ar) + self.kappa * W) / r, ar / r
+        ov, ex = comm_factors(shard)
+        return (F + max(Bw, ov * ar) + ex * ar + self.kappa * W) / r, (ov + ex) * ar / r
+
+    def comm_per_byte(self, r: np.ndarray | int) -> np.ndarray:
+        r = np.maximum(np.asarray(r), 1)
+        return np.asarray(2.0 * (r - 1) / (r * self.B[0]), dtype=float)
+
+    def _sync_scaled(self, end: np.ndarray, thr: np.ndarray, r: np.ndarray, scale: float) -> np.ndarray:
+        # F + OPT + scale AR_r <= thr: the prefix of f + kappa w, plus scale AR_r per weight byte
+        P = self._stacks.get(("sync", "", 0.0))
+        if P is None:
+            P = self._stacks[("sync", "", 0.0)] = cumsum0(self.a.f + self.kappa * self.a.w)
+        return self._stacked_start(("sync", "", scale), P, scale, end, thr, r)
 
     def weight_sync_time(self, i: int, j: int, r: int, level: int) -> float:
         return 2.0 * (r - 1) * rng(self.a.PW, i, j) / (r * self.B[level - 1]) / r

@@ -119,17 +119,19 @@ class PartialTable:
     ``store_bytes`` of them kept."""
 
     def __init__(self, arrays: ChainArrays, memory: MemoryModel, PT: np.ndarray, store_bytes: int,
-                 shard: str = "none", replicas: int = 1) -> None:
+                 shard: str = "none", replicas: int = 1, exposed: float = 0.0) -> None:
         self.arrays = arrays
         self.memory = memory
-        #: how the stage's replicas hold its weights and state (planner/sharding.py): a table each
-        self.shard, self.replicas = shard, replicas
-        self._sharded: dict[tuple[str, int], PartialTable] = {}
+        #: how the stage's replicas hold its weights and state (planner/sharding.py), and the seconds per
+        #: weight byte its mode adds to the compute terms (the exposed communication): a table each
+        self.shard, self.replicas, self.exposed = shard, replicas, exposed
+        self._sharded: dict[tuple[str, int, float], PartialTable] = {}
         self.N = arrays.N
         self.PF = arrays.PF
         self.PT = PT
         self.store_bytes = store_bytes
-        self.cap = 2.0 * float(PT[-1] + arrays.PF[-1]) or 1.0  # above any time; relative: tiny ones keep precision
+        # above any time (the exposed communication too); relative: tiny ones keep their precision
+        self.cap = 2.0 * float(PT[-1] + arrays.PF[-1] + exposed * arrays.PW[-1]) or 1.0
         self._neg = np.empty((0, self.N + 1))
         # the row of each (count class, end) in _neg; -1: not built
         self._row_of = np.full((PARTIAL_EXACT + 64, self.N), -1, dtype=np.int64)
@@ -225,6 +227,9 @@ class PartialTable:
             I = np.arange(self.N)[None, :]
             ok, q1 = self.grid(want_k, want_e)
             G = np.where(ok, self.PT[want_e[:, None] + 1] - self.PT[I] + self.PF[q1] - self.PF[I], 2.0 * self.cap)
+            if self.exposed:  # the shard mode's exposed communication: seconds per weight byte of the stage
+                PW = self.arrays.PW
+                G = np.where(ok, G + self.exposed * (PW[want_e[:, None] + 1] - PW[I]), G)
             at = slice(self._used, self._used + len(keys))
             self._neg[at, :self.N] = -np.minimum.accumulate(G, axis=1)
             self._neg[at, self.N] = self._neg[at, self.N - 1]  # column N (no start there): rows stay sorted
@@ -261,22 +266,24 @@ class PartialTable:
         return lo
 
     def start_sharded(self, se_c: np.ndarray, thr: np.ndarray, kin: np.ndarray, need: np.ndarray | None,
-                      reps: np.ndarray, shard: str) -> np.ndarray:
+                      reps: np.ndarray, shard: str, exposed: np.ndarray | float = 0.0) -> np.ndarray:
         """:meth:`start` for stages of ``reps`` replicas holding their state as ``shard`` (a stage of one
-        replica, or ``none``: unsharded): a table per replica count (exact up to ``SHARD_EXACT``, then the
-        power of two below: fewer replicas hold more, a bound), each answering its own queries."""
+        replica, or ``none``: unsharded), its mode's ``exposed`` seconds per weight byte added to the
+        time: a table per (replica count, exposed) (counts exact up to ``SHARD_EXACT``, then the power of
+        two below: fewer replicas hold more, a bound), each answering its own queries."""
         if shard == "none":
             return self.start(se_c, thr, kin, need)
-        se_b, thr_b, k_b, r_b = np.broadcast_arrays(se_c, thr, kin, reps)
+        se_b, thr_b, k_b, r_b, x_b = np.broadcast_arrays(se_c, thr, kin, reps, exposed)
         need_b = np.broadcast_to(True if need is None else need, se_b.shape)
         cls = np.where(r_b > SHARD_EXACT, 2 ** np.floor(np.log2(np.maximum(r_b, 1))).astype(np.int64), r_b)
-        out = self.start(se_b, thr_b, k_b, need_b & (cls <= 1))
-        for r in sorted_unique(cls[need_b & (cls > 1)].ravel()):
-            table = self._sharded.get((shard, int(r)))
+        out = np.full(se_b.shape, self.N + 1, dtype=np.int64)
+        ask = need_b & (cls > 1)
+        for r, x in sorted({(int(r), float(x)) for r, x in zip(cls[ask].ravel(), x_b[ask].ravel())}):
+            table = self._sharded.get((shard, r, x))
             if table is None:
-                table = PartialTable(self.arrays, self.memory, self.PT, self.store_bytes, shard, int(r))
-                self._sharded[(shard, int(r))] = table
-            sel = need_b & (cls == r)
+                table = PartialTable(self.arrays, self.memory, self.PT, self.store_bytes, shard, r, x)
+                self._sharded[(shard, r, x)] = table
+            sel = ask & (cls == r) & (x_b == x)
             out = np.where(sel, table.start(se_b, thr_b, k_b, sel), out)
         return out
 

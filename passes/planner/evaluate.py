@@ -32,9 +32,9 @@ def evaluate_tree(model: Any, blocks: Sequence[Block]) -> Evaluation:
                 depth = math.ceil((b.units + d_after + e) / b.units)
                 k = model.in_flight(depth, b.units)
                 reps = len(flat[len(stages)][2])
-                shard, mode, head = model.choose_stage(b.first, b.last, k, depth, len(stages), reps)
+                shard, mode, head = model.choose_stage(b.first, b.last, k, depth, len(stages), reps, b.units)
                 again = model.recompute_s(b.first, b.last, mode, head)
-                t, comm = costs.stage_time(b.first, b.last, b.units, again)
+                t, comm = costs.stage_time(b.first, b.last, b.units, again, shard)
                 terms.append((f"stage {len(stages)} ({span(names, b.first, b.last)})", float(t * scale)))
                 compute = rng(model.PC, b.first, b.last) + again
                 stages.append(StageCost(

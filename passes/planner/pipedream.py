@@ -38,7 +38,8 @@ class PipeDreamCosts:
         level just below (not the product of all levels below), 1 at the innermost level."""
         return self.counts[level - 2] if level > 1 else 1
 
-    def stage_time(self, i: int, j: int, r: int, again: float = 0.0) -> tuple[float, float]:
+    def stage_time(self, i: int, j: int, r: int, again: float = 0.0, shard: str = "none") -> tuple[float, float]:
+        # ``shard`` as CostModel has it: the released optimizer's replicas are never sharded
         comm = (4.0 * (r - 1) * rng(self.a.PW, i, j)) / (self.B[0] * r)
         return (rng(self.a.PC, i, j) + comm) / r, comm / r
 

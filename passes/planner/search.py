@@ -24,7 +24,7 @@ from pdcompile.passes.planner.memory import EPS, MemoryModel, mode_of
 from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.passes.planner.sharding import allowed as shard_allowed
 from pdcompile.passes.planner.sharding import check_option as check_shard
-from pdcompile.passes.planner.sharding import full_refusal
+from pdcompile.passes.planner.sharding import comm_factors, full_refusal
 from pdcompile.runtime.schedules import registry as schedule_registry
 
 __all__ = ["PlanModel", "SCHEDULES", "solve"]
@@ -101,11 +101,14 @@ class PlanModel:
             raise UsageError("recompute='selective' needs each layer's selective costs (what stays saved when cheap "
                              "ops are rebuilt), which this chain lacks (profiles imported from PipeDream have none); "
                              "use recompute='full' or 'auto'")
-        #: the mode whose memory the search reads for a replicated stage: of those the option allows, the one
-        #: that needs least (a stage fits under some mode iff under it; all take the same time, sharding.py)
+        #: whether the search shards replicated stages ("none": it does not), and the modes it tries for each
+        #: (each its own time and memory, sharding.py; a list per stage is searched unsharded)
         self.search_shard = "none"
-        if self.memory_on and kind.models_memory and isinstance(self.shard, str):
+        self.search_shards: tuple[str, ...] = ("none",)
+        if self.memory_on and kind.models_memory and isinstance(self.shard, str) and self.shard != "none":
             self.search_shard = "optimizer" if self.shard == "auto" else self.shard
+            self.search_shards = (("none", "full", "optimizer") if self.policy.version_lag == 0 else
+                                  ("none", "optimizer")) if self.shard == "auto" else ("none", self.shard)
         # the modes the search may give a stage
         self.modes = allowed_modes(self.recompute, self.selective_known, self.memory_on)
         self.decide = Recompute(arrays, self.mem, self.modes, self.recompute == "auto" and self.memory_on)
@@ -173,15 +176,18 @@ class PlanModel:
             return ("none",)
         return shard_allowed(asked, replicas, self.schedule, self.M if self.microbatches_known else None)
 
-    def choose_stage(self, i: int, j: int, k: int, depth: int, stage: int, replicas: int) -> tuple[str, str, int]:
+    def choose_stage(self, i: int, j: int, k: int, depth: int, stage: int, replicas: int,
+                     units: int | None = None) -> tuple[str, str, int]:
         """(shard mode, recompute mode, recomputed layers) of stage ``stage`` = ``i..j`` of ``replicas``
-        replicas with ``k`` in flight: of the pairs that fit, the least forward run again (every shard mode
-        takes the same time), ties to the preferred shard mode (:meth:`shard_modes`); none fitting, the pair
-        that needs least memory."""
+        replicas (``units`` of them at level 1, whose all-reduce the stage's time charges; default all)
+        with ``k`` in flight: of the pairs that fit, the least stage time (each shard mode's
+        communication, ``sharding.comm_factors``, and the forward run again), ties to the preferred shard
+        mode (:meth:`shard_modes`); none fitting, the pair that needs least memory."""
         shards = self.shard_modes(stage, replicas)
         if len(shards) == 1 and shards[0] == "none":
             return ("none", *self.decide.choose(i, j, k, depth))
         budget = self.mem_budget * (1 + EPS)
+        r1 = replicas if units is None else units
         best: tuple[float, str, str, int] | None = None
         least: tuple[float, str, str, int] | None = None
         for sh in shards:
@@ -190,7 +196,7 @@ class PlanModel:
             if least is None or mem < least[0]:
                 least = (mem, sh, mode, head)
             if mem <= budget:
-                t = self.recompute_s(i, j, mode, head)
+                t = self.costs.stage_time(i, j, r1, self.recompute_s(i, j, mode, head), sh)[0]
                 if best is None or t < best[0] * (1 - 1e-12):
                     best = (t, sh, mode, head)
         assert least is not None
@@ -254,19 +260,28 @@ class PlanModel:
         return got
 
     def _mem_start(self, mode: str, kin: np.ndarray, se_c: np.ndarray, reps: np.ndarray,
-                   low: np.ndarray) -> np.ndarray:
+                   low: np.ndarray, shard: str = "none") -> np.ndarray:
         """Smallest start of stages ending at ``se_c`` with ``kin`` in flight whose memory under
-        recompute ``mode`` fits; a stage of ``reps`` > 1 replicas under :attr:`search_shard`
+        recompute ``mode`` fits; a stage of ``reps`` > 1 replicas held as ``shard``
         (:meth:`MemoryModel.sharded_starts`), asked only where the unsharded start is above ``low``
-        (the time's bound: sharded memory is never more, so elsewhere it changes nothing)."""
+        (the time's bound: elsewhere it changes nothing)."""
         table = self.mem.rows(mode)
         kin, se_c, reps, low = np.broadcast_arrays(kin, se_c, reps, low)
         out = table[np.minimum(kin, len(table) - 1), se_c]
-        if self.search_shard != "none":
+        if shard != "none":
             need = (out > low) & (reps > 1)
             if np.any(need):
-                out[need] = self.mem.sharded_starts(mode, self.search_shard, kin[need], se_c[need], reps[need])
+                out[need] = self.mem.sharded_starts(mode, shard, kin[need], se_c[need], reps[need])
         return out
+
+    def _shard_ok(self, shard: str, reps: np.ndarray) -> np.ndarray | None:
+        """Where a stage of ``reps`` replicas may take ``shard`` (:meth:`shard_modes`, vectorized; None: everywhere)."""
+        if shard == "none":
+            return reps <= 1 if self.shard in ("optimizer", "full") else None
+        ok = reps > 1
+        if shard == "full" and self.shard == "auto" and self.microbatches_known:
+            ok &= reps <= self.M  # a microbatch per replica (sharding.full_refusal)
+        return ok
 
     def _level1_start(self, se_c: np.ndarray, thr: np.ndarray, rr: np.ndarray, dd: np.ndarray,
                       e2: np.ndarray, options: tuple[str, ...], cutoff: np.ndarray | int | None = None,
@@ -278,7 +293,6 @@ class PlanModel:
         ``cutoff``: the caller reads a start only where it is below this; elsewhere the answer may
         be any start at or above it (partial recomputation is not asked there). ``mult``: the units of
         the enclosing blocks (a stage's replicas are ``rr * mult``, what sharding divides by)."""
-        common = self.costs.sync_start(se_c, thr, rr)  # the weight-sync bound: the same for every mode
         kin = None
         if self.memory_on:
             depth = np.ceil((rr + dd + e2) / rr - 1e-9).astype(np.int64)
@@ -287,27 +301,48 @@ class PlanModel:
                 kin = np.minimum(kin, -(-self.M // rr))
             kin = np.broadcast_to(kin, depth.shape).copy()
         out = None
-        for mode in options:
-            if mode == "partial":
-                continue
-            s = self._ss(self.time_prefix[mode], se_c, thr)
-            if kin is not None:
-                s = np.maximum(s, self._mem_start(mode, kin, se_c, rr * mult, np.maximum(s, common)))
-            s = np.maximum(s, common)
-            out = s if out is None else np.minimum(out, s)
-        if "partial" in options and kin is not None:
-            timed = self._ss(self.PT, se_c, thr)  # partial runs more: it cannot start before this
-            # only where memory stops a stage without recomputation can partial reach further back, and
-            # only where that bound is below what the other modes reach and what the caller reads
-            table = self.mem.rows("none")
-            low = np.maximum(timed, common)
-            need = table[np.minimum(kin, len(table) - 1), se_c] > timed
-            if out is not None:
-                need &= low < out
-            if cutoff is not None:
-                need &= low < cutoff
-            s = np.maximum(np.maximum(self.partial.start(se_c, thr, kin, need), timed), common)
-            out = s if out is None else np.minimum(out, s)
+        reps = rr * mult
+        for shard in self.search_shards:  # each shard mode its own time (sharding.comm_factors) and memory
+            ok = self._shard_ok(shard, reps)
+            sharded = shard != "none"
+            if sharded:
+                comp, common = self.costs.shard_starts(self.PT, se_c, thr, rr, shard)  # type: ignore[attr-defined]
+                exposed = comm_factors(shard)[1] * self.costs.comm_per_byte(rr)  # type: ignore[attr-defined]
+            else:
+                common = self.costs.sync_start(se_c, thr, rr)  # the weight-sync bound: the same for every mode
+            for mode in options:
+                if mode == "partial":
+                    continue
+                if sharded:
+                    s = (comp if mode == "none" else
+                         self.costs.shard_starts(self.time_prefix[mode], se_c, thr, rr, shard, mode)[0])  # type: ignore[attr-defined]
+                else:
+                    s = self._ss(self.time_prefix[mode], se_c, thr)
+                if kin is not None:
+                    s = np.maximum(s, self._mem_start(mode, kin, se_c, reps, np.maximum(s, common), shard))
+                s = np.maximum(s, common)
+                if ok is not None:
+                    s = np.where(ok, s, BIG)
+                out = s if out is None else np.minimum(out, s)
+            if "partial" in options and kin is not None:
+                timed = comp if sharded else self._ss(self.PT, se_c, thr)  # partial runs more: not before this
+                # only where memory stops a stage without recomputation can partial reach further back, and
+                # only where that bound is below what the other modes reach and what the caller reads
+                table = self.mem.rows("none")
+                low = np.maximum(timed, common)
+                need = table[np.minimum(kin, len(table) - 1), se_c] > timed
+                if ok is not None:
+                    need = need & ok
+                if out is not None:
+                    need &= low < out
+                if cutoff is not None:
+                    need &= low < cutoff
+                part = (self.partial.start_sharded(se_c, thr, kin, need, reps, shard, exposed) if sharded
+                        else self.partial.start(se_c, thr, kin, need))
+                s = np.maximum(np.maximum(part, timed), common)
+                if ok is not None:
+                    s = np.where(ok, s, BIG)
+                out = s if out is None else np.minimum(out, s)
         assert out is not None
         return out
 

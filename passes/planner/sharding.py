@@ -21,7 +21,7 @@ from pdcompile.errors import UsageError
 from pdcompile.plan_data import SHARD_MODES
 from pdcompile.runtime.schedules import registry as schedule_registry
 
-__all__ = ["SHARD_MODES", "SHARD_OPTIONS", "check_option", "full_refusal", "resolve", "weight_factors"]
+__all__ = ["SHARD_MODES", "SHARD_OPTIONS", "check_option", "comm_factors", "full_refusal", "resolve", "weight_factors"]
 
 #: what ``shard=`` takes: a mode for every replicated stage, or ``auto`` (the planner chooses per stage)
 SHARD_OPTIONS = (*SHARD_MODES, "auto")
@@ -126,15 +126,40 @@ def weight_factors(mode: str, replicas: int, versions: int, optimizer_state_fact
     raise ValueError(f"unknown shard mode {mode!r}")
 
 
+def comm_factors(mode: str) -> tuple[float, float]:
+    """(overlapped, exposed): what a replicated stage's replicas move per step under ``mode``, each in
+    units of the data-parallel all-reduce's time ``AR`` (a ring moves ``2 (r-1)/r W``): the part the
+    cost model overlaps with the backward as it does ``AR``, and the part no compute can hide.
+
+    - ``none``: ``AR`` after the backwards (1, 0);
+    - ``optimizer`` (``ZeroRedundancyOptimizer``): ``AR``, then after the step each owner broadcasts its
+      updated parameters, ``(r-1)/r W`` received per replica, before the next forward can use them
+      (1, 1/2): 1.5 ``AR``'s bytes;
+    - ``full`` (FSDP2): the parameters all-gathered at the step's first forward, before any compute
+      (exposed, ``(r-1)/r W``), the gradients reduce-scattered once in the last backward (``(r-1)/r W``,
+      overlapped as ``AR`` is) (1/2, 1/2): ``AR``'s bytes, half of them exposed.
+
+    A stage's time is then ``F + max(Bw, overlapped AR) + exposed AR + OPT`` (``default``), ``max(C,
+    overlapped comm) + exposed comm`` (``paper``), over its replicas (planner/costs.py)."""
+    if mode == "none":
+        return 1.0, 0.0
+    if mode == "optimizer":
+        return 1.0, 0.5
+    if mode == "full":
+        return 0.5, 0.5
+    raise ValueError(f"unknown shard mode {mode!r}")
+
+
 def describe(plan: Any, shard: str | Sequence[str]) -> list[str]:
     """``explain()``'s lines on sharding: each replicated stage's mode, and the rule that chose it (the
     planner's reasons, a stage's memory under the modes, are the plan's notes)."""
     reps = [st for st in plan.stages if st.replicas > 1]
     if not reps:
         return []
-    rule = ("per stage, the first of none, full (FSDP2), optimizer (ZeRO-1) that fits with the least recomputation "
-            "(every mode is charged the all-reduce's time; ZeRO-1's broadcast of the updated weights, which comes on "
-            "top, is not charged, so it comes last)" if shard == "auto" else "as asked")
+    rule = ("per stage, of the modes and recomputations that fit, the fastest (none: the all-reduce, overlapped "
+            "with the backward; full (FSDP2): the same bytes, half of them, the all-gather before the first "
+            "forward, exposed; optimizer (ZeRO-1): the all-reduce and the updated weights' broadcast, exposed), "
+            "ties to none, full, optimizer" if shard == "auto" else "as asked")
     lines = ["", f"sharding (shard={shard if isinstance(shard, str) else list(shard)!r}): {rule}"]
     for st in reps:
         lines.append(f"  stage {st.index} (x{st.replicas}): {st.shard}")
