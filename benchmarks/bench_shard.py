@@ -110,15 +110,16 @@ def variants(tmp: Path, env: dict[str, str]) -> list[str]:
     return rows
 
 
-def _predicted(pipe, mode: str, M: int) -> float | None:  # type: ignore[no-untyped-def]
-    """The planner's memory of stage 0 under ``mode`` (None where this planner has no ``shard``)."""
+def _predicted(pipe, mode: str, M: int) -> tuple[float, float] | None:  # type: ignore[no-untyped-def]
+    """The planner's (memory, time per minibatch) of stage 0 under ``mode`` (None where this planner has
+    no ``shard``)."""
     assign = [(s.first, s.last, s.replicas, s.ranks) for s in pipe.plan.stages]
     try:
         plan = plan_from_assignment(pipe.state.chain, pipe.state.cluster, assign, schedule="flush",
                                     memory_limit=False, num_microbatches=M, recompute="none", shard=mode)
     except TypeError:
         return None
-    return float(plan.stages[0].memory_bytes)
+    return float(plan.stages[0].memory_bytes), float(plan.stages[0].time_s)
 
 
 def main() -> None:
@@ -152,6 +153,7 @@ def main() -> None:
                      optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), stages=2, replicas=[2, 1], schedule="flush",
                      num_microbatches=M, recompute="none", shard="none")
     rows = []
+    step: dict[str, tuple[float, float | None]] = {}  # mode: (measured median step s, stage 0's predicted s)
     with tempfile.TemporaryDirectory() as tmp:
         base = pipe.emit(Path(tmp) / "base", data={"factory": "benchmarks.bench_shard:batches", "kwargs": CFG})
         for mode in MODES:
@@ -167,7 +169,9 @@ def main() -> None:
                 raise SystemExit(f"{mode} failed (exit {rc}):\n{log[-3000:]}")
             ms = [json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))]
             times = next(m for m in ms if m["stage"] == 1)["step_times_s"][1:]
-            pred = _predicted(pipe, mode, M)
+            got = _predicted(pipe, mode, M)
+            pred, secs = got if got else (None, None)
+            step[mode] = (statistics.median(times), secs)
             for m in ms:
                 if m["stage"] != 0:
                     continue
@@ -178,6 +182,11 @@ def main() -> None:
                             + " | ".join(_mib(meas.get(k, 0)) for k in PARTS) + f" | {m['peak_rss_mb']:.0f} |")
                 print(rows[-1], flush=True)
     load_end = os.getloadavg()[0]
+    t0, p0 = step["none"]
+    trows = [f"| {m} | {t * 1e3:.1f} | {(t - t0) * 1e3:+.1f} | "
+             + (f"{p * 1e3:.2f} | {(p - p0) * 1e3:+.2f} | +0.00 |" if p is not None and p0 is not None else "— | — | — |")
+             for m, (t, p) in step.items()]
+    cl = pipe.state.cluster
     body = (
         f"MLP {CFG} in 2 stages, replicas [2, 1] (3 ranks, gloo on CPU), flush, {M} microbatches of "
         f"{args.microbatch_size}, SGD with momentum, fp32; stage 0's mode set in plan.json; {args.steps} steps, the median step "
@@ -187,7 +196,13 @@ def main() -> None:
         f"{load_start:.1f} at the start, {load_end:.1f} at the end (2 cores shared with other jobs: step times "
         f"are noisy).\n\n"
         "| mode | rank | step ms | predicted | measured | error | " + " | ".join(PARTS) + " | peak RSS MiB |\n"
-        "|---|---|---|---|---|---|" + "---|" * len(PARTS) + "---|\n" + "\n".join(rows) + "\n"
+        "|---|---|---|---|---|---|" + "---|" * len(PARTS) + "---|\n" + "\n".join(rows) + "\n\n"
+        f"Step time per mode against `none`: measured (the median above) and the planner's time per minibatch "
+        f"of the replicated stage 0 (`time_s` of the same plan under the mode, on the compiled cluster: "
+        f"{cl.levels[0].count} workers at {cl.levels[0].bandwidth / 1e9:.3g} GB/s), under the charge of "
+        f"`sharding.comm_factors` and under the charge before it (every mode `none`'s all-reduce: +0).\n\n"
+        "| mode | measured step ms | measured vs none | stage 0 predicted ms | predicted vs none | before: vs none |\n"
+        "|---|---|---|---|---|---|\n" + "\n".join(trows) + "\n"
     )
     print(body)
     if args.write:
