@@ -110,7 +110,7 @@ def stage_choices(chain: Chain, cluster: ClusterSpec, blocks, limit: float, sche
             Bw = sum(l.backward_s for l in L[i:j + 1])
             r = blk.units * mult
             shards = modes_for(r, schedule) if shard == "auto" else ((shard,) if r > 1 else ("none",))
-            best = None
+            fits = []
             for pref, sh in enumerate(shards):
                 for rec, h in recompute_options(j - i + 1, recompute):
                     need = (ref_need(W, X, k, r, sh, schedule, f) if rec == "none" else
@@ -121,13 +121,12 @@ def stage_choices(chain: Chain, cluster: ClusterSpec, blocks, limit: float, sche
                                              > limit * (1 + 1e-9) for i2 in range(i + 1, j + 1)):
                         continue  # the search's rule for a start that fits (module doc)
                     again = sum(l.forward_s for l in L[i:i + h])
-                    t = stage_time(F, Bw, W, blk.units, B1, again, sh)
-                    key = (t * (1 + 1e-12), pref, again)
-                    if best is None or key < best[0]:
-                        best = (key, t, sh, rec)
-            if best is None:
+                    fits.append((stage_time(F, Bw, W, blk.units, B1, again, sh), pref, again, sh, rec))
+            if not fits:
                 return False
-            chosen.append(best[1:])
+            least = min(t for t, *_ in fits)  # times within rounding of the least are ties
+            t, _, _, sh, rec = min((f for f in fits if f[0] <= least * (1 + 1e-9)), key=lambda f: (f[1], f[2]))
+            chosen.append((t, sh, rec))
         return True
 
     return chosen if walk(blocks, len(cluster.levels), Fraction(0), 1) else None

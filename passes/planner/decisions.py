@@ -244,6 +244,8 @@ class PartialTable:
         key = self.memory.budget
         if self._kmax is not None and self._kmax[0] == key:
             return self._kmax[1]
+        if self.shard != "none":  # a sharded table (one per replica count) is asked a few rows: bisecting its
+            return max(self.memory.workers, self.memory.M)  # kmax costs more than the rows it spares
         ends = np.arange(self.N)
 
         # a witness among every 16th end and the last 64 first (one fit answers; else every end)
