@@ -32,16 +32,17 @@ def chain_of(rows: list[tuple[float, float, float, float, float]], cuts: list[fl
     return Chain(layers=layers, cut_bytes=tuple(cuts), batch_size=8, name="nonmonotone")
 
 
-def check(chain: Chain, limit: float, M: int, workers: tuple[int, int] = (2, 2)) -> object:
+def check(chain: Chain, limit: float, M: int, workers: tuple[int, int] = (2, 2), shard: str = "none",
+          f: float = 1.0) -> object:
     """The planner's flush plan (or its refusal); a plan's stages, as the simulator runs them, fit
     ``limit``, and its in-flight counts and bytes are the simulator's."""
     cluster = two_level(*workers, 100.0, 10.0, memory=limit)
     try:
         plan = partition_dp(chain, cluster, schedule="flush", num_microbatches=M, recompute="auto",
-                            optimizer_state_factor=1.0)
+                            optimizer_state_factor=f, shard=shard)
     except InfeasiblePlanError:
         return None
-    res = simulate_plan(plan, chain, cluster, "flush", M, optimizer_state_factor=1.0)
+    res = simulate_plan(plan, chain, cluster, "flush", M, optimizer_state_factor=f)
     assert [s.in_flight for s in plan.stages] == res.peak_in_flight
     for s in plan.stages:
         assert s.in_flight <= -(-M // s.replicas)
@@ -99,3 +100,18 @@ def test_the_api_plans_with_its_optimizers_state() -> None:
     for k, W in enumerate(weights):
         sgd, mom, adam = (pipes[n].plan.stages[k].memory_bytes for n in ("sgd", "momentum", "adam"))
         assert math.isclose(mom - sgd, W, rel_tol=1e-9) and math.isclose(adam - sgd, 2 * W, rel_tol=1e-9)
+
+
+def test_forced_full_sharding_with_plain_sgd_fits_as_simulated() -> None:
+    """``shard="full"`` with no optimizer state holds more per replica than ``none`` (the gathered copy
+    plus a 1/r shard); the search's shortcut (sharded memory is never more) placed such stages where
+    only the unsharded one fits (before the fix)."""
+    rng = np.random.default_rng(11)
+    planned = 0
+    for _ in range(25):
+        n = int(rng.integers(4, 8))
+        rows = [(float(rng.uniform(0.5, 2)), float(rng.uniform(1, 4)), 1.0, float(rng.choice([20.0, 60.0])),
+                 float(rng.choice([0.0, 4.0]))) for _ in range(n)]
+        plan = check(chain_of(rows, [1.0] * (n - 1)), float(rng.uniform(100, 400)), 4, (2, 2), "full", 0.0)
+        planned += plan is not None and any(s.replicas > 1 for s in plan.stages)  # type: ignore[attr-defined]
+    assert planned >= 3

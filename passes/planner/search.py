@@ -264,12 +264,16 @@ class PlanModel:
         """Smallest start of stages ending at ``se_c`` with ``kin`` in flight whose memory under
         recompute ``mode`` fits; a stage of ``reps`` > 1 replicas held as ``shard``
         (:meth:`MemoryModel.sharded_starts`), asked only where the unsharded start is above ``low``
-        (the time's bound: elsewhere it changes nothing)."""
+        (the time's bound: elsewhere it changes nothing) unless ``shard`` may hold more than unsharded
+        (``full`` with few replicas and little optimizer state: its gathered copy plus its shard)."""
         table = self.mem.rows(mode)
         kin, se_c, reps, low = np.broadcast_arrays(kin, se_c, reps, low)
         out = table[np.minimum(kin, len(table) - 1), se_c]
         if shard != "none":
             need = (out > low) & (reps > 1)
+            if shard == "full":  # 1 + (1 + f) / r per weight byte against none's 1 + f (one version): more if r < 1 + 1/f
+                f = self.mem.opt_factor
+                need |= (reps > 1) & ((1.0 + f) > f * reps)
             if np.any(need):
                 out[need] = self.mem.sharded_starts(mode, shard, kin[need], se_c[need], reps[need])
         return out
