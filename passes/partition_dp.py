@@ -249,6 +249,7 @@ def partition_dp(chain: Chain, cluster: ClusterSpec, options: PlanOptions | None
         blocks, ev = solve(model)
     else:  # the workers also as one pool at the slowest link: stages need not nest
         pooled = PlanModel(chain, pool_cluster(cluster), opts)
+        pooled.mem.share_tables(model.mem)  # the same chain, schedule, workers and budget: one set of tables
         ev, pev, blocks, pblocks = _solve_both(model, pooled)
         if ev is None or (pev is not None and pev.seconds < ev.seconds * (1 - 1e-9)):
             assert pev is not None

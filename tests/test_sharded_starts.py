@@ -58,3 +58,26 @@ def test_closed_starts_is_the_smallest_start_whose_every_suffix_fits() -> None:
                     want -= 1
                 assert got[r, e] == want, (n, r, e)
             assert np.array_equal(memory.closed_starts(g[r], c[r]), got[r])
+
+
+def test_the_pooled_search_shares_the_hierarchys_tables_only_when_they_are_the_same() -> None:
+    """partition_dp's pooled and hierarchical models rate one chain under one budget: one set of tables;
+    a model under another budget (or schedule) keeps its own, and its tables differ where the budget bites."""
+    from pdcompile.passes.partition_dp import pool_cluster
+    from pdcompile.passes.planner.options import PlanOptions
+
+    chain = linearize(profile_mod.load("pipedream:inception_v3"))
+    cluster = resolve_cluster("paper:B")
+    opts = PlanOptions(cost_model="default", schedule="1f1b", recompute="auto")
+    model = PlanModel(chain, cluster, opts)
+    pooled = PlanModel(chain, pool_cluster(cluster), opts)
+    own = pooled.mem.rows("none")  # built before sharing: the pooled model's own
+    assert pooled.mem.share_tables(model.mem)
+    assert np.array_equal(pooled.mem.rows("none"), own)  # the hierarchy's table, built again, equals it
+    assert pooled.mem.rows("full") is model.mem.rows("full")
+    other = PlanModel(chain, cluster, opts)
+    other.mem.budget = model.mem.budget / 8
+    assert not other.mem.share_tables(model.mem)
+    assert not np.array_equal(other.mem.rows("none"), model.mem.rows("none"))
+    assert not PlanModel(chain, cluster, PlanOptions(cost_model="default", schedule="gpipe", recompute="auto")
+                         ).mem.share_tables(model.mem)

@@ -139,6 +139,20 @@ class MemoryModel:
         self._tables: dict[str, np.ndarray] = {}
         self._stacks: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
 
+    def share_tables(self, other: MemoryModel) -> bool:
+        """Read and fill ``other``'s tables from now on where both models rate the same chain arrays under
+        the same schedule, optimizer state, microbatches, workers and budget (the pooled and the
+        hierarchical search of one plan): one set built for both. Whether they were shared."""
+        same = (self.policy is other.policy and self.opt_factor == other.opt_factor and self.M == other.M
+                and self.cap == other.cap and self.workers == other.workers and self.on == other.on
+                and self._budget == other._budget and all(np.array_equal(a, b) for a, b in (
+                    (self.PX, other.PX), (self.PWM, other.PWM), (self.xin, other.xin), (self.xout, other.xout),
+                    (self.xin_r, other.xin_r), (self.xout_r, other.xout_r), (self.PS, other.PS), (self.RS, other.RS),
+                    (self.parts["selective"][1], other.parts["selective"][1]))))
+        if same:
+            self._tables, self._stacks = other._tables, other._stacks
+        return same
+
     @property
     def budget(self) -> float:
         """Bytes per worker the stages must fit (inf when the limit is off)."""
