@@ -136,7 +136,9 @@ class _ShareSampler:
         first, self.first, self.passes = self.first, self.first + self.length, self.passes + 1
         for n, idx in enumerate(itertools.islice(itertools.chain(head, it), self.length)):
             idx = list(idx)
-            yield [x for j in self.positions(first + n) for x in idx[j * self.b:(j + 1) * self.b]]
+            share = [x for j in self.positions(first + n) for x in idx[j * self.b:(j + 1) * self.b]]
+            if share:  # none of this minibatch's microbatches is this rank's: Reader does not fetch it
+                yield share
 
 
 def _shared_loader(loader: DataLoader[Any], b: int, positions: Callable[[int], tuple[int, ...]],
@@ -174,7 +176,9 @@ class Reader:
         self._it: Iterator[Any] | None = None
         self._in_epoch = 0
 
-    def _next_raw(self) -> Any:
+    def _next_raw(self, fetch: bool = True) -> Any:
+        """The next minibatch of the pass (a new pass where one ends); ``fetch`` False: only count it (a
+        shared loader yields nothing for a minibatch without microbatches of this rank's)."""
         if self._it is None or (self.length is not None and self._in_epoch == self.length):
             if self._it is not None and isinstance(self.data, Iterator):
                 raise UsageError(f"{self.what}: the data hook returned an iterator, which can be read only once, "
@@ -182,6 +186,9 @@ class Reader:
             if self._it is not None:
                 self.epoch += 1
             self._it, self._in_epoch = iter(self.data), 0
+        if not fetch:
+            self._in_epoch += 1
+            return None
         try:
             batch = next(self._it)
         except StopIteration:
@@ -197,12 +204,16 @@ class Reader:
 
     def __next__(self) -> Local:
         i = self.index
+        pos = tuple(range(self.M)) if self.positions is None else self.positions(i)
+        if self.shared and not pos:  # a replica's turn skipped (fewer microbatches than replicas): nothing read
+            self._next_raw(fetch=False)
+            self.index += 1
+            return i, pos, (), torch.empty(0)
         try:
             inputs, target = self._next_raw()
         except (TypeError, ValueError):
             raise UsageError(f"{self.what}: minibatch {i} is not an (inputs, target) pair") from None
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-        pos = tuple(range(self.M)) if self.positions is None else self.positions(i)
         want = self.b * (len(pos) if self.shared else self.M)
         if int(target.shape[0]) != want:
             raise UsageError(f"{self.what}: minibatch {i} has {target.shape[0]} samples, the pipeline needs "

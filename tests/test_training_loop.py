@@ -75,6 +75,16 @@ def decay(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.8 ** s)
 
 
+def train_indices(batch_size):  # the sample indices of train()'s minibatches, in order
+    from torch.utils.data import TensorDataset
+    return DataLoader(TensorDataset(torch.zeros(100), torch.arange(100)), batch_size=batch_size, shuffle=True,
+                      generator=torch.Generator().manual_seed(1))
+
+
+def train_list(batch_size):  # the same minibatches as a list: read whole by every rank, its share kept
+    return list(train(batch_size))
+
+
 def margin(output, target):  # a metric of one microbatch: the mean score of the true class
     return output.gather(1, target[:, None]).mean()
 '''
@@ -302,6 +312,36 @@ def test_1f1b_steps_the_schedule_once_per_update(tmp_path: Path, user: Any) -> N
     loss, _ = _evaluate(stages, program.build_loss(), user)
     assert metrics[1]["eval"][0]["step"] == steps and metrics[1]["eval"][0]["loss"] == pytest.approx(loss, rel=1e-5)
     assert "accuracy" not in metrics[1]["eval"][0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_pipedream_1f1b_replicas_take_turns_at_whole_minibatches(tmp_path: Path, user: Any) -> None:
+    """PipeDream's own 1F1B: one microbatch per minibatch and an input stage of 2 replicas, which take
+    minibatches in turns. Each replica fetches from the DataLoader only its turns' samples (before, the
+    other turns fetched an empty batch and failed), and training equals the same program reading every
+    minibatch whole from a list and keeping its share, bitwise."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(user.D, 16), torch.nn.ReLU(), torch.nn.Linear(16, user.C))
+    pipe = pdcompile(model, example_inputs=(torch.randn(B, user.D),), example_target=torch.zeros(B, dtype=torch.long),
+                     loss_fn=torch.nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                     stages=2, replicas=[2, 1], schedule="1f1b", num_microbatches=1)
+    prog = pipe.emit(tmp_path / "prog")
+    log = tmp_path / "fetch"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, shared = _launch(tmp_path / "a", prog, ["--epochs", "1", "--data", "loopdata:train"],
+                        env={"FETCH_LOG": str(log)})
+    _, whole = _launch(tmp_path / "b", prog, ["--epochs", "1", "--data", "loopdata:train_list"])
+    for rank in shared:
+        assert shared[rank].keys() == whole[rank].keys()
+        for n in shared[rank]:
+            assert torch.equal(shared[rank][n], whole[rank][n]), (rank, n)
+    batches = [sorted(int(i) for i in y) for _, y in user.train_indices(B)]  # train()'s minibatches, in order
+    assert len(batches) == 25
+    for r in (0, 1):  # replica r: minibatches r, r + 2, ... and nothing else
+        got = sorted(int(i) for i in Path(f"{log}.{r}").read_text().split())
+        assert got == sorted(i for n, mb in enumerate(batches) if n % 2 == r for i in mb), r
 
 
 @pytest.mark.multiproc
