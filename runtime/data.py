@@ -165,8 +165,9 @@ class Reader:
     iterable is read whole and its share kept. Nothing is read before it is asked for."""
 
     def __init__(self, data: Any, b: int, M: int, positions: Callable[[int], tuple[int, ...]] | None,
-                 length: int | None, seed: int = 0, what: str = "--data") -> None:
+                 length: int | None, seed: int = 0, what: str = "--data", one_pass: bool = False) -> None:
         self.b, self.M, self.positions, self.length, self.what = b, M, positions, length, what
+        self.one_pass = one_pass  # ``--steps``: the data runs out at the end of its first pass, as read whole
         self.data = data
         if isinstance(data, DataLoader) and positions is not None and length is not None:
             self.data = _shared_loader(data, b, positions, length, seed) or data
@@ -180,6 +181,9 @@ class Reader:
         """The next minibatch of the pass (a new pass where one ends); ``fetch`` False: only count it (a
         shared loader yields nothing for a minibatch without microbatches of this rank's)."""
         if self._it is None or (self.length is not None and self._in_epoch == self.length):
+            if self._it is not None and self.one_pass:
+                raise UsageError(f"{self.what}: the data ran out after {self.index} minibatches; give --epochs "
+                                 f"with data that has a length, or fewer --steps")
             if self._it is not None and isinstance(self.data, Iterator):
                 raise UsageError(f"{self.what}: the data hook returned an iterator, which can be read only once, "
                                  f"and epoch {self.epoch + 2} needs another pass; return a DataLoader or a list")

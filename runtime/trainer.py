@@ -114,7 +114,11 @@ class Trainer:
             args.steps = args.epochs * self.per_epoch
             if args.eval_every == "epoch":
                 args.eval_every = self.per_epoch
-        self.data_iter = Reader(train_data, b, M, self.positions, self.per_epoch, args.seed) if reads_data else None
+        length, one_pass = self.per_epoch, False
+        if length is None and reads_data and self.positions is not None:  # --steps: still only this rank's share
+            length, one_pass = epoch_length(train_data), True
+        self.data_iter = Reader(train_data, b, M, self.positions, length, args.seed, one_pass=one_pass) \
+            if reads_data else None
         self.data_index = -1  # the last minibatch read from data_iter
         self._micro: Any = None  # that minibatch, cut into microbatches
         self.events: list[tuple[str, float, float]] = []

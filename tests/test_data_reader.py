@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from pdcompile.errors import UsageError
 from pdcompile.runtime.data import Reader, positions
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,3 +42,17 @@ def test_a_shared_loader_reads_what_reading_whole_keeps(replicas: int, M: int) -
                 assert inputs == () and target.numel() == 0 == target_w.numel()
         assert shared.epoch == whole.epoch == 2
     assert sum(took) == 3 * per_epoch * M and max(took) - min(took) <= 1  # every microbatch once, in turns
+
+
+def test_one_pass_runs_out_at_the_end_of_the_data_as_reading_whole_does() -> None:
+    """``--steps`` (``one_pass``): past the data's full minibatches a shared reader says the data ran out, as
+    a reader of the whole data does, rather than starting a second pass."""
+    b, M, per_epoch = 2, 1, 4
+    data = TensorDataset(torch.zeros(b * M * per_epoch, 1), torch.arange(b * M * per_epoch))
+    loader = DataLoader(data, batch_size=b * M, shuffle=False, drop_last=True)
+    pos = positions([[0, 1]], 1, M)
+    for reader in (Reader(loader, b, M, pos, per_epoch, one_pass=True), Reader(loader, b, M, pos, None)):
+        for _ in range(per_epoch):
+            next(reader)
+        with pytest.raises(UsageError, match="ran out after 4 minibatches"):
+            next(reader)

@@ -318,9 +318,10 @@ def test_1f1b_steps_the_schedule_once_per_update(tmp_path: Path, user: Any) -> N
 @pytest.mark.timeout(300)
 def test_pipedream_1f1b_replicas_take_turns_at_whole_minibatches(tmp_path: Path, user: Any) -> None:
     """PipeDream's own 1F1B: one microbatch per minibatch and an input stage of 2 replicas, which take
-    minibatches in turns. Each replica fetches from the DataLoader only its turns' samples (before, the
-    other turns fetched an empty batch and failed), and training equals the same program reading every
-    minibatch whole from a list and keeping its share, bitwise."""
+    minibatches in turns. Each replica fetches from the DataLoader only its turns' samples, also under
+    ``--steps`` (before, the other turns fetched an empty batch and failed, and ``--steps`` read every
+    minibatch whole), and training equals the same program reading every minibatch whole from a list and
+    keeping its share, bitwise."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(user.D, 16), torch.nn.ReLU(), torch.nn.Linear(16, user.C))
     pipe = pdcompile(model, example_inputs=(torch.randn(B, user.D),), example_target=torch.zeros(B, dtype=torch.long),
@@ -330,9 +331,10 @@ def test_pipedream_1f1b_replicas_take_turns_at_whole_minibatches(tmp_path: Path,
     log = tmp_path / "fetch"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    _, shared = _launch(tmp_path / "a", prog, ["--epochs", "1", "--data", "loopdata:train"],
+    steps = 24  # --steps, not --epochs: the replicas still fetch only their turns (one pass of the 25)
+    _, shared = _launch(tmp_path / "a", prog, ["--steps", str(steps), "--data", "loopdata:train"],
                         env={"FETCH_LOG": str(log)})
-    _, whole = _launch(tmp_path / "b", prog, ["--epochs", "1", "--data", "loopdata:train_list"])
+    _, whole = _launch(tmp_path / "b", prog, ["--steps", str(steps), "--data", "loopdata:train_list"])
     for rank in shared:
         assert shared[rank].keys() == whole[rank].keys()
         for n in shared[rank]:
@@ -341,7 +343,7 @@ def test_pipedream_1f1b_replicas_take_turns_at_whole_minibatches(tmp_path: Path,
     assert len(batches) == 25
     for r in (0, 1):  # replica r: minibatches r, r + 2, ... and nothing else
         got = sorted(int(i) for i in Path(f"{log}.{r}").read_text().split())
-        assert got == sorted(i for n, mb in enumerate(batches) if n % 2 == r for i in mb), r
+        assert got == sorted(i for n, mb in enumerate(batches[:steps]) if n % 2 == r for i in mb), r
 
 
 @pytest.mark.multiproc
