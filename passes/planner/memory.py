@@ -84,6 +84,7 @@ class MemoryModel:
     def __init__(self, arrays: ChainArrays, chain: Chain, policy: Any, *, optimizer_state_factor: float,
                  num_microbatches: int, workers: int, budget: float, on: bool,
                  microbatches_known: bool = False) -> None:
+        self.chain = chain
         self.policy = policy
         self.opt_factor = float(optimizer_state_factor)
         self.M = num_microbatches
@@ -143,12 +144,9 @@ class MemoryModel:
         """Read and fill ``other``'s tables from now on where both models rate the same chain arrays under
         the same schedule, optimizer state, microbatches, workers and budget (the pooled and the
         hierarchical search of one plan): one set built for both. Whether they were shared."""
-        same = (self.policy is other.policy and self.opt_factor == other.opt_factor and self.M == other.M
-                and self.cap == other.cap and self.workers == other.workers and self.on == other.on
-                and self._budget == other._budget and all(np.array_equal(a, b) for a, b in (
-                    (self.PX, other.PX), (self.PWM, other.PWM), (self.xin, other.xin), (self.xout, other.xout),
-                    (self.xin_r, other.xin_r), (self.xout_r, other.xout_r), (self.PS, other.PS), (self.RS, other.RS),
-                    (self.parts["selective"][1], other.parts["selective"][1]))))
+        same = (self.chain is other.chain and self.policy is other.policy and self.opt_factor == other.opt_factor
+                and self.M == other.M and self.cap == other.cap and self.workers == other.workers
+                and self.on == other.on and self._budget == other._budget)
         if same:
             self._tables, self._stacks = other._tables, other._stacks
         return same
@@ -261,6 +259,15 @@ class MemoryModel:
         self._stacks[key] = (slot_of, stack)
         return stack[slot_of[cls], np.minimum(kin, stack.shape[1] - 1), ends]
 
+    def _moment(self, mode: str, cv: Any, kk: Any, rb: Any) -> tuple[np.ndarray, np.ndarray]:
+        """One moment's memory of stages ``i..end`` under recompute ``mode`` as ``H[end] + g[i]`` (weights'
+        factor ``cv``, ``kk`` microbatches of activations, ``rb`` rebuilds: :meth:`terms`); scalars, or
+        columns for a stack of rows."""
+        PA, PR, xin, xout = self.parts[mode]
+        g = -(self.PWM * cv) - PA * kk - PR * rb + xin * kk
+        H = self.PWM[1:] * cv + PA[1:] * kk + PR[1:] * rb + xout * kk
+        return g, H
+
     def _sharded_direct(self, mode: str, shard: str, kin: np.ndarray, ends: np.ndarray,
                         reps: np.ndarray) -> np.ndarray:
         """:meth:`sharded_starts` for a few queries, each read off its own stage memories rather than
@@ -271,7 +278,6 @@ class MemoryModel:
             return out
         kmax = max(self.workers, self.M if self.policy.holds_step else 0)
         budget = self.budget * (1 + EPS)
-        PA, PR, xin, xout = self.parts[mode]
         for q in range(len(kin)):
             k, e, r = int(kin[q]), int(ends[q]), int(reps[q])
             if k == 0:
@@ -280,9 +286,8 @@ class MemoryModel:
             if k <= kmax:
                 start = 0
                 for cv, kk, rb in self.terms(k, shard=shard, replicas=r):  # as rows(): every moment must fit
-                    g = -(self.PWM[:e + 1] * cv) - PA[:e + 1] * kk - PR[:e + 1] * rb + xin[:e + 1] * kk
-                    H = self.PWM[e + 1:e + 2] * cv + PA[e + 1:e + 2] * kk + PR[e + 1:e + 2] * rb + xout[e:e + 1] * kk
-                    bad = np.flatnonzero(g > budget - H)
+                    g, H = self._moment(mode, cv, kk, rb)
+                    bad = np.flatnonzero(g[:e + 1] > budget - H[e])
                     if len(bad):
                         start = max(start, int(bad[-1]) + 1)
             out[q] = min(start, e + 1)
@@ -321,7 +326,6 @@ class MemoryModel:
         if self.on:
             kmax = max(self.workers, self.M if self.policy.holds_step else 0)
             budget = self.budget * (1 + EPS)
-            PA, PR, xin, xout = self.parts[mode]
             block = max(1, min(64, ROW_BLOCK_ELEMENTS // max(1, N)))
             k0 = 1
             while k0 <= kmax:
@@ -330,8 +334,7 @@ class MemoryModel:
                 start = np.zeros((len(ks), N), dtype=np.int64)
                 for t in range(len(terms[0])):
                     cv, kk, rb = (np.array([[tk[t][x]] for tk in terms]) for x in range(3))
-                    g = -(self.PWM * cv) - PA * kk - PR * rb + xin * kk  # mem(i..end) = H(end) + g(i)
-                    H = self.PWM[1:] * cv + PA[1:] * kk + PR[1:] * rb + xout * kk
+                    g, H = self._moment(mode, cv, kk, rb)  # mem(i..end) = H(end) + g(i)
                     start = np.maximum(start, closed_starts(g[:, :N], budget - H))
                 start = np.minimum(start, ends + 1)
                 full = np.flatnonzero(np.all(start > ends, axis=1))  # from the first row that fits nothing: done

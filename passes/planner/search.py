@@ -103,10 +103,8 @@ class PlanModel:
                              "use recompute='full' or 'auto'")
         #: whether the search shards replicated stages ("none": it does not), and the modes it tries for each
         #: (each its own time and memory, sharding.py; a list per stage is searched unsharded)
-        self.search_shard = "none"
         self.search_shards: tuple[str, ...] = ("none",)
         if self.memory_on and kind.models_memory and isinstance(self.shard, str) and self.shard != "none":
-            self.search_shard = "optimizer" if self.shard == "auto" else self.shard
             self.search_shards = (("none", "full", "optimizer") if self.policy.version_lag == 0 else
                                   ("none", "optimizer")) if self.shard == "auto" else ("none", self.shard)
         # the modes the search may give a stage
@@ -573,7 +571,7 @@ def solve(model: PlanModel) -> tuple[tuple[Block, ...], Evaluation]:
     """The best configuration of ``model`` and its evaluation. ``shard="auto"`` under a memory limit
     keeps the unsharded search's configuration unless sharding makes one fit or strictly faster
     (:func:`_solve_auto`)."""
-    if model.shard == "auto" and model.search_shard != "none":
+    if model.shard == "auto" and model.search_shards != ("none",):
         return _solve_auto(model)
     return _solve(model)
 

@@ -169,8 +169,9 @@ def describe(plan: Any, shard: str | Sequence[str]) -> list[str]:
 def untie(plan: Any, tied_stages: set[int], shard: str | Sequence[str]) -> Any:
     """``plan`` with no ``full`` stage among ``tied_stages`` (stages holding a parameter tied across
     stages, whose gradients are summed outside FSDP2, which the runtime refuses): ``auto`` gives such a
-    stage ``optimizer`` instead (it needs less memory than ``full`` and takes the same time), with a
-    note; a ``full`` asked for one is a :class:`UsageError` naming the fix."""
+    stage ``optimizer`` instead (it needs less memory than ``full``, but moves more: the plan's time,
+    rated with ``full``, is then a little low), with a note; a ``full`` asked for one is a
+    :class:`UsageError` naming the fix."""
     from dataclasses import replace
 
     hit = [st for st in plan.stages if st.index in tied_stages and st.shard == "full"]
