@@ -712,11 +712,9 @@ def _action_cost_notes(cost: machine_cache.ActionCost | None, cluster: ClusterSp
                 f"runtime, not {cluster.device.name} workers'"]
     if cost.calibrated:
         return []
-    line = cost.warning()
+    line = cost.warning(chose_m)
     if chose_m:
         warnings.warn(line, UncalibratedWarning, stacklevel=_outside_pdcompile())
-    else:
-        line = line.replace("chose the microbatch count", "chose the schedule at the given microbatch count")
     return [f"warning: {line}"]
 
 

@@ -67,12 +67,14 @@ class ActionCost:
     calibrated: bool
     problem: str = ""  # when not calibrated: what the cache lacks, in a few words
 
-    def warning(self) -> str:
-        """One line: not calibrated, what that does to the microbatch choice, and the fix ("" when calibrated)."""
+    def warning(self, chose_count: bool = True) -> str:
+        """One line: not calibrated, what that does to the microbatch choice (``chose_count`` False: the
+        count was given, only the schedule chosen), and the fix ("" when calibrated)."""
         if self.calibrated:
             return ""
+        chose = "the microbatch count" if chose_count else "the schedule at the given microbatch count"
         return (f"the runtime's per-action cost is not calibrated for this runtime ({self.problem}): "
-                f"schedule='auto' chose the microbatch count with a built-in {BUILTIN_ACTION_S * 1e3:g} ms per "
+                f"schedule='auto' chose {chose} with a built-in {BUILTIN_ACTION_S * 1e3:g} ms per "
                 f"action, which errs toward fewer microbatches than a calibrated choice; fix: {CALIBRATE_COMMAND}")
 
 
