@@ -53,7 +53,8 @@ file the lead edits: ``benchmarks/time_to_accuracy_notes.md`` (``--notes FILE`` 
 
 Timing: ``train_s`` is wall-clock seconds since every rank was ready with each evaluation's own
 time taken out (train.py's ``time_s`` less each evaluation's span; the DDP worker counts the same).
-A run stops at the first evaluation that meets the target, or at its time budget; a run that fails is a
+A run stops at the first evaluation that meets the target (its curve ends there, whatever the run wrote
+before the poll that stopped it saw the target), or at its time budget; a run that fails is a
 row ending "failed" with its first rank's error in the plan column, and the other systems still run. Bytes per epoch:
 what all ranks receive together for training (DDP: the ring all-reduce of every gradient, 2(p-1)/p
 of the model per rank per step; pipelines: every boundary activation and its gradient, the targets
@@ -132,6 +133,18 @@ class Curve:
         if not self.values:
             return math.nan
         return max(self.values) if w.higher_is_better else min(self.values)
+
+    def cut_at_target(self, w: _tta.Workload) -> Curve:
+        """The curve up to its first evaluation that meets the target, where the run stopped. A run is
+        stopped by a poll of its metrics (:func:`launch_until`, every 0.5 s), so the evaluations it wrote
+        past the target before the poll saw it depend on timing; kept, they made the best value and
+        s/step differ between two invocations of the same deterministic training (``--quick``)."""
+        i = self.first(w)
+        if i is None:
+            return self
+        keep = slice(0, i + 1)
+        return dataclasses.replace(self, steps=self.steps[keep], epochs=self.epochs[keep],
+                                   train_s=self.train_s[keep], values=self.values[keep], losses=self.losses[keep])
 
 
 # --- data ------------------------------------------------------------------------------------------
@@ -249,6 +262,15 @@ def curve_of(records: list[dict[str, Any]], w: _tta.Workload, link: str, system:
     return c
 
 
+def stopped_curve(records: list[dict[str, Any]], w: _tta.Workload, link: str, system: str, per_epoch: int,
+                  ended: str) -> Curve:
+    """A finished run's curve, how it ``ended``; one stopped at the target ends at that evaluation."""
+    c = curve_of(records, w, link, system, per_epoch)
+    c = c.cut_at_target(w) if ended == "target" else c
+    c.stopped = ended
+    return c
+
+
 # --- the systems -------------------------------------------------------------------------------------
 
 def compile_program(w: _tta.Workload, schedule: str, num_microbatches: int | None, stages: int | None,
@@ -315,8 +337,8 @@ def run_pipeline(program: Path, w: _tta.Workload, link: str, system: str, per_ep
     args += ["--schedule", schedule] if schedule else []
     world = int(json.loads((program / "plan.json").read_text())["world_size"])
     ended, _ = launch_until(args, metrics, w, LINKS[link], budget_s, world)
-    c = curve_of(read_records(metrics), w, link, system, per_epoch)
-    c.stopped, c.bytes_per_epoch = ended, pipeline_bytes_per_step(program) * per_epoch
+    c = stopped_curve(read_records(metrics), w, link, system, per_epoch, ended)
+    c.bytes_per_epoch = pipeline_bytes_per_step(program) * per_epoch
     return c
 
 
@@ -324,8 +346,7 @@ def run_ddp(w: _tta.Workload, link: str, per_epoch: int, budget_s: float, quick:
     metrics = Path(tempfile.mkdtemp(prefix="pd-tta-ddp-"))
     ended, _ = launch_until(["benchmarks._tta", "ddp", "--workload", w.name, "--metrics", str(metrics),
                              *(["--quick"] if quick else [])], metrics, w, LINKS[link], budget_s)
-    c = curve_of(read_records(metrics), w, link, "DDP", per_epoch)
-    c.stopped = ended
+    c = stopped_curve(read_records(metrics), w, link, "DDP", per_epoch, ended)
     c.bytes_per_epoch = NPROC * slowlink.ring_bytes(_tta.param_bytes(_tta.build_model(w.model)), NPROC) * per_epoch
     return c
 
@@ -347,11 +368,21 @@ def planner_program(w: _tta.Workload, system: str, link: str) -> tuple[Path, str
     prog, pipe = compile_program(w, schedule, None, None, cluster)
     _, chosen, _ = pipe.schedule_choice
     cost = pipe.action_cost
-    uncalibrated = "" if cost is None or cost.calibrated else \
+    cost_note = "" if cost is None else f"; per-action cost calibrated {calibrated_at()}" if cost.calibrated else \
         f"; the runtime's per-action cost not calibrated ({cost.problem}): built-in used"
     again = "" if pipe.num_microbatches == chosen.num_microbatches else \
         f" for {chosen.num_microbatches} microbatches on the plan before it was made again"
-    return prog, f"{describe(prog)}; predicted {chosen.step_s:.3g} s/step{again}{uncalibrated}"
+    return prog, f"{describe(prog)}; predicted {chosen.step_s:.3g} s/step{again}{cost_note}"
+
+
+def calibrated_at() -> str:
+    """When the cached per-action cost that ``schedule="auto"`` read was measured (``pdcompile.calibrate``):
+    the choice of schedule and microbatch count follows these measured constants, so it changes when they
+    are measured again, or when an edit of the runtime sets them aside (:func:`machine_cache.machine_key`)."""
+    from pdcompile import machine_cache
+
+    got = machine_cache.cached()
+    return str(got.get("measured_at", "at an unrecorded time")) if got else "(cache since changed)"
 
 
 def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], budget_s: float,

@@ -168,6 +168,11 @@ def test_time_to_accuracy_curves_tables_and_plot(tmp_path: Path, monkeypatch: py
     ddp = tta.Curve("fashion", "slow", "DDP", [20], [1.0], [36.0], [0.89])
     table = tta.table([ddp, c], w)
     assert "| slow | Flush | 9.0 | 1.000 | 4.00 | 0.9500 | 0.433 |" in table  # DDP 36 s / 9 s; 13 s / 30 steps
+    # a run stopped at the target ends at that evaluation: those written before the poll saw it are dropped
+    # (their number depends on timing; kept, best and s/step differed between two --quick invocations)
+    cut = tta.stopped_curve(_tta_records(), w, "slow", "Flush", 20, "target")
+    assert cut.values == [0.5, 0.9] and cut.train_s == [5.0, 9.0] and cut.best(w) == 0.9 and cut.stopped == "target"
+    assert tta.stopped_curve(_tta_records(), w, "slow", "Flush", 20, "budget").values == [0.5, 0.9, 0.95]
     loss = dataclasses.replace(w, metric="loss", target=0.45)  # lower is better
     assert tta.curve_of(_tta_records(), loss, "slow", "Flush", 20).time_to(loss) == 13.0
     # the DDP worker's records carry their own training seconds
