@@ -86,33 +86,39 @@ def balanced_bounds(chain: Chain, num_stages: int) -> list[int]:
     return balanced_split([layer.compute_s for layer in chain.layers], num_stages, chain.cut_bytes)
 
 
+#: the planning options where the pass's caller gives none (``pdcompile()`` gives all of them)
+PASS_PLANNING = PlanOptions(schedule="flush", num_microbatches=1, shard="auto")
+
+
 @dataclass(frozen=True)
 class PartitionOptions:
-    schedule: str = "flush"
+    """The partition pass's options: ``planning``, what the planners read (the user's schedule name,
+    mapped here to the one the planners model; a planning option is added to :class:`PlanOptions`
+    alone), and how the pass applies them: a given split (``stages``, ``replicas``), the ``cluster``,
+    the ``solver``, the boundaries' ``precision`` and stages per rank."""
+
+    planning: PlanOptions = PASS_PLANNING
     stages: int | None = None  # None: the planner chooses
     replicas: tuple[int, ...] | None = None  # per stage, with stages=; default one each
     cluster: ClusterSpec | None = None
     solver: str = "dp"  # "dp" or "ilp"
-    cost_model: str = "default"
-    num_microbatches: int = 1  # per minibatch (GPipe's memory holds them all)
-    recompute: str = "none"  # per stage: "none", "selective", "full" or "auto" (where memory needs it, model doc)
     precision: str = "fp32"  # "bf16": boundaries send half the bytes (Chain.on_the_wire)
     virtual_stages: int = 1  # stages per rank, for a schedule with a placement (stages= counts them all)
-    shard: str | tuple[str, ...] = "auto"  # replicas' state per stage: "none", "optimizer", "full", "auto"
-    optimizer_state_factor: float = 1.0  # optimizer-state bytes per weight byte (Adam 2, SGD momentum 1, SGD 0)
 
 
 def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
     """The plan for ``chain`` and the cluster it is for, each stage with its ``shard`` mode."""
     plan, cluster = _choose(chain, opts)
     if opts.stages is None and opts.solver != "dp":  # the ILP plans unsharded: a mode asked is set on its plan
-        plan = with_shard(plan, opts.shard, opts.schedule, opts.num_microbatches)
+        plan = with_shard(plan, opts.planning)
     return plan, cluster
 
 
-def with_shard(plan: Plan, shard: str | Sequence[str], schedule: str, num_microbatches: int | None) -> Plan:
-    """``plan`` with each stage's mode under the option ``shard`` (planner/sharding.py ``resolve``)."""
-    modes, notes = resolve_shard([st.replicas for st in plan.stages], shard, schedule, num_microbatches,
+def with_shard(plan: Plan, options: PlanOptions) -> Plan:
+    """``plan`` with each stage's mode under ``options.shard`` for their schedule (planner/sharding.py
+    ``resolve``; their microbatch count where it is known: ``full`` needs one per replica)."""
+    known = options.num_microbatches if options.microbatches_known else None
+    modes, notes = resolve_shard([st.replicas for st in plan.stages], options.shard, options.schedule, known,
                                  [st.shard for st in plan.stages])
     if all(m == st.shard for m, st in zip(modes, plan.stages)) and not notes:
         return plan
@@ -121,22 +127,22 @@ def with_shard(plan: Plan, shard: str | Sequence[str], schedule: str, num_microb
 
 
 def _choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
+    asked = opts.planning
     # both planners' memory models read every schedule's own Policy (GPipe: all M in flight) and know the
     # schedules by name; one they do not (a torch CSV's) is planned as its policy's planner_model
-    sched = opts.schedule if opts.schedule in DP_SCHEDULES else planner_schedule(opts.schedule)
+    sched = asked.schedule if asked.schedule in DP_SCHEDULES else planner_schedule(asked.schedule)
     # a given split is rated under the default cost model, as it always was
-    mem = PlanOptions(num_microbatches=opts.num_microbatches, recompute=opts.recompute, shard=opts.shard,
-                      optimizer_state_factor=opts.optimizer_state_factor)
-    place = policy(opts.schedule).placement if opts.schedule in POLICIES else None
+    mem = dataclasses.replace(asked, cost_model="default")
+    place = policy(asked.schedule).placement if asked.schedule in POLICIES else None
     if place is not None:
         return _virtual_plan(chain, opts, place, mem)
     if opts.stages is None:
         cluster = opts.cluster if opts.cluster is not None else local_cpu_cluster(2)
-        planning = dataclasses.replace(mem, cost_model=opts.cost_model, schedule=sched)
+        planning = dataclasses.replace(asked, schedule=sched)
         if opts.solver != "dp":  # the ILP plans unsharded (choose sets the mode) and without recomputation,
             # which "auto" allows; "full" or "selective" it refuses
             planning = dataclasses.replace(planning, shard="none",
-                                           recompute="none" if opts.recompute == "auto" else opts.recompute)
+                                           recompute="none" if asked.recompute == "auto" else asked.recompute)
         return choose_plan(chain, cluster, planning, solver=opts.solver), cluster
     n = opts.stages
     reps: Sequence[int] = opts.replicas if opts.replicas is not None else [1] * n
@@ -204,7 +210,7 @@ def _virtual_plan(chain: Chain, opts: PartitionOptions, place: Any, mem: PlanOpt
     """Virtual stages: ``stages=`` (default ``v`` per worker of the cluster, or of this machine's 2)."""
     v = opts.virtual_stages
     workers = opts.cluster.num_workers if opts.cluster is not None else 2
-    return virtual_plan(chain, opts.cluster, opts.schedule, v, opts.stages if opts.stages is not None else v * workers,
+    return virtual_plan(chain, opts.cluster, opts.planning.schedule, v, opts.stages if opts.stages is not None else v * workers,
                         mem)
 
 

@@ -401,26 +401,27 @@ def stage_time(chain: Chain, cluster: ClusterSpec, first: int, last: int, replic
     return PlanModel(chain, cluster, PlanOptions(cost_model, memory_limit=False)).level1_stage(first, last, replicas)[0]
 
 
-def stage_memory(chain: Chain, first: int, last: int, in_flight: int, *, schedule: str = "1f1b",
-                 optimizer_state_factor: float = 1.0) -> float:
-    """Per-worker bytes of stage ``first..last`` with ``in_flight`` minibatches (module doc)."""
+def stage_memory(chain: Chain, first: int, last: int, in_flight: int, options: PlanOptions | None = None,
+                 **overrides: Any) -> float:
+    """Per-worker bytes of stage ``first..last`` with ``in_flight`` minibatches (module doc) under
+    ``options`` (their schedule and optimizer state; keyword overrides as for :func:`partition_dp`)."""
     from pdcompile.cluster import Device, Level
 
     cluster = ClusterSpec(Device("any", memory=1.0), (Level("l", 1, 1.0),))
-    model = PlanModel(chain, cluster, PlanOptions("paper", schedule, False, optimizer_state_factor))
-    return model.memory(first, last, in_flight)
+    opts = replace(plan_options(options, overrides), cost_model="paper", memory_limit=False)
+    return PlanModel(chain, cluster, opts).memory(first, last, in_flight)
 
 
-def stage_memory_at(chain: Chain, first: int, last: int, *, in_flight: int, weight_versions: int,
-                    schedule: str = "1f1b", optimizer_state_factor: float = 1.0, recompute: bool | str = False,
-                    num_microbatches: int = 1, activation_scale: float = 1.0, head: int = 0, shard: str = "none",
-                    replicas: int = 1) -> float:
+def stage_memory_at(chain: Chain, first: int, last: int, options: PlanOptions | None = None, *, in_flight: int,
+                    weight_versions: int, recompute: bool | str = False, activation_scale: float = 1.0, head: int = 0,
+                    shard: str = "none", replicas: int = 1) -> float:
     """Per-worker bytes of stage ``first..last`` at given in-flight and weight-version counts: the
-    planner's stage memory (module doc), for the simulator's counts; activations scaled by
-    ``activation_scale``; its ``replicas`` holding weights, gradients and optimizer state as ``shard``
-    (``planner/sharding.py``: the prediction ``bench_memory_model`` measures against)."""
-    model = stage_decisions(chain, schedule=schedule, optimizer_state_factor=optimizer_state_factor,
-                            num_microbatches=num_microbatches).memory
+    planner's stage memory (module doc) under ``options`` (their schedule, optimizer state and
+    microbatches), for the simulator's counts; the stage's own decisions after them: its ``recompute``
+    mode (``head``: partial's layers), activations scaled by ``activation_scale``, its ``replicas``
+    holding weights, gradients and optimizer state as ``shard`` (``planner/sharding.py``: the prediction
+    ``bench_memory_model`` measures against)."""
+    model = stage_decisions(chain, options).memory
     return model.memory_at(first, last, in_flight, weight_versions, recompute, activation_scale, head,
                            shard=shard, replicas=replicas)
 

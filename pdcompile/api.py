@@ -35,6 +35,7 @@ from pdcompile.passes import codegen
 from pdcompile.passes.annotate_costs import AnnotateOptions
 from pdcompile.passes.partition import PartitionOptions, balanced_bounds, infer_virtual_stages, planner_schedule
 from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
+from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.passes.planner.sharding import check_option as check_shard
 from pdcompile.passes.planner.sharding import describe as describe_shard
 from pdcompile.passes.planner.sharding import untie as untie_shard
@@ -409,12 +410,12 @@ class CompiledPipeline:
             trace=TraceOptions(tuple(opts.leaf_modules), opts.frontend, opts.output),
             annotate=AnnotateOptions(self.microbatch_size, opts.cost_mode, opts.cluster, opts.symbolic_costs,
                                      opts.precision),
-            partition=PartitionOptions(opts.schedule, stages, tuple(opts.replicas) if opts.replicas is not None
-                                       else None, opts.cluster, opts.solver, opts.cost_model,
-                                       num_microbatches=self.num_microbatches, recompute=opts.recompute,
-                                       precision=opts.precision, virtual_stages=opts.virtual_stages,
-                                       shard=check_shard(opts.shard),
-                                       optimizer_state_factor=optimizer_state_factor_of(opts.optimizer)),
+            partition=PartitionOptions(
+                PlanOptions(cost_model=opts.cost_model, schedule=opts.schedule, num_microbatches=self.num_microbatches,
+                            recompute=opts.recompute, shard=check_shard(opts.shard),
+                            optimizer_state_factor=optimizer_state_factor_of(opts.optimizer)),
+                stages, tuple(opts.replicas) if opts.replicas is not None else None, opts.cluster, opts.solver,
+                precision=opts.precision, virtual_stages=opts.virtual_stages),
             schedule=ScheduleOptions(opts.schedule, self.num_microbatches, virtual_stages=opts.virtual_stages,
                                      csv=opts.csv_text),
             loss=TraceLossOptions(opts.loss_fn, self._micro_target(target)) if target is not None else None,

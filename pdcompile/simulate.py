@@ -12,6 +12,7 @@ from typing import Any
 
 from pdcompile.errors import UsageError
 from pdcompile.passes.planner.decisions import Recompute, stage_decisions
+from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.runtime.schedules import (
     Action,
     Kind,
@@ -500,6 +501,9 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     the larger of its peak with gradients (``peak_in_flight_with_grads``) and its peak before them
     (one weight copy less); tied stages on one rank sum their copies with no collective.
     """
+    # what the planner's memory model and recomputation decision read, as one object (stage_decisions)
+    planned = PlanOptions(schedule=schedule_name or plan.schedule, optimizer_state_factor=optimizer_state_factor,
+                          num_microbatches=num_microbatches)
     if refit_recompute is not None and virtual_stages == 1:
         # recomputation chosen again for this schedule and microbatch size: each stage the mode that
         # fits refit_recompute bytes with least forward run again, at the in-flight and version
@@ -510,9 +514,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                   copy_bandwidth=copy_bandwidth, split_backward=split_backward, input_grad_share=input_grad_share,
                   weight_grad_share=weight_grad_share, optimizer_state_factor=optimizer_state_factor)
         first = simulate_plan(plan, chain, cluster, schedule_name, num_microbatches, **kw)  # type: ignore[arg-type]
-        fit = stage_decisions(chain, schedule=schedule_name or plan.schedule,
-                              optimizer_state_factor=optimizer_state_factor, num_microbatches=num_microbatches,
-                              memory_limit=refit_recompute)
+        fit = stage_decisions(chain, planned, budget=refit_recompute)
         chosen = [fit.choose(st_.first, st_.last, first.peak_in_flight[s], versions=first.peak_weight_versions[s],
                              activation_scale=plan.microbatch_size / chain.batch_size,
                              shard=getattr(st_, "shard", "none"), replicas=st_.replicas)
@@ -529,8 +531,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
 
     def model(sched: str) -> Recompute:  # the planner's stage memory and recomputation per schedule
         if sched not in models:
-            models[sched] = stage_decisions(chain, schedule=sched, optimizer_state_factor=optimizer_state_factor,
-                                            num_microbatches=num_microbatches)
+            models[sched] = stage_decisions(chain, replace(planned, schedule=sched))
         return models[sched]
 
     fwd, bwd, params, cut, b_in, b_w = [], [], [], [], [], []

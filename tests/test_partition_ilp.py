@@ -117,9 +117,10 @@ def test_ilp_refuses_pooled_workers_and_recomputation() -> None:
 
 def _pass_plan(chain, cluster, solver, **kw):  # type: ignore[no-untyped-def]
     """The partition pass's plan by ``solver`` (the path ``pdcompile(..., solver=)`` takes)."""
-    from pdcompile.passes.partition import PartitionOptions, choose
+    from pdcompile.passes.partition import PASS_PLANNING, PartitionOptions, choose
 
-    return choose(chain, PartitionOptions(cluster=cluster, recompute="none", shard="none", solver=solver, **kw))[0]
+    planning = PASS_PLANNING.with_(dict(recompute="none", shard="none", **kw))
+    return choose(chain, PartitionOptions(planning, cluster=cluster, solver=solver))[0]
 
 
 def _both(chain, cluster, **kw):  # type: ignore[no-untyped-def]
@@ -141,10 +142,10 @@ def test_ilp_plans_with_the_users_optimizer_state() -> None:
     assert configs[1.0] == ("2", "2") and configs[2.0] == ("1-1", "1-1"), configs  # the factor changes what fits
     # recomputation: "auto" allows none, which the ILP plans; "full" it refuses rather than drop
     assert _pass_plan(chain, cluster, "ilp", optimizer_state_factor=2.0, num_microbatches=2).configuration == "1-1"
-    from pdcompile.passes.partition import PartitionOptions, choose
+    from pdcompile.passes.partition import PASS_PLANNING, PartitionOptions, choose
 
     with pytest.raises(UsageError, match="recomputation"):
-        choose(chain, PartitionOptions(cluster=cluster, solver="ilp", recompute="full"))
+        choose(chain, PartitionOptions(PASS_PLANNING.with_(dict(recompute="full")), cluster=cluster, solver="ilp"))
 
 
 @SETTINGS

@@ -103,7 +103,7 @@ def test_schedule_auto_refits_recomputation_for_each_microbatch_count() -> None:
     it, slower by what its stages run again, and equals a simulation of the plan with those modes set
     by hand; with ``recompute="none"`` nothing is recomputed."""
     from pdcompile import autoschedule
-    from pdcompile.passes.partition_dp import stage_memory_at
+    from pdcompile.passes.partition_dp import PlanOptions, stage_memory_at
     from pdcompile.simulate import simulate_plan
 
     free = _compile(recompute="none")
@@ -125,8 +125,8 @@ def test_schedule_auto_refits_recomputation_for_each_microbatch_count() -> None:
         first = simulate_plan(micro, chain, cluster, name, m)
         chosen = []
         for s, st in enumerate(micro.stages):  # the modes it chose, held to the memory model by hand
-            none = stage_memory_at(chain, st.first, st.last, in_flight=first.peak_in_flight[s],
-                                   weight_versions=first.peak_weight_versions[s], schedule=name, num_microbatches=m,
+            none = stage_memory_at(chain, st.first, st.last, PlanOptions(schedule=name, num_microbatches=m),
+                                   in_flight=first.peak_in_flight[s], weight_versions=first.peak_weight_versions[s],
                                    activation_scale=micro.microbatch_size / chain.batch_size)
             chosen.append(none <= limit)
         assert not all(chosen)  # some stage needed recomputation

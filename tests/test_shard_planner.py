@@ -29,7 +29,7 @@ from test_partition_dp import _FORBIDDEN, chains, configs, in_bytes, ref_time, t
 from pdcompile.cluster import ClusterSpec, flat_cluster  # noqa: E402
 from pdcompile.errors import InfeasiblePlanError, UsageError  # noqa: E402
 from pdcompile.ir import Chain  # noqa: E402
-from pdcompile.passes.partition_dp import partition_dp, stage_memory_at  # noqa: E402
+from pdcompile.passes.partition_dp import PlanOptions, partition_dp, stage_memory_at  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -87,7 +87,7 @@ def stage_choices(chain: Chain, cluster: ClusterSpec, blocks, limit: float, sche
     (``memory_at``, checked against the definitions by tests/test_memory_model.py)."""
     from pdcompile.passes.planner.decisions import stage_decisions
 
-    mem = stage_decisions(chain, schedule=schedule, optimizer_state_factor=f, num_microbatches=M).memory
+    mem = stage_decisions(chain, PlanOptions(schedule=schedule, optimizer_state_factor=f, num_microbatches=M)).memory
     L = chain.layers
     inb = in_bytes(chain)
     B1 = cluster.levels[0].bandwidth
@@ -272,8 +272,8 @@ def test_each_mode_memory_from_its_definition() -> None:
         if mode == "full" and sched == "1f1b":
             continue
         versions = k if sched == "1f1b" else 1
-        got = stage_memory_at(chain, 0, 1, in_flight=k, weight_versions=versions, schedule=sched,
-                              optimizer_state_factor=2.0, shard=mode, replicas=r)
+        got = stage_memory_at(chain, 0, 1, PlanOptions(schedule=sched, optimizer_state_factor=2.0), in_flight=k,
+                              weight_versions=versions, shard=mode, replicas=r)
         assert math.isclose(got, ref_need(400.0, X, k, r, mode, sched, 2.0), rel_tol=1e-12)
 
 
@@ -311,11 +311,12 @@ def test_auto_shards_where_a_profile_needs_it_and_nowhere_else(name: str, gib: f
     from pdcompile.profile import load
 
     chain = linearize(load(f"pipedream:{name}"))
+    planned = PlanOptions(schedule="flush", optimizer_state_factor=2.0, num_microbatches=8)
     sharded = [s for s in auto.stages if s.shard != "none"]  # type: ignore[attr-defined]
     assert sharded
     for s in auto.stages:  # type: ignore[attr-defined]
-        unsharded = stage_memory_at(chain, s.first, s.last, in_flight=s.in_flight, weight_versions=s.weight_versions,
-                                    schedule="flush", optimizer_state_factor=2.0, num_microbatches=8)
+        unsharded = stage_memory_at(chain, s.first, s.last, planned, in_flight=s.in_flight,
+                                    weight_versions=s.weight_versions)
         assert s.memory_bytes <= limit * (1 + 1e-9)
         assert (unsharded > limit) == (s.shard != "none"), (s.index, s.replicas, s.shard, unsharded, limit)
         if s.shard != "none":
@@ -343,9 +344,9 @@ def test_the_simulator_holds_each_stage_as_its_mode() -> None:
         assert [s.shard for s in plan.stages] == [mode, "none"]
         res = simulate_plan(plan, chain, cluster, "flush", 4, optimizer_state_factor=2.0)
         for s in plan.stages:
-            kw = dict(in_flight=res.peak_in_flight[s.index], weight_versions=res.peak_weight_versions[s.index],
-                      schedule="flush", optimizer_state_factor=2.0, num_microbatches=4)
-            want = stage_memory_at(chain, s.first, s.last, shard=s.shard, replicas=s.replicas, **kw)
+            kw = dict(in_flight=res.peak_in_flight[s.index], weight_versions=res.peak_weight_versions[s.index])
+            planned = PlanOptions(schedule="flush", optimizer_state_factor=2.0, num_microbatches=4)
+            want = stage_memory_at(chain, s.first, s.last, planned, shard=s.shard, replicas=s.replicas, **kw)
             assert math.isclose(res.peak_memory_bytes[s.index], want, rel_tol=1e-12)
             if s.shard != "none":
-                assert want < stage_memory_at(chain, s.first, s.last, **kw)
+                assert want < stage_memory_at(chain, s.first, s.last, planned, **kw)

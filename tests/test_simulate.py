@@ -497,7 +497,7 @@ def test_virtual_stage_memory_counts_gradients_from_the_first_backward(M: int) -
     from dataclasses import replace as _replace
 
     from pdcompile.cluster import flat_cluster
-    from pdcompile.passes.partition_dp import plan_from_assignment, stage_memory_at
+    from pdcompile.passes.partition_dp import PlanOptions, plan_from_assignment, stage_memory_at
     from pdcompile.simulate import simulate_plan
 
     chain = _saved_chain(3, 8)
@@ -508,8 +508,8 @@ def test_virtual_stage_memory_counts_gradients_from_the_first_backward(M: int) -
     res = simulate_plan(plan, chain, flat_cluster(2, 10.0, memory=1e15), "looped-bfs", M, virtual_stages=2)
     assert res.peak_in_flight == [M] * 4 and res.peak_in_flight_with_grads == [0] * 4
     for s, st_ in enumerate(plan.stages):
-        flush_model = stage_memory_at(chain, st_.first, st_.last, in_flight=M, weight_versions=1, schedule="flush",
-                                      num_microbatches=M)
+        flush_model = stage_memory_at(chain, st_.first, st_.last, PlanOptions(schedule="flush", num_microbatches=M),
+                                      in_flight=M, weight_versions=1)
         weights = sum(l.param_bytes for l in chain.layers[st_.first:st_.last + 1])
         assert res.peak_memory_bytes[s] == pytest.approx(flush_model - weights, rel=1e-12)
     straight = simulate_plan(plan_from_assignment(chain, flat_cluster(2, 10.0, memory=1e15), [(0, 3, 1), (4, 7, 1)],
@@ -531,7 +531,7 @@ def test_virtual_stage_rebuild_counts_gradients_from_the_second_backward(M: int)
     from dataclasses import replace as _replace
 
     from pdcompile.cluster import flat_cluster
-    from pdcompile.passes.partition_dp import plan_from_assignment, stage_memory_at
+    from pdcompile.passes.partition_dp import PlanOptions, plan_from_assignment, stage_memory_at
     from pdcompile.simulate import simulate_plan
 
     chain = _saved_chain(3, 8)
@@ -542,20 +542,21 @@ def test_virtual_stage_rebuild_counts_gradients_from_the_second_backward(M: int)
     full = _replace(plan, stages=tuple(_replace(st_, recompute="full", recompute_layers=st_.last - st_.first + 1)
                                        for st_ in plan.stages))
     cluster = flat_cluster(2, 10.0, memory=1e15)
+    flush = PlanOptions(schedule="flush", num_microbatches=M)
     res = simulate_plan(full, chain, cluster, "looped-bfs", M, virtual_stages=2)
     plain = simulate_plan(plan, chain, cluster, "looped-bfs", M, virtual_stages=2)
     assert res.peak_in_flight_at_rebuild == [M - 1] * 4
     for s, st_ in enumerate(full.stages):
         def at(k: int, recompute: str) -> float:
-            return stage_memory_at(chain, st_.first, st_.last, in_flight=k, weight_versions=1, schedule="flush",
-                                   num_microbatches=M, recompute=recompute)
+            return stage_memory_at(chain, st_.first, st_.last, flush, in_flight=k, weight_versions=1,
+                                   recompute=recompute)
         weights = sum(l.param_bytes for l in chain.layers[st_.first:st_.last + 1])
         assert res.peak_memory_bytes[s] == pytest.approx(max(at(M - 1, "full"), at(M, "full") - weights), rel=1e-12)
         assert plain.peak_memory_bytes[s] == pytest.approx(at(M, "none") - weights, rel=1e-12)
     # the gradients beside a rebuild: more than the peak before the first backward when weights
     # outweigh a microbatch's kept activations (this chain's)
-    assert any(res.peak_memory_bytes[s] > stage_memory_at(chain, st_.first, st_.last, in_flight=M, weight_versions=1,
-                                                          schedule="flush", num_microbatches=M, recompute="full")
+    assert any(res.peak_memory_bytes[s] > stage_memory_at(chain, st_.first, st_.last, flush, in_flight=M,
+                                                          weight_versions=1, recompute="full")
                - sum(l.param_bytes for l in chain.layers[st_.first:st_.last + 1]) * (1 + 1e-9)
                for s, st_ in enumerate(full.stages))
 

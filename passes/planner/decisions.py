@@ -15,7 +15,7 @@ from pdcompile.errors import UsageError
 from pdcompile.ir import Chain
 from pdcompile.passes.planner.arrays import ChainArrays, cumsum0, rng, sorted_unique
 from pdcompile.passes.planner.memory import EPS, SHARD_EXACT, MemoryModel
-from pdcompile.runtime.schedules import registry as schedule_registry
+from pdcompile.passes.planner.options import PlanOptions
 
 __all__ = ["MODES", "RECOMPUTE", "PartialTable", "Recompute", "allowed_modes", "stage_decisions"]
 
@@ -92,16 +92,15 @@ class Recompute:
         return least[1], least[2]
 
 
-def stage_decisions(chain: Chain, *, schedule: str = "1f1b", optimizer_state_factor: float = 1.0,
-                    num_microbatches: int = 1, memory_limit: float | None = None) -> Recompute:
-    """The planner's stage memory and recomputation decision for ``chain`` at the simulator's counts
-    (``.memory.memory_at``, :meth:`Recompute.recompute_s`); with ``memory_limit`` (bytes per worker),
-    ``recompute="auto"`` under it (:meth:`Recompute.choose`)."""
+def stage_decisions(chain: Chain, options: PlanOptions | None = None, *, budget: float | None = None) -> Recompute:
+    """The planner's stage memory and recomputation decision for ``chain`` under ``options`` (their
+    schedule, optimizer state and microbatches: one object, so the simulator rates a plan with what it
+    was planned with) at the simulator's counts (``.memory.memory_at``, :meth:`Recompute.recompute_s`);
+    with ``budget`` (bytes per worker), ``recompute="auto"`` under it (:meth:`Recompute.choose`)."""
     arrays = ChainArrays(chain)
-    on = memory_limit is not None
-    memory = MemoryModel(arrays, chain, schedule_registry.policy(schedule),
-                         optimizer_state_factor=optimizer_state_factor, num_microbatches=max(1, int(num_microbatches)),
-                         workers=1, budget=float(memory_limit) if memory_limit is not None else float("inf"), on=on)
+    on = budget is not None
+    memory = MemoryModel.of(arrays, chain, options if options is not None else PlanOptions(), workers=1,
+                            budget=float(budget) if budget is not None else float("inf"), on=on)
     return Recompute(arrays, memory, allowed_modes("auto" if on else "none", memory.selective_known, on), on)
 
 

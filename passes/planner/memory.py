@@ -15,7 +15,9 @@ import numpy as np
 
 from pdcompile.ir import Chain
 from pdcompile.passes.planner.arrays import ChainArrays, cumsum0, rng, sorted_unique
+from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.passes.planner.sharding import weight_factors
+from pdcompile.runtime.schedules import registry as schedule_registry
 
 __all__ = ["EPS", "SHARD_EXACT", "MemoryModel", "mode_of", "partial_term"]
 
@@ -139,6 +141,16 @@ class MemoryModel:
         }
         self._tables: dict[str, np.ndarray] = {}
         self._stacks: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+
+    @classmethod
+    def of(cls, arrays: ChainArrays, chain: Chain, options: PlanOptions, *, workers: int, budget: float,
+           on: bool) -> MemoryModel:
+        """The memory model of ``options``' schedule, optimizer state and microbatches (none given: a step
+        of one, in-flight counts not capped by it), built one way for the search and the simulator."""
+        return cls(arrays, chain, schedule_registry.policy(options.schedule),
+                   optimizer_state_factor=options.optimizer_state_factor,
+                   num_microbatches=max(1, int(options.num_microbatches or 1)), workers=workers, budget=budget,
+                   on=on, microbatches_known=options.microbatches_known and options.num_microbatches is not None)
 
     def share_tables(self, other: MemoryModel) -> bool:
         """Read and fill ``other``'s tables from now on where both models rate the same chain arrays under

@@ -92,10 +92,8 @@ class PlanModel:
         self.sizes = [cluster.unit_size(k) for k in range(self.L + 1)]
 
         self.costs = make_costs(cost_model, arrays, cluster, self.opt_factor)
-        self.mem = MemoryModel(arrays, chain, self.policy, optimizer_state_factor=self.opt_factor,
-                               num_microbatches=self.M, workers=self.sizes[-1],
-                               budget=require_memory(cluster) if self.memory_on else math.inf, on=self.memory_on,
-                               microbatches_known=microbatches_known and num_microbatches is not None)
+        self.mem = MemoryModel.of(arrays, chain, opts, workers=self.sizes[-1],
+                                  budget=require_memory(cluster) if self.memory_on else math.inf, on=self.memory_on)
         self.selective_known = self.mem.selective_known
         if self.recompute == "selective" and not self.selective_known:
             raise UsageError("recompute='selective' needs each layer's selective costs (what stays saved when cheap "

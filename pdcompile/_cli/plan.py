@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -175,5 +176,5 @@ def plan_for(args: argparse.Namespace) -> Any:
     if args.solver == "ilp":  # the ILP plans unsharded: a mode asked is set on its plan
         from pdcompile.passes.partition import with_shard
 
-        result = with_shard(result, shard, options.schedule, None)
+        result = with_shard(result, dataclasses.replace(options, shard=shard))
     return result
