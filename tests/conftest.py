@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -24,3 +25,16 @@ from hypothesis import settings as _hypothesis_settings  # noqa: E402
 
 _hypothesis_settings.register_profile("pdcompile", derandomize=not os.environ.get("PDC_HYPOTHESIS_EXPLORE"))
 _hypothesis_settings.load_profile("pdcompile")
+
+_caches = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def pdcompile_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every test reads and writes pdcompile's machine cache (``python -m pdcompile.calibrate``'s constants,
+    whose per-action cost ``schedule="auto"`` charges) in a folder of its own, empty until written, never
+    ``~/.cache/pdcompile``: no result depends on whether, or for which runtime, this machine was calibrated.
+    Launched processes inherit it. A test that needs a calibration writes one here (or sets its own)."""
+    folder = tmp_path_factory.getbasetemp() / "pdcompile-cache" / str(next(_caches))
+    monkeypatch.setenv("PDCOMPILE_CACHE", str(folder))
+    return folder

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,6 +15,19 @@ from pdcompile.autoschedule import Candidate, auto_schedules, best, candidates, 
 from pdcompile.ir import Chain, ChainLayer
 
 pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(autouse=True)
+def calibrated(pdcompile_cache: Path) -> dict[str, float]:
+    """``schedule="auto"`` as on a machine calibrated for this very runtime, whatever this machine's own
+    cache holds: conftest's empty cache of the test's own, given the built-in per-action cost as measured
+    (the same choices everywhere, and no UncalibratedWarning); the seconds per action kind."""
+    from pdcompile import machine_cache
+
+    seconds = dict.fromkeys(machine_cache.ACTION_KINDS, machine_cache.BUILTIN_ACTION_S)
+    pdcompile_cache.mkdir(parents=True)
+    machine_cache.cache_path().write_text(json.dumps({"key": machine_cache.machine_key(), "overhead_s": seconds}))
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -80,13 +94,14 @@ def test_auto_respects_the_memory_limit() -> None:
     assert "gpipe" in text and "(does not fit)" in text and "* zb-h1" in text and "note: x" in text
 
 
-def test_api_schedule_auto_compiles_the_choice(tmp_path) -> None:  # noqa: ANN001
+def test_api_schedule_auto_compiles_the_choice(tmp_path, calibrated: dict[str, float]) -> None:  # noqa: ANN001
     from pdcompile.api import pdcompile
     from pdcompile.zoo import get
 
     z = get("mlp", batch_size=8, seed=0)
     pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
                      stages=2, schedule="auto")
+    assert pipe.action_cost is not None and (pipe.action_cost.seconds, pipe.action_cost.calibrated) == (calibrated, True)
     cands, chosen, _ = pipe.schedule_choice
     assert chosen == best(cands) and chosen.schedule in ("gpipe", "flush")  # CPU workers: no zb-h1
     assert "zb-h1" not in {c.schedule for c in cands}
