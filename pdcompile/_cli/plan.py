@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from typing import Any
 
 from pdcompile._cli._args import SHARD_HELP, call_factory, parse_inputs, parse_shard, resolve_cluster
 from pdcompile.errors import UsageError
-from pdcompile.passes.partition_dp import COST_MODELS
+from pdcompile.passes.partition_dp import COST_MODELS, PlanOptions
 from pdcompile.runtime.schedules import SCHEDULES
 
 EXAMPLES = """\
@@ -139,34 +138,42 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_for(args: argparse.Namespace) -> Any:
-    """The plan ``pdcompile plan ARGS`` prints (``pdcompile demo`` shows the same)."""
-    from pdcompile.passes.linearize import linearize
-    from pdcompile.plan import PlanOptions
-    from pdcompile.plan import plan as make_plan
+def plan_options(args: argparse.Namespace, optimizer: str) -> PlanOptions:
+    """The :class:`~pdcompile.plan.PlanOptions` ``pdcompile plan ARGS`` plans with, for a profile of a
+    model trained with ``optimizer`` (its state's bytes): the one list the command and the planner
+    benchmark (``benchmarks/bench_planner.py``, which checks the command's plans) read."""
     from pdcompile.profile import optimizer_state_factor
 
-    if args.time_limit <= 0:
-        raise UsageError(f"--time-limit must be positive (got {args.time_limit})")
     shard = parse_shard(args.shard)
     if not isinstance(shard, str):
         raise UsageError(f"--shard {args.shard!r}: pdcompile plan chooses the stages, so give one mode (or auto) "
                          f"for every replicated stage")
-    cluster = resolve_cluster(args.cluster)
-    prof = _profile(args)
     dp = args.solver == "dp"
-    options = PlanOptions(
+    return PlanOptions(
         cost_model=args.cost_model,
         schedule=args.schedule,
         memory_limit=args.memory_limit,
-        optimizer_state_factor=optimizer_state_factor(prof.optimizer),
+        optimizer_state_factor=optimizer_state_factor(optimizer),
         recompute=args.recompute or ("auto" if dp else "none"),
         # pooled workers: the DP's, except under the released optimizer's model, whose stages nest
         pool=(dp and args.cost_model != "pipedream") if args.pool is None else args.pool,
-        # the step's microbatch count is not known here: full is not refused for too few (the ILP plans unsharded)
-        shard=shard if dp else "none", microbatches_known=False,
+        # the step's microbatch count is not known here: full is not refused for too few (the ILP plans
+        # unsharded, and the mode asked is set on its plan: with_shard)
+        shard=shard, microbatches_known=False,
     )
-    extra: dict[str, Any] = {} if dp else dict(time_limit_s=args.time_limit, hint="dp")
+
+
+def plan_for(args: argparse.Namespace) -> Any:
+    """The plan ``pdcompile plan ARGS`` prints (``pdcompile demo`` shows the same)."""
+    from pdcompile.passes.linearize import linearize
+    from pdcompile.plan import plan as make_plan
+
+    if args.time_limit <= 0:
+        raise UsageError(f"--time-limit must be positive (got {args.time_limit})")
+    cluster = resolve_cluster(args.cluster)
+    prof = _profile(args)
+    options = plan_options(args, prof.optimizer)
+    extra: dict[str, Any] = {} if args.solver == "dp" else dict(time_limit_s=args.time_limit, hint="dp")
     if args.microbatch:
         sizes = _sizes(args.microbatch)
         result = make_plan(lambda b: linearize(prof.at_batch_size(b)), cluster, options, solver=args.solver,
@@ -176,5 +183,5 @@ def plan_for(args: argparse.Namespace) -> Any:
     if args.solver == "ilp":  # the ILP plans unsharded: a mode asked is set on its plan
         from pdcompile.passes.partition import with_shard
 
-        result = with_shard(result, dataclasses.replace(options, shard=shard))
+        result = with_shard(result, options)
     return result
