@@ -173,8 +173,6 @@ class Trainer:
         self.step_times: list[float] = []
         self.ran = False  # a segment ran (the next starts from a flush, with fresh weight versions)
         self.promised_versions = 1  # metrics: the most weight versions the schedule keeps at once
-        # 1F1B steps after every microbatch: log once per minibatch of M, as the other schedules do.
-        self.log_every = schedules.policy(self.schedule.name).microbatches_per_log(M)
         self.reports = any(st.index == last and rank == st.ranks[0] for st in specs)  # logs, metrics.jsonl, TensorBoard
         self.runlog = RunLog(args, self.reports, total=args.steps, start=self.start, per_epoch=self.per_epoch,
                              samples_per_step=b * M, tokens=tokens_per_sample(program.stages[0].inputs),
@@ -273,6 +271,8 @@ class Trainer:
         times: list[float] = []
         last = any(st.index == self.program.num_stages - 1 and rank == st.ranks[0] for st in self.specs)
         done = 0
+        # logged once per minibatch (1F1B: M / r updates of a replica each, Policy.minibatches_done)
+        policy, replicas, shown, taken = schedules.policy(self.schedule.name), self.replicas[self.specs[0].index], 0, 0
         timer = timing.StepTimer(devices.rank_device())
         chunk = next(steps, None)
         lr = self._lr()
@@ -286,17 +286,20 @@ class Trainer:
             executor.run(actions, release=release, posts=posts)
             timer.stop()
             done += len(actions)
-            if (len(self.step_times) + timer.pending) % self.log_every == 0 or upcoming is None:
+            taken += 1
+            complete = end - first if upcoming is None else policy.minibatches_done(taken, M, replicas, end - first)
+            if complete > shown or upcoming is None:
                 new = timer.collect()  # a logging point: on a GPU the step times are read here (timing.StepTimer)
                 times += new
                 self.step_times += new
-                if last and len(self.step_times) % self.log_every == 0:  # a minibatch done (1f1b: M updates)
+                if last and complete > shown:  # minibatches done: a log step each, sharing these steps' time
                     losses = executor.losses[logged:]
                     logged = len(executor.losses)
-                    self.runlog.step(self.start + len(self.step_times) // self.log_every,
-                                     sum(losses) / len(losses) if losses else None, lr,
-                                     sum(new[-self.log_every:]))
+                    for step in range(first + shown + 1, first + complete + 1):
+                        self.runlog.step(step, sum(losses) / len(losses) if losses else None, lr,
+                                         sum(new) / (complete - shown))
                     lr = self._lr()
+                shown = complete
             chunk = upcoming
         executor.wait_sends()
         return times

@@ -348,6 +348,32 @@ def test_pipedream_1f1b_replicas_take_turns_at_whole_minibatches(tmp_path: Path,
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("microbatches", [2, 1])
+def test_1f1b_logs_every_minibatch_once_with_a_replicated_last_stage(tmp_path: Path, user: Any,
+                                                                      microbatches: int) -> None:
+    """PipeDream's 1F1B with a last stage of 2 replicas: the reporting replica updates once a round of 2
+    microbatches (M = 2: once a minibatch; M = 1: once every other minibatch). metrics.jsonl still has one
+    train record per minibatch, numbered as the minibatches are, each before its step's evaluation (before:
+    a record per M of the replica's updates, numbered by them: 3 records for 6 minibatches, "step 1" after
+    minibatch 2; bench_time_to_accuracy's Planner + 1F1B curves kept their evaluations' time)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(user.D, 16), torch.nn.ReLU(), torch.nn.Linear(16, user.C))
+    pipe = pdcompile(model, example_inputs=(torch.randn(2 * B, user.D),),
+                     example_target=torch.zeros(2 * B, dtype=torch.long), loss_fn=torch.nn.CrossEntropyLoss(),
+                     optimizer=lambda p: torch.optim.SGD(p, lr=0.1), stages=2, replicas=[1, 2], schedule="1f1b",
+                     num_microbatches=microbatches)
+    steps = 6
+    metrics, _ = _launch(tmp_path, pipe.emit(tmp_path / "prog"), [
+        "--steps", str(steps), "--data", "loopdata:train", "--eval-data", "loopdata:val", "--eval-every", "2"])
+    records = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["type"], r["step"]) for r in records] == [
+        (kind, k + n) for k in (1, 3, 5) for kind, n in (("train", 0), ("train", 1), ("eval", 1))]
+    assert all(r["loss"] is not None and r["step_time_s"] > 0 for r in records if r["type"] == "train")
+    assert len(metrics[1]["step_times_s"]) == steps * microbatches // 2  # the replica's updates: rounds of 2
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
 def test_run_streams_epochs_with_lr_scheduler_and_validation(tmp_path: Path, user: Any) -> None:
     """The API: ``pdcompile(lr_scheduler=)`` goes into plan.json; ``run(loader, epochs=, eval_data=,
     eval_every="epoch")`` streams the minibatches to the ranks (no data file) and trains and evaluates as

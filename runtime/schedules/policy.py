@@ -81,9 +81,15 @@ class Policy:
         """Backward passes one update sums (the loss is scaled by 1/this)."""
         return 1 if self.update_per_microbatch else num_microbatches
 
-    def microbatches_per_log(self, num_microbatches: int) -> int:
-        """Updates per minibatch of ``M`` microbatches: the runtime logs once per minibatch."""
-        return num_microbatches if self.update_per_microbatch else 1
+    def minibatches_done(self, steps: int, num_microbatches: int, replicas: int, minibatches: int) -> int:
+        """Of a run of ``minibatches`` minibatches (``M`` microbatches each), how many are complete once a
+        replica of a stage of ``replicas`` replicas has taken ``steps`` optimizer steps (the runtime logs
+        each minibatch when it is): one step a minibatch, or under an update per microbatch one step a
+        round of ``replicas`` microbatches (the replicas' gradients summed), so M / r steps a minibatch,
+        or several minibatches a step where r > M."""
+        if not self.update_per_microbatch:
+            return min(steps, minibatches)
+        return min(steps * replicas, minibatches * num_microbatches) // num_microbatches
 
     def weight_versions(self, replicas: Sequence[int], stage: int) -> int:
         """The most weight versions a replica of ``stage`` keeps (memory: weights x this)."""
