@@ -117,9 +117,8 @@ def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
 def with_shard(plan: Plan, options: PlanOptions) -> Plan:
     """``plan`` with each stage's mode under ``options.shard`` for their schedule (planner/sharding.py
     ``resolve``; their microbatch count where it is known: ``full`` needs one per replica)."""
-    known = options.num_microbatches if options.microbatches_known else None
-    modes, notes = resolve_shard([st.replicas for st in plan.stages], options.shard, options.schedule, known,
-                                 [st.shard for st in plan.stages])
+    modes, notes = resolve_shard([st.replicas for st in plan.stages], options.shard, options.schedule,
+                                 options.step_microbatches, [st.shard for st in plan.stages])
     if all(m == st.shard for m, st in zip(modes, plan.stages)) and not notes:
         return plan
     stages = tuple(dataclasses.replace(st, shard=m) for st, m in zip(plan.stages, modes))

@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
-from pdcompile.cluster import local_cpu_cluster
+from pdcompile.cluster import flat_cluster, local_cpu_cluster
 from pdcompile.errors import UsageError
 from pdcompile.ir import Chain, ChainLayer, CompileState
 from pdcompile.passes.annotate_costs import AnnotateOptions
-from pdcompile.passes.partition import PartitionOptions, balanced_bounds, balanced_split
+from pdcompile.passes.partition import PASS_PLANNING, PartitionOptions, balanced_bounds, balanced_split, choose
 from pdcompile.passes.partition_dp import partition_dp
 from pdcompile.passes.schedule import ScheduleOptions
 from pdcompile.passes.trace import TraceOptions
@@ -53,6 +53,25 @@ def test_balanced_split_and_the_planner_without_replication_agree() -> None:
         assert plan.seconds_per_minibatch == pytest.approx(_slowest(chain, bounds), rel=1e-9)
         checked += 1
     assert checked > 100
+
+
+def test_the_pass_plans_with_every_planning_option_it_holds() -> None:
+    """The pass hands its ``planning`` options to the planner whole: ``allow_replication``, which the
+    pass has no field of its own for, changes its plan (three compute-heavy layers without weights are
+    best replicated on four workers; forbidden, a pipeline without replicas), exactly as it changes
+    partition_dp's."""
+    layers = tuple(ChainLayer(f"l{i}", "op", 1.0, 2.0, 1.0, 0.0, (f"l{i}",)) for i in range(3))
+    chain = Chain(layers, (1.0, 1.0))
+    cluster = flat_cluster(4, 1e9, memory=1e12)
+    plans = {}
+    for allow in (True, False):
+        planning = PASS_PLANNING.with_({"allow_replication": allow})
+        got = choose(chain, PartitionOptions(planning, cluster=cluster))[0]
+        want = partition_dp(chain, cluster, planning)
+        assert (got.configuration, got.seconds_per_minibatch) == (want.configuration, want.seconds_per_minibatch)
+        plans[allow] = got
+    assert any(st.replicas > 1 for st in plans[True].stages)
+    assert all(st.replicas == 1 for st in plans[False].stages)
 
 
 def test_balanced_split_respects_blocked_cuts_and_prefers_narrow_ones() -> None:

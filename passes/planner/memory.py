@@ -150,7 +150,7 @@ class MemoryModel:
         return cls(arrays, chain, schedule_registry.policy(options.schedule),
                    optimizer_state_factor=options.optimizer_state_factor,
                    num_microbatches=max(1, int(options.num_microbatches or 1)), workers=workers, budget=budget,
-                   on=on, microbatches_known=options.microbatches_known and options.num_microbatches is not None)
+                   on=on, microbatches_known=options.step_microbatches is not None)
 
     def share_tables(self, other: MemoryModel) -> bool:
         """Read and fill ``other``'s tables from now on where both models rate the same chain arrays under

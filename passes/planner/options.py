@@ -41,6 +41,13 @@ class PlanOptions:
 
         return " ".join(f"{f.name}={show(getattr(self, f.name))}" for f in dataclasses.fields(self))
 
+    @property
+    def step_microbatches(self) -> int | None:
+        """The step's microbatch count where it is known (given, and ``microbatches_known``), else None:
+        what caps a replica's in-flight count (``MemoryModel.of``) and what ``with_shard`` refuses ``full``
+        for too few of. (``PlanModel``'s shard checks read a count not given as 1: ``PlanModel.M``.)"""
+        return self.num_microbatches if self.microbatches_known else None
+
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
