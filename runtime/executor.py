@@ -22,6 +22,7 @@ from pdcompile.runtime.recompute import StageRecompute
 from pdcompile.runtime.schedules import Action, Kind
 from pdcompile.runtime.schedules.transfers import TargetPosts, several_per_rank
 from pdcompile.runtime.shard import FullShard, local
+from pdcompile.runtime.fused_grads import FusedGrads
 from pdcompile.runtime.graph_split import GraphSplit, graph_route
 from pdcompile.runtime.weight_grads import WeightPass
 
@@ -178,7 +179,7 @@ class StageExecutor:
                  measure_memory: bool = True,
                  norm_skip: frozenset[str] = frozenset(), stage: int | None = None,
                  mailbox: Mailbox | None = None, weight_pass: str = DEFAULT_WEIGHT_PASS,
-                 sharded: FullShard | None = None) -> None:
+                 sharded: FullShard | None = None, fused: FusedGrads | None = None) -> None:
         self.program = program
         self.rank = rank
         # stage: which of the rank's stages this executor runs (virtual stages: one executor each,
@@ -260,6 +261,8 @@ class StageExecutor:
         # shard "full" (runtime/shard.py): FSDP2 reduces at the replica's last backward of a step, never split
         self.sharded = sharded
         self.meter.sharded = sharded is not None
+        # fused weight-gradient accumulation (runtime/fused_grads.py): off for a split backward's forward
+        self.fused = fused
 
     def begin(self, first_microbatch: int) -> None:
         """A run of the schedule starts at ``first_microbatch`` (its targets are posted in order from there)."""
@@ -414,6 +417,8 @@ class StageExecutor:
             self._split.discard(k)  # its graph is rebuilt inside B: B is not split into B and W
             if self.meter.enabled and not self.meter.recompute_bytes:
                 self._probe_recompute(k, st.inputs, params)
+        if self.fused is not None:  # W's autograd.grad must not find its gradients written into .grad
+            self.fused.active = k not in self._split
         if k in self._split:  # W follows: note what the weight pass needs
             route = self._split_route(params, st.inputs)
             handles, notes = route.capture()

@@ -28,6 +28,7 @@ from pdcompile.runtime import allocator, comm, devices, faults, schedules, shard
 from pdcompile.runtime import loop
 from pdcompile.runtime.devices import DEVICE_FLAGS, choose_device, keep_freed_memory
 from pdcompile.runtime.executor import WEIGHT_PASSES
+from pdcompile.runtime.fused_grads import AUTO_MIN_BYTES, GRAD_ACCUMULATIONS
 from pdcompile.runtime.program import PRECISIONS, Program
 from pdcompile.runtime.run_schedule import compiled_schedule, run_schedule
 from pdcompile.runtime.trainer import Trainer
@@ -86,6 +87,13 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                         "graph where most of the rank's backwards in a step are split (zb-h1, zb-v, torch's interleaved "
                         "zero bubble as CSV), submodules for the few splits of gpipe/flush/dualpipe-v (the one-time "
                         "trace costs more than they save)")
+    p.add_argument("--grad-accumulation", choices=GRAD_ACCUMULATIONS, default="auto",
+                   help="how a weight's gradients of a step's microbatches are summed: 'fused' adds a linear's or "
+                        "an embedding's gradient straight into .grad in its backward (addmm_, index_add_: no "
+                        "weight-sized transient; equal to autograd's to rounding), 'autograd' lets autograd make "
+                        "each whole gradient and add it. Default 'auto': fused for weights of "
+                        f"{AUTO_MIN_BYTES >> 20} MiB and more. A split backward's microbatch (W) and a stage "
+                        "sharded full always use autograd")
     p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=None,
                    help="keep memory a step frees for the next one instead of returning it to the system "
                         "(glibc malloc thresholds, runtime/allocator.py; each step otherwise page-faults its "

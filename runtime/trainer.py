@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pdcompile.errors import UsageError
-from pdcompile.runtime import comm, devices, faults, loop, resume, schedules, shard, timing
+from pdcompile.runtime import comm, devices, faults, fused_grads, loop, resume, schedules, shard, timing
 from pdcompile.runtime.data import Reader, epoch_length, local_targets, positions, source
 from pdcompile.runtime.evaluate import Evaluator, metric_of
 from pdcompile.runtime.executor import WEIGHT_PASSES, ActionError, Mailbox, RankExecutor, StageExecutor
@@ -131,6 +131,8 @@ class Trainer:
         for st, module in zip(specs, modules):
             mode = self.shard_modes[st.index]
             full = shard.FullShard(module, replica_groups[st.index], devices.rank_device()) if mode == "full" else None
+            # --grad-accumulation: big weights' gradients added straight into .grad (runtime/fused_grads.py)
+            fused = fused_grads.install(module, getattr(args, "grad_accumulation", "auto"), sharded=full is not None)
             params = [q for q in module.parameters()]
             optimizer: Any = (shard.zero1(program.raw["optimizer"], params, replica_groups[st.index])
                               if mode == "optimizer" else build(program.raw["optimizer"], params)) \
@@ -152,7 +154,7 @@ class Trainer:
                 clip_grad_norm=args.clip_grad_norm, norm_group=norm_group,
                 norm_counts=rank == st.ranks[0] or full is not None,  # full: each replica counts its shard
                 norm_skip=norm_skip, stage=st.index, mailbox=mailbox,
-                weight_pass=split_by, sharded=full,
+                weight_pass=split_by, sharded=full, fused=fused,
             ))
         self.executor = self.executors[0]  # the rank's first stage (metrics, losses)
         self.lr_scheduler = self.executor.lr_scheduler  # the first stage's (checkpoints save every stage's)
@@ -367,6 +369,9 @@ class Trainer:
                 "epochs": args.epochs, "steps_per_epoch": self.per_epoch, "eval": self.eval_results,
                 # split backwards by how they were split (--weight-pass: the graph, or the submodules' fallback)
                 "split_backwards": {k: sum(ex.split_counts[k] for ex in self.executors) for k in WEIGHT_PASSES},
+                # weight calls whose gradient was added straight into .grad (--grad-accumulation), by kind
+                "fused_grads": {k: sum(ex.fused.counts[k] for ex in self.executors if ex.fused is not None)
+                                for k in ("linear", "embedding")},
             }, indent=1))
         if args.trace:
             out = Path(args.trace)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pdcompile.runtime import fused_grads
 from pdcompile.runtime.executor import WeightStore
 from pdcompile.runtime.schedules import Action, Kind
 
@@ -167,6 +168,8 @@ class VersionedStore(WeightStore):
                 raise RuntimeError(f"weight version {v} was freed but is used again (newest is {self.newest}); "
                                    f"call expect() with the whole action list, or report this as a bug")
             self.clones[v] = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()}
+            for n, t in self.clones[v].items():  # a fused backward adds into the live .grad (runtime/fused_grads.py)
+                fused_grads.accumulate_into(t, self.params[n])
             first = next(iter(self.clones[v].values()), None)
             if first is not None:
                 self.refs[v] = weakref.ref(first)
