@@ -348,6 +348,8 @@ class CompiledPipeline:
         tied_bytes, tied_stages = self._tied()
         cost = machine_cache.action_cost() if self.cluster.device.name == "cpu" else None
         overhead = cost.seconds if cost is not None else 0.0
+        # the user's optimizer state, as the plan and simulate() count it (Adam 2, plain SGD 0 bytes per weight byte)
+        factor = optimizer_state_factor_of(asked.optimizer)
         counts = autoschedule.microbatch_counts(batch, fixed)
         if fixed is None:  # every replica of a stage takes an equal share of every minibatch (with fewer
             # microbatches than replicas, a replica idles whole steps, and the input stage's reader of a
@@ -355,7 +357,7 @@ class CompiledPipeline:
             counts = [m for m in counts if all(m % st.replicas == 0 for st in self.plan.stages)] or counts
         cands = autoschedule.candidates(self.plan, self.wire_chain, self.cluster, batch, names, counts,
                                         recompute=asked.recompute, split_backward=split, tied_bytes=tied_bytes,
-                                        tied_stages=tied_stages, overhead_s=overhead)
+                                        tied_stages=tied_stages, overhead_s=overhead, optimizer_state_factor=factor)
         ranks = len({r for st in self.plan.stages for r in st.ranks})
         if (asked.replicas is None or all(r == 1 for r in asked.replicas)) and asked.clip_grad_norm is None:
             # virtual stages on the plan's ranks, one replica per stage: the tie (if any) joins the first and last
@@ -364,7 +366,7 @@ class CompiledPipeline:
                 cands += autoschedule.virtual_candidates(
                     self.wire_chain, self.cluster, ranks, batch, virtual, counts, vs=(v,), split_backward=split,
                     tied_bytes=tied_bytes, tied_stages=[0, v * ranks - 1] if tied_bytes else [],
-                    overhead_s=overhead)
+                    overhead_s=overhead, optimizer_state_factor=factor)
         chosen = autoschedule.best(cands)
         self.action_cost = cost
         self.schedule_choice = (cands, chosen, [*_action_cost_notes(cost, self.cluster, fixed is None), *skipped])

@@ -199,3 +199,88 @@ def test_api_auto_compiles_a_virtual_choice(monkeypatch: pytest.MonkeyPatch, tmp
     plan = json.loads((pipe.emit(tmp_path / "prog") / "plan.json").read_text())
     assert plan["world_size"] == 2 and [s["ranks"] for s in plan["stages"]] == [[0], [1], [0], [1]]
     assert "* interleaved-1f1b v=2" in pipe.explain()
+
+
+def _adam(params: Any) -> Any:
+    import torch
+
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def _sgd(params: Any) -> Any:
+    import torch
+
+    return torch.optim.SGD(params, lr=0.01)
+
+
+def test_auto_counts_the_users_optimizer_state_as_simulate_does() -> None:
+    """Auto's candidates hold the user's optimizer state (plain SGD none, Adam two weights' bytes), as the
+    plan and ``simulate()`` do: with a limit between what auto's fastest choice needs under SGD and under
+    Adam, SGD keeps it and Adam takes another, which ``simulate()`` of the compiled program finds within
+    the limit; the SGD choice compiled with Adam (no auto) is over it."""
+    import torch
+
+    from pdcompile import pdcompile
+    from pdcompile.cluster import ClusterSpec, Device, Level
+
+    torch.manual_seed(0)
+    def block() -> list[torch.nn.Module]:  # small weights, many saved activations per sample
+        return [torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Tanh(), torch.nn.Sigmoid(), torch.nn.GELU(),
+                torch.nn.SiLU(), torch.nn.Tanh(), torch.nn.Sigmoid()]
+
+    model = torch.nn.Sequential(*block(), *block())
+    x, y = torch.randn(64, 16), torch.randn(64, 16)
+
+    def compile_(optimizer: Any, memory: float | None, **kw: Any) -> Any:
+        cluster = ClusterSpec(Device("cpu", memory=memory), (Level("processes", 2, 2e9),))
+        return pdcompile(model, cluster, example_inputs=(x,), example_target=y, loss_fn=torch.nn.MSELoss(),
+                         stages=2, optimizer=optimizer, **kw)
+
+    def peak(pipe: Any) -> float:
+        return max(pipe.simulate().peak_memory_bytes)
+
+    free = compile_(_sgd, None, schedule="auto")
+    _, first, _ = free.schedule_choice
+    assert first.peak_memory_bytes == pytest.approx(peak(free), rel=1e-9)  # plain SGD: no optimizer state
+    adam_first = compile_(_adam, None, schedule=first.schedule, num_microbatches=first.num_microbatches)
+    low, high = peak(free), peak(adam_first)
+    assert high > low  # Adam's two moments
+    limit = (low + high) / 2
+    sgd = compile_(_sgd, limit, schedule="auto")
+    _, chosen, _ = sgd.schedule_choice
+    assert (chosen.schedule, chosen.num_microbatches) == (first.schedule, first.num_microbatches)
+    assert chosen.peak_memory_bytes == pytest.approx(peak(sgd), rel=1e-9) and peak(sgd) <= limit
+    adam = compile_(_adam, limit, schedule="auto")
+    cands, chosen, _ = adam.schedule_choice
+    assert (chosen.schedule, chosen.num_microbatches) != (first.schedule, first.num_microbatches)
+    assert chosen.fits and chosen.peak_memory_bytes == pytest.approx(peak(adam), rel=1e-9) and peak(adam) <= limit
+    taken = next(c for c in cands if (c.schedule, c.num_microbatches) == (first.schedule, first.num_microbatches))
+    assert not taken.fits and taken.peak_memory_bytes == pytest.approx(high, rel=1e-9)
+
+
+def test_auto_gives_virtual_candidates_the_users_optimizer_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where virtual stages are considered (V100s), their candidates are simulated with the user's
+    optimizer state too (Adam: 2 bytes per weight byte; the default plain SGD: 0)."""
+    import torch
+
+    from pdcompile import autoschedule, pdcompile
+    from pdcompile._cli.plan import resolve_cluster
+
+    seen: list[tuple[str, float]] = []
+    for fn in ("candidates", "virtual_candidates"):
+        real = getattr(autoschedule, fn)
+
+        def record(*a: Any, _real: Any = real, _fn: str = fn, **kw: Any) -> Any:
+            seen.append((_fn, kw["optimizer_state_factor"]))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(autoschedule, fn, record)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(8)])
+    kw: dict[str, Any] = dict(example_inputs=(torch.randn(16, 8),), example_target=torch.randn(16, 8),
+                              loss_fn=torch.nn.MSELoss(), schedule="auto", stages=2, num_microbatches=2)
+    pdcompile(model, resolve_cluster("paper:A"), optimizer=_adam, **kw)
+    assert seen and {f for f, _ in seen} == {"candidates", "virtual_candidates"} and {v for _, v in seen} == {2.0}
+    seen.clear()
+    pdcompile(model, resolve_cluster("paper:A"), **kw)
+    assert seen and {v for _, v in seen} == {0.0}
