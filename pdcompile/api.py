@@ -488,18 +488,22 @@ class CompiledPipeline:
         straight pipelines of every depth (balanced by compute), for comparison with the choice."""
         chain, cluster = self.wire_chain, self.cluster
         sched = planner_schedule(self.options.schedule)
+        # rated as the plan: the user's optimizer state in each stage's memory (no limit: in its notes)
+        factor = optimizer_state_factor_of(self.options.optimizer)
         n = cluster.num_workers
         out: list[tuple[str, Plan]] = []
         try:
             out.append((f"data parallel x{n}", plan_from_assignment(
-                chain, cluster, [(0, len(chain) - 1, n, tuple(range(n)))], schedule=sched, memory_limit=False)))
+                chain, cluster, [(0, len(chain) - 1, n, tuple(range(n)))], schedule=sched, memory_limit=False,
+                optimizer_state_factor=factor)))
         except Exception:  # noqa: BLE001 - a configuration the evaluator can't express is skipped
             pass
         for k in sorted({2, 3, 4, min(n, len(chain))}):
             if 2 <= k <= min(n, len(chain)):
                 try:
                     out.append((f"straight pipeline of {k}", pipeline_plan(
-                        chain, balanced_bounds(chain, k), cluster, schedule=sched, memory_limit=False)))
+                        chain, balanced_bounds(chain, k), cluster, schedule=sched, memory_limit=False,
+                        optimizer_state_factor=factor)))
                 except Exception:  # noqa: BLE001
                     pass
         return out

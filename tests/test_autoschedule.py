@@ -217,7 +217,7 @@ def test_auto_counts_the_users_optimizer_state_as_simulate_does() -> None:
     """Auto's candidates hold the user's optimizer state (plain SGD none, Adam two weights' bytes), as the
     plan and ``simulate()`` do: with a limit between what auto's fastest choice needs under SGD and under
     Adam, SGD keeps it and Adam takes another, which ``simulate()`` of the compiled program finds within
-    the limit; the SGD choice compiled with Adam (no auto) is over it."""
+    the limit; the SGD choice compiled with Adam (no auto) is over it. ``alternatives()`` counts it too."""
     import torch
 
     from pdcompile import pdcompile
@@ -245,6 +245,11 @@ def test_auto_counts_the_users_optimizer_state_as_simulate_does() -> None:
     adam_first = compile_(_adam, None, schedule=first.schedule, num_microbatches=first.num_microbatches)
     low, high = peak(free), peak(adam_first)
     assert high > low  # Adam's two moments
+    # explain()'s alternatives hold it too: data parallelism, one stage of every weight, two weights' bytes more
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    (name, dp_sgd), (_, dp_adam) = free.alternatives()[0], adam_first.alternatives()[0]
+    assert name.startswith("data parallel")
+    assert dp_adam.stages[0].memory_bytes - dp_sgd.stages[0].memory_bytes == pytest.approx(2 * weights, rel=1e-9)
     limit = (low + high) / 2
     sgd = compile_(_sgd, limit, schedule="auto")
     _, chosen, _ = sgd.schedule_choice
