@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,3 +133,52 @@ def test_a_real_runtime_trace_converts(tmp_path: Path) -> None:
     names = {e.name for e in events}
     assert {"0F0", "0F3", "0B3", "0ST", "1F0", "1B3", "1ST"} <= names
     assert len(read_chrome_trace(tmp_path / "trace.json")) == len(events)
+
+
+@pytest.mark.parametrize("flags", [
+    [],  # the DP's defaults: recomputation where memory needs it, pooled workers (VGG-16 on Cluster A: 15-1)
+    ["--schedule", "gpipe", "--cost-model", "paper", "--memory-limit", "--no-pool", "--recompute", "full"],
+    ["--schedule", "2bw", "--shard", "optimizer", "--recompute", "none"],
+])
+def test_simulate_plans_a_profile_as_pdcompile_plan_does(flags: list[str]) -> None:
+    """``pdcompile simulate PROFILE`` simulates the plan ``pdcompile plan --profile PROFILE`` prints for the
+    same planning flags (one function builds both's options and plans: _cli/plan.py)."""
+    from pdcompile._cli.plan import plan_for
+    from pdcompile._cli.simulate import predict
+    from pdcompile.cli import build_parser
+
+    def fingerprint(p: Any) -> dict[str, Any]:
+        d = p.to_dict()
+        d.pop("planning_seconds")
+        return d
+
+    parser = build_parser()
+    planned = plan_for(parser.parse_args(["plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", *flags]))
+    _, simulated, _, _, _ = predict(parser.parse_args(["simulate", "pipedream:vgg16", "--cluster", "paper:A", *flags]))
+    assert fingerprint(simulated) == fingerprint(planned)
+
+
+def test_simulate_counts_the_profiles_optimizer_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A profile of a model trained with Adam: each stage holds two bytes of optimizer state per weight byte,
+    one more than SGD with momentum's (PipeDream's profiles' optimizer), in the simulated peak memory, the
+    stage's weights read from the profile's layers."""
+    import dataclasses
+
+    from pdcompile.profile import save
+
+    prof = load("pipedream:alexnet")
+    assert prof.optimizer == "sgd-momentum"
+    adam = tmp_path / "adam.json"
+    save(dataclasses.replace(prof, optimizer="adam"), adam)
+    out = {}
+    for name, source in (("momentum", "pipedream:alexnet"), ("adam", str(adam))):
+        assert main(["simulate", source, "--cluster", str(_cluster_toml(tmp_path)), "--schedule", "flush",
+                     "--no-memory-limit", "--json"]) == 0
+        out[name] = json.loads(capsys.readouterr().out)
+    assert out["adam"]["configuration"] == out["momentum"]["configuration"]
+    p = plan(linearize(prof), flat_cluster(4, 10e9), schedule="flush", memory_limit=False, pool=True)
+    assert p.configuration == out["adam"]["configuration"]
+    layers = linearize(prof).layers
+    weights = [sum(l.param_bytes for l in layers[st.first:st.last + 1]) for st in p.stages]
+    more = [a - m for a, m in zip(out["adam"]["peak_memory_bytes"], out["momentum"]["peak_memory_bytes"])]
+    assert more == pytest.approx(weights, rel=1e-9) and min(weights) > 0

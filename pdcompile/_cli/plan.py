@@ -51,15 +51,25 @@ def register(subparsers: Any) -> None:
                    help="with MODULE:FACTORY: keyword argument for the factory (repeatable)")
     p.add_argument("--cluster", metavar="FILE", required=True,
                    help="cluster TOML, paper:A, paper:B or local:N")
+    add_planning_arguments(p)
+    p.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
+                   help="what the memory model keeps per worker: the schedule's weight versions and in-flight "
+                        "microbatches (1f1b: one version per in-flight minibatch; flush, gpipe, zb-h1: 1; 2bw: 2)")
+    p.add_argument("--microbatch", metavar="B[,B...]",
+                   help="plan at these microbatch sizes (from the profile's symbolic costs) and keep the best")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(func=run)
+
+
+def add_planning_arguments(p: argparse._ActionsContainer) -> None:
+    """The planner's flags besides ``--schedule``: ``pdcompile plan``'s, which ``pdcompile simulate`` takes
+    too to plan a profile (read by :func:`plan_options` and :func:`plan_profile`, for both)."""
     p.add_argument("--solver", choices=("dp", "ilp"), default="dp",
                    help="dp (fast, exact) or ilp (CP-SAT, warm-started from the DP; proves the optimum)")
     p.add_argument("--cost-model", choices=COST_MODELS, default="default",
                    help="default: ours (memory, overlap of the weight all-reduce with the backward); paper: our "
                         "reading of SOSP'19 sec. 3.1 (a stage's time is the max of compute and weight sync); "
                         "pipedream: the released optimizer's formulas (a sum; dp only; no memory limit)")
-    p.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
-                   help="what the memory model keeps per worker: the schedule's weight versions and in-flight "
-                        "microbatches (1f1b: one version per in-flight minibatch; flush, gpipe, zb-h1: 1; 2bw: 2)")
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--memory-limit", dest="memory_limit", action="store_true", default=None,
                      help="enforce device memory (default: on for the default model, off for paper)")
@@ -75,11 +85,7 @@ def register(subparsers: Any) -> None:
                       help="also plan the workers as one pool at the slowest link, so a stage may span servers "
                       "without nesting (the paper's 15-1 on 4 x 4); default: on with dp, off with ilp")
     pool.add_argument("--no-pool", dest="pool", action="store_false")
-    p.add_argument("--microbatch", metavar="B[,B...]",
-                   help="plan at these microbatch sizes (from the profile's symbolic costs) and keep the best")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ilp: seconds (default 60)")
-    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    p.set_defaults(func=run)
 
 
 def _profile(args: argparse.Namespace) -> Any:
@@ -138,10 +144,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_options(args: argparse.Namespace, optimizer: str) -> PlanOptions:
+def plan_options(args: argparse.Namespace, optimizer: str, schedule: str | None = None) -> PlanOptions:
     """The :class:`~pdcompile.plan.PlanOptions` ``pdcompile plan ARGS`` plans with, for a profile of a
-    model trained with ``optimizer`` (its state's bytes): the one list the command and the planner
-    benchmark (``benchmarks/bench_planner.py``, which checks the command's plans) read."""
+    model trained with ``optimizer`` (its state's bytes) under ``schedule`` (default ``args.schedule``):
+    the one list the command, ``pdcompile simulate`` (a profile) and the planner benchmark
+    (``benchmarks/bench_planner.py``, which checks the command's plans) read."""
     from pdcompile.profile import optimizer_state_factor
 
     shard = parse_shard(args.shard)
@@ -151,7 +158,7 @@ def plan_options(args: argparse.Namespace, optimizer: str) -> PlanOptions:
     dp = args.solver == "dp"
     return PlanOptions(
         cost_model=args.cost_model,
-        schedule=args.schedule,
+        schedule=args.schedule if schedule is None else schedule,
         memory_limit=args.memory_limit,
         optimizer_state_factor=optimizer_state_factor(optimizer),
         recompute=args.recompute or ("auto" if dp else "none"),
@@ -165,17 +172,25 @@ def plan_options(args: argparse.Namespace, optimizer: str) -> PlanOptions:
 
 def plan_for(args: argparse.Namespace) -> Any:
     """The plan ``pdcompile plan ARGS`` prints (``pdcompile demo`` shows the same)."""
+    cluster = resolve_cluster(args.cluster)
+    prof = _profile(args)
+    return plan_profile(args, prof, cluster, plan_options(args, prof.optimizer),
+                        _sizes(args.microbatch) if args.microbatch else None)
+
+
+def plan_profile(args: argparse.Namespace, prof: Any, cluster: Any, options: PlanOptions,
+                 sizes: list[int] | None = None) -> Any:
+    """The plan of profile ``prof`` on ``cluster`` under ``options`` (:func:`plan_options`) with the solver
+    ``args`` name (the ILP within ``--time-limit``, warm-started from the DP, a shard mode asked set on its
+    plan), at the best of the microbatch ``sizes`` if given: ``pdcompile plan``'s and ``pdcompile
+    simulate``'s (a profile) planning, one way."""
     from pdcompile.passes.linearize import linearize
     from pdcompile.plan import plan as make_plan
 
     if args.time_limit <= 0:
         raise UsageError(f"--time-limit must be positive (got {args.time_limit})")
-    cluster = resolve_cluster(args.cluster)
-    prof = _profile(args)
-    options = plan_options(args, prof.optimizer)
     extra: dict[str, Any] = {} if args.solver == "dp" else dict(time_limit_s=args.time_limit, hint="dp")
-    if args.microbatch:
-        sizes = _sizes(args.microbatch)
+    if sizes:
         result = make_plan(lambda b: linearize(prof.at_batch_size(b)), cluster, options, solver=args.solver,
                            microbatch_sizes=sizes, **extra)
     else:

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pdcompile._cli.plan import resolve_cluster
+from pdcompile._cli.plan import add_planning_arguments, plan_options, plan_profile, resolve_cluster
 from pdcompile.errors import UsageError
 
 EXAMPLES = """\
@@ -42,10 +42,8 @@ def register(subparsers: Any) -> None:
                    help="microbatches per step (default: the program's, else 8)")
     p.add_argument("--steps", type=int, default=1, help="steps to lay out (default 1)")
     p.add_argument("--profile", metavar="FILE", help="with a plan: the profile it was made from (layer costs)")
-    p.add_argument("--solver", default="dp", help="planner for a profile: dp or ilp (default dp)")
-    p.add_argument("--cost-model", default="default", help="planner cost model: default, paper or pipedream")
-    p.add_argument("--shard", default="auto", metavar="MODE", help="planner, for a profile: how a replicated stage's "
-                   "replicas hold its state, none, optimizer (ZeRO-1), full (FSDP2) or auto (default)")
+    plan_flags = p.add_argument_group("planning a profile", "as pdcompile plan plans it, for --schedule's memory")
+    add_planning_arguments(plan_flags)
     p.add_argument("--no-overlap", action="store_true", help="senders wait for their transfers to finish")
     p.add_argument("--trace", metavar="OUT.json", help="write the predicted timeline as a Chrome/Perfetto trace")
     p.add_argument("--png", metavar="OUT.png", help="write the timeline as a PNG (measured below, with --measured)")
@@ -100,11 +98,19 @@ def _simulate_plan_alone(plan: Any, schedule: str, m: int, steps: int, overlap: 
                              microbatch_size=plan.microbatch_size)
 
 
+def planned_schedule(schedule: str) -> str:
+    """The schedule a profile is planned for to run ``schedule``: itself where the planner models it
+    (``pdcompile plan --schedule``'s names), else its policy's ``planner_model``, as the partition pass."""
+    from pdcompile.passes.partition import planner_schedule
+    from pdcompile.passes.partition_dp import SCHEDULES
+
+    return schedule if schedule in SCHEDULES else planner_schedule(schedule)
+
+
 def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
     """(SimResult, Plan, schedule, microbatches, notes) for the command's arguments."""
     from pdcompile.passes.linearize import linearize
-    from pdcompile.plan import plan as make_plan
-    from pdcompile.profile import load
+    from pdcompile.profile import load, optimizer_state_factor
     from pdcompile.simulate import simulate_plan
 
     kind, obj, program = _read_source(Path(args.source))
@@ -118,24 +124,16 @@ def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
     overlap = not args.no_overlap
     notes: list[str] = []
     cluster = resolve_cluster(args.cluster) if args.cluster else None
-    from pdcompile.passes.partition import planner_schedule as planner_model
-
-    planner_schedule = planner_model(schedule)
     if kind == "profile":
         if cluster is None:
             raise UsageError(f"{args.source} is a profile: it must be planned for a cluster first; "
                              f"give --cluster FILE.toml (or paper:A, paper:B, local:N)")
-        chain = linearize(obj)
-        from pdcompile._cli._args import parse_shard
-
-        shard = parse_shard(args.shard)
-        if not isinstance(shard, str):
-            raise UsageError(f"--shard {args.shard!r}: the planner chooses the stages, so give one mode (or auto)")
-        extra: dict[str, Any] = {"shard": shard, "microbatches_known": False} if args.solver == "dp" else {}
-        plan = make_plan(chain, cluster, solver=args.solver, cost_model=args.cost_model,
-                         schedule=planner_schedule, **extra)
+        # planned as pdcompile plan plans it with these flags, under the schedule the partition pass plans for
+        options = plan_options(args, obj.optimizer, planned_schedule(schedule))
+        plan = plan_profile(args, obj, cluster, options)
         notes.append(f"planned {Path(args.source).name} for the cluster: configuration {plan.configuration}")
-        res = simulate_plan(plan, chain, cluster, schedule, m, num_steps=args.steps, overlap_comm=overlap)
+        res = simulate_plan(plan, linearize(obj), cluster, schedule, m, num_steps=args.steps, overlap_comm=overlap,
+                            optimizer_state_factor=options.optimizer_state_factor)
         return res, plan, schedule, m, notes
     plan = obj
     if args.profile:
@@ -143,11 +141,13 @@ def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
             raise UsageError("--profile needs --cluster (the bandwidths between the plan's ranks)")
         if cluster.num_workers < plan.workers_used:
             raise UsageError(f"the plan uses {plan.workers_used} workers; --cluster has {cluster.num_workers}")
-        chain = linearize(load(args.profile))
+        prof = load(args.profile)
+        chain = linearize(prof)
         if plan.stages[-1].last >= len(chain):
             raise UsageError(f"the plan covers layers up to {plan.stages[-1].last}, the profile's chain has "
                              f"{len(chain)}: give the profile the plan was made from")
-        res = simulate_plan(plan, chain, cluster, schedule, m, num_steps=args.steps, overlap_comm=overlap)
+        res = simulate_plan(plan, chain, cluster, schedule, m, num_steps=args.steps, overlap_comm=overlap,
+                            optimizer_state_factor=optimizer_state_factor(prof.optimizer))
     else:
         res = _simulate_plan_alone(plan, schedule, m, args.steps, overlap)
         notes.append("simulated from the plan's per-stage totals (forward:backward taken as 1:2); "
