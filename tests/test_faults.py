@@ -80,12 +80,12 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], 
 
 
 def test_resume_is_exact(tmp_path: Path, straight) -> None:  # noqa: ANN001
-    """3 stages, gpipe (2 stages, flush, resume in the two fault tests below)."""
+    """3 stages, gpipe: resumed from the straight run's step-5 checkpoint, the run ends bitwise where the
+    straight run ends (2 stages, flush, resume in the two fault tests below)."""
     stages, schedule = 3, "gpipe"
     prog, want = straight(stages, schedule)
     ck = tmp_path / "ck"
-    rc, out = _run(prog, stages, "--steps", "5", "--checkpoint-dir", str(ck), "--checkpoint-every", "5")
-    assert rc == 0, out[-3000:]
+    shutil.copytree(checkpoint.step_dir(prog.parent / "ck", 5), checkpoint.step_dir(ck, 5))
     assert checkpoint.latest(ck) == checkpoint.step_dir(ck, 5)
     rc, out = _run(prog, stages, "--steps", str(STEPS), "--checkpoint-dir", str(ck), "--checkpoint-every", "5",
                    "--resume", "--save-final", str(tmp_path / "final"))
