@@ -245,7 +245,9 @@ class Trainer:
         grow with the run), each step with the sends it lets go (``send_release``); the weight store
         reads the actions ``reach`` ahead of the one running."""
         args, rank, M, executor = self.args, self.rank, self.M, self.rank_executor
-        run = self.schedule.rank_run(end - first, rank)
+        # a segment starting mid-rotation (first * M not a multiple of a stage's replicas) continues it
+        offset = first * M
+        run = self.schedule.rank_run(end - first, schedules.segment_rank(rank, offset, self.schedule.stage_ranks))
         if run.repeats == 0 and len(run) > 100_000:
             log.warning("the %s schedule of %d steps does not repeat step by step here: laid out whole (%d actions "
                         "in memory); please report it", args.schedule, end - first, len(run))
@@ -254,7 +256,6 @@ class Trainer:
                 ex.weights = VersionedStore(ex.module)
         self.ran = True
         self.promised_versions = max(self.promised_versions, run.promised_versions)
-        offset = first * M
         reading = (schedules.shift(a, offset) for a, _ in run)  # the weight store's read-ahead
         read, total = 0, len(run)
 

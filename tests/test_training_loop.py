@@ -5,10 +5,12 @@ only through the pipeline, and the logs (metrics.jsonl, TensorBoard's event file
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import json
 import os
+import shutil
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -20,7 +22,9 @@ import torch
 
 from _ranks import run_ranks
 from pdcompile.api import pdcompile
+from pdcompile.runtime import checkpoint, schedules
 from pdcompile.runtime.program import Program, build
+from pdcompile.runtime.schedules.spec import ScheduleSpec
 from pdcompile import reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -344,6 +348,82 @@ def test_pipedream_1f1b_replicas_take_turns_at_whole_minibatches(tmp_path: Path,
     for r in (0, 1):  # replica r: minibatches r, r + 2, ... and nothing else
         got = sorted(int(i) for i in Path(f"{log}.{r}").read_text().split())
         assert got == sorted(i for n, mb in enumerate(batches[:steps]) if n % 2 == r for i in mb), r
+
+
+@pytest.mark.parametrize("name", ["1f1b", "2bw", "flush", "gpipe"])
+def test_a_segment_cut_mid_rotation_runs_each_microbatch_on_its_replica(name: str) -> None:
+    """A segment starting at global microbatch ``o`` (after an evaluation, a checkpoint, a resume) runs
+    microbatch ``k`` on replica ``k % r`` of each stage, as the data shares and the executor's peers
+    route it, whatever ``o % r`` is: each rank runs the list of :func:`schedules.segment_rank` shifted by
+    ``o``. Before, every segment restarted the rotation at its own microbatch 0."""
+    for replicas in ([2, 1], [1, 2], [3, 2]):
+        where = schedules.stage_ranks(replicas)
+        for m in (1, 2, 3):
+            spec = ScheduleSpec(name, tuple(replicas), m)
+            for first, n in itertools.product(range(4), (1, 2, 5)):
+                o = first * m
+                for rank in range(sum(replicas)):
+                    acts = [schedules.shift(a, o) for a, _ in spec.rank_run(n, schedules.segment_rank(rank, o, where))]
+                    got = sorted((a.stage, a.mb) for a in acts if a.kind is schedules.Kind.FORWARD)
+                    want = sorted((s, k) for s in range(len(replicas)) for k in range(o, o + n * m)
+                                  if schedules.rank_of(s, k, where) == rank)
+                    assert got == want, (replicas, m, first, n, rank)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_pipedream_1f1b_cut_and_resumed_mid_rotation(tmp_path: Path, user: Any) -> None:
+    """PipeDream's 1F1B (one microbatch a minibatch) with a replicated stage whose copies take turns,
+    cut where the turn is the second copy's: [2, 1] run 6 minibatches, evaluated after 3 and
+    checkpointed after 5; then [1, 2] resumed from that checkpoint (step 5) to 9, evaluated after 6 and
+    checkpointed after 7. Before, a segment from such a cut restarted the turns at its own first
+    minibatch while the data shares and the peers kept the run's: [2, 1] failed with 'rank 0 did not
+    read microbatch 3', [1, 2] with 'forward of microbatch 3 before its target's receive was posted'.
+
+    Weights and evaluations equal PipeDream's 1F1B reference (pdcompile.reference, weight stashing)
+    run segment by segment: a cut is a flush, so the minibatches after it start a fresh warm-up on the
+    newest weights (the uncut run's would have used stashed ones): the same run, within 1e-6."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(user.D, 16), torch.nn.ReLU(), torch.nn.Linear(16, user.C))
+    progs = {}
+    for reps in ([2, 1], [1, 2]):
+        pipe = pdcompile(model, example_inputs=(torch.randn(B, user.D),), example_target=torch.zeros(B, dtype=torch.long),
+                         loss_fn=torch.nn.CrossEntropyLoss(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                         stages=2, replicas=reps, schedule="1f1b", num_microbatches=1)
+        progs[tuple(reps)] = pipe.emit(tmp_path / f"prog_{reps[0]}{reps[1]}")
+    ck, ck2 = tmp_path / "ck", tmp_path / "ck2"
+    data = ["--data", "loopdata:train", "--eval-data", "loopdata:val", "--eval-every", "3"]
+    m1, w1 = _launch(tmp_path / "a", progs[(2, 1)], ["--steps", "6", *data, "--checkpoint-every", "5",
+                                                    "--checkpoint-dir", str(ck)])
+    shutil.copytree(checkpoint.step_dir(ck, 5), checkpoint.step_dir(ck2, 5))
+    m2, w2 = _launch(tmp_path / "b", progs[(1, 2)], ["--steps", "9", *data, "--checkpoint-every", "7",
+                                                    "--checkpoint-dir", str(ck2), "--resume"])
+    # the reference: the same minibatches, segment by segment, each PipeDream's 1F1B on its replicas
+    program = Program.load(progs[(2, 1)])
+    stages = [program.build_stage(k) for k in range(2)]
+    opts = [build(program.raw["optimizer"], m.parameters()) for m in stages]
+    loss_fn = program.build_loss()
+    micro = [((x,), y) for x, y in itertools.islice(user.train(B), 9)]
+
+    def train(models: list[torch.nn.Module], optimizers: list[Any], a: int, b: int, reps: list[int]) -> float:
+        fwd, bwd, group = reference.pipedream_1f1b(reps)
+        reference.train_versioned(models, optimizers, loss_fn, micro[a:b], fwd=fwd, bwd=bwd, group=group)
+        return _evaluate(models, loss_fn, user)[0]
+
+    evals = {3: train(stages, opts, 0, 3, [2, 1]), 5: train(stages, opts, 3, 5, [2, 1])}
+    stages_b, opts_b = copy.deepcopy((stages, opts))  # the checkpoint after step 5
+    evals[6] = train(stages, opts, 5, 6, [2, 1])
+    want = [{n: p.detach() for n, p in m.named_parameters()} for m in stages]
+    evals_b = {6: train(stages_b, opts_b, 5, 6, [1, 2]), 7: train(stages_b, opts_b, 6, 7, [1, 2]),
+               9: train(stages_b, opts_b, 7, 9, [1, 2])}
+    want_b = [{n: p.detach() for n, p in m.named_parameters()} for m in stages_b]
+    for prog, got, ref in ((progs[(2, 1)], w1, want), (progs[(1, 2)], w2, want_b)):
+        for rank, w in got.items():
+            s = Program.load(prog).stage_of_rank(rank).index
+            for n, t in ref[s].items():
+                torch.testing.assert_close(w[n], t, rtol=0, atol=1e-6, msg=lambda e: f"{prog.name} rank {rank} {n}: {e}")
+    for metrics, reporter, expected in ((m1, 2, {k: evals[k] for k in (3, 6)}), (m2, 1, {k: evals_b[k] for k in (6, 9)})):
+        assert {e["step"]: pytest.approx(e["loss"], rel=1e-5) for e in metrics[reporter]["eval"]} == expected
 
 
 @pytest.mark.multiproc

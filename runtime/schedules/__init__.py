@@ -20,6 +20,7 @@ from pdcompile.runtime.schedules.actions import (
     format_grid,
     parse_grid,
     rank_of,
+    segment_rank,
     shift,
     stage_of_rank,
     stage_ranks,
@@ -51,6 +52,6 @@ __all__ = [
     "COMPUTE", "MAX_PERIODIC_BASE", "POLICIES", "SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "VIRTUAL_SCHEDULES", "Action", "Kind", "Layout",
     "Placement", "Policy", "RankRun", "Schedule", "check_global_steps", "check_transfers", "flush", "format_grid", "forward_versions", "gpipe", "layout",
     "live_versions", "make_schedule", "one_f_one_b", "parse_grid", "peak_in_flight", "peak_weight_versions", "policy",
-    "rank_of", "rank_run", "replay", "send_release", "shift", "stage_of_rank", "stage_ranks", "stages_of_rank", "transfer_plan",
+    "rank_of", "rank_run", "replay", "segment_rank", "send_release", "shift", "stage_of_rank", "stage_ranks", "stages_of_rank", "transfer_plan",
     "two_bw", "validate", "version_copies", "warmup_depth",
 ]

@@ -154,6 +154,27 @@ def rank_of(stage: int, microbatch: int, stage_ranks: Sequence[Sequence[int]]) -
     return ranks[microbatch % len(ranks)]
 
 
+def segment_rank(rank: int, first_microbatch: int, stage_ranks: Sequence[Sequence[int]]) -> int:
+    """The rank whose list, in a schedule numbered from microbatch 0, ``rank`` runs in a segment of a
+    run that starts at global microbatch ``first_microbatch`` (after a flush: an evaluation, a
+    checkpoint, a resume). Microbatch ``k`` runs on replica ``k % r`` across the whole run (the data
+    shares, the executor's peers), so where ``first_microbatch % r != 0`` the rotation continues:
+    replica ``i`` takes the list of replica ``(i - first_microbatch) % r``, whose local microbatch
+    ``j`` is global ``first_microbatch + j`` on replica ``i``. Every rank renumbering alike, the
+    segment is the schedule from 0 with each stage's ranks rotated: the same transfers, pair by pair.
+
+    >>> [segment_rank(q, 3, [[0, 1], [2]]) for q in (0, 1, 2)]
+    [1, 0, 2]
+    """
+    mine = [rs for rs in stage_ranks if rank in rs]
+    if all(len(rs) == 1 for rs in mine):
+        return rank
+    if len(mine) > 1:  # a placement holds one replica per stage (registry.layout refuses others)
+        raise ValueError(f"rank {rank} holds several stages, some replicated: {list(map(list, stage_ranks))}")
+    ranks = list(mine[0])
+    return ranks[(ranks.index(rank) - first_microbatch) % len(ranks)]
+
+
 def stage_of_rank(rank: int, stage_ranks: Sequence[Sequence[int]]) -> int:
     """The stage that ``rank`` runs (its first, with virtual stages)."""
     for s, ranks in enumerate(stage_ranks):
