@@ -65,8 +65,7 @@ def build_plan(
     base = baseline or model
     stages = []
     shards, shard_notes = resolve_shard([len(sc.ranks) for sc in ev.stages], model.shard, model.schedule,
-                                        model.M if model.microbatches_known else None,
-                                        [sc.shard for sc in ev.stages])
+                                        model.step_M, [sc.shard for sc in ev.stages])
     for idx, sc in enumerate(ev.stages):
         layers = chain.layers[sc.first:sc.last + 1]
         members = tuple(m for l in layers for m in (l.members or (l.name,)))

@@ -44,8 +44,8 @@ class PlanOptions:
     @property
     def step_microbatches(self) -> int | None:
         """The step's microbatch count where it is known (given, and ``microbatches_known``), else None:
-        what caps a replica's in-flight count (``MemoryModel.of``) and what ``with_shard`` refuses ``full``
-        for too few of. (``PlanModel``'s shard checks read a count not given as 1: ``PlanModel.M``.)"""
+        what caps a replica's in-flight count (``MemoryModel.of``) and what ``full`` needs one per replica of
+        (``with_shard``, ``PlanModel``'s shard checks: an unknown count does not refuse it)."""
         return self.num_microbatches if self.microbatches_known else None
 
     @classmethod

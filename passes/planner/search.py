@@ -49,7 +49,7 @@ class PlanModel:
         """``options.pool`` is the caller's (``partition_dp`` plans on the pooled cluster it gives)."""
         opts = self.options = options if options is not None else PlanOptions()
         cost_model, schedule, recompute = opts.cost_model, opts.schedule, opts.recompute
-        num_microbatches, microbatches_known = opts.num_microbatches, opts.microbatches_known
+        num_microbatches = opts.num_microbatches
         if recompute not in RECOMPUTE:
             raise UsageError(f"unknown recompute {recompute!r} (use one of {', '.join(RECOMPUTE)})")
         if cost_model not in COST_MODELS:
@@ -75,10 +75,11 @@ class PlanModel:
         self.recompute = recompute if kind.models_memory else "none"
         self.opt_factor = float(opts.optimizer_state_factor)
         self.allow_replication = opts.allow_replication
-        #: the ``shard=`` option (planner/sharding.py); ``microbatches_known``: off where a caller plans without
-        #: a step's microbatch count (``pdcompile plan``), so ``full`` is not refused for too few of them
+        #: the ``shard=`` option (planner/sharding.py); ``step_M``: the step's microbatch count where it is known
+        #: (``PlanOptions.step_microbatches``; not given, or ``pdcompile plan``'s: None), which ``full`` needs one
+        #: per replica of: an unknown count does not refuse it, as the memory model and ``with_shard`` read it
         self.shard = check_shard(opts.shard, "planner")
-        self.microbatches_known = microbatches_known
+        self.step_M = opts.step_microbatches
         if self.shard == "full" and self.policy.version_lag != 0:  # refused before any search (sharding.resolve)
             raise UsageError(f"shard='full': {full_refusal(schedule, 2, None)}")
         self.memory_on = kind.memory_by_default if opts.memory_limit is None else bool(opts.memory_limit)
@@ -170,7 +171,7 @@ class PlanModel:
             self.shard[stage] if stage < len(self.shard) else "none")
         if asked == "auto" and not (self.memory_on and self.costs.solver is None):
             return ("none",)
-        return shard_allowed(asked, replicas, self.schedule, self.M if self.microbatches_known else None)
+        return shard_allowed(asked, replicas, self.schedule, self.step_M)
 
     def choose_stage(self, i: int, j: int, k: int, depth: int, stage: int, replicas: int,
                      units: int | None = None) -> tuple[str, str, int]:
@@ -279,8 +280,8 @@ class PlanModel:
         if shard == "none":
             return reps <= 1 if self.shard in ("optimizer", "full") else None
         ok = reps > 1
-        if shard == "full" and self.shard == "auto" and self.microbatches_known:
-            ok &= reps <= self.M  # a microbatch per replica (sharding.full_refusal)
+        if shard == "full" and self.shard == "auto" and self.step_M is not None:
+            ok &= reps <= self.step_M  # a microbatch per replica (sharding.full_refusal)
         return ok
 
     def _level1_start(self, se_c: np.ndarray, thr: np.ndarray, rr: np.ndarray, dd: np.ndarray,
