@@ -495,24 +495,53 @@ def test_default_train_flags_pass_the_check(two_stage_program: Path) -> None:
         check_args(parse_args([], program), program, world=1)
 
 
+# run as a user runs them: `python train.py FLAGS` in a fresh process (the two that once exited 0 and 1);
+# the others call the same entry point in this process (a process start costs 3-5 s of the suite's budget)
+TRAIN_IN_PROCESS = {"train_steps_negative", "train_world_without_torchrun"}
+
+
 @pytest.mark.parametrize("case", TRAIN_CASES, ids=lambda c: c.name)
-def test_train_py_refuses_bad_flags(case: TrainCase, two_stage_program: Path, tmp_path: Path) -> None:
+def test_train_py_refuses_bad_flags(case: TrainCase, two_stage_program: Path, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """``python train.py FLAGS`` (no torchrun): exit 2, one line naming the flag and the fix, nothing written."""
     import os
     import subprocess
 
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    if case.world is not None:
-        env.update(WORLD_SIZE=str(case.world), RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(case.world))
+    from pdcompile.runtime import launch
+
+    torchrun_env = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     argv = [*case.argv, "--save-final", "final", "--metrics", "metrics"]
-    p = subprocess.run([sys.executable, str(two_stage_program / "train.py"), *argv], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, f"exit {p.returncode}\n{p.stderr[-2000:]}"
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("train.py: error: "), p.stderr[-2000:]
+    if case.name in TRAIN_IN_PROCESS:
+        env = {k: v for k, v in os.environ.items() if k not in torchrun_env}
+        if case.world is not None:
+            env.update(WORLD_SIZE=str(case.world), RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(case.world))
+        p = subprocess.run([sys.executable, str(two_stage_program / "train.py"), *argv], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+        code, out, err = p.returncode, p.stdout, p.stderr
+    else:
+        for k in torchrun_env:
+            monkeypatch.delenv(k, raising=False)
+        if case.world is not None:
+            for k, v in dict(WORLD_SIZE=str(case.world), RANK="0", LOCAL_RANK="0",
+                             LOCAL_WORLD_SIZE=str(case.world)).items():
+                monkeypatch.setenv(k, v)
+        monkeypatch.chdir(tmp_path)
+
+        def no_group(*a: object, **k: object) -> None:
+            raise AssertionError("train.py went on to form a process group: the flags were not refused")
+
+        monkeypatch.setattr(launch, "init_process_group", no_group)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            launch.main(two_stage_program, argv)
+        code = exited.value.code
+        out, err = capsys.readouterr()
+    assert code == 2, f"exit {code}\n{err[-2000:]}"
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: "), err[-2000:]
     for cause in case.causes:
         assert cause in lines[0], f"{cause!r} not in {lines[0]!r}"
-    assert p.stdout == "" and list(tmp_path.iterdir()) == [], "a refused run wrote something"
+    assert out == "" and list(tmp_path.iterdir()) == [], "a refused run wrote something"
 
 
 @pytest.mark.multiproc
