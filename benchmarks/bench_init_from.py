@@ -14,7 +14,9 @@ The model: a Llama of 20 layers, width 1024 (``benchmarks/_common.py`` ``llama-3
   the ranks load.
 
 *pipelines*: each program trains 1 step (SGD without momentum: no optimizer state; ``--optimizer adam``:
-two states per parameter) under torchrun. Reported: the compiling process's peak RSS (``ru_maxrss``;
+two states per parameter, torch's default per-tensor Adam on CPU; ``adam-fused``: ``Adam(fused=True)``, its
+fused CPU kernel) under torchrun, with ``train.py --grad-accumulation`` as ``--grad-accumulation`` says
+(default ``auto``: the big weights' gradients fused into ``.grad``; ``autograd``: as before). Reported: the compiling process's peak RSS (``ru_maxrss``;
 target < 1 GiB with init_from); each rank's peak RSS (the metrics' ``peak_rss_mb``); the baseline of a
 process that has only imported what a rank imports before it builds anything (torch and the runtime;
 ``python -c "import torch"`` alone is reported too); and the stage's share (its weights, gradients and
@@ -35,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +75,10 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     else:
         model = transformers.LlamaForCausalLM.from_pretrained(cfg["hf"])
     x = torch.randint(0, 100, (BATCH, SEQ))
-    adam = cfg["optimizer"] == "adam"
+    adam, fused = cfg["optimizer"].startswith("adam"), cfg["optimizer"] == "adam-fused"
     pipe = pdcompile(model, example_inputs=(x,), example_target=torch.randint(0, 100, (BATCH, SEQ)),
                      loss_fn=SequenceCrossEntropy(), stages=cfg["stages"], num_microbatches=BATCH,
-                     cost_mode="analytic", optimizer=(lambda p: torch.optim.Adam(p, lr=1e-4)) if adam
+                     cost_mode="analytic", optimizer=(lambda p: torch.optim.Adam(p, lr=1e-4, fused=fused)) if adam
                      else (lambda p: torch.optim.SGD(p, lr=0.01)))
     pipe.emit(cfg["out"], init_from=cfg["hf"] if cfg["way"] == "init_from" else None)
     params = {st.index: sum(p.numel() for p in st.gm.parameters()) for st in pipe.split.stages}
@@ -158,31 +161,34 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
     return r
 
 
-def train_one_step(prog: Path, world: int, metrics: Path) -> dict[int, float]:
+def train_one_step(prog: Path, world: int, metrics: Path, grad_accumulation: str = "auto") -> dict[int, float]:
     """Each rank's peak RSS (MiB) over start-up and one training step, by stage."""
     from pdcompile.launcher import launch
 
-    rc, log = launch(prog, world, ["--steps", "1", "--metrics", str(metrics), "--timeout", "600"], timeout=1800)
+    rc, log = launch(prog, world, ["--steps", "1", "--metrics", str(metrics), "--timeout", "600",
+                                   "--grad-accumulation", grad_accumulation], timeout=1800)
     if rc != 0:
         raise RuntimeError(f"training failed ({rc}):\n{log[-3000:]}")
     ranks = [json.loads(p.read_text()) for p in sorted(metrics.glob("rank_*.json"))]
     return {int(r["stage"]): float(r["peak_rss_mb"]) for r in ranks}
 
 
-def pipelines(model: str, hf: Path, tmp: Path, optimizer: str) -> str:
+def pipelines(model: str, hf: Path, tmp: Path, optimizer: str, grad_accumulation: str = "auto",
+              stage_counts: Sequence[int] = (2, 4), ways: Sequence[str] = ("init_from", "emit")) -> str:
     torch_only = _baseline("import torch")
     base = _baseline("import torch\nimport pdcompile.runtime.trainer")
-    per_param = 8 + (8 if optimizer == "adam" else 0)  # fp32 weight + gradient (+ Adam's two states)
+    adam = optimizer.startswith("adam")
+    per_param = 8 + (8 if adam else 0)  # fp32 weight + gradient (+ Adam's two states)
     rows = ["| way | stages | compile + emit (s) | compiling process: peak RSS (MiB) | rank: peak RSS (MiB) | "
-            "rank: peak - baseline (MiB) | share: weights + grads" + (" + Adam state" if optimizer == "adam" else "")
+            "rank: peak - baseline (MiB) | share: weights + grads" + (" + Adam state" if adam else "")
             + " (MiB) | (peak - baseline) / share | target met (<= 1.15) |", "|---|---|---|---|---|---|---|---|---|"]
     r: dict[str, Any] = {}
-    for stages in (2, 4):
-        for way in ("init_from", "emit"):
+    for stages in stage_counts:
+        for way in ways:
             out = tmp / f"{way}_{stages}"
             r = _child({"step": "compile", "model": model, "hf": str(hf), "way": way, "stages": stages,
                         "out": str(out), "optimizer": optimizer})
-            ranks = train_one_step(out, stages, tmp / f"m_{way}_{stages}")
+            ranks = train_one_step(out, stages, tmp / f"m_{way}_{stages}", grad_accumulation)
             share = {int(k): per_param * n / MiB for k, n in r["stage_params"].items()}
             ks = sorted(ranks)
             ratio = [(ranks[k] - base) / share[k] for k in ks]
@@ -195,7 +201,8 @@ def pipelines(model: str, hf: Path, tmp: Path, optimizer: str) -> str:
                         + " |")
             print(rows[-1], flush=True)
             shutil.rmtree(out, ignore_errors=True)
-    return (f"{model}: {r['params'] / 1e6:.0f}M parameters; optimizer {optimizer}. Baselines (peak RSS of a fresh "
+    return (f"{model}: {r['params'] / 1e6:.0f}M parameters; optimizer {optimizer}; --grad-accumulation "
+            f"{grad_accumulation}. Baselines (peak RSS of a fresh "
             f"process): `python -c \"import torch\"` {torch_only:.0f} MiB; what a rank imports before it builds "
             f"anything (torch, pdcompile.runtime) {base:.0f} MiB: the 'baseline' below. Minibatch {BATCH} x {SEQ} "
             f"tokens, {BATCH} microbatches, flush, one step. Per rank: stage 0 first.\n\n" + "\n".join(rows))
@@ -220,7 +227,12 @@ def readers(model: str, hf: Path, tmp: Path) -> str:
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=["pipelines", "readers", "all"], default="all")
-    ap.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    ap.add_argument("--optimizer", choices=["sgd", "adam", "adam-fused"], default="sgd",
+                    help="adam: torch's default Adam (per tensor on CPU); adam-fused: Adam(fused=True)")
+    ap.add_argument("--grad-accumulation", choices=["auto", "fused", "autograd"], default="auto",
+                    help="train.py --grad-accumulation of the ranks (autograd: as before fused accumulation)")
+    ap.add_argument("--stages", type=int, nargs="+", choices=[2, 4], default=[2, 4])
+    ap.add_argument("--ways", nargs="+", choices=["init_from", "emit"], default=["init_from", "emit"])
     ap.add_argument("--quick", action="store_true", help="a tiny Llama; print only")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -237,15 +249,17 @@ def main(argv: list[str] | None = None) -> str:
         _child({"step": "save", "model": model, "hf": str(hf)})
         size = sum(f.stat().st_size for f in hf.glob("*.safetensors")) / MiB
         if a.part in ("pipelines", "all"):
-            parts.append(pipelines(model, hf, tmp, a.optimizer))
+            parts.append(pipelines(model, hf, tmp, a.optimizer, a.grad_accumulation, a.stages, a.ways))
         if a.part in ("readers", "all"):
             parts.append(readers(model, hf, tmp))
     body = (f"The checkpoint: {size:.0f} MiB of fp32 safetensors (one file).\n\n" + "\n\n".join(parts)
             + f"\n\nLoad before the run (`cat /proc/loadavg`): {load}; machine: 2-core CPU, shared.\n")
     publish("Big model: a 300M HF model from safetensors vs emitted weights", body,
             f"python benchmarks/bench_init_from.py{' --part ' + a.part if a.part != 'all' else ''}"
-            f"{' --optimizer adam' if a.optimizer == 'adam' else ''}",
-            write=not a.quick and a.part == "all" and a.optimizer == "sgd")  # other runs: printed, read by hand
+            f"{' --optimizer ' + a.optimizer if a.optimizer != 'sgd' else ''}"
+            f"{' --grad-accumulation ' + a.grad_accumulation if a.grad_accumulation != 'auto' else ''}",
+            write=not a.quick and a.part == "all" and a.optimizer == "sgd" and a.grad_accumulation == "auto"
+            and a.stages == [2, 4] and a.ways == ["init_from", "emit"])  # other runs: printed, read by hand
     return body
 
 

@@ -22,7 +22,7 @@ from pdcompile.runtime.recompute import StageRecompute
 from pdcompile.runtime.schedules import Action, Kind
 from pdcompile.runtime.schedules.transfers import TargetPosts, several_per_rank
 from pdcompile.runtime.shard import FullShard, local
-from pdcompile.runtime.fused_grads import FusedGrads
+from pdcompile.runtime.fused_grads import Deferred, FusedGrads
 from pdcompile.runtime.graph_split import GraphSplit, graph_route
 from pdcompile.runtime.weight_grads import WeightPass
 
@@ -261,8 +261,9 @@ class StageExecutor:
         # shard "full" (runtime/shard.py): FSDP2 reduces at the replica's last backward of a step, never split
         self.sharded = sharded
         self.meter.sharded = sharded is not None
-        # fused weight-gradient accumulation (runtime/fused_grads.py): off for a split backward's forward
+        # fused weight-gradient accumulation (runtime/fused_grads.py); a split backward's, by microbatch
         self.fused = fused
+        self._deferred: dict[int, Deferred] = {}
 
     def begin(self, first_microbatch: int) -> None:
         """A run of the schedule starts at ``first_microbatch`` (its targets are posted in order from there)."""
@@ -417,12 +418,16 @@ class StageExecutor:
             self._split.discard(k)  # its graph is rebuilt inside B: B is not split into B and W
             if self.meter.enabled and not self.meter.recompute_bytes:
                 self._probe_recompute(k, st.inputs, params)
-        if self.fused is not None:  # W's autograd.grad must not find its gradients written into .grad
+        if self.fused is not None:  # split: off for the traced graph's backward, B records and W adds for the submodules'
             self.fused.active = k not in self._split
+            self.fused.deferred = None
         if k in self._split:  # W follows: note what the weight pass needs
             route = self._split_route(params, st.inputs)
             handles, notes = route.capture()
             self._notes[k] = (route, notes)
+            if self.fused is not None and not isinstance(route, GraphSplit):
+                self.fused.active = True
+                self._deferred[k] = self.fused.defer()
         try:
             kept: list[torch.Tensor] = []  # beyond autograd's saved tensors: the selective cache
             with self.meter.saving(k, params.values() if params else ()), self._autocast():
@@ -580,8 +585,11 @@ class StageExecutor:
         backward would (:class:`~pdcompile.runtime.weight_grads.WeightPass`, or the graph's ``W``:
         :class:`~pdcompile.runtime.graph_split.GraphSplit`); then what it held is freed."""
         held = self._weight_pass.pop(a.mb, None)
+        deferred = self._deferred.pop(a.mb, None)
         if held is not None:  # None: the B was not split (nothing needed a gradient)
             route, work = held
+            if deferred is not None:  # the fused weight gradients its B recorded (runtime/fused_grads.py)
+                FusedGrads.weight_pass(deferred)
             route.weight_grads(work)
 
     def _allreduce(self, a: Action) -> None:

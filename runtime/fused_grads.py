@@ -26,9 +26,13 @@ than autograd's); for an embedding, no ``max_norm``, ``scale_grad_by_freq`` or `
 else runs plain. Stashed weight versions (runtime/weights.py) name the live parameter their gradient
 goes into (:func:`accumulate_into`), so the stashed clone never holds a ``.grad`` either.
 
-Where it must not run, the executor turns it off: a split backward (``B`` then ``W``, zero bubble: the
-weight gradients come from ``autograd.grad``, which must not write ``.grad``), and a stage sharded
-``full`` (FSDP2 reduces from ``AccumulateGrad``'s hooks; :func:`install` returns None). The runtime
+A split backward (``B`` then ``W``: zero bubble, ``--split-backward``) walks the retained graph more than
+once, and its ``W`` should do the weight work: by submodules (runtime/weight_grads.py) each fused node
+adds its gradient once, its ``B`` records it (:class:`Deferred`: the node's output gradient and input,
+as the weight pass holds anyway) and its ``W`` adds it (:meth:`FusedGrads.weight_pass`). Where it must
+not run, the executor turns it off: a split through the traced graph (runtime/graph_split.py: the
+forward runs aot_autograd's graph, not the module), and a stage sharded ``full`` (FSDP2 reduces from
+``AccumulateGrad``'s hooks; :func:`install` returns None). The runtime
 relies on no gradient hook otherwise: ``AR``, ``TG``, clipping and the memory meter read ``.grad`` after
 the backward. Results equal autograd's to rounding (``addmm_`` adds inside the product), not bitwise, so
 ``auto`` (the default of ``train.py --grad-accumulation``) fuses only weights of ``AUTO_MIN_BYTES`` and
@@ -56,6 +60,15 @@ def accumulate_into(clone: torch.Tensor, param: torch.Tensor) -> None:
     setattr(clone, _INTO, param)
 
 
+class Deferred:
+    """A split backward's fused weight gradients: its ``B`` (while ``open``) records each one here
+    instead of adding it; its ``W`` adds them (:meth:`FusedGrads.weight_pass`)."""
+
+    def __init__(self) -> None:
+        self.items: list[Callable[[], None]] = []
+        self.open = True
+
+
 def _add_into(weight: torch.Tensor, make: Callable[[], torch.Tensor], add: Callable[[torch.Tensor], Any]) -> None:
     """Accumulate into the ``.grad`` of ``weight`` (or of the parameter it stands for): the first
     gradient is made (``make``: as autograd would, the new tensor becomes ``.grad``), later ones are
@@ -68,22 +81,37 @@ def _add_into(weight: torch.Tensor, make: Callable[[], torch.Tensor], add: Calla
             add(target.grad)
 
 
+def _accumulate(ctx: Any, make: Callable[[], torch.Tensor], add: Callable[[torch.Tensor], Any]) -> None:
+    """A fused node's weight gradient, once per node (a split backward walks a retained graph more than
+    once: ``B`` to the inputs, ``W`` to the weights, the weight pass's first check a third time): added
+    now, or recorded for ``W`` when ``B`` of a split backward runs it."""
+    if ctx.done:
+        return
+    ctx.done = True
+    deferred = ctx.deferred
+    if deferred is not None and deferred.open:
+        deferred.items.append(lambda: _add_into(ctx.weight, make, add))
+    else:
+        _add_into(ctx.weight, make, add)
+
+
 class _Linear(torch.autograd.Function):
     """``F.linear(x, weight, bias)``; the backward adds ``dy^T x`` into ``weight.grad`` (``addmm_``)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                deferred: Deferred | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)  # values, as F.linear saves them (saved-tensor hooks may alias them)
-        ctx.weight = weight  # the tensor itself, whose .grad is the target
+        ctx.weight, ctx.deferred, ctx.done = weight, deferred, False  # the tensor itself: its .grad is the target
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None]:
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None]:
         x, w = ctx.saved_tensors
         dx = dy.matmul(w) if ctx.needs_input_grad[0] else None
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        _add_into(ctx.weight, lambda: dy2.t().mm(x2), lambda g: g.addmm_(dy2.t(), x2))
-        return dx, None, dy2.sum(0) if ctx.needs_input_grad[2] else None
+        _accumulate(ctx, lambda: dy2.t().mm(x2), lambda g: g.addmm_(dy2.t(), x2))
+        return dx, None, dy2.sum(0) if ctx.needs_input_grad[2] else None, None
 
 
 class _Embedding(torch.autograd.Function):
@@ -91,20 +119,22 @@ class _Embedding(torch.autograd.Function):
     ``weight.grad`` it read (``index_add_``), none into ``padding_idx``'s."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor, padding_idx: int,
+                deferred: Deferred | None) -> torch.Tensor:
         ctx.save_for_backward(ids)
-        ctx.weight, ctx.padding_idx = weight, padding_idx  # the graph holds the weight anyway (its AccumulateGrad)
+        # the graph holds the weight anyway (its AccumulateGrad)
+        ctx.weight, ctx.padding_idx, ctx.deferred, ctx.done = weight, padding_idx, deferred, False
         return F.embedding(ids, weight)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[None, None, None]:
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[None, None, None, None]:
         (ids,) = ctx.saved_tensors
         weight = ctx.weight
         idx, g = ids.reshape(-1), dy.reshape(-1, dy.shape[-1]).to(weight.dtype)
         if ctx.padding_idx >= 0:
             g = g * (idx != ctx.padding_idx).unsqueeze(1).to(g.dtype)
-        _add_into(weight, lambda: torch.zeros_like(weight).index_add_(0, idx, g), lambda t: t.index_add_(0, idx, g))
-        return None, None, None
+        _accumulate(ctx, lambda: torch.zeros_like(weight).index_add_(0, idx, g), lambda t: t.index_add_(0, idx, g))
+        return None, None, None, None
 
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, default: Any = None) -> Any:
@@ -117,12 +147,14 @@ _EMBEDDINGS_ATEN = {torch.embedding, torch.ops.aten.embedding.default}  # (weigh
 
 class FusedGrads:
     """One stage module's fused accumulation (:func:`install`): ``active`` says whether the next
-    forwards fuse (the executor turns it off for a split backward's microbatch); ``counts`` counts
+    forwards fuse (off for a split through the traced graph), ``deferred`` where their split backward's
+    ``B`` records the fused gradients (:meth:`defer`); ``counts`` counts
     the weight calls that did, by kind (``linear``, ``embedding``); weights under ``min_bytes`` run plain."""
 
     def __init__(self, min_bytes: int) -> None:
         self.min_bytes = min_bytes
         self.active = True
+        self.deferred: Deferred | None = None  # the next forwards' split backward (B records, W adds)
         self.counts: dict[str, int] = {"linear": 0, "embedding": 0}
 
     def qualifies(self, w: Any) -> bool:
@@ -137,14 +169,28 @@ class FusedGrads:
                 and not torch.is_autocast_enabled(w.device.type)):
             return None
         self.counts["linear"] += 1
-        return _Linear.apply(x, w, b)  # type: ignore[no-any-return]
+        return _Linear.apply(x, w, b, self.deferred)  # type: ignore[no-any-return]
 
     def embedding(self, w: Any, ids: Any, padding_idx: int | None, plain_options: bool) -> torch.Tensor | None:
         if not (plain_options and self.qualifies(w) and w.dim() == 2 and isinstance(ids, torch.Tensor)):
             return None
         pad = -1 if padding_idx is None else padding_idx + (w.shape[0] if padding_idx < 0 else 0)
         self.counts["embedding"] += 1
-        return _Embedding.apply(w, ids, pad)  # type: ignore[no-any-return]
+        return _Embedding.apply(w, ids, pad, self.deferred)  # type: ignore[no-any-return]
+
+    def defer(self) -> Deferred:
+        """The next forward's backward is split: its ``B`` records the fused weight gradients, its ``W``
+        adds them (set ``deferred`` to None again for a backward that adds them at once)."""
+        self.deferred = Deferred()
+        return self.deferred
+
+    @staticmethod
+    def weight_pass(deferred: Deferred) -> None:
+        """``W`` of a split backward: add what its ``B`` recorded; later walks add their own at once."""
+        deferred.open = False
+        for add in deferred.items:
+            add()
+        deferred.items.clear()
 
 
 class _Mode(TorchFunctionMode):

@@ -92,8 +92,8 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                         "an embedding's gradient straight into .grad in its backward (addmm_, index_add_: no "
                         "weight-sized transient; equal to autograd's to rounding), 'autograd' lets autograd make "
                         "each whole gradient and add it. Default 'auto': fused for weights of "
-                        f"{AUTO_MIN_BYTES >> 20} MiB and more. A split backward's microbatch (W) and a stage "
-                        "sharded full always use autograd")
+                        f"{AUTO_MIN_BYTES >> 20} MiB and more. A backward split through the traced graph (--weight-pass "
+                        "graph) and a stage sharded full use autograd")
     p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=None,
                    help="keep memory a step frees for the next one instead of returning it to the system "
                         "(glibc malloc thresholds, runtime/allocator.py; each step otherwise page-faults its "

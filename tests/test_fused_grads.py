@@ -174,8 +174,8 @@ def test_under_bf16_autocast_linears_run_plain() -> None:
 
 
 def test_where_it_must_not_write_grad_it_stays_out() -> None:
-    """A split backward's microbatch (the executor sets ``active`` False): ``autograd.grad`` gets
-    every gradient and ``.grad`` stays empty. No grad mode: nothing fused. ``autograd``, a stage
+    """A backward split through the traced graph (the executor sets ``active`` False): ``autograd.grad``
+    gets every gradient and ``.grad`` stays empty. No grad mode: nothing fused. ``autograd``, a stage
     sharded ``full`` (FSDP2's hooks) and, under ``auto``, a stage of small weights: not installed."""
     plain, fused, fg = _pair(Both)
     fg.active = False
@@ -188,6 +188,33 @@ def test_where_it_must_not_write_grad_it_stays_out() -> None:
     assert fg.counts == {"linear": 0, "embedding": 0}
     assert fused_grads.install(Both(), "autograd") is None and fused_grads.install(Both(), "fused", sharded=True) is None
     assert fused_grads.install(Both(), "auto") is None  # 4 KiB weights: the transient is no matter
+
+
+def test_a_split_backward_by_submodules_adds_the_fused_gradients_in_w() -> None:
+    """Through the submodules' weight pass (runtime/weight_grads.py), as flush's split drain runs it:
+    microbatch 0 unsplit, microbatch 1 split. B writes no fused gradient (it records the linears'
+    on its path), W adds them and the rest once, though W and its first check walk the graph again."""
+    from pdcompile.runtime.weight_grads import WeightPass
+
+    plain, fused, fg = _pair(Both)
+    plain(_ids(0)).sum().backward()
+    fused(_ids(0)).sum().backward()
+    before = {n: p.grad.clone() for n, p in fused.named_parameters()}
+    wp = WeightPass(fused)
+    deferred = fg.defer()
+    handles, notes = wp.capture()
+    loss = fused(_ids(1)).sum()
+    for h in handles:
+        h.remove()
+    _, work = wp.input_grads([loss], None, [], notes)
+    assert len(deferred.items) == 2  # lin and head: on B's path to the submodules' outputs
+    assert all(torch.equal(p.grad, before[n]) for n, p in fused.named_parameters()), "B added a weight gradient"
+    fg.weight_pass(deferred)
+    wp.weight_grads(work)
+    assert wp.trusted is True
+    plain(_ids(1)).sum().backward()
+    assert fg.counts == {"linear": 4, "embedding": 4}
+    _same_grads(plain, fused)
 
 
 def test_recomputation_reruns_the_fused_forward() -> None:
@@ -271,17 +298,20 @@ def test_the_second_backward_makes_no_weight_sized_gradient(mode: str) -> None:
 def test_two_ranks_with_fused_and_split_backwards_train_as_the_reference(programs: dict[str, Path],
                                                                          tmp_path: Path) -> None:
     """GPT in 2 stages, flush with the drain's backward split (``--split-backward``: stage 1's last
-    backward of each step runs plain, through autograd.grad), every other backward fused: 3 steps
-    equal single-process training within 1e-6."""
+    backward of each step is B then W, by submodules), every linear and embedding fused, in split
+    backwards too: 3 steps equal single-process training within 1e-6."""
     prog = programs["fx"]
     rc, log = run_ranks(prog, 2, ["--schedule", "flush", "--split-backward", "--grad-accumulation", "fused",
                                   "--steps", str(STEPS), "--save-final", str(tmp_path / "final"), "--metrics",
                                   str(tmp_path / "metrics"), "--timeout", "60"], timeout=150)
     assert rc == 0, log[-4000:]
     metrics = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in (tmp_path / "metrics").glob("rank_*.json")}
-    assert all(m["fused_grads"]["linear"] > 0 for m in metrics.values()), {r: m["fused_grads"] for r, m in metrics.items()}
-    assert metrics[0]["fused_grads"]["embedding"] == 2 * MICRO * STEPS  # wte and wpe, every microbatch
-    assert sum(metrics[1]["split_backwards"].values()) == STEPS
+    program = Program.load(prog)
+    for rank in (0, 1):  # every call of every microbatch, the split ones too
+        src = (prog / program.stages[rank].module).read_text()
+        want = {"linear": src.count("torch.nn.Linear("), "embedding": src.count("torch.nn.Embedding(")}
+        assert metrics[rank]["fused_grads"] == {k: n * MICRO * STEPS for k, n in want.items()}, metrics[rank]
+    assert metrics[1]["split_backwards"]["submodules"] == STEPS
     program, stages, optimizers, micro = stages_and_microbatches(prog, "gpt", STEPS, MICRO)
     tied = [[(s, n) for s, n in grp] for grp in program.raw.get("tied", [])]
     fwd, bwd, group = reference.synchronous(MICRO)
