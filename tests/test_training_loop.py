@@ -424,15 +424,21 @@ def test_pipedream_1f1b_cut_and_resumed_mid_rotation(tmp_path: Path, user: Any) 
                 torch.testing.assert_close(w[n], t, rtol=0, atol=1e-6, msg=lambda e: f"{prog.name} rank {rank} {n}: {e}")
     for metrics, reporter, expected in ((m1, 2, {k: evals[k] for k in (3, 6)}), (m2, 1, {k: evals_b[k] for k in (6, 9)})):
         assert {e["step"]: pytest.approx(e["loss"], rel=1e-5) for e in metrics[reporter]["eval"]} == expected
+    # [1, 2] at M = 1: the reporting replica updates every other minibatch, yet metrics.jsonl has one train
+    # record per minibatch, numbered as the minibatches are, each before its step's evaluation (the case
+    # M = 1 of test_1f1b_logs_every_minibatch_once_with_a_replicated_last_stage, in this launch)
+    records = [json.loads(line) for line in (tmp_path / "b" / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["type"], r["step"]) for r in records] == [("train", 6), ("eval", 6), ("train", 7), ("train", 8),
+                                                         ("train", 9), ("eval", 9)]
+    assert all(r["step_time_s"] > 0 for r in records if r["type"] == "train")
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("microbatches", [2, 1])
-def test_1f1b_logs_every_minibatch_once_with_a_replicated_last_stage(tmp_path: Path, user: Any,
-                                                                      microbatches: int) -> None:
+def test_1f1b_logs_every_minibatch_once_with_a_replicated_last_stage(tmp_path: Path, user: Any) -> None:
     """PipeDream's 1F1B with a last stage of 2 replicas: the reporting replica updates once a round of 2
-    microbatches (M = 2: once a minibatch; M = 1: once every other minibatch). metrics.jsonl still has one
+    microbatches (M = 2: once a minibatch; M = 1, once every other minibatch: checked in
+    test_pipedream_1f1b_cut_and_resumed_mid_rotation's second launch). metrics.jsonl still has one
     train record per minibatch, numbered as the minibatches are, each before its step's evaluation (before:
     a record per M of the replica's updates, numbered by them: 3 records for 6 minibatches, "step 1" after
     minibatch 2; bench_time_to_accuracy's Planner + 1F1B curves kept their evaluations' time)."""
@@ -441,8 +447,8 @@ def test_1f1b_logs_every_minibatch_once_with_a_replicated_last_stage(tmp_path: P
     pipe = pdcompile(model, example_inputs=(torch.randn(2 * B, user.D),),
                      example_target=torch.zeros(2 * B, dtype=torch.long), loss_fn=torch.nn.CrossEntropyLoss(),
                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1), stages=2, replicas=[1, 2], schedule="1f1b",
-                     num_microbatches=microbatches)
-    steps = 6
+                     num_microbatches=2)
+    steps, microbatches = 6, 2
     metrics, _ = _launch(tmp_path, pipe.emit(tmp_path / "prog"), [
         "--steps", str(steps), "--data", "loopdata:train", "--eval-data", "loopdata:val", "--eval-every", "2"])
     records = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
