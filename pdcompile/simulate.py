@@ -579,22 +579,26 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                              version_s=[p / copy_bandwidth for p in params] if copy_bandwidth else None,
                              forward_s=fwd, backward_s=bwd, send_s=send, allreduce_s=allreduce, step_s=step_s,
                              overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size)
-    def at(s: int, k: int, versions: int, sched: str) -> float:
+    def at(s: int, k: int, versions: int, sched: str, whole_step: bool | None = None) -> float:
         st_ = plan.stages[s]
         return float(model(sched).memory.memory_at(st_.first, st_.last, k, versions, getattr(st_, "recompute", "none"),
                                             scale, getattr(st_, "recompute_layers", 0),
-                                            shard=getattr(st_, "shard", "none"), replicas=st_.replicas))
+                                            shard=getattr(st_, "shard", "none"), replicas=st_.replicas,
+                                            whole_step=whole_step))
 
     if virtual_stages == 1:
+        # the schedule's moments at the simulated counts: a stage that holds the whole step in flight holds no
+        # gradients before its last forward (MemoryModel.whole_step: flush at M=1 runs, and is rated as, GPipe)
         memory = [at(s, res.peak_in_flight[s], res.peak_weight_versions[s], name) for s in range(len(plan.stages))]
     else:
         # virtual stages: one weight version, flush's model (gradients all step long) at the simulated
         # in-flight count while the stage holds gradients, and without them (one version's bytes less)
         # at its peak before its first backward; a recomputing stage also at its rebuilds while it
         # holds gradients (the meter measures there)
-        memory = [max(at(s, res.peak_in_flight_with_grads[s], 1, "flush"),
-                      2 * at(s, res.peak_in_flight[s], 1, "flush") - at(s, res.peak_in_flight[s], 2, "flush"),
-                      at(s, res.peak_in_flight_at_rebuild[s], 1, "flush")
+        memory = [max(at(s, res.peak_in_flight_with_grads[s], 1, "flush", False),
+                      2 * at(s, res.peak_in_flight[s], 1, "flush", False)
+                      - at(s, res.peak_in_flight[s], 2, "flush", False),
+                      at(s, res.peak_in_flight_at_rebuild[s], 1, "flush", False)
                       if getattr(plan.stages[s], "recompute", "none") != "none" and res.peak_in_flight_at_rebuild[s]
                       else 0.0)
                   for s in range(len(plan.stages))]

@@ -299,7 +299,7 @@ def _profile_plans(name: str, gib: float) -> tuple[object, object, float]:
             limit)
 
 
-@pytest.mark.parametrize("name, gib", [("gnmt_large", 1.25), ("gnmt", 0.75), ("alexnet", 1.75)])
+@pytest.mark.parametrize("name, gib", [("gnmt_large", 1.2), ("gnmt", 0.75), ("alexnet", 1.75)])
 def test_auto_shards_where_a_profile_needs_it_and_nowhere_else(name: str, gib: float) -> None:
     """PipeDream's profiles (Adam's state, Flush, 8 workers in 2 servers) where memory binds: auto's plan is
     strictly faster than the best unsharded one, each sharded stage would not fit unsharded (its bytes at

@@ -193,18 +193,36 @@ class MemoryModel:
             return versions + self.opt_factor
         return weight_factors(shard, replicas, versions, self.opt_factor)[0]
 
+    def whole_step(self, k: int) -> bool:
+        """Whether a replica with ``k`` microbatches in flight holds every microbatch of the step at once,
+        so each forward of the step comes before its first backward and the step's gradients never meet
+        a forward: GPipe always (``holds_step``); a schedule with one update per step on the step's own
+        weights (flush, ZB-H1: ``version_lag`` 0, gradients freed at the step) where ``k`` reaches a known
+        step's M (flush at M <= a stage's warm-up depth runs GPipe's actions, and is rated as GPipe is);
+        never 1F1B or 2BW, whose forwards run on into the next update. A replica of a replicated stage
+        holding its share ceil(M / r) < M is rated as flush (more than it holds, never less): the tables
+        the search reads are per in-flight count, not per replica count."""
+        pol = self.policy
+        if pol.holds_step:
+            return True
+        return self.cap and pol.version_lag == 0 and k >= self.M
+
     def terms(self, k: int, depth: int | None = None, versions: int | None = None, shard: str = "none",
-              replicas: int = 1) -> list[tuple[float, int, int]]:
+              replicas: int = 1, whole_step: bool | None = None) -> list[tuple[float, int, int]]:
         """(weight-bytes factor, microbatches of activations, rebuilds) of the moments that may
         peak: with an update per microbatch (1F1B) gradients live from a backward (where a rebuild
-        happens) to its update, while the microbatch is no longer in flight; a schedule that holds
-        the step (GPipe) has none until its first backward frees one; else all step long. The
-        weights' factor is ``shard``'s over ``replicas`` (``sharding.weight_factors``)."""
+        happens) to its update, while the microbatch is no longer in flight; a replica that holds its
+        whole step (:meth:`whole_step`, or as ``whole_step`` says) has none until its first backward
+        frees one; else all step long (a schedule that may hold its whole step keeps the moment before
+        its gradients too: every count has as many moments, which the tables stack). The weights'
+        factor is ``shard``'s over ``replicas`` (``sharding.weight_factors``)."""
         v = self.base(self.versions(depth or k) if versions is None else versions, shard, replicas)
         if self.policy.update_per_microbatch:
             return [(v, k, 1), (v + 1, k - 1, 0)]
-        if self.policy.holds_step:
+        if self.whole_step(k) if whole_step is None else whole_step:
             return [(v, k, 1), (v + 1, k - 1, 1)]
+        if self.policy.holds_step or (self.cap and self.policy.version_lag == 0):
+            return [(v, k, 1), (v + 1, k, 1)]
         return [(v + 1, k, 1)]
 
     def activations(self, i: int, j: int, recompute: bool | str = False) -> float:
@@ -224,15 +242,17 @@ class MemoryModel:
                               replicas=replicas)
 
     def memory_at(self, i: int, j: int, k: int, versions: int, recompute: bool | str = False,
-                  activation_scale: float = 1.0, head: int = 0, shard: str = "none", replicas: int = 1) -> float:
+                  activation_scale: float = 1.0, head: int = 0, shard: str = "none", replicas: int = 1,
+                  whole_step: bool | None = None) -> float:
         """Per-worker bytes of a stage ``i..j`` with ``k`` microbatches in flight and ``versions``
         weight versions (activations scaled by ``activation_scale``, e.g. another microbatch size).
         ``partial``: layers ``i..i+head-1`` run under checkpoint, the rest as usual. ``shard`` over
-        ``replicas``: how the replicas hold weights, gradients and optimizer state (sharding.py)."""
+        ``replicas``: how the replicas hold weights, gradients and optimizer state (sharding.py).
+        ``whole_step``: whether the replica holds its whole step (default :meth:`whole_step`)."""
         mode = mode_of(recompute)
         W = rng(self.PWM, i, j)
         s = activation_scale
-        terms = self.terms(k, versions=versions, shard=shard, replicas=replicas)
+        terms = self.terms(k, versions=versions, shard=shard, replicas=replicas, whole_step=whole_step)
         if mode == "partial":
             q = i + head - 1
             xin = float(self.xin_r[i]) * s
