@@ -2,7 +2,7 @@
 names, so a run resumes under another plan (stage count, replicas, synchronous schedule).
 
 A step folder holds DCP's files (``.metadata`` and each rank's ``__R_0.distcp``), each rank's small
-state file ``rank_R.state.pt`` (RNG, LR scheduler, optimizer hyperparameters), a copy of the
+state file ``rank_R.state.pt`` (RNG; each of its stages' LR scheduler and optimizer hyperparameters), a copy of the
 writer's ``plan.json`` and, written last by rank 0, ``manifest.json``. A folder without the
 manifest is incomplete (a crash while writing) and is never resumed from, so such a crash leaves
 the previous checkpoint usable. The tensors are keyed by the original model's ``state_dict`` names
@@ -138,6 +138,9 @@ class RankState:
     lr_scheduler: dict[str, Any] | None
     param_groups: list[dict[str, Any]] | None  # the optimizer's hyperparameters (lr moves with a scheduler)
     rng: dict[str, Any]
+    # each stage's {"stage", "lr_scheduler", "param_groups"}: under 1F1B a stage of r replicas steps M / r
+    # times a minibatch, so the stages of one rank or one run sit at different scheduler steps
+    stages: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -210,18 +213,20 @@ def _hyperparameters(optimizer: Any) -> list[dict[str, Any]] | None:
 
 
 def rank_state(parts: Sequence[StagePart], step: int, data_consumed: int) -> RankState:
-    """This rank's :class:`RankState` at a flush point (the scheduler and hyperparameters of its first
-    stage with parameters: every stage is stepped alike)."""
-    owner = next((p for p in parts if _hyperparameters(p.optimizer)), None)
-    sched = owner.lr_scheduler if owner is not None else None
-    return RankState(step=step, data_consumed=data_consumed,
-                     lr_scheduler=sched.state_dict() if sched is not None else None,
-                     param_groups=_hyperparameters(owner.optimizer) if owner is not None else None, rng=rng_state())
+    """This rank's :class:`RankState` at a flush point: each of its stages' scheduler and hyperparameters
+    (``stages``; the first's also as ``lr_scheduler``/``param_groups``), its RNG."""
+    stages = tuple({"stage": p.stage, "lr_scheduler": p.lr_scheduler.state_dict() if p.lr_scheduler is not None
+                    else None, "param_groups": _hyperparameters(p.optimizer)}
+                   for p in parts if _hyperparameters(p.optimizer))
+    first: dict[str, Any] = stages[0] if stages else {}
+    return RankState(step=step, data_consumed=data_consumed, lr_scheduler=first.get("lr_scheduler"),
+                     param_groups=first.get("param_groups"), rng=rng_state(), stages=stages)
 
 
 def _state_payload(state: RankState, rank: int) -> dict[str, Any]:
     return {"format": FORMAT, "rank": rank, "step": state.step, "data_consumed": state.data_consumed,
-            "lr_scheduler": state.lr_scheduler, "param_groups": state.param_groups, "rng": state.rng}
+            "lr_scheduler": state.lr_scheduler, "param_groups": state.param_groups, "rng": state.rng,
+            "stages": list(state.stages)}
 
 
 # --- DCP's metadata, read without unpickling arbitrary objects --------------------------------
@@ -417,26 +422,79 @@ def _read_state(folder: Path, manifest: Mapping[str, Any], rank: int) -> dict[st
 
 
 def load_state(folder: Path, manifest: Mapping[str, Any], rank: int) -> RankState:
-    """This rank's :class:`RankState`: its own RNG where the writing job had this rank; the LR
-    scheduler and hyperparameters of the first writing rank that had them (every stage steps alike)."""
-    world = int(manifest["world_size"])
-    own = _read_state(folder, manifest, rank) if rank < world else None
-    sched = own if own is not None and own.get("param_groups") else None
-    r = 0
-    while sched is None and r < world:
-        payload = own if r == rank and own is not None else _read_state(folder, manifest, r)
-        sched = payload if payload.get("param_groups") else None
-        r += 1
+    """The step, the data position and, where the writing job had this rank, its RNG (its rank
+    number may have run another stage there: the stages' schedulers come from :func:`stage_states`)."""
+    own = _read_state(folder, manifest, rank) if rank < int(manifest["world_size"]) else None
     return RankState(step=int(manifest["step"]), data_consumed=int(manifest.get("data_consumed", 0)),
-                     lr_scheduler=sched.get("lr_scheduler") if sched else None,
-                     param_groups=sched.get("param_groups") if sched else None,
-                     rng=own["rng"] if own is not None else {})
+                     lr_scheduler=None, param_groups=None, rng=own["rng"] if own is not None else {})
+
+
+def _position(state: Any) -> list[int]:
+    """Where a scheduler's state stands: its (and, for SequentialLR and ChainedScheduler, its parts')
+    ``last_epoch`` and ``_step_count``, in order."""
+    if isinstance(state, dict):
+        return [int(state[k]) for k in ("last_epoch", "_step_count") if isinstance(state.get(k), int)] + \
+            [p for k, v in state.items() if isinstance(v, (dict, list)) for p in _position(v)]
+    if isinstance(state, list):
+        return [p for v in state for p in _position(v)]
+    return []
+
+
+def stage_states(folder: Path, manifest: Mapping[str, Any], parts: Sequence[StagePart]) -> list[dict[str, Any] | None]:
+    """Each part's LR scheduler and hyperparameters (``{"lr_scheduler", "param_groups"}``; None for a
+    stage without parameters): those of the writing plan's stage that held its parameters, read from
+    that stage's first rank. Under 1F1B stages step at their own rates (a stage of r replicas M / r
+    times a minibatch), so a stage takes its own position whatever rank now runs it; a stage holding
+    parameters of writing stages whose schedulers differ is refused (one scheduler can't continue both)."""
+    check_files(folder, manifest, ["plan.json"])
+    try:
+        writers = [(int(st["index"]), [int(r) for r in st["ranks"]], set(st.get("param_names", {}).values()))
+                   for st in json.loads((folder / "plan.json").read_text())["stages"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{folder / 'plan.json'}: not a plan ({type(e).__name__}: {e}). Fix: resume from "
+                              f"an older step folder") from None
+    payloads: dict[int, dict[str, Any]] = {}
+    world = int(manifest["world_size"])
+
+    def entry(stage: int, ranks: list[int]) -> dict[str, Any]:
+        rank = next((r for r in ranks if r < world), 0)  # written offline by fewer ranks: one state for all
+        if rank not in payloads:
+            payloads[rank] = _read_state(folder, manifest, rank)
+        payload = payloads[rank]
+        found = [e for e in payload.get("stages") or [] if e.get("stage") == stage]
+        # a state file without this stage's entry: its rank's first stage's, as the writer had it
+        return found[0] if found else {"lr_scheduler": payload.get("lr_scheduler"),
+                                       "param_groups": payload.get("param_groups")}
+
+    out: list[dict[str, Any] | None] = []
+    for part in parts:
+        if not _hyperparameters(part.optimizer):
+            out.append(None)
+            continue
+        names = [_original(part, n) for n, _ in part.module.named_parameters()]
+        held = [next((i for i, w in enumerate(writers) if n in w[2]), None) for n in names]
+        owners = [writers[i] for i in dict.fromkeys(i for i in held if i is not None)]
+        if not owners:
+            out.append(None)
+            continue
+        states = [(stage, entry(stage, ranks)) for stage, ranks, _ in owners]
+        for stage, st in states[1:]:
+            if _position(st["lr_scheduler"]) != _position(states[0][1]["lr_scheduler"]):
+                steps = [(s.get("lr_scheduler") or {}).get("last_epoch") for _, s in (states[0], (stage, st))]
+                raise CheckpointError(
+                    f"{folder}: stage {part.stage} holds parameters of the writing plan's stages {states[0][0]} and "
+                    f"{stage}, whose LR schedulers are at different steps ({steps[0]} and {steps[1]}: 1F1B steps a "
+                    f"stage of r replicas M / r times a minibatch); one scheduler can't continue both. Fix: resume "
+                    f"under a plan whose stages each hold parameters of one writing stage (e.g. its stage cuts)")
+        out.append(states[0][1])
+    return out
 
 
 def load_rank(folder: str | os.PathLike[str], plan: Mapping[str, Any] | None, rank: int,
               parts: Sequence[StagePart]) -> RankState:
     """Load this rank's stages from a checkpoint, in place: parameters and buffers, optimizer state and
-    hyperparameters, LR scheduler (not the RNG: :func:`set_rng_state` with the returned state's).
+    hyperparameters, LR scheduler (each stage's from the writing stage of its parameters,
+    :func:`stage_states`; not the RNG: :func:`set_rng_state` with the returned state's).
 
     Reads only the files that hold the stages' tensors (DCP's index says which), each verified
     against the manifest first. Refuses a checkpoint of another model (names, then shapes).
@@ -475,14 +533,15 @@ def load_rank(folder: str | os.PathLike[str], plan: Mapping[str, Any] | None, ra
         optim.append(per_param)
     check_files(folder, manifest, sorted(files_of(md, targets)))
     state = load_state(folder, manifest, rank)
+    scheds = stage_states(folder, manifest, parts)
     with torch.no_grad():
         read_tensors(folder, targets)
         for t, name in copies:
             t.copy_(targets[name])
-    for part, per_param in zip(parts, optim):
-        _load_optimizer(part, per_param, state.param_groups)
-        if part.lr_scheduler is not None and state.lr_scheduler is not None:
-            part.lr_scheduler.load_state_dict(state.lr_scheduler)
+    for part, per_param, sched in zip(parts, optim, scheds):
+        _load_optimizer(part, per_param, sched["param_groups"] if sched else None)
+        if part.lr_scheduler is not None and sched and sched["lr_scheduler"] is not None:
+            part.lr_scheduler.load_state_dict(sched["lr_scheduler"])
     return state
 
 
