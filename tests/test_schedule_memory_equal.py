@@ -19,7 +19,7 @@ from _ranks import run_ranks  # noqa: E402
 from pdcompile.cluster import flat_cluster  # noqa: E402
 from pdcompile.ir import Chain, ChainLayer  # noqa: E402
 from pdcompile.passes.partition_dp import plan_from_assignment  # noqa: E402
-from pdcompile.runtime.schedules import make_schedule  # noqa: E402
+from pdcompile.runtime.schedules import make_schedule, stage_ranks  # noqa: E402
 from pdcompile.simulate import simulate_plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,30 +57,33 @@ def _brute(acts: list[Any], W: float, X: float) -> float:
     return peak
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_predicted_memory_is_the_brute_force_over_the_actions(stages: int) -> None:
-    """gpipe and flush, M 1..4, two steps: each stage's simulated peak is the brute force's over its
-    rank's actions; where the two schedules' actions on a rank are the same, so is the prediction (M=1:
-    flush was rated one weight copy more, its gradients beside a forward that never follows them)."""
+@pytest.mark.parametrize("replicas", [[1, 1], [2, 1], [1, 2], [1, 1, 1]])
+def test_predicted_memory_is_the_brute_force_over_the_actions(replicas: list[int]) -> None:
+    """gpipe and flush, M 1..4, two steps: each stage's simulated peak (and the plan's) is the brute
+    force's over its ranks' actions; where the two schedules' actions on a stage's ranks are the same,
+    so is the prediction (M=1: flush was rated one weight copy more, its gradients beside a forward
+    that never follows them; [2, 1] at M=2: each replica of stage 0 holds its one microbatch)."""
+    stages = len(replicas)
     weights, saved = [300.0, 500.0, 200.0][:stages], [200.0, 100.0, 400.0][:stages]
     chain = _chain(weights, saved)
-    cluster = flat_cluster(stages, 10.0, memory=1e15)
+    cluster = flat_cluster(sum(replicas), 10.0, memory=1e15)
+    ranks = stage_ranks(replicas)
     for M in range(1, 5):
         peaks = {}
         for name in ("gpipe", "flush"):
-            plan = plan_from_assignment(chain, cluster, [(s, s, 1) for s in range(stages)], schedule=name,
+            plan = plan_from_assignment(chain, cluster, [(s, s, r) for s, r in enumerate(replicas)], schedule=name,
                                         memory_limit=False, num_microbatches=M, optimizer_state_factor=F)
             res = simulate_plan(plan, chain, cluster, name, M, num_steps=2, optimizer_state_factor=F)
-            sched = make_schedule(name, [1] * stages, M, num_steps=2)
+            sched = make_schedule(name, replicas, M, num_steps=2)
             peaks[name] = (res.peak_memory_bytes, sched)
             for s in range(stages):
-                # the plan's own bytes are the simulator's, at M's microbatch size (X scaled by 1 / M)
                 assert res.peak_memory_bytes[s] == pytest.approx(plan.stages[s].memory_bytes, rel=1e-12)
-                brute = _brute(sched[s], weights[s], saved[s] * plan.microbatch_size / chain.batch_size)
+                X = saved[s] * plan.microbatch_size / chain.batch_size
+                brute = max(_brute(sched[r], weights[s], X) for r in ranks[s])
                 assert res.peak_memory_bytes[s] == pytest.approx(brute, rel=1e-12), (name, M, s)
         (g, gs), (f, fs) = peaks["gpipe"], peaks["flush"]
         for s in range(stages):
-            if [str(a) for a in gs[s]] == [str(a) for a in fs[s]]:
+            if all([str(a) for a in gs[r]] == [str(a) for a in fs[r]] for r in ranks[s]):
                 assert g[s] == f[s], (M, s)
         if M == 1:
             assert g == f

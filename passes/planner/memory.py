@@ -193,19 +193,25 @@ class MemoryModel:
             return versions + self.opt_factor
         return weight_factors(shard, replicas, versions, self.opt_factor)[0]
 
-    def whole_step(self, k: int) -> bool:
-        """Whether a replica with ``k`` microbatches in flight holds every microbatch of the step at once,
-        so each forward of the step comes before its first backward and the step's gradients never meet
-        a forward: GPipe always (``holds_step``); a schedule with one update per step on the step's own
-        weights (flush, ZB-H1: ``version_lag`` 0, gradients freed at the step) where ``k`` reaches a known
-        step's M (flush at M <= a stage's warm-up depth runs GPipe's actions, and is rated as GPipe is);
-        never 1F1B or 2BW, whose forwards run on into the next update. A replica of a replicated stage
-        holding its share ceil(M / r) < M is rated as flush (more than it holds, never less): the tables
-        the search reads are per in-flight count, not per replica count."""
+    @property
+    def by_replicas(self) -> bool:
+        """Whether a stage's bytes at an in-flight count depend on its replica count even unsharded
+        (:meth:`whole_step` compares the count with a replica's share of a known step): its tables are
+        then one per replica count (:meth:`rows`, :meth:`sharded_starts` with ``shard`` none)."""
+        return self.cap and self.policy.version_lag == 0 and not self.policy.holds_step
+
+    def whole_step(self, k: int, replicas: int = 1) -> bool:
+        """Whether a replica of a stage of ``replicas`` replicas with ``k`` microbatches in flight holds
+        all its microbatches of the step at once, so each of its forwards comes before its first backward
+        and the step's gradients never meet a forward: GPipe always (``holds_step``); a schedule with one
+        update per step on the step's own weights (flush, ZB-H1: ``version_lag`` 0, gradients freed at the
+        step) where ``k`` reaches the replica's share ceil(M / ``replicas``) of a known step (flush at M no
+        more than a stage's warm-up depth runs GPipe's actions, and is rated as GPipe is); never 1F1B or
+        2BW, whose forwards run on into the next update."""
         pol = self.policy
         if pol.holds_step:
             return True
-        return self.cap and pol.version_lag == 0 and k >= self.M
+        return self.cap and pol.version_lag == 0 and k >= -(-self.M // max(1, replicas))
 
     def terms(self, k: int, depth: int | None = None, versions: int | None = None, shard: str = "none",
               replicas: int = 1, whole_step: bool | None = None) -> list[tuple[float, int, int]]:
@@ -219,7 +225,7 @@ class MemoryModel:
         v = self.base(self.versions(depth or k) if versions is None else versions, shard, replicas)
         if self.policy.update_per_microbatch:
             return [(v, k, 1), (v + 1, k - 1, 0)]
-        if self.whole_step(k) if whole_step is None else whole_step:
+        if self.whole_step(k, replicas) if whole_step is None else whole_step:
             return [(v, k, 1), (v + 1, k - 1, 1)]
         if self.policy.holds_step or (self.cap and self.policy.version_lag == 0):
             return [(v, k, 1), (v + 1, k, 1)]
@@ -346,9 +352,10 @@ class MemoryModel:
         ``mode`` (not partial: ``decisions.PartialTable``) with ``k`` minibatches in flight fits (row 0:
         no limit; the last row: nothing fits). Weight versions are taken at depth ``k`` (a schedule
         whose in-flight count differs from its depth, GPipe, keeps versions that do not grow with it).
-        ``shard`` over ``replicas``: the weights' part as :meth:`terms` holds it (a table each)."""
+        ``shard`` over ``replicas``: the weights' part as :meth:`terms` holds it, and a replica's share of
+        the step (:meth:`whole_step`, where :attr:`by_replicas`): a table each."""
         mode = mode_of(mode)
-        key = mode if shard == "none" or replicas <= 1 else f"{mode}/{shard}/{replicas}"
+        key = mode if replicas <= 1 or (shard == "none" and not self.by_replicas) else f"{mode}/{shard}/{replicas}"
         cached = self._tables.get(key)
         if cached is not None:
             return cached

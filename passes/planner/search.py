@@ -182,7 +182,7 @@ class PlanModel:
         mode (:meth:`shard_modes`); none fitting, the pair that needs least memory."""
         shards = self.shard_modes(stage, replicas)
         if len(shards) == 1 and shards[0] == "none":
-            return ("none", *self.decide.choose(i, j, k, depth))
+            return ("none", *self.decide.choose(i, j, k, depth, replicas=replicas))
         budget = self.mem_budget * (1 + EPS)
         r1 = replicas if units is None else units
         best: tuple[float, str, str, int] | None = None
@@ -266,7 +266,7 @@ class PlanModel:
         table = self.mem.rows(mode)
         kin, se_c, reps, low = np.broadcast_arrays(kin, se_c, reps, low)
         out = table[np.minimum(kin, len(table) - 1), se_c]
-        if shard != "none":
+        if shard != "none" or self.mem.by_replicas:  # unsharded too where a replica's share of the step counts
             need = (out > low) & (reps > 1)
             if shard == "full":  # 1 + (1 + f) / r per weight byte against none's 1 + f (one version): more if r < 1 + 1/f
                 f = self.mem.opt_factor
