@@ -29,6 +29,15 @@ _hypothesis_settings.load_profile("pdcompile")
 _caches = itertools.count()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The suite runs on two pytest-xdist workers (pyproject: ``-n 2 --dist loadgroup``): the tests that start
+    several processes (``multiproc``) run one at a time, all on one worker (their ranks share the cores and
+    their collectives have timeouts), while the other worker runs single-process tests beside them."""
+    for item in items:
+        if item.get_closest_marker("multiproc"):
+            item.add_marker(pytest.mark.xdist_group("multiproc"))
+
+
 @pytest.fixture(autouse=True)
 def pdcompile_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every test reads and writes pdcompile's machine cache (``python -m pdcompile.calibrate``'s constants,
