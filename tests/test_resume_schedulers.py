@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from _ranks import run_ranks
+from test_checkpoint import ONE_STAGE
+from test_checkpoint import PLAN as PLAN_12
 from pdcompile import reference
 from pdcompile.api import pdcompile
 from pdcompile.errors import CheckpointError
@@ -107,24 +109,14 @@ def test_1f1b_resumed_under_other_replicas_continues_each_stages_schedule(tmp_pa
 
 # --- without a launch: which writing stage's state a resuming stage takes ---------------------------
 
+# PLAN_12: [1, 2] replicas of the 2-stage model; ONE_STAGE: the same model as one stage (test_checkpoint's)
+
 PLAN_21: dict[str, Any] = {
     "world_size": 3,
     "stages": [
         {"index": 0, "ranks": [0, 1], "param_names": {"fc.weight": "net.0.weight", "fc.bias": "net.0.bias"}},
         {"index": 1, "ranks": [2], "param_names": {"out.weight": "net.2.weight"}},
     ],
-}
-PLAN_12: dict[str, Any] = {
-    "world_size": 3,
-    "stages": [
-        {"index": 0, "ranks": [0], "param_names": {"fc.weight": "net.0.weight", "fc.bias": "net.0.bias"}},
-        {"index": 1, "ranks": [1, 2], "param_names": {"out.weight": "net.2.weight"}},
-    ],
-}
-ONE_STAGE: dict[str, Any] = {
-    "world_size": 1,
-    "stages": [{"index": 0, "ranks": [0], "param_names": {"a.weight": "net.0.weight", "a.bias": "net.0.bias",
-                                                         "b.weight": "net.2.weight"}}],
 }
 SHAPES = {"net.0.weight": (3, 4), "net.0.bias": (3,), "net.2.weight": (2, 3)}
 
