@@ -35,6 +35,13 @@ def planner_schedule(schedule: str) -> str:
     return policy(schedule).planner_model or schedule
 
 
+def planned_schedule(schedule: str) -> str:
+    """The schedule the planners plan a run of ``schedule`` for: itself where they model it by name
+    (every Policy's schedule the DP knows: GPipe holds all M in flight), else :func:`planner_schedule`
+    (a torch CSV's). The partition pass and ``pdcompile simulate PROFILE`` plan so."""
+    return schedule if schedule in DP_SCHEDULES else planner_schedule(schedule)
+
+
 def balanced_split(weights: Sequence[float], num_stages: int, cut_bytes: Sequence[float]) -> list[int]:
     """First positions of stages 1..S-1 of ``weights`` cut into ``num_stages`` contiguous parts that
     minimise the largest part's sum. ``cut_bytes[i]`` is what a cut after item ``i`` sends (``math.inf``:
@@ -129,7 +136,7 @@ def _choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
     asked = opts.planning
     # both planners' memory models read every schedule's own Policy (GPipe: all M in flight) and know the
     # schedules by name; one they do not (a torch CSV's) is planned as its policy's planner_model
-    sched = asked.schedule if asked.schedule in DP_SCHEDULES else planner_schedule(asked.schedule)
+    sched = planned_schedule(asked.schedule)
     # a given split is rated under the default cost model, as it always was
     mem = dataclasses.replace(asked, cost_model="default")
     place = policy(asked.schedule).placement if asked.schedule in POLICIES else None

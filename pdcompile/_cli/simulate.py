@@ -98,15 +98,6 @@ def _simulate_plan_alone(plan: Any, schedule: str, m: int, steps: int, overlap: 
                              microbatch_size=plan.microbatch_size)
 
 
-def planned_schedule(schedule: str) -> str:
-    """The schedule a profile is planned for to run ``schedule``: itself where the planner models it
-    (``pdcompile plan --schedule``'s names), else its policy's ``planner_model``, as the partition pass."""
-    from pdcompile.passes.partition import planner_schedule
-    from pdcompile.passes.partition_dp import SCHEDULES
-
-    return schedule if schedule in SCHEDULES else planner_schedule(schedule)
-
-
 def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
     """(SimResult, Plan, schedule, microbatches, notes) for the command's arguments."""
     from pdcompile.passes.linearize import linearize
@@ -129,6 +120,8 @@ def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
             raise UsageError(f"{args.source} is a profile: it must be planned for a cluster first; "
                              f"give --cluster FILE.toml (or paper:A, paper:B, local:N)")
         # planned as pdcompile plan plans it with these flags, under the schedule the partition pass plans for
+        from pdcompile.passes.partition import planned_schedule
+
         options = plan_options(args, obj.optimizer, planned_schedule(schedule))
         plan = plan_profile(args, obj, cluster, options)
         notes.append(f"planned {Path(args.source).name} for the cluster: configuration {plan.configuration}")
