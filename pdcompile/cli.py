@@ -18,7 +18,7 @@ import warnings
 from typing import Any
 
 from pdcompile import _cli
-from pdcompile.errors import PdcompileError, PdcompileWarning
+from pdcompile.errors import PdcompileError, PdcompileWarning, UsageError
 
 # Shown first in --help, in this order; any other module in _cli/ follows alphabetically.
 _ORDER = ["demo", "check", "profile", "plan", "emit", "run", "simulate", "merge"]
@@ -49,6 +49,15 @@ def _show_warning(message: Any, category: type[Warning], *args: Any, **kwargs: A
         warnings._showwarning_orig(message, category, *args, **kwargs)  # type: ignore[attr-defined]
 
 
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The command line before a bare ``--`` and the arguments after it, which ``pdcompile run``
+    hands on to ``train.py`` as they are (any of its flags: docs/emitted-program.md)."""
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with warnings.catch_warnings():
@@ -60,7 +69,12 @@ def _main(argv: list[str]) -> int:
     debug = "--debug" in argv
     try:
         parser = build_parser()
+        argv, passthrough = split_passthrough(argv)
         args = parser.parse_args(argv)
+        if passthrough and not getattr(args, "takes_passthrough", False):
+            raise UsageError(f"'-- {' '.join(passthrough)}': only `pdcompile run` passes arguments after '--' on "
+                             f"(to train.py); remove them, or put flags of {args.command or 'the command'} before '--'")
+        args.passthrough = passthrough
         if not getattr(args, "func", None):
             parser.print_help()
             return 2

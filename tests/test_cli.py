@@ -64,6 +64,10 @@ def test_emit_writes_a_program_and_bad_input_exits_2(tmp_path: Path, bad_model: 
     err = capsys.readouterr().err
     assert rc == 2 and "UnsupportedModelError" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) >= 1 and "Fix:" in err
+    # arguments after '--' are train.py's: only `run` takes them, elsewhere they are refused, not dropped
+    rc = main(["emit", "zoo:mlp", "--stages", "2", "-o", str(tmp_path / "out2"), "--", "--precision", "bf16"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "only `pdcompile run`" in err and not (tmp_path / "out2").exists()
 
 
 def test_errors_print_one_line_without_traceback_unless_debug(tmp_path: Path) -> None:
@@ -77,11 +81,15 @@ def test_errors_print_one_line_without_traceback_unless_debug(tmp_path: Path) ->
 
 @pytest.mark.multiproc
 def test_run_trains_and_a_failing_job_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", "zoo:mlp", "--stages", "2", "--steps", "3", "--out", str(tmp_path / "r"), "--json"]) == 0
+    # --grad-accumulation, and train.py's own flags after '--', reach every rank
+    assert main(["run", "zoo:mlp", "--stages", "2", "--steps", "3", "--out", str(tmp_path / "r"), "--json",
+                 "--grad-accumulation", "fused", "--", "--clip-grad-norm", "100"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     metrics = [json.loads(p.read_text()) for p in (tmp_path / "r" / "metrics").glob("rank_*.json")]
     assert summary["status"] == 0 and len(metrics) == 2
     assert max(len(m["losses"]) for m in metrics) == 3 * 4
+    assert all(len(m["grad_norms"]) == 3 for m in metrics)  # one per step, only under --clip-grad-norm
+    assert all(m["fused_grads"]["linear"] > 0 for m in metrics)  # zoo:mlp's small weights: not fused under auto
     prog = tmp_path / "r" / "program"
     src = (prog / "stage_1.py").read_text().replace("    def forward(self, ", "    def forward(self, *a):\n        raise RuntimeError('x')\n    def _unused(self, ")
     (prog / "stage_1.py").write_text(src)

@@ -11,13 +11,20 @@ from typing import Any
 from pdcompile._cli._model import add_clip_arg, add_compile_args, add_model_args, compile_from_args
 from pdcompile.errors import UsageError
 
+# train.py's --grad-accumulation choices (runtime/fused_grads.py GRAD_ACCUMULATIONS; not imported: the
+# CLI's parser is built without torch)
+GRAD_ACCUMULATIONS = ("auto", "fused", "autograd")
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "run", help="compile and train a model (or run an emitted folder) on this machine",
         description="Emit the program (unless MODEL is an emitted folder) and train it through torchrun on "
                     "this machine's CPU processes (gloo), streaming the loss.",
-        epilog="Examples:\n  pdcompile run zoo:mlp --stages 2 --steps 20\n  pdcompile run out/ --steps 5",
+        epilog="Examples:\n  pdcompile run zoo:mlp --stages 2 --steps 20\n  pdcompile run out/ --steps 5\n"
+               "  pdcompile run zoo:gpt --stages 2 -- --precision bf16 --checkpoint-dir ckpt\n\n"
+               "Arguments after a bare '--' go to train.py as they are (any of its flags: "
+               "docs/emitted-program.md).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_compile_args(p)
@@ -42,7 +49,11 @@ def register(subparsers: Any) -> None:
                    help="start from this checkpoint, each rank reading only its stage's tensors under the model's "
                         "names: a Hugging Face model folder, a .safetensors file, a torch.save'd state_dict or a "
                         "torch.distributed.checkpoint folder (docs/big-models.md)")
-    p.set_defaults(func=run)
+    p.add_argument("--grad-accumulation", choices=GRAD_ACCUMULATIONS, default=None,
+                   help="how a weight's microbatch gradients are summed (train.py's flag): 'fused' into .grad "
+                        "without a weight-sized transient, 'autograd', or 'auto' (the default: fused for weights "
+                        "of 4 MiB and more; docs/big-models.md)")
+    p.set_defaults(func=run, takes_passthrough=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     length = ["--epochs", str(args.epochs)] if args.epochs is not None else ["--steps", str(args.steps or 10)]
     if (args.epochs if args.epochs is not None else args.steps or 10) < 1:
         raise UsageError(f"{length[0]} must be at least 1")
-    for flag in ("data", "lr_scheduler", "eval_data", "eval_every", "eval_metric", "log_every", "tensorboard"):
+    for flag in ("data", "lr_scheduler", "eval_data", "eval_every", "eval_metric", "log_every", "tensorboard",
+                 "grad_accumulation"):
         if getattr(args, flag) is not None:
             length += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     folder = Path(args.model)
@@ -68,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         world = pipe.world_size
     rc, log = launch(prog, world, [*length, "--metrics", str(results / "metrics"),
                                    "--save-final", str(results / "final"), "--timeout", "60",
-                                   *(["--init-from", str(args.init_from)] if args.init_from else [])],
+                                   *(["--init-from", str(args.init_from)] if args.init_from else []),
+                                   *getattr(args, "passthrough", [])],
                      timeout=args.timeout, on_line=None if args.json else print)
     results.mkdir(parents=True, exist_ok=True)
     (results / "train.log").write_text(log)
