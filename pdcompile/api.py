@@ -474,14 +474,22 @@ class CompiledPipeline:
     @keywords_checked()
     def simulate(self, num_microbatches: int | None = None, schedule: str | None = None,
                  num_steps: int = 1) -> Any:
-        """The predicted timeline of the plan (:class:`pdcompile.simulate.SimResult`)."""
+        """The predicted timeline of the compiled program (:class:`pdcompile.simulate.SimResult`), as
+        ``schedule="auto"`` rates it: the plan with its stages per rank, its split backwards and the
+        optimizer's state; on CPU workers every action also costs the runtime's per-action time
+        (:func:`pdcompile.machine_cache.action_cost`: calibrated, or a built-in estimate).
+        ``num_microbatches``, ``schedule``: another count or schedule on the same plan."""
         from pdcompile.simulate import simulate_plan
 
         tied_bytes, tied_stages = self._tied()
+        cost = self.action_cost or (machine_cache.action_cost() if self.cluster.device.name == "cpu" else None)
         return simulate_plan(self.plan, self.wire_chain, self.cluster,
                              schedule or self.options.schedule, num_microbatches or self.num_microbatches, num_steps=num_steps,
                              tied_bytes=tied_bytes, tied_stages=tied_stages,
-                             optimizer_state_factor=optimizer_state_factor_of(self.options.optimizer))
+                             optimizer_state_factor=optimizer_state_factor_of(self.options.optimizer),
+                             virtual_stages=self.options.virtual_stages or 1,
+                             split_backward=need(self.state.schedule_spec, "schedule_spec").split_backward,
+                             overhead_s=cost.seconds if cost is not None else 0.0)
 
     def alternatives(self) -> list[tuple[str, Plan]]:
         """Other configurations on the same cluster, each as a Plan: pure data parallelism and
@@ -695,11 +703,14 @@ class RunResult:
 
     @property
     def metrics(self) -> dict[str, Any]:
-        """Loss per microbatch (last stage), per-rank step times, wall time, and each evaluation's results
-        (``eval``: step, loss, metric)."""
+        """Loss per microbatch (last stage, every replica's), per-rank step times, wall time, and each
+        evaluation's results (``eval``: step, loss, metric; the last stage's first replica reports them)."""
+        from pdcompile.runtime.logs import last_stage_losses
+
         ranks = [json.loads(p.read_text()) for p in sorted((self.folder / "metrics").glob("rank_*.json"))]
-        last = max(ranks, key=lambda r: (r["stage"], -r["rank"]))
-        return {"losses": last["losses"], "step_times_s": {r["rank"]: r["step_times_s"] for r in ranks},
+        final = max(s for r in ranks for s in r["stages"])  # a rank's first stage is not the last in a V
+        last = min((r for r in ranks if final in r["stages"]), key=lambda r: r["rank"])
+        return {"losses": last_stage_losses(ranks), "step_times_s": {r["rank"]: r["step_times_s"] for r in ranks},
                 "wall_s": max(r["wall_s"] for r in ranks), "ranks": ranks, "eval": last.get("eval", [])}
 
     def state_dict(self) -> dict[str, torch.Tensor]:

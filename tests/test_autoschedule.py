@@ -242,6 +242,8 @@ def test_auto_counts_the_users_optimizer_state_as_simulate_does() -> None:
     free = compile_(_sgd, None, schedule="auto")
     _, first, _ = free.schedule_choice
     assert first.peak_memory_bytes == pytest.approx(peak(free), rel=1e-9)  # plain SGD: no optimizer state
+    # and its time: simulate() charges the per-action cost auto charged on these CPU workers
+    assert first.step_s == pytest.approx(free.simulate().step_time_s, rel=1e-9)
     adam_first = compile_(_adam, None, schedule=first.schedule, num_microbatches=first.num_microbatches)
     low, high = peak(free), peak(adam_first)
     assert high > low  # Adam's two moments
@@ -289,3 +291,20 @@ def test_auto_gives_virtual_candidates_the_users_optimizer_state(monkeypatch: py
     seen.clear()
     pdcompile(model, resolve_cluster("paper:A"), **kw)
     assert seen and {v for _, v in seen} == {0.0}
+
+
+def test_simulate_runs_a_ranks_virtual_stages_one_after_another() -> None:
+    """``simulate()`` of an interleaved program simulates its stages per rank: a rank runs its two
+    stages' forwards and backwards one at a time, so the step takes at least M times their compute
+    (it simulated each stage on a worker of its own, faster than the rank can possibly run)."""
+    from pdcompile import pdcompile
+    from pdcompile.cluster import ClusterSpec, Device, Level
+    from pdcompile.zoo import get
+
+    z = get("gpt")
+    cluster = ClusterSpec(Device("gpu", peak_flops=1e12), (Level("nodes", 2, 1e11),))
+    pipe = pdcompile(z.model, cluster, example_inputs=z.example_inputs, loss_fn=z.loss_fn, example_target=z.target,
+                     schedule="interleaved-1f1b", num_microbatches=4, virtual_stages=2, stages=4)
+    busy = [4 * sum(st.compute_s for st in pipe.plan.stages if st.ranks == (r,)) for r in (0, 1)]
+    assert [st.ranks for st in pipe.plan.stages] == [(0,), (1,), (0,), (1,)]
+    assert pipe.simulate().step_time_s >= max(busy)
