@@ -214,6 +214,7 @@ class StageExecutor:
         self.peak_sends = 0  # the most sends in flight at once (metrics: bounded by the schedule, not the run)
         self._losses: list[float] = []
         self._pending_losses: list[torch.Tensor] = []  # on the device: read at logging points, not per microbatch
+        self.loss_microbatches: list[int] = []  # the microbatch of each loss, in the same order
         self._compute_start: float | None = None
         # the targets' window (TargetPosts): with several stages on a rank, a step (accumulation = M there,
         # synchronous schedules); the first stage sends a step's targets at its first F of it, the last
@@ -453,6 +454,7 @@ class StageExecutor:
             with self.meter.saving(k), self._autocast():  # what the loss saves counts with the microbatch
                 loss = self._loss(out, st.target)
             self._pending_losses.append(loss.detach())
+            self.loss_microbatches.append(k)
             st.loss = loss / self.accumulation
             st.outputs = []
         else:
@@ -722,6 +724,12 @@ class RankExecutor:
         """The last stage's losses (from the executor holding it; empty on other ranks)."""
         last = [ex for ex in self.executors if ex.is_last]
         return last[0].losses if last else []
+
+    @property
+    def loss_microbatches(self) -> list[int]:
+        """The microbatch of each of :attr:`losses`, in the same order."""
+        last = [ex for ex in self.executors if ex.is_last]
+        return last[0].loss_microbatches if last else []
 
     @property
     def peak_sends(self) -> int:

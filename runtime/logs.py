@@ -11,6 +11,7 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,14 @@ def tokens_per_sample(inputs: Any) -> int | None:
     if spec.dtype.is_floating_point or len(spec.shape) < 2:
         return None
     return int(math.prod(spec.shape[1:]))
+
+
+def last_stage_losses(ranks: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Every microbatch's loss in microbatch order, from the ranks' ``rank_N.json`` metrics: a replica
+    of the last stage holds only its own microbatches' (microbatch ``k`` on replica ``k % r``, numbered
+    in ``loss_microbatches``); the other ranks none."""
+    by_microbatch = {k: x for r in ranks for k, x in zip(r["loss_microbatches"], r["losses"])}
+    return [by_microbatch[k] for k in sorted(by_microbatch)]
 
 
 class Bar:
@@ -102,8 +111,9 @@ class RunLog:
         return None if not self.per_epoch else (step - 1) // self.per_epoch + 1
 
     def step(self, step: int, loss: float | None, lr: float | None, seconds: float) -> None:
-        """Step ``step`` (1-based) is done: its mean loss on this rank (None: no microbatch of it here), the LR
-        it used and its time; a line, a record and scalars every ``--log-every`` steps and at the last."""
+        """Step ``step`` (1-based) is done: its loss (the mean over its minibatch's microbatches, on every
+        replica of the last stage: ``Trainer._minibatch_losses``; None: none computed), the LR it used and
+        its time; a line, a record and scalars every ``--log-every`` steps and at the last."""
         if not self.enabled:
             return
         self._since.append((math.nan if loss is None else loss, seconds))

@@ -176,6 +176,12 @@ class Trainer:
         self.ran = False  # a segment ran (the next starts from a flush, with fresh weight versions)
         self.promised_versions = 1  # metrics: the most weight versions the schedule keeps at once
         self.reports = any(st.index == last and rank == st.ranks[0] for st in specs)  # logs, metrics.jsonl, TensorBoard
+        # every replica of the last stage computes the losses of its own microbatches (k % r): each logging
+        # point sums each logged minibatch's over the replicas (:meth:`_minibatch_losses`)
+        self.holds_last = any(st.index == last for st in specs)
+        self._last_group = replica_groups.get(last)  # None: one replica, or not the last stage
+        self._losses_read = 0  # how many of the rank's losses were taken into _unlogged
+        self._unlogged: dict[int, float] = {}  # microbatch -> loss, of minibatches not logged yet
         self.runlog = RunLog(args, self.reports, total=args.steps, start=self.start, per_epoch=self.per_epoch,
                              samples_per_step=b * M, tokens=tokens_per_sample(program.stages[0].inputs),
                              device=devices.rank_device())
@@ -272,14 +278,12 @@ class Trainer:
         steps = steps_of(run, offset, len(self.executors))
         executor.begin(offset)
         times: list[float] = []
-        last = any(st.index == self.program.num_stages - 1 and rank == st.ranks[0] for st in self.specs)
         done = 0
         # logged once per minibatch (1F1B: M / r updates of a replica each, Policy.minibatches_done)
         policy, replicas, shown, taken = schedules.policy(self.schedule.name), self.replicas[self.specs[0].index], 0, 0
         timer = timing.StepTimer(devices.rank_device())
         chunk = next(steps, None)
         lr = self._lr()
-        logged = len(executor.losses) if last else 0  # the losses up to the last log line
         while chunk is not None:
             upcoming = next(steps, None)
             actions, release, posts = chunk
@@ -295,17 +299,38 @@ class Trainer:
                 new = timer.collect()  # a logging point: on a GPU the step times are read here (timing.StepTimer)
                 times += new
                 self.step_times += new
-                if last and complete > shown:  # minibatches done: a log step each, sharing these steps' time
-                    losses = executor.losses[logged:]
-                    logged = len(executor.losses)
-                    for step in range(first + shown + 1, first + complete + 1):
-                        self.runlog.step(step, sum(losses) / len(losses) if losses else None, lr,
-                                         sum(new) / (complete - shown))
+                if self.holds_last and complete > shown:  # minibatches done: a log step each, sharing these steps' time
+                    means = self._minibatch_losses(first + shown, first + complete)
+                    for step, loss in zip(range(first + shown + 1, first + complete + 1), means):
+                        self.runlog.step(step, loss, lr, sum(new) / (complete - shown))
                     lr = self._lr()
                 shown = complete
             chunk = upcoming
         executor.wait_sends()
         return times
+
+    def _minibatch_losses(self, first: int, end: int) -> list[float | None]:
+        """The mean loss of each of minibatches ``[first, end)`` (0-based) over its ``M`` microbatches,
+        called by every replica of the last stage at the same logging point: microbatch ``k`` ran on
+        replica ``k % r``, so a replica holds some of a minibatch's losses, or none (``M < r``, or a
+        segment starting mid-rotation); one all-reduce of (sum, count) per minibatch over the replicas
+        (a collective of the replica group after the step's actions, which end with that group's
+        gradient all-reduce and the optimizer step; none with one replica). Losses of later
+        microbatches (a forward before the step that closes its round) wait for their minibatch's point."""
+        losses, mbs, M = self.rank_executor.losses, self.rank_executor.loss_microbatches, self.M
+        self._unlogged.update(zip(mbs[self._losses_read:], losses[self._losses_read:]))
+        self._losses_read = len(losses)
+        total, count = [0.0] * (end - first), [0.0] * (end - first)
+        for k in [k for k in self._unlogged if k < end * M]:
+            loss = self._unlogged.pop(k)
+            if k >= first * M:
+                total[k // M - first] += loss
+                count[k // M - first] += 1
+        if self._last_group is not None:
+            sums = torch.tensor([total, count], dtype=torch.float64, device=devices.rank_device())
+            dist.all_reduce(sums, group=self._last_group)
+            total, count = sums.tolist()
+        return [t / n if n else None for t, n in zip(total, count)]
 
     def _lr(self) -> float | None:
         """The learning rate the rank's last stage steps with next (its first parameter group's)."""
@@ -351,7 +376,9 @@ class Trainer:
             (out / f"rank_{rank}.json").write_text(json.dumps({
                 "rank": rank, "stage": self.spec.index, "stages": [ex.stage for ex in self.executors],
                 "schedule": args.schedule, "steps": args.steps,
-                "losses": self.rank_executor.losses, "step_times_s": self.step_times, "wall_s": wall,
+                # this rank's last-stage losses, and their microbatches (a replica's: k % r; logs.last_stage_losses)
+                "losses": self.rank_executor.losses, "loss_microbatches": self.rank_executor.loss_microbatches,
+                "step_times_s": self.step_times, "wall_s": wall,
                 "weight_versions": max(ex.weights.peak_versions() for ex in self.executors),
                 "sends_in_flight": self.rank_executor.peak_sends,
                 "weight_versions_promised": self.promised_versions,

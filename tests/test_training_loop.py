@@ -22,7 +22,7 @@ import torch
 
 from _ranks import run_ranks
 from pdcompile.api import pdcompile
-from pdcompile.runtime import checkpoint, schedules
+from pdcompile.runtime import checkpoint, logs, schedules
 from pdcompile.runtime.program import Program, build
 from pdcompile.runtime.schedules.spec import ScheduleSpec
 from pdcompile import reference
@@ -426,7 +426,7 @@ def test_pipedream_1f1b_cut_and_resumed_mid_rotation(tmp_path: Path, user: Any) 
         assert {e["step"]: pytest.approx(e["loss"], rel=1e-5) for e in metrics[reporter]["eval"]} == expected
     # [1, 2] at M = 1: the reporting replica updates every other minibatch, yet metrics.jsonl has one train
     # record per minibatch, numbered as the minibatches are, each before its step's evaluation (the case
-    # M = 1 of test_1f1b_logs_every_minibatch_once_with_a_replicated_last_stage, in this launch)
+    # M = 1 of test_logged_loss_is_each_minibatchs_mean_over_the_last_stages_replicas, in this launch)
     records = [json.loads(line) for line in (tmp_path / "b" / "metrics" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["type"], r["step"]) for r in records] == [("train", 6), ("eval", 6), ("train", 7), ("train", 8),
                                                          ("train", 9), ("eval", 9)]
@@ -435,27 +435,70 @@ def test_pipedream_1f1b_cut_and_resumed_mid_rotation(tmp_path: Path, user: Any) 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_1f1b_logs_every_minibatch_once_with_a_replicated_last_stage(tmp_path: Path, user: Any) -> None:
-    """PipeDream's 1F1B with a last stage of 2 replicas: the reporting replica updates once a round of 2
-    microbatches (M = 2: once a minibatch; M = 1, once every other minibatch: checked in
-    test_pipedream_1f1b_cut_and_resumed_mid_rotation's second launch). metrics.jsonl still has one
-    train record per minibatch, numbered as the minibatches are, each before its step's evaluation (before:
-    a record per M of the replica's updates, numbered by them: 3 records for 6 minibatches, "step 1" after
-    minibatch 2; bench_time_to_accuracy's Planner + 1F1B curves kept their evaluations' time)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(user.D, 16), torch.nn.ReLU(), torch.nn.Linear(16, user.C))
-    pipe = pdcompile(model, example_inputs=(torch.randn(2 * B, user.D),),
-                     example_target=torch.zeros(2 * B, dtype=torch.long), loss_fn=torch.nn.CrossEntropyLoss(),
-                     optimizer=lambda p: torch.optim.SGD(p, lr=0.1), stages=2, replicas=[1, 2], schedule="1f1b",
-                     num_microbatches=2)
-    steps, microbatches = 6, 2
-    metrics, _ = _launch(tmp_path, pipe.emit(tmp_path / "prog"), [
-        "--steps", str(steps), "--data", "loopdata:train", "--eval-data", "loopdata:val", "--eval-every", "2"])
-    records = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["type"], r["step"]) for r in records] == [
-        (kind, k + n) for k in (1, 3, 5) for kind, n in (("train", 0), ("train", 1), ("eval", 1))]
-    assert all(r["loss"] is not None and r["step_time_s"] > 0 for r in records if r["type"] == "train")
-    assert len(metrics[1]["step_times_s"]) == steps * microbatches // 2  # the replica's updates: rounds of 2
+def test_logged_loss_is_each_minibatchs_mean_over_the_last_stages_replicas(tmp_path: Path, user: Any) -> None:
+    """A last stage of 3 replicas at M = 2 (fewer microbatches than replicas, not a multiple): microbatch k
+    runs on replica k % 3, so the reporting replica (the last stage's first) holds one of a minibatch's
+    two microbatches, or none (minibatches 3 and 6: microbatches 4, 5 and 10, 11). 1F1B for 5 minibatches
+    (a replica updates once a round of 3 microbatches: its second update completes minibatches 2 and 3),
+    evaluated after 3 and checkpointed after 4, so the last segment starts at microbatch 8 (mid-rotation:
+    replica 2 first); then resumed from that checkpoint under flush to step 7, evaluated after 6 and 7.
+
+    metrics.jsonl has one train record per minibatch, numbered as the minibatches are, each before its
+    step's evaluation (before an earlier fix: a record per M of the replica's updates, numbered by them),
+    each holding its minibatch's mean loss over its 2 microbatches, whichever replicas ran them, and every
+    evaluation the mean over the validation microbatches, as PipeDream's 1F1B reference (weight stashing,
+    segment by segment: a cut is a flush), then synchronous SGD, compute them in one process. Before, a
+    record held the mean of the reporting replica's own microbatches since the last logging point: one
+    microbatch's loss for a minibatch of two, one value for both minibatches an update completed (steps 2
+    and 3), None where the replica ran none of the minibatch (step 6)."""
+    prog = _emit(tmp_path, user, "1f1b", replicas=[1, 3])
+    ck = tmp_path / "ck"
+    data = ["--data", "loopdata:train", "--eval-data", "loopdata:val", "--eval-every", "3", "--checkpoint-dir", str(ck)]
+    metrics_a, _ = _launch(tmp_path / "a", prog, ["--steps", "5", *data, "--checkpoint-every", "4"])
+    metrics_b, weights = _launch(tmp_path / "b", prog, ["--steps", "7", *data, "--resume", "--schedule", "flush"])
+
+    # the reference: 1F1B on [1, 3] segment by segment; from step 4's state, synchronous SGD
+    program = Program.load(prog)
+    stages = [program.build_stage(k) for k in range(2)]
+    opts = [build(program.raw["optimizer"], m.parameters()) for m in stages]
+    loss_fn = program.build_loss()
+    micro = [((xm,), ym) for x, y in itertools.islice(user.train(M * B), 7) for xm, ym in zip(x.split(B), y.split(B))]
+
+    def train(models: list[torch.nn.Module], optimizers: list[Any], segments: list[tuple[int, int]],
+              sync: bool) -> tuple[list[float], dict[int, float]]:
+        """Each microbatch's loss, and the evaluation after each segment by step."""
+        losses, evals = [], {}
+        for a, b in segments:
+            fwd, bwd, group = reference.synchronous(M) if sync else reference.pipedream_1f1b([1, 3])
+            losses += reference.train_versioned(models, optimizers, loss_fn, micro[a * M:b * M], fwd=fwd, bwd=bwd,
+                                                group=group, scale=1 / M if sync else 1.0)
+            evals[b] = _evaluate(models, loss_fn, user)[0]
+        return losses, evals
+
+    micro_a, evals_a = train(stages, opts, [(0, 3), (3, 4)], sync=False)
+    stages_b, opts_b = copy.deepcopy((stages, opts))  # the checkpoint of step 4
+    more, after = train(stages, opts, [(4, 5)], sync=False)
+    micro_a, evals_a = micro_a + more, {**evals_a, **after}
+    micro_b, evals_b = train(stages_b, opts_b, [(4, 6), (6, 7)], sync=True)
+    _assert_weights(prog, weights, [{n: p.detach() for n, p in m.named_parameters()} for m in stages_b])
+    want_a = {s + 1: sum(micro_a[s * M:(s + 1) * M]) / M for s in range(5)}  # by step, 1-based
+    want_b = {s + 5: sum(micro_b[s * M:(s + 1) * M]) / M for s in range(3)}
+    assert len({round(x, 6) for x in want_a.values()}) == 5  # distinct: no minibatch's value stands for another's
+    order = {"a": [("train", 1), ("train", 2), ("train", 3), ("eval", 3), ("train", 4), ("train", 5), ("eval", 5)],
+             "b": [("train", 5), ("train", 6), ("eval", 6), ("train", 7), ("eval", 7)]}
+    for folder, want, evals in (("a", want_a, {3: evals_a[3], 5: evals_a[5]}), ("b", want_b, evals_b)):
+        records = [json.loads(x) for x in (tmp_path / folder / "metrics" / "metrics.jsonl").read_text().splitlines()]
+        assert [(r["type"], r["step"]) for r in records] == order[folder]
+        assert all(r["step_time_s"] > 0 for r in records if r["type"] == "train")
+        train_recs = {r["step"]: r["loss"] for r in records if r["type"] == "train"}
+        assert list(train_recs) == sorted(want) and None not in train_recs.values(), (folder, train_recs)
+        assert train_recs == pytest.approx(want, rel=1e-5), folder
+        assert {r["step"]: r["loss"] for r in records if r["type"] == "eval"} == pytest.approx(evals, rel=1e-5), folder
+    # the reporting replica's updates: 1F1B rounds of 3 microbatches (segments of 6, 2, 2), then flush's one a step
+    assert (len(metrics_a[1]["step_times_s"]), len(metrics_b[1]["step_times_s"])) == (2 + 1 + 1, 3)
+    # rank_N.json: each replica its own microbatches' losses, merged in microbatch order (RunResult.metrics)
+    assert logs.last_stage_losses(list(metrics_a.values())) == pytest.approx(micro_a, rel=1e-5)
+    assert logs.last_stage_losses(list(metrics_b.values())) == pytest.approx(micro_b, rel=1e-5)
 
 
 @pytest.mark.multiproc

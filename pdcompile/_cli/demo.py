@@ -250,6 +250,7 @@ def part_b(args: argparse.Namespace, out: Path, console: Any) -> dict[str, Any]:
     from pdcompile._cli import _demo_model as dm
     from pdcompile.api import pdcompile
     from pdcompile.cluster import local_cpu_cluster
+    from pdcompile.runtime.logs import last_stage_losses
 
     bps = args.link_mbps * 1e6
     console.rule(f"[bold](b) here: 2 CPU processes joined by an emulated {args.link_mbps:g} MB/s link "
@@ -285,9 +286,8 @@ def part_b(args: argparse.Namespace, out: Path, console: Any) -> dict[str, Any]:
             "--batch", str(BATCH), "--steps", steps, "--out", str(out / "ddp.json")],
            env, args.steps, r"ddp step (\d+)\b", out / "ddp.log")
     metrics = [json.loads(p.read_text()) for p in sorted((out / "metrics").glob("rank_*.json"))]
-    last = max(metrics, key=lambda m: m["stage"])
-    M = NUM_MICROBATCHES
-    pipe_losses = [statistics.fmean(last["losses"][i * M:(i + 1) * M]) for i in range(len(last["losses"]) // M)]
+    losses, M = last_stage_losses(metrics), NUM_MICROBATCHES  # every replica's of the last stage, in order
+    pipe_losses = [statistics.fmean(losses[i * M:(i + 1) * M]) for i in range(len(losses) // M)]
     ddp = json.loads((out / "ddp.json").read_text())
     pipe_s = statistics.median(steady_steps([m["step_times_s"] for m in metrics]))
     ddp_s = statistics.median(steady_steps(ddp["step_times_s"]))
