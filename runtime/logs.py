@@ -46,6 +46,20 @@ def last_stage_losses(ranks: Sequence[Mapping[str, Any]]) -> list[float]:
     return [by_microbatch[k] for k in sorted(by_microbatch)]
 
 
+def minibatch_sums(unlogged: dict[int, float], first: int, end: int, M: int) -> tuple[list[float], list[float]]:
+    """(loss sum, count) of each of minibatches ``[first, end)`` of ``M`` microbatches, from ``unlogged``
+    (microbatch -> loss: a replica of the last stage holds those of its own microbatches); those of
+    minibatches before ``end`` are taken out, later ones (a forward before the step that completes the
+    minibatch before) stay for their minibatch's logging point."""
+    total, count = [0.0] * (end - first), [0.0] * (end - first)
+    for k in [k for k in unlogged if k < end * M]:
+        loss = unlogged.pop(k)
+        if k >= first * M:
+            total[k // M - first] += loss
+            count[k // M - first] += 1
+    return total, count
+
+
 class Bar:
     """A one-line progress bar on the terminal (steps done, elapsed, time left, the last loss), redrawn
     in place; the runtime imports torch only, so it is drawn here rather than by a library."""

@@ -24,7 +24,7 @@ from pdcompile.runtime import comm, devices, faults, fused_grads, loop, resume, 
 from pdcompile.runtime.data import Reader, epoch_length, local_targets, positions, source
 from pdcompile.runtime.evaluate import Evaluator, metric_of
 from pdcompile.runtime.executor import WEIGHT_PASSES, ActionError, Mailbox, RankExecutor, StageExecutor
-from pdcompile.runtime.logs import RunLog, tokens_per_sample
+from pdcompile.runtime.logs import RunLog, minibatch_sums, tokens_per_sample
 from pdcompile.runtime.program import Program, build
 from pdcompile.runtime.run_schedule import refuse_sent_targets, run_schedule, weight_pass
 from pdcompile.runtime.weights import VersionedStore
@@ -317,15 +317,10 @@ class Trainer:
         (a collective of the replica group after the step's actions, which end with that group's
         gradient all-reduce and the optimizer step; none with one replica). Losses of later
         microbatches (a forward before the step that closes its round) wait for their minibatch's point."""
-        losses, mbs, M = self.rank_executor.losses, self.rank_executor.loss_microbatches, self.M
+        losses, mbs = self.rank_executor.losses, self.rank_executor.loss_microbatches
         self._unlogged.update(zip(mbs[self._losses_read:], losses[self._losses_read:]))
         self._losses_read = len(losses)
-        total, count = [0.0] * (end - first), [0.0] * (end - first)
-        for k in [k for k in self._unlogged if k < end * M]:
-            loss = self._unlogged.pop(k)
-            if k >= first * M:
-                total[k // M - first] += loss
-                count[k // M - first] += 1
+        total, count = minibatch_sums(self._unlogged, first, end, self.M)
         if self._last_group is not None:
             sums = torch.tensor([total, count], dtype=torch.float64, device=devices.rank_device())
             dist.all_reduce(sums, group=self._last_group)

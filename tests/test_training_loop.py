@@ -25,6 +25,7 @@ from pdcompile.api import pdcompile
 from pdcompile.runtime import checkpoint, logs, schedules
 from pdcompile.runtime.program import Program, build
 from pdcompile.runtime.schedules.spec import ScheduleSpec
+from pdcompile.runtime.trainer import steps_of
 from pdcompile import reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -368,6 +369,47 @@ def test_a_segment_cut_mid_rotation_runs_each_microbatch_on_its_replica(name: st
                     want = sorted((s, k) for s in range(len(replicas)) for k in range(o, o + n * m)
                                   if schedules.rank_of(s, k, where) == rank)
                     assert got == want, (replicas, m, first, n, rank)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "2bw", "flush", "gpipe"])
+def test_every_logged_minibatchs_losses_are_on_its_last_stage_replicas_at_its_logging_point(name: str) -> None:
+    """What the trainer's logging relies on, for each schedule, last-stage replica count, M (below, equal
+    to, above and not a multiple of r) and segment start (mid-rotation or not): the last stage's replicas
+    reach the same logging points (the minibatches done, Policy.minibatches_done, after the same number
+    of steps), and by each one the forwards of every microbatch of the minibatches it logs have run, each
+    on its replica, so the replicas' (sum, count) summed (the trainer's all-reduce) give every minibatch
+    its M microbatches' losses once; a forward that runs ahead (2BW's F of the next minibatch before the
+    step) is kept for its own minibatch's point."""
+    policy = schedules.policy(name)
+    for replicas in ([1, 2], [2, 2], [1, 3], [2, 3]):
+        where, last = schedules.stage_ranks(replicas), len(replicas) - 1
+        r = replicas[last]
+        for m in (1, 2, 3, 4):
+            spec = ScheduleSpec(name, tuple(replicas), m)
+            for first, n in itertools.product(range(4), (1, 2, 5)):
+                o = first * m
+                points = []  # per replica: [(shown, complete, (sum, count) per minibatch)]
+                for rank in where[last]:
+                    run = spec.rank_run(n, schedules.segment_rank(rank, o, where))
+                    chunks = list(steps_of(run, o))
+                    unlogged: dict[int, float] = {}
+                    mine, shown = [], 0
+                    for taken, (actions, _, _) in enumerate(chunks, 1):
+                        unlogged.update({a.mb: float(a.mb) for a in actions
+                                         if a.kind is schedules.Kind.FORWARD and a.stage == last})
+                        complete = n if taken == len(chunks) else policy.minibatches_done(taken, m, r, n)
+                        if complete > shown:
+                            mine.append((shown, complete, logs.minibatch_sums(unlogged, first + shown, first + complete, m)))
+                            shown = complete
+                    assert shown == n and not unlogged, (replicas, m, first, n, rank)
+                    points.append(mine)
+                case = (name, replicas, m, first, n)
+                assert all([p[:2] for p in mine] == [p[:2] for p in points[0]] for mine in points), case
+                for i, (shown, complete, _) in enumerate(points[0]):
+                    total = [sum(p[i][2][0][j] for p in points) for j in range(complete - shown)]
+                    count = [sum(p[i][2][1][j] for p in points) for j in range(complete - shown)]
+                    mbs = [range((first + shown + j) * m, (first + shown + j + 1) * m) for j in range(complete - shown)]
+                    assert count == [m] * len(mbs) and total == [float(sum(ks)) for ks in mbs], case
 
 
 @pytest.mark.multiproc
