@@ -238,8 +238,7 @@ def main() -> None:
     ours = make_trainer(ours_flags)
     # process-wide, so both sides run with train.py's setting (set once: glibc's default adapts its
     # thresholds as a process runs, which setting them back by hand would not restore)
-    if devices.keep_freed_memory(ours.args.keep_freed_memory, torch.device("cpu")):
-        allocator.keep_freed_memory(True)
+    allocator.set_mode(devices.malloc_mode(ours.args.malloc, ours.args.keep_freed_memory, torch.device("cpu")))
     if args.theirs == "ours":
         other = make_trainer(ours_flags + shlex.split(args.theirs_flags))
     else:

@@ -16,10 +16,13 @@ The model: a Llama of 20 layers, width 1024 (``benchmarks/_common.py`` ``llama-3
 *pipelines*: each program trains 1 step (SGD without momentum: no optimizer state; ``--optimizer adam``:
 two states per parameter, torch's default per-tensor Adam on CPU; ``adam-fused``: ``Adam(fused=True)``, its
 fused CPU kernel) under torchrun, with ``train.py --grad-accumulation`` as ``--grad-accumulation`` says
-(default ``auto``: the big weights' gradients fused into ``.grad``; ``autograd``: as before). Reported: the compiling process's peak RSS (``ru_maxrss``;
+(default ``auto``: the big weights' gradients fused into ``.grad``; ``autograd``: as before) and ``train.py
+--malloc`` as ``--malloc`` says (several modes: each program trained once per mode, back to back; ``--steps N``
+also gives the median step time). Reported: the compiling process's peak RSS (``ru_maxrss``;
 target < 1 GiB with init_from); each rank's peak RSS (the metrics' ``peak_rss_mb``); the baseline of a
 process that has only imported what a rank imports before it builds anything (torch and the runtime;
-``python -c "import torch"`` alone is reported too); and the stage's share (its weights, gradients and
+``python -c "import torch"`` alone is reported too; and one with a torch.optim optimizer's step, which
+imports torch._dynamo: the ratio against it is a second column); and the stage's share (its weights, gradients and
 optimizer state, fp32). Target: rank peak - baseline <= share x 1.15.
 
 *readers*: stage 0 and the last stage of the 4-stage program filled in a fresh process by each reader:
@@ -161,51 +164,72 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
     return r
 
 
-def train_one_step(prog: Path, world: int, metrics: Path, grad_accumulation: str = "auto") -> dict[int, float]:
-    """Each rank's peak RSS (MiB) over start-up and one training step, by stage."""
+def train_one_step(prog: Path, world: int, metrics: Path, grad_accumulation: str = "auto", malloc: str = "keep",
+                   steps: int = 1) -> tuple[dict[int, float], float | None]:
+    """Each rank's peak RSS (MiB) over start-up and ``steps`` training steps, by stage; and the median
+    step time (s, the slowest rank's, the first step left out) when there are more than one."""
+    import statistics
+
     from pdcompile.launcher import launch
 
-    rc, log = launch(prog, world, ["--steps", "1", "--metrics", str(metrics), "--timeout", "600",
-                                   "--grad-accumulation", grad_accumulation], timeout=1800)
+    shutil.rmtree(metrics, ignore_errors=True)
+    rc, log = launch(prog, world, ["--steps", str(steps), "--metrics", str(metrics), "--timeout", "600",
+                                   "--grad-accumulation", grad_accumulation, "--malloc", malloc], timeout=1800)
     if rc != 0:
         raise RuntimeError(f"training failed ({rc}):\n{log[-3000:]}")
     ranks = [json.loads(p.read_text()) for p in sorted(metrics.glob("rank_*.json"))]
-    return {int(r["stage"]): float(r["peak_rss_mb"]) for r in ranks}
+    step = statistics.median(max(t) for t in list(zip(*(r["step_times_s"] for r in ranks)))[1:]) if steps > 1 else None
+    return {int(r["stage"]): float(r["peak_rss_mb"]) for r in ranks}, step
+
+
+def _met(ratio: Sequence[float]) -> str:
+    return "yes" if all(x <= 1.15 for x in ratio) else f"{sum(x <= 1.15 for x in ratio)} of {len(ratio)}"
 
 
 def pipelines(model: str, hf: Path, tmp: Path, optimizer: str, grad_accumulation: str = "auto",
-              stage_counts: Sequence[int] = (2, 4), ways: Sequence[str] = ("init_from", "emit")) -> str:
+              stage_counts: Sequence[int] = (2, 4), ways: Sequence[str] = ("init_from", "emit"),
+              mallocs: Sequence[str] = ("keep",), steps: int = 1) -> str:
+    """Each program trained once per ``train.py --malloc`` mode in ``mallocs``, back to back."""
     torch_only = _baseline("import torch")
     base = _baseline("import torch\nimport pdcompile.runtime.trainer")
+    # torch.optim imports torch._dynamo at an optimizer's construction and at each step (its
+    # ``_disable_dynamo`` wrappers, ``_use_grad_for_differentiable``): any process that trains with it holds it
+    optim = _baseline("import torch\nimport pdcompile.runtime.trainer\n"
+                      "torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1).step()")
     adam = optimizer.startswith("adam")
     per_param = 8 + (8 if adam else 0)  # fp32 weight + gradient (+ Adam's two states)
-    rows = ["| way | stages | compile + emit (s) | compiling process: peak RSS (MiB) | rank: peak RSS (MiB) | "
+    rows = ["| way | stages | --malloc | compile + emit (s) | compiling process: peak RSS (MiB) | rank: peak RSS (MiB) | "
             "rank: peak - baseline (MiB) | share: weights + grads" + (" + Adam state" if adam else "")
-            + " (MiB) | (peak - baseline) / share | target met (<= 1.15) |", "|---|---|---|---|---|---|---|---|---|"]
+            + " (MiB) | (peak - baseline) / share | target met (<= 1.15) | (peak - baseline with torch.optim's "
+            "imports) / share | met | step s (median of steps 2..) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     r: dict[str, Any] = {}
     for stages in stage_counts:
         for way in ways:
             out = tmp / f"{way}_{stages}"
             r = _child({"step": "compile", "model": model, "hf": str(hf), "way": way, "stages": stages,
                         "out": str(out), "optimizer": optimizer})
-            ranks = train_one_step(out, stages, tmp / f"m_{way}_{stages}", grad_accumulation)
             share = {int(k): per_param * n / MiB for k, n in r["stage_params"].items()}
-            ks = sorted(ranks)
-            ratio = [(ranks[k] - base) / share[k] for k in ks]
-            rows.append(f"| {way} | {stages} | {r['compile_emit_s']:.1f} | {r['rss_mib']:.0f} | "
-                        + ", ".join(f"{ranks[k]:.0f}" for k in ks) + " | "
-                        + ", ".join(f"{ranks[k] - base:.0f}" for k in ks) + " | "
-                        + ", ".join(f"{share[k]:.0f}" for k in ks) + " | "
-                        + ", ".join(f"{x:.2f}" for x in ratio) + " | "
-                        + ("yes" if all(x <= 1.15 for x in ratio) else f"{sum(x <= 1.15 for x in ratio)} of {len(ks)}")
-                        + " |")
-            print(rows[-1], flush=True)
+            for malloc in mallocs:
+                ranks, step = train_one_step(out, stages, tmp / f"m_{way}_{stages}", grad_accumulation, malloc, steps)
+                ks = sorted(ranks)
+                ratio = [(ranks[k] - base) / share[k] for k in ks]
+                ratio_optim = [(ranks[k] - optim) / share[k] for k in ks]
+                rows.append(f"| {way} | {stages} | {malloc} | {r['compile_emit_s']:.1f} | {r['rss_mib']:.0f} | "
+                            + ", ".join(f"{ranks[k]:.0f}" for k in ks) + " | "
+                            + ", ".join(f"{ranks[k] - base:.0f}" for k in ks) + " | "
+                            + ", ".join(f"{share[k]:.0f}" for k in ks) + " | "
+                            + ", ".join(f"{x:.2f}" for x in ratio) + f" | {_met(ratio)} | "
+                            + ", ".join(f"{x:.2f}" for x in ratio_optim) + f" | {_met(ratio_optim)} | "
+                            + (f"{step:.2f}" if step is not None else "-") + " |")
+                print(rows[-1], flush=True)
             shutil.rmtree(out, ignore_errors=True)
     return (f"{model}: {r['params'] / 1e6:.0f}M parameters; optimizer {optimizer}; --grad-accumulation "
             f"{grad_accumulation}. Baselines (peak RSS of a fresh "
             f"process): `python -c \"import torch\"` {torch_only:.0f} MiB; what a rank imports before it builds "
-            f"anything (torch, pdcompile.runtime) {base:.0f} MiB: the 'baseline' below. Minibatch {BATCH} x {SEQ} "
-            f"tokens, {BATCH} microbatches, flush, one step. Per rank: stage 0 first.\n\n" + "\n".join(rows))
+            f"anything (torch, pdcompile.runtime) {base:.0f} MiB: the 'baseline' below; that and one step of a "
+            f"torch.optim optimizer (which imports torch._dynamo) {optim:.0f} MiB: 'baseline with torch.optim's "
+            f"imports'. Minibatch {BATCH} x {SEQ} tokens, {BATCH} microbatches, flush, {steps} step(s). Per rank: "
+            f"stage 0 first.\n\n" + "\n".join(rows))
 
 
 def readers(model: str, hf: Path, tmp: Path) -> str:
@@ -232,6 +256,9 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--grad-accumulation", choices=["auto", "fused", "autograd"], default="auto",
                     help="train.py --grad-accumulation of the ranks (autograd: as before fused accumulation)")
     ap.add_argument("--stages", type=int, nargs="+", choices=[2, 4], default=[2, 4])
+    ap.add_argument("--malloc", nargs="+", choices=["keep", "release", "glibc"], default=["keep"],
+                    help="train.py --malloc of the ranks; several: each program trained once per mode, back to back")
+    ap.add_argument("--steps", type=int, default=1, help="training steps per launch (more than one: step times too)")
     ap.add_argument("--ways", nargs="+", choices=["init_from", "emit"], default=["init_from", "emit"])
     ap.add_argument("--quick", action="store_true", help="a tiny Llama; print only")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -249,7 +276,8 @@ def main(argv: list[str] | None = None) -> str:
         _child({"step": "save", "model": model, "hf": str(hf)})
         size = sum(f.stat().st_size for f in hf.glob("*.safetensors")) / MiB
         if a.part in ("pipelines", "all"):
-            parts.append(pipelines(model, hf, tmp, a.optimizer, a.grad_accumulation, a.stages, a.ways))
+            parts.append(pipelines(model, hf, tmp, a.optimizer, a.grad_accumulation, a.stages, a.ways, a.malloc,
+                                   a.steps))
         if a.part in ("readers", "all"):
             parts.append(readers(model, hf, tmp))
     body = (f"The checkpoint: {size:.0f} MiB of fp32 safetensors (one file).\n\n" + "\n\n".join(parts)
@@ -257,9 +285,11 @@ def main(argv: list[str] | None = None) -> str:
     publish("Big model: a 300M HF model from safetensors vs emitted weights", body,
             f"python benchmarks/bench_init_from.py{' --part ' + a.part if a.part != 'all' else ''}"
             f"{' --optimizer ' + a.optimizer if a.optimizer != 'sgd' else ''}"
-            f"{' --grad-accumulation ' + a.grad_accumulation if a.grad_accumulation != 'auto' else ''}",
+            f"{' --grad-accumulation ' + a.grad_accumulation if a.grad_accumulation != 'auto' else ''}"
+            f"{' --malloc ' + ' '.join(a.malloc) if a.malloc != ['keep'] else ''}"
+            f"{' --steps ' + str(a.steps) if a.steps != 1 else ''}",
             write=not a.quick and a.part == "all" and a.optimizer == "sgd" and a.grad_accumulation == "auto"
-            and a.stages == [2, 4] and a.ways == ["init_from", "emit"])  # other runs: printed, read by hand
+            and a.stages == [2, 4] and a.ways == ["init_from", "emit"] and a.malloc == ["keep"] and a.steps == 1)  # other runs: printed, read by hand
     return body
 
 

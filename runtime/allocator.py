@@ -1,12 +1,12 @@
-"""glibc malloc settings for training on CPU: keep freed memory instead of handing it back.
+"""glibc malloc settings for training on CPU (``train.py --malloc``): keep freed memory, or hand it back at once.
 
 A training step frees almost everything it allocated and allocates the same sizes again in the
-next. With glibc's defaults, blocks of 128 KiB and up are ``mmap``-ed one by one and unmapped on
-free, and the heap's top is trimmed once 128 KiB are free there, so every step page-faults in fresh
-zero-filled pages again (benchmarks/RESULTS.md "Allocator"). :func:`keep_freed_memory` raises both
-thresholds (``mallopt``), as PyTorch's CUDA caching allocator keeps GPU memory: the process keeps
-its peak footprint (the peak itself is unchanged). ``train.py --no-keep-freed-memory`` keeps glibc's
-defaults. Not glibc (macOS, musl): nothing is changed.
+next. glibc's defaults unmap blocks of 128 KiB and up on free and trim the heap's top, so every step
+faults fresh zero-filled pages in (benchmarks/RESULTS.md "Allocator"), until glibc has raised its
+threshold to the blocks it unmapped. ``keep`` reuses freed memory without faults but keeps every hole
+in the heap resident; ``release`` unmaps every large block when freed, so the RSS follows the live
+tensors at the price of those faults (:func:`set_mode`; RESULTS.md "malloc's held memory"). Not glibc
+(macOS, musl): nothing is changed, whatever the mode.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ M_MMAP_THRESHOLD = -3
 KEEP_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's upper limit for it on 64-bit: larger blocks stay mmap-ed
 KEEP_TRIM_THRESHOLD = 2**31 - 1  # (an int) never trim the heap's top
 GLIBC_MMAP_THRESHOLD = GLIBC_TRIM_THRESHOLD = 128 * 1024  # glibc's defaults
+RELEASE_MMAP_THRESHOLD = 128 * 1024  # "release": blocks of this size and up are mapped and unmapped one by one
+MODES = ("keep", "release", "glibc")
 
 
 @functools.cache
@@ -39,13 +41,44 @@ def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]  # ctyp
     return fn
 
 
-def keep_freed_memory(on: bool = True) -> bool:
-    """Keep (``on``) or return (glibc's default thresholds) freed memory; whether glibc took it."""
+def _set(mmap_t: int, trim_t: int) -> bool:
     fn = _mallopt()
     if fn is None:
         return False
-    mmap_t, trim_t = (KEEP_MMAP_THRESHOLD, KEEP_TRIM_THRESHOLD) if on else (GLIBC_MMAP_THRESHOLD, GLIBC_TRIM_THRESHOLD)
     ok = bool(fn(M_MMAP_THRESHOLD, mmap_t)) and bool(fn(M_TRIM_THRESHOLD, trim_t))
     if not ok:
-        log.warning("mallopt refused the thresholds %d/%d: freed memory goes back to the system", mmap_t, trim_t)
+        log.warning("mallopt refused the thresholds %d/%d: malloc keeps its own", mmap_t, trim_t)
     return ok
+
+
+def keep_freed_memory(on: bool = True) -> bool:
+    """Keep (``on``) or return (glibc's default thresholds) freed memory; whether glibc took it."""
+    return _set(*((KEEP_MMAP_THRESHOLD, KEEP_TRIM_THRESHOLD) if on else (GLIBC_MMAP_THRESHOLD, GLIBC_TRIM_THRESHOLD)))
+
+
+def release_freed_memory() -> bool:
+    """Hand blocks of 128 KiB and up back to the system as soon as they are freed (the small ones'
+    heap is kept, never trimmed); whether glibc took it."""
+    return _set(RELEASE_MMAP_THRESHOLD, KEEP_TRIM_THRESHOLD)
+
+
+def set_mode(mode: str) -> bool:
+    """``train.py --malloc``: one of :data:`MODES`; whether glibc took a setting (``glibc``: none made).
+
+    - ``keep`` (CPU's default, :func:`keep_freed_memory`): both thresholds raised, as PyTorch's CUDA
+      caching allocator keeps GPU memory: what a step frees is reused by the next without faults. A
+      block freed below live ones stays resident, so the peak RSS can exceed the live tensors' peak
+      (a flush's first backward frees a microbatch's activations while it makes the gradients,
+      which do not fit those holes and go above them).
+    - ``release`` (:func:`release_freed_memory`): the mmap threshold fixed at 128 KiB, glibc's own
+      starting value, which it then never raises: every block of 128 KiB and up is its own mapping,
+      unmapped when freed; each step faults its large buffers in afresh.
+    - ``glibc``: its adaptive defaults, untouched.
+    """
+    if mode not in MODES:
+        raise ValueError(f"malloc mode must be one of {MODES}, got {mode!r}")
+    if mode == "keep":
+        return keep_freed_memory(True)
+    if mode == "release":
+        return release_freed_memory()
+    return False

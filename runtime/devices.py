@@ -17,6 +17,18 @@ def keep_freed_memory(flag: bool | None, device: torch.device) -> bool:
     return flag if flag is not None else device.type == "cpu"
 
 
+def malloc_mode(mode: str | None, keep: bool | None, device: torch.device) -> str:
+    """``--malloc``'s mode (runtime/allocator.py ``MODES``): as given; else ``--keep-freed-memory``'s
+    older spelling (``keep``, or ``glibc`` for ``--no-keep-freed-memory``); else ``keep`` on CPU and
+    ``glibc`` on GPU (:func:`keep_freed_memory`). Both flags given and disagreeing: a UsageError."""
+    if mode is not None and keep is not None and (mode == "keep") != keep:
+        raise UsageError(f"--malloc {mode} and --{'' if keep else 'no-'}keep-freed-memory disagree: "
+                         f"give only --malloc")
+    if mode is not None:
+        return mode
+    return "keep" if keep_freed_memory(keep, device) else "glibc"
+
+
 DEVICE_FLAGS = ("auto", "cpu", "cuda")
 
 

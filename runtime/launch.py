@@ -26,7 +26,7 @@ import torch.distributed as dist
 from pdcompile.errors import PdcompileError, UsageError
 from pdcompile.runtime import allocator, comm, devices, faults, schedules, shard, sources
 from pdcompile.runtime import loop
-from pdcompile.runtime.devices import DEVICE_FLAGS, choose_device, keep_freed_memory
+from pdcompile.runtime.devices import DEVICE_FLAGS, choose_device, malloc_mode
 from pdcompile.runtime.executor import WEIGHT_PASSES
 from pdcompile.runtime.fused_grads import AUTO_MIN_BYTES, GRAD_ACCUMULATIONS
 from pdcompile.runtime.program import PRECISIONS, Program
@@ -94,10 +94,14 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                         "each whole gradient and add it. Default 'auto': fused for weights of "
                         f"{AUTO_MIN_BYTES >> 20} MiB and more. A backward split through the traced graph (--weight-pass "
                         "graph) and a stage sharded full use autograd")
+    p.add_argument("--malloc", choices=allocator.MODES, default=None,
+                   help="glibc malloc's thresholds (runtime/allocator.py): 'keep' reuses what a step frees in the "
+                        "next without page faults, but a block freed below live ones stays resident, so the peak "
+                        "RSS can exceed the live tensors' peak; 'release' unmaps every block of 128 KiB and up "
+                        "when it is freed: the RSS follows the live tensors, each step faults its large buffers "
+                        "in afresh; 'glibc': its adaptive defaults. Default: keep on CPU, glibc on GPU")
     p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep memory a step frees for the next one instead of returning it to the system "
-                        "(glibc malloc thresholds, runtime/allocator.py; each step otherwise page-faults its "
-                        "buffers in afresh). Default: on when training on CPU")
+                   help="the older spelling of --malloc: keep when on, glibc when off")
     p.add_argument("--precision", choices=PRECISIONS, default=program.precision,
                    help=f"bf16: autocast each stage's forward and the loss to bfloat16 (fp32 master weights, the "
                         f"optimizer steps fp32 parameters) and send floating boundary tensors as bf16 (half the "
@@ -160,6 +164,7 @@ def check_args(args: argparse.Namespace, program: Program, world: int | None = N
                          "--clip-grad-norm, or compile a schedule with a stage per rank")
     if not (isinstance(args.timeout, (int, float)) and math.isfinite(args.timeout) and args.timeout > 0):
         raise UsageError(f"--timeout {args.timeout!r}: must be a positive number of seconds; e.g. --timeout 120")
+    malloc_mode(args.malloc, args.keep_freed_memory, torch.device("cpu"))  # both spellings, disagreeing
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir DIR (a folder every rank can see)")
     if args.resume == "auto" and not args.checkpoint_dir:
@@ -216,8 +221,7 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
     init_process_group(backend, timeout)
     # PDCOMPILE_NCCL_RULES=1: gloo runs point-to-point as NCCL does (the tests' check that no transfer order hangs)
     comm.configure(nccl_rules=backend == "gloo" and os.environ.get(comm.NCCL_RULES_ENV) == "1", timeout=args.timeout)
-    if keep_freed_memory(args.keep_freed_memory, devices.rank_device()):
-        allocator.keep_freed_memory(True)
+    allocator.set_mode(malloc_mode(args.malloc, args.keep_freed_memory, devices.rank_device()))
     try:
         code = Trainer(program, args, rank, timeout).train()
     except PdcompileError as e:  # a checkpoint refused, a stage no source can fill (runtime/sources.py)
