@@ -105,3 +105,9 @@ def test_malloc_mode_of_the_flags() -> None:
         launch.malloc_mode("keep", False, cpu)
     with pytest.raises(ValueError, match="malloc mode"):
         allocator.set_mode("tight")
+
+
+def test_pdcompile_run_offers_train_pys_modes() -> None:
+    from pdcompile._cli.run import MALLOC_MODES  # the CLI's parser is built without torch: a copy
+
+    assert MALLOC_MODES == allocator.MODES

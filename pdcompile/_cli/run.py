@@ -14,6 +14,7 @@ from pdcompile.errors import UsageError
 # train.py's --grad-accumulation choices (runtime/fused_grads.py GRAD_ACCUMULATIONS; not imported: the
 # CLI's parser is built without torch)
 GRAD_ACCUMULATIONS = ("auto", "fused", "autograd")
+MALLOC_MODES = ("keep", "release", "glibc")  # train.py's --malloc (runtime/allocator.py MODES)
 
 
 def register(subparsers: Any) -> None:
@@ -53,6 +54,10 @@ def register(subparsers: Any) -> None:
                    help="how a weight's microbatch gradients are summed (train.py's flag): 'fused' into .grad "
                         "without a weight-sized transient, 'autograd', or 'auto' (the default: fused for weights "
                         "of 4 MiB and more; docs/big-models.md)")
+    p.add_argument("--malloc", choices=MALLOC_MODES, default=None,
+                   help="glibc malloc's thresholds on the ranks (train.py's flag): 'keep' (the default on CPU) "
+                        "reuses freed memory, 'release' hands large blocks back at once for a lower peak RSS at "
+                        "the price of page faults, 'glibc' its own (docs/big-models.md)")
     p.set_defaults(func=run, takes_passthrough=True)
 
 
@@ -65,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.epochs if args.epochs is not None else args.steps or 10) < 1:
         raise UsageError(f"{length[0]} must be at least 1")
     for flag in ("data", "lr_scheduler", "eval_data", "eval_every", "eval_metric", "log_every", "tensorboard",
-                 "grad_accumulation"):
+                 "grad_accumulation", "malloc"):
         if getattr(args, flag) is not None:
             length += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     folder = Path(args.model)
