@@ -29,13 +29,13 @@ _hypothesis_settings.load_profile("pdcompile")
 _caches = itertools.count()
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The suite runs on two pytest-xdist workers (pyproject: ``-n 2 --dist loadgroup``): the tests that start
-    several processes (``multiproc``) run one at a time, all on one worker (their ranks share the cores and
-    their collectives have timeouts), while the other worker runs single-process tests beside them."""
-    for item in items:
-        if item.get_closest_marker("multiproc"):
-            item.add_marker(pytest.mark.xdist_group("multiproc"))
+# The suite runs on two pytest-xdist workers (pyproject: ``-n 2 --dist loadgroup``), each test dispatched to
+# whichever worker is free, ``multiproc`` tests (several processes, gloo on 127.0.0.1, a timeout on every
+# collective) beside each other and beside single-process tests: the two cores stay busy. (Until
+# 2026-12-06 a hook here marked every multiproc test ``xdist_group("multiproc")`` to run them one at a time on
+# one worker; it ran after xdist had read the groups, so it never took effect, and every CI time recorded
+# since 4819f98 is of this arrangement. Taking effect, it would leave one worker most of the suite.)
+# Their ranks are forked from a process that has already imported torch (tests/_fork_ranks.py).
 
 
 @pytest.fixture(autouse=True)

@@ -118,9 +118,15 @@ def _emit(tmp: Path, recompute: str) -> tuple[Any, Path]:
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
 def test_predicted_memory_matches_measured_and_recompute_trains_the_same(tmp_path: Path) -> None:
+    """Each stage's predicted peak within 10% of what it measured through the ranks (flush and 1F1B, with and
+    without recompute="full"); recomputation trains as training without it does; and the recompute="full"
+    flush run (one of those launches) ends with the final weights and every microbatch's loss of plain
+    single-process training (reference.train_sync)."""
     runs: dict[tuple[str, str], Any] = {}
+    progs: dict[str, Path] = {}
     for recompute in ("none", "full"):
         pipe, prog = _emit(tmp_path, recompute)
+        progs[recompute] = prog
         assert [s.recompute for s in pipe.plan.stages] == [recompute] * 2
         assign = [(s.first, s.last, s.replicas, s.ranks) for s in pipe.plan.stages]
         for schedule in ("flush", "1f1b"):
@@ -143,17 +149,10 @@ def test_predicted_memory_matches_measured_and_recompute_trains_the_same(tmp_pat
             for n in w0[k]:
                 torch.testing.assert_close(w1[k][n], w0[k][n], rtol=0, atol=1e-6)
 
-
-@pytest.mark.multiproc
-@pytest.mark.timeout(200)
-def test_recompute_pipeline_equals_single_process(tmp_path: Path) -> None:
-    """Two stages, recompute="full", PipeDream-Flush through torchrun: the final weights and every
-    microbatch's loss are those of plain single-process training (reference.train_sync)."""
-    pipe, prog = _emit(tmp_path, "full")
-    assert [s.recompute for s in pipe.plan.stages] == ["full", "full"]
-    metrics, _ = launch_two(tmp_path, prog, "flush", "full_flush")
-    assert all(metrics[s]["memory"]["recompute"] > 0 for s in metrics)  # the backward really rebuilt forwards
-    got = merge_weights(prog, tmp_path / "w_full_flush")
+    # recompute="full" under PipeDream-Flush equals single-process training (was its own test, with its own
+    # compile and launch of this same program and schedule)
+    metrics = runs[("full", "flush")][0]
+    got = merge_weights(progs["full"], tmp_path / "w_full_flush")
     # independent: the same seeded model, the same batches, one process, no pipeline, no recomputation
     torch.manual_seed(0)
     ref = gpt.GPT(gpt.GPTConfig(**CFG))
