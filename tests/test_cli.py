@@ -81,9 +81,9 @@ def test_errors_print_one_line_without_traceback_unless_debug(tmp_path: Path) ->
 
 @pytest.mark.multiproc
 def test_run_trains_and_a_failing_job_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # --grad-accumulation, and train.py's own flags after '--', reach every rank
+    # --grad-accumulation, --malloc, and train.py's own flags after '--', reach every rank
     assert main(["run", "zoo:mlp", "--stages", "2", "--steps", "3", "--out", str(tmp_path / "r"), "--json",
-                 "--grad-accumulation", "fused", "--", "--clip-grad-norm", "100"]) == 0
+                 "--grad-accumulation", "fused", "--malloc", "release", "--", "--clip-grad-norm", "100"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     metrics = [json.loads(p.read_text()) for p in (tmp_path / "r" / "metrics").glob("rank_*.json")]
     assert summary["status"] == 0 and len(metrics) == 2
