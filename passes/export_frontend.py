@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import io
 import logging
 import warnings
@@ -148,9 +149,23 @@ def export_trace(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.T
         raise UnsupportedModelError(
             f"export-trace: torch.export.export could not capture {type(model).__name__}: "
             f"{type(e).__name__}: {msg}. Fix: make forward() traceable by torch.export (no data-dependent "
-            f"Python control flow)"
+            f"Python control flow){_binding_note(model, args)}"
         ) from e
     return _flatten_program(model, ep, output)
+
+
+def _binding_note(model: torch.nn.Module, args: tuple[Any, ...]) -> str:
+    """With several inputs, the forward() parameters they landed on: a tensor given positionally may reach a
+    parameter that is not the one meant (GPT-2's second is ``past_key_values``, not ``attention_mask``)."""
+    if len(args) < 2:
+        return ""
+    try:
+        names = list(inspect.signature(model.forward).bind_partial(*args).arguments)
+    except (TypeError, ValueError):
+        return ""
+    return (f"; the example inputs are passed positionally, as {type(model).__name__}.forward("
+            f"{', '.join(names)}): if one is meant for another parameter, wrap the model in a module whose "
+            f"forward passes it by name")
 
 
 def _flatten_program(model: torch.nn.Module, ep: torch.export.ExportedProgram,

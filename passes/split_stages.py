@@ -142,6 +142,15 @@ def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.No
                     f"but is not a single tensor; only tensors can be sent between stages. Fix: move the cut, "
                     f"or compute the value from config constants instead of x.size()"
                 )
+    root, writers = storage_classes(gm)
+    for k, vals in enumerate(live):
+        for r, ws in writers.items():
+            shared = [v for v in vals if root.get(v) is r]
+            if len(shared) > 1 and any(stage_of[w.name] > k for w in ws):
+                raise UnsupportedModelError(
+                    f"split-stages: {', '.join(repr(v.name) for v in shared)} share one storage and are live across "
+                    f"the cut after stage {k}, and {ws[-1].name!r} writes it in place later: sent, they would be "
+                    f"separate tensors. Fix: move the cut (the planner avoids it), or write out of place")
     placeholders = [n for n in nodes if n.op == "placeholder"]
     canonical = {id(p): name for name, p in (model or gm).named_parameters()}
     canonical.update({id(b): name for name, b in (model or gm).named_buffers()})
@@ -156,6 +165,10 @@ def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.No
         for n in ins:
             env[n] = g.placeholder(n.name)
             env[n].meta = dict(n.meta)
+        if k > 0:  # a received activation is a leaf of autograd: one this stage writes in place is copied first
+            for n in written_inputs(nodes, ins, lambda n: n.op not in ("placeholder", "get_attr", "output")
+                                    and stage_of[n.name] == k, gm):
+                env[n] = _copy_of(g, env[n], aten=any(isinstance(m.target, torch._ops.OpOverload) for m in nodes))
         attrs: dict[str, Any] = {}
         used_names: dict[str, str] = {}
         param_names: dict[str, str] = {}
@@ -207,6 +220,120 @@ def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.No
         ))
     tied = tuple(tuple(v) for v in owners.values() if len({s for s, _ in v}) > 1)
     return StageSplit(tuple(stages), tied)
+
+
+_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "flatten", "unflatten", "squeeze",
+                 "unsqueeze", "expand", "expand_as", "narrow", "select", "t", "unfold", "split", "chunk", "unbind",
+                 "as_strided", "diagonal", "movedim", "swapaxes", "__getitem__", "getitem", "detach"}
+_INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
+                      "ilshift", "irshift", "imatmul", "setitem"}
+
+
+def _writes_and_views(n: fx.Node, gm: fx.GraphModule) -> tuple[list[Any], list[Any]]:
+    """The arguments ``n`` writes in place and those its output may be a view of."""
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        schema = t._schema
+        writes: list[Any] = []
+        views: list[Any] = []
+        for i, a in enumerate(schema.arguments):
+            value = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            if a.alias_info is not None:
+                (writes if a.alias_info.is_write else views).append(value)
+        return writes, views
+    first = n.args[:1]
+    if n.op == "call_module":
+        return (list(first) if getattr(gm.get_submodule(str(t)), "inplace", False) else []), []
+    name = t if isinstance(t, str) else getattr(t, "__name__", "")
+    if n.op == "call_function" and getattr(t, "__module__", "") in ("_operator", "operator"):
+        return (list(first) if name in _INPLACE_OPERATORS else []), (list(first) if name == "getitem" else [])
+    if n.op == "call_method" and name.endswith("_") and not name.endswith("__"):
+        return list(first), []
+    if name in _VIEW_METHODS:
+        return [], list(first)
+    return [], []
+
+
+def written_inputs(nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], in_stage: Callable[[fx.Node], bool],
+                   gm: fx.GraphModule) -> list[fx.Node]:
+    """The ``inputs`` that a node of the stage (``in_stage``) writes in place, itself or through a view of it
+    (``aten.add_``, ``relu_``, ``x += y``, ``nn.ReLU(inplace=True)``, ``x[:, 0] = ...``). Received by a
+    stage they are autograd leaves, which no op may write; and the stage must leave its input as it came
+    (a recomputed forward reads it again)."""
+    root: dict[fx.Node, fx.Node] = {n: n for n in inputs}
+    written: list[fx.Node] = []
+    for n in nodes:
+        if not in_stage(n):
+            continue
+        writes, views = _writes_and_views(n, gm)
+        for w in _flat_nodes(writes):
+            if w in root and root[w] not in written:
+                written.append(root[w])
+        for a in _flat_nodes(views + writes):  # a view, or an in-place op's result: the same storage
+            if a in root:
+                root[n] = root[a]
+    return [n for n in inputs if n in written]
+
+
+def storage_classes(gm: fx.GraphModule) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, list[fx.Node]]]:
+    """Each value's storage (the node that made it: a view or an in-place op's result shares its argument's),
+    and per storage the nodes that write it in place. Model inputs and activations only: a buffer a stage
+    updates is that stage's own copy."""
+    root: dict[fx.Node, fx.Node] = {}
+    writers: dict[fx.Node, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op in ("get_attr", "output"):
+            continue
+        root[n] = n
+        if n.op == "placeholder":
+            continue
+        writes, views = _writes_and_views(n, gm)
+        shared = [a for a in _flat_nodes(views + writes) if a in root]
+        if shared:
+            root[n] = root[shared[0]]
+        for a in _flat_nodes(writes):
+            if a in root:
+                writers.setdefault(root[a], []).append(n)
+    return root, writers
+
+
+def shared_storage_cuts(gm: fx.GraphModule, order: Sequence[str]) -> set[int]:
+    """Cuts ``i`` (after ``order[i]``) across which two values of one storage are live while a later node writes
+    it in place: sent, they arrive as two tensors, and the write would reach only one of them."""
+    root, writers = storage_classes(gm)
+    pos = {name: i for i, name in enumerate(order)}
+    blocked: set[int] = set()
+    for r, ws in writers.items():
+        members = [n for n in root if root[n] is r]
+        last_write = max((pos[w.name] for w in ws if w.name in pos), default=-1)
+        if len(members) < 2 or last_write < 0:
+            continue
+        spans = []
+        for m in members:
+            start = pos.get(m.name, -1)
+            end = len(order) - 1 if any(u.op == "output" for u in m.users) else \
+                max((pos[u.name] for u in m.users if u.name in pos), default=start)
+            spans.append((start, end))
+        for c in range(last_write):
+            if sum(1 for a, b in spans if a <= c < b) >= 2:
+                blocked.add(c)
+    return blocked
+
+
+def _flat_nodes(values: Sequence[Any]) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(list(values), out.append)
+    return out
+
+
+def _copy_of(g: fx.Graph, value: fx.Node, aten: bool) -> fx.Node:
+    """``value.clone()`` (an aten op in an exported graph), carrying its metadata."""
+    if aten:
+        node = g.call_function(torch.ops.aten.clone.default, (value,))
+    else:
+        node = g.call_method("clone", (value,))
+    node.meta = dict(value.meta)
+    return node
 
 
 _HEAVY = ("mm", "conv", "linear", "matmul", "einsum", "attention", "lstm", "gru", "rnn")
@@ -336,11 +463,14 @@ def legal_cuts(gm: fx.GraphModule) -> set[int]:
         start = pos.get(n, -1) + 1
         end = max((pos[u] for u in n.users if u in pos), default=start)
         bad.update(range(start, end + 1))
+    bad.update(c + 1 for c in shared_storage_cuts(gm, [n.name for n in compute]))
     return {i for i in range(1, len(compute)) if i not in bad}
 
 
 def nodes_needing_grad(gm: fx.GraphModule) -> set[str]:
-    """Names of nodes whose value depends on a trainable parameter (model inputs don't)."""
+    """Names of nodes whose value depends on a trainable parameter (model inputs don't), through values
+    autograd follows: an integer tensor (``topk``'s indices, a router's expert ids) requires no grad, nor
+    what is made from it."""
     needs: set[str] = set()
     for n in gm.graph.nodes:
         if n.op == "get_attr":
@@ -348,6 +478,9 @@ def nodes_needing_grad(gm: fx.GraphModule) -> set[str]:
             if isinstance(obj, torch.Tensor) and obj.requires_grad:
                 needs.add(n.name)
         elif n.op in ("call_module", "call_function", "call_method"):
+            meta = n.meta.get("pd.tensor")
+            if isinstance(meta, TensorMeta) and not meta.requires_grad:  # not floating point
+                continue
             if n.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(n.target).parameters()):
                 needs.add(n.name)
             elif any(a.name in needs for a in n.all_input_nodes):
@@ -377,7 +510,7 @@ def blocked_cuts(gm: fx.GraphModule, order: Sequence[str]) -> set[int]:
         if any(u.op == "output" for u in n.users):
             end = len(order) - 1
         blocked.update(range(start, end))
-    return blocked
+    return blocked | shared_storage_cuts(gm, order)
 
 
 def run(state: CompileState) -> CompileState:

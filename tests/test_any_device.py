@@ -1,8 +1,8 @@
 """Emitted stage code runs on any device (#28 item 3).
 
 Every stage of the zoo models (torch.fx front end) and of small Hugging Face models (torch.export
-front end: Llama, Mistral, DistilBERT, ViT, GPT-2) is emitted, rebuilt from its ``stage_K.py`` on the
-meta device (standing in for a GPU: a tensor created on the CPU fails there) and run on meta inputs:
+front end: Llama, Mistral, DistilBERT, ViT, GPT-2, Falcon, BLOOM, Mixtral, T5, ResNet) is emitted,
+rebuilt from its ``stage_K.py`` on the meta device (standing in for a GPU: a tensor created on the CPU fails there) and run on meta inputs:
 its outputs are meta tensors of the shapes plan.json promises, and the source names no concrete
 device. The same programs train exactly on the CPU elsewhere (test_hf_models, test_loss_fns).
 """
@@ -64,6 +64,53 @@ def _gpt2() -> torch.nn.Module:
                                                                  n_positions=16))
 
 
+def _falcon() -> torch.nn.Module:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4))
+
+
+def _bloom() -> torch.nn.Module:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4))
+
+
+def _mixtral() -> torch.nn.Module:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2))
+
+
+def _t5() -> torch.nn.Module:
+    import transformers
+
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4))
+
+
+def _resnet() -> torch.nn.Module:
+    import transformers
+
+    return transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3))
+
+
+def _seq2seq() -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.nn.Module]:
+    """Encoder ids, their attention mask and the decoder's ids."""
+    (x,), target, loss = _tokens(None)
+    return (x, torch.ones_like(x), x.roll(1, dims=1)), target, loss
+
+
+def _images(size: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.nn.Module]:
+    return ((torch.randn(BATCH, 3, size, size, generator=torch.Generator().manual_seed(0)),),
+            torch.randint(0, 3, (BATCH,)), torch.nn.CrossEntropyLoss())
+
+
 def _tokens(classes: int | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.nn.Module]:
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
@@ -77,8 +124,12 @@ HF: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[], tuple[Any, ...]]
     "mistral": (_mistral, lambda: _tokens(None)),
     "gpt2": (_gpt2, lambda: _tokens(None)),
     "distilbert": (_distilbert, lambda: _tokens(3)),
-    "vit": (_vit, lambda: ((torch.randn(BATCH, 3, 16, 16, generator=torch.Generator().manual_seed(0)),),
-                           torch.randint(0, 3, (BATCH,)), torch.nn.CrossEntropyLoss())),
+    "vit": (_vit, lambda: _images(16)),
+    "falcon": (_falcon, lambda: _tokens(None)),
+    "bloom": (_bloom, lambda: _tokens(None)),
+    "mixtral": (_mixtral, lambda: _tokens(None)),
+    "t5": (_t5, _seq2seq),
+    "resnet": (_resnet, lambda: _images(32)),
 }
 
 
@@ -127,3 +178,23 @@ def test_every_hugging_face_stage_runs_on_the_meta_device(tmp_path: Path, name: 
     torch.manual_seed(0)
     inputs, target, loss = data()
     _runs_on_meta(*_emit(factory(), inputs, target, loss, tmp_path / "p", frontend="export"))
+
+
+@pytest.mark.parametrize("name", ["falcon", "mixtral", "t5", "resnet"])
+def test_hugging_face_models_built_on_meta_compile_and_initialise(tmp_path: Path, name: str) -> None:
+    """Built under ``torch.device("meta")`` with meta inputs (test_meta_compile's Llama, for more families):
+    compiled with analytic costs into 2 stages, emitted without weights, each stage initialised fresh."""
+    pytest.importorskip("transformers")
+    factory, data = HF[name]
+    with torch.device("meta"):
+        model = factory()
+    inputs, target, loss = data()
+    pipe = pdcompile(model, example_inputs=tuple(x.to("meta") for x in inputs), example_target=target.to("meta"),
+                     loss_fn=loss, stages=2, num_microbatches=2, cost_mode="analytic")
+    out = pipe.emit(tmp_path / "p")
+    assert not list(out.glob("*.pt"))
+    program = Program.load(out)
+    assert program.init["source"] == "fresh"
+    for k in range(program.num_stages):
+        module = program.build_stage(k)
+        assert not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())), k

@@ -102,3 +102,121 @@ def test_non_tensor_values_may_not_cross_a_cut() -> None:
     assert legal_cuts(gm) == {1, 2}
     split = split_stages(gm, even_assignment(gm, 2), m)
     assert torch.equal(split.run(x), m(x))
+
+
+class WritesInPlace(nn.Module):
+    """In-place writes on what a cut may make a stage's input: ``add_`` (Falcon's parallel residual is
+    ``aten.add_``), ``nn.ReLU(inplace=True)``, and ``mul_`` through a view of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.add_(1.0)
+        h = self.relu(h)
+        g = self.b(h)
+        g.view(-1).narrow(0, 0, 3).mul_(2.0)
+        return self.c(g)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_stage_input_written_in_place_is_copied_first(frontend: str) -> None:
+    """At every cut, run as the runtime runs stages (a received input is a leaf that requires grad): each
+    stage's output and gradients equal the model's, and the tensor a stage received is left as it came.
+    Without the copy, an in-place op on a received leaf raises in autograd."""
+    from pdcompile.passes.trace import trace_any
+
+    torch.manual_seed(0)
+    m, x = WritesInPlace(), torch.randn(2, 4)
+    gm = trace_any(m, (x,), frontend=frontend)
+    propagate_shapes(gm, (x,))
+    m.zero_grad()
+    want = m(x)
+    want.sum().backward()
+    ref = {n: p.grad.clone() for n, p in m.named_parameters()}
+    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    assert any(n.target in ("add_", torch.ops.aten.add_.Tensor) for n in compute)
+    copied, legal = 0, legal_cuts(gm)
+    for cut in range(1, len(compute)):
+        assignment = {n.name: int(i >= cut) for i, n in enumerate(compute)}
+        if compute[cut - 1].target in ("view", "narrow", torch.ops.aten.view.default, torch.ops.aten.narrow.default):
+            # g and a view of it both cross this cut, and mul_ writes through the view after it: refused
+            assert cut not in legal
+            with pytest.raises(UnsupportedModelError, match="share one storage.*Fix: move the cut"):
+                split_stages(gm, assignment, m)
+            continue
+        assert cut in legal
+        split = split_stages(gm, assignment, m)
+        m.zero_grad()
+        sent = split.stages[0].gm(x)
+        received = [t.detach().clone().requires_grad_(meta.requires_grad)
+                    for t, meta in zip(sent, split.stages[1].input_meta)]
+        kept = [t.detach().clone() for t in received]
+        got = split.stages[1].gm(*received)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"cut {cut}")
+        got.sum().backward()
+        torch.autograd.backward([t for t in sent if t.requires_grad],
+                                [r.grad for r, t in zip(received, sent) if t.requires_grad])
+        for n, p in m.named_parameters():
+            torch.testing.assert_close(p.grad, ref[n], rtol=1e-6, atol=1e-7, msg=f"cut {cut}: {n}")
+        for r, k in zip(received, kept):
+            assert torch.equal(r.detach(), k), f"cut {cut}: stage 1 wrote its input"
+        copied += "clone" in split.stages[1].gm.code
+    assert copied >= 2  # at least the cuts before add_ and before the view's mul_ copy their input
+
+
+def test_an_exported_in_place_op_compiles() -> None:
+    """annotate-costs runs an exported graph's ``aten.add_`` on a copy of its input, as it does ``x.add_``."""
+    from pdcompile.api import pdcompile
+
+    torch.manual_seed(0)
+    pipe = pdcompile(WritesInPlace(), example_inputs=(torch.randn(4, 4),), example_target=torch.randint(0, 3, (4,)),
+                     loss_fn=nn.CrossEntropyLoss(), stages=2, num_microbatches=2, frontend="export")
+    assert len(pipe.split.stages) == 2
+
+
+class Routed(nn.Module):
+    """A MoE router's bookkeeping: tokens per expert counted from ``topk``'s integer indices (a float made
+    from them needs no grad, and ``cumsum(dtype=int32)`` of one that required it raises)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        counts = torch.histc(h.topk(2, dim=-1).indices.float(), bins=4, min=0, max=3)
+        return self.b(h) * counts.cumsum(0, dtype=torch.int32)[-1]
+
+
+def test_values_made_from_integer_indices_need_no_grad() -> None:
+    """At every cut a float made from ``topk``'s indices arrives as a tensor that requires no grad (the
+    runtime sets ``requires_grad`` from the stage's input metadata), and the stages give the model's output;
+    annotate-costs runs each node likewise (it compiles)."""
+    from pdcompile.api import pdcompile
+    from pdcompile.passes.trace import trace_any
+
+    torch.manual_seed(0)
+    m, x = Routed(), torch.randn(2, 4)
+    gm = trace_any(m, (x,), frontend="export")
+    propagate_shapes(gm, (x,))
+    want = m(x)
+    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    crossed = 0
+    for cut in legal_cuts(gm):
+        split = split_stages(gm, {n.name: int(i >= cut) for i, n in enumerate(compute)}, m)
+        metas = dict(zip(split.stages[1].inputs, split.stages[1].input_meta))
+        floats = [k for k in ("to", "histc") if k in metas]  # made from the indices, crossing this cut
+        assert not any(metas[k].requires_grad for k in floats)
+        crossed += bool(floats)
+        received = [t.detach().requires_grad_(meta.requires_grad)
+                    for t, meta in zip(split.stages[0].gm(x), split.stages[1].input_meta)]
+        got = split.stages[1].gm(*received)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"cut {cut}")
+        got.sum().backward()
+    assert crossed >= 2
+    pdcompile(Routed(), example_inputs=(torch.randn(4, 4),), example_target=torch.randn(4, 4),
+              loss_fn=nn.MSELoss(), stages=2, num_microbatches=2, frontend="export")

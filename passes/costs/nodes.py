@@ -4,6 +4,7 @@ run)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
@@ -46,10 +47,30 @@ def flat_tensors(value: Any) -> Iterator[torch.Tensor]:
 def _is_inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_module":
         return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+    if isinstance(node.target, torch._ops.OpOverload):  # an exported graph's aten op ("add_.Tensor"): its schema says
+        return node.target._schema.is_mutable
     name = getattr(node.target, "__name__", str(node.target))
     if node.op == "call_function" and getattr(node.target, "__module__", "") in ("_operator", "operator"):
         return name.startswith("i") and name not in ("is_", "is_not", "index", "invert")
     return name.endswith("_") and not name.endswith("__")
+
+
+_GRAD_NODES: "weakref.WeakKeyDictionary[fx.GraphModule, tuple[int, int, frozenset[fx.Node]]]" = weakref.WeakKeyDictionary()
+
+
+def grad_nodes(gm: fx.GraphModule) -> frozenset[fx.Node]:
+    """The nodes whose value depends on a trainable parameter: in the model's forward only they require grad
+    (a router's ``histc`` of expert indices does not, and its ``cumsum(dtype=int32)`` runs only so)."""
+    key = (id(gm.graph), len(gm.graph.nodes))
+    cached = _GRAD_NODES.get(gm)
+    if cached is not None and cached[:2] == key:
+        return cached[2]
+    from pdcompile.passes.split_stages import nodes_needing_grad
+
+    names = nodes_needing_grad(gm)
+    found = frozenset(n for n in gm.graph.nodes if n.name in names)
+    _GRAD_NODES[gm] = (*key, found)
+    return found
 
 
 class NodeCall:
@@ -61,6 +82,7 @@ class NodeCall:
         self.module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
         self.leaves: list[torch.Tensor] = []
         grad_ok = {}
+        needs_grad = grad_nodes(gm)
 
         def leaf(a: fx.Node) -> Any:
             v = values[a]
@@ -68,7 +90,7 @@ class NodeCall:
                 return v
             if a.op == "get_attr":  # a parameter or buffer: used as is
                 return v
-            if a.op != "placeholder" and (v.is_floating_point() or v.is_complex()):
+            if a in needs_grad and (v.is_floating_point() or v.is_complex()):
                 if a not in grad_ok:
                     grad_ok[a] = v.detach().clone().requires_grad_(True)
                     self.leaves.append(grad_ok[a])
@@ -154,17 +176,19 @@ def call_key(node: fx.Node, values: dict[fx.Node, Any]) -> Any:
 
     For ``call_function``/``call_method`` nodes only (a module's call depends on its attributes): the
     target, the arguments with each input node as the position of its first use in this call (``x * x``
-    differs from ``x * y``), what kind of node made it (a parameter read, a graph input, an activation:
-    :class:`NodeCall` treats each differently) and :func:`_value_key` of its value; and the node's own
+    differs from ``x * y``), what kind of node made it (a parameter read, a graph input, an activation that
+    depends on a parameter or one that does not: :class:`NodeCall` treats each differently) and :func:`_value_key` of its value; and the node's own
     output's description (an output whose shape depends on the data is in the key too). A Llama's
     decoder layers repeat one another node for node, so their calls are counted once."""
     if node.op not in ("call_function", "call_method"):
         return None
     first: dict[fx.Node, int] = {}
+    needs_grad = grad_nodes(node.graph.owning_module) if node.graph.owning_module is not None else frozenset()
 
     def walk(a: Any) -> Any:
         if isinstance(a, fx.Node):
-            kind = "attr" if a.op == "get_attr" else "input" if a.op == "placeholder" else "value"
+            kind = "attr" if a.op == "get_attr" else "input" if a.op == "placeholder" else \
+                "value" if a in needs_grad else "constant value"
             return ("node", first.setdefault(a, len(first)), kind, _value_key(values[a]))
         if isinstance(a, (tuple, list)):
             return (type(a).__name__, tuple(walk(x) for x in a))
