@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import keyword
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -229,9 +230,14 @@ _INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "
                       "ilshift", "irshift", "imatmul", "setitem"}
 
 
-def _writes_and_views(n: fx.Node, gm: fx.GraphModule) -> tuple[list[Any], list[Any]]:
-    """The arguments ``n`` writes in place and those its output may be a view of."""
+def _writes_and_views(n: fx.Node, gm: fx.GraphModule, root: Mapping[fx.Node, fx.Node]) -> tuple[list[Any], list[Any]]:
+    """The arguments ``n`` writes in place and those its output may be a view of (``root``: the storage of each
+    value seen so far; an item of a tuple that is no view, ``topk``'s say, is a tensor of its own)."""
     t = n.target
+    if t is operator.getitem and isinstance(n.args[0], fx.Node):
+        source = n.args[0]
+        own = not isinstance(source.meta.get("pd.tensor"), TensorMeta) and root.get(source) is source
+        return [], ([] if own else [source])
     if isinstance(t, torch._ops.OpOverload):
         schema = t._schema
         writes: list[Any] = []
@@ -265,7 +271,7 @@ def written_inputs(nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], in_stage
     for n in nodes:
         if not in_stage(n):
             continue
-        writes, views = _writes_and_views(n, gm)
+        writes, views = _writes_and_views(n, gm, root)
         for w in _flat_nodes(writes):
             if w in root and root[w] not in written:
                 written.append(root[w])
@@ -287,7 +293,7 @@ def storage_classes(gm: fx.GraphModule) -> tuple[dict[fx.Node, fx.Node], dict[fx
         root[n] = n
         if n.op == "placeholder":
             continue
-        writes, views = _writes_and_views(n, gm)
+        writes, views = _writes_and_views(n, gm, root)
         shared = [a for a in _flat_nodes(views + writes) if a in root]
         if shared:
             root[n] = root[shared[0]]

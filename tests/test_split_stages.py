@@ -8,7 +8,7 @@ from torch import nn
 
 from pdcompile.errors import UnsupportedModelError
 from pdcompile.passes.propagate_shapes import propagate_shapes
-from pdcompile.passes.split_stages import even_assignment, legal_cuts, split_stages
+from pdcompile.passes.split_stages import even_assignment, legal_cuts, shared_storage_cuts, split_stages
 from pdcompile.passes.trace import trace
 from pdcompile.zoo import get, names
 
@@ -188,8 +188,10 @@ class Routed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
-        counts = torch.histc(h.topk(2, dim=-1).indices.float(), bins=4, min=0, max=3)
-        return self.b(h) * counts.cumsum(0, dtype=torch.int32)[-1]
+        weights, experts = h.topk(2, dim=-1)  # two tensors of their own: no view of one another
+        counts = torch.histc(experts.float(), bins=4, min=0, max=3)
+        weights /= weights.sum(dim=-1, keepdim=True)  # in place, as Mixtral's router normalises
+        return self.b(h) * counts.cumsum(0, dtype=torch.int32)[-1] + weights.sum(dim=-1, keepdim=True)
 
 
 def test_values_made_from_integer_indices_need_no_grad() -> None:
@@ -218,5 +220,8 @@ def test_values_made_from_integer_indices_need_no_grad() -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"cut {cut}")
         got.sum().backward()
     assert crossed >= 2
+    # topk's two outputs share no storage: writing one after a cut they both cross is a legal cut
+    assert shared_storage_cuts(gm, [n.name for n in compute]) == set()
+    assert {compute.index(n) for n in compute if n.name in ("to", "histc", "div_")} <= legal_cuts(gm)
     pdcompile(Routed(), example_inputs=(torch.randn(4, 4),), example_target=torch.randn(4, 4),
               loss_fn=nn.MSELoss(), stages=2, num_microbatches=2, frontend="export")
