@@ -253,7 +253,7 @@ def _writes_and_views(n: fx.Node, gm: fx.GraphModule, root: Mapping[fx.Node, fx.
     name = t if isinstance(t, str) else getattr(t, "__name__", "")
     if n.op == "call_function" and getattr(t, "__module__", "") in ("_operator", "operator"):
         return (list(first) if name in _INPLACE_OPERATORS else []), (list(first) if name == "getitem" else [])
-    if n.op == "call_method" and name.endswith("_") and not name.endswith("__"):
+    if (name.endswith("_") and not name.endswith("__")) or n.kwargs.get("inplace") is True:  # x.add_, F.relu(x, inplace=True)
         return list(first), []
     if name in _VIEW_METHODS:
         return [], list(first)

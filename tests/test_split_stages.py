@@ -106,7 +106,7 @@ def test_non_tensor_values_may_not_cross_a_cut() -> None:
 
 class WritesInPlace(nn.Module):
     """In-place writes on what a cut may make a stage's input: ``add_`` (Falcon's parallel residual is
-    ``aten.add_``), ``nn.ReLU(inplace=True)``, and ``mul_`` through a view of it."""
+    ``aten.add_``), ``nn.ReLU(inplace=True)``, ``F.hardtanh(inplace=True)`` and ``mul_`` through a view."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -119,7 +119,7 @@ class WritesInPlace(nn.Module):
         h = self.relu(h)
         g = self.b(h)
         g.view(-1).narrow(0, 0, 3).mul_(2.0)
-        return self.c(g)
+        return nn.functional.hardtanh(self.c(g), -0.5, 0.5, inplace=True)
 
 
 @pytest.mark.parametrize("frontend", ["fx", "export"])
@@ -165,7 +165,7 @@ def test_a_stage_input_written_in_place_is_copied_first(frontend: str) -> None:
         for r, k in zip(received, kept):
             assert torch.equal(r.detach(), k), f"cut {cut}: stage 1 wrote its input"
         copied += "clone" in split.stages[1].gm.code
-    assert copied >= 2  # at least the cuts before add_ and before the view's mul_ copy their input
+    assert copied >= 4  # the cuts before add_, relu, hardtanh and the view's mul_ copy their input
 
 
 def test_an_exported_in_place_op_compiles() -> None:

@@ -49,6 +49,8 @@ def _is_inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
         return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
     if isinstance(node.target, torch._ops.OpOverload):  # an exported graph's aten op ("add_.Tensor"): its schema says
         return node.target._schema.is_mutable
+    if node.kwargs.get("inplace") is True:  # F.relu(x, inplace=True)
+        return True
     name = getattr(node.target, "__name__", str(node.target))
     if node.op == "call_function" and getattr(node.target, "__module__", "") in ("_operator", "operator"):
         return name.startswith("i") and name not in ("is_", "is_not", "index", "invert")
