@@ -48,7 +48,8 @@ def usable(env: Mapping[str, str]) -> bool:
     """Whether a rank with environment ``env`` may be forked from the server (else: a fresh process)."""
     if os.environ.get("PDC_FRESH_RANKS") or sys.platform != "linux":
         return False
-    return _server_env is None or _sensitive(env) == _sensitive(_server_env)
+    server = _server_env if _server_env is not None else os.environ  # a server not yet started: os.environ's
+    return _sensitive(env) == _sensitive(server)
 
 
 def _interpreter_path() -> list[str]:

@@ -93,6 +93,7 @@ def test_a_forked_rank_is_what_a_fresh_interpreter_is(tmp_path: Path, monkeypatc
         facts = [json.loads(ln.split("FACTS ", 1)[1]) for ln in out.splitlines() if ln.startswith("FACTS ")]
         return rc, out, sorted(facts, key=lambda f: f["env"]["RANK"])
 
+    monkeypatch.delenv("PDC_FRESH_RANKS", raising=False)
     got = {how: run(how) for how in ("ok", "raise", "exit-text", "exit-3")}
     monkeypatch.setenv("PDC_FRESH_RANKS", "1")
     want = {how: run(how) for how in ("ok", "raise", "exit-text", "exit-3")}
@@ -111,5 +112,6 @@ def test_a_forked_rank_is_what_a_fresh_interpreter_is(tmp_path: Path, monkeypatc
     assert "ValueError: boom" in got["raise"][1] and "a message" in got["exit-text"][1]
 
     monkeypatch.delenv("PDC_FRESH_RANKS")
+    assert _fork_ranks._server_env is not None  # "got" was forked
     assert _fork_ranks.usable({**os.environ, "OMP_NUM_THREADS": "1"})
     assert not _fork_ranks.usable({**os.environ, "OMP_NUM_THREADS": "1", "TORCH_LOGS": "dynamo"})
