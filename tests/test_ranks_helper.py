@@ -54,12 +54,20 @@ FACTS = textwrap.dedent("""
              "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MARK", "PYTHONUNBUFFERED")},
              "pdcompile_imported": any(m.startswith("pdcompile") for m in sys.modules), "random": random.random()}
     print("FACTS " + json.dumps(facts, sort_keys=True))
-    atexit.register(lambda: print("atexit ran", flush=True))
+    def at_exit():
+        print("atexit ran", flush=True)
+        if os.environ["RANK"] == "0":
+            open("rank0_done", "w").close()
+    atexit.register(at_exit)
     def late():
         time.sleep(0.3)
         print("thread finished", flush=True)
     threading.Thread(target=late).start()  # not a daemon: the interpreter waits for it
     how = sys.argv[1]
+    if how != "ok" and os.environ["RANK"] == "1":  # fail once rank 0 has exited: a failure stops the others
+        deadline = time.monotonic() + 30
+        while not os.path.exists("rank0_done") and time.monotonic() < deadline:
+            time.sleep(0.01)
     if how == "raise" and os.environ["RANK"] == "1":
         raise ValueError("boom")
     if how == "exit-text" and os.environ["RANK"] == "1":
@@ -89,6 +97,7 @@ def test_a_forked_rank_is_what_a_fresh_interpreter_is(tmp_path: Path, monkeypatc
     env = {"PYTHONPATH": str(tmp_path / "lib"), "MARK": "m"}
 
     def run(how: str) -> tuple[int, str, list[dict]]:
+        (tmp_path / "cwd" / "rank0_done").unlink(missing_ok=True)
         rc, out = run_script(script, 2, [how], timeout=60, env=env, cwd=tmp_path / "cwd")
         facts = [json.loads(ln.split("FACTS ", 1)[1]) for ln in out.splitlines() if ln.startswith("FACTS ")]
         return rc, out, sorted(facts, key=lambda f: f["env"]["RANK"])
