@@ -598,7 +598,7 @@ class CompiledPipeline:
         (``--data MODULE:FUNCTION``: each rank reads its own share).
         """
         from pdcompile.data_stream import Feeder, sequence
-        from pdcompile.launcher import launch
+        from pdcompile.launcher import check_train_args, launch
         from pdcompile.runtime.data import STREAM_ENV, epoch_length
         from pdcompile.runtime.loop import cuts
 
@@ -648,9 +648,10 @@ class CompiledPipeline:
                 args += ["--eval-data", "pdcompile.runtime.data:stream_eval", "--eval-every", str(eval_every),
                          *metric_flag]
             on_line = (lambda line: print(line, flush=True)) if progress else None
-            rc, log = launch(prog, self.world_size, [*args, "--save-final", str(folder / "final"),
-                                                     "--metrics", str(folder / "metrics"), *extra_args],
-                             timeout=timeout, on_line=on_line, env={STREAM_ENV: feeder.address})
+            args += ["--save-final", str(folder / "final"), "--metrics", str(folder / "metrics"), *extra_args]
+            check_train_args(prog, args, self.world_size)  # extra_args train.py refuses: a UsageError, not a launch
+            rc, log = launch(prog, self.world_size, args, timeout=timeout, on_line=on_line,
+                             env={STREAM_ENV: feeder.address})
         finally:
             failed = feeder.close()  # the feeding threads stopped; what the data raised, if anything
         (folder / "train.log").write_text(log)

@@ -24,6 +24,31 @@ def torchrun_command(folder: str | os.PathLike[str], nproc: int, args: Sequence[
             "--monitor-interval=0.5", str(Path(folder).resolve() / "train.py"), *args]
 
 
+def check_train_args(folder: str | os.PathLike[str], args: Sequence[str], world: int) -> None:
+    """``args`` as train.py's ranks will parse and check them, before torchrun starts any: a flag it does not
+    take, or a value it refuses, is a :class:`UsageError` here (one line) instead of every rank's usage text
+    and torchrun's failure summary. ``--help`` prints train.py's help and exits."""
+    import contextlib
+    import io
+
+    from pdcompile.errors import UsageError
+    from pdcompile.runtime.launch import check_args, parse_args
+    from pdcompile.runtime.program import Program
+
+    program = Program.load(Path(folder))
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            parsed = parse_args(list(args), program)
+    except SystemExit as e:
+        if not e.code:
+            raise
+        lines = [line for line in said.getvalue().splitlines() if line.strip()]
+        raise UsageError(f"{lines[-1] if lines else 'train.py refused its arguments'}. Fix: give train.py's flags "
+                         f"(python {Path(folder) / 'train.py'} --help lists them)") from None
+    check_args(parsed, program, world)
+
+
 def launch(folder: str | os.PathLike[str], nproc: int, args: Sequence[str] = (), *, timeout: float = 600,
            max_restarts: int = 0, on_line: Callable[[str], None] | None = None,
            env: dict[str, str] | None = None) -> tuple[int, str]:

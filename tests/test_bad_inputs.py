@@ -592,3 +592,7 @@ def test_misspelt_emit_and_run_keywords_name_the_one_meant(tmp_path: Path) -> No
                                                 r"num_microbatches=\?"):
         pipe.simulate(num_microbatch=2)
     assert list(tmp_path.iterdir()) == []
+    # extra_args= are train.py's flags, checked as its ranks would before any starts
+    with pytest.raises(errors.UsageError, match=r"train.py: error: unrecognized arguments: --no-such-flag\. Fix"):
+        pipe.run([(z.example_inputs, z.target)], steps=1, out=tmp_path / "run", extra_args=["--no-such-flag"])
+    assert not (tmp_path / "run" / "train.log").exists()

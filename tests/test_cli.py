@@ -68,6 +68,13 @@ def test_emit_writes_a_program_and_bad_input_exits_2(tmp_path: Path, bad_model: 
     rc = main(["emit", "zoo:mlp", "--stages", "2", "-o", str(tmp_path / "out2"), "--", "--precision", "bf16"])
     err = capsys.readouterr().err
     assert rc == 2 and "only `pdcompile run`" in err and not (tmp_path / "out2").exists()
+    # run: what follows '--' is checked as train.py parses and checks it, before any rank starts
+    for extra, said in ((["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+                        (["--clip-grad-norm", "-1"], "--clip-grad-norm -1.0: must be a positive number")):
+        rc = main(["run", "zoo:mlp", "--stages", "2", "--steps", "2", "--out", str(tmp_path / "r"), "--", *extra])
+        err = capsys.readouterr().err
+        assert rc == 2 and said in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "r" / "train.log").exists()  # nothing was launched
 
 
 def test_errors_print_one_line_without_traceback_unless_debug(tmp_path: Path) -> None:

@@ -62,7 +62,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdcompile.launcher import launch
+    from pdcompile.launcher import check_train_args, launch
 
     if args.steps is not None and args.epochs is not None:
         raise UsageError("--steps and --epochs both given: give one")
@@ -83,11 +83,11 @@ def run(args: argparse.Namespace) -> int:
         results = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="pdcompile-run-"))
         prog = pipe.emit(results / "program", data=m.data, init_from=args.init_from)
         world = pipe.world_size
-    rc, log = launch(prog, world, [*length, "--metrics", str(results / "metrics"),
-                                   "--save-final", str(results / "final"), "--timeout", "60",
-                                   *(["--init-from", str(args.init_from)] if args.init_from else []),
-                                   *getattr(args, "passthrough", [])],
-                     timeout=args.timeout, on_line=None if args.json else print)
+    train_args = [*length, "--metrics", str(results / "metrics"), "--save-final", str(results / "final"),
+                  "--timeout", "60", *(["--init-from", str(args.init_from)] if args.init_from else []),
+                  *getattr(args, "passthrough", [])]
+    check_train_args(prog, train_args, world)  # a flag train.py refuses: one line and exit 2, before torchrun
+    rc, log = launch(prog, world, train_args, timeout=args.timeout, on_line=None if args.json else print)
     results.mkdir(parents=True, exist_ok=True)
     (results / "train.log").write_text(log)
     if args.json:
