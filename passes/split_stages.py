@@ -260,6 +260,11 @@ def _writes_and_views(n: fx.Node, gm: fx.GraphModule, root: Mapping[fx.Node, fx.
     return [], []
 
 
+def writes_in_place(n: fx.Node, gm: fx.GraphModule) -> list[Any]:
+    """The arguments ``n`` writes in place (annotate-costs clones them before each measured call)."""
+    return _writes_and_views(n, gm, {})[0]
+
+
 def written_inputs(nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], in_stage: Callable[[fx.Node], bool],
                    gm: fx.GraphModule) -> list[fx.Node]:
     """The ``inputs`` that a node of the stage (``in_stage``) writes in place, itself or through a view of it

@@ -45,16 +45,11 @@ def flat_tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _is_inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
-    if node.op == "call_module":
-        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
-    if isinstance(node.target, torch._ops.OpOverload):  # an exported graph's aten op ("add_.Tensor"): its schema says
-        return node.target._schema.is_mutable
-    if node.kwargs.get("inplace") is True:  # F.relu(x, inplace=True)
-        return True
-    name = getattr(node.target, "__name__", str(node.target))
-    if node.op == "call_function" and getattr(node.target, "__module__", "") in ("_operator", "operator"):
-        return name.startswith("i") and name not in ("is_", "is_not", "index", "invert")
-    return name.endswith("_") and not name.endswith("__")
+    """Whether ``node`` writes an argument in place, as split-stages reads it (an aten op's schema,
+    ``x.add_``, ``x += y``, ``inplace=True``, a module's ``inplace``): its leaves are cloned before each call."""
+    from pdcompile.passes.split_stages import writes_in_place
+
+    return bool(writes_in_place(node, gm))
 
 
 _GRAD_NODES: "weakref.WeakKeyDictionary[fx.GraphModule, tuple[int, int, frozenset[fx.Node]]]" = weakref.WeakKeyDictionary()
