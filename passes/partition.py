@@ -233,11 +233,12 @@ def virtual_plan(chain: Chain, cluster: ClusterSpec | None, schedule: str, v: in
     bounds = [0, *balanced_bounds(chain, n), len(chain)]
     assignment = [(a, b - 1, 1) for a, b in zip(bounds, bounds[1:])]
     # each stage costed as if on a worker of its own (the DP's model has no shared workers; the
-    # simulator times the interleaving), then placed on the schedule's ranks
-    costing = given if given is not None and given.num_workers >= n else local_cpu_cluster(n)
+    # simulator times the interleaving) of the cluster it runs on (the user's device and links, its
+    # outermost level repeated where there are more stages than workers), then placed on the schedule's ranks
+    costing = cluster.with_workers(n) if cluster is given else local_cpu_cluster(n)
     plan = plan_from_assignment(chain, costing, assignment, mem, schedule="flush", memory_limit=False)
     stages = tuple(dataclasses.replace(st, ranks=tuple(r)) for st, r in zip(plan.stages, ranks))
-    return dataclasses.replace(plan, stages=stages, num_workers=p,
+    return dataclasses.replace(plan, stages=stages, num_workers=p, cluster=str(cluster),
                                notes=(*plan.notes, f"{v} virtual stages per rank on {p} ranks ({schedule}); "
                                       f"times are per stage on a worker of its own")), cluster
 

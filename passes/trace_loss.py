@@ -17,6 +17,7 @@ calling ``loss_fn`` on the example.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import operator
@@ -108,10 +109,12 @@ def example_output(meta: Any, seed: int = 0, *, on_meta: bool = False) -> Any:
 
 
 def trace_loss(loss_fn: Any, output: Any, target: torch.Tensor, *, output_key: str | None = None,
-               view: OutputView | None = None) -> TracedLoss:
+               view: OutputView | None = None, values: bool = True) -> TracedLoss:
     """Trace ``loss_fn`` applied to the last stage's ``output`` (an example value) and ``target``
     (one microbatch of targets) into a :class:`TracedLoss`, or raise :class:`UsageError` saying why.
-    ``view`` (else ``output_key``) says how the model's output holds the tensor the last stage returns."""
+    ``view`` (else ``output_key``) says how the model's output holds the tensor the last stage returns.
+    On meta tensors, a failure that values would decide is raised (for a trace on values) where
+    ``values``, else the symbolic front ends trace it (a model on meta: no values anywhere)."""
     name = loss_name(loss_fn)
     if not callable(loss_fn):
         raise UsageError(f"pdcompile: loss_fn must be a callable (output, target) -> scalar tensor, "
@@ -125,7 +128,7 @@ def trace_loss(loss_fn: Any, output: Any, target: torch.Tensor, *, output_key: s
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001 - a host sync or a failing Python check: the symbolic front ends say which
-        if target.is_meta and _about_meta(e):
+        if target.is_meta and values and _about_meta(e):
             raise  # a value read, or a tensor of another device: values decide (loss_program)
         traced = _symbolic(loss_fn, key, output, target, name)
     _check(traced, loss_fn, present, output, target, name)
@@ -389,34 +392,48 @@ class LossProgram:
 
 
 def loss_program(loss_fn: Any, last_stage: fx.GraphModule, target: torch.Tensor,
-                 output_key: str | None) -> LossProgram:
+                 output_key: str | None, *, values: bool = True) -> LossProgram:
     """``loss_fn`` traced on what ``last_stage`` returns (presented as its ``meta["pd.output_view"]`` says)
     and one microbatch ``target``.
 
     A target on the meta device (a model compiled without data) is traced on meta tensors first (a
     Llama-3's logits need no 2 GiB of values; :func:`trace_loss` on meta tensors); where anything
     fails there, as before: on random values of the output and zeros of the target on the CPU, which
-    decides and reports."""
+    decides and reports. ``values=False`` (a model on meta, whatever device the target is on): only
+    on meta tensors, never on values (32 x 4096 x 128256 logits are 16 GiB); what the meta trace
+    cannot decide, torch.fx and torch.export decide on proxies."""
     meta = fx.node.map_aggregate(last_stage.graph.output_node().args[0],
                                  lambda a: a.meta.get("pd.tensor") if isinstance(a, fx.Node) else a)
     view = last_stage.meta.get("pd.output_view")
-    if target.is_meta:
+    if target.is_meta or not values:
+        on_meta = target if target.is_meta else torch.empty(target.shape, dtype=target.dtype, device="meta")
         try:
-            traced = trace_loss(loss_fn, example_output(meta, on_meta=True), target, output_key=output_key,
-                                view=view)
+            traced = trace_loss(loss_fn, example_output(meta, on_meta=True), on_meta, output_key=output_key,
+                                view=view, values=values)
             return LossProgram(traced, {"traced": traced.frontend, "from": loss_name(loss_fn)})
+        except LossTraceError as e:
+            if not values:
+                return _by_class_path(loss_fn, e)
         except Exception:  # noqa: BLE001 - decided, and reported, on values below
-            target = torch.zeros(target.shape, dtype=target.dtype)
+            if not values:
+                raise
+        target = torch.zeros(target.shape, dtype=target.dtype)
     try:
         traced = trace_loss(loss_fn, example_output(meta), target, output_key=output_key, view=view)
     except LossTraceError as e:
-        if not isinstance(loss_fn, torch.nn.Module):
-            raise
-        try:
-            return LossProgram(None, {**object_spec(loss_fn).to_json(), "traced": None, "why": str(e)})
-        except Exception:  # noqa: BLE001 - neither way: the tracing error says what to fix
-            raise e from None
+        return _by_class_path(loss_fn, e)
     return LossProgram(traced, {"traced": traced.frontend, "from": loss_name(loss_fn)})
+
+
+def _by_class_path(loss_fn: Any, e: LossTraceError) -> LossProgram:
+    """An nn.Module loss neither front end captures, named by its class path (rebuilt by the ranks);
+    else ``e``, which says what to fix."""
+    if not isinstance(loss_fn, torch.nn.Module):
+        raise e
+    try:
+        return LossProgram(None, {**object_spec(loss_fn).to_json(), "traced": None, "why": str(e)})
+    except Exception:  # noqa: BLE001 - neither way: the tracing error says what to fix
+        raise e from None
 
 
 @dataclass(frozen=True)
@@ -428,4 +445,5 @@ class TraceLossOptions:
 def run(state: CompileState, opts: TraceLossOptions) -> CompileState:
     """Reads the last stage of ``stages`` and ``output_key``; writes ``loss``."""
     last = need(state.stages, "stages").stages[-1].gm
-    return state.replace(loss=loss_program(opts.loss_fn, last, opts.target, state.output_key))
+    on_meta = any(t.is_meta for t in itertools.chain(state.model.parameters(), state.model.buffers()))
+    return state.replace(loss=loss_program(opts.loss_fn, last, opts.target, state.output_key, values=not on_meta))

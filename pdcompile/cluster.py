@@ -259,6 +259,33 @@ class ClusterSpec:
         levels = ", ".join(str(level) for level in self.levels)
         return f"{self.num_workers} workers ({self.device}): {levels}"
 
+    def first_workers(self, workers: int) -> "ClusterSpec | None":
+        """The cluster of this one's first ``workers`` ranks, with its levels (a group of whole units of
+        one level, or part of an innermost unit): what one of ``num_workers / workers`` copies of a
+        pipeline runs on. None where they are not such a group (12 of 8 x 8)."""
+        if not 0 < workers <= self.num_workers:
+            return None
+        if workers <= self.levels[0].count:
+            return ClusterSpec(self.device, (Level(self.levels[0].name, workers, self.levels[0].bandwidth),))
+        for k in range(1, len(self.levels)):
+            size = self.unit_size(k)
+            if size < workers <= size * self.levels[k].count:
+                if workers % size:
+                    return None
+                top = self.levels[k]
+                return ClusterSpec(self.device, (*self.levels[:k], Level(top.name, workers // size, top.bandwidth)))
+        return None
+
+    def with_workers(self, workers: int) -> "ClusterSpec":
+        """This cluster with at least ``workers`` workers: its outermost level's count multiplied as
+        needed (same device and links). Where a plan costs each of more stages than workers on a
+        worker of its own (virtual stages), it does so on the user's device and links."""
+        if workers <= self.num_workers:
+            return self
+        top = self.levels[-1]
+        times = -(-workers // self.num_workers)
+        return ClusterSpec(self.device, (*self.levels[:-1], Level(top.name, top.count * times, top.bandwidth)))
+
     def with_memory(self, memory: float | None) -> "ClusterSpec":
         return ClusterSpec(
             Device(self.device.name, memory, self.device.peak_flops, self.device.memory_bandwidth,

@@ -129,6 +129,26 @@ class Chain:
             )
         return "\n".join(lines)
 
+    def at_batch(self, batch_size: int) -> "Chain":
+        """This chain's costs at another batch (microbatch) size, scaled linearly, as the simulator
+        scales them (times, activation and boundary bytes; parameters stay)."""
+        if batch_size == self.batch_size:
+            return self
+        f = batch_size / self.batch_size
+
+        def sc(x: float | None) -> float | None:
+            return None if x is None else x * f
+
+        layers = tuple(dataclasses.replace(
+            l, forward_s=l.forward_s * f, backward_s=l.backward_s * f, output_bytes=l.output_bytes * f,
+            saved_bytes=sc(l.saved_bytes), saved_input_bytes=l.saved_input_bytes * f,
+            saved_output_bytes=l.saved_output_bytes * f, input_grad_s=sc(l.input_grad_s),
+            weight_grad_s=sc(l.weight_grad_s), selective_saved_bytes=sc(l.selective_saved_bytes),
+            selective_recompute_s=sc(l.selective_recompute_s), selective_rebuilt_bytes=sc(l.selective_rebuilt_bytes),
+            resaved_bytes=l.resaved_bytes * f) for l in self.layers)
+        return dataclasses.replace(self, layers=layers, batch_size=batch_size,
+                                   cut_bytes=tuple(c * f for c in self.cut_bytes))
+
     def on_the_wire(self, precision: str) -> "Chain":
         """This chain with the cut bytes a boundary sends under ``precision``: bf16 sends floating
         tensors in half the bytes (the cuts don't record dtypes; boundaries are taken as floating)."""

@@ -1,11 +1,15 @@
 """The Plan and the planners' entry point: :func:`plan` runs a planner (``passes/partition_dp.py``,
 ``passes/partition_ilp.py``) and also chooses the microbatch size when the caller can give the
-chain at several sizes. The Plan itself (plain, frozen data with a JSON form and a text table)
-lives in ``pdcompile/plan_data.py``, below the planners that build it; it is re-exported here.
+chain at several sizes. For a synchronous schedule (flush, gpipe, zb-h1) the objective is the step
+that schedule runs, as :func:`pdcompile.simulate.simulate_plan` replays it (fill and drain
+included): :func:`plan_step`. The Plan itself (plain, frozen data with a JSON form and a text
+table) lives in ``pdcompile/plan_data.py``, below the planners that build it; it is re-exported here.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -16,12 +20,13 @@ from pdcompile.passes.partition_dp import partition_dp
 from pdcompile.passes.partition_ilp import partition_ilp
 from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.plan_data import PLAN_FORMAT, PLAN_VERSION, Plan, StagePlan
+from pdcompile.runtime.schedules import POLICIES
 
 if TYPE_CHECKING:  # pragma: no cover
     from pdcompile.cluster import ClusterSpec
     from pdcompile.ir import Chain
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "StagePlan", "Plan", "PlanOptions", "plan"]
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "StagePlan", "Plan", "PlanOptions", "plan", "plan_step", "step_objective"]
 
 
 def plan(
@@ -50,6 +55,9 @@ def plan(
     if not callable(chain):
         if microbatch_sizes:
             raise UsageError("microbatch_sizes needs a callable chain_for(b) -> Chain")
+        schedule = overrides.get("schedule", (options or PlanOptions()).schedule)
+        if step_objective(schedule):
+            return plan_step(chain, cluster, options, solver=solver, **overrides)
         return solve(chain, cluster, options, **overrides)
     if not microbatch_sizes:
         raise UsageError("a callable chain needs microbatch_sizes to choose from")
@@ -72,3 +80,129 @@ def plan(
         )
     return replace(best, planning_seconds=time.perf_counter() - t0,
                    notes=best.notes + (f"microbatch size chosen among {sorted(set(microbatch_sizes))}",))
+
+
+def step_objective(schedule: str) -> bool:
+    """Whether plans for ``schedule`` are chosen by their simulated step (:func:`plan_step`): the
+    synchronous schedules with a stage per rank (flush, gpipe, zb-h1), whose step fills and drains
+    the pipeline. 1F1B and 2BW keep PipeDream's steady-state objective (their pipeline never
+    drains); virtual stages are planned by the partition pass (``virtual_plan``)."""
+    pol = POLICIES.get(schedule)
+    return pol is not None and pol.synchronous and pol.placement is None
+
+
+def microbatch_choices(minibatch: int, most: int = 64) -> list[int]:
+    """The microbatch counts a step may be cut into: every divisor of ``minibatch`` up to ``most``."""
+    return [m for m in range(1, min(minibatch, most) + 1) if minibatch % m == 0]
+
+
+def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | None = None, *, solver: str = "dp",
+              **overrides: Any) -> Plan:
+    """The plan of ``chain`` on ``cluster`` whose step under ``options.schedule`` (synchronous) is the
+    shortest that :func:`~pdcompile.simulate.simulate_plan` predicts; its ``seconds_per_minibatch``
+    is that step (the minibatch is ``chain.batch_size x num_microbatches``).
+
+    The outer search is over the microbatch count ``M`` (every divisor of the minibatch up to 64
+    with ``options.choose_microbatches``, else the given one) and the number ``k`` of pipeline copies
+    (``k`` divides the workers and ``M``): the planner (DP or ILP, the inner search, minimising the
+    bottleneck) plans one copy on the cluster's first ``W / k`` workers with ``M / k`` microbatches,
+    at the microbatch size ``minibatch / M`` (``Chain.at_batch``); its ``k`` copies side by side, or
+    each stage's ``k`` copies of replicas next to each other, are rated on the whole cluster and
+    simulated. Candidates are visited by a lower bound of their step (the busiest replica's work
+    after one microbatch's way to it), and the search stops where that bound passes the best step
+    found. A candidate whose simulated peak memory is over the device's loses to one that fits."""
+    from pdcompile.passes.partition_dp import plan_from_assignment
+    from pdcompile.runtime.schedules.spec import default_split_backward
+    from pdcompile.simulate import simulate_plan
+
+    t0 = time.perf_counter()
+    solve = {"dp": partition_dp, "ilp": partition_ilp}[solver]
+    names = set(PlanOptions.names())
+    opts = (options or PlanOptions()).with_({k: v for k, v in overrides.items() if k in names})
+    rest = {k: v for k, v in overrides.items() if k not in names}
+    m0 = max(1, int(opts.num_microbatches or 1))
+    minibatch = chain.batch_size * m0
+    counts = microbatch_choices(minibatch) if opts.choose_microbatches else [m0]
+    workers = cluster.num_workers
+    split = default_split_backward("cpu" if cluster.device.name == "cpu" else "gpu", workers, os.cpu_count() or 1)
+    memory_on = opts.memory_limit is not False and cluster.device.memory is not None \
+        and opts.cost_model != "pipedream"
+    limit = float(cluster.device.memory) if memory_on and cluster.device.memory else math.inf
+    found: list[tuple[float, int, int, Chain, Plan]] = []
+    failures: list[str] = []
+    for m in counts:
+        chain_m = chain.at_batch(minibatch // m)
+        for k in (k for k in range(1, workers + 1) if workers % k == 0 and m % k == 0):
+            part = cluster.first_workers(workers // k)
+            if part is None:
+                continue
+            try:
+                sub = solve(chain_m, part, replace(opts, num_microbatches=m // k, choose_microbatches=False), **rest)
+            except InfeasiblePlanError as e:
+                failures.append(f"M={m}, {k} copies: {e}")
+                continue
+            found.append((_step_lower_bound(sub, chain_m, m // k), k, m, chain_m, sub))
+    if not found:
+        raise InfeasiblePlanError(failures[0] if len(failures) == 1 else
+                                  "no plan fits: " + "; ".join(failures[:4]) + ("; ..." if len(failures) > 4 else ""))
+    best: tuple[tuple[bool, float], Plan, Plan, int] | None = None  # (over memory, step), plan, its copy, M
+    rated = 0
+    for lb, k, m, chain_m, sub in sorted(found, key=lambda c: (c[0], c[2], c[1])):
+        if best is not None and not best[0][0] and lb * (1 - 1e-9) >= best[0][1]:
+            break  # no candidate left can beat the best that fits
+        for full in _copies(sub, k, chain_m, cluster, replace(opts, num_microbatches=m, choose_microbatches=False),
+                            plan_from_assignment):
+            res = simulate_plan(full, chain_m, cluster, opts.schedule, m, split_backward=split,
+                                optimizer_state_factor=opts.optimizer_state_factor)
+            rated += 1
+            key = (max(map(float, res.peak_memory_bytes or [0.0])) > limit * (1 + 1e-9), float(res.step_time_s))
+            if best is None or key < best[0]:
+                best = (key, full, sub, m)
+    assert best is not None
+    (_, step), full, sub, m = best
+    note = (f"chosen by its simulated {opts.schedule} step: {len(found)} candidates (microbatch count x pipeline "
+            f"copies) planned, {rated} simulated")
+    return replace(full, solver=solver, schedule=opts.schedule, seconds_per_minibatch=step,
+                   samples_per_second=minibatch / step if step > 0 else math.inf, num_microbatches=m,
+                   predicted_by=f"simulated {opts.schedule} step of {m} microbatch{'es' if m != 1 else ''} "
+                                f"(fill and drain included)",
+                   planning_seconds=time.perf_counter() - t0, optimal=sub.optimal, gap=sub.gap,
+                   cluster=str(cluster), num_workers=workers, notes=(*full.notes, note))
+
+
+def _step_lower_bound(sub: Plan, chain: "Chain", per_copy: int) -> float:
+    """A bound below the simulated step of ``sub``'s copies, each with ``per_copy`` microbatches: some
+    replica of stage ``s`` runs ``ceil(per_copy / r_s)`` forwards and backwards, after the first
+    microbatch's forward through the stages before it and before that one's backward through them."""
+    out, before = 0.0, 0.0
+    for st in sub.stages:
+        work = sum(l.compute_s for l in chain.layers[st.first:st.last + 1])
+        out = max(out, before + math.ceil(per_copy / st.replicas) * work)
+        before += work
+    return out
+
+
+def _copies(sub: Plan, k: int, chain: "Chain", cluster: "ClusterSpec", options: PlanOptions,
+            rate: Callable[..., Plan]) -> list[Plan]:
+    """``k`` copies of ``sub`` (planned on the first ``W / k`` workers) on the whole cluster, rated
+    there: side by side (copy ``j`` on workers ``j W / k ..``), and each stage's replicas of all
+    copies on consecutive ranks. One copy: ``sub`` itself."""
+    if k == 1:
+        return [sub]
+    width = cluster.num_workers // k
+    side = [(st.first, st.last, len(st.ranks) * k, tuple(sorted(r + j * width for j in range(k) for r in st.ranks)))
+            for st in sub.stages]
+    nxt, grouped = 0, []
+    for st in sub.stages:
+        n = len(st.ranks) * k
+        grouped.append((st.first, st.last, n, tuple(range(nxt, nxt + n))))
+        nxt += n
+    out = []
+    for assignment in (side, grouped) if side != grouped else (side,):
+        for pool in (False, True):  # ranks that do not nest in the levels: rated on the pool
+            try:
+                out.append(rate(chain, cluster, assignment, options, pool=pool))
+                break
+            except UsageError:
+                continue
+    return out

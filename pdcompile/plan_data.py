@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Iterable, Sequence
 
 from pdcompile.errors import UsageError
@@ -116,6 +116,17 @@ class Plan:
     cluster: str = ""
     memory_limit_bytes: float | None = None
     notes: tuple[str, ...] = ()
+    num_microbatches: int = 1  # per minibatch (an optimizer step): seconds_per_minibatch covers them all
+    # what seconds_per_minibatch is: "" the planner's steady-state bottleneck per microbatch (PipeDream's
+    # objective, 1F1B and 2BW); else how it was simulated (a synchronous schedule's step, fill and drain included)
+    predicted_by: str = ""
+
+    def with_step(self, seconds: float, num_microbatches: int, how: str) -> "Plan":
+        """This plan with its headline a step of ``num_microbatches`` microbatches taking ``seconds``,
+        predicted as ``how`` says (the compiled program's ``simulate()``: one number for both)."""
+        minibatch = self.microbatch_size * num_microbatches
+        return replace(self, seconds_per_minibatch=seconds, num_microbatches=num_microbatches, predicted_by=how,
+                       samples_per_second=minibatch / seconds if seconds > 0 else math.inf)
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -183,6 +194,9 @@ class Plan:
             "optimal": self.optimal,
             "gap": _num(self.gap),
             "notes": list(self.notes),
+            # a simulated step's (plans predicted by the steady state keep the JSON they always had)
+            **({"num_microbatches": self.num_microbatches, "predicted_by": self.predicted_by}
+               if self.predicted_by or self.num_microbatches != 1 else {}),
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -215,6 +229,8 @@ class Plan:
             cluster=d.get("cluster", ""),
             memory_limit_bytes=d.get("memory_limit_bytes"),
             notes=tuple(d.get("notes", ())),
+            num_microbatches=int(d.get("num_microbatches", 1)),
+            predicted_by=d.get("predicted_by", ""),
         )
 
     @staticmethod
@@ -237,7 +253,9 @@ class Plan:
             lines.append(f"cluster: {self.cluster}")
         lines.append(
             f"solver {self.solver}, cost model {self.cost_model}, schedule {self.schedule}, "
-            f"microbatch {self.microbatch_size}, planned in {self.planning_seconds * 1e3:.1f} ms"
+            f"microbatch {self.microbatch_size}"
+            + (f" x {self.num_microbatches}" if self.num_microbatches != 1 else "")
+            + f", planned in {self.planning_seconds * 1e3:.1f} ms"
             + ("" if self.optimal else f" (not proven optimal; gap {_fmt_gap(self.gap)})")
         )
         cols = ["stage", "layers", "names", "replicas", "ranks", "compute", "comm", "send",
@@ -263,7 +281,8 @@ class Plan:
         lines.append(f"bottleneck: {self.bottleneck}")
         lines.append(
             f"predicted: {_fmt_s(self.seconds_per_minibatch)} per minibatch, "
-            f"{self.samples_per_second:.4g} samples/s"
+            f"{self.samples_per_second:.4g} samples/s ("
+            + (self.predicted_by or "the steady-state bottleneck per microbatch, PipeDream's objective") + ")"
         )
         lines.append(
             f"data parallel on {self.num_workers} workers: {self.data_parallel_samples_per_second:.4g} samples/s; "

@@ -30,6 +30,8 @@ class PlanOptions:
     pool: bool = False  # also plan the workers as one pool at the slowest link (partition_dp.pool_cluster)
     shard: str | tuple[str, ...] = "none"  # replicas' state: "none", "optimizer", "full", "auto", or one per stage
     microbatches_known: bool = True  # off: the step's count is unknown (full is then not refused for too few)
+    choose_microbatches: bool = False  # a synchronous schedule's step search may cut the minibatch (batch x
+    # num_microbatches) into any count up to 64 (pdcompile.plan.plan_step), else num_microbatches
 
     def __post_init__(self) -> None:
         if isinstance(self.shard, list):  # a list per stage is kept as a tuple: the options stay hashable
