@@ -48,7 +48,7 @@ def test_predicted_partitions_on_a_pipedream_profile() -> None:
 
 def test_slow_link_serializes_transfers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_slow_link.ENV, "1e6")
-    monkeypatch.setattr(_slow_link, "_link_free", 0.0)
+    monkeypatch.setattr(_slow_link, "_link_free", {})
     t1 = _slow_link.occupy(1000)  # 1 ms
     t2 = _slow_link.occupy(1000)
     assert t2 - t1 == pytest.approx(1e-3)
