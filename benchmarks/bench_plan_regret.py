@@ -398,6 +398,7 @@ def tables(rows: Sequence[Row], notes: Sequence[str], args: argparse.Namespace, 
             f"program through `python -m pdcompile.slowlink` (links: loopback as is, or the emulated link at "
             f"100 MB/s or 20 MB/s), {args.steps} minibatches after {args.warmup} of warm-up, slowest rank per "
             f"minibatch, median; {args.repeats} repeat(s), candidates interleaved, the median over repeats.",
+            f"The runtime's per-action cost in the predictions: {action_cost_note()}.",
             f"Load before: {load_before}; after: {load_note()}. Run time {elapsed:.0f} s.", "",
             "| scenario | candidates | Kendall's tau | best measured (ms) | regret, planner's pick | regret, auto's pick "
             "| median abs error | p90 abs error |", "|---|---|---|---|---|---|---|---|"]
@@ -430,6 +431,16 @@ def tables(rows: Sequence[Row], notes: Sequence[str], args: argparse.Namespace, 
     if notes:
         out += ["", "Notes:"] + [f"- {n}" for n in notes]
     return "\n".join(out) + "\n"
+
+
+def action_cost_note() -> str:
+    """Which per-action cost ``simulate()`` charged on these CPU workers: this machine's calibration, or the built-in one."""
+    from pdcompile import machine_cache
+
+    cost = machine_cache.action_cost()
+    if getattr(cost, "calibrated", False):
+        return f"calibrated by `python -m pdcompile.calibrate` ({getattr(cost, 'measured_at', '') or 'cached'})"
+    return "built-in (no calibration cached for this runtime)"
 
 
 def plot(rows: Sequence[Row], path: Path, title: str) -> None:
