@@ -15,8 +15,9 @@ them in the Linear layers), SGD lr 0.01, a global minibatch of 32, on two CPU pr
 
 Link. ``loopback``: gloo over 127.0.0.1 as is. ``slow``: the documented emulation of
 ``pdcompile/slowlink.py`` (``PDCOMPILE_LINK_BPS``, read only by these workers): every byte a rank
-receives occupies a serial link of ``--link-mbps`` MB/s (receives complete only when the link has
-carried them; an all-reduce costs the ring's 2(p-1)/p of its bytes). DDP moves its 8.7 MB of
+sends occupies a serial link of ``--link-mbps`` MB/s per direction, from its send, as a NIC moves it
+(the receiver gets the bytes once the link has carried them; an all-reduce costs the ring's 2(p-1)/p
+of its bytes). DDP moves its 8.7 MB of
 gradients every step; the pipeline moves only the activations and gradients at its cut. This is the
 paper's claim (PipeDream section 2: data parallelism's all-reduce of large weight tensors dominates
 on slow links; pipelines send only boundary activations): the pipeline should win there.
@@ -137,9 +138,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = compare(steps=args.steps, warmup=args.warmup, rounds=args.rounds, link_mbps=args.link_mbps)
     body = (f"VGG-style model with VGG's parameter-heavy classifier (2.2M parameters), global minibatch 32, SGD, "
             f"2 CPU processes (gloo). DDP: 16 samples per rank, bucketed all-reduce. Pipeline: pdcompile's "
-            f"2-stage split, flush schedule, 4 microbatches of 8. Slow link: receive-side serial-link emulation "
-            f"(pdcompile/slowlink.py, PDCOMPILE_LINK_BPS; DDP through a comm hook, ours by wrapping "
-            f"torch.distributed's receives), not a real NIC. {args.rounds} alternating rounds x {args.steps} steps, "
+            f"2-stage split, flush schedule, 4 microbatches of 8. Slow link: a serial link per direction, bytes "
+            f"moved from their send (pdcompile/slowlink.py, PDCOMPILE_LINK_BPS; DDP through a comm hook, ours by "
+            f"wrapping torch.distributed's sends), not a real NIC. {args.rounds} alternating rounds x {args.steps} steps, "
             f"first {args.warmup} dropped; step = slowest rank, median. Throughput ratio > 1: pipeline faster.\n"
             f"Load: {before} at the start, {load_note()} at the end.\n\n" + table(rows))
     if not args.quick:

@@ -20,6 +20,14 @@
    frequencies, masks and positions follow the stage's), and its weights equal single-process
    training of the model on the device.
 
+5. **Each layer against the analytic model**: the forward and backward of every node of the zoo GPT
+   and of a Hugging Face Llama decoder layer (a 1-layer ``LlamaForCausalLM`` through torch.export:
+   the layer's nodes and the embedding, final norm and head around them) timed on the device
+   (annotate-costs' measured mode), each beside the analytic model's prediction for the device
+   (the roofline of ``passes/costs/roofline.py`` for the GPU named by torch: h100, h200, a100, v100),
+   printed per node, and summed per op class (matmul/linear, convolution, attention, normalisation,
+   elementwise, embedding/gather, shape, loss) with the error of each class.
+
 Exit status 0 when every equality holds, 1 otherwise (the timing rows are measurements, not
 pass/fail). Writes its table to benchmarks/RESULTS.md (section "GPU check"). ``--dry-run`` runs the
 same code on the CPU (small GPT, few steps, 3 profiling repeats) and only prints: CI runs it
@@ -309,6 +317,114 @@ def hf_row(steps: int, device: torch.device, folder: Path, tolerance: float) -> 
     return Row(row.check, where + row.result, bool(row.ok) and not named)
 
 
+# --- 5. each layer against the analytic model ----------------------------------------------------
+
+#: op classes, each by substrings of a node's op name (lower case), first match wins
+OP_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("scaled_dot_product", "flash", "efficient_attention", "softmax")),
+    ("convolution", ("conv",)),
+    ("matmul/linear", ("linear", "matmul", "addmm", "bmm", "mm", "baddbmm", "einsum")),
+    ("normalisation", ("norm",)),
+    ("embedding/gather", ("embedding", "gather", "index_select", "index")),
+    ("loss", ("cross_entropy", "nll_loss", "loss")),
+    ("shape", ("view", "reshape", "transpose", "permute", "split", "getitem", "expand", "unsqueeze", "squeeze",
+               "contiguous", "slice", "cat", "flatten", "select", "size", "clone", "alias", "_unsafe")),
+)
+
+
+def op_class(op: str) -> str:
+    """The op class of a profile layer's ``op`` (a module's class, a function's or an aten op's name:
+    ``aten.t.default`` is read as ``t``)."""
+    low = op.lower()
+    if low.startswith("aten."):
+        low = low.split(".")[1]
+    if low == "t":
+        return "shape"
+    return next((cls for cls, keys in OP_CLASSES if any(k in low for k in keys)), "elementwise")
+
+
+def analytic_spec(device: torch.device) -> str:
+    """The analytic model's device for ``device``: the GPU's name as ``passes/costs/roofline.py`` knows it, else cpu."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    return next((k for k in ("h200", "h100", "a100", "v100") if k in name), "h100")
+
+
+def node_costs(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], mode: str, spec: str, frontend: str,
+               leaf_modules: Any = ()) -> Any:
+    """The Profile of ``model`` per node: measured on its device, or analytic for ``spec`` (profile_model's
+    steps, with a choice of front end: torch.export for the Hugging Face model)."""
+    from pdcompile.passes.annotate_costs import annotate_costs
+    from pdcompile.passes.costs.profile import profile_from_graph
+    from pdcompile.passes.propagate_shapes import propagate_shapes
+    from pdcompile.passes.trace import trace_any
+
+    gm = trace_any(model, inputs, leaf_modules, frontend)
+    propagate_shapes(gm, inputs)
+    on_gpu = inputs[0].device.type == "cuda"
+    annotate_costs(gm, inputs, mode=mode, device_spec=spec, warmup=3 if on_gpu else 1, repeats=9 if on_gpu else 3,
+                   symbolic=False, progress=False)
+    return profile_from_graph(gm, batch_size=int(inputs[0].shape[0]), device=spec, name=type(model).__name__)
+
+
+def llama_layer(device: torch.device, small: bool) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], str]:
+    """One Llama decoder layer in a ``LlamaForCausalLM`` (its embedding, final norm and head around it)."""
+    import transformers
+
+    torch.manual_seed(0)
+    shape = (dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+             if small else dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
+                                num_key_value_heads=8))
+    batch, seq = (2, 16) if small else (4, 512)
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, max_position_embeddings=max(64, seq), use_cache=False, **shape)
+    model = transformers.LlamaForCausalLM(cfg).to(device)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    return model, (x,), (f"Llama decoder layer (hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, "
+                         f"{cfg.num_key_value_heads} KV heads, MLP {cfg.intermediate_size}), {batch} x {seq} tokens")
+
+
+def layer_rows(size: str, device: torch.device) -> list[Row]:
+    """Part 5: per node measured against analytic (printed), per op class summed (the rows)."""
+    from pdcompile.zoo import get
+
+    spec = analytic_spec(device)
+    z = get(MODEL, size=size, batch_size=MICRO, seed=0)
+    gpt_model = z.model.to(device)
+    gpt_inputs = tuple(x.to(device) for x in z.example_inputs)
+    llama, llama_inputs, llama_what = llama_layer(device, size != "full")
+    rows = []
+    for what, model, inputs, frontend, leaves in (
+            (f"zoo {MODEL} ({size}), microbatch {MICRO}", gpt_model, gpt_inputs, "fx", z.leaf_modules),
+            (llama_what, llama, llama_inputs, "export", ())):
+        measured = node_costs(model, inputs, "measured", spec, frontend, leaves)
+        analytic = node_costs(model, inputs, "analytic", spec, frontend, leaves)
+        predicted = {l.name: l for l in analytic.layers}
+        print(f"  {what}: per node on {device.type}, measured against analytic ({spec}), us "
+              f"(forward, backward):", flush=True)
+        by: dict[str, list[float]] = {}
+        for l in measured.layers:
+            a = predicted.get(l.name)
+            if a is None:
+                continue
+            cls = op_class(l.op)
+            print(f"    {l.name:<32} {cls:<16} measured {l.forward_s * 1e6:9.1f} {l.backward_s * 1e6:9.1f}   "
+                  f"analytic {a.forward_s * 1e6:9.1f} {a.backward_s * 1e6:9.1f}", flush=True)
+            got = by.setdefault(cls, [0, 0.0, 0.0, 0.0, 0.0])
+            got[0] += 1
+            got[1] += l.forward_s
+            got[2] += l.backward_s
+            got[3] += a.forward_s
+            got[4] += a.backward_s
+        for cls, (n, mf, mb, af, ab) in sorted(by.items(), key=lambda kv: -(kv[1][1] + kv[1][2])):
+            err = (af + ab) / (mf + mb) - 1 if mf + mb > 0 else float("nan")
+            rows.append(Row(f"layers vs analytic ({spec}): {what}: {cls}",
+                            f"{int(n)} nodes, forward + backward measured {(mf + mb) * 1e3:.4g} ms "
+                            f"({mf * 1e3:.4g} + {mb * 1e3:.4g}), analytic {(af + ab) * 1e3:.4g} ms "
+                            f"({af * 1e3:.4g} + {ab * 1e3:.4g}): error {err:+.0%}", None))
+    return rows
+
+
 # --- 3. the runtime on the device ------------------------------------------------------------------
 
 def run_runtime(prog: Path, steps: int, device: torch.device,
@@ -414,6 +530,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         rows.append(hf_row(steps, device, Path(tmp) / "hf", tolerance))
         print(f"  Hugging Face model in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    t0 = time.perf_counter()
+    rows += layer_rows(size, device)
+    print(f"  layers against the analytic model in {time.perf_counter() - t0:.1f} s", flush=True)
 
     ok = all(r.ok is not False for r in rows)
     body = "\n".join([

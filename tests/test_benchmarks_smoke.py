@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import _common  # noqa: E402
 from pdcompile import slowlink as _slow_link  # noqa: E402
-from benchmarks import bench_partitions, bench_time_to_accuracy, bench_vs_ddp, bench_vs_pipelining  # noqa: E402
+from benchmarks import bench_partitions, bench_plan_regret, bench_time_to_accuracy, bench_vs_ddp, bench_vs_pipelining  # noqa: E402
 
 
 def _finite_positive(*xs: float) -> None:
@@ -48,7 +48,7 @@ def test_predicted_partitions_on_a_pipedream_profile() -> None:
 
 def test_slow_link_serializes_transfers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_slow_link.ENV, "1e6")
-    monkeypatch.setattr(_slow_link, "_link_free", 0.0)
+    monkeypatch.setattr(_slow_link, "_link_free", {})
     t1 = _slow_link.occupy(1000)  # 1 ms
     t2 = _slow_link.occupy(1000)
     assert t2 - t1 == pytest.approx(1e-3)
@@ -363,3 +363,55 @@ def test_boundary_bytes_of_a_tiny_llama_drop_the_position_values() -> None:
     (fs, bs, ns), (fr, br, nr) = b["sent"], b["rebuilt"]
     mask, rotary = 16 * 16, 2 * 16 * 128 * 4  # the causal mask (bool) and rotary cos/sin (fp32) no longer sent
     assert ns - nr == 3 and fs - fr == mask + rotary and bs == br > 0
+
+
+def test_plan_regret_orders_regrets_and_candidates() -> None:
+    """bench_plan_regret's pieces: its own Kendall's tau against scipy's (tau-b, ties in both), the grid
+    of candidates, the even spread, and regret as the pick's measured step over the best measured."""
+    import scipy.stats
+
+    pr = bench_plan_regret
+    x, y = [1.0, 2.0, 2.0, 5.0, 3.0, 9.0], [2.0, 1.0, 3.0, 3.0, 7.0, 8.0]
+    real = pr.kendall_tau
+    assert real(x, y) == pytest.approx(scipy.stats.kendalltau(x, y).statistic)
+    import builtins
+
+    blocked = builtins.__import__
+
+    def no_scipy(name: str, *a: object, **k: object) -> object:
+        if name.startswith("scipy"):
+            raise ImportError(name)
+        return blocked(name, *a, **k)
+
+    builtins.__import__ = no_scipy  # type: ignore[assignment]
+    try:
+        assert real(x, y) == pytest.approx(scipy.stats.kendalltau(x, y).statistic)  # the fallback's own
+        assert real([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    finally:
+        builtins.__import__ = blocked
+    assert pr.spread(list(range(11)), 3) == [0, 5, 10] and pr.spread([1, 2], 5) == [1, 2]
+
+    @dataclasses.dataclass
+    class Chain:
+        cut_bytes: list[float]
+
+        def __len__(self) -> int:
+            return len(self.cut_bytes) + 1
+
+    chain = Chain([1.0, math.inf, 1.0, 1.0])  # 5 layers; no cut after layer 1
+    assert pr.allowed_cuts(chain) == [1, 3, 4]
+    cands = pr.grid(chain, 2, 8, max_cuts=10)
+    dp = [c for c in cands if len(c.layout) == 1]
+    assert [c.num_microbatches for c in dp] == [2, 4, 8]  # M shares out over 2 replicas
+    two = {(c.cuts, c.schedule, c.num_microbatches) for c in cands if len(c.layout) == 2}
+    assert len(two) == 3 * 4 * 4 and ((2,), "flush", 1) not in two and ((3,), "zb-h1", 8) in two
+    assert str(cands[-1]) == "layers 0-3 / 4-4, zb-h1, M=8"
+    rows = [pr.Row("s", "a", "grid", 0.010, [0.020, 0.022, 0.021], ["planner"]),
+            pr.Row("s", "b", "grid", 0.012, [0.014], ["auto"]), pr.Row("s", "c", "grid", 0.5, [])]
+    s = pr.summary(rows)
+    assert s["planner"] == pytest.approx(0.021 / 0.014) and s["auto"] == 1.0 and s["n"] == 2
+    assert rows[0].error == pytest.approx(0.010 / 0.021 - 1) and math.isnan(rows[2].error)
+    args = pr.main.__globals__["argparse"].Namespace(smoke=True, steps=6, warmup=2, repeats=1)
+    text = pr.tables(rows, ["c: not compiled"], args, "load 1", 3.0)
+    assert "| c | - | 500.00 | nan | failed | - |" in text
+    assert text.startswith("**SMOKE RUN**") and "| s | 2 | -1.00 | 14.00 | 1.50 | 1.00 |" in text  # a discordant pair

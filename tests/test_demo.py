@@ -57,14 +57,16 @@ def test_steps_and_category_times_take_the_busiest_rank_per_category() -> None:
     assert demo.steady_steps([[5.0, 1.0, 2.0, 3.0], [1.0, 1.5, 1.0, 4.0]], warmup=1) == [1.5, 2.0, 4.0]
 
 
-def test_the_slow_link_serialises_a_receivers_transfers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_slow_link_serialises_each_links_transfers(monkeypatch: pytest.MonkeyPatch) -> None:
     from pdcompile import slowlink
 
     monkeypatch.setenv(slowlink.ENV, "1e6")
-    monkeypatch.setattr(slowlink, "_link_free", 0.0)
-    t1 = slowlink.occupy(2000)  # 2 ms each, one after the other
-    t2 = slowlink.occupy(2000)
-    assert t2 - t1 == pytest.approx(2e-3)
+    monkeypatch.setattr(slowlink, "_link_free", {})
+    t1 = slowlink.occupy(2000, 1, now=10.0)  # 2 ms each, one after the other on the link to rank 1
+    t2 = slowlink.occupy(2000, 1, now=10.0)
+    assert (t1, t2) == (pytest.approx(10.002), pytest.approx(10.004))
+    assert slowlink.occupy(2000, 2, now=10.0) == pytest.approx(10.002)  # another peer's link is free
+    assert slowlink.occupy(1000, 1, now=20.0) == pytest.approx(20.001)  # a link idle since is free again
     monkeypatch.setenv(slowlink.ENV, "0")
     assert slowlink.bandwidth() == 0 and not slowlink.install()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.timeout(400), pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.multiproc, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -28,7 +28,7 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
     before = _section()
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU part, whatever machine CI runs on
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=360)
+                          text=True, timeout=540)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "dry run: RESULTS.md is not written" in out
@@ -52,6 +52,22 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
     plan_mib, counted_mib = (float(x) for x in re.search(r"predicted (\S+) MiB, runtime's accounting (\S+) MiB",
                                                          memory).groups())  # type: ignore[union-attr]
     assert plan_mib > 0 and counted_mib > 0, memory
+    # part 5: every layer's forward and backward beside the analytic model, summed per op class
+    for model, classes in (("zoo gpt (small)", ("matmul/linear", "normalisation", "embedding/gather", "attention")),
+                           ("Llama decoder layer", ("matmul/linear", "normalisation", "embedding/gather", "attention"))):
+        mine = {name.rsplit(": ", 1)[1]: line for name, line in rows.items()
+                if name.startswith("layers vs analytic (cpu): " + model)}
+        assert set(classes) <= set(mine), (model, sorted(mine))
+        for cls, line in mine.items():
+            got = re.search(r"(\d+) nodes, forward \+ backward measured (\S+) ms \((\S+) \+ (\S+)\), analytic (\S+) ms "
+                            r"\((\S+) \+ (\S+)\): error ([+-]\d+)%", line)
+            assert got is not None, line
+            n, meas, mf, mb, pred, pf, pb, err = (float(x) for x in got.groups())
+            assert n >= 1 and meas > 0 and pred >= 0, line
+            assert meas == pytest.approx(mf + mb, rel=1e-3) and pred == pytest.approx(pf + pb, rel=1e-3, abs=1e-6), line
+            assert err == pytest.approx(100 * (pred / meas - 1), abs=1.5), line  # the error is the two columns'
+    per_node = [line for line in out.splitlines() if re.match(r"\s+\S+\s+matmul/linear\s+measured", line)]
+    assert len(per_node) >= 8, "each node printed with its measured and analytic times"
     assert "All equalities hold: yes." in out
     assert list(tmp_path.iterdir()) == []  # nothing left in the working folder
     assert _section() == before  # --dry-run never writes RESULTS.md

@@ -293,7 +293,7 @@ def part_b(args: argparse.Namespace, out: Path, console: Any) -> dict[str, Any]:
     ddp_s = statistics.median(steady_steps(ddp["step_times_s"]))
     chain, plan = pipe.state.chain, pipe.plan
     cut_b = comm_bytes_per_minibatch(plan, chain) * M  # per step of M microbatches
-    ddp_b = data_parallel_bytes_per_minibatch(chain, 2) / 2  # per rank, as the link is per receiving rank
+    ddp_b = data_parallel_bytes_per_minibatch(chain, 2) / 2  # per rank, as each rank's link carries its own
     _print_b(console, pipe, pipe_s, ddp_s, pipe_losses, ddp["losses"], cut_b, ddp_b, args)
     _plot_losses(pipe_losses, ddp["losses"], out / "losses.png")
     return {"pipe": pipe, "program": str(prog), "link_bytes_per_s": bps, "stages": len(plan.stages),
@@ -429,12 +429,13 @@ def part_c(args: argparse.Namespace, out: Path, console: Any, b: dict[str, Any])
     params = [sum(p.numel() * p.element_size() for p in st.gm.parameters()) for st in pipe.split.stages]
 
     def sim(n: int) -> Any:
-        # The emulated link starts moving a message when its receiver waits for it (recv_progress
-        # "on_wait"); the sender is not held (overlap_comm). The runtime splits the last backward of
-        # a step on 2 processes and 2 cores or more (its default).
+        # The emulated link moves a message from its send, in the background, one at a time per
+        # direction (recv_progress "background", slowlink's model); the sender is not held
+        # (overlap_comm). The runtime splits the last backward of a step on 2 processes and 2 cores
+        # or more (its default).
         return simulate_plan(plan, chain, flat_cluster(len(plan.stages), bw), "flush", NUM_MICROBATCHES,
                              num_steps=n, step_s=[const.step_s(x) for x in params], latency_s=const.latency_s,
-                             overhead_s=const.overhead_s, recv_progress="on_wait", overlap_comm=True,
+                             overhead_s=const.overhead_s, recv_progress="background", overlap_comm=True,
                              split_backward=len(plan.stages) <= (os.cpu_count() or 1))
 
     s2, s4 = sim(2), sim(4)
