@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
+import functools
 import json
 import os
 import sys
@@ -58,6 +59,7 @@ class Workload:
     epochs: int  # the most any run trains (runs stop at the target or their time budget)
     loss: str = "cross_entropy"
     kwargs: dict[str, Any] = field(default_factory=dict)
+    lr: float | None = None  # the optimizer's learning rate instead of its own (--lr: each system at its better rate)
 
     @property
     def higher_is_better(self) -> bool:
@@ -67,14 +69,20 @@ class Workload:
         return value >= self.target if self.higher_is_better else value <= self.target
 
 
-def sgd_momentum(params: Any) -> torch.optim.Optimizer:
+def sgd_momentum(params: Any, lr: float | None = None) -> torch.optim.Optimizer:
     """Fashion-MNIST's optimizer: SGD lr 0.02, momentum 0.9."""
-    return torch.optim.SGD(params, lr=0.02, momentum=0.9)
+    return torch.optim.SGD(params, lr=lr or 0.02, momentum=0.9)
 
 
-def adam(params: Any) -> torch.optim.Optimizer:
+def adam(params: Any, lr: float | None = None) -> torch.optim.Optimizer:
     """The character GPT's optimizer: Adam lr 3e-3."""
-    return torch.optim.Adam(params, lr=3e-3)
+    return torch.optim.Adam(params, lr=lr or 3e-3)
+
+
+def optimizer_of(w: Workload) -> Any:
+    """The workload's optimizer factory ``params -> Optimizer``, at ``w.lr`` where given."""
+    make = import_object(w.optimizer)
+    return functools.partial(make, lr=w.lr) if w.lr else make
 
 
 def fashion_eval(batch_size: int) -> Any:
@@ -189,10 +197,11 @@ def ddp_main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--metrics", required=True)
     p.add_argument("--watchdog", type=float, default=1800)
+    p.add_argument("--lr", type=float, default=None, help="the optimizer's learning rate instead of the workload's")
     args = p.parse_args(argv)
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    w = workload(args.workload, args.quick)
+    w = dataclasses.replace(workload(args.workload, args.quick), lr=args.lr)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if w.batch % world:
@@ -200,7 +209,7 @@ def ddp_main(argv: list[str] | None = None) -> None:
     model = DistributedDataParallel(build_model(w.model))
     if slowlink.bandwidth() > 0:
         model.register_comm_hook(None, slowlink.ddp_hook)
-    opt = import_object(w.optimizer)(model.parameters())
+    opt = optimizer_of(w)(model.parameters())
     lf = loss_fn(w)
     share = w.batch // world
     data = import_object(w.data["factory"])(w.batch, **w.data["kwargs"])

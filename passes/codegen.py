@@ -163,7 +163,12 @@ def optimizer_spec(make_optimizer: Any) -> ObjectSpec:
     probe = make_optimizer([torch.nn.Parameter(torch.zeros(1))])
     if not isinstance(probe, torch.optim.Optimizer):
         raise UnsupportedModelError("optimizer factory must return a torch.optim.Optimizer")
-    kwargs = {k: v for k, v in probe.defaults.items() if _is_literal(v)}
+    # only what the class's constructor takes: AdamW's defaults hold decoupled_weight_decay, which it sets itself
+    import inspect
+
+    takes = inspect.signature(type(probe).__init__).parameters
+    any_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
+    kwargs = {k: v for k, v in probe.defaults.items() if _is_literal(v) and (any_kw or k in takes)}
     return ObjectSpec(class_path(type(probe)), kwargs)
 
 

@@ -45,7 +45,7 @@ from pdcompile.passes.trace import TraceOptions
 from pdcompile.passes.trace_loss import LossProgram, TracedLoss, TraceLossOptions, loss_program
 from pdcompile.pipeline import PassOptions, passes
 from pdcompile.plan import Plan, step_objective
-from pdcompile.runtime import schedules
+from pdcompile.runtime import schedules, staleness
 from pdcompile.runtime.program import PRECISIONS
 from pdcompile.runtime.schedules.spec import ScheduleSpec
 
@@ -86,6 +86,8 @@ class Options:
     init_from: str | os.PathLike[str] | None = None  # a checkpoint each rank reads only its stage's tensors from
     # (HF folder, .safetensors, torch.save'd state_dict, DCP folder; runtime/sources.py); a meta model without it
     # is initialised fresh on the ranks by its modules' own initialisers
+    staleness: str = "none"  # 1f1b/2bw's stale weights: "none", "lr" (PipeMare), "predict" (weight prediction),
+    staleness_warmup: float = 0.25  # "auto" (predict where the optimizer has a rule); K of "lr", a fraction of the run
     csv_text: str | None = field(default=None, metadata={"internal": True})  # schedule="csv:PATH": the torch
     # CSV's text (schedule becomes its registered name); set by pdcompile, not an option
 
@@ -263,6 +265,9 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
                                                           or len(opts.shard) != opts.stages):
         raise UsageError(f"pdcompile: shard={list(opts.shard)} gives a mode per stage, which needs stages= as many "
                          f"(got stages={opts.stages!r}); or give one mode (or 'auto') for all")
+    spec = codegen.optimizer_spec(opts.optimizer).to_json()  # staleness: its mode and K, before any pass runs
+    staleness.resolve(opts.staleness, False, spec["class"], spec.get("kwargs", {}))
+    staleness.check_warmup(opts.staleness_warmup)
     if opts.precision not in PRECISIONS:
         raise UsageError(f"pdcompile: precision must be one of {PRECISIONS}, got {opts.precision!r}")
     if opts.clip_grad_norm is not None:
@@ -575,6 +580,8 @@ class CompiledPipeline:
             note = "" if not alt.notes else f"  ({'; '.join(alt.notes)})"
             lines.append(f"  {name:<26} {t:.4g} s per minibatch  ({t / best:.2f}x the chosen plan's time){note}")
         lines += describe_shard(plan, self.options.shard)
+        corr = self.staleness_entry()
+        lines += ["", *staleness.describe(corr["mode"], corr["delays"], corr["warmup"])]
         if self.schedule_choice is not None:
             lines += ["", autoschedule.format_choice(*self.schedule_choice)]
         return "\n".join(lines)
@@ -612,7 +619,14 @@ class CompiledPipeline:
             if self.options.lr_scheduler is not None else None,
             "init": init_source.init_entry(self.model, self.split, init_from if init_from is not None
                                            else self.options.init_from),
+            "staleness": self.staleness_entry(),
         }
+
+    def staleness_entry(self) -> dict[str, Any]:
+        """plan.json's ``staleness``: the correction applied and each stage's delay from the compiled schedule."""
+        return staleness.plan_entry(self.options.staleness, self.options.staleness_warmup,
+                                    need(self.state.schedule_spec, "schedule_spec"),
+                                    codegen.optimizer_spec(self.options.optimizer).to_json())
 
     @keywords_checked()
     def emit(self, folder: str | os.PathLike[str], *, data: dict[str, Any] | None = None,

@@ -60,7 +60,9 @@ def train_versioned(stages: Sequence[torch.nn.Module], optimizers: Sequence[torc
                     microbatches: Sequence[tuple[tuple[torch.Tensor, ...], torch.Tensor]], *,
                     fwd: Versions, bwd: Versions | None = None, group: Versions, scale: float = 1.0,
                     tied: Sequence[Sequence[tuple[int, str]]] = (), max_norm: float | None = None,
-                    norms: list[float] | None = None) -> list[float]:
+                    norms: list[float] | None = None,
+                    stash: Callable[[int], dict[str, torch.Tensor]] | None = None,
+                    lr_factor: Callable[[int, int], float] | None = None) -> list[float]:
     """Train the chain ``stages`` on ``microbatches`` with the weight versions above; return the losses.
 
     ``stages[s]``'s parameters end as its newest version; ``optimizers[s]`` owns them. Each
@@ -75,11 +77,22 @@ def train_versioned(stages: Sequence[torch.nn.Module], optimizers: Sequence[torc
     ``min(1, max_norm / (norm_g + 1e-6))`` before its step, ``norm_g`` the L2 norm over all of them
     (each tied group once, after its sum; computed in float64). ``norms`` (if given) receives each
     ``norm_g``, unclipped.
+
+    Staleness corrections (``staleness=``): ``stash(s)`` gives what version ``v`` of stage ``s`` holds,
+    called when the live weights and the optimizer's state are version ``v`` (default: their copy;
+    weight prediction: the predicted weights); ``lr_factor(s, n)`` scales every group's rate for the
+    step closed by microbatch ``n`` (PipeMare), put back after it.
     """
     bwd = bwd or fwd
     S, N = len(stages), len(microbatches)
     params = [dict(m.named_parameters()) for m in stages]
-    versions = [[{k: p.detach().clone() for k, p in ps.items()}] for ps in params]
+
+    def stashed(s: int) -> dict[str, torch.Tensor]:
+        if stash is not None:
+            return {k: t.detach().clone() for k, t in stash(s).items()}
+        return {k: p.detach().clone() for k, p in params[s].items()}
+
+    versions = [[stashed(s)] for s in range(S)]
     acc: list[dict[str, torch.Tensor]] = [{} for _ in range(S)]
     losses: list[float] = []
 
@@ -136,9 +149,16 @@ def train_versioned(stages: Sequence[torch.nn.Module], optimizers: Sequence[torc
             with torch.no_grad():
                 for k, p in params[s].items():
                     p.grad = acc[s].get(k, torch.zeros_like(p)).clone()
+            groups = optimizers[s].param_groups
+            saved = [g["lr"] for g in groups]
+            if lr_factor is not None:
+                for g in groups:
+                    g["lr"] = g["lr"] * lr_factor(s, n)
             optimizers[s].step()
+            for g, lr in zip(groups, saved):
+                g["lr"] = lr
             optimizers[s].zero_grad(set_to_none=True)
-            versions[s].append({k: p.detach().clone() for k, p in params[s].items()})
+            versions[s].append(stashed(s))
             acc[s] = {}
     return losses
 

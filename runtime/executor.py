@@ -22,6 +22,7 @@ from pdcompile.runtime.recompute import StageRecompute
 from pdcompile.runtime.schedules import Action, Kind
 from pdcompile.runtime.schedules.transfers import TargetPosts, several_per_rank
 from pdcompile.runtime.shard import FullShard, local
+from pdcompile.runtime.staleness import LrCorrection
 from pdcompile.runtime.fused_grads import Deferred, FusedGrads
 from pdcompile.runtime.graph_split import GraphSplit, graph_route
 from pdcompile.runtime.weight_grads import WeightPass
@@ -179,7 +180,8 @@ class StageExecutor:
                  measure_memory: bool = True,
                  norm_skip: frozenset[str] = frozenset(), stage: int | None = None,
                  mailbox: Mailbox | None = None, weight_pass: str = DEFAULT_WEIGHT_PASS,
-                 sharded: FullShard | None = None, fused: FusedGrads | None = None) -> None:
+                 sharded: FullShard | None = None, fused: FusedGrads | None = None,
+                 staleness_lr: LrCorrection | None = None) -> None:
         self.program = program
         self.rank = rank
         # stage: which of the rank's stages this executor runs (virtual stages: one executor each,
@@ -265,6 +267,9 @@ class StageExecutor:
         # fused weight-gradient accumulation (runtime/fused_grads.py); a split backward's, by microbatch
         self.fused = fused
         self._deferred: dict[int, Deferred] = {}
+        # staleness="lr" (runtime/staleness.py): PipeMare's rate at each ST, by the last microbatch backwarded
+        self.staleness_lr = staleness_lr
+        self.last_backward = -1
 
     def begin(self, first_microbatch: int) -> None:
         """A run of the schedule starts at ``first_microbatch`` (its targets are posted in order from there)."""
@@ -570,6 +575,7 @@ class StageExecutor:
         if self.sharded is not None:  # full: the gathered copy and unsharded gradients, before the reduce-scatter
             self._measure()
         self.weights.after_backward(a.mb)
+        self.last_backward = max(self.last_backward, a.mb)
         if self.is_first:
             self.mbs.pop(a.mb, None)
 
@@ -630,7 +636,10 @@ class StageExecutor:
         if self.clip_grad_norm is not None:
             self._clip()
         self.weights.before_step()
-        self.optimizer.step()
+        if self.staleness_lr is not None:
+            self.staleness_lr.step(self.optimizer, self.last_backward)
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 
 from pdcompile.errors import UsageError
-from pdcompile.runtime import comm, devices, faults, fused_grads, loop, resume, schedules, shard, timing
+from pdcompile.runtime import comm, devices, faults, fused_grads, loop, resume, schedules, shard, staleness, timing
 from pdcompile.runtime.data import Reader, epoch_length, local_targets, positions, source
 from pdcompile.runtime.evaluate import Evaluator, metric_of
 from pdcompile.runtime.executor import WEIGHT_PASSES, ActionError, Mailbox, RankExecutor, StageExecutor
 from pdcompile.runtime.logs import RunLog, minibatch_sums, tokens_per_sample
 from pdcompile.runtime.program import Program, build
 from pdcompile.runtime.run_schedule import refuse_sent_targets, run_schedule, weight_pass
+from pdcompile.runtime.schedules.spec import stage_delays
 from pdcompile.runtime.weights import VersionedStore
 
 log = logging.getLogger("pdcompile.runtime")
@@ -128,6 +129,12 @@ class Trainer:
         # each stage's replicas sharded as plan.json says (runtime/shard.py): FSDP2 before the optimizer is built
         self.shard_modes = [shard.effective(m, len(st.ranks)) for m, st in zip(shard.stage_modes(program.raw),
                                                                                 program.stages)]
+        # staleness (runtime/staleness.py): each stage's delay read off the schedule this run executes
+        corr = program.raw.get("staleness") or {}
+        self.staleness_mode = str(corr.get("mode", "none"))
+        self.delays = stage_delays(self.schedule, ranks=(rank,)) if self.staleness_mode != "none" else \
+            {st.index: 0 for st in specs}
+        self.predictors: dict[int, staleness.Predictor | None] = {}
         for st, module in zip(specs, modules):
             mode = self.shard_modes[st.index]
             full = shard.FullShard(module, replica_groups[st.index], devices.rank_device()) if mode == "full" else None
@@ -137,6 +144,10 @@ class Trainer:
             optimizer: Any = (shard.zero1(program.raw["optimizer"], params, replica_groups[st.index])
                               if mode == "optimizer" else build(program.raw["optimizer"], params)) \
                 if params else NoParameters()
+            lr_fix, self.predictors[st.index] = staleness.of_stage(
+                self.staleness_mode, self.delays[st.index], optimizer, dict(module.named_parameters()),
+                program.raw["optimizer"], warmup=float(corr.get("warmup", staleness.DEFAULT_WARMUP)),
+                total=args.steps, micro=M, sharded=mode != "none" and len(st.ranks) > 1)
             sched_spec = loop.scheduler_spec(args, program.raw)  # --lr-scheduler, else plan.json's
             lr_scheduler = loop.build_scheduler(sched_spec, optimizer) if params else None
             norm_skip = frozenset(n for group in program.raw.get("tied", []) for s, n in group
@@ -146,7 +157,7 @@ class Trainer:
                 accumulation=schedules.policy(self.schedule.name).accumulation(M),
                 data=self.data if reads_data else None, local_targets=local,
                 replica_group=None if full else replica_groups.get(st.index), tied_groups=tied_groups[st.index],
-                lr_scheduler=lr_scheduler, weight_store=VersionedStore(module),
+                lr_scheduler=lr_scheduler, weight_store=VersionedStore(module, self.predictors[st.index]),
                 recorder=timing.recorder(self.events.append, devices.rank_device()) if args.trace else None,
                 measure_memory=args.metrics is not None,  # metrics report it; measuring costs a hook per saved tensor
                 clock=(lambda: timing.now(devices.rank_device())) if args.trace else time.perf_counter,
@@ -154,7 +165,7 @@ class Trainer:
                 clip_grad_norm=args.clip_grad_norm, norm_group=norm_group,
                 norm_counts=rank == st.ranks[0] or full is not None,  # full: each replica counts its shard
                 norm_skip=norm_skip, stage=st.index, mailbox=mailbox,
-                weight_pass=split_by, sharded=full, fused=fused,
+                weight_pass=split_by, sharded=full, fused=fused, staleness_lr=lr_fix,
             ))
         self.executor = self.executors[0]  # the rank's first stage (metrics, losses)
         self.lr_scheduler = self.executor.lr_scheduler  # the first stage's (checkpoints save every stage's)
@@ -259,7 +270,7 @@ class Trainer:
                         "in memory); please report it", args.schedule, end - first, len(run))
         if self.ran:  # the pipeline drained: weight versions start afresh
             for ex in self.executors:
-                ex.weights = VersionedStore(ex.module)
+                ex.weights = VersionedStore(ex.module, self.predictors[ex.stage])
         self.ran = True
         self.promised_versions = max(self.promised_versions, run.promised_versions)
         reading = (schedules.shift(a, offset) for a, _ in run)  # the weight store's read-ahead
@@ -395,6 +406,12 @@ class Trainer:
                 # weight calls whose gradient was added straight into .grad (--grad-accumulation), by kind
                 "fused_grads": {k: sum(ex.fused.counts[k] for ex in self.executors if ex.fused is not None)
                                 for k in ("linear", "embedding")},
+                # staleness=: each stage's delay (from the schedule run), what it applied, the rates of its steps
+                "staleness": {str(ex.stage): {
+                    "delay": self.delays[ex.stage],
+                    "applies": "nothing" if ex.staleness_lr is None and self.predictors[ex.stage] is None
+                    else self.staleness_mode,
+                    "lrs": ex.staleness_lr.used if ex.staleness_lr is not None else None} for ex in self.executors},
             }, indent=1))
         if args.trace:
             out = Path(args.trace)

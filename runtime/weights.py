@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,10 +45,15 @@ class VersionedStore(WeightStore):
       ``ST`` runs on the live parameters directly (GPipe and Flush never clone).
     * A clone is dropped as soon as no microbatch in flight and no later forward uses it.
       :meth:`observe` counts versions alive by weak references to the clone tensors (plus the
-      newest, held by the live parameters), so the count measures what memory really holds."""
+      newest, held by the live parameters), so the count measures what memory really holds.
+    * ``predict`` (staleness="predict", runtime/staleness.py): a version's clone holds the weights
+      it predicts, made while the live parameters and the optimizer's state are that version's;
+      every forward then runs on its version's clone (never on the live parameters), and its
+      backward is taken at those same predicted weights (they are what is stashed)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, predict: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
         super().__init__(module)
+        self.predict = predict
         self.params: dict[str, torch.nn.Parameter] = dict(module.named_parameters())
         self.newest = 0
         self.forward_version = 0
@@ -119,7 +124,7 @@ class VersionedStore(WeightStore):
                 del self.future[v]
         direct = microbatch in self.direct_ok
         self.direct_ok.discard(microbatch)
-        if v == self.newest and direct:
+        if v == self.newest and direct and self.predict is None:
             return None
         self.cloned.add(microbatch)
         return self._materialize(v)
@@ -167,7 +172,9 @@ class VersionedStore(WeightStore):
             if v != self.newest:
                 raise RuntimeError(f"weight version {v} was freed but is used again (newest is {self.newest}); "
                                    f"call expect() with the whole action list, or report this as a bug")
-            self.clones[v] = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()}
+            made = self.predict() if self.predict is not None else \
+                {n: p.detach().clone() for n, p in self.params.items()}
+            self.clones[v] = {n: made[n].requires_grad_(p.requires_grad) for n, p in self.params.items()}
             for n, t in self.clones[v].items():  # a fused backward adds into the live .grad (runtime/fused_grads.py)
                 fused_grads.accumulate_into(t, self.params[n])
             first = next(iter(self.clones[v].values()), None)

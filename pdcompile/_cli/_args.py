@@ -117,3 +117,37 @@ def parse_shard(text: str) -> str | tuple[str, ...]:
 
     parts = [x.strip() for x in text.split(",")]
     return check_option(parts[0] if len(parts) == 1 else tuple(parts), where=f"--shard {text!r}")
+
+
+STALENESS_HELP = ("1f1b/2bw's stale weights: none (as PipeDream), lr (PipeMare: each stage's rate divided by its "
+                  "delay^(1 - t/K) until K), predict (each forward on the weights its optimizer will reach: Adam, "
+                  "AdamW, SGD with momentum), auto (predict where the optimizer has a rule, lr where not, none for "
+                  "synchronous schedules); default none")
+#: a profile's optimizer name -> the optimizer the staleness rules read (class, options)
+PROFILE_OPTIMIZERS = {"sgd": ("torch.optim.sgd.SGD", {}), "sgd-momentum": ("torch.optim.sgd.SGD", {"momentum": 0.9}),
+                      "adam": ("torch.optim.adam.Adam", {}), "adamw": ("torch.optim.adamw.AdamW", {})}
+
+
+def add_staleness_args(p: Any) -> None:
+    """``--staleness MODE`` and ``--staleness-warmup K`` (runtime/staleness.py), for every command that plans."""
+    from pdcompile.runtime.staleness import DEFAULT_WARMUP, MODES
+
+    p.add_argument("--staleness", choices=MODES, default="none", help=STALENESS_HELP)
+    p.add_argument("--staleness-warmup", type=float, default=DEFAULT_WARMUP, metavar="K",
+                   help=f"with --staleness lr: PipeMare's K, a fraction of the run (default {DEFAULT_WARMUP})")
+
+
+def staleness_of_plan(args: Any, schedule: str, replicas: Sequence[int], optimizer: str,
+                      options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """What ``--staleness`` does to a plan of ``replicas`` under ``schedule`` for ``optimizer`` (a
+    profile's name, or a class path with its ``options``): plan.json's entry (each stage's delay), or
+    None without the flag."""
+    from pdcompile.runtime.schedules.spec import ScheduleSpec
+    from pdcompile.runtime.staleness import plan_entry
+
+    mode = getattr(args, "staleness", "none")
+    if mode == "none":
+        return None
+    cls, kwargs = PROFILE_OPTIMIZERS.get(optimizer.lower(), (optimizer, options or {}))
+    spec = ScheduleSpec(schedule, tuple(replicas), max(2, sum(replicas)))
+    return plan_entry(mode, args.staleness_warmup, spec, {"class": cls, "kwargs": kwargs})

@@ -6,7 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from pdcompile._cli._args import SHARD_HELP, call_factory, parse_inputs, parse_shard, resolve_cluster
+from pdcompile._cli._args import (SHARD_HELP, add_staleness_args, call_factory, parse_inputs, parse_shard, resolve_cluster,
+                                  staleness_of_plan)
 from pdcompile.errors import UsageError
 from pdcompile.passes.partition_dp import COST_MODELS, PlanOptions
 from pdcompile.runtime.schedules import SCHEDULES
@@ -86,6 +87,7 @@ def add_planning_arguments(p: argparse._ActionsContainer) -> None:
                       "without nesting (the paper's 15-1 on 4 x 4); default: on with dp, off with ilp")
     pool.add_argument("--no-pool", dest="pool", action="store_false")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ilp: seconds (default 60)")
+    add_staleness_args(p)
 
 
 def _profile(args: argparse.Namespace) -> Any:
@@ -137,11 +139,21 @@ def _sizes(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     result = plan_for(args)
+    corr = staleness_of_plan(args, args.schedule, [st.replicas for st in result.stages], _profile_optimizer(args))
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({**result.to_dict(), **({"staleness": corr} if corr is not None else {})}))
     else:
         print(result.table())
+        if corr is not None:
+            from pdcompile.runtime.staleness import describe
+
+            print("\n".join(describe(corr["mode"], corr["delays"], corr["warmup"])))
     return 0
+
+
+def _profile_optimizer(args: argparse.Namespace) -> str:
+    """The optimizer the plan's profile was made for (``--staleness`` resolves against it)."""
+    return _profile(args).optimizer if getattr(args, "staleness", "none") != "none" else "sgd"
 
 
 def plan_options(args: argparse.Namespace, optimizer: str, schedule: str | None = None) -> PlanOptions:

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pdcompile._cli._args import staleness_of_plan
 from pdcompile._cli.plan import add_planning_arguments, plan_options, plan_profile, resolve_cluster
 from pdcompile.errors import UsageError
 
@@ -150,6 +151,12 @@ def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     res, plan, schedule, m, notes = predict(args)
+    corr = None
+    if getattr(args, "staleness", "none") != "none":  # each stage's delay under the simulated schedule
+        kind, obj, program = _read_source(Path(args.source))
+        opt = program.get("optimizer") or {}
+        corr = staleness_of_plan(args, schedule, [st.replicas for st in plan.stages],
+                                 obj.optimizer if kind == "profile" else str(opt.get("class", "sgd")), opt.get("kwargs"))
     meta = {"source": str(args.source), "schedule": schedule, "num_microbatches": m,
             "configuration": plan.configuration, "predicted_step_time_s": float(res.step_time_s)}
     if args.trace:
@@ -174,13 +181,17 @@ def run(args: argparse.Namespace) -> int:
             "utilization": {str(r): float(u) for r, u in res.utilization.items()},
             "peak_in_flight": res.peak_in_flight, "peak_weight_versions": res.peak_weight_versions,
             "peak_memory_bytes": [float(x) for x in res.peak_memory_bytes] if res.peak_memory_bytes else None,
-            "trace": args.trace, "png": args.png, "notes": notes,
+            "trace": args.trace, "png": args.png, "notes": notes, **({"staleness": corr} if corr else {}),
         }, indent=1))
         return 0
     for n in notes:
         print(f"note: {n}")
     print(f"{schedule}, {m} microbatches, configuration {plan.configuration}")
     print(res.summary())
+    if corr is not None:
+        from pdcompile.runtime.staleness import describe
+
+        print("\n".join(describe(corr["mode"], corr["delays"], corr["warmup"])))
     for label, path in (("trace", args.trace), ("timeline", args.png)):
         if path:
             print(f"wrote {label} {path}")

@@ -18,6 +18,7 @@ from pdcompile.runtime.schedules.generate import make_schedule
 from pdcompile.runtime.schedules.periodic import RankRun, rank_run
 from pdcompile.runtime.schedules.registry import layout, policy
 from pdcompile.runtime.schedules.torch_csv import csv_name, register_csv
+from pdcompile.runtime.schedules.versions import update_delays
 
 CHECK_STEPS = 2  # the run whose action lists plan.json checks
 CHECK_TEXT_RANKS = 16  # plan.json spells out the check run's action lists of ranks 0 .. this - 1
@@ -93,6 +94,22 @@ class ScheduleSpec:
         except (KeyError, TypeError, ValueError) as e:
             raise UsageError(f"plan.json: the schedule entry is malformed ({type(e).__name__}: {e}); "
                              f"re-emit the program with this pdcompile") from None
+
+
+def stage_delays(spec: ScheduleSpec, ranks: Collection[int] | None = None) -> dict[int, int]:
+    """Stage -> its delay in optimizer steps, read off the compiled schedule itself
+    (:func:`~.versions.update_delays`, the steady state's): of every stage, or of the stages ``ranks``
+    hold. Enough steps are built for every replica's warm-up to end (one rank's list alone where a
+    rank holds one stage; the first replica of each stage stands for its others)."""
+    lay = layout(spec.name, spec.replicas, spec.num_microbatches, 1, virtual_stages=spec.virtual_stages)
+    placed = lay.stage_ranks
+    wanted = {s for s, rs in enumerate(placed) if ranks is None or set(rs) & set(ranks)}
+    readers = {s: (rs[0] if ranks is None else min(set(rs) & set(ranks))) for s, rs in enumerate(placed) if s in wanted}
+    depth = max(lay.rank_in_flight_bound(r) for r in set(readers.values()))
+    steps = max(2, -(-(3 * depth + 2 * lay.num_ranks) // spec.num_microbatches) + 1)
+    built = spec.make(steps, ranks=None if spec.virtual_stages > 1 else sorted(set(readers.values())))
+    return {s: max(update_delays(built[r], s if spec.virtual_stages > 1 else None), default=0)
+            for s, r in sorted(readers.items())}
 
 
 def actions_text(acts: Sequence[Action]) -> str:

@@ -115,3 +115,35 @@ def peak_in_flight(sched: Schedule) -> dict[int, int]:
                 n -= 1
         out[rank] = peak
     return out
+
+
+def update_delays(actions: Sequence[Action], stage: int | None = None) -> Counter[int]:
+    """How stale each gradient of one rank is (of ``stage``'s actions, where a rank holds several):
+    per microbatch, the optimizer steps taken between the version its ``F`` used and the ``ST`` that
+    applies its gradient (the first ``ST`` after its ``B``), counted: delay -> microbatches. The
+    stage's delay is the largest (the steady state; warm-up's are smaller): 1F1B ``w - 1`` with
+    ``w`` the replica's in-flight count, 2BW 1, the synchronous schedules 0.
+
+    >>> acts = [Action.from_str(x) for x in "0F0 0F1 0B0 0ST 0WV1 0F2 0B1 0ST 0B2 0ST".split()]
+    >>> dict(update_delays(acts))
+    {0: 1, 1: 2}
+    """
+    fv: dict[int, int] = {}
+    version = newest = 0
+    pending: list[int] = []
+    out: Counter[int] = Counter()
+    for a in actions:
+        if stage is not None and a.stage != stage:
+            continue
+        if a.kind is Kind.WEIGHT_VERSION:
+            version = a.wv
+        elif a.kind is Kind.FORWARD:
+            fv[a.mb] = version
+        elif a.kind is Kind.BACKWARD and a.mb in fv:
+            pending.append(a.mb)
+        elif a.kind is Kind.STEP:
+            for k in pending:
+                out[newest - fv.pop(k)] += 1
+            pending = []
+            newest += 1
+    return out
