@@ -75,14 +75,19 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(llama_config(cfg["model"]))
+    with torch.device("cpu" if cfg.get("real_data") else "meta"):  # real data: the model alone on meta
         x = torch.randint(0, 100, (cfg["batch"], cfg["seq"]))
         t = torch.randint(0, 100, (cfg["batch"], cfg["seq"]))
     out["params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
     out["build_s"] = time.perf_counter() - t0
     kw: dict[str, Any] = {"stages": cfg["stages"], "replicas": cfg.get("replicas")} if cfg.get("stages") else {}
+    if cfg.get("microbatches") is not None:
+        kw["num_microbatches"] = cfg["microbatches"]
+    if cfg.get("adamw"):
+        kw["optimizer"] = adamw
     t0, c0 = time.perf_counter(), time.process_time()
     pipe = pdcompile(model, h100_cluster(cfg["gpus"]), example_inputs=(x,), example_target=t,
-                     loss_fn=SequenceCrossEntropy(), num_microbatches=cfg["microbatches"], cost_mode="analytic",
+                     loss_fn=SequenceCrossEntropy(), cost_mode="analytic", precision=cfg.get("precision", "fp32"),
                      schedule=cfg.get("schedule", "flush"), **kw)
     out["compile_s"] = time.perf_counter() - t0
     out["compile_cpu_s"] = time.process_time() - c0  # on a shared machine, what the compile itself costs
@@ -92,6 +97,14 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     out["stages"] = len(pipe.plan.stages)
     out["replicas"] = "-".join(str(len(s.ranks)) for s in pipe.plan.stages)
     out["compile_rss_gib"] = _peak_rss_gib()
+    out["schedule"] = pipe.options.schedule
+    out["microbatches"] = f"{pipe.num_microbatches} x {pipe.microbatch_size}"
+    out["headline_s"] = pipe.plan.seconds_per_minibatch
+    sim = pipe.simulate()
+    out["simulate_s"], out["bubble"] = float(sim.step_time_s), float(sim.bubble_fraction)
+    if cfg.get("no_emit"):
+        out["peak_rss_gib"] = _peak_rss_gib()
+        return out
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         try:
@@ -130,6 +143,12 @@ def startup(prog: Path, rank: int, steps: int) -> dict[str, Any]:
     t3 = time.perf_counter()
     return {"startup_s": t3 - t0, "startup_cpu_s": time.process_time() - c0, "load_s": t1 - t0, "check_s": t2 - t1, "run_s": t3 - t2,
             "first_action": str(first[0]), "run_actions": len(run)}
+
+
+def adamw(params: Any) -> Any:
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-4)
 
 
 def run_child(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -195,9 +214,30 @@ def ranks_part(quick: bool, timeout: float, counts: list[int]) -> str:
     return "\n".join(rows)
 
 
+def objective_part(quick: bool, timeout: float) -> str:
+    """Llama-3-70B on 64 H100s (8 a server, 450 GB/s inside, 50 GB/s between), 32 x 4096 tokens, bf16, AdamW,
+    the data real and the model on meta: the plan's headline against simulate() of the compiled program,
+    compile time and peak RSS, flush (the microbatch count chosen with the depth) and auto (issue 36 item 0)."""
+    rows = ["| schedule asked | compiled | stages (replicas of each) | microbatches | headline (s) | simulate() (s) | "
+            "bubble | compile (s) | its CPU time (s) | peak RSS (GiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for schedule in ("flush", "auto"):
+        cfg = {"model": "tiny" if quick else "llama-3-70b", "gpus": 2 if quick else 64, "batch": 4 if quick else 32,
+               "seq": 16 if quick else 4096, "microbatches": None, "schedule": schedule, "real_data": True,
+               "adamw": True, "precision": "bf16", "no_emit": True}
+        r = run_child(cfg, timeout)
+        if "error" in r:
+            rows.append(f"| {schedule} | {r['error']} | - | - | - | - | - | {r['wall_s']:.0f} | - | - |")
+            continue
+        rows.append(f"| {schedule} | {r['schedule']} | {r['stages']} ({r['replicas']}) | {r['microbatches']} | "
+                    f"{r['headline_s']:.4g} | {r['simulate_s']:.4g} | {r['bubble']:.1%} | {r['compile_s']:.1f} | "
+                    f"{r['compile_cpu_s']:.1f} | {r['peak_rss_gib']:.2f} |")
+        print(rows[-1], flush=True)
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["models", "ranks", "all"], default="all")
+    ap.add_argument("--part", choices=["models", "ranks", "objective", "all"], default="all")
     ap.add_argument("--ranks", type=int, nargs="+", default=None, help="rank counts of the ranks part")
     ap.add_argument("--quick", action="store_true", help="tiny sizes; print only")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
@@ -210,7 +250,11 @@ def main(argv: list[str] | None = None) -> str:
     for part in (["models", "ranks"] if a.part == "all" else [a.part]):
         with open("/proc/loadavg") as f:
             load = f.read().strip()
-        if part == "models":
+        if part == "objective":
+            name, command = "Big model: the plan's step", "python benchmarks/bench_big_model.py --part objective"
+            table = ("Llama-3-70B on meta, real data, 64 H100s, bf16, AdamW: the plan's headline is simulate():\n\n"
+                     + objective_part(a.quick, a.timeout))
+        elif part == "models":
             name, command = "Big model: compile on meta", "python benchmarks/bench_big_model.py --part models"
             table = ("Llama shapes built on meta, analytic costs, the planner choosing stages and replicas:\n\n"
                      + models_part(a.quick, a.timeout))

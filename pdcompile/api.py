@@ -29,7 +29,7 @@ import torch
 
 from pdcompile import autoschedule, init_source, machine_cache, passmanager
 from pdcompile.cluster import ClusterSpec
-from pdcompile.errors import UncalibratedWarning, UsageError
+from pdcompile.errors import PdcompileError, UncalibratedWarning, UsageError
 from pdcompile.ir import Chain, CompileState, need
 from pdcompile.passes import codegen
 from pdcompile.passes.annotate_costs import AnnotateOptions
@@ -318,9 +318,14 @@ class CompiledPipeline:
                       choose_microbatches=not auto and _chooses_microbatches(opts))
         if auto:
             self._choose_schedule(model, example_inputs, opts, dump_dir)
-        # the plan's headline is the compiled program's simulate(): one number (docs/reading-a-plan.md)
-        self.state = self.state.replace(plan=self.plan.with_step(float(self.simulate().step_time_s),
-                                                                 self.num_microbatches, self._headline_how()))
+        # the plan's headline is the compiled program's simulate(): one number (docs/reading-a-plan.md); a
+        # program the simulator cannot replay keeps the planner's figure, which the plan's table names
+        try:
+            step = float(self.simulate().step_time_s)
+        except PdcompileError:
+            pass
+        else:
+            self.state = self.state.replace(plan=self.plan.with_step(step, self.num_microbatches, self._headline_how()))
         self._losses: dict[tuple[tuple[int, ...], str], LossProgram] = {}
         if self.state.loss is not None and opts.example_target is not None:
             self._losses[_target_key(self._micro_target(opts.example_target))] = self.state.loss

@@ -125,8 +125,8 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
     counts = microbatch_choices(minibatch) if opts.choose_microbatches else [m0]
     workers = cluster.num_workers
     split = default_split_backward("cpu" if cluster.device.name == "cpu" else "gpu", workers, os.cpu_count() or 1)
-    memory_on = opts.memory_limit is not False and cluster.device.memory is not None \
-        and opts.cost_model != "pipedream"
+    # the memory limit as the planner applies it: on where asked, else the default cost model's default
+    memory_on = opts.memory_limit if opts.memory_limit is not None else opts.cost_model == "default"
     limit = float(cluster.device.memory) if memory_on and cluster.device.memory else math.inf
     found: list[tuple[float, int, int, Chain, Plan]] = []
     failures: list[str] = []
