@@ -31,6 +31,12 @@ and stashing copies) against its profile scales that stage's compute. Everything
 bubbles, transfers, collectives, overheads, copies — remains predicted, so the calibrated error tests
 the simulator's model of the schedule on the machine as it was.
 
+``--user`` measures instead the prediction a user gets before any run: ``pdcompile(...)`` with the default
+``cost_mode`` (``auto``: this machine's cost per op class when ``python -m pdcompile.calibrate`` cached one)
+on ``local_cpu_cluster(S)``, then ``simulate()``; beside it, on the same plan, the model before issue 36
+(the roofline without a fixed cost per op, no core contention) and ``cost_mode="measured"`` (every node
+timed here), each against the emitted program's measured median step (:func:`user_main`).
+
 Usage: python benchmarks/bench_predicted_vs_measured.py [--all] [--steps 12] [--repeats 3]
   default (a subset, to stay under 10 minutes on the loaded 2-core machine): gpt with gpipe, flush,
   1f1b, 2bw and the new schedules (zb-h1, interleaved-1f1b, looped-bfs, zb-v, dualpipe-v) on 2 processes and flush/1f1b on 3; vgg with flush, 1f1b and every new schedule;
@@ -390,7 +396,11 @@ def main(argv: list[str] | None = None) -> int:
                          "error and its range")
     ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     ap.add_argument("--png", default=str(HERE.parent / "timeline_example.png"), help="timeline example output")
+    ap.add_argument("--user", help="the prediction a user gets before the run, for cases MODEL:S:SCHEDULE,... "
+                                   "(e.g. gpt:2:flush,vgg:3:flush); see user_main")
     args = ap.parse_args(argv)
+    if args.user:
+        return user_main(args)
     from benchmarks._common import load_note, sgd
     from pdcompile.api import pdcompile
     from pdcompile.cluster import flat_cluster, format_quantity
@@ -619,6 +629,107 @@ def table(rows: list[dict[str, Any]], link: Link, overhead: dict[str, float], lo
         out.append(f"- {len(noisy)} run(s) had step times spread more than 30% (IQR/median): other jobs on the "
                    f"shared cores; their errors mean little.")
     return "\n".join(out) + "\n"
+
+
+def _before_issue_36() -> Any:
+    """A context in which annotate-costs is the analytic model as it was before issue 36: the CPU roofline
+    with no fixed cost per op and no core contention (the benchmark's baseline, not an option)."""
+    import contextlib
+    from unittest import mock
+
+    from pdcompile.passes.costs.roofline import DeviceSpec
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch("pdcompile.passes.annotate_costs.device_spec_for",
+                                   lambda cluster, precision="fp32": DeviceSpec("cpu", 100e9, 20e9)))
+    stack.enter_context(mock.patch("pdcompile.passes.annotate_costs.contention", lambda cluster: 1.0))
+    return stack
+
+
+def user_main(args: argparse.Namespace) -> int:
+    """Per case (model, S processes, schedule, M=4): compile on ``local_cpu_cluster(S)`` with
+    ``stages=S`` three ways (the default ``cost_mode``; the model before issue 36, with the analytic
+    default of then; ``cost_mode="measured"``), predict the emitted program's step with ``simulate()``
+    of each on the default compile's plan, run the program ``--repeats`` times (cases interleaved),
+    and report each prediction's error against the measured median; the median |error| per model."""
+    import copy
+
+    from benchmarks._common import load_note, sgd
+    from pdcompile import machine_cache
+    from pdcompile.api import pdcompile
+    from pdcompile.cluster import host_cores, local_cpu_cluster
+
+    torch.set_num_threads(1)
+    load_before = load_note()
+    cases = [(m, int(S_), sch) for m, S_, sch in (c.split(":") for c in args.user.split(","))]
+    rows: list[dict[str, Any]] = []
+    for name, S_, sched in cases:
+        case = build(name)
+        kw = dict(example_inputs=case.inputs, example_target=case.target, loss_fn=case.loss_fn, optimizer=sgd,
+                  stages=S_, schedule=sched, num_microbatches=M, leaf_modules=case.leaf_modules)
+        cluster = local_cpu_cluster(S_)
+        pipe = pdcompile(case.model, cluster, **kw)
+        with _before_issue_36():
+            old = pdcompile(case.model, cluster, cost_mode="analytic", **kw)
+        measured = pdcompile(case.model, cluster, cost_mode="measured", **kw)
+        preds = {"default": float(pipe.simulate().step_time_s)}
+        for label, other in (("before", old), ("measured mode", measured)):
+            same = copy.copy(pipe)  # the default compile's plan, the other's costs
+            same.state = pipe.state.replace(chain=other.state.chain)
+            preds[label] = float(same.simulate().step_time_s) \
+                if len(other.state.chain.layers) == len(pipe.state.chain.layers) else math.nan
+        prog = pipe.emit(Path(tempfile.mkdtemp(prefix="pd-bench-user-")) / "program")
+        rows.append({"model": name, "S": S_, "schedule": sched, "pred": preds, "meas": [],
+                     "source": pipe.cost_source.line, "loads": []})
+        print(f"{name} S={S_} {sched}: predicted (ms) " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in preds.items())
+              + f"; {pipe.cost_source.line}", flush=True)
+        rows[-1]["prog"] = prog
+    for rep in range(args.repeats):
+        for r in rows:
+            from benchmarks._common import run_ours
+
+            # timed without the memory meter (a hook per saved tensor), which the prediction does not charge
+            metrics = run_ours(r["prog"], r["S"], args.steps, schedule=r["schedule"], extra=["--no-memory-meter"],
+                               timeout=240)
+            r["meas"].append(measured_step(metrics, r["schedule"])[0])
+            r["loads"].append(os.getloadavg()[0])
+            print(f"  run {rep + 1}: {r['model']} S={r['S']} {r['schedule']} measured {r['meas'][-1] * 1e3:.2f} ms "
+                  f"(load {r['loads'][-1]:.1f})", flush=True)
+    labels = ("before", "default", "measured mode")
+    out = [f"The prediction made before any run against the measured median step (`train.py --metrics "
+           f"--no-memory-meter`, "
+           f"{args.steps} minibatches, {WARMUP} dropped, {args.repeats} runs per case, cases interleaved), M={M}, "
+           f"SGD, `local_cpu_cluster(S)` on {host_cores()} cores. \"before\": the analytic model before issue 36 (CPU "
+           f"roofline, no fixed cost per op, no core contention), on the same plan; \"default\": `pdcompile()`'s "
+           f"default now (`cost_mode=\"auto\"`: {rows[0]['source'] if rows else ''}); \"measured mode\": every node "
+           f"timed in this process. All three charge the runtime's per-action cost "
+           f"({'calibrated' if machine_cache.action_cost().calibrated else 'built-in'}). Load before: {load_before}; "
+           f"after: {load_note()}.", "",
+           "| model | S | schedule | measured median (ms) | " + " | ".join(f"{k} (ms) | error" for k in labels)
+           + " | load (1 min) |", "|---|---|---|---|" + "---|---|" * len(labels) + "---|"]
+    errs: dict[str, list[float]] = {k: [] for k in labels}
+    for r in rows:
+        meas = statistics.median(r["meas"])
+        cells = []
+        for k in labels:
+            e = r["pred"][k] / meas - 1
+            errs[k].append(abs(e))
+            cells.append(f"{r['pred'][k] * 1e3:.2f} | {e:+.1%}")
+        out.append(f"| {r['model']} | {r['S']} | {r['schedule']} | {meas * 1e3:.2f} | " + " | ".join(cells)
+                   + f" | {statistics.median(r['loads']):.1f} |")
+    out += ["", "Median |error|: " + ", ".join(f"{k} {statistics.median(v):.0%}" for k, v in errs.items()
+                                               if not any(math.isnan(x) for x in v)) + "."]
+    table, _ = machine_cache.op_costs()
+    if table is not None:  # the fit the default read: alpha (us) and rate (GFLOP/s or GB/s) per class
+        def fmt(d: Any) -> str:
+            return ", ".join(f"{k} {v.alpha_s * 1e6:.1f} us + work / {v.rate / 1e9:.3g} G/s" for k, v in sorted(d.items()))
+        out += ["", f"Calibration read ({table.source}), forward: {fmt(table.forward)}; backward: "
+                    f"{fmt(table.backward)} (work: FLOPs for matmul, conv, attention; bytes otherwise)."]
+    text = "\n".join(out) + "\n"
+    print(text)
+    if not args.no_write:
+        write_section("Prediction before the run (issue 36: per-op fixed cost, calibration, cores)", text)
+    return 0
 
 
 if __name__ == "__main__":

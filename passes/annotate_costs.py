@@ -28,10 +28,12 @@ from pdcompile.passes.costs.flops import node_flops, rnn_flops
 from pdcompile.passes.costs.measure import backward_call_overhead, medians
 from pdcompile.passes.costs.nodes import COMPUTE_OPS, NodeCall, call_key, capture, flat_tensors, output_meta
 from pdcompile.passes.costs.params import param_attribution, shared_param_bytes
+from pdcompile.passes.costs.opclass import OpCostTable, op_class
 from pdcompile.passes.costs.profile import profile_from_graph
 from pdcompile.passes.costs.roofline import (
     DEVICE_SPECS,
     DeviceSpec,
+    contention,
     device_spec_for,
     device_spec_name,
     resolve_device_spec,
@@ -83,6 +85,10 @@ class NodeCost:
     selective_recompute_s: float = 0.0
     selective_rebuilt_bytes: int = 0  # of saved_bytes, what a backward rebuilds (not cached)
     resaved_bytes: int = 0  # what it saves that an earlier node saved first (not in saved_bytes)
+    # of forward_s and backward_s, the fixed part that does not scale with the microbatch (analytic: the
+    # op class's alpha; measured: not separated, 0)
+    forward_fixed_s: float = 0.0
+    backward_fixed_s: float = 0.0
 
     def __str__(self) -> str:
         expr = f' ("{self.output_bytes_expr}")' if self.output_bytes_expr else ""
@@ -265,10 +271,12 @@ def annotate_costs(
                         whole[node] = 1.0 if call.leaves else 0.0
             else:
                 assert spec is not None
-                in_bytes = sum(t.numel() * t.element_size()
-                               for t in flat_tensors(fx.node.map_arg((node.args, node.kwargs), values.__getitem__)))
-                fwd_s = spec.seconds(ff, in_bytes + out_bytes)
-                bwd_s = spec.seconds(bf, 2 * (in_bytes + out_bytes)) if has_backward else 0.0
+                io = input_bytes(node, values) + out_bytes
+                cls = op_class(node, gm)
+                fwd_s = spec.op_seconds(cls, ff, io)
+                bwd_s = spec.op_seconds(cls, bf, 2 * io, backward=True) if has_backward else 0.0
+                fixed = {"forward_fixed_s": spec.op_fixed(cls),
+                         "backward_fixed_s": spec.op_fixed(cls, backward=True) if has_backward else 0.0}
             pb, bb = attribution[node]
             node.meta["pd.cost"] = NodeCost(
                 forward_s=fwd_s, backward_s=bwd_s, forward_flops=ff, backward_flops=bf,
@@ -280,6 +288,7 @@ def annotate_costs(
                 saved_output_bytes=saved[node][2], shared_param_bytes=shared[node],
                 selective_saved_bytes=selective[node][0], selective_recompute_s=fwd_s * selective[node][1],
                 selective_rebuilt_bytes=selective[node][2], resaved_bytes=resaved[node],
+                **({} if mode == "measured" else fixed),
             )
             if "pd.tensor" not in node.meta:
                 node.meta["pd.tensor"] = meta
@@ -298,6 +307,12 @@ def annotate_costs(
                                            backward_s=bwd_s, **parts,
                                            selective_recompute_s=secs[(node, "fwd")] * selective[node][1])
     return gm
+
+
+def input_bytes(node: fx.Node, values: dict[fx.Node, Any]) -> int:
+    """Bytes of the tensors a node's call reads (its arguments'; a module's parameters not counted)."""
+    return sum(t.numel() * t.element_size()
+               for t in flat_tensors(fx.node.map_arg((node.args, node.kwargs), values.__getitem__)))
 
 
 def analytic_flops(gm: fx.GraphModule, node: fx.Node, values: dict[fx.Node, Any],
@@ -367,16 +382,36 @@ class AnnotateOptions:
     cluster: ClusterSpec | None = None  # analytic costs use its device (device_spec_for)
     symbolic: bool = False  # fit costs as expressions of the microbatch size (slower)
     precision: str = "fp32"  # "bf16": analytic costs at the device's bf16 peak (device_spec_for)
+    op_costs: OpCostTable | None = None  # analytic: this machine's fitted cost per op class (calibrated)
 
 
 def run(state: CompileState, opts: AnnotateOptions) -> CompileState:
-    """Annotates ``gm`` with ``pd.cost``; writes ``profile``."""
-    spec = device_spec_for(opts.cluster, opts.precision)
+    """Annotates ``gm`` with ``pd.cost``; writes ``profile``. Every compute time is then charged the
+    cluster's core contention (:func:`~pdcompile.passes.costs.roofline.contention`: a local CPU cluster of
+    more busy processes than cores), so that the planner and the simulator both see it."""
+    spec = device_spec_for(opts.cluster, opts.precision).calibrated(opts.op_costs)
     gm = annotate_costs(need(state.gm, "gm"), state.example_inputs, mode=opts.mode, device_spec=spec,
                         progress=False, symbolic=opts.symbolic)
+    charge_contention(gm, contention(opts.cluster))
     profile = profile_from_graph(gm, batch_size=opts.microbatch_size, device=spec.name,
                                  name=type(state.model).__name__)
     return state.replace(gm=gm, profile=profile)
+
+
+def charge_contention(gm: fx.GraphModule, factor: float) -> None:
+    """Every node's times (forward, backward, its parts, what selective recomputation runs again) x ``factor``."""
+    if factor == 1.0:
+        return
+    for node in gm.graph.nodes:
+        c = node.meta.get("pd.cost")
+        if c is None:
+            continue
+        node.meta["pd.cost"] = replace(
+            c, forward_s=c.forward_s * factor, backward_s=c.backward_s * factor,
+            input_grad_s=None if c.input_grad_s is None else c.input_grad_s * factor,
+            weight_grad_s=None if c.weight_grad_s is None else c.weight_grad_s * factor,
+            selective_recompute_s=c.selective_recompute_s * factor,
+            forward_fixed_s=c.forward_fixed_s * factor, backward_fixed_s=c.backward_fixed_s * factor)
 
 
 __all__ = [

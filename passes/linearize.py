@@ -221,6 +221,7 @@ def linearize(profile: Profile, *, rule: str = "best", include_inputs: bool = Tr
             input_grad_s=l.input_grad_s, weight_grad_s=l.weight_grad_s,
             selective_saved_bytes=l.selective_saved_bytes, selective_recompute_s=l.selective_recompute_s,
             selective_rebuilt_bytes=l.selective_rebuilt_bytes, resaved_bytes=l.resaved_bytes,
+            forward_fixed_s=l.forward_fixed_s, backward_fixed_s=l.backward_fixed_s,
         )
         for l in (profile.layers[k] for k in order)
     )

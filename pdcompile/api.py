@@ -64,7 +64,7 @@ class Options:
     num_microbatches: int | None = None
     stages: int | Sequence[int] | None = None
     leaf_modules: tuple[Any, ...] = ()
-    cost_mode: str = "analytic"
+    cost_mode: str = "auto"  # "auto", "calibrated", "analytic", "measured" (machine_cache.cost_source)
     solver: str = "dp"
     cost_model: str = "default"
     data: dict[str, Any] | None = None
@@ -341,6 +341,8 @@ class CompiledPipeline:
         micro = tuple(x[: self.microbatch_size] for x in self.example_inputs)
         if init_source.has_meta(model):  # a model on meta: the passes see the inputs' shapes on meta too
             micro = tuple(x.to("meta") for x in micro)
+        self.cost_source = machine_cache.cost_source(opts.cost_mode, machine_cache.is_local(opts.cluster),
+                                                     init_source.has_meta(model) or micro[0].is_meta)
         state = CompileState(model=model, example_inputs=micro)
         # the passes run the model's forward in training mode (shapes, costs), which writes buffers such as
         # BatchNorm's running statistics: put them back, for the user's model and the stages (the same tensors)
@@ -441,8 +443,8 @@ class CompiledPipeline:
         target = opts.example_target
         return PassOptions(
             trace=TraceOptions(tuple(opts.leaf_modules), opts.frontend, opts.output),
-            annotate=AnnotateOptions(self.microbatch_size, opts.cost_mode, opts.cluster, opts.symbolic_costs,
-                                     opts.precision),
+            annotate=AnnotateOptions(self.microbatch_size, self.cost_source.mode, opts.cluster, opts.symbolic_costs,
+                                     opts.precision, self.cost_source.table),
             partition=PartitionOptions(
                 PlanOptions(cost_model=opts.cost_model, schedule=opts.schedule, num_microbatches=self.num_microbatches,
                             recompute=opts.recompute, shard=check_shard(opts.shard),
@@ -575,7 +577,8 @@ class CompiledPipeline:
         else:
             why = (f"why: the planner ({plan.solver}, cost model {plan.cost_model}) minimises the slowest stage or "
                    f"link; here that is {plan.bottleneck}.")
-        lines = [str(plan), "", why, "alternatives on the same cluster (simulated as the plan's headline):"]
+        lines = [str(plan), "", why, *self.cost_source.explain(self.cluster, self.options.precision),
+                 "alternatives on the same cluster (simulated as the plan's headline):"]
         for name, alt in self.alternatives():
             try:
                 t = float(self._simulate_plan(alt, sched, self.num_microbatches).step_time_s) \

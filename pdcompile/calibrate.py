@@ -44,6 +44,7 @@ class MachineConstants:
     compute_factor: float = 1.0  # a run's forward and backward / their profiled cost
     key: str = ""
     measured_at: str = ""
+    op_costs: dict[str, Any] = dataclasses.field(default_factory=dict)  # OpCostTable.to_dict(): cost per op class
 
     def step_s(self, param_bytes: float) -> float:
         """Predicted optimizer step (SGD with momentum, zero_grad) over ``param_bytes`` of parameters."""
@@ -86,8 +87,111 @@ def measure(log: Any = None) -> MachineConstants:
     say("measuring compute in a run against its profile (a traced 2-stage run of an MLP) ...")
     factor = measure_compute_factor(over)
     fixed, rate = measure_step()
+    say("measuring the fixed cost and rate of each op class (probe models at 8 sizes, one thread) ...")
+    ops = measure_op_costs()
     return MachineConstants(lat, bw, ar_lat, over, fixed, rate, factor, key=machine_key(),
-                            measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+                            measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), op_costs=ops.to_dict())
+
+
+def _probe_model(d: int, channels: int) -> Any:
+    """A model with an op of every class (opclass.OP_CLASSES): embedding, norm, linear, GELU, attention
+    over 4 heads, a residual add, views, a convolution with ReLU and pooling, and a cross-entropy loss."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(512, d)
+            self.norm = nn.LayerNorm(d)
+            self.qkv = nn.Linear(d, 3 * d)
+            self.fc = nn.Linear(d, d)
+            self.act = nn.GELU()
+            self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+            self.relu = nn.ReLU()
+            self.pool = nn.AvgPool2d(2)
+            self.head = nn.Linear(d, 16)
+
+        def forward(self, tokens: torch.Tensor, image: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            x = self.norm(self.emb(tokens))
+            b, t, _ = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, 4, d // 4).permute(2, 0, 3, 1, 4).unbind(0)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+            x = x + self.act(self.fc(a))
+            y = self.pool(self.relu(self.conv(image))).mean()
+            logits = self.head(x).view(b * t, 16) + y
+            return F.cross_entropy(logits, target.view(b * t))
+
+    return Probe()
+
+
+def op_cost_samples(sizes: tuple[tuple[int, int, int, int], ...] = ((1, 8, 32, 4), (4, 8, 32, 4), (16, 8, 32, 4),
+                                                                  (48, 8, 32, 4), (1, 16, 128, 16), (4, 16, 128, 16),
+                                                                  (16, 16, 128, 16), (48, 16, 128, 16)),
+                    repeats: int = 5) -> dict[str, list[tuple[float, float, float, float]]]:
+    """Per op class, ``(forward work, forward s, backward work, backward s)`` of every node of the probe
+    model (:func:`_probe_model`) at ``sizes`` (batch, tokens, width, conv channels), timed exactly as
+    ``cost_mode="measured"`` times nodes (``annotate_costs``, one thread) and its work counted as the
+    analytic model counts it (FLOPs, or bytes read and written; twice the bytes for a backward)."""
+    import torch
+
+    from pdcompile.passes.annotate_costs import annotate_costs, input_bytes
+    from pdcompile.passes.costs.nodes import COMPUTE_OPS, capture
+    from pdcompile.passes.costs.opclass import FLOP_CLASSES, op_class
+    from pdcompile.passes.trace import trace
+
+    out: dict[str, list[tuple[float, float, float, float]]] = {}
+    for b, t, d, ch in sizes:
+        torch.manual_seed(0)
+        model = _probe_model(d, ch)
+        inputs = (torch.randint(0, 512, (b, t)), torch.randn(b, ch, 16, 16), torch.randint(0, 16, (b, t)))
+        gm = trace(model)
+        annotate_costs(gm, inputs, mode="measured", repeats=repeats, symbolic=False, progress=False)
+        values = capture(gm, inputs)
+        for node in gm.graph.nodes:
+            if node.op not in COMPUTE_OPS:
+                continue
+            c, cls = node.meta["pd.cost"], op_class(node, gm)
+            io = float(input_bytes(node, values) + c.output_bytes)
+            fw, bw = (float(c.forward_flops), float(c.backward_flops)) if cls in FLOP_CLASSES else (io, 2 * io)
+            out.setdefault(cls, []).append((fw, c.forward_s, bw, c.backward_s))
+    return out
+
+
+def fit_op_costs(samples: dict[str, list[tuple[float, float, float, float]]], source: str) -> Any:
+    """An :class:`~pdcompile.passes.costs.opclass.OpCostTable` through :func:`op_cost_samples`: per class
+    :func:`~pdcompile.passes.costs.opclass.fit_op_cost` of forward and of backward (where two or more
+    distinct works were timed; a class of views keeps a fixed cost alone)."""
+    import numpy as np
+
+    from pdcompile.passes.costs.opclass import OpCost, OpCostTable, fit_op_cost
+
+    fwd: dict[str, OpCost] = {}
+    bwd: dict[str, OpCost] = {}
+    for cls, rows in samples.items():
+        a = np.array(rows, dtype=float)
+        for table, (w, t) in ((fwd, (a[:, 0], a[:, 1])), (bwd, (a[:, 2], a[:, 3]))):
+            if cls == "view":  # no kernel: a fixed cost alone, the median including those timed at nothing
+                table[cls] = OpCost(float(np.median(t)), float("inf"))
+                continue
+            keep = t > 0  # a backward timed at nothing (below the autograd call's own cost) says nothing
+            w, t = w[keep], t[keep]
+            if not len(t):
+                continue
+            if len(np.unique(w)) < 2:
+                table[cls] = OpCost(float(np.median(t)), float("inf"))
+            else:
+                table[cls] = fit_op_cost(w, t)
+    return OpCostTable(fwd, bwd, source)
+
+
+def measure_op_costs() -> Any:
+    """This machine's :class:`~pdcompile.passes.costs.opclass.OpCostTable` (:func:`op_cost_samples`, fitted)."""
+    import platform
+
+    stamp = time.strftime("%Y-%m-%d %H:%M %Z")
+    return fit_op_costs(op_cost_samples(), f"python -m pdcompile.calibrate, {stamp} on {platform.node()}")
 
 
 def _torchrun_module(module: str, nproc: int, args: list[str], timeout: float) -> tuple[int, str]:
@@ -325,10 +429,20 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m pdcompile.calibrate", description=__doc__.split("\n")[0])
     ap.add_argument("--refresh", action="store_true", help="measure again even when cached")
+    ap.add_argument("--ops", action="store_true",
+                    help="measure only the cost per op class (seconds, in this process) and add it to the cache")
     ap.add_argument("--link-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.link_worker:
         _link_worker(args.link_worker)
+        return 0
+    if args.ops:
+        table = measure_op_costs()
+        d = machine_cache.cached() or {"key": machine_key()}
+        d["op_costs"] = table.to_dict()
+        cache_path().parent.mkdir(parents=True, exist_ok=True)
+        cache_path().write_text(json.dumps(d, indent=1))
+        print(json.dumps({"path": str(cache_path()), "op_costs": d["op_costs"]}, indent=1))
         return 0
     c, cached = load_or_measure(refresh=args.refresh, log=print)
     print(json.dumps({"cached": cached, "path": str(cache_path()), **c.to_dict()}, indent=1))

@@ -146,9 +146,10 @@ class Device:
     peak_flops: float | None = None
     memory_bandwidth: float | None = None
     peak_flops_bf16: float | None = None
+    cores: int | None = None  # the host's cores the workers share (a local CPU cluster), None: their own
 
     def __post_init__(self) -> None:
-        for key in ("memory", "peak_flops", "memory_bandwidth", "peak_flops_bf16"):
+        for key in ("memory", "peak_flops", "memory_bandwidth", "peak_flops_bf16", "cores"):
             v = getattr(self, key)
             if v is not None and not (isinstance(v, (int, float)) and v > 0 and not math.isnan(v)):
                 raise ClusterSpecError(f"device.{key} must be positive (got {v!r})")
@@ -235,7 +236,7 @@ class ClusterSpec:
 
     def to_dict(self) -> dict[str, Any]:
         device: dict[str, Any] = {"name": self.device.name}
-        for key in ("memory", "peak_flops", "memory_bandwidth", "peak_flops_bf16"):
+        for key in ("memory", "peak_flops", "memory_bandwidth", "peak_flops_bf16", "cores"):
             v = getattr(self.device, key)
             if v is not None:
                 device[key] = v
@@ -289,7 +290,7 @@ class ClusterSpec:
     def with_memory(self, memory: float | None) -> "ClusterSpec":
         return ClusterSpec(
             Device(self.device.name, memory, self.device.peak_flops, self.device.memory_bandwidth,
-                   self.device.peak_flops_bf16),
+                   self.device.peak_flops_bf16, self.device.cores),
             self.levels,
         )
 
@@ -364,11 +365,14 @@ def _from_dict(d: Mapping[str, Any], where: str, text: str | None) -> ClusterSpe
     dev = d.get("device")
     if not isinstance(dev, Mapping):
         raise ClusterSpecError(f"{where}: device: missing [device] table (name, memory, ...)")
-    dev_unknown = set(dev) - {"name", "memory", "peak_flops", "memory_bandwidth", "peak_flops_bf16"}
+    dev_unknown = set(dev) - {"name", "memory", "peak_flops", "memory_bandwidth", "peak_flops_bf16", "cores"}
     if dev_unknown:
         key = sorted(dev_unknown)[0]
         raise _err(where, text, "device", None, key,
-                   "unknown key (use name, memory, peak_flops, memory_bandwidth, peak_flops_bf16)")
+                   "unknown key (use name, memory, peak_flops, memory_bandwidth, peak_flops_bf16, cores)")
+    cores = dev.get("cores")
+    if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores <= 0):
+        raise _err(where, text, "device", None, "cores", f"must be a positive whole number (got {cores!r})")
 
     def quantity(table: str, index: int | None, key: str, value: Any, kind: str) -> float:
         try:
@@ -390,6 +394,7 @@ def _from_dict(d: Mapping[str, Any], where: str, text: str | None) -> ClusterSpe
                           if "memory_bandwidth" in dev else None),
         peak_flops_bf16=(quantity("device", None, "peak_flops_bf16", dev["peak_flops_bf16"], "flops")
                          if "peak_flops_bf16" in dev else None),
+        cores=cores,
     )
     raw_levels = d.get("levels")
     if not isinstance(raw_levels, list) or not raw_levels:
@@ -438,15 +443,25 @@ def _meminfo_bytes() -> float | None:
 
 def local_cpu_cluster(workers: int, bandwidth: float = 2e9) -> ClusterSpec:
     """This machine as a cluster: ``workers`` processes on one level linked by loopback
-    (``bandwidth`` bytes/s, 2 GB/s by default), each with an equal share of the RAM."""
+    (``bandwidth`` bytes/s, 2 GB/s by default), each with an equal share of the RAM, sharing this
+    host's cores (``Device.cores``: more busy processes than cores slow each other, which the cost
+    model charges, ``roofline.contention``)."""
     if workers <= 0:
         raise ClusterSpecError(f"workers must be positive (got {workers})")
     total = _meminfo_bytes()
     memory = total / workers if total else None
     return ClusterSpec(
-        Device("cpu", memory=memory),
+        Device("cpu", memory=memory, cores=host_cores()),
         (Level("processes", workers, float(bandwidth)),),
     )
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity, else ``os.cpu_count()``)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 _V100_16 = Device("V100-16GB", memory=16 * 2.0**30, peak_flops=15.7e12, memory_bandwidth=900e9)

@@ -82,6 +82,17 @@ class ChainLayer:
     selective_recompute_s: float | None = None
     selective_rebuilt_bytes: float | None = None  # of saved_bytes, what a backward's rebuild makes (not cached)
     resaved_bytes: float = 0.0  # what it saves that an earlier layer saved first (a tail keeps it under partial)
+    # of forward_s and backward_s, the fixed part (its ops' fixed costs): what a smaller or larger microbatch
+    # pays alike (the simulator scales only the rest, :meth:`scaled`)
+    forward_fixed_s: float = 0.0
+    backward_fixed_s: float = 0.0
+
+    def scaled(self, scale: float) -> tuple[float, float, float]:
+        """(forward, backward, backward / profiled backward) at ``scale`` times the profiled batch: the
+        fixed parts as they are, the rest ``scale`` times."""
+        f = self.forward_fixed_s + (self.forward_s - self.forward_fixed_s) * scale
+        b = self.backward_fixed_s + (self.backward_s - self.backward_fixed_s) * scale
+        return f, b, (b / self.backward_s if self.backward_s else scale)
 
     @property
     def compute_s(self) -> float:

@@ -2,7 +2,8 @@
 :mod:`pdcompile.calibrate` (which measures and writes them) and :mod:`pdcompile.api` (which reads
 the runtime's per-action cost for ``schedule="auto"``, never measuring) share, below both. Without a
 calibration for this runtime, :func:`action_cost` gives a conservative built-in estimate and the
-line that says so."""
+line that says so; :func:`op_costs` gives the fitted cost per op class (or None and why), which the
+``calibrated`` cost mode reads."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdcompile.cluster import ClusterSpec
+    from pdcompile.passes.costs.opclass import OpCostTable
 
 
 def cache_path() -> Path:
@@ -104,3 +109,86 @@ def action_cost() -> ActionCost:
 
 def _builtin(problem: str) -> ActionCost:
     return ActionCost(dict.fromkeys(ACTION_KINDS, BUILTIN_ACTION_S), False, problem)
+
+
+def op_costs() -> tuple[OpCostTable | None, str]:
+    """This machine's fitted cost per op class (``python -m pdcompile.calibrate``), or None and what the
+    cache lacks. They hold for the host, core count, Python and torch of :func:`machine_key`, whatever
+    the runtime's code (the ops are torch's, not the runtime's)."""
+    from pdcompile.passes.costs.opclass import OpCostTable
+
+    path = cache_path()
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, f"no calibration at {path}"
+    except (OSError, ValueError):
+        return None, f"{path} is unreadable"
+    have = str(d.get("key") if isinstance(d, dict) else "").split("|")
+    key = machine_key().split("|")
+    if len(have) != len(_KEY_PARTS) or have[:-1] != key[:-1]:
+        diff = [name for name, a, b in zip(_KEY_PARTS[:-1], have, key) if a != b] \
+            if len(have) == len(_KEY_PARTS) else ["layout"]
+        return None, f"{path} was measured for another {', '.join(diff)}"
+    try:
+        table = OpCostTable.from_dict(d["op_costs"])
+    except (KeyError, TypeError, ValueError):
+        return None, f"{path} holds no cost per op class (calibrated by an older pdcompile)"
+    return table, ""
+
+
+COST_MODES = ("auto", "measured", "calibrated", "analytic")
+
+
+@dataclass(frozen=True)
+class CostSource:
+    """Which cost mode a compilation used and from what: ``mode`` is what annotate-costs runs
+    (``measured`` or ``analytic``), ``table`` this machine's fitted cost per op class (``calibrated``),
+    ``line`` what ``explain()`` prints."""
+
+    asked: str
+    mode: str
+    table: OpCostTable | None
+    line: str
+
+    def explain(self, cluster: ClusterSpec, precision: str = "fp32") -> list[str]:
+        """``explain()``'s lines: the cost mode and calibration used, the time per op, core contention."""
+        from pdcompile.passes.costs.roofline import THREADS_PER_PROCESS, contention, device_spec_for
+
+        lines = [f"costs: cost_mode={self.asked} -> {self.line}"]
+        if self.mode == "analytic":
+            lines.append(f"  time per op: {device_spec_for(cluster, precision).calibrated(self.table).describe()}")
+        if (c := contention(cluster)) > 1.0:
+            lines.append(f"  cores: {cluster.num_workers} processes x {THREADS_PER_PROCESS} thread on "
+                         f"{cluster.device.cores} cores: every compute time charged x{c:.2f} (roofline.contention)")
+        return lines
+
+
+def is_local(cluster: ClusterSpec | None) -> bool:
+    """Whether the compiling host is the target: no cluster given (a local one), or a local CPU cluster
+    (``local_cpu_cluster``: a ``cpu`` device that names this host's cores)."""
+    return cluster is None or (cluster.device.name == "cpu" and cluster.device.cores is not None)
+
+
+def cost_source(asked: str, local: bool, on_meta: bool) -> CostSource:
+    """Resolve ``cost_mode``: ``auto`` (the default) is ``calibrated`` where the compiling host is the
+    target (``local``: a local CPU cluster, or none given) and a calibration for this machine is cached,
+    else ``analytic``, the roofline with a documented default fixed cost per op class (said so, with the
+    fix); ``calibrated`` without a calibration is a UsageError naming the command. ``measured`` times
+    every node here (not on ``on_meta`` models)."""
+    from pdcompile.errors import UsageError
+
+    if asked not in COST_MODES:
+        raise UsageError(f"pdcompile: cost_mode must be one of {COST_MODES}, got {asked!r}")
+    if asked == "measured":
+        return CostSource(asked, "measured", None, "measured: every node timed on this host, one thread")
+    table, problem = op_costs() if asked == "calibrated" or (asked == "auto" and local and not on_meta) \
+        else (None, "")
+    if asked == "calibrated" and table is None:
+        raise UsageError(f"pdcompile: cost_mode='calibrated' needs this machine's cost per op class: {problem}. "
+                         f"Fix: {CALIBRATE_COMMAND}, or cost_mode='analytic'")
+    if table is not None:
+        return CostSource(asked, "analytic", table, f"calibrated: {table.source}")
+    why = (f"no fitted cost per op class for this machine ({problem}; fix: {CALIBRATE_COMMAND})" if problem
+           else "the target is not this host" if not local else "a model on meta is not calibrated here")
+    return CostSource(asked, "analytic", None, f"analytic: {why}")

@@ -99,6 +99,9 @@ class ProfileLayer:
     selective_recompute_s: float | None = None
     selective_rebuilt_bytes: float | None = None  # of saved_bytes, what a backward's rebuild makes (not cached)
     resaved_bytes: float = 0.0  # what it saves that an earlier layer saved first (not in saved_bytes)
+    # of forward_s and backward_s, the fixed part that does not scale with the batch (ops' fixed costs)
+    forward_fixed_s: float = 0.0
+    backward_fixed_s: float = 0.0
 
     @property
     def compute_s(self) -> float:

@@ -489,7 +489,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     ``backward_s``; its boundary sends ``chain.cut_bytes[last]`` forward (and as many gradient
     bytes back) at ``cluster.bandwidth_between`` the two ranks; a replicated stage all-reduces its
     ``param_bytes`` with a ring over the slowest link among its ranks. Chain costs are per
-    minibatch of ``chain.batch_size`` and are scaled linearly to ``plan.microbatch_size``. A stage
+    minibatch of ``chain.batch_size`` and are scaled linearly to ``plan.microbatch_size``, less each
+    layer's fixed part (``ChainLayer.scaled``: its ops' fixed costs, paid whatever the size). A stage
     that recomputes runs again before its backward (``B``) what its mode rebuilds
     (:meth:`~pdcompile.passes.planner.decisions.Recompute.recompute_s`).
     Memory: the planner's stage memory (:meth:`~pdcompile.passes.planner.memory.MemoryModel.memory_at`: saved
@@ -540,10 +541,12 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
         # run again at B: what its recomputation rebuilds
         again = model("flush").recompute_s(st_.first, st_.last, getattr(st_, "recompute", "none"),
                                            getattr(st_, "recompute_layers", 0)) * scale
-        fwd.append(sum(l.forward_s for l in mine) * scale)
-        bwd.append(sum(l.backward_s for l in mine) * scale + again)
-        b_in.append(sum(_part(l.input_grad_s, l.backward_s, input_grad_share) for l in mine) * scale + again)
-        b_w.append(sum(_part(l.weight_grad_s, l.backward_s, weight_grad_share) for l in mine) * scale)
+        sized = [l.scaled(scale) for l in mine]  # ops' fixed costs paid whatever the microbatch's size
+        fwd.append(sum(f for f, _, _ in sized))
+        bwd.append(sum(b for _, b, _ in sized) + again)
+        b_in.append(sum(_part(l.input_grad_s, l.backward_s, input_grad_share) * k
+                        for l, (_, _, k) in zip(mine, sized)) + again)
+        b_w.append(sum(_part(l.weight_grad_s, l.backward_s, weight_grad_share) * k for l, (_, _, k) in zip(mine, sized)))
         params.append(sum(l.param_bytes for l in mine))
         cut.append(chain.cut_bytes[st_.last] * scale if st_.last < len(chain.cut_bytes) else 0.0)
     if virtual_stages > 1:

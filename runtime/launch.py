@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                         "(gloo); cuda: require the GPUs; cpu: the CPU and gloo even on a GPU machine")
     p.add_argument("--save-final", default=None, help="folder for each rank's final weights")
     p.add_argument("--metrics", default=None, help="folder for each rank's metrics JSON")
+    p.add_argument("--memory-meter", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure each stage's memory (a hook per saved tensor: time a run without it); "
+                        "default: on with --metrics, whose 'memory' it fills")
     p.add_argument("--trace", default=None, help="folder for each rank's action timeline (Chrome trace events)")
     p.add_argument("--vertical-sync", action=argparse.BooleanOptionalAction, default=compiled.vertical_sync,
                    help="1f1b: every stage uses the weight version the input stage had when a minibatch entered")

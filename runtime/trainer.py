@@ -159,7 +159,9 @@ class Trainer:
                 replica_group=None if full else replica_groups.get(st.index), tied_groups=tied_groups[st.index],
                 lr_scheduler=lr_scheduler, weight_store=VersionedStore(module, self.predictors[st.index]),
                 recorder=timing.recorder(self.events.append, devices.rank_device()) if args.trace else None,
-                measure_memory=args.metrics is not None,  # metrics report it; measuring costs a hook per saved tensor
+                # metrics report it; measuring costs a hook per saved tensor, so a timed run turns it off
+                measure_memory=(args.metrics is not None if getattr(args, "memory_meter", None) is None
+                                else args.memory_meter),
                 clock=(lambda: timing.now(devices.rank_device())) if args.trace else time.perf_counter,
                 device=devices.rank_device(), fail_at=args.fail_at, precision=args.precision,
                 clip_grad_norm=args.clip_grad_norm, norm_group=norm_group,

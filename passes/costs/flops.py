@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, sdpa_backward_flop_count, sdpa_flop_count
 
 from pdcompile.passes.costs.nodes import NodeCall, flat_tensors
 
@@ -22,7 +22,22 @@ def _conv_backward_flop(grad_out_shape: Any, x_shape: Any, w_shape: Any, _bias: 
     return fwd * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
 
 
-_FLOP_OVERRIDES = {torch.ops.aten.convolution_backward: _conv_backward_flop}
+def _sdpa_cpu_flop(q_shape: Any, k_shape: Any, v_shape: Any, *args: Any, **kwargs: Any) -> int:
+    """CPU attention (``scaled_dot_product_attention``'s flash kernel for CPU, which torch's table lacks):
+    the two batched matmuls, as torch counts its GPU kernels."""
+    return int(sdpa_flop_count(q_shape, k_shape, v_shape))
+
+
+def _sdpa_cpu_backward_flop(grad_shape: Any, q_shape: Any, k_shape: Any, v_shape: Any, *args: Any,
+                            **kwargs: Any) -> int:
+    return int(sdpa_backward_flop_count(grad_shape, q_shape, k_shape, v_shape))
+
+
+_FLOP_OVERRIDES: dict[Any, Any] = {torch.ops.aten.convolution_backward: _conv_backward_flop}
+for _name, _fn in (("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu_flop),
+                   ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_cpu_backward_flop)):
+    if hasattr(torch.ops.aten, _name):
+        _FLOP_OVERRIDES[getattr(torch.ops.aten, _name)] = _fn
 
 
 def count_flops(fn: Callable[[], Any]) -> tuple[int, Any]:

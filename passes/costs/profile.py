@@ -49,6 +49,7 @@ def profile_from_graph(gm: fx.GraphModule, *, batch_size: int, device: str,
                 selective_recompute_s=float(cost.selective_recompute_s),
                 selective_rebuilt_bytes=float(cost.selective_rebuilt_bytes),
                 resaved_bytes=float(cost.resaved_bytes),
+                forward_fixed_s=float(cost.forward_fixed_s), backward_fixed_s=float(cost.backward_fixed_s),
             ))
     return Profile(layers=tuple(layers), batch_size=batch_size, device=device,
                    name=name or type(gm).__name__, mode=mode, optimizer=optimizer,

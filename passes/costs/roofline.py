@@ -1,12 +1,15 @@
 """Analytic time: a :class:`DeviceSpec` roofline turns FLOPs and bytes into seconds, the same on
-every machine; presets by name, or the cluster's own device."""
+every machine; presets by name, or the cluster's own device. Each op also pays its class's fixed
+cost (``passes/costs/opclass.py``): a preset's documented default, or, with this machine's
+calibration (``op_costs``), the fitted ``alpha + work / rate`` per class instead of the roofline."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdcompile.cluster import ClusterSpec
 from pdcompile.errors import UsageError
+from pdcompile.passes.costs.opclass import BACKWARD_ALPHA_FACTOR, FLOP_CLASSES, OpCostTable, default_alphas
 
 @dataclass(frozen=True)
 class DeviceSpec:
@@ -18,11 +21,52 @@ class DeviceSpec:
     mem_bandwidth: float = 0.0  # 0: ignore memory traffic
     efficiency: float = 0.5
     bandwidth_efficiency: float = 0.7
+    # fixed seconds of one forward op per class (opclass.OP_CLASSES; a backward pays BACKWARD_ALPHA_FACTOR
+    # times it); empty: none (a spec built by hand says what it wants; the presets carry the defaults)
+    alphas: tuple[tuple[str, float], ...] = ()
+    op_costs: OpCostTable | None = None  # this machine's fit per class (python -m pdcompile.calibrate)
 
     def seconds(self, flops: float, nbytes: float = 0.0) -> float:
+        """The roofline alone: ``max(flops / (peak x efficiency), bytes / (bandwidth x efficiency))``."""
         compute = flops / (self.peak_flops * self.efficiency)
         memory = nbytes / (self.mem_bandwidth * self.bandwidth_efficiency) if self.mem_bandwidth else 0.0
         return max(compute, memory)
+
+    def op_seconds(self, op: str, flops: float, nbytes: float, backward: bool = False) -> float:
+        """One op of class ``op``: with a calibration that fitted the class, its ``alpha + work / rate``
+        (work: FLOPs for matmul, conv and attention, else bytes); otherwise the roofline plus the
+        class's fixed cost (:attr:`alphas`, doubled for a backward)."""
+        fit = None if self.op_costs is None else (self.op_costs.backward if backward else self.op_costs.forward).get(op)
+        if fit is not None:
+            return fit.seconds(flops if op in FLOP_CLASSES else nbytes)
+        alpha = dict(self.alphas).get(op, 0.0) * (BACKWARD_ALPHA_FACTOR if backward else 1.0)
+        return alpha + (0.0 if op == "view" else self.seconds(flops, nbytes))  # a view moves no bytes
+
+    def op_fixed(self, op: str, backward: bool = False) -> float:
+        """Of :meth:`op_seconds`, the fixed part (a microbatch of any size pays it once)."""
+        fit = None if self.op_costs is None else (self.op_costs.backward if backward else self.op_costs.forward).get(op)
+        if fit is not None:
+            return fit.alpha_s
+        return dict(self.alphas).get(op, 0.0) * (BACKWARD_ALPHA_FACTOR if backward else 1.0)
+
+    def with_default_alphas(self) -> DeviceSpec:
+        """This spec with its device kind's documented fixed cost per op class (opclass.DEFAULT_ALPHA_S)."""
+        return replace(self, alphas=tuple(sorted(default_alphas(self.name).items())))
+
+    def calibrated(self, table: OpCostTable | None) -> DeviceSpec:
+        """This spec with this machine's fitted op costs (None: as it is)."""
+        return self if table is None else replace(self, op_costs=table)
+
+    def describe(self) -> str:
+        """One line for ``explain()``: which time model the costs came from."""
+        if self.op_costs is not None:
+            return (f"fixed cost + work / rate per op class, fitted on this machine ({self.op_costs.source}); "
+                    f"roofline {self} for classes it did not fit")
+        if self.alphas:
+            return (f"roofline {self} plus a documented default fixed cost per op "
+                    f"({', '.join(f'{k} {v * 1e6:g} us' for k, v in self.alphas)}; x{BACKWARD_ALPHA_FACTOR:g} "
+                    f"backward)")
+        return f"roofline {self}, no fixed cost per op"
 
     def __str__(self) -> str:
         return (f"{self.name}: {self.peak_flops / 1e12:.1f} TFLOP/s x {self.efficiency}, "
@@ -30,13 +74,14 @@ class DeviceSpec:
 
 
 #: Published dense FP32 (TF32 for A100/H100/H200 tensor cores not assumed) peaks and HBM bandwidth.
-DEVICE_SPECS: dict[str, DeviceSpec] = {
+#: Each with its kind's default fixed cost per op class (opclass.DEFAULT_ALPHA_S).
+DEVICE_SPECS: dict[str, DeviceSpec] = {k: v.with_default_alphas() for k, v in {
     "cpu": DeviceSpec("cpu", 100e9, 20e9),
     "v100": DeviceSpec("v100", 15.7e12, 900e9),
     "a100": DeviceSpec("a100", 19.5e12, 1.555e12),
     "h100": DeviceSpec("h100", 67e12, 3.35e12),
     "h200": DeviceSpec("h200", 67e12, 4.8e12),
-}
+}.items()}
 
 
 def resolve_device_spec(spec: DeviceSpec | str | None) -> DeviceSpec:
@@ -67,5 +112,19 @@ def device_spec_for(cluster: ClusterSpec | None, precision: str = "fp32") -> Dev
     base = DEVICE_SPECS.get(key, DEVICE_SPECS["cpu"])
     peak = dev.peak_flops_bf16 if precision == "bf16" and dev.peak_flops_bf16 else dev.peak_flops
     if peak:
-        return DeviceSpec(dev.name, peak, dev.memory_bandwidth or base.mem_bandwidth)
+        return DeviceSpec(dev.name, peak, dev.memory_bandwidth or base.mem_bandwidth).with_default_alphas()
     return base
+
+
+#: intra-op threads of each runtime process on CPU (torchrun's OMP_NUM_THREADS=1, the launcher's default)
+THREADS_PER_PROCESS = 1
+
+
+def contention(cluster: ClusterSpec | None, threads: int = THREADS_PER_PROCESS) -> float:
+    """How much slower each process computes when a local CPU cluster's ``workers x threads`` exceed its
+    host's cores (``Device.cores``, set by ``local_cpu_cluster``): ``max(1, workers x threads / cores)``,
+    the time-sharing of every busy core; 1 for a cluster whose device does not name its cores."""
+    cores = getattr(getattr(cluster, "device", None), "cores", None)
+    if cluster is None or not cores:
+        return 1.0
+    return max(1.0, cluster.num_workers * threads / cores)

@@ -1,0 +1,168 @@
+"""A node's op class and what one op of a class costs: a fixed cost plus its work at a rate,
+``seconds = alpha + work / rate``, forward and backward apart.
+
+Op classes are the kinds of kernel whose fixed cost and speed differ: ``matmul`` (linear, matmul,
+recurrent cells), ``conv``, ``attention``, ``norm``, ``elementwise`` (activations, pooling,
+dropout, softmax, arithmetic), ``embedding`` (and gathers), ``loss`` and ``view`` (shape ops that
+launch no kernel). Work is FLOPs for the first three, bytes read and written for the others (what
+``annotate-costs`` counts for a node). ``python -m pdcompile.calibrate`` times each class at several
+sizes on this machine and fits ``alpha`` and ``rate`` (:func:`fit_op_cost`); without a calibration
+the analytic model adds :data:`DEFAULT_ALPHA_S` to its roofline (``roofline.DeviceSpec``).
+Pure data and arithmetic: the node classifier reads only an fx node's target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from pdcompile.errors import UsageError
+
+__all__ = ["DEFAULT_ALPHA_S", "FLOP_CLASSES", "OP_CLASSES", "OpCost", "OpCostTable", "default_alphas", "fit_op_cost",
+           "op_class", "op_class_of_name"]
+
+OP_CLASSES = ("matmul", "conv", "attention", "norm", "elementwise", "embedding", "loss", "view")
+FLOP_CLASSES = ("matmul", "conv", "attention")  # work in FLOPs; the others' in bytes read + written
+
+#: The fixed seconds of one op per class, forward (a backward is charged 1.5 times as much: it runs
+#: one or two kernels per op) when no calibration is at hand. CPU: eager PyTorch's dispatch and one thread's
+#: kernel set-up, the order the calibration fits on x86 (a few to tens of microseconds; the fits on the
+#: 2-core development VM are in benchmarks/RESULTS.md); GPU: a kernel launch from eager PyTorch
+#: (5-10 us, the host's dispatch dominating small kernels), more for the few-kernel ops.
+DEFAULT_ALPHA_S: dict[str, dict[str, float]] = {
+    "cpu": {"matmul": 20e-6, "conv": 40e-6, "attention": 25e-6, "norm": 15e-6, "elementwise": 3e-6,
+            "embedding": 15e-6, "loss": 15e-6, "view": 2e-6},
+    "gpu": {"matmul": 10e-6, "conv": 15e-6, "attention": 25e-6, "norm": 10e-6, "elementwise": 8e-6,
+            "embedding": 10e-6, "loss": 20e-6, "view": 3e-6},
+}
+BACKWARD_ALPHA_FACTOR = 1.5
+
+
+def default_alphas(device_name: str) -> dict[str, float]:
+    """:data:`DEFAULT_ALPHA_S` for a device named ``device_name`` (``cpu`` or any accelerator)."""
+    return dict(DEFAULT_ALPHA_S["cpu" if device_name.lower().startswith("cpu") else "gpu"])
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One class's ``seconds = alpha_s + work / rate`` (``rate`` in FLOP/s or bytes/s; inf: no size term)."""
+
+    alpha_s: float
+    rate: float
+
+    def seconds(self, work: float) -> float:
+        return self.alpha_s + (work / self.rate if work and self.rate < float("inf") else 0.0)
+
+
+@dataclass(frozen=True)
+class OpCostTable:
+    """A machine's fitted :class:`OpCost` per class, forward and backward, and where they came from
+    (``source``: what ``explain()`` prints, e.g. "calibrated 2026-12-07 05:01 UTC on host")."""
+
+    forward: Mapping[str, OpCost] = field(default_factory=dict)
+    backward: Mapping[str, OpCost] = field(default_factory=dict)
+    source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        def rate(r: float) -> float | None:
+            return None if r == float("inf") else r  # JSON has no infinity
+
+        return {"source": self.source,
+                "forward": {k: [v.alpha_s, rate(v.rate)] for k, v in sorted(self.forward.items())},
+                "backward": {k: [v.alpha_s, rate(v.rate)] for k, v in sorted(self.backward.items())}}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> OpCostTable:
+        """The table :meth:`to_dict` wrote; a bad layout is a ValueError."""
+        def part(key: str) -> dict[str, OpCost]:
+            out = {}
+            for k, v in dict(d[key]).items():
+                a, r = float(v[0]), float("inf") if v[1] is None else float(v[1])
+                if len(v) != 2:
+                    raise ValueError(f"bad op cost {k}: {v}")
+                if k not in OP_CLASSES or not (a >= 0 and r > 0):
+                    raise ValueError(f"bad op cost {k}: {v}")
+                out[k] = OpCost(a, r)
+            return out
+
+        return OpCostTable(part("forward"), part("backward"), str(d.get("source", "")))
+
+
+def fit_op_cost(work: Sequence[float] | np.ndarray, seconds: Sequence[float] | np.ndarray,
+                trim: bool = True) -> OpCost:
+    """The ``alpha + work / rate`` through timings ``seconds`` of ops of ``work`` each, fitted in
+    relative error (small and large ops count alike: rows scaled by ``1 / seconds``), ``alpha >= 0``
+    (a negative intercept refits through the origin); with ``trim`` (five or more timings) fitted again
+    without the fifth that fits worst (a timing a busy machine inflated). Needs two or more distinct works."""
+    w = np.asarray(work, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    if w.shape != t.shape or w.ndim != 1 or len(np.unique(w)) < 2:
+        raise UsageError("fit_op_cost: needs equal-length 1-D arrays with at least two distinct works")
+    if np.any(t <= 0) or np.any(w < 0) or not np.all(np.isfinite(t)):
+        raise UsageError("fit_op_cost: timings must be positive and finite, works >= 0")
+    alpha, inv_rate = _fit(w, t)
+    if trim and len(t) >= 5:  # timings on a busy machine: refit without the worst fifth
+        resid = np.abs((alpha + w * inv_rate) / t - 1.0)
+        keep = resid <= np.quantile(resid, 0.8)
+        if len(np.unique(w[keep])) >= 2:
+            alpha, inv_rate = _fit(w[keep], t[keep])
+    if inv_rate <= 0:  # no size dependence measurable: all fixed cost
+        return OpCost(float(np.median(t)), float("inf"))
+    return OpCost(float(alpha), float(1.0 / inv_rate))
+
+
+def _fit(w: np.ndarray, t: np.ndarray) -> tuple[float, float]:
+    """(alpha >= 0, 1 / rate) minimising the relative residuals ``(alpha + w / rate) / t - 1``."""
+    A = np.stack([1.0 / t, w / t], axis=1)
+    (alpha, inv_rate), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    if alpha < 0:
+        return 0.0, float(np.sum(w / t) / np.sum((w / t) ** 2))
+    return float(alpha), float(inv_rate)
+
+
+_MODULE_CLASSES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("Linear", "Bilinear", "LSTM", "GRU", "RNN"), "matmul"),
+    (("Conv",), "conv"),
+    (("Attention",), "attention"),
+    (("Norm",), "norm"),
+    (("Embedding",), "embedding"),
+    (("Loss",), "loss"),
+    (("Flatten", "Unflatten", "Identity"), "view"),
+)
+_MATMUL = {"linear", "matmul", "bmm", "addmm", "baddbmm", "addbmm", "einsum", "mm", "lstm", "gru", "rnn"}
+_EMBEDDING = {"embedding", "embedding_bag", "gather", "index_select", "take", "take_along_dim"}
+_VIEW = {"getitem", "getattr", "size", "view", "reshape", "flatten", "unflatten", "permute", "transpose", "squeeze",
+         "unsqueeze", "expand", "split", "chunk", "unbind", "contiguous", "dim", "t", "narrow", "detach", "view_as",
+         "expand_as", "movedim", "swapaxes"}
+
+
+def op_class_of_name(name: str, module: bool = False) -> str:
+    """The op class of a module's class name (``module``) or a function or method's name; elementwise
+    when nothing more specific matches (activations, pooling, dropout, softmax, arithmetic)."""
+    if module:
+        return next((cls for keys, cls in _MODULE_CLASSES if any(k in name for k in keys)), "elementwise")
+    low = name.lower().strip("_.")
+    if "attention" in low:
+        return "attention"
+    if low.startswith("conv"):
+        return "conv"
+    if low in _MATMUL:
+        return "matmul"
+    if "norm" in low:
+        return "norm"
+    if low in _EMBEDDING:
+        return "embedding"
+    if "loss" in low or "entropy" in low or low == "kl_div":
+        return "loss"
+    return "view" if low in _VIEW else "elementwise"
+
+
+def op_class(node: Any, gm: Any = None) -> str:
+    """The op class of an fx node (``call_module`` through ``gm``'s submodule's class name)."""
+    if node.op == "call_module" and gm is not None:
+        return op_class_of_name(type(gm.get_submodule(str(node.target))).__name__, module=True)
+    if node.op == "call_method":
+        return op_class_of_name(str(node.target))
+    return op_class_of_name(getattr(node.target, "__name__", str(node.target)))

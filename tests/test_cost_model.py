@@ -1,0 +1,162 @@
+"""The cost model that predicts before the run (issue 36, items 1 and 3): a fixed cost plus a rate per op
+class, fitted by the calibration and read by ``cost_mode="auto"``; core contention on a local CPU cluster;
+``explain()`` naming the cost mode and the calibration it used."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from pdcompile import machine_cache
+from pdcompile.cluster import ClusterSpec, Device, Level, local_cpu_cluster
+from pdcompile.passes.costs.opclass import OP_CLASSES, OpCost, OpCostTable, fit_op_cost, op_class_of_name
+from pdcompile.passes.costs.roofline import DEVICE_SPECS, contention
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# -- the fit, a pure function on arrays -------------------------------------------------------------
+
+def test_fit_recovers_alpha_and_rate_from_synthetic_timings() -> None:
+    rng = np.random.default_rng(0)
+    work = np.geomspace(1e3, 1e8, 12)
+    alpha, rate = 25e-6, 3e10
+    exact = alpha + work / rate
+    fit = fit_op_cost(work, exact)
+    assert fit.alpha_s == pytest.approx(alpha, rel=1e-6) and fit.rate == pytest.approx(rate, rel=1e-6)
+    # 3% noise everywhere and two timings a busy machine tripled: still within 10% (trimmed refit)
+    noisy = exact * rng.normal(1.0, 0.03, len(work))
+    noisy[[3, 8]] *= 3.0
+    fit = fit_op_cost(work, noisy)
+    assert fit.alpha_s == pytest.approx(alpha, rel=0.1) and fit.rate == pytest.approx(rate, rel=0.1)
+    # timings with no fixed part: alpha clamps to 0, the rate through the origin
+    fit = fit_op_cost(work, work / rate)
+    assert fit.alpha_s == 0.0 and fit.rate == pytest.approx(rate, rel=1e-6)
+
+
+def test_fit_refuses_what_it_cannot_fit() -> None:
+    from pdcompile.errors import UsageError
+
+    with pytest.raises(UsageError, match="two distinct works"):
+        fit_op_cost([5.0, 5.0], [1e-5, 1e-5])
+    with pytest.raises(UsageError, match="positive"):
+        fit_op_cost([1.0, 2.0], [0.0, 1e-5])
+
+
+def test_op_classes_of_the_ops_that_matter() -> None:
+    assert [op_class_of_name(n, module=True) for n in
+            ("Linear", "Conv2d", "MultiheadAttention", "LayerNorm", "GELU", "Embedding", "CrossEntropyLoss")] == \
+        ["matmul", "conv", "attention", "norm", "elementwise", "embedding", "loss"]
+    assert [op_class_of_name(n) for n in ("linear", "conv1d", "scaled_dot_product_attention", "group_norm", "add",
+                                          "embedding", "cross_entropy", "getitem", "view")] == \
+        ["matmul", "conv", "attention", "norm", "elementwise", "embedding", "loss", "view", "view"]
+
+
+def test_a_table_survives_its_json() -> None:
+    t = OpCostTable({"matmul": OpCost(2e-5, 3e10), "view": OpCost(2e-6, float("inf"))},
+                    {"matmul": OpCost(4e-5, 2e10)}, "test")
+    back = OpCostTable.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert back == t
+
+
+# -- the analytic model charges each op's fixed cost ---------------------------------------------------
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _compile(batch: int, micro: int, **kw: Any) -> Any:
+    from pdcompile.api import pdcompile
+
+    torch.manual_seed(0)
+    return pdcompile(_Mlp(), kw.pop("cluster", local_cpu_cluster(2)), example_inputs=(torch.randn(batch, 32),),
+                     example_target=torch.randint(0, 10, (batch,)), loss_fn=nn.CrossEntropyLoss(),
+                     microbatch_size=micro, stages=2, schedule="gpipe", **kw)
+
+
+def _compute_per_sample(pipe: Any) -> float:
+    chain = pipe.state.chain
+    return sum(l.forward_s + l.backward_s for l in chain.layers) / pipe.microbatch_size
+
+
+def test_one_sample_microbatches_cost_more_per_sample_than_48() -> None:
+    one, many = _compile(48, 1), _compile(48, 48)
+    assert one.cost_source.mode == many.cost_source.mode == "analytic"  # no calibration in the test's cache
+    per_one, per_many = _compute_per_sample(one), _compute_per_sample(many)
+    # the fixed costs alone: 5 ops forward (3 matmul + 2 elementwise) at the defaults, 1.5x backward
+    alphas = dict(DEVICE_SPECS["cpu"].alphas)
+    fixed = (3 * alphas["matmul"] + 2 * alphas["elementwise"]) * 2.5
+    assert per_one > 2 * per_many
+    assert per_one - per_many == pytest.approx(fixed * (1 - 1 / 48), rel=0.05)
+
+
+# -- cost_mode="auto" and explain() ------------------------------------------------------------------
+
+def _write_calibration(folder: Path) -> OpCostTable:
+    table = OpCostTable({c: OpCost(1e-3, 1e12) for c in OP_CLASSES}, {c: OpCost(2e-3, 1e12) for c in OP_CLASSES},
+                        "python -m pdcompile.calibrate, 2026-12-07 05:00 UTC on testhost")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "machine-constants.json").write_text(json.dumps({"key": machine_cache.machine_key(),
+                                                               "op_costs": table.to_dict()}))
+    return table
+
+
+def test_auto_reads_this_machines_calibration_and_explain_says_which(pdcompile_cache: Path) -> None:
+    before = _compile(8, 4)
+    text = before.explain()
+    assert "cost_mode=auto -> analytic: no fitted cost per op class for this machine (no calibration at" in text
+    assert "fix: python -m pdcompile.calibrate" in text
+    assert "default fixed cost per op" in text
+    _write_calibration(pdcompile_cache)
+    after = _compile(8, 4)
+    assert after.cost_source.mode == "analytic" and after.cost_source.table is not None
+    text = after.explain()
+    assert "cost_mode=auto -> calibrated: python -m pdcompile.calibrate, 2026-12-07 05:00 UTC on testhost" in text
+    # every op costs its fitted 1 ms forward and 2 ms backward (the rate makes the work negligible)
+    for layer in after.state.chain.layers:
+        n = len(layer.members or (layer.name,))
+        assert layer.forward_s == pytest.approx(1e-3 * n, rel=1e-3)
+    # a cluster that is not this host (GPUs) stays analytic, and says why
+    gpus = ClusterSpec(Device("H100", memory=80e9, peak_flops=67e12, memory_bandwidth=3.35e12),
+                       (Level("gpus", 2, 450e9),))
+    remote = _compile(8, 4, cluster=gpus)
+    assert remote.cost_source.table is None
+    assert "cost_mode=auto -> analytic: the target is not this host" in remote.explain()
+    # measured says so too
+    assert "cost_mode=measured -> measured" in _compile(8, 4, cost_mode="measured").explain()
+
+
+def test_calibrated_without_a_calibration_names_the_fix() -> None:
+    from pdcompile.errors import UsageError
+
+    with pytest.raises(UsageError, match="python -m pdcompile.calibrate"):
+        _compile(8, 4, cost_mode="calibrated")
+    with pytest.raises(UsageError, match="cost_mode must be one of"):
+        _compile(8, 4, cost_mode="guess")
+
+
+# -- cores as a resource -----------------------------------------------------------------------------
+
+def test_more_processes_than_cores_are_charged(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pdcompile.cluster as cl
+
+    monkeypatch.setattr(cl, "host_cores", lambda: 2)
+    two, four = local_cpu_cluster(2), local_cpu_cluster(4)
+    assert (two.device.cores, contention(two), contention(four)) == (2, 1.0, 2.0)
+    assert ClusterSpec.from_dict(four.to_dict()) == four  # the cores survive the cluster's TOML/dict form
+    fair, crowded = _compile(16, 4, cluster=two), _compile(16, 4, cluster=four)
+    f, c = (sum(l.forward_s for l in p.state.chain.layers) for p in (fair, crowded))
+    assert c == pytest.approx(2.0 * f, rel=1e-9)
+    assert "4 processes x 1 thread on 2 cores: every compute time charged x2.00" in crowded.explain()
+    assert "cores:" not in fair.explain()
