@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from pdcompile.callables import ForRanks, for_ranks
 from pdcompile.errors import UnsupportedModelError
 from pdcompile.ir import TensorMeta
 from pdcompile.runtime.program import wire_dtype
@@ -172,49 +173,21 @@ def optimizer_spec(make_optimizer: Any) -> ObjectSpec:
     return ObjectSpec(class_path(type(probe)), kwargs)
 
 
-def importable_path(fn: Any, what: str) -> str:
-    """``MODULE:QUALNAME`` of a module-level function or class, checked to import back to ``fn`` itself:
-    how an emitted program's ranks find a callable the user passed (``lr_scheduler=``, ``eval_metric=``)."""
-    from pdcompile.errors import UsageError
-    from pdcompile.runtime.program import import_object
-
-    mod, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    fix = (f"define it at the top level of an importable module (def f(optimizer): return ...), or "
-           f"functools.partial of such a function with keyword arguments")
-    if not mod or mod == "__main__" or "<" in name:
-        raise UsageError(f"{what}={fn!r}: a lambda, a nested function or one defined in __main__ can't be "
-                         f"imported by the emitted program's ranks; {fix}")
-    try:
-        same = import_object(f"{mod}:{name}") is fn
-    except (ImportError, AttributeError):
-        same = False
-    if not same:
-        raise UsageError(f"{what}={fn!r}: {mod}:{name} does not import back to it; {fix}")
-    return f"{mod}:{name}"
-
-
-def lr_scheduler_spec(make_scheduler: Any, make_optimizer: Any) -> dict[str, Any]:
-    """plan.json's ``lr_scheduler``: ``{"factory": "MODULE:FUNCTION", "kwargs": {...}}`` for a function from
-    the optimizer to a ``torch.optim.lr_scheduler`` (or ``functools.partial`` of one with literal keyword
-    arguments), checked by building it on a one-parameter optimizer of the user's kind."""
-    import functools
-
+def lr_scheduler_spec(make_scheduler: Any, make_optimizer: Any) -> ForRanks:
+    """plan.json's ``lr_scheduler`` for a function from the optimizer to a ``torch.optim.lr_scheduler``: by
+    name (``MODULE:FUNCTION``, or ``functools.partial`` of one with plain keyword arguments) or by value
+    (a lambda, a closure, a function of ``__main__``: :mod:`pdcompile.callables`), checked by building it
+    on a one-parameter optimizer of the user's kind."""
     from pdcompile.errors import UsageError
 
-    fn, kwargs = make_scheduler, {}
-    if isinstance(make_scheduler, functools.partial):
-        if make_scheduler.args or not all(_is_literal(v) for v in make_scheduler.keywords.values()):
-            raise UsageError("lr_scheduler=functools.partial(...): give the function keyword arguments of plain "
-                             "values (numbers, strings, lists), no positional ones")
-        fn, kwargs = make_scheduler.func, dict(make_scheduler.keywords)
-    path = importable_path(fn, "lr_scheduler")
+    made = for_ranks(make_scheduler, "lr_scheduler")
     probe = make_scheduler(make_optimizer([torch.nn.Parameter(torch.zeros(1))]))
     if isinstance(probe, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise UsageError("lr_scheduler=: ReduceLROnPlateau steps on a metric, not once per optimizer step; use a "
                          "schedule of the step count (LambdaLR, OneCycleLR, SequentialLR, ...)")
     if not isinstance(probe, torch.optim.lr_scheduler.LRScheduler):
         raise UsageError(f"lr_scheduler= must return a torch.optim.lr_scheduler, got {type(probe).__name__}")
-    return {"factory": path, "kwargs": kwargs}
+    return made
 
 
 def recompute_entries(split: StageSplit, plan_stages: list[dict[str, Any]], head_members: Mapping[int, set[str]]) -> None:
@@ -337,7 +310,8 @@ if __name__ == "__main__":
 
 
 def emit(split: StageSplit, out_dir: str | os.PathLike[str], *, program: Mapping[str, Any],
-         model_name: str = "model", loss: fx.GraphModule | None = None) -> Path:
+         model_name: str = "model", loss: fx.GraphModule | None = None,
+         files: Mapping[str, bytes] | None = None) -> Path:
     """Write the program folder. ``program`` holds the plan.json fields that aren't derived from
     the split: schedule, microbatch_size, num_microbatches, loss, optimizer, data, target, plan,
     stage replicas/ranks (``stage_ranks``), world_size.
@@ -346,6 +320,8 @@ def emit(split: StageSplit, out_dir: str | os.PathLike[str], *, program: Mapping
     last stage's file, its tensors into ``loss.pt``, and plan.json's ``"loss"`` points at both
     (``{"module", "class", "weights"}``, keeping ``program["loss"]``'s other keys). Without it
     ``program["loss"]`` is a class path (``{"class", "kwargs"}``) as before.
+
+    ``files``: more files by name (the callables serialized by value, :mod:`pdcompile.callables`).
 
     Everything is written into a temporary sibling folder first and moved into ``out_dir`` only
     when complete, so a failure (a module that can't be rebuilt) leaves no half-written program."""
@@ -356,6 +332,8 @@ def emit(split: StageSplit, out_dir: str | os.PathLike[str], *, program: Mapping
     out.mkdir()
     try:
         _emit_into(out, split, program, model_name, loss)
+        for name, payload in (files or {}).items():
+            (out / name).write_bytes(payload)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

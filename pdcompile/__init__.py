@@ -18,7 +18,7 @@ __all__ = ["pdcompile", "ClusterSpec", "CompiledPipeline", "RunResult", "Plan", 
 _LAZY = {
     "pdcompile": ("pdcompile.api", "pdcompile"),
     "CompiledPipeline": ("pdcompile.api", "CompiledPipeline"),
-    "RunResult": ("pdcompile.api", "RunResult"),
+    "RunResult": ("pdcompile.run_result", "RunResult"),
     "ClusterSpec": ("pdcompile.cluster", "ClusterSpec"),
     "Plan": ("pdcompile.plan", "Plan"),
 }

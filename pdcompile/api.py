@@ -27,7 +27,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from pdcompile import autoschedule, init_source, machine_cache, passmanager
+from pdcompile import autoschedule, callables, init_source, machine_cache, passmanager
 from pdcompile.cluster import ClusterSpec
 from pdcompile.errors import PdcompileError, UncalibratedWarning, UsageError
 from pdcompile.ir import Chain, CompileState, need
@@ -47,6 +47,7 @@ from pdcompile.pipeline import PassOptions, passes
 from pdcompile.plan import Plan, step_objective
 from pdcompile.runtime import schedules, staleness
 from pdcompile.runtime.program import PRECISIONS
+from pdcompile.run_result import RunResult, aliases
 from pdcompile.runtime.schedules.spec import ScheduleSpec
 
 SCHEDULE_NAMES = tuple(schedules.POLICIES)
@@ -67,7 +68,8 @@ class Options:
     cost_mode: str = "auto"  # "auto", "calibrated", "analytic", "measured" (machine_cache.cost_source)
     solver: str = "dp"
     cost_model: str = "default"
-    data: dict[str, Any] | None = None
+    data: dict[str, Any] | Callable[[int], Any] | None = None  # the emitted program's data: a function of the
+    # minibatch size (by name or by value: pdcompile/callables.py) or {"factory": "MODULE:FUNCTION", "kwargs": {...}}
     example_target: torch.Tensor | None = None
     symbolic_costs: bool = False  # fit costs as expressions of the microbatch size (slower)
     frontend: str = "auto"  # "fx" (symbolic_trace), "export" (torch.export), "auto": fx, else export
@@ -82,7 +84,7 @@ class Options:
     virtual_stages: int | None = None  # stages per rank, for a schedule with virtual stages (interleaved-1f1b, ...);
     # None: inferred where the placement fixes it (zb-v, dualpipe-v: 2; interleaved: stages / workers), else 1
     lr_scheduler: Callable[[Any], Any] | None = None  # optimizer -> torch.optim.lr_scheduler, stepped after every
-    # optimizer step on every stage (1f1b/2bw: every update); a module-level function (codegen.lr_scheduler_spec)
+    # optimizer step on every stage (1f1b/2bw: every update); any function: by name or by value (pdcompile/callables.py)
     init_from: str | os.PathLike[str] | None = None  # a checkpoint each rank reads only its stage's tensors from
     # (HF folder, .safetensors, torch.save'd state_dict, DCP folder; runtime/sources.py); a meta model without it
     # is initialised fresh on the ranks by its modules' own initialisers
@@ -268,6 +270,9 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
     spec = codegen.optimizer_spec(opts.optimizer).to_json()  # staleness: its mode and K, before any pass runs
     staleness.resolve(opts.staleness, False, spec["class"], spec.get("kwargs", {}))
     staleness.check_warmup(opts.staleness_warmup)
+    for what in ("lr_scheduler", "data"):  # a callable the ranks run: by name or by value, else refused here
+        if getattr(opts, what) is not None and not isinstance(getattr(opts, what), dict):
+            callables.check(getattr(opts, what), what)
     if opts.precision not in PRECISIONS:
         raise UsageError(f"pdcompile: precision must be one of {PRECISIONS}, got {opts.precision!r}")
     if opts.clip_grad_norm is not None:
@@ -590,6 +595,7 @@ class CompiledPipeline:
         lines += describe_shard(plan, self.options.shard)
         corr = self.staleness_entry()
         lines += ["", *staleness.describe(corr["mode"], corr["delays"], corr["warmup"])]
+        lines += [f"note: {c.note}" for c in self._rank_callables().values() if c.note is not None]
         if self.schedule_choice is not None:
             lines += ["", autoschedule.format_choice(*self.schedule_choice)]
         return "\n".join(lines)
@@ -600,10 +606,29 @@ class CompiledPipeline:
             passmanager.write_dump(folder, i, r.name, r.seconds, r.dump)
         return Path(folder)
 
-    def program_fields(self, data: dict[str, Any] | None = None, target: torch.Tensor | None = None,
+    def _rank_callables(self, data: Any = None) -> dict[str, callables.ForRanks]:
+        """The options' callables the ranks run (lr_scheduler, data), each by name or by value."""
+        out: dict[str, callables.ForRanks] = {}
+        if self.options.lr_scheduler is not None:
+            out["lr_scheduler"] = codegen.lr_scheduler_spec(self.options.lr_scheduler, self.options.optimizer)
+        data = data if data is not None else self.options.data
+        if data is not None and not isinstance(data, dict):
+            out["data"] = callables.for_ranks(data, "data")
+        return out
+
+    def program_fields(self, data: dict[str, Any] | Callable[[int], Any] | None = None,
+                       target: torch.Tensor | None = None,
                        init_from: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """plan.json fields beyond the split: schedule, microbatching, loss, optimizer, data, target, and
         where the ranks' weights come from (``init``: :mod:`pdcompile.init_source`)."""
+        return self._program(data, target, init_from)[0]
+
+    def _program(self, data: dict[str, Any] | Callable[[int], Any] | None, target: torch.Tensor | None,
+                 init_from: str | os.PathLike[str] | None) -> tuple[dict[str, Any], dict[str, bytes]]:
+        """:meth:`program_fields`, and the files of the callables serialized by value, by name."""
+        made = self._rank_callables(data)
+        files = {c.factory: c.payload for c in made.values() if c.payload is not None}
+        data = data if data is not None else self.options.data
         target = self._target_or_error(target)
         t = self._micro_target(target)
         plan = json.loads(self.plan.to_json())
@@ -618,17 +643,16 @@ class CompiledPipeline:
             "loss": self._loss_for(target).entry,
             "optimizer": codegen.optimizer_spec(self.options.optimizer).to_json(),
             "target": {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "requires_grad": False},
-            "data": data if data is not None else self.options.data,
+            "data": made["data"].spec() if "data" in made else data,
             "stage_ranks": [list(r) for r in need(self.state.stage_ranks, "stage_ranks")],
             "plan": plan,
             "precision": self.options.precision,
             "clip_grad_norm": self.options.clip_grad_norm,
-            "lr_scheduler": codegen.lr_scheduler_spec(self.options.lr_scheduler, self.options.optimizer)
-            if self.options.lr_scheduler is not None else None,
+            "lr_scheduler": made["lr_scheduler"].spec() if "lr_scheduler" in made else None,
             "init": init_source.init_entry(self.model, self.split, init_from if init_from is not None
                                            else self.options.init_from),
             "staleness": self.staleness_entry(),
-        }
+        }, files
 
     def staleness_entry(self) -> dict[str, Any]:
         """plan.json's ``staleness``: the correction applied and each stage's delay from the compiled schedule."""
@@ -637,15 +661,18 @@ class CompiledPipeline:
                                     codegen.optimizer_spec(self.options.optimizer).to_json())
 
     @keywords_checked()
-    def emit(self, folder: str | os.PathLike[str], *, data: dict[str, Any] | None = None,
+    def emit(self, folder: str | os.PathLike[str], *, data: dict[str, Any] | Callable[[int], Any] | None = None,
              target: torch.Tensor | None = None, init_from: str | os.PathLike[str] | None = None) -> Path:
         """Write the torchrun program (stage modules, weights, plan.json, train.py) into ``folder``.
+        ``data``: the program's data when train.py is given no ``--data`` (default: ``pdcompile(data=)``);
         ``init_from``: a checkpoint the ranks read their stages from (default: ``pdcompile(init_from=)``);
         a meta model writes no weights (docs/big-models.md)."""
-        fields = self.program_fields(data, target, init_from)
+        if data is not None and not isinstance(data, dict):
+            callables.check(data, "data")
+        fields, files = self._program(data, target, init_from)
         traced = self._loss_for(self._target_or_error(target)).traced
         return codegen.emit(self.split, folder, program=fields, model_name=type(self.model).__name__,
-                            loss=traced.gm if traced is not None else None)
+                            loss=traced.gm if traced is not None else None, files=files)
 
     @keywords_checked()
     def run(self, data: Iterable[Any], steps: int | None = None, *, epochs: int | None = None,
@@ -662,7 +689,7 @@ class CompiledPipeline:
         dtype come from the first minibatch (no example_target= needed). ``eval_data``: validation
         minibatches, run forward only through the pipeline after every ``eval_every`` steps (``"epoch"``:
         every epoch; 0: at the end only), ``eval_steps`` of them (default ``len(eval_data)``); ``eval_metric``: "accuracy", or a
-        module-level function ``(output, target) -> number``. Results: :attr:`RunResult.metrics`
+        function ``(output, target) -> number`` (a lambda too: :mod:`pdcompile.callables`). Results: :attr:`RunResult.metrics`
         (``eval``) and ``metrics/metrics.jsonl``. ``init_from``: a checkpoint the ranks start from, as
         in :meth:`emit`. For runs over many machines, emit and launch ``train.py`` with torchrun yourself
         (``--data MODULE:FUNCTION``: each rank reads its own share).
@@ -682,10 +709,10 @@ class CompiledPipeline:
             raise UsageError("run: epochs= needs data with a length (a DataLoader, a list) of at least one full "
                              "minibatch; give steps= instead")
         total = steps if steps is not None else count * (per_epoch or 0)
-        metric_flag: list[str] = []
-        if eval_metric is not None:
-            metric_flag = ["--eval-metric", eval_metric if isinstance(eval_metric, str)
-                           else codegen.importable_path(eval_metric, "eval_metric")]
+        metric = None if eval_metric is None or isinstance(eval_metric, str) else \
+            callables.for_ranks(eval_metric, "eval_metric", keywords=False)  # by name or by value, else refused
+        metric_flag = ["--eval-metric", metric.factory] if metric is not None else \
+            ["--eval-metric", eval_metric] if isinstance(eval_metric, str) else []
         eval_len = None
         if eval_data is not None:
             eval_len = eval_steps or epoch_length(eval_data)
@@ -704,6 +731,8 @@ class CompiledPipeline:
             raise UsageError(f"run: minibatches have {size} samples, the pipeline was compiled for {want} "
                              f"({self.num_microbatches} x {self.microbatch_size}); recompile or rebatch")
         prog = self.emit(folder / "program", target=self._data_target(first[0]), init_from=init_from)
+        if metric is not None and metric.payload is not None:  # beside plan.json, where the ranks look first
+            (prog / metric.factory).write_bytes(metric.payload)
         ranks = json.loads((prog / "plan.json").read_text())["stages"]
         local = any(a == "--targets" and b == "local" for a, b in zip(extra_args, list(extra_args)[1:]))
         feeder = Feeder(len(set(ranks[0]["ranks"]) | (set(ranks[-1]["ranks"]) if local else set())), timeout=timeout)
@@ -730,7 +759,7 @@ class CompiledPipeline:
         if rc != 0:
             raise RuntimeError(f"run: training failed with exit status {rc}; log in {folder / 'train.log'}:\n"
                                + log[-2000:])
-        return RunResult(folder, prog, _aliases(self.model))
+        return RunResult(folder, prog, aliases(self.model))
 
     def _data_target(self, target: torch.Tensor) -> torch.Tensor:
         """The first minibatch's target, checked against example_target= when that was given too."""
@@ -755,41 +784,6 @@ def _noting_first_target(data: Iterable[Any], first: list[torch.Tensor]) -> Iter
                 raise UsageError("run: each minibatch's target must be a tensor with a batch dimension")
             first.append(target)
         yield batch
-
-
-def _aliases(model: torch.nn.Module) -> dict[str, str]:
-    """state_dict key -> the canonical name of the same tensor (tied parameters share one)."""
-    canonical = {id(t): n for n, t in model.named_parameters()}
-    canonical.update({id(t): n for n, t in model.named_buffers()})
-    return {k: canonical.get(id(v), k) for k, v in model.state_dict(keep_vars=True).items()}
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """What ``CompiledPipeline.run`` leaves: the folder, metrics, and the trained weights."""
-
-    folder: Path
-    program: Path
-    aliases: dict[str, str]
-
-    @property
-    def metrics(self) -> dict[str, Any]:
-        """Loss per microbatch (last stage, every replica's), per-rank step times, wall time, and each
-        evaluation's results (``eval``: step, loss, metric; the last stage's first replica reports them)."""
-        from pdcompile.runtime.logs import last_stage_losses
-
-        ranks = [json.loads(p.read_text()) for p in sorted((self.folder / "metrics").glob("rank_*.json"))]
-        final = max(s for r in ranks for s in r["stages"])  # a rank's first stage is not the last in a V
-        last = min((r for r in ranks if final in r["stages"]), key=lambda r: r["rank"])
-        return {"losses": last_stage_losses(ranks), "step_times_s": {r["rank"]: r["step_times_s"] for r in ranks},
-                "wall_s": max(r["wall_s"] for r in ranks), "ranks": ranks, "eval": last.get("eval", [])}
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained weights under the original model's names: ``model.load_state_dict(...)``."""
-        from pdcompile.merge import merge_weights
-
-        merged = merge_weights(self.program, self.folder / "final")
-        return {k: merged[c] for k, c in self.aliases.items() if c in merged}
 
 
 def _action_cost_notes(cost: machine_cache.ActionCost | None, cluster: ClusterSpec, chose_m: bool) -> list[str]:

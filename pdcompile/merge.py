@@ -153,6 +153,63 @@ def merge_weights(program_dir: str | os.PathLike[str], weights_dir: str | os.Pat
     return merged
 
 
+def program_beside(weights_dir: str | os.PathLike[str]) -> Path | None:
+    """The emitted program a ``--save-final`` folder belongs to when ``run()`` wrote both: ``RUN/program``
+    beside ``RUN/final``; None where there is none."""
+    prog = Path(weights_dir).resolve().parent / "program"
+    return prog if (prog / "plan.json").is_file() else None
+
+
+@dataclass(frozen=True)
+class Written:
+    """What :func:`save_file` or :func:`save_folder` wrote: the files, the tensors and their bytes, the
+    tensors left out (those a Hugging Face model does not save) and the files copied from ``like``."""
+
+    files: list[Path]
+    tensors: int
+    nbytes: int
+    dropped: list[str]
+    copied: list[Path]
+
+
+def save_file(source: Source, out: str | os.PathLike[str], safetensors: bool = True) -> Written:
+    """``source`` as one ``torch.save``'d state dict at ``out`` (a ``.pt`` file) and, with ``safetensors``,
+    the same tensors in ``out`` with the suffix ``.safetensors`` beside it; each file written whole or not at all."""
+    out = Path(out)
+    merged: dict[str, torch.Tensor] = {}
+    for part in source.stream():
+        merged.update({k: v.contiguous() for k, v in part.items()})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint.atomic_save(merged, out)
+    files = [out]
+    if safetensors:
+        from safetensors.torch import save as st_save
+
+        checkpoint.atomic_write(out.with_suffix(".safetensors"), st_save(merged))
+        files.append(out.with_suffix(".safetensors"))
+    return Written(files, len(merged), sum(t.numel() * t.element_size() for t in merged.values()), [], [])
+
+
+def save_folder(source: Source, out: str | os.PathLike[str], max_shard_size: int | str = "5GB",
+                like: str | os.PathLike[str] | None = None) -> Written:
+    """``source`` into the folder ``out`` in Hugging Face's layout (:func:`write_hf`); ``like``: a Hugging
+    Face model folder whose config and tokenizer files are copied beside the weights, and whose model's
+    saved tensors are the ones written (a tied copy once), so ``from_pretrained(out)`` loads it. A
+    ``like`` without config.json is refused before anything is written."""
+    size = parse_size(max_shard_size)
+    if like is not None:
+        like_files(like)
+    names, dropped = None, []
+    hf = hf_names(like) if like is not None else None
+    if hf is not None:
+        names = [n for n in source.shapes if n in hf]
+        dropped = sorted(set(source.shapes) - hf)
+    files = write_hf(source, out, size, names)
+    copied = copy_like(like, out) if like is not None else []
+    kept = names if names is not None else list(source.shapes)
+    return Written(files, len(kept), sum(_nbytes(*source.shapes[k]) for k in kept), dropped, copied)
+
+
 # --- safetensors in Hugging Face's layout -----------------------------------------------------
 
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from pdcompile.errors import UsageError
-from pdcompile.runtime.program import Program, import_object
+from pdcompile.runtime.program import Program, load_callable
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 
@@ -72,10 +72,10 @@ def source(program: Program, args: argparse.Namespace, batch_size: int, flag: st
     called with the minibatch size, else plan.json's factory, else seeded random minibatches."""
     path = getattr(args, flag, None)
     if path:
-        return import_object(path)(batch_size)
+        return load_callable(path, program.folder)(batch_size)
     spec = program.raw.get("data")
     if flag == "data" and spec:
-        return import_object(spec["factory"])(batch_size, **spec.get("kwargs", {}))
+        return load_callable(spec["factory"], program.folder)(batch_size, **spec.get("kwargs", {}))
     return RandomBatches(program, batch_size, args.seed)
 
 

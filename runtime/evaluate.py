@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from pdcompile.runtime import comm, devices
 from pdcompile.runtime.data import Reader
 from pdcompile.runtime.executor import StageExecutor
-from pdcompile.runtime.program import Program, import_object
+from pdcompile.runtime.program import PICKLED, Program, load_callable
 
 Metric = Callable[[Any, torch.Tensor], Any]
 
@@ -34,14 +35,18 @@ def accuracy(output: Any, target: torch.Tensor) -> torch.Tensor:
     return (logits.argmax(-1) == target).float().mean()
 
 
-def metric_of(name: str | None) -> tuple[str, Metric] | None:
-    """``--eval-metric``: ``accuracy`` or ``MODULE:FUNCTION`` (named by its function), or None."""
+def metric_of(name: str | None, folder: Path | None = None) -> tuple[str, Metric] | None:
+    """``--eval-metric``: ``accuracy``, ``MODULE:FUNCTION`` (named by its function) or ``FILE.pkl`` (a
+    function pdcompile serialized by value, named by its own name, or the file's for a lambda), or None."""
     if name is None:
         return None
     if name == "accuracy":
         return "accuracy", accuracy
-    fn = import_object(name)
-    return name.rpartition(":")[2], fn
+    fn = load_callable(name, folder)
+    if not name.endswith(PICKLED):
+        return name.rpartition(":")[2], fn
+    own = getattr(fn, "__name__", "")
+    return (own if own.isidentifier() else Path(name).stem), fn
 
 
 class Evaluator:

@@ -132,7 +132,7 @@ def check_args(args: argparse.Namespace, program: Program, world: int | None = N
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise UsageError(f"{flag} {value!r}: must be an integer >= {least} ({what})")
 
-    loop.check(args)  # --steps or --epochs, and the loop's other flags
+    loop.check(args, program.folder)  # --steps or --epochs, and the loop's other flags
     at_least("--microbatches", args.microbatches, "microbatches per minibatch; e.g. --microbatches 4")
     at_least("--checkpoint-every", args.checkpoint_every, "minibatches between checkpoints; 0: never", least=0)
     at_least("--keep-checkpoints", args.keep_checkpoints, "complete checkpoints kept")

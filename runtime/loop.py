@@ -6,13 +6,14 @@ and where a run is cut into segments (a checkpoint or an evaluation falls on a f
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pdcompile.errors import UsageError
-from pdcompile.runtime.program import import_object
+from pdcompile.runtime.program import PICKLED, import_object, load_callable
 
 DEFAULT_STEPS = 10
 
@@ -25,7 +26,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "a list); a short last minibatch of a pass is dropped")
     g.add_argument("--lr-scheduler", default=None, metavar="MODULE:FUNCTION",
                    help="a function from the optimizer to a torch.optim.lr_scheduler, stepped after every optimizer "
-                        "step on every stage (1f1b, 2bw: every update, M per minibatch); default: the compiled one")
+                        "step on every stage (1f1b, 2bw: every update, M per minibatch); default: the compiled one. "
+                        "Here and in --data, --eval-data, --eval-metric: or a FILE.pkl pdcompile serialized by value")
     g.add_argument("--eval-data", default=None, metavar="MODULE:FUNCTION",
                    help="validation data: a function of the minibatch size returning a DataLoader or iterable of "
                         "(inputs, target); run forward only through the pipeline")
@@ -43,9 +45,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="TensorBoard event files (loss, LR, throughput, eval) into DIR (pip install tensorboard)")
 
 
-def check(args: argparse.Namespace) -> None:
+def check(args: argparse.Namespace, folder: Path | None = None) -> None:
     """Refuse loop flags that cannot work, before anything starts (a :class:`UsageError`); ``--steps``
-    defaults to 10 when neither it nor ``--epochs`` is given."""
+    defaults to 10 when neither it nor ``--epochs`` is given. ``folder``: the program's, where a flag's
+    relative ``FILE.pkl`` is looked for first."""
     def at_least(flag: str, value: Any, what: str, least: int = 1) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise UsageError(f"{flag} {value!r}: must be an integer >= {least} ({what})")
@@ -74,7 +77,7 @@ def check(args: argparse.Namespace) -> None:
             if getattr(args, flag, None):
                 raise UsageError(f"--{flag.replace('_', '-')} needs --eval-data MODULE:FUNCTION (the validation data)")
     for flag in ("lr_scheduler", "eval_data"):
-        _importable(args, flag)
+        _importable(args, flag, folder)
     if getattr(args, "tensorboard", None):
         try:
             import torch.utils.tensorboard  # noqa: F401 - needs the tensorboard package, an extra
@@ -83,7 +86,7 @@ def check(args: argparse.Namespace) -> None:
                              f"'pdcompile[tensorboard]' (or pip install tensorboard)") from None
     metric = getattr(args, "eval_metric", None)
     if metric is not None and metric != "accuracy":
-        _importable(args, "eval_metric")
+        _importable(args, "eval_metric", folder)
 
 
 def _every(text: str) -> int | str:
@@ -96,11 +99,16 @@ def _every(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r}: give a number of steps or 'epoch'") from None
 
 
-def _importable(args: argparse.Namespace, flag: str) -> None:
+def _importable(args: argparse.Namespace, flag: str, folder: Path | None = None) -> None:
     path = getattr(args, flag, None)
     if path is None:
         return
     name = "--" + flag.replace("_", "-")
+    if path.endswith(PICKLED):
+        if not any(p.is_file() for p in ([folder / path] if folder is not None else []) + [Path(path)]):
+            raise UsageError(f"{name} {path!r}: no such file (a .pkl names a callable pdcompile serialized by value "
+                             f"into the program folder); give MODULE:FUNCTION or that file")
+        return
     if ":" not in path:
         raise UsageError(f"{name} {path!r}: give MODULE:FUNCTION (e.g. mydata:val_loader)")
     try:
@@ -126,14 +134,15 @@ def cuts(start: int, steps: int, *everys: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def build_scheduler(spec: dict[str, Any] | None, optimizer: Any) -> Any:
+def build_scheduler(spec: dict[str, Any] | None, optimizer: Any, folder: Path | None = None) -> Any:
     """The LR scheduler plan.json (or ``--lr-scheduler``) names, for one stage's optimizer:
-    ``{"factory": "MODULE:FUNCTION", "kwargs": {...}}`` calls the function with the optimizer;
-    ``{"class": PATH, "kwargs": {...}}`` constructs the class with it."""
+    ``{"factory": "MODULE:FUNCTION" or "FILE.pkl", "kwargs": {...}}`` calls the function (imported, or
+    serialized by value into the program ``folder``) with the optimizer; ``{"class": PATH, "kwargs": {...}}``
+    constructs the class with it."""
     if not spec:
         return None
     if "factory" in spec:
-        made = import_object(spec["factory"])(optimizer, **spec.get("kwargs", {}))
+        made = load_callable(spec["factory"], folder)(optimizer, **spec.get("kwargs", {}))
     else:
         made = import_object(spec["class"])(optimizer, **spec.get("kwargs", {}))
     if not hasattr(made, "step") or not hasattr(made, "state_dict"):

@@ -8,12 +8,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pdcompile.errors import UsageError
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -199,6 +201,31 @@ def import_object(path: str) -> Any:
     for part in name.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+PICKLED = ".pkl"  # a callable pdcompile serialized by value (pdcompile/callables.py), beside plan.json
+
+
+def load_callable(ref: str, folder: str | Path | None = None) -> Any:
+    """A callable a flag or plan.json names: ``MODULE:NAME`` (imported), or ``FILE.pkl``, one pdcompile
+    serialized by value with cloudpickle (a lambda, a closure, a function of ``__main__``), read with
+    :mod:`pickle`; a relative file is looked for in the program ``folder`` first, then the working folder.
+    The file is the program's own, as trusted as its ``stage_K.py``."""
+    if not ref.endswith(PICKLED):
+        return import_object(ref)
+    path = Path(ref)
+    if not path.is_absolute() and folder is not None and (Path(folder) / path).is_file():
+        path = Path(folder) / path
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except OSError as e:
+        raise UsageError(f"{ref}: can't read it ({e.strerror}); give MODULE:FUNCTION or the .pkl file pdcompile "
+                         f"wrote into the program folder") from None
+    except Exception as e:  # noqa: BLE001 - unpickling raises anything the pickled code's imports raise
+        raise UsageError(f"{path}: can't load the callable pdcompile serialized by value ({type(e).__name__}: {e}); "
+                         f"the ranks need the modules it uses, and the Python and cloudpickle versions that "
+                         f"emitted it") from None
 
 
 def build(spec: dict[str, Any] | None, *args: Any) -> Any:

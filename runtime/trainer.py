@@ -149,7 +149,7 @@ class Trainer:
                 program.raw["optimizer"], warmup=float(corr.get("warmup", staleness.DEFAULT_WARMUP)),
                 total=args.steps, micro=M, sharded=mode != "none" and len(st.ranks) > 1)
             sched_spec = loop.scheduler_spec(args, program.raw)  # --lr-scheduler, else plan.json's
-            lr_scheduler = loop.build_scheduler(sched_spec, optimizer) if params else None
+            lr_scheduler = loop.build_scheduler(sched_spec, optimizer, program.folder) if params else None
             norm_skip = frozenset(n for group in program.raw.get("tied", []) for s, n in group
                                   if s == st.index and s != min(t for t, _ in group))
             self.executors.append(StageExecutor(
@@ -242,7 +242,7 @@ class Trainer:
             raise UsageError("--eval-data has no length (an endless iterable) and no full minibatch: give "
                              "--eval-steps N, or return a DataLoader or list")
         self._eval_passes = 0
-        return Evaluator(program, self.rank, self.executors, steps, M, metric_of(args.eval_metric), local, last_group)
+        return Evaluator(program, self.rank, self.executors, steps, M, metric_of(args.eval_metric, program.folder), local, last_group)
 
     def evaluate(self, step: int) -> dict[str, float] | None:
         """Run one validation pass after step ``step`` (at a flush point); its results on the reporting rank."""

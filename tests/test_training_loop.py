@@ -573,21 +573,6 @@ def test_run_streams_epochs_with_lr_scheduler_and_validation(tmp_path: Path, use
         assert e["accuracy"] == pytest.approx(want["eval"][e["step"]][1], abs=1e-9)
 
 
-def test_lr_scheduler_must_be_importable_by_the_ranks(user: Any) -> None:
-    from pdcompile.errors import UsageError
-
-    model = torch.nn.Sequential(torch.nn.Linear(user.D, 4), torch.nn.ReLU(), torch.nn.Linear(4, user.C))
-    kw: dict[str, Any] = dict(example_inputs=(torch.randn(M * B, user.D),), example_target=torch.zeros(M * B, dtype=torch.long),
-                              loss_fn=torch.nn.CrossEntropyLoss(), stages=2, num_microbatches=M)
-    with pytest.raises(UsageError, match="lambda.*can't be imported.*top level"):
-        pdcompile(model, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1), **kw).program_fields()
-    with pytest.raises(UsageError, match="ReduceLROnPlateau"):
-        pdcompile(model, lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau, **kw).program_fields()
-    spec = pdcompile(model, lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3),
-                     **kw).program_fields()["lr_scheduler"]
-    assert spec == {"factory": "torch.optim.lr_scheduler:StepLR", "kwargs": {"step_size": 3}}
-
-
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_validation_with_virtual_stages_and_a_metric_function(tmp_path: Path, user: Any) -> None:

@@ -78,8 +78,9 @@ def run(args: argparse.Namespace) -> int:
     to_file = out.suffix == ".pt"
     if to_file and args.like:
         raise UsageError("--like writes a Hugging Face folder: give -o a folder, not a .pt file")
-    size = merge.parse_size(args.max_shard_size)
-    like = merge.like_files(args.like) if args.like else []  # refused before anything is written
+    merge.parse_size(args.max_shard_size)
+    if args.like:
+        merge.like_files(args.like)  # refused before anything is written
     plan = None
     if args.program:
         if not (Path(args.program) / "plan.json").is_file():
@@ -90,37 +91,21 @@ def run(args: argparse.Namespace) -> int:
         step = checkpoint.read_manifest(folder)["step"]
         source = merge.checkpoint_source(folder, plan)  # complete and intact (and of --program's model), or refused
     else:
-        if plan is None:
-            raise UsageError(f"{folder}: train.py --save-final files need --program with the emitted program folder")
-        source = merge.save_final_source(args.program, folder)
+        program = args.program or merge.program_beside(folder)  # run()'s RUN/program beside RUN/final
+        if program is None:
+            raise UsageError(f"{folder}: train.py --save-final files need --program with the emitted program "
+                             f"folder (none beside it: {folder.resolve().parent / 'program'} has no plan.json)")
+        source = merge.save_final_source(program, folder)
     where = f"step {step} of {folder}" if step is not None else str(folder)
     if to_file:
-        merged: dict[str, Any] = {}
-        for part in source.stream():
-            merged.update(part)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        checkpoint.atomic_save({k: v.contiguous() for k, v in merged.items()}, out)
-        written = [out]
-        if not args.no_safetensors:
-            from safetensors.torch import save as st_save
-            side = out.with_suffix(".safetensors")
-            checkpoint.atomic_write(side, st_save({k: v.contiguous() for k, v in merged.items()}))
-            written.append(side)
-        n = sum(t.numel() for t in merged.values())
-        print(f"merged {len(merged)} tensors ({n:,} values) from {where} into {', '.join(map(str, written))}")
+        done = merge.save_file(source, out, safetensors=not args.no_safetensors)
+        print(f"merged {done.tensors} tensors ({done.nbytes:,} bytes) from {where} into "
+              f"{', '.join(map(str, done.files))}")
         return 0
-    names = None
-    if args.like:
-        hf = merge.hf_names(args.like)
-        if hf is not None:
-            names = [n for n in source.shapes if n in hf]
-            dropped = sorted(set(source.shapes) - hf)
-            if dropped:
-                print(f"not written (the Hugging Face model does not save them): {', '.join(dropped)}")
-    files = merge.write_hf(source, out, size, names)
-    copied = merge.copy_like(args.like, out) if args.like else []
-    n = sum(merge._nbytes(*source.shapes[k]) for k in (names if names is not None else source.shapes))
-    print(f"merged {len(names) if names is not None else len(source.shapes)} tensors ({n:,} bytes) from {where} "
-          f"into {out}/: {', '.join(p.name for p in files)}" + (f"; copied {len(like)} files of {args.like}"
-                                                                 if copied else ""))
+    done = merge.save_folder(source, out, args.max_shard_size, args.like)
+    if done.dropped:
+        print(f"not written (the Hugging Face model does not save them): {', '.join(done.dropped)}")
+    print(f"merged {done.tensors} tensors ({done.nbytes:,} bytes) from {where} into {out}/: "
+          f"{', '.join(p.name for p in done.files if p.parent == out)}"
+          + (f"; copied {len(done.copied)} files of {args.like}" if done.copied else ""))
     return 0
