@@ -64,6 +64,9 @@ class PdTracer(fx.Tracer):
         self.offences: list[Offence] = []
         self.seen_branches: set[str] = set()
         self.record_stack_traces = True
+        # a buffer read in forward is a graph value: `self.num_batches_tracked.add_(1)` (timm's BatchNormAct2d) is
+        # recorded, not run once on the real buffer while tracing and lost from the graph and the stages' weights
+        self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_names or module_qualified_name in self.extra_leaf_names:
