@@ -362,7 +362,7 @@ def profile_model(
     from pdcompile.passes.trace import trace
 
     inputs = tuple(example_inputs)
-    gm = trace(model, leaf_modules)
+    gm = trace(model, leaf_modules, inputs=len(inputs))
     propagate_shapes(gm, inputs)
     annotate_costs(gm, inputs, mode=mode, device_spec=device_spec, optimizer=optimizer,
                    warmup=warmup, repeats=repeats, symbolic=symbolic, batch_fn=batch_fn,

@@ -164,13 +164,18 @@ def optimizer_spec(make_optimizer: Any) -> ObjectSpec:
     probe = make_optimizer([torch.nn.Parameter(torch.zeros(1))])
     if not isinstance(probe, torch.optim.Optimizer):
         raise UnsupportedModelError("optimizer factory must return a torch.optim.Optimizer")
-    # only what the class's constructor takes: AdamW's defaults hold decoupled_weight_decay, which it sets itself
-    import inspect
-
-    takes = inspect.signature(type(probe).__init__).parameters
-    any_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
-    kwargs = {k: v for k, v in probe.defaults.items() if _is_literal(v) and (any_kw or k in takes)}
-    return ObjectSpec(class_path(type(probe)), kwargs)
+    cls = type(probe)
+    accepted = inspect.signature(cls.__init__).parameters
+    any_keyword = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    # only what the constructor takes: torch's AdamW keeps decoupled_weight_decay in its defaults, not its arguments
+    kwargs = {k: v for k, v in probe.defaults.items() if _is_literal(v) and (any_keyword or k in accepted)}
+    rebuilt = cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+    differ = [k for k, v in probe.defaults.items() if repr(rebuilt.defaults.get(k)) != repr(v)]
+    if differ:
+        raise UnsupportedModelError(
+            f"optimizer: {cls.__name__} rebuilt from the settings plan.json can hold differs in {', '.join(differ)}. "
+            f"Fix: give them as Python numbers, strings or tuples of them")
+    return ObjectSpec(class_path(cls), kwargs)
 
 
 def lr_scheduler_spec(make_scheduler: Any, make_optimizer: Any) -> ForRanks:

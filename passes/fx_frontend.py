@@ -12,6 +12,7 @@ sit below it, and trace-loss reads :func:`host_syncs` and :func:`user_frame` fro
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import os
 import traceback
@@ -63,6 +64,9 @@ class PdTracer(fx.Tracer):
         self.offences: list[Offence] = []
         self.seen_branches: set[str] = set()
         self.record_stack_traces = True
+        # a buffer read in forward is a graph value: `self.num_batches_tracked.add_(1)` (timm's BatchNormAct2d) is
+        # recorded, not run once on the real buffer while tracing and lost from the graph and the stages' weights
+        self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_names or module_qualified_name in self.extra_leaf_names:
@@ -143,12 +147,14 @@ def host_syncs(gm: fx.GraphModule, prefix: str = "") -> list[Offence]:
     return out
 
 
-def diagnose(model: torch.nn.Module, leaf_modules: Sequence[type | str] = ()) -> list[Offence]:
-    """Every construct that stops ``model`` from being traced and split (empty list: traceable)."""
+def diagnose(model: torch.nn.Module, leaf_modules: Sequence[type | str] = (),
+             bound: dict[str, Any] | None = None) -> list[Offence]:
+    """Every construct that stops ``model`` from being traced and split (empty list: traceable); ``bound``:
+    forward's parameters held at these values (:func:`defaults_after`)."""
     offences: list[Offence] = []
     tracer = PdTracer(leaf_modules, diagnose=True)
     try:
-        graph = tracer.trace(model)
+        graph = tracer.trace(model, concrete_args=bound or None)
         offences += tracer.offences
         offences += host_syncs(fx.GraphModule(tracer.root, graph))
         if not offences:
@@ -181,16 +187,50 @@ def diagnose(model: torch.nn.Module, leaf_modules: Sequence[type | str] = ()) ->
     return list(unique.values())
 
 
+def defaults_after(model: torch.nn.Module, inputs: int | None) -> dict[str, Any]:
+    """``forward``'s parameters after its first ``inputs`` positional ones that have a default, at it:
+    constants to the tracer (a proxy for ``attn_mask=None`` would take ``if attn_mask is not None``'s
+    branch, and would be a stage input with no value). ``None``: no count known, nothing bound."""
+    if inputs is None:
+        return {}
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in params[inputs:]
+            if p.default is not p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def _drop_bound(graph: fx.Graph, bound: dict[str, Any], inputs: int) -> None:
+    """Remove the placeholders fx keeps for ``concrete_args`` (those after the first ``inputs``, named after a
+    bound parameter) and the checks of their values it adds: the values are the defaults, never given."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"][inputs:]
+    dead: set[fx.Node] = set()
+    todo = [n for n in placeholders if str(n.target).rsplit("_", 1)[0] in bound]
+    while todo:
+        n = todo.pop()
+        if n not in dead:
+            dead.add(n)
+            todo.extend(n.users)
+    for n in reversed(list(graph.nodes)):
+        if n in dead:
+            graph.erase_node(n)
+
+
 def trace(model: torch.nn.Module, leaf_modules: Sequence[type | str] = (), *,
-          explain: bool = True) -> fx.GraphModule:
+          explain: bool = True, inputs: int | None = None) -> fx.GraphModule:
     """Trace ``model`` into a GraphModule or raise UnsupportedModelError listing every problem.
 
     ``explain=False`` raises as soon as the model is found untraceable, without :func:`diagnose`'s
     module-by-module search for every problem (seconds on a Hugging Face model): what ``trace_any``
-    does when another front end may still capture the model, so the list is only made for an error."""
+    does when another front end may still capture the model, so the list is only made for an error.
+    ``inputs``: how many positional inputs the model is given; later parameters keep their defaults
+    (:func:`defaults_after`)."""
     tracer = PdTracer(leaf_modules)
+    bound = defaults_after(model, inputs)
     try:
-        graph = tracer.trace(model)
+        graph = tracer.trace(model, concrete_args=bound or None)
+        _drop_bound(graph, bound, inputs or 0)
         gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
     except Exception:  # noqa: BLE001
         gm = None
@@ -198,9 +238,9 @@ def trace(model: torch.nn.Module, leaf_modules: Sequence[type | str] = (), *,
     if not explain and (gm is None or offences):
         raise UnsupportedModelError(f"{type(model).__name__} can't be traced by torch.fx")
     if gm is None:
-        offences = diagnose(model, leaf_modules)
+        offences = diagnose(model, leaf_modules, bound)
     elif offences:
-        offences = diagnose(model, leaf_modules) or offences
+        offences = diagnose(model, leaf_modules, bound) or offences
     if offences:
         raise UnsupportedModelError(format_offences(type(model).__name__, offences))
     assert gm is not None

@@ -153,6 +153,12 @@ def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.No
                     f"the cut after stage {k}, and {ws[-1].name!r} writes it in place later: sent, they would be "
                     f"separate tensors. Fix: move the cut (the planner avoids it), or write out of place")
     placeholders = [n for n in nodes if n.op == "placeholder"]
+    for n in placeholders:
+        if not isinstance(n.meta.get("pd.tensor"), TensorMeta):
+            raise UnsupportedModelError(
+                f"split-stages: the model's input {n.name!r} has no tensor value (a parameter of forward that the "
+                f"example inputs do not give is traced as an input). Fix: give it in example_inputs as a tensor, or "
+                f"trace with the number of inputs given, so that it keeps its default")
     canonical = {id(p): name for name, p in (model or gm).named_parameters()}
     canonical.update({id(b): name for name, b in (model or gm).named_buffers()})
 

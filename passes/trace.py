@@ -41,11 +41,11 @@ def trace_any(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tens
     if frontend == "fx":
         if kwargs or output is not None:
             raise UsageError("trace: kwargs= and output= need frontend='export' (or 'auto')")
-        return trace(model, leaf_modules)
+        return trace(model, leaf_modules, inputs=_count(example_inputs))
     fx_failed = False
     if not kwargs and output is None:
         try:
-            return trace(model, leaf_modules, explain=False)
+            return trace(model, leaf_modules, explain=False, inputs=_count(example_inputs))
         except Exception:  # noqa: BLE001 - fall back to torch.export below
             fx_failed = True
     try:
@@ -53,16 +53,21 @@ def trace_any(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tens
     except UnsupportedModelError as e:
         if not fx_failed:
             raise
-        fx_error = _fx_error(model, leaf_modules)  # what fx found, listed only now that it is reported
+        fx_error = _fx_error(model, leaf_modules, _count(example_inputs))  # what fx found, listed only now that it is reported
         raise UnsupportedModelError(
             f"trace: neither front end can capture {type(model).__name__}.\n"
             f"torch.fx: {fx_error}\ntorch.export: {e}") from e
 
 
-def _fx_error(model: torch.nn.Module, leaf_modules: Sequence[type | str]) -> BaseException:
+def _count(example_inputs: Sequence[Any] | torch.Tensor) -> int:
+    """How many positional inputs the model is given (its later parameters keep their defaults)."""
+    return 1 if isinstance(example_inputs, torch.Tensor) else len(example_inputs)
+
+
+def _fx_error(model: torch.nn.Module, leaf_modules: Sequence[type | str], inputs: int) -> BaseException:
     """The fx front end's error for ``model``, with every offending construct listed (:func:`diagnose`)."""
     try:
-        trace(model, leaf_modules)
+        trace(model, leaf_modules, inputs=inputs)
     except Exception as e:  # noqa: BLE001 - the error is the answer
         return e
     return UnsupportedModelError(f"{type(model).__name__} traced by torch.fx only on a second try")
