@@ -372,7 +372,7 @@ class AnnotateOptions:
 def run(state: CompileState, opts: AnnotateOptions) -> CompileState:
     """Annotates ``gm`` with ``pd.cost``; writes ``profile``."""
     spec = device_spec_for(opts.cluster, opts.precision)
-    gm = annotate_costs(need(state.gm, "gm"), state.example_inputs, mode=opts.mode, device_spec=spec,
+    gm = annotate_costs(need(state.gm, "gm"), state.graph_inputs, mode=opts.mode, device_spec=spec,
                         progress=False, symbolic=opts.symbolic)
     profile = profile_from_graph(gm, batch_size=opts.microbatch_size, device=spec.name,
                                  name=type(state.model).__name__)
