@@ -390,7 +390,7 @@ def run(state: CompileState, opts: AnnotateOptions) -> CompileState:
     cluster's core contention (:func:`~pdcompile.passes.costs.roofline.contention`: a local CPU cluster of
     more busy processes than cores), so that the planner and the simulator both see it."""
     spec = device_spec_for(opts.cluster, opts.precision).calibrated(opts.op_costs)
-    gm = annotate_costs(need(state.gm, "gm"), state.example_inputs, mode=opts.mode, device_spec=spec,
+    gm = annotate_costs(need(state.gm, "gm"), state.graph_inputs, mode=opts.mode, device_spec=spec,
                         progress=False, symbolic=opts.symbolic)
     charge_contention(gm, contention(opts.cluster))
     profile = profile_from_graph(gm, batch_size=opts.microbatch_size, device=spec.name,

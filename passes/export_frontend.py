@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind, TensorArgument
 
 from pdcompile.errors import UnsupportedModelError, UsageError
@@ -108,12 +109,14 @@ def _without_kv_cache(model: torch.nn.Module) -> Iterator[None]:
 
 
 def export_trace(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tensor, *,
-                 kwargs: Mapping[str, Any] | None = None, output: str | int | None = None) -> fx.GraphModule:
+                 kwargs: Mapping[str, Any] | None = None, output: str | int | None = None,
+                 loss_probe: LossProbe | None = None) -> fx.GraphModule:
     """Capture ``model(*example_inputs, **kwargs)`` with ``torch.export`` as a flat GraphModule.
 
     ``output`` picks the tensor the graph returns when the model returns a structure: a key of a
-    mapping/``ModelOutput`` (default: ``"logits"``, else ``"last_hidden_state"``) or a position in a
-    tuple; a plain tensor is kept, anything else needs ``output=``. Raises
+    mapping/``ModelOutput`` or a position in a tuple. Without it, the one entry ``loss_probe``'s loss
+    reads (``out[1]``, ``out.loss``: a model that computes its own loss; :func:`loss_choice`), else
+    ``"logits"``, else ``"last_hidden_state"``; a plain tensor is kept, anything else needs ``output=``. Raises
     :class:`UnsupportedModelError` naming the construct and the fix.
 
     The graph is rebuilt from ``ep.graph`` and its signature, not from ``ep.module()``, so no
@@ -151,7 +154,74 @@ def export_trace(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.T
             f"{type(e).__name__}: {msg}. Fix: make forward() traceable by torch.export (no data-dependent "
             f"Python control flow){_binding_note(model, args)}"
         ) from e
+    if output is None and loss_probe is not None:
+        output = loss_choice(ep, loss_probe)
     return _flatten_program(model, ep, output)
+
+
+@dataclass(frozen=True)
+class LossProbe:
+    """The user's ``loss_fn`` and one microbatch of targets (None: not known yet), to find which entry of
+    the model's output the loss reads (:func:`loss_choice`)."""
+
+    loss_fn: Any
+    target: torch.Tensor | None = None
+
+
+def loss_choice(ep: torch.export.ExportedProgram, probe: LossProbe) -> str | int | None:
+    """The key (or position) of the one output entry ``probe.loss_fn`` reads, run on meta tensors shaped
+    like the model's outputs, presented in its own output type: the entry it returns itself (``out[1]``,
+    ``out.loss``), else the only one a torch function reads. None where the model returns one tensor,
+    where the loss reads several entries or none, or fails on the probe (the default choice then holds)."""
+    spec = ep.call_spec.out_spec
+    if spec is None or spec.is_leaf():
+        return None
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    flat = list(out_node.args[0])  # type: ignore[arg-type]  # an output node's args[0] is a sequence
+    leaves: list[Any] = []
+    for a in flat:
+        val = a.meta.get("val") if isinstance(a, fx.Node) else a
+        leaves.append(torch.empty(val.shape, dtype=val.dtype, device="meta") if isinstance(val, torch.Tensor) else val)
+    try:
+        structure = pytree.tree_unflatten(leaves, spec)
+        paths = [p for p, _ in pytree.tree_flatten_with_path(structure)[0]]
+    except Exception:  # noqa: BLE001 - an output type pytree can't rebuild: the default choice
+        return None
+    tensors = {id(t): i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
+    target = probe.target.to("meta") if probe.target is not None else torch.empty((0, 0), device="meta")
+    read: set[int] = set()
+    try:
+        with _Reads(tensors, read), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = probe.loss_fn(structure, target)
+    except Exception:  # noqa: BLE001 - the loss needs real values or another target: the default choice
+        return None
+    chosen = {tensors[id(got)]} if id(got) in tensors else read
+    if len(chosen) != 1:
+        return None
+    path = paths[next(iter(chosen))]
+    if len(path) != 1:
+        return None
+    key = path[0]
+    if isinstance(key, pytree.SequenceKey):
+        return key.idx
+    if isinstance(key, pytree.MappingKey):
+        return key.key if isinstance(key.key, (str, int)) else None
+    return str(getattr(key, "name", "")) or None
+
+
+class _Reads(torch.overrides.TorchFunctionMode):
+    """Notes which of the tensors ``tensors`` (id -> position) a torch function reads."""
+
+    def __init__(self, tensors: Mapping[int, int], read: set[int]) -> None:
+        super().__init__()
+        self.tensors, self.read = tensors, read
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for a in pytree.tree_leaves((args, kwargs or {})):
+            if id(a) in self.tensors:
+                self.read.add(self.tensors[id(a)])
+        return func(*args, **(kwargs or {}))
 
 
 def _binding_note(model: torch.nn.Module, args: tuple[Any, ...]) -> str:

@@ -52,11 +52,39 @@ def is_builtin_leaf(m: torch.nn.Module) -> bool:
     return type(m).__module__.startswith("torch.nn") and not isinstance(m, _CONTAINERS)
 
 
-class PdTracer(fx.Tracer):
-    """fx.Tracer with our leaf policy. ``diagnose=True`` records control flow and keeps going."""
+class ShapedProxy(fx.Proxy):
+    """A model input whose shape the example fixed: ``size()``, ``shape``, ``dim()`` and ``ndim`` are Python
+    values, so ``b, t = idx.size()`` and ``assert t <= block_size`` decide as in eager (the emitted program
+    checks every minibatch's inputs against these shapes: runtime/data.py ``check_inputs``)."""
 
-    def __init__(self, leaf_modules: Sequence[type | str] = (), diagnose: bool = False) -> None:
+    def _pd_shape(self) -> torch.Size:
+        return torch.Size(self.node.meta["pd.example_shape"])
+
+    def size(self, dim: int | None = None) -> Any:
+        shape = self._pd_shape()
+        return shape if dim is None else shape[dim]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._pd_shape()
+
+    def dim(self) -> int:
+        return len(self._pd_shape())
+
+    @property
+    def ndim(self) -> int:
+        return len(self._pd_shape())
+
+
+class PdTracer(fx.Tracer):
+    """fx.Tracer with our leaf policy. ``diagnose=True`` records control flow and keeps going.
+    ``example_shapes``: the model inputs' shapes, in order, taken as constants (:class:`ShapedProxy`)."""
+
+    def __init__(self, leaf_modules: Sequence[type | str] = (), diagnose: bool = False,
+                 example_shapes: Sequence[Sequence[int]] | None = None) -> None:
         super().__init__()
+        self.example_shapes = list(example_shapes) if example_shapes is not None else None
+        self._inputs_seen = 0
         self.leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
         self.leaf_names = {t for t in leaf_modules if isinstance(t, str)}
         self.extra_leaf_names: set[str] = set()
@@ -74,6 +102,14 @@ class PdTracer(fx.Tracer):
         if self.leaf_types and isinstance(m, self.leaf_types):
             return True
         return is_builtin_leaf(m)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        if node.op == "placeholder" and self.example_shapes is not None:
+            i, self._inputs_seen = self._inputs_seen, self._inputs_seen + 1
+            if i < len(self.example_shapes):
+                node.meta["pd.example_shape"] = tuple(self.example_shapes[i])
+                return ShapedProxy(node, self)
+        return super().proxy(node)
 
     # fx calls these when a Proxy meets Python control flow.
     def to_bool(self, obj: fx.Proxy) -> bool:
@@ -148,11 +184,12 @@ def host_syncs(gm: fx.GraphModule, prefix: str = "") -> list[Offence]:
 
 
 def diagnose(model: torch.nn.Module, leaf_modules: Sequence[type | str] = (),
-             bound: dict[str, Any] | None = None) -> list[Offence]:
+             bound: dict[str, Any] | None = None,
+             example_shapes: Sequence[Sequence[int]] | None = None) -> list[Offence]:
     """Every construct that stops ``model`` from being traced and split (empty list: traceable); ``bound``:
     forward's parameters held at these values (:func:`defaults_after`)."""
     offences: list[Offence] = []
-    tracer = PdTracer(leaf_modules, diagnose=True)
+    tracer = PdTracer(leaf_modules, diagnose=True, example_shapes=example_shapes)
     try:
         graph = tracer.trace(model, concrete_args=bound or None)
         offences += tracer.offences
@@ -218,33 +255,51 @@ def _drop_bound(graph: fx.Graph, bound: dict[str, Any], inputs: int) -> None:
 
 
 def trace(model: torch.nn.Module, leaf_modules: Sequence[type | str] = (), *,
-          explain: bool = True, inputs: int | None = None) -> fx.GraphModule:
+          explain: bool = True, inputs: int | None = None,
+          example_shapes: Sequence[Sequence[int]] | None = None) -> fx.GraphModule:
     """Trace ``model`` into a GraphModule or raise UnsupportedModelError listing every problem.
 
+    ``example_shapes`` (the model inputs' shapes, in order): where the model can't be traced with
+    symbolic shapes, it is traced again with its inputs' shapes as constants (:class:`ShapedProxy`: a
+    ``b, t = idx.size()`` and an ``assert`` on them), the graph then fixed to those shapes.
     ``explain=False`` raises as soon as the model is found untraceable, without :func:`diagnose`'s
     module-by-module search for every problem (seconds on a Hugging Face model): what ``trace_any``
     does when another front end may still capture the model, so the list is only made for an error.
     ``inputs``: how many positional inputs the model is given; later parameters keep their defaults
     (:func:`defaults_after`)."""
-    tracer = PdTracer(leaf_modules)
     bound = defaults_after(model, inputs)
-    try:
-        graph = tracer.trace(model, concrete_args=bound or None)
-        _drop_bound(graph, bound, inputs or 0)
-        gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
-    except Exception:  # noqa: BLE001
-        gm = None
+    gm = _try_trace(model, leaf_modules, None, bound, inputs)
+    shapes = None
+    if (gm is None or host_syncs(gm)) and example_shapes is not None:
+        shaped = _try_trace(model, leaf_modules, example_shapes, bound, inputs)
+        if shaped is not None and not host_syncs(shaped):
+            gm, shapes = shaped, example_shapes
+        elif gm is None:
+            gm, shapes = shaped, example_shapes
     offences = host_syncs(gm) if gm is not None else []
     if not explain and (gm is None or offences):
         raise UnsupportedModelError(f"{type(model).__name__} can't be traced by torch.fx")
     if gm is None:
-        offences = diagnose(model, leaf_modules, bound)
+        offences = diagnose(model, leaf_modules, bound, example_shapes)
     elif offences:
-        offences = diagnose(model, leaf_modules, bound) or offences
+        offences = diagnose(model, leaf_modules, bound, shapes) or offences
     if offences:
         raise UnsupportedModelError(format_offences(type(model).__name__, offences))
     assert gm is not None
     return gm
+
+
+def _try_trace(model: torch.nn.Module, leaf_modules: Sequence[type | str],
+               example_shapes: Sequence[Sequence[int]] | None, bound: dict[str, Any],
+               inputs: int | None) -> fx.GraphModule | None:
+    """``model`` traced by :class:`PdTracer` (``bound``: parameters held at their defaults), or None where fx fails."""
+    tracer = PdTracer(leaf_modules, example_shapes=example_shapes)
+    try:
+        graph = tracer.trace(model, concrete_args=bound or None)
+        _drop_bound(graph, bound, inputs or 0)
+        return fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def format_offences(model_name: str, offences: Sequence[Offence]) -> str:

@@ -54,7 +54,7 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> fx.
 
 def run(state: CompileState) -> CompileState:
     """Annotates ``gm`` (on ``example_inputs``)."""
-    return state.replace(gm=propagate_shapes(need(state.gm, "gm"), state.example_inputs))
+    return state.replace(gm=propagate_shapes(need(state.gm, "gm"), state.graph_inputs))
 
 
 def format_graph_with_shapes(gm: fx.GraphModule) -> str:

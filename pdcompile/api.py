@@ -30,6 +30,7 @@ import torch
 from pdcompile import autoschedule, callables, init_source, machine_cache, passmanager
 from pdcompile.cluster import ClusterSpec
 from pdcompile.errors import PdcompileError, UncalibratedWarning, UsageError
+from pdcompile.examples import Example, check_example
 from pdcompile.ir import Chain, CompileState, need
 from pdcompile.passes import codegen
 from pdcompile.passes.annotate_costs import AnnotateOptions
@@ -41,11 +42,13 @@ from pdcompile.passes.planner.sharding import describe as describe_shard
 from pdcompile.passes.planner.sharding import untie as untie_shard
 from pdcompile.passes.schedule import ScheduleOptions
 from pdcompile.passes.split_stages import StageSplit
+from pdcompile.passes.export_frontend import LossProbe
 from pdcompile.passes.trace import TraceOptions
 from pdcompile.passes.trace_loss import LossProgram, TracedLoss, TraceLossOptions, loss_program
 from pdcompile.pipeline import PassOptions, passes
 from pdcompile.plan import Plan, step_objective
 from pdcompile.runtime import schedules, staleness
+from pdcompile.runtime.data import batch_parts, no_target
 from pdcompile.runtime.program import PRECISIONS
 from pdcompile.run_result import RunResult, aliases
 from pdcompile.runtime.schedules.spec import ScheduleSpec
@@ -70,7 +73,10 @@ class Options:
     cost_model: str = "default"
     data: dict[str, Any] | Callable[[int], Any] | None = None  # the emitted program's data: a function of the
     # minibatch size (by name or by value: pdcompile/callables.py) or {"factory": "MODULE:FUNCTION", "kwargs": {...}}
-    example_target: torch.Tensor | None = None
+    example_target: torch.Tensor | None = None  # None: the loss's target comes from run()'s data, or the model
+    # computes its own loss (loss_fn=lambda out, t: out.loss) and needs none
+    example_kwargs: dict[str, Any] | None = None  # forward()'s keyword inputs (one minibatch): tensors split along
+    # dim 0 like example_inputs, other values constants of the compiled program
     symbolic_costs: bool = False  # fit costs as expressions of the microbatch size (slower)
     frontend: str = "auto"  # "fx" (symbolic_trace), "export" (torch.export), "auto": fx, else export
     output: str | int | None = None  # export front end: which model output (e.g. "logits")
@@ -235,16 +241,11 @@ def optimizer_state_factor_of(optimizer: Callable[[Any], torch.optim.Optimizer])
     return nbytes / (p.numel() * p.element_size())
 
 
-def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.Tensor, ...], int, int]:
+def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[Example, int, int]:
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"pdcompile: model must be a torch.nn.Module, got {type(model).__name__}")
-    if example_inputs is None:
-        raise UsageError("pdcompile: example_inputs=(x, ...) is required (one minibatch of model inputs)")
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    example_inputs = tuple(example_inputs)
-    if not all(isinstance(x, torch.Tensor) and x.dim() > 0 for x in example_inputs):
-        raise UsageError("pdcompile: example_inputs must be tensors with a batch dimension (dim 0)")
+    example = check_example(example_inputs, opts.example_kwargs)
+    tensors = example.tensors
     if not callable(opts.loss_fn):
         raise UsageError(f"pdcompile: loss_fn must be callable as loss_fn(output, target) -> scalar tensor, "
                          f"got {type(opts.loss_fn).__name__}. Fix: pass a function, a lambda, "
@@ -253,7 +254,7 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
                                             or opts.example_target.dim() == 0):
         raise UsageError("pdcompile: example_target must be a tensor with a batch dimension (one minibatch "
                          "of targets)")
-    if opts.cost_mode == "measured" and (init_source.has_meta(model) or any(x.is_meta for x in example_inputs)):
+    if opts.cost_mode == "measured" and (init_source.has_meta(model) or any(x.is_meta for x in tensors)):
         raise UsageError("pdcompile: the model (or an example input) is on the meta device, so its costs can't be "
                          "measured. Fix: cost_mode=\"analytic\", or plan from an imported profile (pdcompile plan "
                          "--profile FILE)")
@@ -286,9 +287,7 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
         if opts.replicas is not None and len(opts.replicas) != n:
             raise UsageError(f"pdcompile: replicas={list(opts.replicas)} names {len(opts.replicas)} stages, "
                              f"but stages={n}")
-    batch = example_inputs[0].shape[0]
-    if any(x.shape[0] != batch for x in example_inputs):
-        raise UsageError("pdcompile: every example input needs the same batch size along dim 0")
+    batch = example.batch
     m, b = opts.num_microbatches, opts.microbatch_size
     if b is None and m is None:
         m = next(k for k in (4, 2, 1) if batch % k == 0)
@@ -304,7 +303,7 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[tuple[torch.
     if b * m != batch:
         raise UsageError(f"pdcompile: microbatch_size ({b}) x num_microbatches ({m}) must equal the "
                          f"example batch ({batch})")
-    return example_inputs, b, m
+    return example, b, m
 
 
 class CompiledPipeline:
@@ -342,13 +341,15 @@ class CompiledPipeline:
         compile again at that count (the costs profiled at its microbatch size)."""
         self.options = opts
         self._choose_microbatches = choose_microbatches
-        self.example_inputs, self.microbatch_size, self.num_microbatches = _check(model, example_inputs, opts)
-        micro = tuple(x[: self.microbatch_size] for x in self.example_inputs)
-        if init_source.has_meta(model):  # a model on meta: the passes see the inputs' shapes on meta too
-            micro = tuple(x.to("meta") for x in micro)
-        self.cost_source = machine_cache.cost_source(opts.cost_mode, machine_cache.is_local(opts.cluster),
-                                                     init_source.has_meta(model) or micro[0].is_meta)
-        state = CompileState(model=model, example_inputs=micro)
+        self.example, self.microbatch_size, self.num_microbatches = _check(model, example_inputs, opts)
+        self.example_inputs, self.example_kwargs = self.example.args, self.example.kwargs
+        # a model on meta: the passes see the inputs' shapes on meta too
+        micro = self.example.micro(self.microbatch_size, meta=init_source.has_meta(model))
+        values = [*micro.args, *(micro.kwargs or {}).values()]
+        self.cost_source = machine_cache.cost_source(
+            opts.cost_mode, machine_cache.is_local(opts.cluster),
+            init_source.has_meta(model) or any(isinstance(x, torch.Tensor) and x.is_meta for x in values))
+        state = CompileState(model=model, example_inputs=micro.args, example_kwargs=micro.kwargs or None)
         # the passes run the model's forward in training mode (shapes, costs), which writes buffers such as
         # BatchNorm's running statistics: put them back, for the user's model and the stages (the same tensors)
         kept = [(b, b.clone()) for b in model.buffers()]
@@ -380,7 +381,7 @@ class CompiledPipeline:
         skipped += [f"not considered: {n} (several stages per rank: on CPU workers their transfers are slower than "
                     f"the simulator predicts, see virtual_stages_pay)"
                     for n in autoschedule.auto_schedules(True, virtual=True) if n not in virtual]
-        batch = int(self.example_inputs[0].shape[0])
+        batch = self.batch_size
         fixed = self.num_microbatches if asked.num_microbatches is not None or asked.microbatch_size is not None \
             else None
         tied_bytes, tied_stages = self._tied()
@@ -447,7 +448,8 @@ class CompiledPipeline:
         assert opts.virtual_stages is not None, "inferred in __init__ (_with_virtual_stages)"
         target = opts.example_target
         return PassOptions(
-            trace=TraceOptions(tuple(opts.leaf_modules), opts.frontend, opts.output),
+            trace=TraceOptions(tuple(opts.leaf_modules), opts.frontend, opts.output,
+                               LossProbe(opts.loss_fn, self._micro_target(target) if target is not None else None)),
             annotate=AnnotateOptions(self.microbatch_size, self.cost_source.mode, opts.cluster, opts.symbolic_costs,
                                      opts.precision, self.cost_source.table),
             partition=PartitionOptions(
@@ -479,8 +481,25 @@ class CompiledPipeline:
                                              values=not init_source.has_meta(self.model))
         return self._losses[key]
 
+    @property
+    def keywords(self) -> tuple[str, ...]:
+        """The keyword inputs that are tensors, in the order the first stage takes them after the positional
+        ones (a minibatch's ``(args, kwargs, target)`` is read in this order)."""
+        return self.example.keywords
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per minibatch: the example's along dim 0."""
+        return self.example.batch
+
     def _target_or_error(self, target: torch.Tensor | None) -> torch.Tensor:
         target = target if target is not None else self.options.example_target
+        if target is None:  # a model that computes its own loss needs no target: an empty one per sample
+            try:
+                self._loss_for(no_target(self.batch_size))
+                return no_target(self.batch_size)
+            except UsageError:
+                pass
         if target is None:
             raise UsageError("pdcompile: the last stage must know the target's shape: pass example_target= "
                              "(one minibatch of targets) to pdcompile, or target= to emit(); run(data) reads it "
@@ -643,6 +662,7 @@ class CompiledPipeline:
             "loss": self._loss_for(target).entry,
             "optimizer": codegen.optimizer_spec(self.options.optimizer).to_json(),
             "target": {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "requires_grad": False},
+            "input_keywords": list(self.keywords),
             "data": made["data"].spec() if "data" in made else data,
             "stage_ranks": [list(r) for r in need(self.state.stage_ranks, "stage_ranks")],
             "plan": plan,
@@ -725,7 +745,7 @@ class CompiledPipeline:
         if head is None:
             raise UsageError("run: the data yields no minibatch")
         first: list[torch.Tensor] = []
-        next(_noting_first_target([head], first))
+        next(_noting_first_target([head], first, self.keywords))
         size, want = int(first[0].shape[0]), self.microbatch_size * self.num_microbatches
         if size != want:
             raise UsageError(f"run: minibatches have {size} samples, the pipeline was compiled for {want} "
@@ -735,7 +755,8 @@ class CompiledPipeline:
             (prog / metric.factory).write_bytes(metric.payload)
         ranks = json.loads((prog / "plan.json").read_text())["stages"]
         local = any(a == "--targets" and b == "local" for a, b in zip(extra_args, list(extra_args)[1:]))
-        feeder = Feeder(len(set(ranks[0]["ranks"]) | (set(ranks[-1]["ranks"]) if local else set())), timeout=timeout)
+        feeder = Feeder(len(set(ranks[0]["ranks"]) | (set(ranks[-1]["ranks"]) if local else set())), timeout=timeout,
+                        keywords=self.keywords)
         args = ["--steps", str(steps)] if steps is not None else ["--epochs", str(epochs)]
         args += ["--data", "pdcompile.runtime.data:stream_train"]
         try:
@@ -772,17 +793,13 @@ class CompiledPipeline:
         return target
 
 
-def _noting_first_target(data: Iterable[Any], first: list[torch.Tensor]) -> Iterator[Any]:
-    """``data``'s minibatches, appending the first one's target to ``first`` as it passes."""
+def _noting_first_target(data: Iterable[Any], first: list[torch.Tensor], keywords: Sequence[str] = ()
+                         ) -> Iterator[Any]:
+    """``data``'s minibatches, appending the first one's target to ``first`` as it passes
+    (:func:`~pdcompile.runtime.data.batch_parts`: a None target is the empty one of a model's own loss)."""
     for batch in data:
         if not first:
-            try:
-                _, target = batch
-            except (TypeError, ValueError):
-                raise UsageError("run: data must yield (inputs, target) pairs") from None
-            if not isinstance(target, torch.Tensor) or target.dim() == 0:
-                raise UsageError("run: each minibatch's target must be a tensor with a batch dimension")
-            first.append(target)
+            first.append(batch_parts(batch, keywords, "run: data")[1])
         yield batch
 
 

@@ -13,7 +13,7 @@ import io
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,15 +21,13 @@ import torch.distributed as dist
 
 from pdcompile.errors import UsageError
 from pdcompile.launcher import free_port
-from pdcompile.runtime.data import stream_key
+from pdcompile.runtime.data import batch_parts, stream_key
 
 
-def _pair(batch: Any, what: str) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    try:
-        inputs, target = batch
-    except (TypeError, ValueError):
-        raise UsageError(f"run: {what} must yield (inputs, target) pairs") from None
-    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+def _pair(batch: Any, what: str, keywords: Sequence[str] = ()) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``batch`` as the ranks read it: (inputs, target) on the CPU, keyword inputs flattened in the program's
+    order (:func:`~pdcompile.runtime.data.batch_parts`)."""
+    inputs, target = batch_parts(batch, keywords, f"run: {what}")
     return tuple(x.detach().cpu() for x in inputs), target.detach().cpu()
 
 
@@ -54,12 +52,13 @@ def sequence(data: Iterable[Any], count: int, per_pass: int | None,
 class Feeder:
     """The store and the threads that fill it; :meth:`close` stops them and says what they met."""
 
-    def __init__(self, readers: int, window: int = 4, timeout: float = 600) -> None:
+    def __init__(self, readers: int, window: int = 4, timeout: float = 600, keywords: Sequence[str] = ()) -> None:
         port = free_port()
         self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout))
         self.address = f"127.0.0.1:{port}"
         self.readers, self.window = readers, window
+        self.keywords = tuple(keywords)  # the program's tensor keyword inputs, in its order
         self.stopping = threading.Event()
         self.threads: list[threading.Thread] = []
         self.error: BaseException | None = None
@@ -82,7 +81,7 @@ class Feeder:
                     if self.stopping.is_set():
                         return
                     buf = io.BytesIO()
-                    torch.save(_pair(batch, "data"), buf)
+                    torch.save(_pair(batch, "data", self.keywords), buf)
                     key = stream_key(prefix, i)
                     self.store.set(key, buf.getvalue())  # type: ignore[arg-type]  # it takes bytes
                     sent.append(key)

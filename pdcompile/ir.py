@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -179,7 +180,8 @@ class CompileState:
     """
 
     model: torch.nn.Module
-    example_inputs: tuple[torch.Tensor, ...]  # one microbatch
+    example_inputs: tuple[torch.Tensor, ...]  # one microbatch: the positional inputs
+    example_kwargs: Mapping[str, Any] | None = None  # one microbatch: the keyword inputs (tensors and constants)
     gm: fx.GraphModule | None = None
     output_key: str | None = None  # the model output's key the graph returns ("logits"), if any
     profile: Profile | None = None
@@ -195,6 +197,20 @@ class CompileState:
 
     def replace(self, **changes: Any) -> "CompileState":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def graph_inputs(self) -> tuple[torch.Tensor, ...]:
+        """What the traced graph takes, in order: the positional inputs, then the keyword inputs' tensors
+        (other keyword values are constants of the graph)."""
+        return graph_inputs(self.example_inputs, self.example_kwargs)
+
+
+def graph_inputs(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> tuple[Any, ...]:
+    """``args``, then the tensors among ``kwargs``' values in their order: the placeholders of a graph
+    traced from ``model(*args, **kwargs)``."""
+    import torch
+
+    return (*args, *(v for v in (kwargs or {}).values() if isinstance(v, torch.Tensor)))
 
 
 T = TypeVar("T")

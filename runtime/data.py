@@ -25,18 +25,76 @@ from pdcompile.runtime.program import Program, load_callable
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 
 
-def save_batches(batches: Iterable[Any], steps: int, path: str | Path) -> int:
-    """Save the first ``steps`` minibatches of ``batches`` ((inputs, target) pairs; inputs a tensor or a
-    tuple of tensors) as one tensor file; returns the minibatch size."""
+def no_target(batch: int) -> torch.Tensor:
+    """The target of a minibatch of ``batch`` samples for a model that computes its own loss (its forward
+    takes the targets as inputs): nothing per sample, so it splits into microbatches, travels (no bytes) and
+    is checked as any target."""
+    return torch.empty((batch, 0))
+
+
+def batch_parts(batch: Any, keywords: Sequence[str] = (), what: str = "--data"
+                ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """A minibatch as the first stage takes it: ``(inputs, target)``, the inputs positional then the tensors
+    of the keyword inputs in ``keywords``' order (the compiled program's). ``batch`` is ``(inputs, target)``
+    or ``(args, kwargs, target)``; inputs a tensor or a tuple of them; a target of None (the model computes
+    its own loss) is :func:`no_target`."""
+    try:
+        if isinstance(batch, (tuple, list)) and len(batch) == 3:
+            args, kwargs, target = batch
+        else:
+            args, target = batch
+            kwargs = None
+    except (TypeError, ValueError):
+        raise UsageError(f"{what}: a minibatch must be (inputs, target) or (args, kwargs, target), got "
+                         f"{type(batch).__name__}") from None
+    args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise UsageError(f"{what}: in (args, kwargs, target), kwargs must be a dict, got {type(kwargs).__name__}")
+        extra = [k for k in kwargs if k not in keywords]
+        missing = [k for k in keywords if k not in kwargs]
+        if extra or missing:
+            raise UsageError(f"{what}: the minibatch's keyword inputs are {sorted(kwargs)}, the program was compiled "
+                             f"with the tensors {list(keywords)} (other example_kwargs are constants of the program): "
+                             f"give exactly those")
+        args = (*args, *(kwargs[k] for k in keywords))
+    elif keywords and args and isinstance(args[-1], dict):
+        raise UsageError(f"{what}: keyword inputs go in (args, kwargs, target) minibatches")
+    if target is None:
+        if not args:
+            raise UsageError(f"{what}: a minibatch without inputs")
+        target = no_target(int(args[0].shape[0]))
+    if not isinstance(target, torch.Tensor) or target.dim() == 0:
+        raise UsageError(f"{what}: each minibatch's target must be a tensor with a batch dimension (or None where "
+                         f"the model computes its own loss)")
+    return args, target
+
+
+def check_inputs(inputs: Sequence[torch.Tensor], specs: Sequence[Any], what: str = "--data") -> None:
+    """The guard of shapes the tracer took as constants: every input has the compiled sample shape (all but
+    dim 0; a model's ``b, t = idx.size()`` and asserts on them were decided on the example)."""
+    if len(inputs) != len(specs):
+        raise UsageError(f"{what}: a minibatch has {len(inputs)} input tensor(s), the program was compiled for "
+                         f"{len(specs)} ({', '.join(s.name for s in specs)})")
+    for x, s in zip(inputs, specs):
+        if tuple(x.shape[1:]) != tuple(s.shape[1:]):
+            raise UsageError(f"{what}: input {s.name!r} has samples of shape {tuple(x.shape[1:])}, the program was "
+                             f"compiled for {tuple(s.shape[1:])}: shapes are fixed by the example inputs; recompile "
+                             f"with examples of this shape, or pad or crop the data")
+
+
+def save_batches(batches: Iterable[Any], steps: int, path: str | Path, keywords: Sequence[str] = ()) -> int:
+    """Save the first ``steps`` minibatches of ``batches`` ((inputs, target) pairs, inputs a tensor or a
+    tuple of tensors, or (args, kwargs, target) with the tensor ``keywords`` of the program; :func:`batch_parts`)
+    as one tensor file; returns the minibatch size."""
     tensors: dict[str, torch.Tensor] = {}
     it = iter(batches)
     size = None
     for i in range(steps):
         try:
-            inputs, target = next(it)
+            inputs, target = batch_parts(next(it), keywords)
         except StopIteration:
             raise ValueError(f"the data ran out after {i} minibatches; {steps} steps need {steps}") from None
-        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         for j, x in enumerate(inputs):
             tensors[f"{i}.input.{j}"] = x.detach().cpu().contiguous()
         tensors[f"{i}.target"] = target.detach().cpu().contiguous()
@@ -165,8 +223,10 @@ class Reader:
     iterable is read whole and its share kept. Nothing is read before it is asked for."""
 
     def __init__(self, data: Any, b: int, M: int, positions: Callable[[int], tuple[int, ...]] | None,
-                 length: int | None, seed: int = 0, what: str = "--data", one_pass: bool = False) -> None:
+                 length: int | None, seed: int = 0, what: str = "--data", one_pass: bool = False,
+                 keywords: Sequence[str] = ()) -> None:
         self.b, self.M, self.positions, self.length, self.what = b, M, positions, length, what
+        self.keywords = tuple(keywords)  # the program's keyword inputs, in its order (batch_parts)
         self.one_pass = one_pass  # ``--steps``: the data runs out at the end of its first pass, as read whole
         self.data = data
         if isinstance(data, DataLoader) and positions is not None and length is not None:
@@ -213,11 +273,7 @@ class Reader:
             self._next_raw(fetch=False)
             self.index += 1
             return i, pos, (), torch.empty(0)
-        try:
-            inputs, target = self._next_raw()
-        except (TypeError, ValueError):
-            raise UsageError(f"{self.what}: minibatch {i} is not an (inputs, target) pair") from None
-        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        inputs, target = batch_parts(self._next_raw(), self.keywords, f"{self.what}: minibatch {i}")
         want = self.b * (len(pos) if self.shared else self.M)
         if int(target.shape[0]) != want:
             raise UsageError(f"{self.what}: minibatch {i} has {target.shape[0]} samples, the pipeline needs "

@@ -103,6 +103,12 @@ class Program:
         return out
 
     @property
+    def keywords(self) -> tuple[str, ...]:
+        """The model's keyword inputs that are tensors, in the order the first stage takes them after the
+        positional ones (``example_kwargs=``; a minibatch's kwargs are read in this order)."""
+        return tuple(self.raw.get("input_keywords", ()))
+
+    @property
     def precision(self) -> str:
         """The compiled precision (``"fp32"`` or ``"bf16"``: autocast and bf16 boundary tensors)."""
         return str(self.raw.get("precision", "fp32"))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from pdcompile.errors import UsageError
 from pdcompile.runtime import comm, devices, faults, fused_grads, loop, resume, schedules, shard, staleness, timing
-from pdcompile.runtime.data import Reader, epoch_length, local_targets, positions, source
+from pdcompile.runtime.data import Reader, check_inputs, epoch_length, local_targets, positions, source
 from pdcompile.runtime.evaluate import Evaluator, metric_of
 from pdcompile.runtime.executor import WEIGHT_PASSES, ActionError, Mailbox, RankExecutor, StageExecutor
 from pdcompile.runtime.logs import RunLog, minibatch_sums, tokens_per_sample
@@ -118,7 +118,8 @@ class Trainer:
         length, one_pass = self.per_epoch, False
         if length is None and reads_data and self.positions is not None:  # --steps: still only this rank's share
             length, one_pass = epoch_length(train_data), True
-        self.data_iter = Reader(train_data, b, M, self.positions, length, args.seed, one_pass=one_pass) \
+        self.data_iter = Reader(train_data, b, M, self.positions, length, args.seed, one_pass=one_pass,
+                                keywords=program.keywords) \
             if reads_data else None
         self.data_index = -1  # the last minibatch read from data_iter
         self._micro: Any = None  # that minibatch, cut into microbatches
@@ -218,6 +219,7 @@ class Trainer:
         b = self.program.raw["microbatch_size"]
         while self.data_index < idx:  # only ranks that read data call this
             _, pos, inputs, target = next(self.data_iter)  # type: ignore[arg-type]
+            check_inputs(inputs, self.program.stages[0].inputs)
             self.data_index += 1
             dev = devices.rank_device()
             self._micro = ({j: n for n, j in enumerate(pos)}, [devices.pinned(x, dev).split(b) for x in inputs],
@@ -248,7 +250,8 @@ class Trainer:
         """Run one validation pass after step ``step`` (at a flush point); its results on the reporting rank."""
         assert self.evaluator is not None
         reader = Reader(self._eval_data, self.program.raw["microbatch_size"], self.M, self._eval_positions,
-                        self.evaluator.steps, self.args.seed + self._eval_passes, "--eval-data") \
+                        self.evaluator.steps, self.args.seed + self._eval_passes, "--eval-data",
+                        keywords=self.program.keywords) \
             if self._eval_reads else None
         self._eval_passes += 1
         out = self.evaluator.run(reader)

@@ -166,6 +166,10 @@ def test_a_pages_code_runs_as_written(page: str, tmp_path: Path, monkeypatch: py
     (a GPU, two nodes, an install), in which case its flags are checked below."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    # docs/api.md's nanoGPT example runs from a nanoGPT checkout (``from model import GPT``): its model.py,
+    # vendored unchanged as a fixture, is that checkout's
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "fixtures" / "nanogpt"))
+    monkeypatch.delitem(sys.modules, "model", raising=False)
     namespace: dict = {"__name__": "readme_snippet"}
     printed: str | None = None  # what the last bash block printed, until the next block
     for i, (lang, code, why) in enumerate(_fences(PAGES[page])):

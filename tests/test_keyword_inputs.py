@@ -1,0 +1,156 @@
+"""Hugging Face models as their users call them: ``model(input_ids, attention_mask=mask, labels=labels)``,
+the loss the model's own (``loss_fn=lambda out, t: out.loss``). ``example_kwargs=`` compiles them; the
+minibatches are ``(args, kwargs, None)``; keyword tensors split along dim 0 like positional ones. GPT-2
+through ``run()`` on 3 stages (flush) and a left-padded Llama on 2 stages (PipeDream's 1F1B) train to the
+weights single-process training gives (pdcompile.reference)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _hf_llama import llama_config
+from _ranks import run_ranks
+from pdcompile import pdcompile, reference
+from pdcompile.errors import UsageError
+from pdcompile.merge import merge_weights
+from pdcompile.runtime.data import batch_parts, save_batches
+from pdcompile.runtime.program import Program, build
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.timeout(300)]
+
+VOCAB, SEQ, BATCH, MICRO, STEPS = 100, 8, 8, 4, 3
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=3, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(llama_config(VOCAB, pad_token_id=0))
+
+
+def padded_batches(left: bool) -> list[tuple[tuple[torch.Tensor], dict[str, torch.Tensor], None]]:
+    """Token minibatches of ragged lengths, padded (id 0) on the left or right, masked, the pads' labels -100:
+    ``((input_ids,), {"attention_mask": mask, "labels": labels}, None)``."""
+    out = []
+    for i in range(STEPS):
+        g = torch.Generator().manual_seed(100 + i)
+        ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+        lengths = torch.randint(SEQ // 2, SEQ + 1, (BATCH,), generator=g)
+        pos = torch.arange(SEQ).expand(BATCH, SEQ)
+        mask = (pos >= SEQ - lengths[:, None]) if left else (pos < lengths[:, None])
+        ids = ids.masked_fill(~mask, 0)
+        labels = ids.masked_fill(~mask, -100)
+        out.append(((ids,), {"attention_mask": mask.long(), "labels": labels}, None))
+    return out
+
+
+class ByKeyword(torch.nn.Module):
+    """The reference's model: ``model(ids, attention_mask=mask, labels=labels)`` called positionally, as
+    reference.train_sync calls models."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> Any:
+        return self.model(ids, attention_mask=mask, labels=labels)
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _flat(data: list[Any]) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    return [batch_parts(b, ("attention_mask", "labels")) for b in data]
+
+
+def test_keyword_inputs_split_like_positional_ones_and_reach_the_graph() -> None:
+    """attention_mask and labels by name: the stages give the model's own loss on every microbatch (a mask
+    reaching the wrong parameter, or not split, would not); the program records the keywords' order."""
+    data = padded_batches(left=False)
+    (ids,), kw, _ = data[0]
+    model = gpt2()
+    pipe = pdcompile(model, example_inputs=(ids,), example_kwargs={**kw, "use_cache": False},
+                     loss_fn=lambda out, t: out.loss, stages=2, num_microbatches=MICRO, optimizer=_sgd)
+    assert pipe.keywords == ("attention_mask", "labels")
+    assert pipe.program_fields()["input_keywords"] == ["attention_mask", "labels"]
+    traced = pipe.loss()
+    assert traced is not None
+    b = BATCH // MICRO
+    for j in range(MICRO):
+        cut = slice(j * b, (j + 1) * b)
+        with torch.no_grad():
+            got = traced.gm(pipe.split.run(ids[cut], kw["attention_mask"][cut], kw["labels"][cut]),
+                            torch.empty(b, 0))
+            want = model(ids[cut], attention_mask=kw["attention_mask"][cut], labels=kw["labels"][cut]).loss
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(UsageError, match=r"keyword inputs are \['attention_mask'\], the program was compiled with "
+                                         r"the tensors \['attention_mask', 'labels'\]"):
+        batch_parts(((ids,), {"attention_mask": kw["attention_mask"]}, None), pipe.keywords)
+
+
+@pytest.mark.multiproc
+def test_gpt2_with_mask_and_labels_trains_through_run_like_single_process(tmp_path: Path) -> None:
+    """GPT-2 on 3 stages, flush, through ``run()`` with (args, kwargs, None) minibatches: the weights of the
+    unsplit model trained with gradient accumulation, within 1e-5."""
+    data = padded_batches(left=False)
+    (ids,), kw, _ = data[0]
+    pipe = pdcompile(gpt2(), example_inputs=(ids,), example_kwargs=kw, loss_fn=lambda out, t: out.loss,
+                     stages=3, num_microbatches=MICRO, optimizer=_sgd)
+    assert len(pipe.split.stages) == 3
+    got = pipe.run(data, steps=STEPS, out=tmp_path / "run", timeout=200).state_dict()
+    ref = gpt2()
+    initial = {k: v.detach().clone() for k, v in ref.named_parameters()}
+    reference.train_sync(ByKeyword(ref), lambda out, t: out.loss, _sgd(ref.parameters()), _flat(data),
+                         steps=STEPS, num_microbatches=MICRO)
+    moved = 0
+    for k, w in ref.named_parameters():
+        torch.testing.assert_close(got[k], w.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+        moved += int(not torch.equal(got[k], initial[k]))
+    assert moved > len(initial) // 2
+
+
+@pytest.mark.multiproc
+def test_left_padded_llama_with_labels_trains_under_1f1b_like_its_reference(tmp_path: Path) -> None:
+    """A Llama given left-padded minibatches (attention_mask=, labels= with -100 on the pads), 2 stages under
+    PipeDream's 1F1B: each stage's weights equal the weight-versioned single-process reference."""
+    data = padded_batches(left=True)
+    (ids,), kw, _ = data[0]
+    pipe = pdcompile(llama(), example_inputs=(ids,), example_kwargs=kw, loss_fn=lambda out, t: out.loss,
+                     stages=2, num_microbatches=MICRO, optimizer=_sgd, schedule="1f1b")
+    save_batches(data, STEPS, tmp_path / "data.pt", keywords=pipe.keywords)
+    prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
+                                              "kwargs": {"path": str(tmp_path / "data.pt")}})
+    rc, log = run_ranks(prog, 2, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
+                                  "--timeout", "60"], timeout=150)
+    assert rc == 0, log[-3000:]
+    got = merge_weights(prog, tmp_path / "final")
+    program = Program.load(prog)
+    mods = [program.build_stage(k) for k in range(program.num_stages)]
+    initial = {program.stages[s].param_names.get(n, n): p.detach().clone()
+               for s, m in enumerate(mods) for n, p in m.named_parameters()}
+    opts = [build(program.raw["optimizer"], m.parameters()) for m in mods]
+    b = BATCH // MICRO
+    micro = [(tuple(x[j * b:(j + 1) * b] for x in xs), t[j * b:(j + 1) * b]) for xs, t in _flat(data)
+             for j in range(MICRO)]
+    fwd, bwd, group = reference.pipedream_1f1b([1, 1])
+    reference.train_versioned(mods, opts, program.build_loss(), micro, fwd=fwd, bwd=bwd, group=group,
+                              tied=[[(s, n) for s, n in grp] for grp in program.raw.get("tied", [])])
+    moved = 0
+    for st, m in zip(program.stages, mods):
+        for n, p in m.named_parameters():
+            k = st.param_names.get(n, n)
+            torch.testing.assert_close(got[k], p.detach(), rtol=1e-5, atol=1e-5, msg=lambda msg: f"{k}: {msg}")
+            moved += int(not torch.equal(got[k], initial[k]))
+    assert moved > len(initial) // 2
