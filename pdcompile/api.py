@@ -41,6 +41,7 @@ from pdcompile.passes.planner.sharding import describe as describe_shard
 from pdcompile.passes.planner.sharding import untie as untie_shard
 from pdcompile.passes.schedule import ScheduleOptions
 from pdcompile.passes.split_stages import StageSplit
+from pdcompile.passes.tensor_parallel import TensorParallelOptions, degrees_of
 from pdcompile.passes.trace import TraceOptions
 from pdcompile.passes.trace_loss import LossProgram, TracedLoss, TraceLossOptions, loss_program
 from pdcompile.pipeline import PassOptions, passes
@@ -86,6 +87,8 @@ class Options:
     init_from: str | os.PathLike[str] | None = None  # a checkpoint each rank reads only its stage's tensors from
     # (HF folder, .safetensors, torch.save'd state_dict, DCP folder; runtime/sources.py); a meta model without it
     # is initialised fresh on the ranks by its modules' own initialisers
+    tensor_parallel: int | str | Sequence[int] = 1  # ranks each stage is split across (Megatron's linear pairs,
+    # passes/tensor_parallel.py), one for every stage or one per stage; "auto" is not planned yet
     csv_text: str | None = field(default=None, metadata={"internal": True})  # schedule="csv:PATH": the torch
     # CSV's text (schedule becomes its registered name); set by pdcompile, not an option
 
@@ -421,6 +424,7 @@ class CompiledPipeline:
             schedule=ScheduleOptions(opts.schedule, self.num_microbatches, virtual_stages=opts.virtual_stages,
                                      csv=opts.csv_text),
             loss=TraceLossOptions(opts.loss_fn, self._micro_target(target)) if target is not None else None,
+            tensor_parallel=TensorParallelOptions(degrees_of(opts.tensor_parallel, stages)),
         )
 
     def _micro_target(self, target: torch.Tensor) -> torch.Tensor:
@@ -460,7 +464,9 @@ class CompiledPipeline:
 
     @property
     def world_size(self) -> int:
-        return len({r for rs in need(self.state.stage_ranks, "stage_ranks") for r in rs})  # virtual: a rank runs several
+        ranks = len({r for rs in need(self.state.stage_ranks, "stage_ranks") for r in rs})  # virtual: a rank runs several
+        tp = self.state.tensor_parallel
+        return ranks * (tp.degrees[0] if tp is not None else 1)  # each pipeline rank is t processes
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -564,6 +570,8 @@ class CompiledPipeline:
             if self.options.lr_scheduler is not None else None,
             "init": init_source.init_entry(self.model, self.split, init_from if init_from is not None
                                            else self.options.init_from),
+            # each stage's split over its tensor ranks (runtime/tensor_parallel.py); None: t = 1
+            "tensor_parallel": {"degree": tp.degrees[0], **tp.to_json()} if (tp := self.state.tensor_parallel) else None,
         }
 
     @keywords_checked()

@@ -117,3 +117,27 @@ def parse_shard(text: str) -> str | tuple[str, ...]:
 
     parts = [x.strip() for x in text.split(",")]
     return check_option(parts[0] if len(parts) == 1 else tuple(parts), where=f"--shard {text!r}")
+
+
+TENSOR_PARALLEL_HELP = ("split every stage's attention and MLP linear pairs across N processes each (Megatron's "
+                        "layout, torch's DTensor tensor parallelism; docs/tensor-parallel.md); default 1")
+
+
+def parse_tensor_parallel(text: str) -> int | str | tuple[int, ...]:
+    """``--tensor-parallel N`` (or ``N,N,...``, one per stage; ``auto`` is refused by the compiler)."""
+    parts = [x.strip() for x in str(text).split(",")]
+    if parts == ["auto"]:
+        return "auto"
+    try:
+        values = tuple(int(x) for x in parts)
+    except ValueError:
+        raise UsageError(f"--tensor-parallel {text!r}: give a number of processes per stage, e.g. 2") from None
+    return values[0] if len(values) == 1 else values
+
+
+def refuse_tensor_parallel(text: str, command: str) -> None:
+    """``pdcompile plan``/``simulate`` on a profile: the planner does not charge tensor parallelism yet."""
+    if parse_tensor_parallel(text) != 1:
+        raise UsageError(f"pdcompile {command} --tensor-parallel {text}: the planner does not charge tensor "
+                         f"parallelism yet; compile the model with it (pdcompile emit/run MODEL --tensor-parallel "
+                         f"{text}), or plan without it")

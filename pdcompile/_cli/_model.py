@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from pdcompile._cli._args import (SHARD_HELP, call_factory, leaf_module, parse_inputs, parse_literal, parse_shard,
+from pdcompile._cli._args import (SHARD_HELP, TENSOR_PARALLEL_HELP, parse_tensor_parallel, call_factory, leaf_module, parse_inputs, parse_literal, parse_shard,
                                   resolve_cluster, zoo_model)
 from pdcompile.errors import UsageError
 
@@ -107,6 +107,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="torch.optim.SGD:lr=0.01",
                    help="CLASS[:KEY=VALUE,...], e.g. torch.optim.Adam:lr=0.001 (default SGD lr=0.01)")
     p.add_argument("--shard", default="auto", metavar="MODE[,MODE...]", help=SHARD_HELP)
+    p.add_argument("--tensor-parallel", default="1", metavar="N", help=TENSOR_PARALLEL_HELP)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: autocast with fp32 master weights, bf16 boundary tensors, costs at the bf16 peak")
 
@@ -149,5 +150,6 @@ def compile_from_args(args: argparse.Namespace) -> tuple[LoadedModel, Any]:
                      num_microbatches=args.microbatches, stages=args.stages, leaf_modules=m.leaf_modules,
                      precision=getattr(args, "precision", "fp32"), clip_grad_norm=getattr(args, "clip_grad_norm", None),
                      virtual_stages=getattr(args, "virtual_stages", None),
-                     shard=parse_shard(getattr(args, "shard", "auto")))
+                     shard=parse_shard(getattr(args, "shard", "auto")),
+                     tensor_parallel=parse_tensor_parallel(getattr(args, "tensor_parallel", "1")))
     return m, pipe
