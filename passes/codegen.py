@@ -392,7 +392,9 @@ def _emit_into(out: Path, split: StageSplit, program: Mapping[str, Any], model_n
     doc = {
         "version": 1,
         "model": model_name,
-        "world_size": len({q for r in stage_ranks for q in r}),  # a rank may hold several (virtual) stages
+        # a rank may hold several (virtual) stages; with tensor parallelism each rank is t processes
+        "world_size": len({q for r in stage_ranks for q in r}) * int(dict(program.get("tensor_parallel") or {})
+                                                                    .get("degree", 1)),
         "stages": stages_json,
         "tied": [[[s, n] for s, n in group] for group in split.tied],
         **{k: v for k, v in program.items() if k != "stage_ranks"},

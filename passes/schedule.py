@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from pdcompile.errors import UsageError
 from pdcompile.ir import CompileState, need
+from pdcompile.runtime.schedules import policy
 from pdcompile.runtime.schedules import format_grid
 from pdcompile.runtime.schedules.spec import CHECK_STEPS, CHECK_TEXT_RANKS, ScheduleSpec, default_split_backward
 
@@ -26,11 +28,16 @@ class ScheduleOptions:
 
 
 def run(state: CompileState, opts: ScheduleOptions) -> CompileState:
-    """Reads ``stage_ranks``, ``stages`` (tied weights) and ``cluster``; writes ``schedule_spec`` and
+    """Reads ``stage_ranks``, ``stages`` (tied weights), ``tensor_parallel`` and ``cluster``; writes ``schedule_spec`` and
     ``schedule`` (one step's actions)."""
     replicas = tuple(len(r) for r in need(state.stage_ranks, "stage_ranks"))
     tied = bool(need(state.stages, "stages").tied)
     split = opts.split_backward
+    if state.tensor_parallel is not None:  # a split backward of a stage split across ranks is not run yet
+        if policy(opts.schedule).splits_every_backward:
+            raise UsageError(f"schedule={opts.schedule!r} splits every backward, which tensor parallelism does not "
+                             f"run yet; choose flush, gpipe, 1f1b or 2bw, or tensor_parallel=1")
+        split = False
     if split is None:
         cluster = need(state.cluster, "cluster")
         workers = len({q for rs in need(state.stage_ranks, "stage_ranks") for q in rs})

@@ -43,6 +43,7 @@ from pdcompile.passes.planner.sharding import untie as untie_shard
 from pdcompile.passes.schedule import ScheduleOptions
 from pdcompile.passes.split_stages import StageSplit
 from pdcompile.passes.export_frontend import LossProbe
+from pdcompile.passes.tensor_parallel import TensorParallelOptions, degrees_of
 from pdcompile.passes.trace import TraceOptions
 from pdcompile.passes.trace_loss import LossProgram, TracedLoss, TraceLossOptions, loss_program
 from pdcompile.pipeline import PassOptions, passes
@@ -96,6 +97,8 @@ class Options:
     # is initialised fresh on the ranks by its modules' own initialisers
     staleness: str = "none"  # 1f1b/2bw's stale weights: "none", "lr" (PipeMare), "predict" (weight prediction),
     staleness_warmup: float = 0.25  # "auto" (predict where the optimizer has a rule); K of "lr", a fraction of the run
+    tensor_parallel: int | str | Sequence[int] = 1  # ranks each stage is split across (Megatron's linear pairs,
+    # passes/tensor_parallel.py), one for every stage or one per stage; "auto" is not planned yet
     csv_text: str | None = field(default=None, metadata={"internal": True})  # schedule="csv:PATH": the torch
     # CSV's text (schedule becomes its registered name); set by pdcompile, not an option
 
@@ -462,6 +465,7 @@ class CompiledPipeline:
             schedule=ScheduleOptions(opts.schedule, self.num_microbatches, virtual_stages=opts.virtual_stages,
                                      csv=opts.csv_text),
             loss=TraceLossOptions(opts.loss_fn, self._micro_target(target)) if target is not None else None,
+            tensor_parallel=TensorParallelOptions(degrees_of(opts.tensor_parallel, stages)),
         )
 
     def _micro_target(self, target: torch.Tensor) -> torch.Tensor:
@@ -519,7 +523,9 @@ class CompiledPipeline:
 
     @property
     def world_size(self) -> int:
-        return len({r for rs in need(self.state.stage_ranks, "stage_ranks") for r in rs})  # virtual: a rank runs several
+        ranks = len({r for rs in need(self.state.stage_ranks, "stage_ranks") for r in rs})  # virtual: a rank runs several
+        tp = self.state.tensor_parallel
+        return ranks * (tp.degrees[0] if tp is not None else 1)  # each pipeline rank is t processes
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -671,6 +677,8 @@ class CompiledPipeline:
             "lr_scheduler": made["lr_scheduler"].spec() if "lr_scheduler" in made else None,
             "init": init_source.init_entry(self.model, self.split, init_from if init_from is not None
                                            else self.options.init_from),
+            # each stage's split over its tensor ranks (runtime/tensor_parallel.py); None: t = 1
+            "tensor_parallel": {"degree": tp.degrees[0], **tp.to_json()} if (tp := self.state.tensor_parallel) else None,
             "staleness": self.staleness_entry(),
         }, files
 

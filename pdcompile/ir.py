@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # types of CompileState's fields only; ir stays importable wi
 
     from pdcompile.cluster import ClusterSpec
     from pdcompile.passes.split_stages import StageSplit
+    from pdcompile.passes.tensor_parallel import TensorParallelPlan
     from pdcompile.passes.trace_loss import LossProgram
     from pdcompile.plan import Plan
     from pdcompile.profile import Profile
@@ -176,7 +177,8 @@ class CompileState:
     Fields start as ``None`` and fill in as passes run, each written by one pass (ARCHITECTURE.md):
     trace writes ``gm`` and ``output_key``; propagate-shapes and annotate-costs annotate ``gm``;
     annotate-costs writes ``profile``; linearize ``chain``; partition ``plan``, ``assignment``,
-    ``stage_ranks`` and ``cluster``; split-stages ``stages``; schedule ``schedule_spec`` and ``schedule``; trace-loss ``loss``.
+    ``stage_ranks`` and ``cluster``; split-stages ``stages``; tensor-parallel ``stages`` (rewritten where split) and
+    ``tensor_parallel``; schedule ``schedule_spec`` and ``schedule``; trace-loss ``loss``.
     """
 
     model: torch.nn.Module
@@ -191,6 +193,7 @@ class CompileState:
     stage_ranks: tuple[tuple[int, ...], ...] | None = None  # stage -> its ranks
     cluster: ClusterSpec | None = None  # the cluster the plan is for
     stages: StageSplit | None = None
+    tensor_parallel: TensorParallelPlan | None = None  # None: no stage split across ranks (t = 1)
     schedule_spec: ScheduleSpec | None = None
     schedule: Schedule | None = None
     loss: LossProgram | None = None

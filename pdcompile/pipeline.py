@@ -19,6 +19,7 @@ from pdcompile.passes import (
     propagate_shapes,
     schedule,
     split_stages,
+    tensor_parallel,
     trace,
     trace_loss,
 )
@@ -36,6 +37,7 @@ class PassOptions:
     partition: partition.PartitionOptions
     schedule: schedule.ScheduleOptions
     loss: trace_loss.TraceLossOptions | None  # None: trace-loss waits for a target (emit/run)
+    tensor_parallel: tensor_parallel.TensorParallelOptions = tensor_parallel.TensorParallelOptions()
 
 
 def _with(run: Callable[[CompileState, O], CompileState], opts: O) -> Callable[[CompileState], CompileState]:
@@ -59,6 +61,8 @@ def passes(opts: PassOptions) -> list[Pass]:
              lambda s: linearize.report(need(s.chain, "chain")) + "\n" + str(s.chain)),
         Pass("partition", _with(partition.run, opts.partition), partition.format_partition),
         Pass("split-stages", split_stages.run, lambda s: str(s.stages)),
+        Pass("tensor-parallel", _with(tensor_parallel.run, opts.tensor_parallel),
+             lambda s: tensor_parallel.format_tensor_parallel(s) + "\n\n" + str(s.stages)),
         Pass("schedule", _with(schedule.run, opts.schedule), schedule.format_schedule),
     ]
     if opts.loss is not None:

@@ -78,20 +78,22 @@ class _Mode:
     nccl_rules: bool = False
     timeout: float = 120.0
     lines: dict[int, _PeerLine] = field(default_factory=dict)
+    peer: Callable[[int], int] | None = None  # a pipeline rank's process (tensor parallelism), None: the same
 
 
 _mode = _Mode()
 
 
-def configure(*, nccl_rules: bool, timeout: float) -> None:
+def configure(*, nccl_rules: bool, timeout: float, peer: Callable[[int], int] | None = None) -> None:
     """Choose plain transfers, or gloo following NCCL's rules (``PDCOMPILE_NCCL_RULES=1`` for train.py).
 
     With ``nccl_rules``, gloo behaves as NCCL does with point-to-point transfers: per peer, one
     transfer at a time in issue order (the next starts once the previous completed), callers not
     blocked, and a wait that gives up with a named error after ``timeout``. The runtime issues no
-    ``batch_isend_irecv`` groups, so the mode has none to start together."""
+    ``batch_isend_irecv`` groups, so the mode has none to start together. ``peer``: the process of a
+    pipeline rank the actions name (``runtime/tensor_parallel.py``: the peer's of the same tensor index)."""
     global _mode
-    _mode = _Mode(nccl_rules, timeout)
+    _mode = _Mode(nccl_rules, timeout, peer=peer)
 
 
 def nccl_rules() -> bool:
@@ -100,6 +102,8 @@ def nccl_rules() -> bool:
 
 def _issue(kind: str, tensor: torch.Tensor, peer: int) -> Any:
     fn = dist.isend if kind == "send" else dist.irecv
+    if _mode.peer is not None:
+        peer = _mode.peer(peer)
     if not _mode.nccl_rules:
         return fn(tensor, peer)
     op = _Queued(f"{kind} of {tensor.numel()} x {tensor.dtype}", peer, _mode.timeout)

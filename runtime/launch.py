@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pdcompile.errors import PdcompileError, UsageError
-from pdcompile.runtime import allocator, comm, devices, faults, schedules, shard, sources
+from pdcompile.runtime import allocator, comm, devices, faults, schedules, shard, sources, tensor_parallel
 from pdcompile.runtime import loop
 from pdcompile.runtime.devices import DEVICE_FLAGS, choose_device, malloc_mode
 from pdcompile.runtime.executor import WEIGHT_PASSES
@@ -168,6 +168,12 @@ def check_args(args: argparse.Namespace, program: Program, world: int | None = N
     if not (isinstance(args.timeout, (int, float)) and math.isfinite(args.timeout) and args.timeout > 0):
         raise UsageError(f"--timeout {args.timeout!r}: must be a positive number of seconds; e.g. --timeout 120")
     malloc_mode(args.malloc, args.keep_freed_memory, torch.device("cpu"))  # both spellings, disagreeing
+    if tensor_parallel.degree(program.raw) > 1 and args.split_backward:
+        raise UsageError("--split-backward with tensor parallelism: a split backward of a stage split across "
+                         "processes is not built yet; drop --split-backward")
+    if tensor_parallel.degree(program.raw) > 1 and (args.checkpoint_dir or args.resume):
+        raise UsageError("--checkpoint-dir/--resume with tensor parallelism: checkpoints of split stages are not "
+                         "built yet; train without them (--save-final keeps the final weights, whole)")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir DIR (a folder every rank can see)")
     if args.resume == "auto" and not args.checkpoint_dir:
@@ -189,7 +195,7 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
         args = parse_args(argv, program)
         check_args(args, program)
         sources.check_init_from(args.init_from)
-        spec = run_schedule(program, args, int(os.environ.get("RANK", 0)))
+        spec = run_schedule(program, args, tensor_parallel.rank_of(program.raw, int(os.environ.get("RANK", 0))).logical)
         shard.refuse(shard.stage_modes(program.raw), [len(st.ranks) for st in program.stages], schedule=spec.name,
                      version_lag=schedules.policy(spec.name).version_lag,
                      tied={int(s) for group in program.raw.get("tied", []) for s, _ in group},
@@ -223,7 +229,9 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
     timeout = datetime.timedelta(seconds=args.timeout)
     init_process_group(backend, timeout)
     # PDCOMPILE_NCCL_RULES=1: gloo runs point-to-point as NCCL does (the tests' check that no transfer order hangs)
-    comm.configure(nccl_rules=backend == "gloo" and os.environ.get(comm.NCCL_RULES_ENV) == "1", timeout=args.timeout)
+    tp = tensor_parallel.rank_of(program.raw, rank)  # a pipeline rank's process at this tensor index
+    comm.configure(nccl_rules=backend == "gloo" and os.environ.get(comm.NCCL_RULES_ENV) == "1", timeout=args.timeout,
+                   peer=tp.physical if tp.degree > 1 else None)
     allocator.set_mode(malloc_mode(args.malloc, args.keep_freed_memory, devices.rank_device()))
     try:
         code = Trainer(program, args, rank, timeout).train()

@@ -42,6 +42,12 @@ def storages(tensors: Iterable[Any]) -> dict[int, int]:
     return out
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, without autograd (inside a saved-tensor hook); a plain tensor itself."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
 def span(t: torch.Tensor) -> tuple[int, int, int]:
     """``(storage pointer, first byte, end byte)`` of the part of its storage ``t`` views."""
     st = t.untyped_storage()
@@ -118,8 +124,9 @@ class MemoryMeter:
             if not gathered:  # the first saved tensor: the gathered working copy is held now (not an activation)
                 skip.update(storages(p for p in self.module.parameters() if p is local(p)))
                 gathered = True
-            if t.untyped_storage().data_ptr() not in skip:
-                _note(mine, t, self.data_storages)
+            held = _plain(t)  # a DTensor autograd saves (tensor parallelism): its local tensor's storage
+            if held.untyped_storage().data_ptr() not in skip:
+                _note(mine, held, self.data_storages)
             return t.detach()  # a detached alias: no cycle through an output's own grad_fn
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -137,7 +144,7 @@ class MemoryMeter:
             return
         mine = self.activations.setdefault(microbatch, {})
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.static:
+            if isinstance(t, torch.Tensor) and _plain(t).untyped_storage().data_ptr() not in self.static:
                 _note(mine, t, self.data_storages)
 
     def measure(self, in_flight: Iterable[int], posted: Iterable[torch.Tensor], live_versions: int,

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pdcompile.errors import UsageError
-from pdcompile.runtime import comm, devices, faults, fused_grads, loop, resume, schedules, shard, staleness, timing
+from pdcompile.runtime import comm, devices, faults, fused_grads, loop, resume, schedules, shard, staleness, tensor_parallel, timing
 from pdcompile.runtime.data import Reader, check_inputs, epoch_length, local_targets, positions, source
 from pdcompile.runtime.evaluate import Evaluator, metric_of
 from pdcompile.runtime.executor import WEIGHT_PASSES, ActionError, Mailbox, RankExecutor, StageExecutor
@@ -61,6 +61,10 @@ class Trainer:
     in one process call :meth:`segment` directly (benchmarks/_ab_worker.py)."""
 
     def __init__(self, program: Program, args: argparse.Namespace, rank: int, timeout: datetime.timedelta) -> None:
+        # with tensor parallelism (runtime/tensor_parallel.py) ``rank`` is this process's; the plan's
+        # stages and schedule name pipeline ranks, each t processes: from here on ``rank`` is the pipeline rank
+        self.tp = tp = tensor_parallel.rank_of(program.raw, rank)
+        rank = tp.logical
         self.program, self.args, self.rank = program, args, rank
         self.specs = specs = program.stages_of_rank(rank)  # one, or several with virtual stages
         self.spec = spec = specs[0]
@@ -72,11 +76,15 @@ class Trainer:
             torch.cuda.set_device(devices.rank_device())
         for module in modules:
             module.train()
+        if tp.degree > 1:  # the linears the compiler split, over this process's tensor group (before any optimizer)
+            mesh = tensor_parallel.tensor_mesh(program.raw, devices.rank_device().type)
+            modules = [tensor_parallel.apply(m, tensor_parallel.stage_entry(program.raw, st.index), mesh)
+                       for m, st in zip(modules, specs)]
         # Groups: every rank creates every group, in the same order.
         replica_groups: dict[int, Any] = {}
         for st in program.stages:
             if len(st.ranks) > 1:
-                g = dist.new_group(list(st.ranks), timeout=timeout)
+                g = tensor_parallel.new_group(tp, st.ranks, timeout)
                 if rank in st.ranks:
                     replica_groups[st.index] = g
         tied_groups: dict[int, list[tuple[Any, ...]]] = {st.index: [] for st in specs}
@@ -85,7 +93,7 @@ class Trainer:
             # each replica holds its stage's whole gradient, so each contributes 1/replicas of it.
             stages = sorted({s for s, _ in group})
             ranks = sorted({r for s in stages for r in program.stages[s].ranks})
-            g = dist.new_group(ranks, timeout=timeout)
+            g = tensor_parallel.new_group(tp, ranks, timeout)
             for st in specs:
                 mine = [n for s, n in group if s == st.index]
                 if mine:
@@ -140,7 +148,8 @@ class Trainer:
             mode = self.shard_modes[st.index]
             full = shard.FullShard(module, replica_groups[st.index], devices.rank_device()) if mode == "full" else None
             # --grad-accumulation: big weights' gradients added straight into .grad (runtime/fused_grads.py)
-            fused = fused_grads.install(module, getattr(args, "grad_accumulation", "auto"), sharded=full is not None)
+            fused = fused_grads.install(module, getattr(args, "grad_accumulation", "auto"),
+                                        sharded=full is not None or tp.degree > 1)
             params = [q for q in module.parameters()]
             optimizer: Any = (shard.zero1(program.raw["optimizer"], params, replica_groups[st.index])
                               if mode == "optimizer" else build(program.raw["optimizer"], params)) \
@@ -153,6 +162,8 @@ class Trainer:
             lr_scheduler = loop.build_scheduler(sched_spec, optimizer, program.folder) if params else None
             norm_skip = frozenset(n for group in program.raw.get("tied", []) for s, n in group
                                   if s == st.index and s != min(t for t, _ in group))
+            if tp.index > 0:  # a whole parameter's gradient is the same on every tensor index: counted on index 0
+                norm_skip |= tensor_parallel.whole_parameters(module)
             self.executors.append(StageExecutor(
                 program, rank, module, optimizer, program.build_loss(devices.rank_device()) if st.index == last else None,
                 accumulation=schedules.policy(self.schedule.name).accumulation(M),
@@ -189,7 +200,7 @@ class Trainer:
         self.step_times: list[float] = []
         self.ran = False  # a segment ran (the next starts from a flush, with fresh weight versions)
         self.promised_versions = 1  # metrics: the most weight versions the schedule keeps at once
-        self.reports = any(st.index == last and rank == st.ranks[0] for st in specs)  # logs, metrics.jsonl, TensorBoard
+        self.reports = tp.index == 0 and any(st.index == last and rank == st.ranks[0] for st in specs)  # logs, metrics.jsonl, TensorBoard
         # every replica of the last stage computes the losses of its own microbatches (k % r): each logging
         # point sums each logged minibatch's over the replicas (:meth:`_minibatch_losses`)
         self.holds_last = any(st.index == last for st in specs)
@@ -379,8 +390,16 @@ class Trainer:
         if args.save_final:
             out = Path(args.save_final)
             out.mkdir(parents=True, exist_ok=True)
-            for ex in self.executors:  # whole tensors (a full stage's replicas gather theirs together)
-                torch.save(shard.full_tensors(ex.module), out / f"stage_{ex.stage}.rank_{rank}.pt")
+            for ex in self.executors:  # whole tensors (a full stage's replicas, a stage's tensor ranks gather theirs together)
+                whole = tensor_parallel.full_state(ex.module, tensor_parallel.stage_entry(program.raw, ex.stage))
+                if self.tp.index == 0:
+                    torch.save(whole, out / f"stage_{ex.stage}.rank_{rank}.pt")
+                else:  # its copy of the whole parameters: the same as index 0's (tests compare them)
+                    kept = tensor_parallel.whole_parameters(ex.module)
+                    torch.save({n: t for n, t in whole.items() if n in kept},
+                               out / f"stage_{ex.stage}.rank_{rank}.tensor_{self.tp.index}.pt")
+        if self.tp.index > 0:  # metrics and trace: the pipeline rank's, written by its tensor index 0
+            return 0
         if args.metrics:
             out = Path(args.metrics)
             out.mkdir(parents=True, exist_ok=True)

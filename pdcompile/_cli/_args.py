@@ -151,3 +151,27 @@ def staleness_of_plan(args: Any, schedule: str, replicas: Sequence[int], optimiz
     cls, kwargs = PROFILE_OPTIMIZERS.get(optimizer.lower(), (optimizer, options or {}))
     spec = ScheduleSpec(schedule, tuple(replicas), max(2, sum(replicas)))
     return plan_entry(mode, args.staleness_warmup, spec, {"class": cls, "kwargs": kwargs})
+
+
+TENSOR_PARALLEL_HELP = ("split every stage's attention and MLP linear pairs across N processes each (Megatron's "
+                        "layout, torch's DTensor tensor parallelism; docs/tensor-parallel.md); default 1")
+
+
+def parse_tensor_parallel(text: str) -> int | str | tuple[int, ...]:
+    """``--tensor-parallel N`` (or ``N,N,...``, one per stage; ``auto`` is refused by the compiler)."""
+    parts = [x.strip() for x in str(text).split(",")]
+    if parts == ["auto"]:
+        return "auto"
+    try:
+        values = tuple(int(x) for x in parts)
+    except ValueError:
+        raise UsageError(f"--tensor-parallel {text!r}: give a number of processes per stage, e.g. 2") from None
+    return values[0] if len(values) == 1 else values
+
+
+def refuse_tensor_parallel(text: str, command: str) -> None:
+    """``pdcompile plan``/``simulate`` on a profile: the planner does not charge tensor parallelism yet."""
+    if parse_tensor_parallel(text) != 1:
+        raise UsageError(f"pdcompile {command} --tensor-parallel {text}: the planner does not charge tensor "
+                         f"parallelism yet; compile the model with it (pdcompile emit/run MODEL --tensor-parallel "
+                         f"{text}), or plan without it")

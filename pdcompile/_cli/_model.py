@@ -6,8 +6,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from pdcompile._cli._args import (SHARD_HELP, add_staleness_args, call_factory, leaf_module, parse_inputs, parse_literal, parse_shard,
-                                  resolve_cluster, zoo_model)
+from pdcompile._cli._args import (SHARD_HELP, TENSOR_PARALLEL_HELP, add_staleness_args, call_factory, leaf_module,
+                                  parse_inputs, parse_literal, parse_shard, parse_tensor_parallel, resolve_cluster,
+                                  zoo_model)
 from pdcompile.errors import UsageError
 
 MODEL_HELP = ("a model: zoo:NAME (gpt, mlp, resnet, vgg, gnmt) or MODULE:FACTORY returning an nn.Module "
@@ -107,6 +108,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="torch.optim.SGD:lr=0.01",
                    help="CLASS[:KEY=VALUE,...], e.g. torch.optim.Adam:lr=0.001 (default SGD lr=0.01)")
     p.add_argument("--shard", default="auto", metavar="MODE[,MODE...]", help=SHARD_HELP)
+    p.add_argument("--tensor-parallel", default="1", metavar="N", help=TENSOR_PARALLEL_HELP)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: autocast with fp32 master weights, bf16 boundary tensors, costs at the bf16 peak")
     add_staleness_args(p)
@@ -151,5 +153,6 @@ def compile_from_args(args: argparse.Namespace) -> tuple[LoadedModel, Any]:
                      precision=getattr(args, "precision", "fp32"), clip_grad_norm=getattr(args, "clip_grad_norm", None),
                      virtual_stages=getattr(args, "virtual_stages", None),
                      shard=parse_shard(getattr(args, "shard", "auto")),
-                     staleness=getattr(args, "staleness", "none"), staleness_warmup=getattr(args, "staleness_warmup", 0.25))
+                     staleness=getattr(args, "staleness", "none"), staleness_warmup=getattr(args, "staleness_warmup", 0.25),
+                     tensor_parallel=parse_tensor_parallel(getattr(args, "tensor_parallel", "1")))
     return m, pipe

@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from pdcompile._cli._args import (SHARD_HELP, add_staleness_args, call_factory, parse_inputs, parse_shard, resolve_cluster,
-                                  staleness_of_plan)
+from pdcompile._cli._args import (SHARD_HELP, add_staleness_args, call_factory, parse_inputs, parse_shard,
+                                  refuse_tensor_parallel, resolve_cluster, staleness_of_plan)
 from pdcompile.errors import UsageError
 from pdcompile.passes.partition_dp import COST_MODELS, PlanOptions
 from pdcompile.runtime.schedules import SCHEDULES
@@ -88,6 +88,8 @@ def add_planning_arguments(p: argparse._ActionsContainer) -> None:
     pool.add_argument("--no-pool", dest="pool", action="store_false")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ilp: seconds (default 60)")
     add_staleness_args(p)
+    p.add_argument("--tensor-parallel", default="1", metavar="N",
+                   help="not planned yet: only 1 (compile a model with emit/run --tensor-parallel N)")
 
 
 def _profile(args: argparse.Namespace) -> Any:
@@ -163,6 +165,7 @@ def plan_options(args: argparse.Namespace, optimizer: str, schedule: str | None 
     (``benchmarks/bench_planner.py``, which checks the command's plans) read."""
     from pdcompile.profile import optimizer_state_factor
 
+    refuse_tensor_parallel(getattr(args, "tensor_parallel", "1"), "plan/simulate")
     shard = parse_shard(args.shard)
     if not isinstance(shard, str):
         raise UsageError(f"--shard {args.shard!r}: pdcompile plan chooses the stages, so give one mode (or auto) "

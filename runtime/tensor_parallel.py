@@ -1,0 +1,135 @@
+"""Tensor parallelism on a rank: plan.json's ``tensor_parallel`` applied with torch's DTensor TP.
+
+With degree ``t`` every pipeline rank of the plan (the ranks the schedule and the stages name) is
+``t`` processes: process ``rank`` is pipeline rank ``rank // t`` at tensor index ``rank % t`` (the
+(pipeline, data, tensor) mesh with tensor innermost). The processes of one tensor index form a whole
+pipeline among themselves: point-to-point transfers go to the peer's process of the same index
+(:meth:`TPRank.physical`), and each group of pipeline ranks (replicas, tied copies) is made once per
+index (:func:`new_group`). Within a stage the ``t`` processes run the same microbatches on the same
+whole activations; ``parallelize_module`` splits the linears the compiler's ``tensor-parallel`` pass
+named (``ColwiseParallel``, ``RowwiseParallel``, local outputs), so each row linear's output is
+all-reduced in the forward and each column linear's input gradient in the backward. No collective
+here is written by hand. Parameters left whole get the same gradient on every index (same inputs, same
+whole outputs), so nothing syncs them; the global norm counts them on index 0 only.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPRank:
+    """Where a process stands: its pipeline rank and its tensor index, of ``degree``."""
+
+    degree: int
+    index: int
+    logical: int
+
+    def physical(self, logical: int) -> int:
+        """The process of pipeline rank ``logical`` at this process's tensor index."""
+        return logical * self.degree + self.index
+
+
+def degree(raw: Mapping[str, Any]) -> int:
+    """plan.json's tensor-parallel degree (1: none)."""
+    tp = raw.get("tensor_parallel") or {}
+    return int(tp.get("degree", 1))
+
+
+def rank_of(raw: Mapping[str, Any], rank: int) -> TPRank:
+    t = degree(raw)
+    return TPRank(t, rank % t, rank // t)
+
+
+def stage_entry(raw: Mapping[str, Any], stage: int) -> dict[str, Any]:
+    """Stage ``stage``'s entry: ``{"degree", "colwise", "rowwise", "fused", "whole"}``."""
+    tp = raw.get("tensor_parallel") or {}
+    stages = tp.get("stages") or []
+    return dict(stages[stage]) if stage < len(stages) else {"degree": 1}
+
+
+def new_group(tp: TPRank, ranks: Sequence[int], timeout: datetime.timedelta) -> Any:
+    """The group of pipeline ranks ``ranks`` at this process's tensor index: one group per index is
+    made (every process makes them all, in the same order, as ``dist.new_group`` needs)."""
+    if tp.degree == 1:
+        return dist.new_group(list(ranks), timeout=timeout)
+    mine = None
+    for j in range(tp.degree):
+        g = dist.new_group([r * tp.degree + j for r in ranks], timeout=timeout)
+        if j == tp.index:
+            mine = g
+    return mine
+
+
+def tensor_mesh(raw: Mapping[str, Any], device_type: str) -> Any:
+    """The (pipeline, data, tensor) ``DeviceMesh`` of every process, tensor innermost; its tensor
+    dimension, this process's tensor group. With replicas differing per stage (or virtual stages) the
+    first two are one dimension, ``pipeline_data``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    t = degree(raw)
+    world = int(raw["world_size"])
+    replicas = {len(st["ranks"]) for st in raw["stages"]}
+    stages = len(raw["stages"])
+    ids = torch.arange(world)
+    if len(replicas) == 1 and stages * replicas.copy().pop() * t == world:
+        mesh = DeviceMesh(device_type, ids.view(stages, replicas.pop(), t), mesh_dim_names=("pipeline", "data", "tensor"))
+    else:
+        mesh = DeviceMesh(device_type, ids.view(-1, t), mesh_dim_names=("pipeline_data", "tensor"))
+    return mesh["tensor"]
+
+
+def interleave(w: torch.Tensor, chunks: int, t: int, inverse: bool = False) -> torch.Tensor:
+    """Rows of a fused column weight (or bias) from ``chunks`` equal parts ``[q; k; v]`` to ``t``
+    contiguous blocks ``[q_j; k_j; v_j]`` (``inverse``: back). A column split of the result gives each
+    rank its share of every part."""
+    rest = tuple(w.shape[1:])
+    a, b = (t, chunks) if inverse else (chunks, t)
+    return w.reshape(a, b, -1, *rest).transpose(0, 1).reshape(w.shape)
+
+
+def apply(module: torch.nn.Module, entry: Mapping[str, Any], mesh: Any) -> torch.nn.Module:
+    """Split ``module``'s linears as ``entry`` names them, over the tensor ``mesh``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    t = int(entry.get("degree", 1))
+    if t == 1:
+        return module
+    with torch.no_grad():
+        for name, k in dict(entry.get("fused") or {}).items():
+            lin: Any = module.get_submodule(name)
+            for p in (lin.weight, getattr(lin, "bias", None)):
+                if p is not None:
+                    p.copy_(interleave(p, int(k), t))
+    plan: dict[str, Any] = {n: ColwiseParallel(use_local_output=True) for n in entry.get("colwise", ())}
+    plan.update({n: RowwiseParallel(use_local_output=True) for n in entry.get("rowwise", ())})
+    return parallelize_module(module, mesh, plan)
+
+
+def full_state(module: torch.nn.Module, entry: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The stage's parameters and buffers whole, on the CPU, fused rows back in the model's order
+    (collective over the tensor group: every index calls it at the same point)."""
+    from pdcompile.runtime.shard import full_tensors
+
+    out = full_tensors(module)
+    t = int(entry.get("degree", 1))
+    for name, k in dict(entry.get("fused") or {}).items():
+        for leaf in ("weight", "bias"):
+            key = f"{name}.{leaf}"
+            if key in out:
+                out[key] = interleave(out[key], int(k), t, inverse=True)
+    return out
+
+
+def whole_parameters(module: torch.nn.Module) -> frozenset[str]:
+    """The stage's parameters left whole (not DTensors): each tensor index holds the same gradient."""
+    from torch.distributed.tensor import DTensor
+
+    return frozenset(n for n, p in module.named_parameters() if not isinstance(p, DTensor))
