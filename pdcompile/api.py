@@ -321,6 +321,7 @@ class CompiledPipeline:
         self.schedule_choice: tuple[list[autoschedule.Candidate], autoschedule.Candidate, list[str]] | None = None
         # schedule="auto" on CPU workers: the runtime's per-action cost it charged (calibrated or built-in)
         self.action_cost: machine_cache.ActionCost | None = None
+        self.state: CompileState  # written by _compile
         self._compile(model, example_inputs, replace(opts, schedule="flush") if auto else opts, dump_dir,
                       choose_microbatches=not auto and _chooses_microbatches(opts))
         if auto:
