@@ -696,9 +696,7 @@ class CompiledPipeline:
         ``data``: the program's data when train.py is given no ``--data`` (default: ``pdcompile(data=)``);
         ``init_from``: a checkpoint the ranks read their stages from (default: ``pdcompile(init_from=)``);
         a meta model writes no weights (docs/big-models.md)."""
-        if data is not None and not isinstance(data, dict):
-            callables.check(data, "data")
-        fields, files = self._program(data, target, init_from)
+        fields, files = self._program(data, target, init_from)  # a callable the ranks can't get: refused here
         traced = self._loss_for(self._target_or_error(target)).traced
         return codegen.emit(self.split, folder, program=fields, model_name=type(self.model).__name__,
                             loss=traced.gm if traced is not None else None, files=files)

@@ -213,3 +213,17 @@ def test_a_callable_neither_importable_nor_picklable_is_one_line_naming_why(tmp_
     spec = pdcompile(model, lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3),
                      **kw).program_fields()["lr_scheduler"]
     assert spec == {"factory": "torch.optim.lr_scheduler:StepLR", "kwargs": {"step_size": 3}}  # by name, readable
+
+
+def test_merge_of_a_save_final_folder_with_no_program_beside_it_names_the_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``pdcompile merge DIR`` of train.py --save-final files finds the program only as run() lays it out
+    (``RUN/program`` beside ``RUN/final``); elsewhere it asks for --program, in one line, writing nothing."""
+    final = tmp_path / "results" / "final"
+    final.mkdir(parents=True)
+    torch.save({"weight": torch.zeros(2)}, final / "stage_0.rank_0.pt")
+    capsys.readouterr()
+    assert main(["merge", str(final), "-o", str(tmp_path / "model.pt")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "need --program with the emitted program folder" in err[0], err
+    assert str(tmp_path / "results" / "program") in err[0] and not (tmp_path / "model.pt").exists()
