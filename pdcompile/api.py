@@ -312,8 +312,7 @@ class CompiledPipeline:
         micro = tuple(x[: self.microbatch_size] for x in self.example_inputs)
         if init_source.has_meta(model):  # a model on meta: the passes see the inputs' shapes on meta too
             micro = tuple(x.to("meta") for x in micro)
-        self.cost_source = machine_cache.cost_source(opts.cost_mode, machine_cache.is_local(opts.cluster),
-                                                     init_source.has_meta(model) or micro[0].is_meta)
+        self.cost_source = machine_cache.cost_source(opts.cost_mode, machine_cache.is_local(opts.cluster))
         state = CompileState(model=model, example_inputs=micro)
         # the passes run the model's forward in training mode (shapes, costs), which writes buffers such as
         # BatchNorm's running statistics: put them back, for the user's model and the stages (the same tensors)
