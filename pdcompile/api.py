@@ -349,10 +349,7 @@ class CompiledPipeline:
         self.example_inputs, self.example_kwargs = self.example.args, self.example.kwargs
         # a model on meta: the passes see the inputs' shapes on meta too
         micro = self.example.micro(self.microbatch_size, meta=init_source.has_meta(model))
-        values = [*micro.args, *(micro.kwargs or {}).values()]
-        self.cost_source = machine_cache.cost_source(
-            opts.cost_mode, machine_cache.is_local(opts.cluster),
-            init_source.has_meta(model) or any(isinstance(x, torch.Tensor) and x.is_meta for x in values))
+        self.cost_source = machine_cache.cost_source(opts.cost_mode, machine_cache.is_local(opts.cluster))
         state = CompileState(model=model, example_inputs=micro.args, example_kwargs=micro.kwargs or None)
         # the passes run the model's forward in training mode (shapes, costs), which writes buffers such as
         # BatchNorm's running statistics: put them back, for the user's model and the stages (the same tensors)

@@ -170,25 +170,24 @@ def is_local(cluster: ClusterSpec | None) -> bool:
     return cluster is None or (cluster.device.name == "cpu" and cluster.device.cores is not None)
 
 
-def cost_source(asked: str, local: bool, on_meta: bool) -> CostSource:
+def cost_source(asked: str, local: bool) -> CostSource:
     """Resolve ``cost_mode``: ``auto`` (the default) is ``calibrated`` where the compiling host is the
     target (``local``: a local CPU cluster, or none given) and a calibration for this machine is cached,
     else ``analytic``, the roofline with a documented default fixed cost per op class (said so, with the
     fix); ``calibrated`` without a calibration is a UsageError naming the command. ``measured`` times
-    every node here (not on ``on_meta`` models)."""
+    every node here (a model on meta is refused by the API)."""
     from pdcompile.errors import UsageError
 
     if asked not in COST_MODES:
         raise UsageError(f"pdcompile: cost_mode must be one of {COST_MODES}, got {asked!r}")
     if asked == "measured":
         return CostSource(asked, "measured", None, "measured: every node timed on this host, one thread")
-    table, problem = op_costs() if asked == "calibrated" or (asked == "auto" and local and not on_meta) \
-        else (None, "")
+    table, problem = op_costs() if asked == "calibrated" or (asked == "auto" and local) else (None, "")
     if asked == "calibrated" and table is None:
         raise UsageError(f"pdcompile: cost_mode='calibrated' needs this machine's cost per op class: {problem}. "
                          f"Fix: {CALIBRATE_COMMAND}, or cost_mode='analytic'")
     if table is not None:
         return CostSource(asked, "analytic", table, f"calibrated: {table.source}")
     why = (f"no fitted cost per op class for this machine ({problem}; fix: {CALIBRATE_COMMAND})" if problem
-           else "the target is not this host" if not local else "a model on meta is not calibrated here")
+           else "the target is not this host")
     return CostSource(asked, "analytic", None, f"analytic: {why}")

@@ -160,3 +160,20 @@ def test_more_processes_than_cores_are_charged(monkeypatch: pytest.MonkeyPatch) 
     assert c == pytest.approx(2.0 * f, rel=1e-9)
     assert "4 processes x 1 thread on 2 cores: every compute time charged x2.00" in crowded.explain()
     assert "cores:" not in fair.explain()
+
+
+# -- the runtime's own costs: the memory meter off in a timed run -----------------------------------
+
+@pytest.mark.multiproc
+def test_metrics_without_the_memory_meter(tmp_path: Path) -> None:
+    """``--metrics DIR --no-memory-meter``: step times written, the meter (a hook per saved tensor, which the
+    prediction does not charge) never ran, so no stage reports memory."""
+    from _ranks import run_ranks
+
+    prog = _compile(8, 4).emit(tmp_path / "program")
+    rc, log = run_ranks(prog, 2, ["--steps", "2", "--metrics", str(tmp_path / "m"), "--no-memory-meter",
+                                  "--timeout", "60"], timeout=150)
+    assert rc == 0, log[-2000:]
+    ranks = [json.loads(p.read_text()) for p in sorted((tmp_path / "m").glob("rank_*.json"))]
+    assert len(ranks) == 2 and all(len(r["step_times_s"]) == 2 for r in ranks)
+    assert all(r["memory"]["total"] == 0 for r in ranks)
