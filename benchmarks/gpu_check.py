@@ -332,15 +332,27 @@ OP_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def op_class(op: str) -> str:
+def op_class(op: str, owner: str = "") -> str:
     """The op class of a profile layer's ``op`` (a module's class, a function's or an aten op's name:
-    ``aten.t.default`` is read as ``t``)."""
-    low = op.lower()
-    if low.startswith("aten."):
-        low = low.split(".")[1]
-    if low == "t":
-        return "shape"
-    return next((cls for cls, keys in OP_CLASSES if any(k in low for k in keys)), "elementwise")
+    ``aten.t.default`` and ``t.default`` are read as ``t``). ``owner``: the class of the innermost module the node came
+    from (torch.export's ``nn_module_stack``): a norm's decomposed steps (pow, mean, rsqrt, mul) are
+    the norm's."""
+    low = op.lower().removeprefix("aten.")
+    if not low.startswith("."):  # an aten overload (t.default, add.Tensor): its op's name
+        low = low.split(".")[0]
+    cls = "shape" if low == "t" else next((c for c, keys in OP_CLASSES if any(k in low for k in keys)), "elementwise")
+    return "normalisation" if cls in ("elementwise", "shape") and "norm" in owner.lower() else cls
+
+
+def owners(gm: Any) -> dict[str, str]:
+    """Node name -> the class name of the innermost module it came from (export's ``nn_module_stack``)."""
+    out = {}
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            kind = list(stack.values())[-1][1]
+            out[node.name] = str(getattr(kind, "__name__", kind)).rsplit(".", 1)[-1]
+    return out
 
 
 def analytic_spec(device: torch.device) -> str:
@@ -354,7 +366,7 @@ def analytic_spec(device: torch.device) -> str:
 def node_costs(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], mode: str, spec: str, frontend: str,
                leaf_modules: Any = ()) -> Any:
     """The Profile of ``model`` per node: measured on its device, or analytic for ``spec`` (profile_model's
-    steps, with a choice of front end: torch.export for the Hugging Face model)."""
+    steps, with a choice of front end: torch.export for the Hugging Face model), and :func:`owners`."""
     from pdcompile.passes.annotate_costs import annotate_costs
     from pdcompile.passes.costs.profile import profile_from_graph
     from pdcompile.passes.propagate_shapes import propagate_shapes
@@ -365,7 +377,8 @@ def node_costs(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], mode: s
     on_gpu = inputs[0].device.type == "cuda"
     annotate_costs(gm, inputs, mode=mode, device_spec=spec, warmup=3 if on_gpu else 1, repeats=9 if on_gpu else 3,
                    symbolic=False, progress=False)
-    return profile_from_graph(gm, batch_size=int(inputs[0].shape[0]), device=spec, name=type(model).__name__)
+    return (profile_from_graph(gm, batch_size=int(inputs[0].shape[0]), device=spec, name=type(model).__name__),
+            owners(gm))
 
 
 def llama_layer(device: torch.device, small: bool) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], str]:
@@ -397,8 +410,8 @@ def layer_rows(size: str, device: torch.device) -> list[Row]:
     for what, model, inputs, frontend, leaves in (
             (f"zoo {MODEL} ({size}), microbatch {MICRO}", gpt_model, gpt_inputs, "fx", z.leaf_modules),
             (llama_what, llama, llama_inputs, "export", ())):
-        measured = node_costs(model, inputs, "measured", spec, frontend, leaves)
-        analytic = node_costs(model, inputs, "analytic", spec, frontend, leaves)
+        measured, owner = node_costs(model, inputs, "measured", spec, frontend, leaves)
+        analytic, _ = node_costs(model, inputs, "analytic", spec, frontend, leaves)
         predicted = {l.name: l for l in analytic.layers}
         print(f"  {what}: per node on {device.type}, measured against analytic ({spec}), us "
               f"(forward, backward):", flush=True)
@@ -407,7 +420,7 @@ def layer_rows(size: str, device: torch.device) -> list[Row]:
             a = predicted.get(l.name)
             if a is None:
                 continue
-            cls = op_class(l.op)
+            cls = op_class(l.op, owner.get(l.name, ""))
             print(f"    {l.name:<32} {cls:<16} measured {l.forward_s * 1e6:9.1f} {l.backward_s * 1e6:9.1f}   "
                   f"analytic {a.forward_s * 1e6:9.1f} {a.backward_s * 1e6:9.1f}", flush=True)
             got = by.setdefault(cls, [0, 0.0, 0.0, 0.0, 0.0])
