@@ -164,6 +164,10 @@ def optimizer_spec(make_optimizer: Any) -> ObjectSpec:
     if not isinstance(probe, torch.optim.Optimizer):
         raise UnsupportedModelError("optimizer factory must return a torch.optim.Optimizer")
     kwargs = {k: v for k, v in probe.defaults.items() if _is_literal(v)}
+    params = inspect.signature(type(probe).__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        # defaults its constructor does not take (torch's AdamW records Adam's decoupled_weight_decay=True)
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
     return ObjectSpec(class_path(type(probe)), kwargs)
 
 
