@@ -234,8 +234,8 @@ def _binding_note(model: torch.nn.Module, args: tuple[Any, ...]) -> str:
     except (TypeError, ValueError):
         return ""
     return (f"; the example inputs are passed positionally, as {type(model).__name__}.forward("
-            f"{', '.join(names)}): if one is meant for another parameter, wrap the model in a module whose "
-            f"forward passes it by name")
+            f"{', '.join(names)}): if one is meant for another parameter, give it by name in "
+            f"example_kwargs={{'NAME': tensor}}")
 
 
 def _flatten_program(model: torch.nn.Module, ep: torch.export.ExportedProgram,

@@ -498,10 +498,12 @@ class CompiledPipeline:
         target = target if target is not None else self.options.example_target
         if target is None:  # a model that computes its own loss needs no target: an empty one per sample
             try:
-                self._loss_for(no_target(self.batch_size))
-                return no_target(self.batch_size)
+                traced = self._loss_for(no_target(self.batch_size)).traced
             except UsageError:
-                pass
+                traced = None
+            if traced is not None and not any(n.users for n in traced.gm.graph.nodes if n.op == "placeholder"
+                                               and n.name == "target"):
+                return no_target(self.batch_size)
         if target is None:
             raise UsageError("pdcompile: the last stage must know the target's shape: pass example_target= "
                              "(one minibatch of targets) to pdcompile, or target= to emit(); run(data) reads it "
@@ -707,7 +709,8 @@ class CompiledPipeline:
         """Emit, then train ``steps`` minibatches (or ``epochs`` passes) of ``data`` through torchrun on
         this machine (docs/training-loop.md).
 
-        ``data``: a DataLoader or any iterable of ``(inputs, target)`` minibatches of the size the
+        ``data``: a DataLoader or any iterable of ``(inputs, target)`` or ``(args, kwargs, target)`` minibatches
+        (a None target: the model computes its own loss) of the size the
         pipeline was compiled for, streamed to the ranks as they train (:mod:`pdcompile.data_stream`:
         a few minibatches ahead, nothing saved); ``epochs`` needs ``len(data)``. The target's shape and
         dtype come from the first minibatch (no example_target= needed). ``eval_data``: validation

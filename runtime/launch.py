@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
                    help=f"{', '.join(schedules.SCHEDULES)} (default: the compiled one, {compiled.name})")
     p.add_argument("--microbatches", type=int, default=compiled.num_microbatches,
                    help=f"microbatches per minibatch (default: the compiled {compiled.num_microbatches})")
-    p.add_argument("--data", default=None, help="MODULE:FUNCTION yielding (inputs, target) minibatches")
+    p.add_argument("--data", default=None, help="MODULE:FUNCTION yielding (inputs, target) or (args, kwargs, target) minibatches")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the built-in random data and of a fresh initialisation (a meta model without a checkpoint)")
     init_default = program.init.get("path") or f"the compiled source, {program.init.get('source', 'weights')}"

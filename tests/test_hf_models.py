@@ -380,5 +380,5 @@ def test_a_tensor_given_positionally_to_the_wrong_parameter_is_named() -> None:
     """GPT-2's second parameter is its cache, not the attention mask: the error says where the inputs went."""
     x = tokens(3)
     with pytest.raises(UnsupportedModelError, match=r"passed positionally, as GPT2LMHeadModel\.forward\(input_ids, "
-                                                    r"\w+\).*wrap the model"):
+                                                    r"\w+\).*by name in example_kwargs="):
         export_trace(gpt2(), (x, torch.ones_like(x)))

@@ -154,3 +154,53 @@ def test_left_padded_llama_with_labels_trains_under_1f1b_like_its_reference(tmp_
             torch.testing.assert_close(got[k], p.detach(), rtol=1e-5, atol=1e-5, msg=lambda msg: f"{k}: {msg}")
             moved += int(not torch.equal(got[k], initial[k]))
     assert moved > len(initial) // 2
+
+
+class Scaled(torch.nn.Module):
+    """A model with keyword inputs that computes its own loss, returned in a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, target: torch.Tensor | None = None,
+                squared: bool = True) -> dict[str, torch.Tensor]:
+        h = self.b(torch.relu(self.a(x))) * scale
+        err = (h - target) ** 2 if squared else (h - target).abs()
+        return {"out": h, "loss": err.mean()}
+
+
+def test_decorator_and_cli_factories_take_keyword_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decorator form, and a CLI factory's ``.example_kwargs`` (``pdcompile emit``): the keyword tensors
+    (not the constant ``squared=False``) become the program's inputs after the positional one, in order, and
+    the stages compute the model's loss with the constant as given."""
+    import json
+
+    from pdcompile.cli import main
+
+    x, scale, target = torch.randn(8, 4), torch.rand(8, 1) + 0.5, torch.randn(8, 4)
+    kw = {"scale": scale, "target": target, "squared": False}
+
+    @pdcompile(None, example_inputs=(x,), example_kwargs=kw, loss_fn=lambda out, t: out["loss"], stages=2)
+    class Net(Scaled):
+        pass
+
+    pipe = Net()
+    assert pipe.keywords == ("scale", "target")
+    with torch.no_grad():
+        got = pipe.split.run(x[:2], scale[:2], target[:2])
+        want = Scaled()(x[:2], scale=scale[:2], target=target[:2], squared=False)["loss"]
+    torch.testing.assert_close(got, want)
+    (tmp_path / "kwmodel.py").write_text(
+        "import torch\nfrom types import SimpleNamespace\nfrom test_keyword_inputs import Scaled\n\n"
+        "def make():\n    x, s, t = torch.randn(8, 4), torch.rand(8, 1) + 0.5, torch.randn(8, 4)\n"
+        "    return SimpleNamespace(model=Scaled(), example_inputs=(x,), example_kwargs={'scale': s, 'target': t},\n"
+        "                           loss_fn=lambda out, t: out['loss'])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))
+    assert main(["emit", "kwmodel:make", "-o", str(tmp_path / "prog"), "--stages", "2"]) == 0
+    plan = json.loads((tmp_path / "prog" / "plan.json").read_text())
+    assert plan["input_keywords"] == ["scale", "target"]
+    assert [t["name"] for t in plan["stages"][0]["inputs"]] == ["x", "scale", "target"]
+    assert plan["target"]["shape"] == [2, 0]  # no target: the loss is the model's

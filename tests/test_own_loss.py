@@ -135,3 +135,24 @@ def test_nanogpt_trains_like_single_process(tmp_path: Path, stages: int, schedul
     with gradient accumulation; 3 stages under PipeDream's 1F1B equal its weight-versioned reference."""
     _train_and_compare(tmp_path, stages, schedule)
 
+
+
+def test_a_loss_that_reads_the_target_still_needs_one(tmp_path: Path) -> None:
+    """Without example_target, only a loss that reads no target is given the empty one: a loss that reads it
+    (here one that would broadcast against an empty target to a NaN) is told to pass example_target=."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    pipe = pdcompile(net, example_inputs=(torch.randn(8, 4),), stages=2,
+                     loss_fn=lambda out, t: torch.nn.functional.mse_loss(out, t))
+    with pytest.raises(UsageError, match="the last stage must know the target's shape: pass example_target="):
+        pipe.emit(tmp_path / "prog")
+
+
+def test_the_docs_adamw_factory_is_rebuilt_by_the_ranks() -> None:
+    """``optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)`` (the docs' nanoGPT example): plan.json's spec
+    builds it back (AdamW's defaults hold Adam's ``decoupled_weight_decay``, which its constructor refuses)."""
+    from pdcompile.passes.codegen import optimizer_spec
+
+    spec = optimizer_spec(lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1)).to_json()
+    opt = build(spec, [torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(opt, torch.optim.AdamW)
+    assert opt.defaults["lr"] == 1e-3 and opt.defaults["weight_decay"] == 0.1

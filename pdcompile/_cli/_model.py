@@ -12,7 +12,8 @@ from pdcompile._cli._args import (SHARD_HELP, TENSOR_PARALLEL_HELP, add_stalenes
 from pdcompile.errors import UsageError
 
 MODEL_HELP = ("a model: zoo:NAME (gpt, mlp, resnet, vgg, gnmt) or MODULE:FACTORY returning an nn.Module "
-              "(give --input) or an object with .model, .example_inputs, .target, .loss_fn")
+              "(give --input) or an object with .model, .example_inputs, .target, .loss_fn (and, optionally, "
+              ".example_kwargs: forward's keyword inputs)")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class LoadedModel:
     loss_fn: Any
     leaf_modules: tuple[Any, ...]
     data: dict[str, Any] | None  # the emitted program's data hook, when known
+    example_kwargs: dict[str, Any] | None = None  # forward's keyword inputs (a factory's .example_kwargs)
 
 
 def add_model_args(p: argparse.ArgumentParser, *, training: bool = True) -> None:
@@ -67,7 +69,8 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
     if hasattr(made, "model") and hasattr(made, "example_inputs"):
         return LoadedModel(getattr(made, "name", type(made.model).__name__), made.model, tuple(made.example_inputs),
                            getattr(made, "target", None), getattr(made, "loss_fn", None),
-                           tuple(leaf) + tuple(getattr(made, "leaf_modules", ())), None)
+                           tuple(leaf) + tuple(getattr(made, "leaf_modules", ())), None,
+                           getattr(made, "example_kwargs", None))
     raise UsageError(f"{spec} returned {type(made).__name__}; it must return an nn.Module or an object "
                      f"with .model and .example_inputs")
 
@@ -141,13 +144,16 @@ def compile_from_args(args: argparse.Namespace) -> tuple[LoadedModel, Any]:
     from pdcompile.api import pdcompile
 
     m = load_model(args)
-    if m.loss_fn is None or m.target is None:
+    # a factory's bundle may have .loss_fn and no .target: a model that computes its own loss needs none
+    if m.loss_fn is None or (m.target is None and getattr(args, "inputs", None)):
         raise UsageError(f"{args.model}: training needs a target and a loss: give --target SHAPE[:DTYPE[:HIGH]] "
-                         f"and --loss CLASS, or a factory returning .target and .loss_fn")
+                         f"and --loss CLASS, or a factory returning .target and .loss_fn (a model that computes "
+                         f"its own loss: .loss_fn alone, e.g. lambda out, t: out.loss)")
     cluster = None
     if args.cluster:
         cluster = resolve_cluster(args.cluster)
-    pipe = pdcompile(m.model, cluster, example_inputs=m.example_inputs, example_target=m.target,
+    pipe = pdcompile(m.model, cluster, example_inputs=m.example_inputs, example_kwargs=m.example_kwargs,
+                     example_target=m.target,
                      loss_fn=m.loss_fn, optimizer=optimizer_factory(args.optimizer), schedule=args.schedule,
                      num_microbatches=args.microbatches, stages=args.stages, leaf_modules=m.leaf_modules,
                      precision=getattr(args, "precision", "fp32"), clip_grad_norm=getattr(args, "clip_grad_norm", None),
