@@ -533,6 +533,9 @@ class CompiledPipeline:
             note = "" if not alt.notes else f"  ({'; '.join(alt.notes)})"
             lines.append(f"  {name:<26} {t:.4g} s per minibatch  ({t / best:.2f}x the chosen plan's time){note}")
         lines += describe_shard(plan, self.options.shard)
+        if self.state.tensor_parallel is not None:  # what each stage splits, and what it leaves whole
+            lines += ["", "tensor parallelism (each pipeline rank is t processes; the planner does not charge it "
+                      "yet, docs/tensor-parallel.md):", str(self.state.tensor_parallel)]
         if self.schedule_choice is not None:
             lines += ["", autoschedule.format_choice(*self.schedule_choice)]
         return "\n".join(lines)
