@@ -621,6 +621,9 @@ class CompiledPipeline:
         corr = self.staleness_entry()
         lines += ["", *staleness.describe(corr["mode"], corr["delays"], corr["warmup"])]
         lines += [f"note: {c.note}" for c in self._rank_callables().values() if c.note is not None]
+        if self.state.tensor_parallel is not None:  # what each stage splits, and what it leaves whole
+            lines += ["", "tensor parallelism (each pipeline rank is t processes; the planner does not charge it "
+                      "yet, docs/tensor-parallel.md):", str(self.state.tensor_parallel)]
         if self.schedule_choice is not None:
             lines += ["", autoschedule.format_choice(*self.schedule_choice)]
         return "\n".join(lines)

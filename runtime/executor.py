@@ -607,7 +607,8 @@ class StageExecutor:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        allreduce_flat([p.grad for p in params if p.grad is not None], self.replica_group)
+        # a tensor-parallel stage's split gradients: each replica's shard, summed with its peers' of the same index
+        allreduce_flat([local(p.grad) for p in params if p.grad is not None], self.replica_group)
 
     def tied_grads(self) -> list[tuple[Any, torch.Tensor, float]]:
         """(process group, gradient, the share this copy contributes) of each tied parameter of the

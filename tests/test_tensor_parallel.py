@@ -1,7 +1,7 @@
 """Tensor parallelism inside a stage (passes/tensor_parallel.py, runtime/tensor_parallel.py):
 which linears the pass splits and what it rewrites, what it refuses, and training with t = 2 on 2
-processes and t = 2 x 2 stages on 4, against single-process training of the same model (the zoo GPT
-and a small Hugging Face Llama, fp32, gloo), under flush and 1F1B."""
+processes and t = 2 x 2 stages on 4 (and t = 2 x 2 replicas), against single-process training of the
+same model (the zoo GPT and a small Hugging Face Llama, fp32, gloo), under flush and 1F1B."""
 
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ def test_gpt_attention_and_mlp_pairs_are_split_and_head_counts_made_local(tmp_pa
     assert plan["world_size"] == 2 and plan["stages"][0]["ranks"] == [0]  # one pipeline rank, 2 processes
     assert plan["tensor_parallel"]["degree"] == 2
     assert plan["tensor_parallel"]["stages"][0]["fused"] == {"h_0_attn_c_attn": 3, "h_1_attn_c_attn": 3}
+    assert "column h_0_attn_c_attn (fused: 3 chunks)" in pipe.explain()
     assert "tensor parallel t=2" in pipe.records[[r.name for r in pipe.records].index("tensor-parallel")].dump
 
 
@@ -139,13 +140,13 @@ def test_the_command_line_takes_tensor_parallel(tmp_path: Path, capsys: pytest.C
 # --- training: t = 2, and t = 2 x 2 stages -------------------------------------------------------
 
 def _reference(kind: str, stages: int, schedule: str, data: list[Any], max_norm: float | None,
-               norms: list[float]) -> dict[str, torch.Tensor]:
+               norms: list[float], replicas: list[int]) -> dict[str, torch.Tensor]:
     """The same model trained in one process with what ``schedule`` computes (reference.py), from the
     stages of an untouched (t = 1) compile: final weights under the model's names."""
-    pipe = _compile(kind, stages, schedule)
+    pipe = _compile(kind, stages, schedule, replicas=replicas)
     mods = [copy.deepcopy(s.gm) for s in pipe.split.stages]
     micro = [((x.chunk(MICRO)[j],), t.chunk(MICRO)[j]) for (x,), t in data for j in range(MICRO)]
-    fwd, bwd, group = (reference.pipedream_1f1b([1] * stages) if schedule == "1f1b"
+    fwd, bwd, group = (reference.pipedream_1f1b(replicas) if schedule == "1f1b"
                        else reference.synchronous(MICRO))
     reference.train_versioned(mods, [_opt(m.parameters()) for m in mods], SequenceCrossEntropy(), micro,
                               fwd=fwd, bwd=bwd, group=group, scale=1.0 if schedule == "1f1b" else 1 / MICRO,
@@ -153,36 +154,41 @@ def _reference(kind: str, stages: int, schedule: str, data: list[Any], max_norm:
     return {st.param_names[n]: p.detach() for st, m in zip(pipe.split.stages, mods) for n, p in m.named_parameters()}
 
 
-CASES = [("gpt", 1, "flush", None), ("gpt", 2, "1f1b", None), ("llama", 1, "1f1b", None), ("llama", 2, "flush", 0.5)]
+# (model, stages, schedule, clip, replicas): t = 2 on 2 and 4 processes; the last, (pipeline, data, tensor) = (1, 2, 2)
+CASES = [("gpt", 1, "flush", None, 1), ("gpt", 2, "1f1b", None, 1), ("llama", 1, "1f1b", None, 1),
+         ("llama", 2, "flush", 0.5, 1), ("gpt", 1, "flush", None, 2)]
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind,stages,schedule,clip", CASES, ids=[f"{k}-{s}x2-{c}" for k, s, c, _ in CASES])
+@pytest.mark.parametrize("kind,stages,schedule,clip,reps", CASES,
+                         ids=[f"{k}-{s}x{r}x2-{c}" for k, s, c, _, r in CASES])
 def test_tensor_parallel_trains_like_one_process(tmp_path: Path, kind: str, stages: int, schedule: str,
-                                                 clip: float | None) -> None:
+                                                 clip: float | None, reps: int) -> None:
     data = token_batches(CFG.vocab_size, STEPS, BATCH, CFG.seq_len)
     save_batches(data, STEPS, tmp_path / "data.pt")
-    pipe = _compile(kind, stages, schedule, tensor_parallel=2)
+    replicas = [reps] * stages
+    pipe = _compile(kind, stages, schedule, tensor_parallel=2, replicas=replicas)
     prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
                                               "kwargs": {"path": str(tmp_path / "data.pt")}})
     extra = ["--clip-grad-norm", str(clip)] if clip is not None else []
-    rc, log = run_ranks(prog, 2 * stages, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
+    rc, log = run_ranks(prog, 2 * stages * reps, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
                                            "--metrics", str(tmp_path / "m"), "--timeout", "90", *extra], timeout=400)
     assert rc == 0, log[-3000:]
     # one file per pipeline rank (its tensor index 0 writes), gathered whole; index 1 writes its copy of the
     # parameters left whole, which must be index 0's exactly (each index computed their gradients alone)
     files = sorted(p.name for p in (tmp_path / "final").iterdir())
-    assert files == sorted([f"stage_{k}.rank_{k}.pt" for k in range(stages)]
-                           + [f"stage_{k}.rank_{k}.tensor_1.pt" for k in range(stages)])
-    for k in range(stages):
-        zero = torch.load(tmp_path / "final" / f"stage_{k}.rank_{k}.pt", weights_only=True)
-        one = torch.load(tmp_path / "final" / f"stage_{k}.rank_{k}.tensor_1.pt", weights_only=True)
+    ranks = [(k, r) for k in range(stages) for r in range(k * reps, (k + 1) * reps)]  # (stage, pipeline rank)
+    assert files == sorted([f"stage_{k}.rank_{r}.pt" for k, r in ranks] + [f"stage_{k}.rank_{r}.tensor_1.pt"
+                                                                            for k, r in ranks])
+    for k, r in ranks:
+        zero = torch.load(tmp_path / "final" / f"stage_{k}.rank_{r}.pt", weights_only=True)
+        one = torch.load(tmp_path / "final" / f"stage_{k}.rank_{r}.tensor_1.pt", weights_only=True)
         assert one and all(torch.equal(zero[n], t) for n, t in one.items())
         assert len(one) < len([n for n in zero if "weight" in n or "bias" in n])  # some were split
     got = merge_weights(prog, tmp_path / "final")
     norms: list[float] = []
-    want = _reference(kind, stages, schedule, data, clip, norms)
+    want = _reference(kind, stages, schedule, data, clip, norms, replicas)
     initial = {k: v.detach() for k, v in MODELS[kind][0]().named_parameters()}
     assert set(want) <= set(got)
     for k, w in want.items():
