@@ -47,7 +47,7 @@ from pdcompile.passes.tensor_parallel import TensorParallelOptions, degrees_of
 from pdcompile.passes.trace import TraceOptions
 from pdcompile.passes.trace_loss import LossProgram, TracedLoss, TraceLossOptions, loss_program
 from pdcompile.pipeline import PassOptions, passes
-from pdcompile.plan import Plan, step_objective
+from pdcompile.plan import Plan, chooses_microbatches, step_headline, step_objective
 from pdcompile.runtime import schedules, staleness
 from pdcompile.runtime.data import batch_parts, no_target
 from pdcompile.runtime.program import PRECISIONS
@@ -211,17 +211,6 @@ def _check_clipping(spec: ScheduleSpec) -> None:
         raise UsageError(f"pdcompile: clip_grad_norm= with schedule={spec.name!r}: {e}; or drop clip_grad_norm=") from None
 
 
-def _chooses_microbatches(opts: Options) -> bool:
-    """Whether the planner chooses the microbatch count with the depth (:func:`pdcompile.plan.plan_step`):
-    for a synchronous schedule with a stage per rank, the planner choosing the stages, neither
-    ``num_microbatches`` nor ``microbatch_size`` given, on a cluster of accelerators. Not on CPU workers:
-    their per-operation fixed cost, which makes small microbatches dearer per sample, is not in the
-    analytic model yet (issue 36), so the default count (4) stays."""
-    return (opts.num_microbatches is None and opts.microbatch_size is None and opts.stages is None
-            and isinstance(opts.cluster, ClusterSpec) and opts.cluster.device.name != "cpu"
-            and step_objective(opts.schedule))
-
-
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01)
 
@@ -322,29 +311,18 @@ class CompiledPipeline:
         # schedule="auto" on CPU workers: the runtime's per-action cost it charged (calibrated or built-in)
         self.action_cost: machine_cache.ActionCost | None = None
         self.state: CompileState  # written by _compile
-        self._compile(model, example_inputs, replace(opts, schedule="flush") if auto else opts, dump_dir,
-                      choose_microbatches=not auto and _chooses_microbatches(opts))
+        choose = not auto and chooses_microbatches(opts.cluster, opts.schedule, opts.num_microbatches, opts.microbatch_size,
+                                                   opts.stages)
+        self._compile(model, example_inputs, replace(opts, schedule="flush") if auto else opts, dump_dir, choose)
         if auto:
             self._choose_schedule(model, example_inputs, opts, dump_dir)
-        # the plan's headline is the compiled program's simulate(): one number (docs/reading-a-plan.md); a
-        # program the simulator cannot replay keeps the planner's figure, which the plan's table names
-        try:
-            step = float(self.simulate().step_time_s)
-        except PdcompileError:
-            pass
-        else:
-            self.state = self.state.replace(plan=self.plan.with_step(step, self.num_microbatches, self._headline_how()))
         self._losses: dict[tuple[tuple[int, ...], str], LossProgram] = {}
         if self.state.loss is not None and opts.example_target is not None:
             self._losses[_target_key(self._micro_target(opts.example_target))] = self.state.loss
 
     def _compile(self, model: torch.nn.Module, example_inputs: Any, opts: Options,
                  dump_dir: str | os.PathLike[str] | None, choose_microbatches: bool = False) -> None:
-        """Run the passes. ``choose_microbatches``: the partition pass's step search may choose the
-        microbatch count (:func:`_chooses_microbatches`); where it chose another than the one compiled,
-        compile again at that count (the costs profiled at its microbatch size)."""
         self.options = opts
-        self._choose_microbatches = choose_microbatches
         self.example, self.microbatch_size, self.num_microbatches = _check(model, example_inputs, opts)
         self.example_inputs, self.example_kwargs = self.example.args, self.example.kwargs
         # a model on meta: the passes see the inputs' shapes on meta too
@@ -355,7 +333,8 @@ class CompiledPipeline:
         # BatchNorm's running statistics: put them back, for the user's model and the stages (the same tensors)
         kept = [(b, b.clone()) for b in model.buffers()]
         try:
-            self.state, self.records = passmanager.run_passes(passes(self._pass_options()), state, dump_dir)
+            self.state, self.records = passmanager.run_passes(passes(self._pass_options(choose_microbatches)), state,
+                                                              dump_dir)
         finally:
             with torch.no_grad():
                 for b, v in kept:
@@ -365,8 +344,15 @@ class CompiledPipeline:
                                                              opts.shard))
         if opts.clip_grad_norm is not None:
             _check_clipping(need(self.state.schedule_spec, "schedule_spec"))
-        if choose_microbatches and self.plan.num_microbatches != self.num_microbatches:
+        if choose_microbatches and self.plan.num_microbatches != self.num_microbatches:  # again, at the M it chose
             self._compile(model, example_inputs, replace(opts, num_microbatches=self.plan.num_microbatches), dump_dir)
+            return
+        try:  # the plan's headline is simulate() of the compiled program: one number (docs/reading-a-plan.md)
+            head = step_headline(opts.schedule, self.num_microbatches, self.microbatch_size)
+            self.state = self.state.replace(plan=self.plan.with_step(float(self.simulate().step_time_s),
+                                                                     self.num_microbatches, head))
+        except PdcompileError:  # one the simulator cannot replay keeps the planner's figure (its table says so)
+            pass
 
     def _choose_schedule(self, model: torch.nn.Module, example_inputs: Any, asked: Options,
                          dump_dir: str | os.PathLike[str] | None) -> None:
@@ -442,7 +428,7 @@ class CompiledPipeline:
             tied_stages.update(s for s, _ in group)
         return tied_bytes, sorted(tied_stages)
 
-    def _pass_options(self) -> PassOptions:
+    def _pass_options(self, choose_microbatches: bool = False) -> PassOptions:
         """The checked options, as each pass's options."""
         opts = self.options
         stages = opts.stages if isinstance(opts.stages, int) else None
@@ -457,7 +443,7 @@ class CompiledPipeline:
                 PlanOptions(cost_model=opts.cost_model, schedule=opts.schedule, num_microbatches=self.num_microbatches,
                             recompute=opts.recompute, shard=check_shard(opts.shard),
                             optimizer_state_factor=optimizer_state_factor_of(opts.optimizer),
-                            choose_microbatches=getattr(self, "_choose_microbatches", False)),
+                            choose_microbatches=choose_microbatches),
                 stages, tuple(opts.replicas) if opts.replicas is not None else None, opts.cluster, opts.solver,
                 precision=opts.precision, virtual_stages=opts.virtual_stages),
             schedule=ScheduleOptions(opts.schedule, self.num_microbatches, virtual_stages=opts.virtual_stages,
@@ -544,30 +530,20 @@ class CompiledPipeline:
         optimizer's state; on CPU workers every action also costs the runtime's per-action time
         (:func:`pdcompile.machine_cache.action_cost`: calibrated, or a built-in estimate).
         ``num_microbatches``, ``schedule``: another count or schedule on the same plan."""
-        return self._simulate_plan(self.plan, schedule or self.options.schedule, num_microbatches or self.num_microbatches,
-                                   num_steps, self.options.virtual_stages or 1)
+        return self._simulate_plan(self.plan, schedule or self.options.schedule,
+                                   num_microbatches or self.num_microbatches, num_steps, self.options.virtual_stages or 1)
 
-    def _simulate_plan(self, plan: Plan, schedule: str, num_microbatches: int, num_steps: int = 1,
-                       virtual_stages: int = 1) -> Any:
+    def _simulate_plan(self, plan: Plan, schedule: str, m: int, num_steps: int = 1, virtual_stages: int = 1) -> Any:
         """``plan`` (of this compile's chain) simulated as :meth:`simulate` simulates the compiled one."""
         from pdcompile.simulate import simulate_plan
 
         tied_bytes, tied_stages = self._tied()
         cost = self.action_cost or (machine_cache.action_cost() if self.cluster.device.name == "cpu" else None)
-        return simulate_plan(plan, self.wire_chain, self.cluster, schedule, num_microbatches, num_steps=num_steps,
-                             tied_bytes=tied_bytes, tied_stages=tied_stages,
+        return simulate_plan(plan, self.wire_chain, self.cluster, schedule, m, num_steps=num_steps,
+                             tied_bytes=tied_bytes, tied_stages=tied_stages, virtual_stages=virtual_stages,
                              optimizer_state_factor=optimizer_state_factor_of(self.options.optimizer),
-                             virtual_stages=virtual_stages,
                              split_backward=need(self.state.schedule_spec, "schedule_spec").split_backward,
                              overhead_s=cost.seconds if cost is not None else 0.0)
-
-    def _headline_how(self) -> str:
-        """What the plan's headline is (``Plan.predicted_by``)."""
-        sched, m = self.options.schedule, self.num_microbatches
-        what = "fill and drain included" if schedules.policy(sched).synchronous else \
-            "one step from an empty pipeline; its steady state is the bottleneck x microbatches"
-        return (f"simulate() of the compiled {sched} step: {m} microbatch{'es' if m != 1 else ''} of "
-                f"{self.microbatch_size}, {what}")
 
     def alternatives(self) -> list[tuple[str, Plan]]:
         """Other configurations on the same cluster, each as a Plan: pure data parallelism and
@@ -595,24 +571,18 @@ class CompiledPipeline:
         return out
 
     def explain(self) -> str:
-        """Why this plan: the plan table, its bottleneck, and what the alternatives would take (each
-        simulated as the plan's headline is, at the compiled schedule and microbatch count)."""
-        plan = self.plan
-        best = plan.seconds_per_minibatch
-        sched = self.options.schedule
+        """Why this plan: the plan table, its bottleneck, and what the alternatives would take (simulated)."""
+        plan, best, sched = self.plan, self.plan.seconds_per_minibatch, self.options.schedule
+        how = f"minimises the slowest stage or link; here that is {plan.bottleneck}"
         if step_objective(sched) and self.options.stages is None:
-            why = (f"why: the planner ({plan.solver}, cost model {plan.cost_model}) chose the stages, replicas and "
-                   f"microbatch count whose simulated {sched} step is shortest (each candidate's stages minimise the "
-                   f"slowest stage or link; here that is {plan.bottleneck}).")
-        else:
-            why = (f"why: the planner ({plan.solver}, cost model {plan.cost_model}) minimises the slowest stage or "
-                   f"link; here that is {plan.bottleneck}.")
-        lines = [str(plan), "", why, *self.cost_source.explain(self.cluster, self.options.precision),
+            how = f"chose the stages, replicas and microbatch count whose simulated {sched} step is shortest ({how})"
+        lines = [str(plan), "", f"why: the planner ({plan.solver}, cost model {plan.cost_model}) {how}.",
+                 *self.cost_source.explain(self.cluster, self.options.precision),
                  "alternatives on the same cluster (simulated as the plan's headline):"]
         for name, alt in self.alternatives():
-            try:
-                t = float(self._simulate_plan(alt, sched, self.num_microbatches).step_time_s) \
-                    if (self.options.virtual_stages or 1) == 1 else alt.seconds_per_minibatch * self.num_microbatches
+            try:  # a stage per rank: virtual stages' alternatives under flush
+                t = float(self._simulate_plan(alt, sched if (self.options.virtual_stages or 1) == 1 else "flush",
+                                              self.num_microbatches).step_time_s)
             except Exception:  # noqa: BLE001 - a configuration the schedule can't run (too few microbatches): skipped
                 continue
             note = "" if not alt.notes else f"  ({'; '.join(alt.notes)})"

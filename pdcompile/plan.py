@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from pdcompile.cluster import ClusterSpec
     from pdcompile.ir import Chain
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "StagePlan", "Plan", "PlanOptions", "plan", "plan_step", "step_objective"]
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "StagePlan", "Plan", "PlanOptions", "plan", "plan_step", "step_objective",
+           "chooses_microbatches", "step_headline"]
 
 
 def plan(
@@ -89,6 +90,24 @@ def step_objective(schedule: str) -> bool:
     drains); virtual stages are planned by the partition pass (``virtual_plan``)."""
     pol = POLICIES.get(schedule)
     return pol is not None and pol.synchronous and pol.placement is None
+
+
+def chooses_microbatches(cluster: Any, schedule: str, *given: Any) -> bool:
+    """Whether ``pdcompile()`` lets the step search choose the microbatch count: where ``given`` (the
+    microbatch count, size and stages asked) are all None, for a schedule :func:`step_objective`
+    plans, on a cluster (a ClusterSpec) of accelerators. Not on CPU workers:
+    their per-operation fixed cost, which makes small microbatches dearer per sample, is not in the
+    analytic model yet (issue 36), so the default count (4) stays."""
+    device = getattr(cluster, "device", None)
+    return all(g is None for g in given) and device is not None and device.name != "cpu" and step_objective(schedule)
+
+
+def step_headline(schedule: str, num_microbatches: int, microbatch_size: int) -> str:
+    """What a compiled program's headline is (``Plan.predicted_by``): its ``simulate()``."""
+    what = "fill and drain included" if POLICIES[schedule].synchronous else \
+        "one step from an empty pipeline; its steady state is the bottleneck x microbatches"
+    return (f"simulate() of the compiled {schedule} step: {num_microbatches} microbatch"
+            f"{'es' if num_microbatches != 1 else ''} of {microbatch_size}, {what}")
 
 
 def microbatch_choices(minibatch: int, most: int = 64) -> list[int]:
