@@ -175,6 +175,12 @@ def optimizer_spec(make_optimizer: Any) -> ObjectSpec:
         raise UnsupportedModelError(
             f"optimizer: {cls.__name__} rebuilt from the settings plan.json can hold differs in {', '.join(differ)}. "
             f"Fix: give them as Python numbers, strings or tuples of them")
+    own = sorted({k for g in probe.param_groups for k, v in g.items()
+                  if k in probe.defaults and repr(v) != repr(probe.defaults[k])})
+    if own:
+        raise UnsupportedModelError(
+            f"optimizer: a parameter group sets its own {', '.join(own)}, and the ranks build one group from "
+            f"{cls.__name__}'s settings. Fix: give every parameter the same settings")
     return ObjectSpec(class_path(cls), kwargs)
 
 

@@ -112,6 +112,14 @@ def test_optimizers_as_written_rebuild_on_the_ranks() -> None:
     with pytest.raises(UnsupportedModelError, match=r"differs in lr\. Fix:"):  # a tensor lr is not dropped silently
         optimizer_spec(lambda q: torch.optim.Adam(q, lr=torch.tensor(1e-3)))
 
+    def no_decay_on_vectors(q: Any) -> torch.optim.Optimizer:  # timm's and nanoGPT's habit, by shape
+        q = list(q)
+        return torch.optim.AdamW([{"params": [t for t in q if t.ndim >= 2]},
+                                  {"params": [t for t in q if t.ndim < 2], "weight_decay": 0.0}], weight_decay=0.05)
+
+    with pytest.raises(UnsupportedModelError, match=r"a parameter group sets its own weight_decay.*Fix:"):
+        optimizer_spec(no_decay_on_vectors)  # not dropped silently
+
 
 # -- models as pasted, trained on 2 ranks ------------------------------------------------------------------------
 
