@@ -532,8 +532,9 @@ class CompiledPipeline:
             note = "" if not alt.notes else f"  ({'; '.join(alt.notes)})"
             lines.append(f"  {name:<26} {t:.4g} s per minibatch  ({t / best:.2f}x the chosen plan's time){note}")
         lines += describe_shard(plan, self.options.shard)
-        corr = self.staleness_entry()
-        lines += ["", *staleness.describe(corr["mode"], corr["delays"], corr["warmup"])]
+        corr = self.staleness_entry()  # each stage's delay where the schedule has one, or a correction was asked
+        if corr["asked"] != "none" or any(corr["delays"]):
+            lines += ["", *staleness.describe(corr["mode"], corr["delays"], corr["warmup"])]
         if self.schedule_choice is not None:
             lines += ["", autoschedule.format_choice(*self.schedule_choice)]
         return "\n".join(lines)
@@ -578,7 +579,8 @@ class CompiledPipeline:
         """plan.json's ``staleness``: the correction applied and each stage's delay from the compiled schedule."""
         return staleness.plan_entry(self.options.staleness, self.options.staleness_warmup,
                                     need(self.state.schedule_spec, "schedule_spec"),
-                                    codegen.optimizer_spec(self.options.optimizer).to_json())
+                                    codegen.optimizer_spec(self.options.optimizer).to_json(),
+                                    [st.shard != "none" and st.replicas > 1 for st in self.plan.stages])
 
     @keywords_checked()
     def emit(self, folder: str | os.PathLike[str], *, data: dict[str, Any] | None = None,
