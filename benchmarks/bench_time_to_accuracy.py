@@ -277,12 +277,14 @@ def stopped_curve(records: list[dict[str, Any]], w: _tta.Workload, link: str, sy
 # --- the systems -------------------------------------------------------------------------------------
 
 def compile_program(w: _tta.Workload, schedule: str, num_microbatches: int | None, stages: int | None,
-                    cluster: Any = None, staleness: str = "none") -> tuple[Path, Any]:
+                    cluster: Any = None, staleness: str = "none", warmup: float | None = None) -> tuple[Path, Any]:
     """The workload compiled and emitted with its data hook; (program folder, the CompiledPipeline)."""
     from pdcompile.api import pdcompile
 
     inputs, target = _tta.first_batch(w)
     kw: dict[str, Any] = {"stages": stages} if stages else {}
+    if warmup is not None:
+        kw["staleness_warmup"] = warmup
     pipe = pdcompile(_tta.build_model(w.model), cluster, example_inputs=inputs, example_target=target,
                      loss_fn=_tta.loss_fn(w), optimizer=_tta.optimizer_of(w), schedule=schedule,
                      num_microbatches=num_microbatches, staleness=staleness, **kw)
@@ -355,7 +357,7 @@ def run_ddp(w: _tta.Workload, link: str, per_epoch: int, budget_s: float, quick:
     return c
 
 
-def planner_program(w: _tta.Workload, system: str, link: str) -> tuple[Path, str]:
+def planner_program(w: _tta.Workload, system: str, link: str, warmup: float | None = None) -> tuple[Path, str]:
     """The program a planner system (:data:`PLANNERS`) compiles for ``link``, and its plan column: the
     plan, its prediction, and whether the microbatch count was chosen without this runtime's calibration."""
     from pdcompile.cluster import local_cpu_cluster
@@ -364,12 +366,13 @@ def planner_program(w: _tta.Workload, system: str, link: str) -> tuple[Path, str
     cluster = local_cpu_cluster(NPROC, bandwidth=LINKS[link] or 2e9)
     if schedule == "1f1b":  # the fewest microbatches that every stage's replica count divides (see SYSTEMS' doc)
         for m in (k for k in range(1, w.batch + 1) if w.batch % k == 0):
-            prog, pipe = compile_program(w, schedule, m, None, cluster, STALENESS.get(system, "none"))
+            prog, pipe = compile_program(w, schedule, m, None, cluster, STALENESS.get(system, "none"), warmup)
             if all(m % st.replicas == 0 for st in pipe.plan.stages):
                 break
         step = m * pipe.plan.seconds_per_minibatch  # the planner's steady state: per microbatch
         corr = json.loads((prog / "plan.json").read_text()).get("staleness") or {}
         fix = f"; staleness {corr['mode']}, delays {corr['delays']}" if corr.get("mode", "none") != "none" else ""
+        fix += f", K = {corr['warmup']:g} of the run" if corr.get("mode") == "lr" else ""
         return prog, f"{describe(prog)}; planner's prediction {step:.3g} s/step{fix}"
     prog, pipe = compile_program(w, schedule, None, None, cluster)
     _, chosen, _ = pipe.schedule_choice
@@ -392,7 +395,7 @@ def calibrated_at() -> str:
 
 
 def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], budget_s: float,
-            quick: bool, save: Path | None = None) -> list[Curve]:
+            quick: bool, save: Path | None = None, warmup: float | None = None) -> list[Curve]:
     """Every system's curve on every link for workload ``w``."""
     per_epoch = _tta.steps_per_epoch(w)
     progs: dict[str, Path] = {}
@@ -402,7 +405,7 @@ def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], 
         progs["1f1b"], _ = compile_program(w, "1f1b", 1, NPROC)
     curves = []
     for link in links:
-        planned = {s: planner_program(w, s, link) for s in PLANNERS if s in systems}
+        planned = {s: planner_program(w, s, link, warmup) for s in PLANNERS if s in systems}
         for system in systems:
             print(f"[{time.strftime('%H:%M:%S')}] {w.name} {link} {system} ({load_note()})", flush=True)
             hand = {"Flush": "flush", "2BW": "flush", "1F1B + weight stashing": "1f1b"}.get(system)
@@ -579,6 +582,8 @@ def main(argv: list[str] | None = None) -> None:
                    + " (default all; --quick: DDP and the planner's)")
     p.add_argument("--budget-s", type=float, default=420, help="stop a run that has not reached its target by then")
     p.add_argument("--quick", action="store_true", help="generated data, tiny models, nothing written")
+    p.add_argument("--staleness-warmup", type=float, default=None, metavar="K",
+                   help="the staleness (lr) system's K, a fraction of the run (default: the API's, 0.25)")
     p.add_argument("--lr", type=float, default=None, help="every system's optimizer at this learning rate instead of "
                    "the workload's (Shakespeare: Adam 3e-3); the rows say '@ lr X', and DDP's faster rate is the one "
                    "the goals compare with")
@@ -615,7 +620,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"the ends of the runs ({min(dates)} to {max(dates)})")
     else:
         for w in workloads:
-            curves += measure(w, links, systems, args.budget_s, args.quick, args.save)
+            curves += measure(w, links, systems, args.budget_s, args.quick, args.save, args.staleness_warmup)
         load_text = f"{before} at the start, {load_note()} at the end"
     png = plot(curves, workloads, PNG if write else Path(tempfile.mkdtemp(prefix="pd-tta-png-")) / "tta.png")
     body = (f"{NPROC} CPU processes (gloo). Links: `slow` = 20 MB/s emulated (pdcompile/slowlink.py), `loopback` "

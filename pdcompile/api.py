@@ -588,8 +588,9 @@ class CompiledPipeline:
             note = "" if not alt.notes else f"  ({'; '.join(alt.notes)})"
             lines.append(f"  {name:<26} {t:.4g} s per minibatch  ({t / best:.2f}x the chosen plan's time){note}")
         lines += describe_shard(plan, self.options.shard)
-        corr = self.staleness_entry()
-        lines += ["", *staleness.describe(corr["mode"], corr["delays"], corr["warmup"])]
+        corr = self.staleness_entry()  # each stage's delay where the schedule has one, or a correction was asked
+        if corr["asked"] != "none" or any(corr["delays"]):
+            lines += ["", *staleness.describe(corr["mode"], corr["delays"], corr["warmup"])]
         lines += [f"note: {c.note}" for c in self._rank_callables().values() if c.note is not None]
         if self.state.tensor_parallel is not None:  # what each stage splits, and what it leaves whole
             lines += ["", "tensor parallelism (each pipeline rank is t processes; the planner does not charge it "
@@ -659,7 +660,8 @@ class CompiledPipeline:
         """plan.json's ``staleness``: the correction applied and each stage's delay from the compiled schedule."""
         return staleness.plan_entry(self.options.staleness, self.options.staleness_warmup,
                                     need(self.state.schedule_spec, "schedule_spec"),
-                                    codegen.optimizer_spec(self.options.optimizer).to_json())
+                                    codegen.optimizer_spec(self.options.optimizer).to_json(),
+                                    [st.shard != "none" and st.replicas > 1 for st in self.plan.stages])
 
     @keywords_checked()
     def emit(self, folder: str | os.PathLike[str], *, data: dict[str, Any] | Callable[[int], Any] | None = None,

@@ -22,7 +22,7 @@ gradient (1F1B: the stage's in-flight count less one, NOAM-based, per replica; 2
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,15 +216,20 @@ def of_stage(mode: str, delay: int, optimizer: Any, params: Mapping[str, torch.n
     return None, Predictor(optimizer, params, delay, rule)
 
 
-def plan_entry(mode: str, warmup: float, spec: Any, optimizer_spec: Mapping[str, Any]) -> dict[str, Any]:
+def plan_entry(mode: str, warmup: float, spec: Any, optimizer_spec: Mapping[str, Any],
+               sharded: Sequence[bool] = ()) -> dict[str, Any]:
     """plan.json's ``staleness``: the mode asked, the correction it resolves to for this schedule and
     optimizer (:func:`resolve`), K, and each stage's delay read off the compiled schedule ``spec``
-    (a ``ScheduleSpec``; the runtime reads its own again from the schedule it runs)."""
+    (a ``ScheduleSpec``; the runtime reads its own again from the schedule it runs). ``sharded``: per
+    stage, whether its replicas shard their state (prediction needs the whole state: refused)."""
     from pdcompile.runtime.schedules import policy
     from pdcompile.runtime.schedules.spec import stage_delays
 
     applied = resolve(mode, policy(spec.name).synchronous, str(optimizer_spec["class"]),
                       optimizer_spec.get("kwargs", {}))
-    delays = stage_delays(spec) if mode != "none" else {}
+    delays = stage_delays(spec)  # what each stage faces, corrected or not (explain, plan.json)
+    if applied == "predict" and any(sh and delays.get(s, 0) > 0 for s, sh in enumerate(sharded)):
+        raise UsageError("staleness='predict' needs each replica to hold its stage's whole optimizer state; the plan "
+                         "shards a replicated stage's. Fix: shard='none', or staleness='lr'")
     return {"asked": mode, "mode": applied, "warmup": check_warmup(warmup),
             "delays": [delays.get(s, 0) for s in range(len(spec.replicas) * spec.virtual_stages)]}

@@ -171,6 +171,10 @@ def test_modes_resolve_and_refuse_with_the_fix() -> None:
         staleness.resolve("stale", False, adam, {})
     with pytest.raises(UsageError, match="staleness_warmup"):
         staleness.check_warmup(1.5)
+    spec = ScheduleSpec("1f1b", (2, 1), 2)
+    with pytest.raises(UsageError, match="Fix: shard='none', or staleness='lr'"):  # ZeRO-1/FSDP2 replicas
+        staleness.plan_entry("predict", 0.25, spec, {"class": adam}, sharded=[True, False])
+    assert staleness.plan_entry("lr", 0.25, spec, {"class": adam}, sharded=[True, False])["delays"] == [1, 0]
     m = torch.nn.Linear(2, 2)
     assert staleness.of_stage("predict", 0, None, dict(m.named_parameters()), {"class": sgd}, warmup=0.25,
                               total=4, micro=2, sharded=False) == (None, None)  # delay 0: today's code path
