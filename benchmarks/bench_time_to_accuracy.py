@@ -47,6 +47,12 @@ installs the link emulation):
   ``r`` microbatches, so the stage's update (once per ``r`` microbatches, its replicas' gradients
   summed) covers one whole minibatch as DDP's does, and every replica reads a share of every minibatch.
 
+* Planner + 1F1B + staleness (lr) / (predict): the same, compiled with ``staleness="lr"`` (PipeMare's
+  rate, K = ``--staleness-warmup`` of the run) or ``"predict"`` (weight prediction): docs/schedules.md.
+
+``--lr X`` runs every system's optimizer at rate X (rows "@ lr X"); the goals compare with DDP's faster run,
+so that each system at its better rate is compared fairly.
+
 The tables' plan column shows each pipeline's plan (a planner's with its prediction). Under the tables ``--report``
 writes the goals' verdicts computed from the curves (:func:`goals`), then the reading, a Markdown
 file the lead edits: ``benchmarks/time_to_accuracy_notes.md`` (``--notes FILE`` for another).
