@@ -285,7 +285,10 @@ def trace(model: torch.nn.Module, leaf_modules: Sequence[type | str] = (), *,
         offences = diagnose(model, leaf_modules, bound, shapes) or offences
     if offences:
         raise UnsupportedModelError(format_offences(type(model).__name__, offences))
-    assert gm is not None
+    if gm is None:  # traced, but forward takes inputs the example does not give (a **kwargs)
+        raise UnsupportedModelError(f"{type(model).__name__}: forward takes more inputs than the example gives "
+                                    f"({inputs}); give them in example_inputs or example_kwargs, or use "
+                                    f"frontend='export'")
     return gm
 
 
@@ -297,6 +300,8 @@ def _try_trace(model: torch.nn.Module, leaf_modules: Sequence[type | str],
     try:
         graph = tracer.trace(model, concrete_args=bound or None)
         _drop_bound(graph, bound, inputs or 0)
+        if inputs is not None and len([n for n in graph.nodes if n.op == "placeholder"]) > inputs:
+            return None  # forward takes more than the example gives (a ``**kwargs``): not this front end's to guess
         return fx.GraphModule(tracer.root, graph, model.__class__.__name__)
     except Exception:  # noqa: BLE001
         return None

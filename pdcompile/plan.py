@@ -178,7 +178,10 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
             if best is None or key < best[0]:
                 best = (key, full, sub, m)
     assert best is not None
-    (_, step), full, sub, m = best
+    (over, step), full, sub, m = best
+    if over:  # every candidate's simulated peak is over the device's memory: none fits, as the planners say
+        raise InfeasiblePlanError(f"no {opts.schedule} plan fits {limit:.4g} bytes per worker: each candidate's "
+                                  f"simulated peak memory is over it ({rated} simulated)")
     note = (f"chosen by its simulated {opts.schedule} step: {len(found)} candidates (microbatch count x pipeline "
             f"copies) planned, {rated} simulated")
     return replace(full, solver=solver, schedule=opts.schedule, seconds_per_minibatch=step,

@@ -149,14 +149,16 @@ def train_versioned(stages: Sequence[torch.nn.Module], optimizers: Sequence[torc
             with torch.no_grad():
                 for k, p in params[s].items():
                     p.grad = acc[s].get(k, torch.zeros_like(p)).clone()
-            groups = optimizers[s].param_groups
-            saved = [g["lr"] for g in groups]
-            if lr_factor is not None:
+            if lr_factor is None:
+                optimizers[s].step()
+            else:  # the stage's rate scaled for this one step (staleness="lr"), then put back
+                groups = optimizers[s].param_groups
+                saved = [g["lr"] for g in groups]
                 for g in groups:
                     g["lr"] = g["lr"] * lr_factor(s, n)
-            optimizers[s].step()
-            for g, lr in zip(groups, saved):
-                g["lr"] = lr
+                optimizers[s].step()
+                for g, lr in zip(groups, saved):
+                    g["lr"] = lr
             optimizers[s].zero_grad(set_to_none=True)
             versions[s].append(stashed(s))
             acc[s] = {}

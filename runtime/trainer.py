@@ -230,7 +230,8 @@ class Trainer:
         b = self.program.raw["microbatch_size"]
         while self.data_index < idx:  # only ranks that read data call this
             _, pos, inputs, target = next(self.data_iter)  # type: ignore[arg-type]
-            check_inputs(inputs, self.program.stages[0].inputs)
+            if inputs:  # none: a PipeDream 1F1B replica's turn without a share, or a reader of targets only
+                check_inputs(inputs, self.program.stages[0].inputs)
             self.data_index += 1
             dev = devices.rank_device()
             self._micro = ({j: n for n, j in enumerate(pos)}, [devices.pinned(x, dev).split(b) for x in inputs],

@@ -153,7 +153,8 @@ def test_trainer_data_gives_views_of_a_pinned_minibatch(monkeypatch: pytest.Monk
     monkeypatch.setattr(devices, "rank_device", lambda: CUDA0)
     x, y = torch.randn(6, 3), torch.arange(6)
     t = trainer.Trainer.__new__(trainer.Trainer)
-    t.program = SimpleNamespace(raw={"microbatch_size": 2})
+    stage0 = SimpleNamespace(inputs=[SimpleNamespace(name="x", shape=[2, 3])])  # the compiled input, checked per read
+    t.program = SimpleNamespace(raw={"microbatch_size": 2}, stages=[stage0])
     t.M, t.data_index, t.data_iter = 3, -1, iter([(0, (0, 1, 2), (x,), y)])  # runtime/data.py Reader's items
     for k in range(3):
         (xk,), yk = t.data(k)

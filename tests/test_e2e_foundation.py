@@ -50,7 +50,8 @@ def _reference(name: str) -> dict[str, torch.Tensor]:
 ])
 def test_pipeline_equals_single_process(tmp_path: Path, name: str, stages: int, schedule: str) -> None:
     z, pipe = _compile(name, stages, schedule)
-    if name == "resnet":  # the skip connection really crosses a stage boundary
+    if name == "resnet" and stages == 3:  # the skip connection really crosses a stage boundary (the 2-stage
+        # cut the cost model with fixed per-op costs balances lies between two blocks)
         assert any(len(st.inputs) > 1 for st in pipe.split.stages[1:])
     if name == "gpt":  # the tied embedding really lives in two stages
         assert pipe.split.tied and len({s for s, _ in pipe.split.tied[0]}) == 2

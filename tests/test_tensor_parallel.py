@@ -80,13 +80,31 @@ def test_gpt_attention_and_mlp_pairs_are_split_and_head_counts_made_local(tmp_pa
 
 def test_an_exported_llamas_linears_become_modules_under_the_models_names() -> None:
     pipe = _compile("llama", 2, tensor_parallel=2)
-    for k, tp in enumerate(pipe.state.tensor_parallel.stages):
-        layer = f"model_layers_{k}"
-        assert tp.colwise == tuple(f"{layer}_{n}" for n in ("self_attn_q_proj", "self_attn_k_proj",
-                                                             "self_attn_v_proj", "mlp_gate_proj", "mlp_up_proj"))
-        assert tp.rowwise == (f"{layer}_self_attn_o_proj", f"{layer}_mlp_down_proj")
-        names = pipe.split.stages[k].param_names
-        assert names[f"{layer}_self_attn_q_proj.weight"] == f"model.layers.{k}.self_attn.q_proj.weight"
+    stages = pipe.state.tensor_parallel.stages  # where the planner cuts (between layers, or inside one) is its own
+
+    def stage_of(k: int, module: str) -> int:  # the stage holding model.layers.k.<module>'s weight
+        return next(i for i, st in enumerate(pipe.split.stages)
+                    if f"model.layers.{k}.{module}.weight" in st.param_names.values())
+
+    blocks = {"self_attn": (("q_proj", "k_proj", "v_proj"), ("o_proj",)),
+              "mlp": (("gate_proj", "up_proj"), ("down_proj",))}
+    split_blocks = 0
+    for k in (0, 1):
+        for block, (cols, rows) in blocks.items():
+            where = {stage_of(k, f"{block}.{n}") for n in (*cols, *rows)}
+            col = {f"model_layers_{k}_{block}_{n}" for n in cols}
+            row = {f"model_layers_{k}_{block}_{n}" for n in rows}
+            for s in range(len(stages)):
+                got_col, got_row = col & set(stages[s].colwise), row & set(stages[s].rowwise)
+                if where == {s}:  # a pair wholly in one stage is split Megatron's way, under the model's names
+                    assert (got_col, got_row) == (col, row), (k, block, s)
+                    split_blocks += 1
+                else:  # a pair the stage boundary cuts stays whole
+                    assert not got_col and not got_row, (k, block, s)
+        s = stage_of(k, "self_attn.q_proj")
+        node = f"model_layers_{k}_self_attn_q_proj"
+        assert pipe.split.stages[s].param_names[f"{node}.weight"] == f"model.layers.{k}.self_attn.q_proj.weight"
+    assert split_blocks >= 3  # at most one pair is cut by the one boundary
     assert any("LM head stays whole" in w for w in pipe.state.tensor_parallel.stages[1].whole)
 
 
