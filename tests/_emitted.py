@@ -12,6 +12,8 @@ import torch
 
 from _ranks import run_ranks
 
+from pdcompile.merge import merge_weights
+from pdcompile.runtime.data import save_batches
 from pdcompile.runtime.program import Program, build
 from pdcompile.zoo import batches
 
@@ -46,3 +48,17 @@ def launch_two(tmp: Path, prog: Path, schedule: str, tag: str) -> tuple[dict[int
     weights = {int(p.name.split("_")[1].split(".")[0]): torch.load(p, weights_only=True)
                for p in (tmp / f"w_{tag}").glob("stage_*.pt")}
     return metrics, weights
+
+
+
+def train_saved(pipe: Any, data: Any, steps: int, tmp: Path, nproc: int = 2,
+                keywords: tuple[str, ...] = ()) -> tuple[Path, dict[str, torch.Tensor]]:
+    """``data``'s first ``steps`` minibatches saved to a file, ``pipe`` emitted to read them, trained on
+    ``nproc`` ranks with ``--save-final``: the program folder and the trained weights under the model's names."""
+    save_batches(data, steps, tmp / "data.pt", keywords=keywords)
+    prog = pipe.emit(tmp / "prog", data={"factory": "pdcompile.runtime.data:from_file",
+                                         "kwargs": {"path": str(tmp / "data.pt")}})
+    rc, log = run_ranks(prog, nproc, ["--steps", str(steps), "--save-final", str(tmp / "final"),
+                                      "--timeout", "60"], timeout=150)
+    assert rc == 0, log[-3000:]
+    return prog, merge_weights(prog, tmp / "final")

@@ -18,8 +18,7 @@ import torch.fx as fx
 
 from pdcompile import api
 from pdcompile.errors import UnsupportedModelError, UsageError
-from _ranks import run_ranks
-from pdcompile.merge import merge_weights
+from _emitted import train_saved
 from pdcompile.passes import codegen
 from pdcompile.passes.export_frontend import export_trace
 from pdcompile.passes.propagate_shapes import propagate_shapes
@@ -326,8 +325,6 @@ def _compile(model: torch.nn.Module, data: list[Any], loss_fn: torch.nn.Module,
 @pytest.mark.parametrize("name", ["gpt2", "bert_cls"])
 def test_torchrun_training_equals_single_process(tmp_path: Path, name: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdcompile.runtime.data import save_batches
-
     factory = {"gpt2": gpt2, "bert_cls": bert_cls}[name]
     loss_fn = SequenceCrossEntropy() if name == "gpt2" else torch.nn.CrossEntropyLoss()
     data = _batches(name)
@@ -335,13 +332,7 @@ def test_torchrun_training_equals_single_process(tmp_path: Path, name: str,
     assert len(pipe.split.stages) == 2
     if name == "gpt2":  # the tied embedding / LM head is trained in both stages and kept equal
         assert pipe.split.tied and {s for s, _ in pipe.split.tied[0]} == {0, 1}
-    save_batches(data, STEPS, tmp_path / "data.pt")
-    prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
-                                              "kwargs": {"path": str(tmp_path / "data.pt")}})
-    rc, log = run_ranks(prog, 2, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
-                                  "--timeout", "60"], timeout=150)
-    assert rc == 0, log[-3000:]
-    got = merge_weights(prog, tmp_path / "final")
+    prog, got = train_saved(pipe, data, STEPS, tmp_path)
 
     ref = factory()
     initial = {k: v.detach().clone() for k, v in ref.named_parameters()}

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from _hf_llama import llama_config
-from _ranks import run_ranks
+from _emitted import train_saved
 from pdcompile import pdcompile, reference
 from pdcompile.errors import UsageError
-from pdcompile.merge import merge_weights
-from pdcompile.runtime.data import batch_parts, save_batches
+from pdcompile.runtime.data import batch_parts
 from pdcompile.runtime.program import Program, build
 
 transformers = pytest.importorskip("transformers")
@@ -129,13 +128,7 @@ def test_left_padded_llama_with_labels_trains_under_1f1b_like_its_reference(tmp_
     (ids,), kw, _ = data[0]
     pipe = pdcompile(llama(), example_inputs=(ids,), example_kwargs=kw, loss_fn=lambda out, t: out.loss,
                      stages=2, num_microbatches=MICRO, optimizer=_sgd, schedule="1f1b")
-    save_batches(data, STEPS, tmp_path / "data.pt", keywords=pipe.keywords)
-    prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
-                                              "kwargs": {"path": str(tmp_path / "data.pt")}})
-    rc, log = run_ranks(prog, 2, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
-                                  "--timeout", "60"], timeout=150)
-    assert rc == 0, log[-3000:]
-    got = merge_weights(prog, tmp_path / "final")
+    prog, got = train_saved(pipe, data, STEPS, tmp_path, keywords=pipe.keywords)
     program = Program.load(prog)
     mods = [program.build_stage(k) for k in range(program.num_stages)]
     initial = {program.stages[s].param_names.get(n, n): p.detach().clone()
