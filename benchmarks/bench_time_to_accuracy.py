@@ -49,9 +49,14 @@ installs the link emulation):
 
 * Planner + 1F1B + staleness (lr) / (predict): the same, compiled with ``staleness="lr"`` (PipeMare's
   rate, K = ``--staleness-warmup`` of the run) or ``"predict"`` (weight prediction): docs/schedules.md.
+* Planner + 2BW + staleness (predict): the planner's stages and replicas for 2BW at the workload's
+  microbatch count, compiled with ``staleness="predict"`` (every stage's delay is 1; the hand-split 2BW
+  row runs the flush program with ``--schedule 2bw`` and so cannot ask for a correction).
 
-``--lr X`` runs every system's optimizer at rate X (rows "@ lr X"); the goals compare with DDP's faster run,
-so that each system at its better rate is compared fairly.
+``--lr X`` runs every system's optimizer at rate X (rows "@ lr X"). The goals judge each system at its
+better rate: of a system's runs on a link (``--save`` files of several rates given to ``--report``), the
+one that reaches the target in the fewest epochs (the epochs goal) or the least time (the speed goal),
+against DDP's faster run.
 
 The tables' plan column shows each pipeline's plan (a planner's with its prediction). Under the tables ``--report``
 writes the goals' verdicts computed from the curves (:func:`goals`), then the reading, a Markdown
@@ -96,10 +101,13 @@ NOTES = Path(__file__).resolve().parent / "time_to_accuracy_notes.md"  # the rea
 NPROC = 3
 LINKS = {"slow": 20e6, "loopback": 0.0}  # bytes/s of the emulated link (0: loopback as is)
 LR_CORR, PREDICT = "Planner + 1F1B + staleness (lr)", "Planner + 1F1B + staleness (predict)"
-SYSTEMS = ("DDP", "Flush", "1F1B + weight stashing", "2BW", "Planner (auto)", "Planner + 1F1B", LR_CORR, PREDICT)
+PREDICT_2BW = "Planner + 2BW + staleness (predict)"
+SYSTEMS = ("DDP", "Flush", "1F1B + weight stashing", "2BW", "Planner (auto)", "Planner + 1F1B", LR_CORR, PREDICT,
+           PREDICT_2BW)
 # system: the schedule it plans with
-PLANNERS = {"Planner (auto)": "auto", "Planner + 1F1B": "1f1b", LR_CORR: "1f1b", PREDICT: "1f1b"}
-STALENESS = {LR_CORR: "lr", PREDICT: "predict"}  # the planner's 1F1B with a staleness correction (docs/schedules.md)
+PLANNERS = {"Planner (auto)": "auto", "Planner + 1F1B": "1f1b", LR_CORR: "1f1b", PREDICT: "1f1b", PREDICT_2BW: "2bw"}
+# the planner's 1F1B or 2BW with a staleness correction (docs/schedules.md)
+STALENESS = {LR_CORR: "lr", PREDICT: "predict", PREDICT_2BW: "predict"}
 QUICK_SYSTEMS = ("DDP", "Planner (auto)", "Planner + 1F1B")
 ASYNC_1F1B = ("1F1B + weight stashing", "Planner + 1F1B", LR_CORR, PREDICT)  # PipeDream's statistical argument's
 SPEEDUP_GOAL, EPOCHS_GOAL = 3.0, 0.20  # the planner's pipeline >= 3x DDP (slow link); 1F1B's epochs within 20%
@@ -122,6 +130,7 @@ class Curve:
     note: str = ""
     load: str = ""  # the load average when the run ended (load_note()), and when (UTC)
     date: str = ""
+    simulated: bool = False  # trained in one process (--simulate): epochs only, no time
 
     def first(self, w: _tta.Workload) -> int | None:
         return next((i for i, v in enumerate(self.values) if w.reached(v)), None)
@@ -363,6 +372,144 @@ def run_ddp(w: _tta.Workload, link: str, per_epoch: int, budget_s: float, quick:
     return c
 
 
+# --- simulated: the same training in one process (--simulate) ------------------------------------------
+
+def _eval_chain(stages: list[Any], loss: Any, w: _tta.Workload, M: int = 1) -> dict[str, float]:
+    """Validation as train.py's: the workload's first ``eval_steps`` validation minibatches, each as its
+    ``M`` microbatches, through the stages in order, ``eval()`` and no gradients; the mean over the
+    microbatches of their losses (and accuracies)."""
+    import torch
+
+    from pdcompile.runtime.evaluate import accuracy
+
+    sums = [0.0, 0.0, 0]
+    for m in stages:
+        m.eval()
+    with torch.no_grad():
+        for _, (inputs, target) in zip(range(w.eval_steps), _tta.import_object(w.eval_data)(w.batch)):
+            for j, y in enumerate(target.chunk(M)):
+                out: Any = tuple(x.chunk(M)[j] for x in inputs)
+                for m in stages:
+                    out = m(*out)
+                    out = out if isinstance(out, tuple) else (out,)
+                out = out if len(out) > 1 else out[0]
+                sums[0] += float(loss(out, y))
+                sums[1] += float(accuracy(out, y))
+                sums[2] += 1
+    for m in stages:
+        m.train()
+    n = max(1, int(sums[2]))
+    return {"loss": sums[0] / n, "accuracy": sums[1] / n}
+
+
+def simulate(program: Path, w: _tta.Workload, link: str, system: str, per_epoch: int, max_steps: int,
+             schedule: str | None = None) -> Curve:
+    """The emitted program's training without launching it: ``pdcompile.reference.train_versioned`` (what
+    the runtime is tested to equal, its staleness corrections included) on the program's stages, with
+    its schedule's weight versions (1F1B: PipeDream's, per replica; 2BW: one version late; else
+    synchronous), its tied groups, and plan.json's correction (``predict``: the stashed versions are
+    the runtime's own :class:`~pdcompile.runtime.staleness.Predictor`'s weights; ``lr``: PipeMare's
+    factor of :class:`~pdcompile.runtime.staleness.LrCorrection` over the run's ``per_epoch x epochs``
+    minibatches), one call per ``eval_every`` minibatches as train.py cuts its schedule at each
+    evaluation. The same minibatches in the same order; evaluations as train.py's. Deterministic, on
+    one core: a curve of epochs, with no time (``train_s`` NaN)."""
+    import torch
+
+    from pdcompile import reference
+    from pdcompile.runtime import staleness
+    from pdcompile.runtime.program import Program, build
+
+    prog = Program.load(program)
+    plan = prog.raw
+    name = schedule or (plan["schedule"].get("policy") if isinstance(plan["schedule"], dict) else plan["schedule"])
+    M = int(plan["num_microbatches"])
+    replicas = [len(st["ranks"]) for st in plan["stages"]]
+    stages = [prog.build_stage(k) for k in range(prog.num_stages)]
+    opts = [build(plan["optimizer"], m.parameters()) for m in stages]
+    loss = prog.build_loss()
+    tied = [[(int(st), str(n)) for st, n in group] for group in plan.get("tied", [])]
+    corr = plan.get("staleness") or {}
+    mode = "none" if schedule else str(corr.get("mode", "none"))  # a schedule run other than compiled: as is
+    delays = [int(d) for d in corr.get("delays", [0] * len(stages))]
+    total = w.epochs * per_epoch
+    fixes = [staleness.of_stage(mode, delays[k], opts[k], dict(m.named_parameters()), plan["optimizer"],
+                                warmup=float(corr.get("warmup", staleness.DEFAULT_WARMUP)), total=total, micro=M,
+                                sharded=False) for k, m in enumerate(stages)]
+    if name == "1f1b":
+        versions, scale = reference.pipedream_1f1b(replicas), 1.0
+    elif name == "2bw":
+        versions, scale = reference.pipedream_2bw(M), 1.0 / M
+    else:
+        versions, scale = reference.synchronous(M), 1.0 / M
+
+    def stash(k: int) -> dict[str, torch.Tensor]:
+        pred = fixes[k][1]
+        return pred() if pred is not None else {n: p.detach() for n, p in stages[k].named_parameters()}
+
+    def lr_factor(first: int) -> Any:
+        return lambda k, n: fixes[k][0].factor(first * M + n) if fixes[k][0] is not None else 1.0  # type: ignore[union-attr]  # checked in the same expression
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    data = iter(_tta.import_object(w.data["factory"])(w.batch, **w.data["kwargs"]))
+    c = Curve(w.name, link, system, stopped="end")
+    done = 0
+    while done < min(max_steps, total):
+        n = min(w.eval_every, max_steps - done)
+        micro = [(tuple(x[j] for x in xs), ys[j]) for (inputs, target) in (next(data) for _ in range(n))
+                 for xs, ys in [([x.chunk(M) for x in inputs], target.chunk(M))] for j in range(M)]
+        fwd, bwd, group = versions
+        reference.train_versioned(stages, opts, loss, micro, fwd=fwd, bwd=bwd, group=group, scale=scale, tied=tied,
+                                  stash=stash, lr_factor=lr_factor(done) if mode == "lr" else None)
+        done += n
+        got = _eval_chain(stages, loss, w, M)
+        c.steps.append(done)
+        c.epochs.append(done / per_epoch)
+        c.train_s.append(math.nan)
+        c.values.append(got[w.metric])
+        c.losses.append(got["loss"])
+        print(f"    step {done}: {w.metric} {got[w.metric]:.4f}", flush=True)
+        if w.reached(got[w.metric]):
+            c.stopped = "target"
+            break
+    else:
+        c.stopped = "budget" if done < total else "end"
+    c.note, c.simulated = "", True
+    return c
+
+
+def simulate_ddp(w: _tta.Workload, link: str, per_epoch: int, max_steps: int) -> Curve:
+    """DDP's training in one process: ``pdcompile.reference.train_sync`` of the whole model, one
+    microbatch per minibatch (DDP's all-reduced shares are its mean gradient), evaluated as above."""
+    import torch
+
+    from pdcompile import reference
+
+    model = _tta.build_model(w.model)
+    opt = _tta.optimizer_of(w)(model.parameters())
+    loss = _tta.loss_fn(w)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    data = iter(_tta.import_object(w.data["factory"])(w.batch, **w.data["kwargs"]))
+    c = Curve(w.name, link, "DDP", stopped="end", simulated=True)
+    done, total = 0, w.epochs * per_epoch
+    while done < min(max_steps, total):
+        n = min(w.eval_every, max_steps - done)
+        reference.train_sync(model, loss, opt, data, steps=n, num_microbatches=1)
+        done += n
+        got = _eval_chain([model], loss, w)
+        c.steps.append(done)
+        c.epochs.append(done / per_epoch)
+        c.train_s.append(math.nan)
+        c.values.append(got[w.metric])
+        c.losses.append(got["loss"])
+        print(f"    step {done}: {w.metric} {got[w.metric]:.4f}", flush=True)
+        if w.reached(got[w.metric]):
+            c.stopped = "target"
+            break
+    else:
+        c.stopped = "budget" if done < total else "end"
+    return c
+
+
 def planner_program(w: _tta.Workload, system: str, link: str, warmup: float | None = None) -> tuple[Path, str]:
     """The program a planner system (:data:`PLANNERS`) compiles for ``link``, and its plan column: the
     plan, its prediction, and whether the microbatch count was chosen without this runtime's calibration."""
@@ -376,10 +523,10 @@ def planner_program(w: _tta.Workload, system: str, link: str, warmup: float | No
             if all(m % st.replicas == 0 for st in pipe.plan.stages):
                 break
         step = m * pipe.plan.seconds_per_minibatch  # the planner's steady state: per microbatch
-        corr = json.loads((prog / "plan.json").read_text()).get("staleness") or {}
-        fix = f"; staleness {corr['mode']}, delays {corr['delays']}" if corr.get("mode", "none") != "none" else ""
-        fix += f", K = {corr['warmup']:g} of the run" if corr.get("mode") == "lr" else ""
-        return prog, f"{describe(prog)}; planner's prediction {step:.3g} s/step{fix}"
+        return prog, f"{describe(prog)}; planner's prediction {step:.3g} s/step{correction(prog)}"
+    if schedule == "2bw":  # the workload's microbatches per minibatch, as the hand-split 2BW row
+        prog, pipe = compile_program(w, schedule, w.microbatches, None, cluster, STALENESS.get(system, "none"), warmup)
+        return prog, f"{describe(prog)}{correction(prog)}"
     prog, pipe = compile_program(w, schedule, None, None, cluster)
     _, chosen, _ = pipe.schedule_choice
     cost = pipe.action_cost
@@ -388,6 +535,13 @@ def planner_program(w: _tta.Workload, system: str, link: str, warmup: float | No
     again = "" if pipe.num_microbatches == chosen.num_microbatches else \
         f" for {chosen.num_microbatches} microbatches on the plan before it was made again"
     return prog, f"{describe(prog)}; predicted {chosen.step_s:.3g} s/step{again}{cost_note}"
+
+
+def correction(program: Path) -> str:
+    """The plan column's note of a program's staleness correction (plan.json's ``staleness``), or ""."""
+    corr = json.loads((program / "plan.json").read_text()).get("staleness") or {}
+    fix = f"; staleness {corr['mode']}, delays {corr['delays']}" if corr.get("mode", "none") != "none" else ""
+    return fix + (f", K = {corr['warmup']:g} of the run" if corr.get("mode") == "lr" else "")
 
 
 def calibrated_at() -> str:
@@ -401,8 +555,10 @@ def calibrated_at() -> str:
 
 
 def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], budget_s: float,
-            quick: bool, save: Path | None = None, warmup: float | None = None) -> list[Curve]:
-    """Every system's curve on every link for workload ``w``."""
+            quick: bool, save: Path | None = None, warmup: float | None = None,
+            simulated: int | None = None) -> list[Curve]:
+    """Every system's curve on every link for workload ``w``; ``simulated``: each trained in this process
+    for at most that many minibatches instead (:func:`simulate`, :func:`simulate_ddp`)."""
     per_epoch = _tta.steps_per_epoch(w)
     progs: dict[str, Path] = {}
     if {"Flush", "2BW"} & set(systems):
@@ -419,7 +575,11 @@ def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], 
             note = note.replace("flush", "flush program run with --schedule 2bw") if system == "2BW" else note
             named = f"{system}{at_lr(w)}"
             try:
-                if system == "DDP":
+                if simulated is not None:
+                    prog = planned[system][0] if system in planned else progs[hand] if hand else None
+                    c = simulate_ddp(w, link, per_epoch, simulated) if prog is None else \
+                        simulate(prog, w, link, system, per_epoch, simulated, "2bw" if system == "2BW" else None)
+                elif system == "DDP":
                     c = run_ddp(w, link, per_epoch, budget_s, quick)
                 elif system == "Flush":
                     c = run_pipeline(progs["flush"], w, link, system, per_epoch, budget_s)
@@ -480,29 +640,51 @@ def table(curves: list[Curve], w: _tta.Workload) -> str:
         t = c.time_to(w)
         speed = ddp.get(c.link, math.nan) / t if t == t else math.nan
         best = f"{c.best(w):.4f}"
-        lines.append(f"| {c.link} | {c.system} | {_num(t, '.1f')} | {_num(c.epochs_to(w), '.3f')} | "
-                     f"{_num(speed, '.2f')} | {best} | {c.step_s():.3f} | {c.bytes_per_epoch / 1e6:,.1f} | "
+        times = ["simulated"] * 2 if c.simulated else [_num(t, '.1f'), _num(speed, '.2f')]
+        step = "" if c.simulated else f"{c.step_s():.3f}"
+        lines.append(f"| {c.link} | {c.system} | {times[0]} | {_num(c.epochs_to(w), '.3f')} | "
+                     f"{times[1]} | {best} | {step} | {c.bytes_per_epoch / 1e6:,.1f} | "
                      f"{c.stopped} | {c.note} | {_load1(c.load)} |")
     return "\n".join(lines)
 
 
+def better_runs(curves: list[Curve], key: Any) -> list[Curve]:
+    """Each (system, link) at its better rate: of its runs (one per ``--lr``), the one with the least
+    ``key`` (epochs or seconds to the target); a system that reached the target at no rate, its last run.
+    In the order the systems first appear."""
+    groups: dict[tuple[str, str], list[Curve]] = {}
+    for c in curves:
+        groups.setdefault((base_name(c.system), c.link), []).append(c)
+    out = []
+    for runs in groups.values():
+        reached = [c for c in runs if not math.isnan(key(c))]
+        out.append(min(reached, key=key) if reached else runs[-1])
+    return out
+
+
 def goals(curves: list[Curve], w: _tta.Workload) -> list[str]:
-    """The issue's goals for workload ``w``, judged from the curves: a line per goal with every run's
-    figure, each marked met or missed. The planners' speed-up over DDP on the slow link (>= 3x: met when
-    a planner system's run meets it), and the asynchronous 1F1B systems' epochs to the target against
-    DDP's on the same link (within 20%: met when every run does, partly when some do)."""
-    def ddp(link: str) -> Curve | None:  # DDP at its better rate (the fastest to the target), else its last run
-        runs = [c for c in curves if base_name(c.system) == "DDP" and c.link == link]
-        reached = [c for c in runs if not math.isnan(c.time_to(w))]
-        return min(reached, key=lambda c: c.time_to(w)) if reached else (runs[-1] if runs else None)
+    """The issue's goals for workload ``w``, judged from the curves, each system (DDP too) at its better
+    rate (:func:`better_runs`): a line per goal with every system's figure, each marked met or missed.
+    The planners' speed-up over DDP on the slow link (>= 3x: met when a planner system meets it), the
+    asynchronous 1F1B systems' epochs to the target against DDP's on the same link (within 20%: met
+    when every system does, partly when some do), and, where it ran, 2BW with prediction reaching the
+    target within its budget."""
+    def ddp(link: str, key: Any) -> Curve | None:  # DDP at its better rate, else its last run
+        return next((c for c in better_runs(curves, key) if base_name(c.system) == "DDP" and c.link == link), None)
 
     def mark(ok: bool) -> str:
         return "met" if ok else "missed"
 
+    def seconds(c: Curve) -> float:
+        return c.time_to(w)
+
+    def epochs_of(c: Curve) -> float:
+        return c.epochs_to(w)
+
     speed_figs, speed_ok = [], []
-    base = ddp("slow")
-    for c in curves:
-        if base_name(c.system) not in PLANNERS or c.link != "slow" or base is None:
+    base = ddp("slow", seconds)
+    for c in better_runs(curves, seconds):
+        if base_name(c.system) not in PLANNERS or c.link != "slow" or base is None or c.simulated or base.simulated:
             continue
         if math.isnan(base.time_to(w)):
             speed_figs.append(f"{c.system}: DDP did not reach the target")
@@ -516,8 +698,8 @@ def goals(curves: list[Curve], w: _tta.Workload) -> list[str]:
                           f"{c.system} not reached (last evaluation at {c.train_s[-1] if c.train_s else 0:.0f} s, best "
                           f"{c.best(w):.4f}; DDP {base.time_to(w):.0f} s), missed")
     epoch_figs, epoch_ok = [], []
-    for c in curves:
-        ref = ddp(c.link)
+    for c in better_runs(curves, epochs_of):
+        ref = ddp(c.link, epochs_of)
         if base_name(c.system) not in ASYNC_1F1B or ref is None:
             continue
         e, e0 = c.epochs_to(w), ref.epochs_to(w)
@@ -534,10 +716,18 @@ def goals(curves: list[Curve], w: _tta.Workload) -> list[str]:
     speeds = "not measured" if not speed_ok else mark(any(speed_ok))
     epochs = "not measured" if not epoch_ok else "met" if all(epoch_ok) else "partly met" if any(epoch_ok) \
         else "missed"
-    return [f"- {w.title}: the planner's pipeline >= {SPEEDUP_GOAL:g}x DDP's speed to the target on the slow link: "
-            f"**{speeds}** ({'; '.join(speed_figs) or 'no planner and DDP runs on the slow link'}).",
-            f"- {w.title}: 1F1B's epochs to the target within {EPOCHS_GOAL:.0%} of DDP's: **{epochs}** "
-            f"({'; '.join(epoch_figs) or 'no 1F1B and DDP runs on one link'})."]
+    out = [f"- {w.title}: the planner's pipeline >= {SPEEDUP_GOAL:g}x DDP's speed to the target on the slow link: "
+           f"**{speeds}** ({'; '.join(speed_figs) or 'no planner and DDP runs on the slow link'}).",
+           f"- {w.title}: 1F1B's epochs to the target within {EPOCHS_GOAL:.0%} of DDP's: **{epochs}** "
+           f"({'; '.join(epoch_figs) or 'no 1F1B and DDP runs on one link'})."]
+    two = [c for c in better_runs(curves, epochs_of) if base_name(c.system) == PREDICT_2BW]
+    if two:
+        figs = [f"{c.system} {c.link} " + ("failed" if c.stopped == "failed" else
+                f"{c.epochs_to(w):.3f} epochs" if c.first(w) is not None else
+                f"not reached within {c.epochs[-1] if c.epochs else 0:.3f} epochs (best {c.best(w):.4f})") for c in two]
+        out.append(f"- {w.title}: 2BW with prediction reaches the target within its budget: "
+                   f"**{mark(all(c.first(w) is not None for c in two))}** ({'; '.join(figs)}).")
+    return out
 
 
 def read_notes(path: Path) -> str:
@@ -593,6 +783,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=None, help="every system's optimizer at this learning rate instead of "
                    "the workload's (Shakespeare: Adam 3e-3); the rows say '@ lr X', and DDP's faster rate is the one "
                    "the goals compare with")
+    p.add_argument("--simulate", type=int, default=None, metavar="STEPS",
+                   help="train each system in this process instead of launching it (pdcompile.reference's semantics, "
+                   "the corrections' own code; one core, deterministic: epochs to the target, no time), at most STEPS "
+                   "minibatches; implies --no-write")
     p.add_argument("--no-write", action="store_true", help="print the tables; leave RESULTS.md and the PNG alone")
     p.add_argument("--save", type=Path, default=None, help="append every finished curve to this JSONL file")
     p.add_argument("--report", type=Path, nargs="+", default=None,
@@ -600,7 +794,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--notes", type=Path, default=None, help="a Markdown file added under the tables (the reading; "
                    f"with --report, default {NOTES.relative_to(ROOT)})")
     args = p.parse_args(argv)
-    write = not (args.quick or args.no_write)
+    write = not (args.quick or args.no_write or args.simulate)
     quick_systems = ",".join(QUICK_SYSTEMS if args.quick else SYSTEMS)
     systems = tuple(s for s in SYSTEMS if s in (args.systems or quick_systems).split(","))
     links_asked = (args.links or ("slow" if args.quick else "slow,loopback")).split(",")
@@ -626,7 +820,8 @@ def main(argv: list[str] | None = None) -> None:
                      f"the ends of the runs ({min(dates)} to {max(dates)})")
     else:
         for w in workloads:
-            curves += measure(w, links, systems, args.budget_s, args.quick, args.save, args.staleness_warmup)
+            curves += measure(w, links, systems, args.budget_s, args.quick, args.save, args.staleness_warmup,
+                              args.simulate)
         load_text = f"{before} at the start, {load_note()} at the end"
     png = plot(curves, workloads, PNG if write else Path(tempfile.mkdtemp(prefix="pd-tta-png-")) / "tta.png")
     body = (f"{NPROC} CPU processes (gloo). Links: `slow` = 20 MB/s emulated (pdcompile/slowlink.py), `loopback` "

@@ -210,6 +210,15 @@ def test_time_to_accuracy_goals_judged_from_the_curves(tmp_path: Path) -> None:
     assert "**missed**" in speed and "Planner + 1F1B not reached" in speed and "**missed**" in epochs
     failed = tta.Curve("fashion", "slow", "Planner (auto)", stopped="failed")  # a run that failed: a row, not a crash
     assert "(Planner (auto) failed)" in tta.goals([curves[0], failed], w)[0]
+    # each system at its better rate (--lr runs): the 1F1B run at 1e-3 is judged, DDP's 1e-3 run is the reference
+    rates = [run("slow", "DDP", 1.0, 30.0), run("slow", "DDP @ lr 0.001", 0.9, 27.0),
+             run("slow", "Planner + 1F1B", 2.0, 9.0), run("slow", "Planner + 1F1B @ lr 0.001", 1.0, 8.0),
+             run("slow", tta.PREDICT_2BW, 1.5, 9.0), run("slow", tta.PREDICT_2BW + " @ lr 0.001", 1.0, 9.0, value=0.5)]
+    speed, epochs, two = tta.goals(rates, w)
+    assert "Planner + 1F1B @ lr 0.001 3.38x, met" in speed and "Planner + 1F1B 3.00x" not in speed
+    assert "Planner + 1F1B @ lr 0.001 slow 1.000 vs DDP's 0.900 (+11%), met" in epochs
+    assert f"**met** ({tta.PREDICT_2BW} slow 1.500 epochs)" in two
+    assert "**missed**" in tta.goals(rates[:-2] + rates[-1:], w)[2]  # at no rate within its budget
     log = "W1203 noise\ntrain.py: rank 1: UsageError: --data: bad\n[rank0]: RuntimeError: reset by peer\n====="
     assert tta.failure(log) == "train.py: rank 1: UsageError: --data: bad"
     assert tta.failure(log.split("\n", 2)[2]) == "[rank0]: RuntimeError: reset by peer" and tta.failure("") == "no output"
@@ -239,6 +248,11 @@ def test_time_to_accuracy_ddp_and_flush_on_generated_data(tmp_path: Path, monkey
         assert c.stopped == "target" and c.steps[0] == w.eval_every and 0.0 <= c.values[0] <= 1.0
         assert c.train_s[0] > 0 and c.bytes_per_epoch > 0
     assert ddp.losses[0] == pytest.approx(flush.losses[0], abs=1e-4)
+    # --simulate: the same training in this process (pdcompile.reference), evaluated as train.py does
+    sims = [tta.simulate(program, w, "loopback", "Flush", per_epoch, w.eval_every),
+            tta.simulate_ddp(w, "loopback", per_epoch, w.eval_every)]
+    for sim, real in zip(sims, (flush, ddp)):
+        assert sim.simulated and sim.steps == [w.eval_every] and sim.losses[0] == pytest.approx(real.losses[0], abs=1e-4)
 
 
 @pytest.mark.timeout(90)
