@@ -337,13 +337,19 @@ def pipeline_bytes_per_step(program: Path) -> float:
 
 
 def describe(program: Path) -> str:
-    """The plan in a few words: stages (replicas), schedule, microbatches."""
+    """The plan in a few words: stages (replicas) and the parameters each holds (a planner's split follows
+    the costs it measured, so two compiles may cut differently), schedule, microbatches."""
+    import torch
+
     plan = json.loads((program / "plan.json").read_text())
     reps = [len(st["ranks"]) for st in plan["stages"]]
     sched = plan["schedule"]
     name = sched.get("policy", "?") if isinstance(sched, dict) else str(sched)
     split = " (split backward)" if isinstance(sched, dict) and sched.get("split_backward") else ""
-    return (f"{len(reps)} stage(s) x replicas {'+'.join(map(str, reps))} on {plan['world_size']} processes, "
+    sizes = [sum(t.numel() for t in torch.load(program / st["weights"], map_location="cpu").values()
+                 if t.is_floating_point()) if st.get("weights") else 0 for st in plan["stages"]]
+    return (f"{len(reps)} stage(s) x replicas {'+'.join(map(str, reps))} on {plan['world_size']} processes "
+            f"({'/'.join(f'{n / 1e3:.0f}k' for n in sizes)} parameters), "
             f"{name}{split}, {plan['num_microbatches']} microbatches of {plan['microbatch_size']}")
 
 
@@ -474,6 +480,7 @@ def simulate(program: Path, w: _tta.Workload, link: str, system: str, per_epoch:
     else:
         c.stopped = "budget" if done < total else "end"
     c.note, c.simulated = "", True
+    c.bytes_per_epoch = pipeline_bytes_per_step(program) * per_epoch
     return c
 
 
@@ -507,6 +514,7 @@ def simulate_ddp(w: _tta.Workload, link: str, per_epoch: int, max_steps: int) ->
             break
     else:
         c.stopped = "budget" if done < total else "end"
+    c.bytes_per_epoch = NPROC * slowlink.ring_bytes(_tta.param_bytes(model), NPROC) * per_epoch
     return c
 
 
@@ -634,7 +642,7 @@ def table(curves: list[Curve], w: _tta.Workload) -> str:
              "|---" * 11 + "|"]
     ddp: dict[str, float] = {}  # DDP at its better rate on each link
     for c in curves:
-        if base_name(c.system) == "DDP" and not c.time_to(w) >= ddp.get(c.link, math.inf):
+        if base_name(c.system) == "DDP" and not c.simulated and not c.time_to(w) >= ddp.get(c.link, math.inf):
             ddp[c.link] = c.time_to(w)
     for c in curves:
         t = c.time_to(w)
@@ -642,8 +650,9 @@ def table(curves: list[Curve], w: _tta.Workload) -> str:
         best = f"{c.best(w):.4f}"
         times = ["simulated"] * 2 if c.simulated else [_num(t, '.1f'), _num(speed, '.2f')]
         step = "" if c.simulated else f"{c.step_s():.3f}"
+        moved = "" if math.isnan(c.bytes_per_epoch) else f"{c.bytes_per_epoch / 1e6:,.1f}"
         lines.append(f"| {c.link} | {c.system} | {times[0]} | {_num(c.epochs_to(w), '.3f')} | "
-                     f"{times[1]} | {best} | {step} | {c.bytes_per_epoch / 1e6:,.1f} | "
+                     f"{times[1]} | {best} | {step} | {moved} | "
                      f"{c.stopped} | {c.note} | {_load1(c.load)} |")
     return "\n".join(lines)
 

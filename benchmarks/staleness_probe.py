@@ -13,7 +13,7 @@ forward and backward are one pass, since with stashing both use that version; ti
 their summed gradient. ``--predict``: the versions are the runtime's own
 :class:`pdcompile.runtime.staleness.Predictor`'s weights (``W - s lr D``). Ablations the pipeline cannot
 run: any ``--delays`` per stage, and ``--fresh NAMES`` (those parameters at the current version).
-``--diag``: for stage 0, the norm of (weights when the gradient is applied - weights the forward used)
+``--sync-first N``: the first N minibatches at delay 0 (a synchronous warm-up). ``--diag``: for stage 0, the norm of (weights when the gradient is applied - weights the forward used)
 against the same without prediction, and the least-squares scale ``c*`` of the prediction (1: its size
 is right). Prints the validation loss at every evaluation, as train.py's metrics.
 """
@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fresh", default="", help="comma-separated parameter names used at the current version")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--diag", action="store_true", help="stage 0's prediction error against its staleness")
+    p.add_argument("--sync-first", type=int, default=0, metavar="N",
+                   help="the first N minibatches synchronous (every delay 0), as a flush schedule would run them")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     prog = Program.load(args.program)
@@ -78,8 +80,9 @@ def main(argv: list[str] | None = None) -> None:
             x = x if isinstance(x, tuple) else (x,)
         return x if len(x) > 1 else x[0]
 
-    step = 0
+    step, asked = 0, delays
     while step < args.steps:
+        delays = [0] * len(asked) if step < args.sync_first else asked
         versions = [{0: stash(s)} for s in range(len(stages))]
         plain = {0: {k: t.detach().clone() for k, t in params[0].items()}}  # stage 0 unpredicted (--diag)
         errs: list[tuple[float, float, float]] = []
