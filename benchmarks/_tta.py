@@ -198,10 +198,12 @@ def ddp_main(argv: list[str] | None = None) -> None:
     p.add_argument("--metrics", required=True)
     p.add_argument("--watchdog", type=float, default=1800)
     p.add_argument("--lr", type=float, default=None, help="the optimizer's learning rate instead of the workload's")
+    p.add_argument("--eval-every", type=int, default=None, help="minibatches between evaluations instead of the workload's")
     args = p.parse_args(argv)
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     w = dataclasses.replace(workload(args.workload, args.quick), lr=args.lr)
+    w = dataclasses.replace(w, eval_every=args.eval_every) if args.eval_every else w
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if w.batch % world:

@@ -371,7 +371,8 @@ def run_pipeline(program: Path, w: _tta.Workload, link: str, system: str, per_ep
 def run_ddp(w: _tta.Workload, link: str, per_epoch: int, budget_s: float, quick: bool) -> Curve:
     metrics = Path(tempfile.mkdtemp(prefix="pd-tta-ddp-"))
     ended, _ = launch_until(["benchmarks._tta", "ddp", "--workload", w.name, "--metrics", str(metrics),
-                             *(["--quick"] if quick else []), *(["--lr", str(w.lr)] if w.lr else [])],
+                             *(["--quick"] if quick else []), *(["--lr", str(w.lr)] if w.lr else []),
+                             "--eval-every", str(w.eval_every)],
                             metrics, w, LINKS[link], budget_s)
     c = stopped_curve(read_records(metrics), w, link, "DDP", per_epoch, ended)
     c.bytes_per_epoch = NPROC * slowlink.ring_bytes(_tta.param_bytes(_tta.build_model(w.model)), NPROC) * per_epoch
@@ -796,6 +797,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="train each system in this process instead of launching it (pdcompile.reference's semantics, "
                    "the corrections' own code; one core, deterministic: epochs to the target, no time), at most STEPS "
                    "minibatches; implies --no-write")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help="minibatches between evaluations instead of the workload's (100): epochs to the target are "
+                   "resolved to N minibatches")
     p.add_argument("--no-write", action="store_true", help="print the tables; leave RESULTS.md and the PNG alone")
     p.add_argument("--save", type=Path, default=None, help="append every finished curve to this JSONL file")
     p.add_argument("--report", type=Path, nargs="+", default=None,
@@ -815,6 +819,8 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         sys.exit(2)
     workloads = [dataclasses.replace(_tta.workload(n, args.quick), lr=args.lr) for n in args.workloads.split(",")]
+    if args.eval_every:
+        workloads = [dataclasses.replace(w, eval_every=args.eval_every) for w in workloads]
     before = load_note()
     curves = []
     if args.report:
