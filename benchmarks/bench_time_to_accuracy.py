@@ -7,6 +7,9 @@ loopback.
                                                                       # the reading from time_to_accuracy_notes.md
     python benchmarks/bench_time_to_accuracy.py --quick               # generated data, tiny models, DDP and the
                                                                       # two planners' on the slow link, nothing written
+    python benchmarks/bench_time_to_accuracy.py --simulate 3000 --systems S --lr R --eval-every 50
+                                      # each system trained in this process (simulate()): epochs to the target,
+                                      # no time, nothing written; --eval-every resolves them to 50 minibatches
 
 Data (installed once; the benchmark says so when either is missing):
 
