@@ -5,11 +5,13 @@ the weights single-process training gives (pdcompile.reference)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from _ranks import run_ranks
 from pdcompile import pdcompile, reference
 from pdcompile.errors import UsageError
 from pdcompile.merge import merge_weights
-from pdcompile.runtime.data import check_inputs, save_batches
+from pdcompile.runtime.data import check_inputs, from_file, save_batches
 from pdcompile.runtime.program import Program, TensorSpec, build
 
 NANOGPT = Path(__file__).resolve().parent / "fixtures" / "nanogpt"  # nanoGPT's model.py as published (MIT)
@@ -118,18 +120,30 @@ def _train_and_compare(tmp_path: Path, stages: int, schedule: str, targets: str)
     save_batches(data, STEPS, tmp_path / "data.pt")
     prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
                                               "kwargs": {"path": str(tmp_path / "data.pt")}})
+    # --targets send also validates after training, on the first minibatch (the evaluator relays the targets too)
+    (prog / "eval.pkl").write_bytes(cloudpickle.dumps(functools.partial(from_file, path=str(tmp_path / "data.pt"))))
+    evaluate = ["--eval-data", "eval.pkl", "--eval-steps", "1"] if targets == "send" else []
     rc, log = run_ranks(prog, stages, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
-                                       "--metrics", str(tmp_path / "metrics"), "--targets", targets, "--timeout", "60"],
-                        timeout=150)
+                                       "--metrics", str(tmp_path / "metrics"), "--targets", targets, "--timeout", "60",
+                                       *evaluate], timeout=150)
     assert rc == 0, log[-3000:]
     # --targets local: the first stage sends its activations only, the last stage reads the targets itself;
     # --targets send: the targets travel on after the activations, every microbatch (int64)
     sent = json.loads((tmp_path / "metrics" / "rank_0.json").read_text())["p2p_bytes_sent"]
-    want = {"float32": STEPS * MICRO * sum(m.nbytes for m in pipe.split.stages[0].output_meta)}
+    minibatches = STEPS + (1 if evaluate else 0)
+    want = {"float32": minibatches * MICRO * sum(m.nbytes for m in pipe.split.stages[0].output_meta)}
     if targets == "send":
-        want["int64"] = STEPS * BATCH * T * 8
+        want["int64"] = minibatches * BATCH * T * 8
     assert sent == want, sent
     got = merge_weights(prog, tmp_path / "final")
+    if evaluate:  # the validation loss is the trained model's own loss on that minibatch, computed in one process
+        trained = nanogpt()
+        assert not trained.load_state_dict(got, strict=False).unexpected_keys
+        b = BATCH // MICRO
+        with torch.no_grad():
+            own = sum(float(trained(x[j * b:(j + 1) * b], y[j * b:(j + 1) * b])[1]) for j in range(MICRO)) / MICRO
+        reported = json.loads((tmp_path / "metrics" / f"rank_{stages - 1}.json").read_text())["eval"]
+        assert reported[-1]["loss"] == pytest.approx(own, rel=1e-5), reported
     ref = nanogpt()
     initial = {k: v.detach().clone() for k, v in ref.named_parameters()}
     if schedule == "flush":  # synchronous: the unsplit model, gradients accumulated over the microbatches
