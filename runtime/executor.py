@@ -209,7 +209,7 @@ class StageExecutor:
         # targets of the microbatches in ``target_check`` (the run's first one per last-stage
         # replica) are still sent by the first stage and compared (see _local_target)
         self.local_targets = local_targets and not (self.is_first and self.is_last)
-        # the model inputs a later stage reads (program.json's data_inputs): from its own copy of the data
+        # the model inputs a later stage reads (plan.json's data_inputs): from its own copy of the data
         # with local targets; else relayed from stage 0 after the activations (relay_in: what arrives here,
         # relay_out: what this stage passes on)
         self.local_data = local_targets
