@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -356,13 +356,24 @@ def profile_model(
     batch_fn: Callable[[int], Sequence[Any]] | None = None,
     progress: bool | None = None,
     name: str | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    loss_fn: Callable[..., Any] | None = None,
 ) -> Profile:
-    """Trace, propagate shapes, annotate costs and build the Profile, in one call."""
+    """Trace, propagate shapes, annotate costs and build the Profile, in one call. ``example_kwargs``:
+    forward's keyword inputs (traced by torch.export, as ``pdcompile(example_kwargs=)`` does; their
+    tensors are the graph's inputs after the positional ones), the output traced the one ``loss_fn`` reads."""
+    from pdcompile.ir import graph_inputs
+    from pdcompile.passes.export_frontend import LossProbe
     from pdcompile.passes.propagate_shapes import propagate_shapes
-    from pdcompile.passes.trace import trace
+    from pdcompile.passes.trace import trace, trace_any
 
-    inputs = tuple(example_inputs)
-    gm = trace(model, leaf_modules, inputs=len(inputs))
+    if example_kwargs:
+        gm = trace_any(model, tuple(example_inputs), leaf_modules, kwargs=example_kwargs,
+                       loss_probe=LossProbe(loss_fn) if loss_fn is not None else None)
+        inputs = tuple(graph_inputs(tuple(example_inputs), example_kwargs))
+    else:
+        inputs = tuple(example_inputs)
+        gm = trace(model, leaf_modules, inputs=len(inputs))
     propagate_shapes(gm, inputs)
     annotate_costs(gm, inputs, mode=mode, device_spec=device_spec, optimizer=optimizer,
                    warmup=warmup, repeats=repeats, symbolic=symbolic, batch_fn=batch_fn,

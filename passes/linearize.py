@@ -244,11 +244,23 @@ def report(chain: Chain) -> str:
 def run(state: CompileState) -> CompileState:
     """Reads ``profile`` and ``gm``; writes ``chain``, blocking the cuts where more than single
     tensors would cross a stage boundary."""
-    from pdcompile.passes.split_stages import blocked_cuts  # torch: this module stays pure data
+    from pdcompile.passes.split_stages import blocked_cuts, rebuildable  # torch: this module stays pure data
 
-    chain = linearize(need(state.profile, "profile"))
+    # model inputs cross no cut: a later stage that reads one takes it from the data, and makes again what
+    # it reads that cheap ops make from them alone (split-stages: ``targets.view(-1)``, a mask expanded)
+    gm = need(state.gm, "gm")
+    profile = need(state.profile, "profile")
+    made = {n.name for n in rebuildable(gm, from_inputs=True)} - {n.name for n in rebuildable(gm)}
+    sizes = {layer.name: layer.output_bytes for layer in profile.layers}
+    if made:
+        profile = dataclasses.replace(profile, layers=tuple(
+            dataclasses.replace(layer, output_bytes=0.0) if layer.name in made else layer for layer in profile.layers))
+    chain = linearize(profile, include_inputs=False)
+    if made:  # the layers' own sizes back: only the cuts leave them out
+        chain = dataclasses.replace(chain, layers=tuple(dataclasses.replace(layer, output_bytes=sizes[layer.name])
+                                                        for layer in chain.layers))
     order = [m for layer in chain.layers for m in (layer.members or (layer.name,))]
-    blocked = blocked_cuts(need(state.gm, "gm"), order)
+    blocked = blocked_cuts(gm, order)
     if blocked:
         pos, cuts = 0, list(chain.cut_bytes)
         for i, layer in enumerate(chain.layers[:-1]):

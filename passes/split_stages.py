@@ -2,7 +2,9 @@
 
 The only pass that rewrites the graph; the decision (node -> stage) comes from partition as data.
 A value crosses boundaries one hop at a time (a residual that skips stages is passed through the
-ones between, as the planner charges it), model inputs enter at stage 0, and ``get_attr`` nodes are
+ones between, as the planner charges it); model inputs enter at stage 0, and a later stage that reads one
+takes it from the data itself (``Stage.data_inputs``: nothing sent for it, e.g. the targets a model's
+own loss reads, or an attention mask every layer reads); ``get_attr`` nodes are
 copied into every stage that uses them: a parameter used by several stages (tied weights) lives in
 each, its gradients summed across them (``TG``), recorded in ``StageSplit.tied``. Targets are
 flattened to readable names (``features.0`` -> ``features_0``), mapped back by
@@ -41,9 +43,14 @@ class Stage:
     nodes: tuple[str, ...]  # original node names computed here
     param_names: Mapping[str, str] = field(default_factory=dict)  # stage name -> model name
     is_last: bool = False
+    # model inputs a later stage reads from the data itself (not received): ``gm(*inputs, *data_inputs)``
+    data_inputs: tuple[str, ...] = ()
+    data_meta: tuple[TensorMeta, ...] = ()
 
     def __str__(self) -> str:
         ins = ", ".join(f"{n}: {m}" for n, m in zip(self.inputs, self.input_meta))
+        if self.data_inputs:
+            ins += "; from the data: " + ", ".join(f"{n}: {m}" for n, m in zip(self.data_inputs, self.data_meta))
         outs = (", ".join(f"{n}: {m}" for n, m in zip(self.outputs, self.output_meta)) if not self.is_last
                 else "model output " + ", ".join(str(m) for m in self.output_meta))
         return f"stage {self.index}\n  inputs:  {ins}\n  outputs: {outs}\n" + _indent(self.gm.code.strip(), 2)
@@ -63,8 +70,9 @@ class StageSplit:
     def run(self, *inputs: Any) -> Any:
         """Run the stages in order in this process (the transparency check)."""
         values: tuple[Any, ...] = inputs
+        given = dict(zip(self.stages[0].inputs, inputs))  # a later stage's data inputs
         for st in self.stages:
-            out = st.gm(*values)
+            out = st.gm(*values, *(given[n] for n in st.data_inputs))
             values = out if not st.is_last else (out,)
         return values[0]
 
@@ -102,13 +110,14 @@ def _check_assignment(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: 
 
 
 def boundary_values(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: int) -> list[list[fx.Node]]:
-    """For each boundary k (between stage k and k+1), the nodes live across it, in graph order."""
+    """For each boundary k (between stage k and k+1), the nodes live across it, in graph order. Model
+    inputs cross none: a stage that reads one takes it from the data (:func:`data_inputs`)."""
     def stage(n: fx.Node) -> int:
         return 0 if n.op == "placeholder" else stage_of[n.name]
 
     live: list[list[fx.Node]] = [[] for _ in range(max(0, num_stages - 1))]
     for node in gm.graph.nodes:
-        if node.op in ("get_attr", "output"):
+        if node.op in ("get_attr", "output", "placeholder"):
             continue
         consumers = [stage(u) for u in node.users if u.op != "output"]
         last_use = max(consumers, default=stage(node))
@@ -117,6 +126,34 @@ def boundary_values(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages:
         for k in range(stage(node), last_use):
             live[k].append(node)
     return live
+
+
+def data_inputs(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: int,
+                rebuilt: set[fx.Node] = frozenset()) -> list[list[fx.Node]]:  # type: ignore[assignment]
+    """For each stage, the model inputs (placeholders) it reads itself: stage 0 all of them (it reads the
+    minibatch), a later stage those its nodes use, directly or through values it makes again
+    (``rebuilt``; the model's output naming one: the last stage)."""
+    uses: list[set[fx.Node]] = [set() for _ in range(num_stages)]
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            uses[num_stages - 1].update(n.all_input_nodes)
+        elif n.op not in ("placeholder", "get_attr") and n not in rebuilt:
+            uses[stage_of[n.name]].update(n.all_input_nodes)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out: list[list[fx.Node]] = [list(placeholders)]
+    for k in range(1, num_stages):
+        stack, seen, reads = list(uses[k]), set(), set()
+        while stack:
+            a = stack.pop()
+            if a in seen:
+                continue
+            seen.add(a)
+            if a.op == "placeholder":
+                reads.add(a)
+            elif a in rebuilt:
+                stack += a.all_input_nodes
+        out.append([p for p in placeholders if p in reads])
+    return out
 
 
 def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.Node], int],
@@ -132,7 +169,7 @@ def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.No
                 for n in nodes if n.op not in ("placeholder", "get_attr", "output")}
     num_stages = max(stage_of.values(), default=0) + 1
     _check_assignment(gm, stage_of, num_stages)
-    rebuilt = rebuildable(gm) if rebuild else set()
+    rebuilt = rebuildable(gm, from_inputs=True) if rebuild else set()
     live = [[v for v in vals if v not in rebuilt] for vals in boundary_values(gm, stage_of, num_stages)]
     grad_nodes = nodes_needing_grad(gm)
     for k, vals in enumerate(live):
@@ -164,16 +201,18 @@ def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.No
 
     stages = []
     owners: dict[int, list[tuple[int, str]]] = {}
+    reads = data_inputs(gm, stage_of, num_stages, rebuilt)
     for k in range(num_stages):
         ins = placeholders if k == 0 else live[k - 1]
+        data = reads[k] if k > 0 else []
         outs = live[k] if k < num_stages - 1 else []
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        for n in ins:
+        for n in [*ins, *data]:
             env[n] = g.placeholder(n.name)
             env[n].meta = dict(n.meta)
         if k > 0:  # a received activation is a leaf of autograd: one this stage writes in place is copied first
-            for n in written_inputs(nodes, ins, lambda n: n.op not in ("placeholder", "get_attr", "output")
+            for n in written_inputs(nodes, [*ins, *data], lambda n: n.op not in ("placeholder", "get_attr", "output")
                                     and stage_of[n.name] == k, gm):
                 env[n] = _copy_of(g, env[n], aten=any(isinstance(m.target, torch._ops.OpOverload) for m in nodes))
         attrs: dict[str, Any] = {}
@@ -224,6 +263,7 @@ def split_stages(gm: fx.GraphModule, assign: Mapping[str, int] | Callable[[fx.No
             output_meta=tuple(_grad_meta(n, grad_nodes) for n in outs) if outs else out_meta,
             nodes=tuple(n.name for n in nodes if n.name in stage_of and stage_of[n.name] == k),
             param_names=param_names, is_last=(k == num_stages - 1),
+            data_inputs=tuple(n.name for n in data), data_meta=tuple(_grad_meta(n, grad_nodes) for n in data),
         ))
     tied = tuple(tuple(v) for v in owners.values() if len({s for s, _ in v}) > 1)
     return StageSplit(tuple(stages), tied)
@@ -374,11 +414,12 @@ def _cheap_pure(n: fx.Node) -> bool:
     return not any(h in name for h in _HEAVY + _RANDOM)
 
 
-def rebuildable(gm: fx.GraphModule) -> set[fx.Node]:
+def rebuildable(gm: fx.GraphModule, from_inputs: bool = False) -> set[fx.Node]:
     """The compute nodes whose value depends on no model input and no trainable parameter, only on
     constants and buffers nothing writes (an exported graph's position ids, causal masks, rotary
     tables), through cheap pure ops: a stage reading one computes it again, bitwise the same, rather
-    than receive it with every microbatch."""
+    than receive it with every microbatch. ``from_inputs``: model inputs count as such constants too
+    (a stage reads them from the data: ``targets.view(-1)``, an attention mask expanded)."""
     mutated: set[str] = set()
     for n in gm.graph.nodes:
         writes = isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
@@ -394,13 +435,15 @@ def rebuildable(gm: fx.GraphModule) -> set[fx.Node]:
                 stack += a.all_input_nodes
     free: set[fx.Node] = set()
     for n in gm.graph.nodes:
-        if n.op == "get_attr":
+        if n.op == "placeholder" and from_inputs:
+            free.add(n)
+        elif n.op == "get_attr":
             obj = _fetch(gm, str(n.target))
             if isinstance(obj, torch.Tensor) and not obj.requires_grad and str(n.target) not in mutated:
                 free.add(n)
         elif _cheap_pure(n) and all(a in free for a in n.all_input_nodes):
             free.add(n)
-    return {n for n in free if n.op != "get_attr"}
+    return {n for n in free if n.op not in ("get_attr", "placeholder")}
 
 
 def _names_device(value: Any) -> bool:

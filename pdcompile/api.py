@@ -492,11 +492,17 @@ class CompiledPipeline:
         if metric is not None and metric.payload is not None:  # beside plan.json, where the ranks look first
             (prog / metric.factory).write_bytes(metric.payload)
         ranks = json.loads((prog / "plan.json").read_text())["stages"]
-        local = any(a == "--targets" and b == "local" for a, b in zip(extra_args, list(extra_args)[1:]))
-        feeder = Feeder(len(set(ranks[0]["ranks"]) | (set(ranks[-1]["ranks"]) if local else set())), timeout=timeout,
+        # every rank reads the same streamed minibatches: by default the last stage, and each stage that reads
+        # model inputs, read theirs themselves (--targets local; nothing sent on for them)
+        chosen = [b for a, b in zip(extra_args, list(extra_args)[1:]) if a == "--targets"] + \
+            [a.split("=", 1)[1] for a in extra_args if a.startswith("--targets=")]
+        local = chosen[-1] == "local" if chosen else True
+        readers = {r for i, st in enumerate(ranks) if i == 0 or (local and (i == len(ranks) - 1 or st.get("data_inputs")))
+                   for r in st["ranks"]}  # the ranks that read the data (runtime/trainer.py's readers)
+        feeder = Feeder(len(readers), timeout=timeout,
                         keywords=self.keywords)
         args = ["--steps", str(steps)] if steps is not None else ["--epochs", str(epochs)]
-        args += ["--data", "pdcompile.runtime.data:stream_train"]
+        args += ["--data", "pdcompile.runtime.data:stream_train"] + ([] if chosen else ["--targets", "local"])
         try:
             feeder.feed("train", per_epoch or total, iter([("train", sequence(data, total, per_epoch, (head, it)))]))
             if eval_data is not None and eval_len:

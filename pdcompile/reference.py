@@ -62,9 +62,12 @@ def train_versioned(stages: Sequence[torch.nn.Module], optimizers: Sequence[torc
                     tied: Sequence[Sequence[tuple[int, str]]] = (), max_norm: float | None = None,
                     norms: list[float] | None = None,
                     stash: Callable[[int], dict[str, torch.Tensor]] | None = None,
-                    lr_factor: Callable[[int, int], float] | None = None) -> list[float]:
+                    lr_factor: Callable[[int, int], float] | None = None,
+                    data_inputs: Sequence[Sequence[int]] = ()) -> list[float]:
     """Train the chain ``stages`` on ``microbatches`` with the weight versions above; return the losses.
 
+    ``data_inputs[s]``: the model inputs (indices into a microbatch's inputs) stage ``s`` reads itself, after
+    what it receives (an emitted program's ``StageSpec.data``).
     ``stages[s]``'s parameters end as its newest version; ``optimizers[s]`` owns them. Each
     microbatch's loss is multiplied by ``scale``. ``tied``: groups of ``(stage, parameter name)``
     whose gradients are summed before every step (they step in the same group on every stage).
@@ -102,16 +105,17 @@ def train_versioned(stages: Sequence[torch.nn.Module], optimizers: Sequence[torc
 
     for n, (inputs, target) in enumerate(microbatches):
         xs = [tuple(inputs)]  # forward with W_s(fwd(s, n)); xs[s] is stage s's input
+        read = [tuple(inputs[j] for j in (data_inputs[s] if s < len(data_inputs) and s > 0 else ())) for s in range(S)]
         for s in range(S - 1):
-            _, out = run(s, fwd(s, n), xs[s])
+            _, out = run(s, fwd(s, n), xs[s] + read[s])
             xs.append(tuple(o.detach() for o in out))
         with torch.no_grad():
-            _, out = run(S - 1, fwd(S - 1, n), xs[-1])
+            _, out = run(S - 1, fwd(S - 1, n), xs[-1] + read[-1])
             losses.append(float(loss_fn(out, target)))
         grad_out: list[torch.Tensor | None] = []
         for s in reversed(range(S)):  # backward at W_s(bwd(s, n))
             x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in xs[s])
-            w, out = run(s, bwd(s, n), x)
+            w, out = run(s, bwd(s, n), x + read[s])
             if s == S - 1:
                 (loss_fn(out, target) * scale).backward()
             else:

@@ -118,9 +118,12 @@ class Evaluator:
                 if self._peer(s, k) != self.rank:
                     continue
                 spec = self.program.stages[s]
+                relay_in = self.program.relayed(s) if not self.local_targets else ()
+                relay_out = self.program.relayed(s + 1) if not self.local_targets and s < self.last else ()
                 if s == 0:
                     inputs_cpu, target = data(k)
                     xs = [x.to(device) for x in inputs_cpu]
+                    relayed = {j: xs[j] for j in relay_out}
                     dst = self._peer(self.last, k)
                     if dst != self.rank and not self.local_targets:
                         sends.append(comm.post_send([target.to(device)], dst))
@@ -129,14 +132,20 @@ class Evaluator:
                 else:
                     src = self._peer(s - 1, k)
                     if src == self.rank:
-                        xs = local.pop(("A", k))
+                        got = local.pop(("A", k))
                     else:
-                        bufs = [t.empty_wire(ex.precision, device) for t in spec.inputs]
-                        xs = [x.to(t.dtype) for x, t in zip(comm.post_recv(bufs, src).wait(), spec.inputs)]
+                        bufs = [t.empty_wire(ex.precision, device) for t in spec.inputs] + \
+                            [self.program.stages[0].inputs[j].empty(device) for j in relay_in]
+                        got = comm.post_recv(bufs, src).wait()
+                    n = len(spec.inputs)
+                    xs = [x.to(t.dtype) for x, t in zip(got[:n], spec.inputs)]
+                    relayed = dict(zip(relay_in, got[n:]))  # model inputs relayed from stage 0 (--targets send)
+                    xs += [data(k)[0][j].to(device) if self.local_targets else relayed[j] for j, _ in spec.data]
                 with ex._autocast():
                     out = ex.module(*xs)
                 if s < self.last:
                     outs = [o.detach().to(t.wire(ex.precision)) for o, t in zip(out, spec.outputs)]
+                    outs += [relayed[j] for j in relay_out]
                     dst = self._peer(s + 1, k)
                     if dst == self.rank:
                         local[("A", k)] = outs

@@ -98,6 +98,7 @@ class _Mb:
     recv_grad: comm.Pending | _Handed | None = None
     recv_target: comm.Pending | _Handed | None = None
     input_grads: list[torch.Tensor] | None = None  # computed by a split B (``W`` follows)
+    relayed: dict[int, torch.Tensor] = field(default_factory=dict)  # model inputs relayed on (--targets send)
 
 
 class Mailbox:
@@ -208,6 +209,12 @@ class StageExecutor:
         # targets of the microbatches in ``target_check`` (the run's first one per last-stage
         # replica) are still sent by the first stage and compared (see _local_target)
         self.local_targets = local_targets and not (self.is_first and self.is_last)
+        # the model inputs a later stage reads (plan.json's data_inputs): from its own copy of the data
+        # with local targets; else relayed from stage 0 after the activations (relay_in: what arrives here,
+        # relay_out: what this stage passes on)
+        self.local_data = local_targets
+        self.relay_in = program.relayed(self.stage) if not local_targets else ()
+        self.relay_out = program.relayed(self.stage + 1) if not local_targets and not self.is_last else ()
         self.target_check = frozenset(target_check)
         self.mbs: dict[int, _Mb] = {}
         # sends in flight, by the action that posted them; waited for once the schedule says their
@@ -393,7 +400,8 @@ class StageExecutor:
             for k in owner._targets.upto(a.mb):
                 owner._mb(k).recv_target = owner._recv([self.program.target.empty(self.device)], self.peer(0, k),
                                                        ("T", k))
-        bufs = [t.empty_wire(self.precision, self.device) for t in self.spec.inputs]
+        bufs = [t.empty_wire(self.precision, self.device) for t in self.spec.inputs] + \
+            [self.program.stages[0].inputs[j].empty(self.device) for j in self.relay_in]
         st.recv_act = self._recv(bufs, self.peer(self.stage - 1, a.mb), ("A", self.stage, a.mb))
 
     def _forward(self, a: Action) -> None:
@@ -402,6 +410,7 @@ class StageExecutor:
         if self.is_first:
             inputs, target = self._data(k)
             st.inputs = [x.to(self.device, non_blocking=True) for x in inputs]
+            st.relayed = {j: st.inputs[j] for j in self.relay_out}
             target = target.to(self.device, non_blocking=True)
             self.meter.data([*st.inputs, target])
             if self.is_last:
@@ -415,9 +424,14 @@ class StageExecutor:
         else:
             if st.recv_act is None:
                 raise RuntimeError(f"forward of microbatch {k} before its activations were received (missing RF)")
-            st.inputs = [t.to(spec.dtype) for t, spec in zip(self._wait(st.recv_act, a, "RF"), self.spec.inputs)]
+            received = self._wait(st.recv_act, a, "RF")
+            n = len(self.spec.inputs)
+            st.inputs = [t.to(spec.dtype) for t, spec in zip(received[:n], self.spec.inputs)]
             for t, spec in zip(st.inputs, self.spec.inputs):
                 t.requires_grad_(spec.requires_grad)
+            st.relayed = dict(zip(self.relay_in, received[n:]))  # after the activations (--targets send)
+            if self.spec.data:  # the model inputs it reads: forward's last arguments
+                st.inputs += self._data_inputs(k, st)
         params = self.weights.params_for_forward(k)
         handles: list[Any] = []
         if self.recompute:
@@ -474,7 +488,7 @@ class StageExecutor:
         if self.weight_pass != "graph":
             return self._wpass
         if self._graph is None:
-            self._graph = graph_route(self.module, self.spec.inputs, self.device, precision=self.precision,
+            self._graph = graph_route(self.module, self.spec.args, self.device, precision=self.precision,
                                       stage=self.stage)
             if self._graph is None:
                 self.weight_pass = "submodules"
@@ -535,9 +549,19 @@ class StageExecutor:
                     f"Seed it, or run with --targets send")
         return target
 
+    def _data_inputs(self, k: int, st: _Mb) -> list[torch.Tensor]:
+        """Microbatch ``k``'s model inputs this (later) stage reads: from its own copy of the data, or as
+        relayed to it from stage 0 (``relay_in``)."""
+        if self.local_data:
+            inputs = self._data(k)[0]
+            return [inputs[j].to(self.device, non_blocking=True) for j, _ in self.spec.data]
+        return [st.relayed[j] for j, _ in self.spec.data]
+
     def _send_act(self, a: Action) -> None:
         st = self.mbs[a.mb]
         outs = [o.detach().to(spec.wire(self.precision)) for o, spec in zip(st.outputs, self.spec.outputs)]
+        outs += [st.relayed[j] for j in self.relay_out]  # model inputs later stages read (--targets send)
+        st.relayed = {}
         self._send(a, outs, self.peer(self.stage + 1, a.mb), ("A", self.stage + 1, a.mb))
 
     def _recv_grad(self, a: Action) -> None:

@@ -59,12 +59,21 @@ class StageSpec:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     param_names: dict[str, str]
+    # model inputs the stage reads from the data itself, after ``inputs`` in forward's arguments: (index
+    # among stage 0's inputs, spec)
+    data: tuple[tuple[int, TensorSpec], ...] = ()
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> "StageSpec":
         return StageSpec(d["index"], d["module"], d["class"], d["weights"], tuple(d["ranks"]),
                          tuple(TensorSpec.from_json(t) for t in d["inputs"]),
-                         tuple(TensorSpec.from_json(t) for t in d["outputs"]), dict(d.get("param_names", {})))
+                         tuple(TensorSpec.from_json(t) for t in d["outputs"]), dict(d.get("param_names", {})),
+                         tuple((int(t["index"]), TensorSpec.from_json(t)) for t in d.get("data_inputs", ())))
+
+    @property
+    def args(self) -> tuple[TensorSpec, ...]:
+        """forward's arguments: the received inputs, then the data inputs."""
+        return self.inputs + tuple(s for _, s in self.data)
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,16 @@ class Program:
         if not out:
             raise ValueError(f"rank {rank} runs no stage (world size {self.world_size})")
         return out
+
+    def relayed(self, stage: int) -> tuple[int, ...]:
+        """The model inputs (indices among stage 0's) that travel on the activations' message into
+        ``stage`` when later stages do not read the data themselves (``--targets send``): those read by
+        ``stage`` or a stage after it, relayed from stage 0. With ``--targets local`` none travels."""
+        return tuple(sorted({j for st in self.stages[max(stage, 1):] for j, _ in st.data})) if stage >= 1 else ()
+
+    def reads_data(self, stage: int) -> bool:
+        """Whether ``stage`` reads model inputs from the data (stage 0, or a later stage with data inputs)."""
+        return stage == 0 or bool(self.stages[stage].data)
 
     @property
     def keywords(self) -> tuple[str, ...]:

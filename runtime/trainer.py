@@ -108,10 +108,13 @@ class Trainer:
         if not local and program.num_stages > 1:
             refuse_sent_targets(self.schedule)
         last = program.num_stages - 1
-        reads_data = any(st.index == 0 or (local and st.index == last) for st in specs)
+        # with local targets, the last stage and every stage that reads model inputs read the data themselves
+        readers_of = [st.index for st in program.stages
+                      if st.index == 0 or (local and (st.index == last or program.reads_data(st.index)))]
+        reads_data = any(st.index in readers_of for st in specs)
         # the data in epochs and shares (runtime/data.py): this rank reads the microbatches its stages run
         b = program.raw["microbatch_size"]
-        readers = [program.stages[0].ranks] + ([program.stages[last].ranks] if local else [])
+        readers = [program.stages[s].ranks for s in readers_of]
         self.positions = positions(readers, rank, M)
         train_data = source(program, args, b * M) if reads_data else None
         self.per_epoch = loop.agree(epoch_length(train_data) if reads_data else None, devices.rank_device()) \
@@ -245,9 +248,10 @@ class Trainer:
             return None
         last = program.num_stages - 1
         local = args.targets == "local"
-        self._eval_positions = positions([program.stages[0].ranks] + ([program.stages[last].ranks] if local else []),
-                                         self.rank, M)
-        self._eval_reads = any(st.index == 0 or (local and st.index == last) for st in self.specs)
+        readers_of = [st.index for st in program.stages
+                      if st.index == 0 or (local and (st.index == last or program.reads_data(st.index)))]
+        self._eval_positions = positions([program.stages[s].ranks for s in readers_of], self.rank, M)
+        self._eval_reads = any(st.index in readers_of for st in self.specs)
         b = program.raw["microbatch_size"]
         self._eval_data = source(program, args, b * M, "eval_data") if self._eval_reads else None
         n = loop.agree(epoch_length(self._eval_data) if self._eval_reads else None, devices.rank_device())

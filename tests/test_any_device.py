@@ -153,7 +153,7 @@ def _runs_on_meta(prog: Path, model_output: list[tuple[int, ...]]) -> None:
         module = program.build_stage(k, device="meta")
         assert all(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
         with torch.no_grad():
-            got = module(*[spec.empty("meta") for spec in st.inputs])
+            got = module(*[spec.empty("meta") for spec in st.args])
         outs = got if isinstance(got, tuple) else (got,)
         shapes = [spec.shape for spec in st.outputs] if k < program.num_stages - 1 else model_output
         assert [tuple(o.shape) for o in outs] == shapes, k

@@ -6,6 +6,7 @@ weights single-process training gives (pdcompile.reference)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,15 @@ def test_gpt2_with_mask_and_labels_trains_through_run_like_single_process(tmp_pa
     pipe = pdcompile(gpt2(), example_inputs=(ids,), example_kwargs=kw, loss_fn=lambda out, t: out.loss,
                      stages=3, num_microbatches=MICRO, optimizer=_sgd)
     assert len(pipe.split.stages) == 3
-    got = pipe.run(data, steps=STEPS, out=tmp_path / "run", timeout=200).state_dict()
+    # the mask every layer reads, and the labels only the loss reads, are read by the stages that use them
+    assert [st.data_inputs for st in pipe.split.stages] == [(), ("attention_mask",), ("attention_mask", "labels")]
+    result = pipe.run(data, steps=STEPS, eval_data=data[:1], out=tmp_path / "run", timeout=200)
+    got = result.state_dict()
+    # ... and sent by none: the first stage sends its activations only (float32), nothing int64 crosses
+    sent = [json.loads((tmp_path / "run" / "metrics" / f"rank_{r}.json").read_text())["p2p_bytes_sent"] for r in (0, 1)]
+    per_minibatch = MICRO * sum(m.nbytes for m in pipe.split.stages[0].output_meta)
+    assert sent[0] == {"float32": (STEPS + 1) * per_minibatch}, sent  # the training minibatches and the validation one
+    assert set(sent[1]) == {"float32"}, sent
     ref = gpt2()
     initial = {k: v.detach().clone() for k, v in ref.named_parameters()}
     reference.train_sync(ByKeyword(ref), lambda out, t: out.loss, _sgd(ref.parameters()), _flat(data),
@@ -118,6 +127,12 @@ def test_gpt2_with_mask_and_labels_trains_through_run_like_single_process(tmp_pa
         torch.testing.assert_close(got[k], w.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
         moved += int(not torch.equal(got[k], initial[k]))
     assert moved > len(initial) // 2
+    # the validation pass at the end (its stages read the mask and labels themselves too): the trained model's loss
+    inputs, _ = _flat(data[:1])[0]
+    b = BATCH // MICRO
+    with torch.no_grad():
+        want = sum(float(ByKeyword(ref)(*(x[j * b:(j + 1) * b] for x in inputs)).loss) for j in range(MICRO)) / MICRO
+    assert result.metrics["eval"][-1]["loss"] == pytest.approx(want, rel=1e-5), result.metrics["eval"]
 
 
 @pytest.mark.multiproc
@@ -138,8 +153,12 @@ def test_left_padded_llama_with_labels_trains_under_1f1b_like_its_reference(tmp_
     micro = [(tuple(x[j * b:(j + 1) * b] for x in xs), t[j * b:(j + 1) * b]) for xs, t in _flat(data)
              for j in range(MICRO)]
     fwd, bwd, group = reference.pipedream_1f1b([1, 1])
+    # the mask and labels the last stage reads it takes from the data: the first stage sends activations only
+    assert [[(t.name, j) for j, t in st.data] for st in program.stages] == [[], [("attention_mask", 1), ("labels", 2)]]
+    assert all(t.dtype.is_floating_point for t in program.stages[0].outputs), program.stages[0].outputs
     reference.train_versioned(mods, opts, program.build_loss(), micro, fwd=fwd, bwd=bwd, group=group,
-                              tied=[[(s, n) for s, n in grp] for grp in program.raw.get("tied", [])])
+                              tied=[[(s, n) for s, n in grp] for grp in program.raw.get("tied", [])],
+                              data_inputs=[[j for j, _ in st.data] for st in program.stages])
     moved = 0
     for st, m in zip(program.stages, mods):
         for n, p in m.named_parameters():
@@ -164,12 +183,12 @@ class Scaled(torch.nn.Module):
         return {"out": h, "loss": err.mean()}
 
 
-def test_decorator_and_cli_factories_take_keyword_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decorator form, and a CLI factory's ``.example_kwargs`` (``pdcompile emit``): the keyword tensors
-    (not the constant ``squared=False``) become the program's inputs after the positional one, in order, and
-    the stages compute the model's loss with the constant as given."""
-    import json
-
+def test_decorator_and_cli_factories_take_keyword_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The decorator form, and a CLI factory's ``.example_kwargs`` (``pdcompile emit``, ``profile``, ``plan``): the
+    keyword tensors (not the constant ``squared=False``) become the program's inputs after the positional one, in
+    order, and the stages compute the model's loss with the constant as given; profile and plan see the ops that
+    read them (``* scale``, ``- target``: the model's loss)."""
     from pdcompile.cli import main
 
     x, scale, target = torch.randn(8, 4), torch.rand(8, 1) + 0.5, torch.randn(8, 4)
@@ -197,3 +216,14 @@ def test_decorator_and_cli_factories_take_keyword_inputs(tmp_path: Path, monkeyp
     assert plan["input_keywords"] == ["scale", "target"]
     assert [t["name"] for t in plan["stages"][0]["inputs"]] == ["x", "scale", "target"]
     assert plan["target"]["shape"] == [2, 0]  # no target: the loss is the model's
+    assert main(["profile", "kwmodel:make", "--mode", "analytic", "--no-symbolic", "-o", str(tmp_path / "p.json")]) == 0
+    profiled = json.loads((tmp_path / "p.json").read_text())
+    assert [i["name"] for i in profiled["inputs"]] == ["x", "scale", "target"]
+    assert {"mul", "sub", "mean"} <= {layer["name"] for layer in profiled["layers"]}
+    capsys.readouterr()
+    assert main(["plan", "kwmodel:make", "--cluster", "local:2", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert {"mul", "sub", "mean"} <= {n for st in planned["stages"] for n in st["layer_names"]}
+    # --input would replace the positional example only, leaving the keyword tensors of another batch
+    assert main(["plan", "kwmodel:make", "--input", "4x4", "--cluster", "local:2"]) == 2
+    assert "drop --input" in capsys.readouterr().err

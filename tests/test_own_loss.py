@@ -5,10 +5,13 @@ the weights single-process training gives (pdcompile.reference)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import pytest
 import torch
 
@@ -16,7 +19,7 @@ from _ranks import run_ranks
 from pdcompile import pdcompile, reference
 from pdcompile.errors import UsageError
 from pdcompile.merge import merge_weights
-from pdcompile.runtime.data import check_inputs, save_batches
+from pdcompile.runtime.data import check_inputs, from_file, save_batches
 from pdcompile.runtime.program import Program, TensorSpec, build
 
 NANOGPT = Path(__file__).resolve().parent / "fixtures" / "nanogpt"  # nanoGPT's model.py as published (MIT)
@@ -75,6 +78,27 @@ def test_nanogpt_compiles_as_written_and_its_stages_compute_its_loss(frontend: s
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_the_targets_go_to_the_last_stage_from_the_data_not_through_the_stages(tmp_path: Path) -> None:
+    """3 stages: the targets only the loss reads (and ``targets.view(-1)``, made again where it is read) cross
+    no boundary; the last stage reads them from the data (plan.json ``data_inputs``, the stage's forward), and
+    the planner charges each boundary exactly the bytes the stages send."""
+    model = nanogpt()
+    (x, y), _ = batches()[0]
+    pipe = pdcompile(model, example_inputs=(x, y), loss_fn=lambda out, t: out[1], stages=3, num_microbatches=MICRO,
+                     optimizer=_sgd)
+    first, middle, last = pipe.split.stages
+    assert first.inputs == ("idx", "targets") and last.data_inputs == ("targets",)
+    assert middle.data_inputs == () and "targets" not in middle.inputs + last.inputs
+    assert all(m.dtype == "torch.float32" for st in (first, middle) for m in st.output_meta)  # no int64 targets
+    cuts = [pipe.state.chain.cut_bytes[st.last] for st in pipe.plan.stages[:-1]]
+    assert cuts == [float(sum(m.nbytes for m in st.output_meta)) for st in (first, middle)]
+    prog = pipe.emit(tmp_path / "prog")
+    plan = json.loads((prog / "plan.json").read_text())
+    assert [[(d["name"], d["index"]) for d in st["data_inputs"]] for st in plan["stages"]] == [[], [], [("targets", 1)]]
+    assert "DATA_INPUTS = ('targets',)" in (prog / "stage_2.py").read_text()
+    assert Program.load(prog).relayed(1) == (1,) and Program.load(prog).relayed(2) == (1,)  # --targets send's relay
+
+
 def test_input_shapes_taken_as_constants_are_guarded() -> None:
     """``b, t = idx.size()`` was decided on the example: data of another length is refused, in one line."""
     specs = (TensorSpec("idx", (2, T), torch.int64, False), TensorSpec("targets", (2, T), torch.int64, False))
@@ -86,20 +110,42 @@ def test_input_shapes_taken_as_constants_are_guarded() -> None:
         check_inputs((torch.zeros(8, T, dtype=torch.long),), specs)
 
 
-def _train_and_compare(tmp_path: Path, stages: int, schedule: str) -> None:
+def _train_and_compare(tmp_path: Path, replicas: list[int], schedule: str, targets: str) -> None:
     data = batches()
     model = nanogpt()
     (x, y), _ = data[0]
-    pipe = pdcompile(model, example_inputs=(x, y), loss_fn=lambda out, t: out[1], stages=stages,
+    stages = len(replicas)
+    pipe = pdcompile(model, example_inputs=(x, y), loss_fn=lambda out, t: out[1], stages=stages, replicas=replicas,
                      num_microbatches=MICRO, optimizer=_sgd, schedule=schedule)
     assert len(pipe.split.stages) == stages
     save_batches(data, STEPS, tmp_path / "data.pt")
     prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
                                               "kwargs": {"path": str(tmp_path / "data.pt")}})
-    rc, log = run_ranks(prog, stages, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
-                                       "--timeout", "60"], timeout=150)
+    # --targets send also validates after training, on the first minibatch (the evaluator relays the targets too)
+    (prog / "eval.pkl").write_bytes(cloudpickle.dumps(functools.partial(from_file, path=str(tmp_path / "data.pt"))))
+    evaluate = ["--eval-data", "eval.pkl", "--eval-steps", "1"] if targets == "send" else []
+    rc, log = run_ranks(prog, sum(replicas), ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
+                                       "--metrics", str(tmp_path / "metrics"), "--targets", targets, "--timeout", "60",
+                                       *evaluate], timeout=150)
     assert rc == 0, log[-3000:]
+    # --targets local: the first stage sends its activations only, the last stage reads the targets itself;
+    # --targets send: the targets travel on after the activations, every microbatch (int64)
+    sent = json.loads((tmp_path / "metrics" / "rank_0.json").read_text())["p2p_bytes_sent"]
+    minibatches = STEPS + (1 if evaluate else 0)
+    want = {"float32": minibatches * MICRO * sum(m.nbytes for m in pipe.split.stages[0].output_meta)}
+    if targets == "send":
+        want["int64"] = minibatches * BATCH * T * 8
+    assert sent == want, sent
+    assert [len(st.ranks) for st in Program.load(prog).stages] == replicas
     got = merge_weights(prog, tmp_path / "final")
+    if evaluate:  # the validation loss is the trained model's own loss on that minibatch, computed in one process
+        trained = nanogpt()
+        assert not trained.load_state_dict(got, strict=False).unexpected_keys
+        b = BATCH // MICRO
+        with torch.no_grad():
+            own = sum(float(trained(x[j * b:(j + 1) * b], y[j * b:(j + 1) * b])[1]) for j in range(MICRO)) / MICRO
+        reported = json.loads((tmp_path / "metrics" / f"rank_{sum(replicas) - 1}.json").read_text())["eval"]
+        assert reported[-1]["loss"] == pytest.approx(own, rel=1e-5), reported
     ref = nanogpt()
     initial = {k: v.detach().clone() for k, v in ref.named_parameters()}
     if schedule == "flush":  # synchronous: the unsplit model, gradients accumulated over the microbatches
@@ -115,7 +161,8 @@ def _train_and_compare(tmp_path: Path, stages: int, schedule: str) -> None:
                  for (x, y), _ in data for j in range(MICRO)]
         fwd, bwd, group = reference.pipedream_1f1b([1] * stages)
         reference.train_versioned(mods, opts, program.build_loss(), micro, fwd=fwd, bwd=bwd, group=group,
-                                  tied=[[(s, n) for s, n in grp] for grp in program.raw.get("tied", [])])
+                                  tied=[[(s, n) for s, n in grp] for grp in program.raw.get("tied", [])],
+                                  data_inputs=[[j for j, _ in st.data] for st in program.stages])
         want = {}
         for st, m in zip(program.stages, mods):
             for n, p in m.named_parameters():
@@ -129,11 +176,13 @@ def _train_and_compare(tmp_path: Path, stages: int, schedule: str) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("stages,schedule", [(2, "flush"), (3, "1f1b")])
-def test_nanogpt_trains_like_single_process(tmp_path: Path, stages: int, schedule: str) -> None:
-    """nanoGPT's model.py as published, its own loss: 2 stages under flush equal the unsplit model trained
-    with gradient accumulation; 3 stages under PipeDream's 1F1B equal its weight-versioned reference."""
-    _train_and_compare(tmp_path, stages, schedule)
+@pytest.mark.parametrize("replicas,schedule,targets", [([1, 2], "flush", "local"), ([1, 1, 1], "1f1b", "send")])
+def test_nanogpt_trains_like_single_process(tmp_path: Path, replicas: list[int], schedule: str, targets: str) -> None:
+    """nanoGPT's model.py as published, its own loss: 2 stages under flush, the last one replicated (each replica
+    reads the targets of its own microbatches), equal the unsplit model trained with gradient accumulation;
+    3 stages under PipeDream's 1F1B equal its weight-versioned reference, the targets relayed through the
+    middle stage (``--targets send``: data the last stage cannot read itself)."""
+    _train_and_compare(tmp_path, replicas, schedule, targets)
 
 
 

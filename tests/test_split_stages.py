@@ -89,18 +89,41 @@ def test_non_tensor_values_may_not_cross_a_cut() -> None:
             self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.b(self.a(x))
-            return h.reshape(x.size(0), -1)
+            h = self.a(x)
+            n = h.size(0)
+            return self.b(h).reshape(n, -1)
 
     m = Sized()
     x = torch.randn(2, 4)
     gm = trace(m)
     propagate_shapes(gm, (x,))
     with pytest.raises(UnsupportedModelError, match="not a single tensor"):
-        split_stages(gm, {"a": 0, "b": 0, "size": 0, "reshape": 1}, m)
-    # legal cuts: before b (only a tensor is live) and before size; not before reshape (an int is live)
-    assert legal_cuts(gm) == {1, 2}
+        split_stages(gm, {"a": 0, "size": 0, "b": 1, "reshape": 1}, m)
+    # legal cuts: before size (only a tensor is live); not before b or reshape (an int is live)
+    assert legal_cuts(gm) == {1}
     split = split_stages(gm, even_assignment(gm, 2), m)
+    assert torch.equal(split.run(x), m(x))
+
+
+def test_what_cheap_ops_make_from_a_model_input_is_made_again_where_it_is_read() -> None:
+    """``x.size(0)`` (an int) and ``x * 2`` read by a later stage: made there from the model input, which that
+    stage reads from the data; nothing crosses the cut for them."""
+    class Late(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.b(self.a(x)) + x * 2
+            return h.reshape(x.size(0), -1)
+
+    m = Late()
+    x = torch.randn(2, 4)
+    gm = trace(m)
+    propagate_shapes(gm, (x,))
+    split = split_stages(gm, {n.name: (0 if n.name == "a" else 1) for n in gm.graph.nodes
+                              if n.op not in ("placeholder", "get_attr", "output")}, m)
+    assert split.stages[0].outputs == ("a",) and split.stages[1].data_inputs == ("x",)
     assert torch.equal(split.run(x), m(x))
 
 

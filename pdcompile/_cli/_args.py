@@ -42,6 +42,21 @@ def call_factory(spec: str, kv: Sequence[str]) -> Any:
     return fn(**kwargs)
 
 
+def factory_kwargs(made: Any, args: Any) -> dict[str, Any] | None:
+    """A factory object's ``.example_kwargs`` (forward's keyword inputs, as ``emit``/``run``/``check`` take them),
+    checked as ``pdcompile(example_kwargs=)`` checks them; None where it gives none. ``--input`` replaces the
+    factory's positional example, whose batch its keyword tensors share: the two are refused together."""
+    kwargs = getattr(made, "example_kwargs", None)
+    if not kwargs:
+        return None
+    if getattr(args, "inputs", None):
+        raise UsageError("--input replaces the factory's example inputs, but its .example_kwargs keep their own "
+                         "shapes: drop --input, or change the factory's examples")
+    from pdcompile.examples import check_example
+
+    return dict(check_example(tuple(made.example_inputs), kwargs).kwargs)
+
+
 def parse_literal(value: str) -> Any:
     for conv in (int, float):
         try:

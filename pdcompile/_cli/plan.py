@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from pdcompile._cli._args import (SHARD_HELP, add_staleness_args, call_factory, parse_inputs, parse_shard,
+from pdcompile._cli._args import (SHARD_HELP, add_staleness_args, call_factory, factory_kwargs, parse_inputs, parse_shard,
                                   refuse_tensor_parallel, resolve_cluster, staleness_of_plan)
 from pdcompile.errors import UsageError
 from pdcompile.passes.partition_dp import COST_MODELS, PlanOptions
@@ -114,6 +114,7 @@ def _profile(args: argparse.Namespace) -> Any:
         raise
     except Exception as e:  # noqa: BLE001 - the user's factory failed: say so in one line
         raise UsageError(f"{args.model}: calling the factory failed ({type(e).__name__}: {e})") from None
+    kwargs = None
     if isinstance(made, torch.nn.Module):
         if not args.inputs:
             raise UsageError(f"{args.model} returned a module; give its inputs with --input SHAPE")
@@ -122,11 +123,13 @@ def _profile(args: argparse.Namespace) -> Any:
         model = made.model
         inputs = parse_inputs(args.inputs) if args.inputs else tuple(made.example_inputs)
         leaf = tuple(getattr(made, "leaf_modules", ()))
+        kwargs = factory_kwargs(made, args)
     else:
         raise UsageError(f"{args.model} returned {type(made).__name__}; it must return an nn.Module or an "
                          "object with .model and .example_inputs")
     return profile_model(model, inputs, leaf_modules=leaf,
-                         name=getattr(made, "name", None) or type(model).__name__)
+                         name=getattr(made, "name", None) or type(model).__name__, example_kwargs=kwargs,
+                         loss_fn=getattr(made, "loss_fn", None) if kwargs else None)
 
 
 def _sizes(text: str) -> list[int]:

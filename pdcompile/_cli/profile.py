@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pdcompile._cli._args import call_factory, leaf_module, parse_inputs, zoo_model
+from pdcompile._cli._args import call_factory, factory_kwargs, leaf_module, parse_inputs, zoo_model
 from pdcompile.errors import UsageError
 from pdcompile.profile import Profile, load, save, to_json
 
@@ -130,7 +130,7 @@ def _profile(args: argparse.Namespace) -> _Profiled:
     else:
         made = call_factory(args.factory, args.factory_args)
     leaf: list[Any] = [leaf_module(name) for name in args.leaf]
-    loss_fn = target = None
+    loss_fn = target = kwargs = None
     if isinstance(made, torch.nn.Module):
         if not args.inputs:
             raise UsageError(f"{args.factory} returned a module; give its inputs with --input SHAPE")
@@ -139,6 +139,10 @@ def _profile(args: argparse.Namespace) -> _Profiled:
         model = made.model
         inputs = parse_inputs(args.inputs) if args.inputs else tuple(made.example_inputs)
         leaf += list(getattr(made, "leaf_modules", ()))
+        kwargs = factory_kwargs(made, args)
+        if kwargs and args.cross_check:
+            raise UsageError("--cross-check runs the model with positional inputs only; this factory's "
+                             ".example_kwargs give keyword ones: profile without --cross-check")
         if not args.inputs:  # a zoo-style bundle: its loss and target make the cross-check's step real
             loss_fn, target = getattr(made, "loss_fn", None), getattr(made, "target", None)
     else:
@@ -150,10 +154,13 @@ def _profile(args: argparse.Namespace) -> _Profiled:
         raise UsageError(f"--device {args.device!r}: {e}") from None
     model = model.to(device)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    if kwargs:
+        kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     prof = profile_model(
         model, inputs, mode=args.mode, leaf_modules=tuple(leaf), device_spec=args.device_spec,
         optimizer=args.optimizer, repeats=args.repeats, warmup=args.warmup,
         symbolic=not args.no_symbolic, name=getattr(made, "name", None) or type(model).__name__,
+        example_kwargs=kwargs, loss_fn=getattr(made, "loss_fn", None) if kwargs else None,
     )
     if loss_fn is None or target is None:
         loss_fn = target = None
