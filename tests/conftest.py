@@ -6,6 +6,7 @@ import itertools
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,3 +48,20 @@ def pdcompile_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.Te
     folder = tmp_path_factory.getbasetemp() / "pdcompile-cache" / str(next(_caches))
     monkeypatch.setenv("PDCOMPILE_CACHE", str(folder))
     return folder
+
+
+@pytest.fixture
+def forked_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CompiledPipeline.run`` in this test starts its ranks as tests/_ranks.py does (forked from a process that
+    has imported torch, torchrun's worker environment, no agent) instead of through torchrun: for tests whose
+    subject is what a run computes, not the launch. The run is otherwise ``run()``'s own (its checks, its data
+    streamed to the ranks, its merge); test_api, test_training_loop and test_callables run it through torchrun."""
+    import pdcompile.launcher
+    from _ranks import run_ranks
+
+    def launch(folder: str | os.PathLike[str], nproc: int, args: Any = (), *, timeout: float = 600,
+               max_restarts: int = 0, on_line: Any = None, env: dict[str, str] | None = None) -> tuple[int, str]:
+        assert max_restarts == 0, "forked ranks are not restarted: leave this test on torchrun"
+        return run_ranks(folder, nproc, args, timeout=timeout, env=env, on_line=on_line)
+
+    monkeypatch.setattr(pdcompile.launcher, "launch", launch)
