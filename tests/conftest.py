@@ -55,7 +55,8 @@ def forked_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """``CompiledPipeline.run`` in this test starts its ranks as tests/_ranks.py does (forked from a process that
     has imported torch, torchrun's worker environment, no agent) instead of through torchrun: for tests whose
     subject is what a run computes, not the launch. The run is otherwise ``run()``'s own (its checks, its data
-    streamed to the ranks, its merge); test_api, test_training_loop and test_callables run it through torchrun."""
+    streamed to the ranks, its merge); test_api, test_callables, test_docs and test_keyword_inputs run it through
+    torchrun."""
     import pdcompile.launcher
     from _ranks import run_ranks
 
