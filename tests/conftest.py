@@ -37,6 +37,30 @@ _caches = itertools.count()
 # one worker; it ran after xdist had read the groups, so it never took effect, and every CI time recorded
 # since 4819f98 is of this arrangement. Taking effect, it would leave one worker most of the suite.)
 # Their ranks are forked from a process that has already imported torch (tests/_fork_ranks.py).
+#
+# ``xdist_group("NAME")`` puts the tests it marks on one worker, one after another, so that what they share (a
+# module- or session-scoped fixture, a cache of compiles) is made once: without it each test goes to whichever
+# worker is free and a module fixture is built on both. pytest-xdist 3.8 marks a grouped test by appending
+# ``@NAME`` to its ``item._nodeid``, which pytest 9.2's node ids (``Node._id``, a structured ``NodeId``) no longer
+# read, so the mark silently does nothing (pytest-dev/pytest-xdist#1386, fix pending in #1388): the hook below
+# gives the id its suffix where xdist's could not, and does nothing where xdist's took effect.
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not getattr(config.option, "loadgroup", False):  # set on an xdist worker under --dist loadgroup
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest before 9.2: xdist's own suffix works
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and isinstance(getattr(item, "_id", None), NodeId):
+            suffix = "@" + "_".join(names)
+            if not item.nodeid.endswith(suffix):
+                item._id = NodeId.parse(item.nodeid + suffix)
 
 
 @pytest.fixture(autouse=True)

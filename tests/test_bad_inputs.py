@@ -266,10 +266,14 @@ def _other_model_checkpoint(root: Path, prog: Path, step: int) -> Path:
 
 @pytest.fixture(scope="session")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Ctx:
-    """Program A (mlp, 2 stages) trained one step with a checkpoint; a copy per checkpoint case, damaged."""
+    """Program A (mlp, 2 stages) trained one step with a checkpoint; a copy per checkpoint case, damaged.
+    Its tests run on one xdist worker (``bad_ckpt``), so it is made once; its ranks are forked (tests/_ranks.py:
+    the checkpoint is what matters here, torchrun's part is test_train_resume_refuses')."""
+    from _ranks import run_ranks
+
     root = tmp_path_factory.mktemp("bad_ckpt")
     prog_a = _emit(root / "prog_a", 2)
-    rc, log = launch(prog_a, 2, ["--timeout", "60", "--steps", "1", "--checkpoint-dir", str(root / "ck"),
+    rc, log = run_ranks(prog_a, 2, ["--timeout", "60", "--steps", "1", "--checkpoint-dir", str(root / "ck"),
                                  "--checkpoint-every", "1"], timeout=RUN_TIMEOUT)
     assert rc == 0, log[-3000:]
     good = checkpoint.step_dir(root / "ck", 1)
@@ -318,9 +322,14 @@ def _ctx(case: Case, tmp_path: Path, request: pytest.FixtureRequest) -> Ctx:
     return Ctx(out=out)
 
 
+CKPT_GROUP = pytest.mark.xdist_group("bad_ckpt")  # the tests reading ``ckpts``: one worker makes it once
+
+
 def _params() -> list[Any]:
     """Every case; those that used to hang get a 4 s timeout."""
-    return [pytest.param(c, id=c.name, marks=[pytest.mark.timeout(4)] if c.hangs else []) for c in CASES]
+    return [pytest.param(c, id=c.name, marks=[*([pytest.mark.timeout(4)] if c.hangs else []),
+                                              *([CKPT_GROUP] if c.name.startswith("ckpt_") else [])]) for c in CASES]
+
 
 
 def _assert_names_cause(case: Case, message: str) -> None:
@@ -414,6 +423,7 @@ def test_emit_failure_keeps_an_existing_program_whole(tmp_path: Path, capfd: pyt
 # --- resume through train.py: refused, nothing written ---------------------------------------
 
 @pytest.mark.multiproc
+@CKPT_GROUP
 @pytest.mark.parametrize("name,causes", [
     ("truncated", ("rank 1: CheckpointError", "__1_0.distcp", "checksum mismatch")),
     ("other_model", ("CheckpointError", "a checkpoint of another model", "only in the checkpoint")),
