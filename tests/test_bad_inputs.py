@@ -480,6 +480,10 @@ TRAIN_CASES: list[TrainCase] = [
 ]
 
 
+# the readers of ``two_stage_program`` on one worker (tests/conftest.py): compiled once
+PROGRAM_GROUP = pytest.mark.xdist_group("bad_train_flags")
+
+
 @pytest.fixture(scope="module")
 def two_stage_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-stage MLP program (flush, 2 microbatches) for train.py's flag checks."""
@@ -492,6 +496,7 @@ def test_train_cases_are_indexed() -> None:
         assert f"`{case.name}`" in index, f"{case.name} missing from tests/bad_inputs/README.md"
 
 
+@PROGRAM_GROUP
 def test_default_train_flags_pass_the_check(two_stage_program: Path) -> None:
     """The check refuses only what cannot train: every default, and the plan's own process count, pass."""
     from pdcompile.runtime.launch import check_args, parse_args
@@ -510,6 +515,7 @@ def test_default_train_flags_pass_the_check(two_stage_program: Path) -> None:
 TRAIN_IN_PROCESS = {"train_steps_negative", "train_world_without_torchrun"}
 
 
+@PROGRAM_GROUP
 @pytest.mark.parametrize("case", TRAIN_CASES, ids=lambda c: c.name)
 def test_train_py_refuses_bad_flags(case: TrainCase, two_stage_program: Path, tmp_path: Path,
                                     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
@@ -555,6 +561,7 @@ def test_train_py_refuses_bad_flags(case: TrainCase, two_stage_program: Path, tm
 
 
 @pytest.mark.multiproc
+@PROGRAM_GROUP
 def test_train_py_wrong_process_count_under_torchrun(two_stage_program: Path, tmp_path: Path) -> None:
     """A 2-rank plan started on 1 process: the rank exits 2 (bad input) with one line, before any group forms."""
     rc, log = launch(two_stage_program, 1, ["--steps", "2", "--save-final", str(tmp_path / "final")],

@@ -23,7 +23,8 @@ from pdcompile.runtime import schedules
 from pdcompile.runtime.program import Program
 from pdcompile.zoo import get
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.multiproc]
+# one worker for the file (tests/conftest.py): ``emit``'s programs, shared by its tests, are compiled once
+pytestmark = [pytest.mark.timeout(120), pytest.mark.multiproc, pytest.mark.xdist_group("runtime_schedules")]
 
 STEPS = 10  # past rank_run's layout-whole threshold: the runtime runs the repeating period
 MICRO = 2
