@@ -17,7 +17,8 @@ in a variable torch reads at import (``TORCH*``, ``OMP_*``, ``MKL_*``, ...), or 
 ``PDC_FRESH_RANKS=1``, starts fresh processes instead (:func:`usable`). One thing no fork gives: every
 rank shares the server's string hash seed (``PYTHONHASHSEED``), where fresh interpreters draw one
 each; the torchrun-launched tests (test_newcomer, test_demo, test_cli, test_faults, test_bad_inputs,
-``CompiledPipeline.run``) still start fresh interpreters.
+``CompiledPipeline.run``, except in the tests that ask for conftest's ``forked_run``) still start fresh
+interpreters.
 
 This module imports only the standard library: the forked rank imports it before anything else.
 """

@@ -6,6 +6,7 @@ import itertools
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,6 +37,30 @@ _caches = itertools.count()
 # one worker; it ran after xdist had read the groups, so it never took effect, and every CI time recorded
 # since 4819f98 is of this arrangement. Taking effect, it would leave one worker most of the suite.)
 # Their ranks are forked from a process that has already imported torch (tests/_fork_ranks.py).
+#
+# ``xdist_group("NAME")`` puts the tests it marks on one worker, one after another, so that what they share (a
+# module- or session-scoped fixture, a cache of compiles) is made once: without it each test goes to whichever
+# worker is free and a module fixture is built on both. pytest-xdist 3.8 marks a grouped test by appending
+# ``@NAME`` to its ``item._nodeid``, which pytest 9.2's node ids (``Node._id``, a structured ``NodeId``) no longer
+# read, so the mark silently does nothing (pytest-dev/pytest-xdist#1386, fix pending in #1388): the hook below
+# gives the id its suffix where xdist's could not, and does nothing where xdist's took effect.
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not getattr(config.option, "loadgroup", False):  # set on an xdist worker under --dist loadgroup
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest before 9.2: xdist's own suffix works
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and isinstance(getattr(item, "_id", None), NodeId):
+            suffix = "@" + "_".join(names)
+            if not item.nodeid.endswith(suffix):
+                item._id = NodeId.parse(item.nodeid + suffix)
 
 
 @pytest.fixture(autouse=True)
@@ -47,3 +72,21 @@ def pdcompile_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.Te
     folder = tmp_path_factory.getbasetemp() / "pdcompile-cache" / str(next(_caches))
     monkeypatch.setenv("PDCOMPILE_CACHE", str(folder))
     return folder
+
+
+@pytest.fixture
+def forked_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CompiledPipeline.run`` in this test starts its ranks as tests/_ranks.py does (forked from a process that
+    has imported torch, torchrun's worker environment, no agent) instead of through torchrun: for tests whose
+    subject is what a run computes, not the launch. The run is otherwise ``run()``'s own (its checks, its data
+    streamed to the ranks, its merge); test_api, test_callables, test_docs and test_keyword_inputs run it through
+    torchrun."""
+    import pdcompile.launcher
+    from _ranks import run_ranks
+
+    def launch(folder: str | os.PathLike[str], nproc: int, args: Any = (), *, timeout: float = 600,
+               max_restarts: int = 0, on_line: Any = None, env: dict[str, str] | None = None) -> tuple[int, str]:
+        assert max_restarts == 0, "forked ranks are not restarted: leave this test on torchrun"
+        return run_ranks(folder, nproc, args, timeout=timeout, env=env, on_line=on_line)
+
+    monkeypatch.setattr(pdcompile.launcher, "launch", launch)

@@ -266,10 +266,14 @@ def _other_model_checkpoint(root: Path, prog: Path, step: int) -> Path:
 
 @pytest.fixture(scope="session")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Ctx:
-    """Program A (mlp, 2 stages) trained one step with a checkpoint; a copy per checkpoint case, damaged."""
+    """Program A (mlp, 2 stages) trained one step with a checkpoint; a copy per checkpoint case, damaged.
+    Its tests run on one xdist worker (``bad_ckpt``), so it is made once; its ranks are forked (tests/_ranks.py:
+    the checkpoint is what matters here, torchrun's part is test_train_resume_refuses')."""
+    from _ranks import run_ranks
+
     root = tmp_path_factory.mktemp("bad_ckpt")
     prog_a = _emit(root / "prog_a", 2)
-    rc, log = launch(prog_a, 2, ["--timeout", "60", "--steps", "1", "--checkpoint-dir", str(root / "ck"),
+    rc, log = run_ranks(prog_a, 2, ["--timeout", "60", "--steps", "1", "--checkpoint-dir", str(root / "ck"),
                                  "--checkpoint-every", "1"], timeout=RUN_TIMEOUT)
     assert rc == 0, log[-3000:]
     good = checkpoint.step_dir(root / "ck", 1)
@@ -318,9 +322,14 @@ def _ctx(case: Case, tmp_path: Path, request: pytest.FixtureRequest) -> Ctx:
     return Ctx(out=out)
 
 
+CKPT_GROUP = pytest.mark.xdist_group("bad_ckpt")  # the tests reading ``ckpts``: one worker makes it once
+
+
 def _params() -> list[Any]:
     """Every case; those that used to hang get a 4 s timeout."""
-    return [pytest.param(c, id=c.name, marks=[pytest.mark.timeout(4)] if c.hangs else []) for c in CASES]
+    return [pytest.param(c, id=c.name, marks=[*([pytest.mark.timeout(4)] if c.hangs else []),
+                                              *([CKPT_GROUP] if c.name.startswith("ckpt_") else [])]) for c in CASES]
+
 
 
 def _assert_names_cause(case: Case, message: str) -> None:
@@ -414,6 +423,7 @@ def test_emit_failure_keeps_an_existing_program_whole(tmp_path: Path, capfd: pyt
 # --- resume through train.py: refused, nothing written ---------------------------------------
 
 @pytest.mark.multiproc
+@CKPT_GROUP
 @pytest.mark.parametrize("name,causes", [
     ("truncated", ("rank 1: CheckpointError", "__1_0.distcp", "checksum mismatch")),
     ("other_model", ("CheckpointError", "a checkpoint of another model", "only in the checkpoint")),
@@ -470,6 +480,10 @@ TRAIN_CASES: list[TrainCase] = [
 ]
 
 
+# the readers of ``two_stage_program`` on one worker (tests/conftest.py): compiled once
+PROGRAM_GROUP = pytest.mark.xdist_group("bad_train_flags")
+
+
 @pytest.fixture(scope="module")
 def two_stage_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-stage MLP program (flush, 2 microbatches) for train.py's flag checks."""
@@ -482,6 +496,7 @@ def test_train_cases_are_indexed() -> None:
         assert f"`{case.name}`" in index, f"{case.name} missing from tests/bad_inputs/README.md"
 
 
+@PROGRAM_GROUP
 def test_default_train_flags_pass_the_check(two_stage_program: Path) -> None:
     """The check refuses only what cannot train: every default, and the plan's own process count, pass."""
     from pdcompile.runtime.launch import check_args, parse_args
@@ -500,6 +515,7 @@ def test_default_train_flags_pass_the_check(two_stage_program: Path) -> None:
 TRAIN_IN_PROCESS = {"train_steps_negative", "train_world_without_torchrun"}
 
 
+@PROGRAM_GROUP
 @pytest.mark.parametrize("case", TRAIN_CASES, ids=lambda c: c.name)
 def test_train_py_refuses_bad_flags(case: TrainCase, two_stage_program: Path, tmp_path: Path,
                                     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
@@ -545,6 +561,7 @@ def test_train_py_refuses_bad_flags(case: TrainCase, two_stage_program: Path, tm
 
 
 @pytest.mark.multiproc
+@PROGRAM_GROUP
 def test_train_py_wrong_process_count_under_torchrun(two_stage_program: Path, tmp_path: Path) -> None:
     """A 2-rank plan started on 1 process: the rank exits 2 (bad input) with one line, before any group forms."""
     rc, log = launch(two_stage_program, 1, ["--steps", "2", "--save-final", str(tmp_path / "final")],

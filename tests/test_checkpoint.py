@@ -20,7 +20,8 @@ from pdcompile.runtime.resume import segments as _segments
 from pdcompile.runtime.schedules import shift
 from pdcompile.runtime.schedules import Action, Kind
 
-pytestmark = pytest.mark.timeout(60)
+# one worker for the file (tests/conftest.py): ``emitted_checkpoint`` is compiled once
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("checkpoint")]
 
 PLAN: dict[str, Any] = {
     "world_size": 3,

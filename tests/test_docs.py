@@ -258,6 +258,9 @@ def _pdcompile_flags() -> dict[str, set[str]]:
     return out
 
 
+FLAGS_GROUP = pytest.mark.xdist_group("docs_flags")  # its readers on one worker (tests/conftest.py): emitted once
+
+
 @pytest.fixture(scope="module")
 def train_py_flags(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     """The flags of an emitted train.py, read from its --help as a user would."""
@@ -297,6 +300,7 @@ def _flags(tokens: list[str]) -> list[str]:
     return [t.split("=", 1)[0] for t in tokens if re.fullmatch(r"--[a-z][\w-]*(=.*)?", t)]
 
 
+@FLAGS_GROUP
 @pytest.mark.parametrize("page", sorted(PAGES))
 def test_every_command_a_page_shows_takes_its_flags(page: str, train_py_flags: set[str]) -> None:
     """Each ``pdcompile SUB ...`` names a subcommand and only its flags; each ``torchrun ... train.py
@@ -331,6 +335,7 @@ def test_every_command_a_page_shows_takes_its_flags(page: str, train_py_flags: s
     assert not bad, "\n".join(bad)
 
 
+@FLAGS_GROUP
 @pytest.mark.parametrize("page", sorted(PAGES))
 def test_every_flag_a_page_names_exists(page: str, train_py_flags: set[str]) -> None:
     """A flag named anywhere in a page (``--resume``, ``--no-split-backward``) is one of pdcompile's,
@@ -342,6 +347,7 @@ def test_every_flag_a_page_names_exists(page: str, train_py_flags: set[str]) -> 
     assert not unknown, f"{page} names flags no program takes: {unknown}"
 
 
+@FLAGS_GROUP
 def test_every_train_py_flag_is_documented(train_py_flags: set[str]) -> None:
     named = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", "".join(PAGES.values())))
     missing = sorted(train_py_flags - named - {"--help"})

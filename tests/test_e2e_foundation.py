@@ -73,11 +73,12 @@ def test_pipeline_equals_single_process(tmp_path: Path, name: str, stages: int, 
 
 
 @pytest.mark.parametrize("replicas", [[2, 1], [1, 2]])
-def test_tied_weights_across_a_replicated_stage(tmp_path: Path, replicas: list[int]) -> None:
+def test_tied_weights_across_a_replicated_stage(tmp_path: Path, replicas: list[int], forked_run: None) -> None:
     """GPT's tied embedding in stage 0 and stage 1, one of them with 2 replicas: the replicas'
     all-reduce, then the tied-gradient sum (each replica contributing 1/replicas), equal
     single-process training. With the last stage replicated, each replica reads its targets from
-    the data itself and checks its first one against the first stage's (--targets auto)."""
+    the data itself and checks its first one against the first stage's (--targets auto). ``run()``'s
+    ranks forked (conftest ``forked_run``): the subject is what they compute."""
     z = get("gpt", batch_size=8, seed=0)
     pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
                      optimizer=_opt, stages=2, replicas=replicas, schedule="flush", num_microbatches=4)

@@ -1,4 +1,7 @@
-"""emit: readable stage modules that rebuild the stages exactly; IR dumps; failures that fail fast."""
+"""emit: readable stage modules that rebuild the stages exactly; IR dumps; failures that fail fast.
+
+The failures' launches start their ranks as torchrun starts them, without its agent (tests/_ranks.py:
+what is tested is what the ranks do; torchrun's own part is test_newcomer's, test_cli's, test_faults')."""
 
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from _ranks import run_ranks
 from pdcompile.api import pdcompile
 from pdcompile.errors import UnsupportedModelError
-from pdcompile.launcher import launch
 from pdcompile.passes.codegen import object_spec
 from pdcompile.runtime.program import Program
 from pdcompile.zoo import get, names
@@ -116,7 +119,7 @@ def test_a_broken_stage_fails_the_job_fast_naming_rank_and_action(tmp_path: Path
         "    def forward(self, layers_2):\n", "    def forward(self, layers_2):\n        raise ValueError('boom')\n")
     (out / "stage_1.py").write_text(src)
     t0 = time.monotonic()
-    rc, log = launch(out, 2, ["--steps", "3", "--timeout", "20"], timeout=90)
+    rc, log = run_ranks(out, 2, ["--steps", "3", "--timeout", "20"], timeout=90)
     took = time.monotonic() - t0
     assert rc != 0
     assert "rank 1 (stage 1) failed in action 1F0" in log and "boom" in log
@@ -149,8 +152,8 @@ def test_local_targets_refuse_a_data_source_that_differs_between_ranks(tmp_path:
     auto = lambda **kw: local_targets(prog, argparse.Namespace(**{"targets": "auto", "data": None, **kw}))  # noqa: E731
     assert auto() and not auto(data="rank_data:make")
     # forced local on a source that differs per rank: the first target is compared, the job fails naming the fix
-    rc, log = launch(out, 2, ["--steps", "2", "--timeout", "20", "--data", "rank_data:make", "--targets", "local"],
+    rc, log = run_ranks(out, 2, ["--steps", "2", "--timeout", "20", "--data", "rank_data:make", "--targets", "local"],
                      timeout=90)
     assert rc != 0 and "differs from the one the first stage read" in log and "--targets send" in log
-    rc, log = launch(out, 2, ["--steps", "2", "--timeout", "20", "--data", "rank_data:make"], timeout=90)
+    rc, log = run_ranks(out, 2, ["--steps", "2", "--timeout", "20", "--data", "rank_data:make"], timeout=90)
     assert rc == 0, log[-2000:]

@@ -18,7 +18,8 @@ from pdcompile.launcher import launch
 from pdcompile.runtime import checkpoint
 from pdcompile.zoo import get
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.multiproc]
+# one worker for the file (tests/conftest.py): the fault-free runs of ``straight`` are made once, not on both
+pytestmark = [pytest.mark.timeout(300), pytest.mark.multiproc, pytest.mark.xdist_group("faults")]
 
 STEPS = 10
 MICRO = 2

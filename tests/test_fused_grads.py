@@ -36,7 +36,8 @@ from _emitted import stages_and_microbatches
 from _hf_llama import llama_config
 from _ranks import run_ranks
 
-pytestmark = pytest.mark.timeout(240)
+# one worker for the file (tests/conftest.py): ``programs`` is compiled once
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("fused_grads")]
 
 MICRO, BATCH, STEPS, LR = 2, 8, 3, 0.05
 

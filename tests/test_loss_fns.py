@@ -171,7 +171,7 @@ def test_lambda_over_hf_logits_trains_like_single_process(tmp_path: Path) -> Non
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("kind", ["closure", "partial", "module"])
-def test_plain_pytorch_losses_train_like_single_process(tmp_path: Path, kind: str) -> None:
+def test_plain_pytorch_losses_train_like_single_process(tmp_path: Path, kind: str, forked_run: None) -> None:
     loss_fn: Any = {"closure": scaled_weighted_ce(0.5, CLASS_WEIGHT),
                     "partial": functools.partial(F.cross_entropy, label_smoothing=0.1),
                     "module": TemperedCE(2.0)}[kind]

@@ -9,6 +9,7 @@ ranks equal to single-process gradient accumulation.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import sys
@@ -27,7 +28,8 @@ from pdcompile.passes.propagate_shapes import propagate_shapes
 from pdcompile.passes.split_stages import even_assignment, split_stages
 from pdcompile.passes.trace import trace, trace_any
 
-pytestmark = [pytest.mark.timeout(300)]
+# one worker for the file (tests/conftest.py): a compile two tests read (_survey_compile) is made once
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("model_survey")]
 
 
 class Block(torch.nn.Module):
@@ -79,8 +81,7 @@ def test_parameters_not_given_keep_their_defaults_in_the_trace(tmp_path: Path) -
     mask = torch.zeros(4, 2, 16, 16)
     torch.testing.assert_close(given(images(1), mask), model(images(1), mask), rtol=0, atol=0)
 
-    pipe = api.pdcompile(model, example_inputs=(x,), example_target=torch.randint(0, 3, (4,)),
-                         loss_fn=torch.nn.CrossEntropyLoss(), stages=2, schedule="flush", num_microbatches=2)
+    pipe = _survey_compile("timm_style_vit")  # this model, 2 stages: the compile its training test launches
     prog = pipe.emit(tmp_path / "prog")  # crashed: the stage input attn_mask had no tensor metadata
     plan = json.loads((prog / "plan.json").read_text())
     assert [i["name"] for i in plan["stages"][0]["inputs"]] == ["x"]
@@ -270,6 +271,16 @@ SURVEY: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[], list[Any]], 
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _survey_compile(name: str) -> api.CompiledPipeline:
+    """The survey model ``name`` compiled as pasted: 2 stages, flush, its own loss and optimizer (read, emitted,
+    never changed by the tests that share it)."""
+    factory, batches, loss_fn, opt = SURVEY[name]
+    (x,), target = batches()[0]
+    return api.pdcompile(factory(), example_inputs=(x,), example_target=target, loss_fn=loss_fn, optimizer=opt,
+                         stages=2, schedule="flush", num_microbatches=MICRO)
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(SURVEY))
 def test_two_ranks_train_as_one_process_does(tmp_path: Path, name: str) -> None:
@@ -284,9 +295,7 @@ def test_two_ranks_train_as_one_process_does(tmp_path: Path, name: str) -> None:
 
     factory, batches, loss_fn, opt = SURVEY[name]
     data = batches()
-    (x,), target = data[0]
-    pipe = api.pdcompile(factory(), example_inputs=(x,), example_target=target, loss_fn=loss_fn, optimizer=opt,
-                         stages=2, schedule="flush", num_microbatches=MICRO)
+    pipe = _survey_compile(name)
     assert len(pipe.split.stages) == 2
     save_batches(data, STEPS, tmp_path / "data.pt")
     prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",

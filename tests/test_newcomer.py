@@ -24,7 +24,8 @@ import torch
 from pdcompile.launcher import free_port, launch
 from pdcompile.profile import PIPEDREAM_DIR, load, load_pipedream, pipedream_profiles
 
-pytestmark = pytest.mark.timeout(300)
+# one worker for the file (tests/conftest.py): ``emitted`` is compiled once
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("newcomer")]
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = Path(sys.executable).parent / "pdcompile"  # the console script a user runs

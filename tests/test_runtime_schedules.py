@@ -18,13 +18,13 @@ import torch
 
 from pdcompile.api import pdcompile
 from _ranks import run_ranks
-from pdcompile.launcher import launch
 from pdcompile import reference
 from pdcompile.runtime import schedules
 from pdcompile.runtime.program import Program
 from pdcompile.zoo import get
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.multiproc]
+# one worker for the file (tests/conftest.py): ``emit``'s programs, shared by its tests, are compiled once
+pytestmark = [pytest.mark.timeout(120), pytest.mark.multiproc, pytest.mark.xdist_group("runtime_schedules")]
 
 STEPS = 10  # past rank_run's layout-whole threshold: the runtime runs the repeating period
 MICRO = 2
@@ -179,7 +179,8 @@ def test_failing_rank_ends_the_job(emit: Any) -> None:
         if "failed in action" in line:
             seen.setdefault("failed", time.monotonic())
 
-    rc, log = launch(prog, 3, ["--schedule", "1f1b", "--steps", str(STEPS), "--timeout", "60",
+    # forked ranks (tests/_ranks.py): on a rank's failure the others are stopped as torchrun stops them
+    rc, log = run_ranks(prog, 3, ["--schedule", "1f1b", "--steps", str(STEPS), "--timeout", "60",
                                "--fail-at", "1:1B3"], timeout=90, on_line=watch)
     end = time.monotonic()
     assert rc != 0, log[-3000:]

@@ -4,13 +4,12 @@ planner's choice and memory model: tests/test_shard_planner.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from pdcompile import pdcompile
+from pdcompile.cli import main
 from pdcompile.errors import UsageError
 from pdcompile.passes.planner.sharding import check_option, resolve
 from pdcompile.plan import Plan
@@ -92,20 +91,28 @@ def test_bad_options_are_one_line_usage_errors(kw: dict[str, object], words: str
     assert "\n" not in str(e.value)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pdcompile.cli", *args], capture_output=True, text=True, timeout=100)
+def _cli(capfd: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``pdcompile ARGS`` in this process (the console script's ``main``; no process start, no second torch
+    import): its exit status, stdout and stderr."""
+    capfd.readouterr()
+    try:
+        rc = main(list(args))
+    except SystemExit as e:  # argparse
+        rc = int(e.code or 0)
+    out, err = capfd.readouterr()
+    return rc, out, err
 
 
-def test_cli_shard_flag() -> None:
-    ok = _cli("plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", "--schedule", "flush", "--shard", "full",
-              "--json")
-    assert ok.returncode == 0, ok.stderr
-    stages = json.loads(ok.stdout)["stages"]
+def test_cli_shard_flag(capfd: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _cli(capfd, "plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", "--schedule", "flush",
+                        "--shard", "full", "--json")
+    assert rc == 0, err
+    stages = json.loads(out)["stages"]
     assert [s["shard"] for s in stages] == ["full" if s["replicas"] > 1 else "none" for s in stages]
-    bad = _cli("plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", "--shard", "full")  # 1f1b stashes
-    assert bad.returncode == 2 and "shard='optimizer'" in bad.stderr and "Traceback" not in bad.stderr
-    bad = _cli("plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", "--shard", "zero")
-    assert bad.returncode == 2 and "shard must be one of" in bad.stderr
+    rc, _, err = _cli(capfd, "plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", "--shard", "full")  # 1f1b stashes
+    assert rc == 2 and "shard='optimizer'" in err and "Traceback" not in err
+    rc, _, err = _cli(capfd, "plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", "--shard", "zero")
+    assert rc == 2 and "shard must be one of" in err
 
 
 class _Tied(torch.nn.Module):

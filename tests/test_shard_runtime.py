@@ -34,7 +34,8 @@ from pdcompile.runtime import checkpoint, shard
 from pdcompile.runtime import launch as runtime_launch
 from pdcompile.zoo import batches, get
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.multiproc]
+# one worker for the file (tests/conftest.py): the ``full`` program, read by three tests, is compiled once
+pytestmark = [pytest.mark.timeout(300), pytest.mark.multiproc, pytest.mark.xdist_group("shard_runtime")]
 
 MICRO, BATCH, LR, MAX_NORM = 4, 8, 0.01, 0.3
 

@@ -118,7 +118,7 @@ def test_a_real_runtime_trace_converts(tmp_path: Path) -> None:
     import torch
 
     from pdcompile.api import pdcompile
-    from pdcompile.launcher import launch
+    from _ranks import run_ranks
     from pdcompile.zoo import get
 
     z = get("mlp", batch_size=8)
@@ -127,7 +127,7 @@ def test_a_real_runtime_trace_converts(tmp_path: Path) -> None:
                      num_microbatches=2, leaf_modules=z.leaf_modules)
     data = {"factory": "pdcompile.zoo:batches", "kwargs": {"name": "mlp", "cycle": 2}}
     prog = pipe.emit(tmp_path / "prog", data=data)
-    rc, log = launch(prog, 2, ["--steps", "2", "--trace", str(tmp_path / "trace"), "--timeout", "60"], timeout=120)
+    rc, log = run_ranks(prog, 2, ["--steps", "2", "--trace", str(tmp_path / "trace"), "--timeout", "60"], timeout=120)
     assert rc == 0, log[-2000:]
     events = runtime_trace_to_chrome(tmp_path / "trace", tmp_path / "trace.json")
     names = {e.name for e in events}

@@ -6,6 +6,7 @@ same model (the zoo GPT and a small Hugging Face Llama, fp32, gloo), under flush
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,28 @@ def _compile(kind: str, stages: int, schedule: str = "flush", **kw: Any) -> Any:
                          frontend=frontend, **kw)
 
 
+# The file's tests run on one xdist worker, one after another, so that a compile two of them make is made once:
+# the pass's own tests read the compiles the training tests launch (a compile is read, emitted and deep-copied,
+# never changed). Compiling is most of this file's time.
+pytestmark = pytest.mark.xdist_group("tensor_parallel")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(kind: str, stages: int, schedule: str = "flush", tensor_parallel: int | None = None,
+              replicas: tuple[int, ...] | None = None) -> Any:
+    """``_compile`` of these arguments, made once per test process."""
+    kw: dict[str, Any] = {}
+    if tensor_parallel is not None:
+        kw["tensor_parallel"] = tensor_parallel
+    if replicas is not None:
+        kw["replicas"] = list(replicas)
+    return _compile(kind, stages, schedule, **kw)
+
+
 # --- the pass -----------------------------------------------------------------------------------
 
 def test_gpt_attention_and_mlp_pairs_are_split_and_head_counts_made_local(tmp_path: Path) -> None:
-    pipe = _compile("gpt", 1, tensor_parallel=2)
+    pipe = _compiled("gpt", 1, tensor_parallel=2)
     tp = pipe.state.tensor_parallel.stages[0]
     assert tp.colwise == ("h_0_attn_c_attn", "h_0_mlp_c_fc", "h_1_attn_c_attn", "h_1_mlp_c_fc")
     assert tp.rowwise == ("h_0_attn_c_proj", "h_0_mlp_c_proj", "h_1_attn_c_proj", "h_1_mlp_c_proj")
@@ -79,7 +98,7 @@ def test_gpt_attention_and_mlp_pairs_are_split_and_head_counts_made_local(tmp_pa
 
 
 def test_an_exported_llamas_linears_become_modules_under_the_models_names() -> None:
-    pipe = _compile("llama", 2, tensor_parallel=2)
+    pipe = _compiled("llama", 2, tensor_parallel=2)
     stages = pipe.state.tensor_parallel.stages  # where the planner cuts (between layers, or inside one) is its own
 
     def stage_of(k: int, module: str) -> int:  # the stage holding model.layers.k.<module>'s weight
@@ -161,7 +180,7 @@ def _reference(kind: str, stages: int, schedule: str, data: list[Any], max_norm:
                norms: list[float], replicas: list[int]) -> dict[str, torch.Tensor]:
     """The same model trained in one process with what ``schedule`` computes (reference.py), from the
     stages of an untouched (t = 1) compile: final weights under the model's names."""
-    pipe = _compile(kind, stages, schedule, replicas=replicas)
+    pipe = _compiled(kind, stages, schedule, None, None if set(replicas) == {1} else tuple(replicas))
     mods = [copy.deepcopy(s.gm) for s in pipe.split.stages]
     micro = [((x.chunk(MICRO)[j],), t.chunk(MICRO)[j]) for (x,), t in data for j in range(MICRO)]
     fwd, bwd, group = (reference.pipedream_1f1b(replicas) if schedule == "1f1b"
@@ -186,7 +205,7 @@ def test_tensor_parallel_trains_like_one_process(tmp_path: Path, kind: str, stag
     data = token_batches(CFG.vocab_size, STEPS, BATCH, CFG.seq_len)
     save_batches(data, STEPS, tmp_path / "data.pt")
     replicas = [reps] * stages
-    pipe = _compile(kind, stages, schedule, tensor_parallel=2, replicas=replicas)
+    pipe = _compiled(kind, stages, schedule, 2, None if reps == 1 else tuple(replicas))  # one replica: the default
     prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
                                               "kwargs": {"path": str(tmp_path / "data.pt")}})
     extra = ["--clip-grad-norm", str(clip)] if clip is not None else []

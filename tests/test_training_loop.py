@@ -545,7 +545,7 @@ def test_logged_loss_is_each_minibatchs_mean_over_the_last_stages_replicas(tmp_p
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_run_streams_epochs_with_lr_scheduler_and_validation(tmp_path: Path, user: Any) -> None:
+def test_run_streams_epochs_with_lr_scheduler_and_validation(tmp_path: Path, user: Any, forked_run: None) -> None:
     """The API: ``pdcompile(lr_scheduler=)`` goes into plan.json; ``run(loader, epochs=, eval_data=,
     eval_every="epoch")`` streams the minibatches to the ranks (no data file) and trains and evaluates as
     single-process PyTorch does."""
@@ -654,7 +654,7 @@ def test_log_records_count_tokens_for_token_inputs(tmp_path: Path) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(200)
-def test_run_says_when_the_streamed_data_runs_out(tmp_path: Path, user: Any) -> None:
+def test_run_says_when_the_streamed_data_runs_out(tmp_path: Path, user: Any, forked_run: None) -> None:
     """run(data, steps=5) over 3 minibatches: the ranks stop and run() names the data as the cause."""
     from pdcompile.errors import UsageError
 

@@ -184,6 +184,10 @@ def test_virtual_stage_options_are_checked() -> None:
         pdcompile(model, schedule="looped-bfs", virtual_stages=2, stages=4, replicas=[2, 1, 1, 1], **kw)
 
 
+# the readers of ``programs`` on one worker (tests/conftest.py): compiled once
+PROGRAMS_GROUP = pytest.mark.xdist_group("virtual_programs")
+
+
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A program with virtual stages and one without (mlp, 4 stages)."""
@@ -200,6 +204,7 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+@PROGRAMS_GROUP
 @pytest.mark.parametrize("which,flags,match", [
     ("interleaved-1f1b", ["--schedule", "flush"], "compiled with several stages per rank"),
     ("flush", ["--schedule", "looped-bfs"], "compiled with one stage per rank"),
@@ -217,6 +222,7 @@ def test_train_py_refuses_what_virtual_stages_cannot_run(programs: dict[str, Pat
         check_args(args, program, world=program.world_size)
 
 
+@PROGRAMS_GROUP
 def test_the_compiled_virtual_program_checks_its_schedule(programs: dict[str, Path]) -> None:
     """plan.json maps stages to ranks as the schedule places them; train.py rebuilds its lists."""
     from pdcompile.runtime.launch import check_args, parse_args

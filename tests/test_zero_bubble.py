@@ -178,6 +178,10 @@ def _train(prog: Path, out: Path, nproc: int, extra: tuple[str, ...] = ()) -> di
     return merge_weights(prog, out)
 
 
+# the readers of ``gpt_zb`` on one worker (tests/conftest.py): its 4-rank launch is made once
+GPT_ZB_GROUP = pytest.mark.xdist_group("gpt_zb")
+
+
 @pytest.fixture(scope="module")
 def gpt_zb(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
     """GPT on 4 ranks under zb-h1 (tied embedding: stage 0 and stage 3), trained once: (program, its
@@ -190,7 +194,8 @@ def gpt_zb(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 # the plain 2-stage mlp row was dropped: the replicated mlp row and test_graph_split's 2-rank zb-h1 runs cover it
-@pytest.mark.parametrize("name,stages,replicas", [("resnet", 3, None), ("gpt", 4, None), ("mlp", 2, [2, 1])])
+@pytest.mark.parametrize("name,stages,replicas", [("resnet", 3, None), pytest.param("gpt", 4, None, marks=GPT_ZB_GROUP),
+                                                  ("mlp", 2, [2, 1])])
 def test_zb_h1_trains_single_process_sgd(tmp_path: Path, request: pytest.FixtureRequest, name: str, stages: int,
                                          replicas: list[int] | None) -> None:
     import json
@@ -224,6 +229,7 @@ def test_zb_h1_trains_single_process_sgd(tmp_path: Path, request: pytest.Fixture
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
+@GPT_ZB_GROUP
 def test_zb_h1_is_bitwise_flush_with_unsplit_backwards(tmp_path: Path, gpt_zb: tuple[Path, Path, dict]) -> None:
     """Every backward split (stage 0's too) and the W's delayed: the weights are bitwise those of
     flush with plain backwards (the same gradients, accumulated in the same microbatch order)."""
