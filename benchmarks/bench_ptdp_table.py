@@ -16,7 +16,8 @@ groups (``passes/planner/tensor.py``'s rule), ``M = B / (d b)`` microbatches of 
 (our ``flush``) simulated with full recomputation (``pdcompile.simulate``), plus the data-parallel
 all-reduce of the largest stage's fp32 gradients over InfiniBand after the step (a ring, not overlapped, as
 in the paper's runs); then what our planner chooses for the same model, GPU count and batch
-(``tensor_parallel="auto"``, the step search of ``pdcompile.plan``) and its predicted throughput.
+(``tensor_parallel="auto"``, the step search of ``pdcompile.plan``, which also cuts the minibatch into up to
+64 microbatches: ``choose_microbatches``) and its predicted throughput.
 
 The chain is analytic (no model is built): per transformer layer a forward of ``24 b s h^2 + 4 b s^2 h``
 GEMM FLOPs at 80% of 312 TFLOP/s (``--gemm-efficiency``: what cuBLAS reaches on large bf16 GEMMs on
@@ -27,7 +28,8 @@ fixed costs (``passes/costs/opclass.py``'s GPU defaults); a backward twice the w
 stay whole (Megatron splits them over the vocabulary); the interleaved schedule and the scatter/gather of
 boundary tensors are not modelled (boundaries send whole activations); kernel efficiency is one constant,
 not measured per GEMM shape; the gradient all-reduce is charged once per step, not overlapped.
-Microbatch size (not in the table): 1 where ``p > 1``, else ``min(8, B / d)``.
+Microbatch size (not in the table): 1 where ``p > 1``, else 2 (our full recomputation rebuilds a stage's
+forward at once, Megatron's a layer at a time: with 8 the one-stage rows would not fit 80 GB in our model).
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ def model_flops(row: Row) -> float:
 
 def microbatch(row: Row) -> int:
     d = row.gpus // (row.t * row.p)
-    return 1 if row.p > 1 else min(8, row.batch // d)
+    return 1 if row.p > 1 else min(2, row.batch // d)
 
 
 def predict_paper_config(row: Row) -> dict[str, Any]:
@@ -177,13 +179,13 @@ def planner_choice(row: Row) -> dict[str, Any]:
     b = microbatch(row)
     t0 = time.perf_counter()
     p = plan(gpt_chain(row, b), cluster(row.gpus), schedule="flush", num_microbatches=row.batch // b,
-             recompute="full", optimizer_state_factor=ADAM_MIXED, tensor_parallel="auto")
+             recompute="full", optimizer_state_factor=ADAM_MIXED, tensor_parallel="auto", choose_microbatches=True)
     took = time.perf_counter() - t0
     t = p.stages[0].tensor_parallel
     reps = sorted({st.replicas for st in p.stages})
     return {"step": p.seconds_per_minibatch, "tflops": model_flops(row) / p.seconds_per_minibatch / row.gpus / 1e12,
             "t": t, "stages": len(p.stages), "replicas": "/".join(map(str, reps)), "seconds": took,
-            "used": p.workers_used, "m": p.num_microbatches}
+            "used": p.workers_used, "m": p.num_microbatches, "b": row.batch // p.num_microbatches}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             cells += ["-", "-", "-", "-"]
         else:
             pc = planner_choice(row)
-            cells += [f"{pc['t']}, {pc['stages']}, {pc['replicas']} ({pc['used']} GPUs, M={pc['m']})",
+            cells += [f"{pc['t']}, {pc['stages']}, {pc['replicas']} ({pc['used']} GPUs, {pc['b']} x {pc['m']})",
                       f"{pc['tflops']:.1f}", f"{pc['tflops'] / ours['tflops']:.2f}x", f"{pc['seconds']:.1f} s"]
         lines.append("| " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)

@@ -158,3 +158,34 @@ def test_a_synchronous_schedule_plans_t_through_its_step_search() -> None:
              tensor_parallel="auto")
     assert p.stages[0].tensor_parallel > 1 and p.predicted_by.startswith("simulated flush step")
     assert all(st.memory_bytes <= 80 * G for st in p.stages)
+
+
+def test_pdcompile_plans_the_degree_the_pass_splits_with() -> None:
+    """Through ``pdcompile()``: the planner's degree (given, or ``auto`` on CPU workers: 1) is the one the
+    tensor-parallel pass splits every stage with and the program runs (world size t x pipeline ranks)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import test_tensor_parallel as T
+
+    from pdcompile import api
+
+    build, _ = T.MODELS["gpt"]
+    (x,), target = T.token_batches(T.CFG.vocab_size, 1, T.BATCH, T.CFG.seq_len)[0]
+
+    def compile_(cluster: ClusterSpec, tp: object) -> object:
+        return api.pdcompile(build(), cluster, example_inputs=(x,), example_target=target,
+                             loss_fn=T.SequenceCrossEntropy(), optimizer=T._opt, schedule="flush",
+                             num_microbatches=T.MICRO, tensor_parallel=tp)
+
+    pipe: object = compile_(_gpus(4, servers=2), 2)
+    plan_ = pipe.plan  # type: ignore[attr-defined]
+    assert {st.tensor_parallel for st in plan_.stages} == {2}
+    assert pipe.state.tensor_parallel.degrees == (2,) * len(plan_.stages)  # type: ignore[attr-defined]
+    ranks = {r for st in plan_.stages for r in st.ranks}
+    assert max(ranks) < 4 and pipe.world_size == 2 * len(ranks)  # type: ignore[attr-defined]
+    assert " t\n" in str(plan_).split("\n", 4)[3] + "\n"  # the plan table's t column
+    cpu = compile_(local_cpu_cluster(2), "auto")
+    assert {st.tensor_parallel for st in cpu.plan.stages} == {1}  # type: ignore[attr-defined]
+    assert cpu.state.tensor_parallel is None  # type: ignore[attr-defined]
