@@ -500,7 +500,7 @@ def plan_tensor_parallel(chain: Chain, cluster: ClusterSpec, options: PlanOption
         why = "" if options.tensor_parallel != "auto" else tensor.stage_reason(
             t, sum(l.compute_s for l in whole), sum(l.compute_s for l in part), ar,
             sum(l.param_bytes for l in whole), sum(l.param_bytes for l in part), inner,
-            [f"{c} per minibatch" for c in over])
+            [f"{c} per minibatch" for c in over], why_one=tensor.why_not(cluster, chain) if len(cands) == 1 else "")
         stages.append(replace(st, tensor_parallel=t, tensor_why=why))
     note = (f"tensor parallelism: t={t} inside {inner.name}" +
             (f" ({'; '.join(compared)} per minibatch; the fastest)" if len(compared) > 1 else "") +

@@ -75,6 +75,7 @@ def test_auto_keeps_t_1_on_cpu_workers() -> None:
     chain = Chain(layers, (4e6,) * 3, batch_size=4)
     p = partition_dp(chain, local_cpu_cluster(8), tensor_parallel="auto", memory_limit=False)
     assert all(st.tensor_parallel == 1 for st in p.stages)
+    assert "CPU workers: auto keeps t=1" in p.stages[0].tensor_why
     # GPUs and CPU workers of the same memory and links: only the GPUs split the layer too big for one worker
     levels = (Level("processes", 8, 2e9),)
     gpu = ClusterSpec(Device("gpu", memory=80 * G), levels)
@@ -189,3 +190,11 @@ def test_pdcompile_plans_the_degree_the_pass_splits_with() -> None:
     cpu = compile_(local_cpu_cluster(2), "auto")
     assert {st.tensor_parallel for st in cpu.plan.stages} == {1}  # type: ignore[attr-defined]
     assert cpu.state.tensor_parallel is None  # type: ignore[attr-defined]
+
+
+def test_the_plan_command_plans_auto_on_a_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    from pdcompile.cli import main
+
+    assert main(["plan", "--profile", "pipedream:vgg16", "--cluster", "paper:B", "--tensor-parallel", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel: t=1: nothing in this chain splits (a profile records no tensor-parallel shares)" in out

@@ -30,7 +30,7 @@ from pdcompile.errors import UsageError
 from pdcompile.ir import Chain, ChainLayer
 
 __all__ = ["DEGREES", "LINK_LATENCY_S", "allreduce_s", "split_time", "split_bytes", "layer_at", "chain_at",
-           "cluster_at", "view", "degrees", "splittable", "stage_reason"]
+           "cluster_at", "view", "degrees", "why_not", "splittable", "stage_reason"]
 
 #: the degrees ``tensor_parallel="auto"`` tries (each must divide the innermost level's count)
 DEGREES = (1, 2, 4, 8)
@@ -152,11 +152,21 @@ def degrees(option: Any, cluster: ClusterSpec, chain: Chain) -> tuple[int, ...]:
     return (t,)
 
 
+def why_not(cluster: ClusterSpec, chain: Chain) -> str:
+    """Why ``auto`` tries no degree above 1 (:func:`degrees`), in a few words."""
+    if cluster.device.name == "cpu" or cluster.device.cores is not None:
+        return "CPU workers: auto keeps t=1 (give a degree to split anyway)"
+    if not splittable(chain):
+        return "nothing in this chain splits (a profile records no tensor-parallel shares)"
+    return (f"no degree of {DEGREES[1:]} divides both the {cluster.levels[0].count} workers of "
+            f"{cluster.levels[0].name} and the split sizes (gcd {_divisor(chain)})")
+
+
 def stage_reason(t: int, compute_whole: float, compute_t: float, allreduce: float, params_whole: float,
-                 params_t: float, level: Level, chosen_over: Sequence[str] = ()) -> str:
+                 params_t: float, level: Level, chosen_over: Sequence[str] = (), why_one: str = "") -> str:
     """One line: why a stage runs at degree ``t`` (its compute and parameter bytes per rank at 1 and at t)."""
     if t == 1:
-        return "t=1: " + (f"faster than {', '.join(chosen_over)}" if chosen_over else "nothing to split, or no room")
+        return "t=1: " + (f"faster than {', '.join(chosen_over)}" if chosen_over else (why_one or "the only degree tried"))
     return (f"t={t} over {level.name} ({format_quantity(level.bandwidth, 'bandwidth')}): compute "
             f"{compute_whole:.4g} s -> {compute_t:.4g} s per microbatch, of it {allreduce:.3g} s all-reduces; "
             f"parameters {format_quantity(params_whole, 'memory')} -> {format_quantity(params_t, 'memory')} per rank")
