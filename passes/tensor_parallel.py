@@ -147,8 +147,11 @@ def format_tensor_parallel(state: CompileState) -> str:
 _LINEAR_FNS: set[Any] = {torch._C._nn.linear, torch.nn.functional.linear, torch.ops.aten.linear.default}
 
 
-def _linear_weight(gm: fx.GraphModule, node: fx.Node) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, bias) of a linear node: an ``nn.Linear`` call, or ``linear`` on weight attributes."""
+def _linear_weight(gm: fx.GraphModule, node: fx.Node,
+                   refs: Mapping[Any, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) of a linear node: an ``nn.Linear`` call, or ``linear`` on weight attributes that
+    nothing else reads (``refs``: get_attr nodes per target; another node of the same attribute, as a
+    stage cut can leave, keeps the linear whole: its module would hold the weight the other reads whole)."""
     if node.op == "call_module":
         m = gm.get_submodule(str(node.target))
         return (m.weight, m.bias) if type(m) is torch.nn.Linear else None
@@ -159,6 +162,8 @@ def _linear_weight(gm: fx.GraphModule, node: fx.Node) -> tuple[torch.Tensor, tor
         if not (isinstance(w, fx.Node) and w.op == "get_attr" and len(w.users) == 1):
             return None
         if b is not None and not (isinstance(b, fx.Node) and b.op == "get_attr" and len(b.users) == 1):
+            return None
+        if refs is not None and any(refs.get(a.target, 0) > 1 for a in (w, b) if isinstance(a, fx.Node)):
             return None
         weight = _attr(gm, w)
         bias = _attr(gm, b) if isinstance(b, fx.Node) else None
@@ -518,11 +523,14 @@ def _regions(gm: fx.GraphModule, t: int, tied: set[str]) -> tuple[_Region, set[f
     names = {id(p): n for n, p in gm.named_parameters(remove_duplicate=False)}
     uses = collections.Counter(id(p) for _, p in gm.named_parameters(remove_duplicate=False))
     shared = {n for n, p in gm.named_parameters(remove_duplicate=False) if uses[id(p)] > 1}
+    refs = collections.Counter(n.target for n in gm.graph.nodes if n.op == "get_attr")
     for node in gm.graph.nodes:
         if _op_name(gm, node) in ("embedding", "Embedding"):
             whole[node] = f"{node.name}: embeddings stay whole (vocabulary-parallel is not built yet)"
-        wb = _linear_weight(gm, node)
+        wb = _linear_weight(gm, node, refs)
         if wb is None:
+            if _linear_weight(gm, node) is not None:
+                whole[node] = f"{node.name}: its weight is read by another node of the stage too"
             continue
         pname = names.get(id(wb[0]), "")
         if pname in tied or pname in shared:
