@@ -187,6 +187,10 @@ def test_pdcompile_plans_the_degree_the_pass_splits_with() -> None:
     ranks = {r for st in plan_.stages for r in st.ranks}
     assert max(ranks) < 4 and pipe.world_size == 2 * len(ranks)  # type: ignore[attr-defined]
     assert " t\n" in str(plan_).split("\n", 4)[3] + "\n"  # the plan table's t column
+    # simulate() (the headline) replays the chain the planner split: its stage times are the plan's
+    assert any(l.tp_share > 0 for l in pipe.state.chain.layers)  # type: ignore[attr-defined]
+    sim = pipe.simulate()  # type: ignore[attr-defined]
+    assert float(sim.step_time_s) == pytest.approx(plan_.seconds_per_minibatch, rel=1e-6)
     cpu = compile_(local_cpu_cluster(2), "auto")
     assert {st.tensor_parallel for st in cpu.plan.stages} == {1}  # type: ignore[attr-defined]
     assert cpu.state.tensor_parallel is None  # type: ignore[attr-defined]
