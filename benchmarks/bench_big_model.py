@@ -3,6 +3,7 @@
     python benchmarks/bench_big_model.py               # both parts, ~15 minutes on 2 shared cores
     python benchmarks/bench_big_model.py --part ranks  # one part
     python benchmarks/bench_big_model.py --quick       # tiny sizes, prints only (the smoke test's)
+    python benchmarks/bench_big_model.py --part tensor # Llama-3-70B on 64 H100s, tensor_parallel 1 and auto
 
 *models*: Llama-2-7B and Llama-3-70B shapes (transformers' ``LlamaConfig`` with the real sizes),
 built under ``torch.device("meta")``, compiled with ``cost_mode="analytic"`` for 8 and 64 H100s
@@ -85,6 +86,8 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         kw["num_microbatches"] = cfg["microbatches"]
     if cfg.get("adamw"):
         kw["optimizer"] = adamw
+    if cfg.get("tensor_parallel") is not None:
+        kw["tensor_parallel"] = cfg["tensor_parallel"]
     t0, c0 = time.perf_counter(), time.process_time()
     pipe = pdcompile(model, h100_cluster(cfg["gpus"]), example_inputs=(x,), example_target=t,
                      loss_fn=SequenceCrossEntropy(), cost_mode="analytic", precision=cfg.get("precision", "fp32"),
@@ -95,6 +98,9 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     out["slowest_passes"] = ", ".join(f"{r.name} {r.seconds:.1f}"
                                       for r in sorted(pipe.records, key=lambda r: -r.seconds)[:3])
     out["stages"] = len(pipe.plan.stages)
+    out["t"] = pipe.plan.stages[0].tensor_parallel
+    out["why"] = "; ".join(f"stage {s.index}: {s.tensor_why}" for s in pipe.plan.stages[:1] if s.tensor_why)
+    out["tp_note"] = next((n for n in pipe.plan.notes if n.startswith("tensor parallelism")), "")
     out["replicas"] = "-".join(str(len(s.ranks)) for s in pipe.plan.stages)
     out["compile_rss_gib"] = _peak_rss_gib()
     out["schedule"] = pipe.options.schedule
@@ -235,9 +241,32 @@ def objective_part(quick: bool, timeout: float) -> str:
     return "\n".join(rows)
 
 
+def tensor_part(quick: bool, timeout: float) -> str:
+    """Llama-3-70B on 64 H100s (8 a server), 32 x 4096 tokens, bf16, AdamW, on meta, 32 microbatches: the plan
+    with ``tensor_parallel=1`` and with ``"auto"`` (issue 35: t chosen inside the server, and why)."""
+    rows = ["| tensor_parallel | t | stages (replicas of each) | microbatches | headline (s) | simulate() (s) | bubble | "
+            "compile (s) | its CPU time (s) | peak RSS (GiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    whys = []
+    for tp in (1, "auto"):
+        cfg = {"model": "tiny" if quick else "llama-3-70b", "gpus": 2 if quick else 64, "batch": 4 if quick else 32,
+               "seq": 16 if quick else 4096, "microbatches": 4 if quick else 32, "adamw": True, "precision": "bf16",
+               "no_emit": True, "tensor_parallel": tp}
+        r = run_child(cfg, timeout)
+        if "error" in r:
+            rows.append(f"| {tp} | {r['error']} | - | - | - | - | - | {r['wall_s']:.0f} | - | - |")
+            continue
+        rows.append(f"| {tp} | {r['t']} | {r['stages']} ({r['replicas']}) | {r['microbatches']} | {r['headline_s']:.4g} | "
+                    f"{r['simulate_s']:.4g} | {r['bubble']:.1%} | {r['compile_s']:.1f} | {r['compile_cpu_s']:.1f} | "
+                    f"{r['peak_rss_gib']:.2f} |")
+        if r.get("why") or r.get("tp_note"):
+            whys += [f"- `{tp}`: {r['why']}", f"  note: {r['tp_note']}"]
+        print(rows[-1], flush=True)
+    return "\n".join(rows + [""] + whys)
+
+
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["models", "ranks", "objective", "all"], default="all")
+    ap.add_argument("--part", choices=["models", "ranks", "objective", "tensor", "all"], default="all")
     ap.add_argument("--ranks", type=int, nargs="+", default=None, help="rank counts of the ranks part")
     ap.add_argument("--quick", action="store_true", help="tiny sizes; print only")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
@@ -250,7 +279,11 @@ def main(argv: list[str] | None = None) -> str:
     for part in (["models", "ranks"] if a.part == "all" else [a.part]):
         with open("/proc/loadavg") as f:
             load = f.read().strip()
-        if part == "objective":
+        if part == "tensor":
+            name, command = "Big model: tensor parallelism planned", "python benchmarks/bench_big_model.py --part tensor"
+            table = ("Llama-3-70B on meta, 64 H100s (8 a server: 450 GB/s inside, 50 GB/s between), bf16, AdamW, "
+                     "analytic costs, tensor parallelism given 1 and planned (`auto`):\n\n" + tensor_part(a.quick, a.timeout))
+        elif part == "objective":
             name, command = "Big model: the plan's step", "python benchmarks/bench_big_model.py --part objective"
             table = ("Llama-3-70B on meta, real data, 64 H100s, bf16, AdamW: the plan's headline is simulate():\n\n"
                      + objective_part(a.quick, a.timeout))

@@ -244,10 +244,16 @@ def virtual_plan(chain: Chain, cluster: ClusterSpec | None, schedule: str, v: in
 
 
 def run(state: CompileState, opts: PartitionOptions) -> CompileState:
-    """Reads ``chain``; writes ``plan``, ``assignment`` (fx node -> stage), ``stage_ranks`` and ``cluster``."""
-    plan, cluster = choose(need(state.chain, "chain").on_the_wire(opts.precision), opts)
+    """Reads ``chain``; writes ``plan``, ``assignment`` (fx node -> stage), ``stage_ranks`` and ``cluster`` (and,
+    where the planner plans tensor parallelism, ``chain`` with what it splits: ``tensor_parallel.chain_shares``)."""
+    chain = need(state.chain, "chain")
+    if opts.planning.tensor_parallel != 1 and opts.stages is None:  # what Megatron's layout splits, charged
+        from pdcompile.passes.tensor_parallel import chain_shares
+
+        chain = chain_shares(need(state.gm, "gm"), chain)  # kept: simulate() replays the plan on it
+    plan, cluster = choose(chain.on_the_wire(opts.precision), opts)
     assignment = {name: st.index for st in plan.stages for name in st.members}
-    return state.replace(plan=plan, assignment=assignment, cluster=cluster,
+    return state.replace(chain=chain, plan=plan, assignment=assignment, cluster=cluster,
                          stage_ranks=tuple(tuple(st.ranks) for st in plan.stages))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from pdcompile.cluster import ClusterSpec, Level, format_quantity
 from pdcompile.errors import InfeasiblePlanError, UsageError
@@ -20,6 +20,7 @@ from pdcompile.passes.planner.decisions import MODES, RECOMPUTE, stage_decisions
 from pdcompile.passes.planner.memory import EPS
 from pdcompile.passes.planner.options import PlanOptions, plan_options
 from pdcompile.passes.planner.search import SCHEDULES, PlanModel, solve
+from pdcompile.passes.planner import tensor
 from pdcompile.passes.planner.sharding import resolve as resolve_shard
 from pdcompile.plan_data import Plan, StagePlan
 
@@ -34,6 +35,7 @@ __all__ = [
     "PlanOptions",
     "StageCost",
     "partition_dp",
+    "plan_tensor_parallel",
     "pipeline_plan",
     "pipeline_time",
     "stage_time",
@@ -236,6 +238,8 @@ def partition_dp(chain: Chain, cluster: ClusterSpec, options: PlanOptions | None
     """
     t0 = time.perf_counter()
     opts = plan_options(options, overrides)
+    if opts.tensor_parallel != 1:
+        return plan_tensor_parallel(chain, cluster, opts, partition_dp)
     pool = opts.pool
     if pool and opts.cost_model == "pipedream":
         raise UsageError("the pipedream cost model reproduces PipeDream's released optimizer, whose stages nest in "
@@ -460,3 +464,48 @@ def pipeline_plan(chain: Chain, stage_bounds: Sequence[int], cluster: ClusterSpe
         raise UsageError(f"{len(bounds) - 1} stages need {len(bounds) - 1} workers; the cluster has {cluster.num_workers}")
     assignment = [(a, b - 1, 1, (k,)) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     return plan_from_assignment(chain, cluster, assignment, options, solver="fixed", **overrides)
+
+
+def plan_tensor_parallel(chain: Chain, cluster: ClusterSpec, options: PlanOptions,
+                         solve: Callable[[Chain, ClusterSpec, PlanOptions], Plan]) -> Plan:
+    """The plan with tensor parallelism (``options.tensor_parallel``: a degree, or ``"auto"``): for each
+    degree ``t`` that fits (:func:`tensor.degrees`), ``solve`` plans :func:`tensor.chain_at` (the chain as
+    one of ``t`` ranks runs it, all-reduces at the innermost level's bandwidth) on :func:`tensor.cluster_at`
+    (groups of ``t`` workers), so stages, replicas and everything else the search decides are searched at
+    each ``t``; the fastest plan wins (ties: the smaller ``t``). Every stage has the plan's degree (the
+    runtime runs one degree per program); its ranks are the groups' (pipeline ranks), and each stage says
+    why in one line. Raises the smallest degree's InfeasiblePlanError when none fits."""
+    t0 = time.perf_counter()
+    inner = cluster.levels[0]
+    cands = tensor.degrees(options.tensor_parallel, cluster, chain)
+    flat = replace(options, tensor_parallel=1)
+    found: list[tuple[int, Plan]] = []
+    failed: list[tuple[int, InfeasiblePlanError]] = []
+    for t in cands:
+        try:
+            found.append((t, solve(tensor.chain_at(chain, t, inner.bandwidth), tensor.cluster_at(cluster, t), flat)))
+        except InfeasiblePlanError as e:
+            failed.append((t, e))
+    if not found:
+        raise failed[0][1]
+    t, best = min(found, key=lambda c: (c[1].seconds_per_minibatch, c[0]))
+    compared = [f"t={d}: {p.seconds_per_minibatch:.4g} s" for d, p in found] + \
+               [f"t={d}: does not fit" for d, _ in failed]
+    over = [c for c in compared if not c.startswith(f"t={t}:")]
+    chain_t = tensor.chain_at(chain, t, inner.bandwidth)
+    stages = []
+    for st in best.stages:
+        whole, part = chain.layers[st.first:st.last + 1], chain_t.layers[st.first:st.last + 1]
+        ar = sum(2 * tensor.allreduce_s(l.tp_allreduce_bytes, t, inner.bandwidth, l.tp_allreduces) for l in whole)
+        why = "" if options.tensor_parallel != "auto" else tensor.stage_reason(
+            t, sum(l.compute_s for l in whole), sum(l.compute_s for l in part), ar,
+            sum(l.param_bytes for l in whole), sum(l.param_bytes for l in part), inner,
+            [f"{c} per minibatch" for c in over], why_one=tensor.why_not(cluster, chain) if len(cands) == 1 else "")
+        stages.append(replace(st, tensor_parallel=t, tensor_why=why))
+    note = (f"tensor parallelism: t={t} inside {inner.name}" +
+            (f" ({'; '.join(compared)} per minibatch; the fastest)" if len(compared) > 1 else "") +
+            (f"; each of the {best.num_workers} pipeline ranks is {t} workers" if t > 1 else ""))
+    dp = next((p.data_parallel_samples_per_second for d, p in found if d == 1), best.data_parallel_samples_per_second)
+    return replace(best, stages=tuple(stages), num_workers=cluster.num_workers, cluster=str(cluster),
+                   data_parallel_samples_per_second=dp, notes=(*best.notes, note),
+                   planning_seconds=time.perf_counter() - t0)

@@ -22,6 +22,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,13 +32,13 @@ import torch
 import torch.fx as fx
 
 from pdcompile.errors import UsageError
-from pdcompile.ir import CompileState, TensorMeta, need
+from pdcompile.ir import Chain, CompileState, TensorMeta, need
 from pdcompile.passes.split_stages import Stage, StageSplit
 
 
 @dataclass(frozen=True)
 class TensorParallelOptions:
-    degrees: tuple[int, ...] | int = 1  # one degree for every stage, or one per stage
+    degrees: tuple[int, ...] | int | str = 1  # one degree for every stage, one per stage, or "auto": the plan's
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,14 @@ class TensorParallelPlan:
         return "\n".join(f"stage {k}: {s}" for k, s in enumerate(self.stages))
 
 
-def degrees_of(option: Any, num_stages: int | None) -> tuple[int, ...] | int:
-    """The checked ``tensor_parallel=`` option: an int for every stage, or one per stage."""
+def degrees_of(option: Any, num_stages: int | None) -> tuple[int, ...] | int | str:
+    """The checked ``tensor_parallel=`` option: an int for every stage, one per stage, or ``"auto"`` (the
+    planner chooses, where it chooses the stages)."""
     if option == "auto":
-        raise UsageError("tensor_parallel='auto': the planner does not choose the degree yet; give it, "
-                         "e.g. tensor_parallel=2 (or --tensor-parallel 2)")
+        if num_stages is not None:
+            raise UsageError(f"tensor_parallel='auto' is the planner's choice, which stages={num_stages} leaves out; "
+                             f"give the degree (e.g. tensor_parallel=2), or leave stages= to the planner")
+        return "auto"
     if isinstance(option, int) and not isinstance(option, bool):
         if option < 1:
             raise UsageError(f"tensor_parallel={option}: must be a positive int, e.g. 2")
@@ -111,7 +115,11 @@ def run(state: CompileState, opts: TensorParallelOptions) -> CompileState:
     """Reads ``stages``; writes ``stages`` (graphs rewritten where split) and ``tensor_parallel``."""
     split = need(state.stages, "stages")
     n = len(split.stages)
-    degrees = (opts.degrees,) * n if isinstance(opts.degrees, int) else tuple(opts.degrees)
+    degrees: tuple[int, ...]
+    if isinstance(opts.degrees, str):  # "auto": the planner's choice (passes/planner/tensor.py), each stage's
+        degrees = tuple(st.tensor_parallel for st in need(state.plan, "plan").stages)
+    else:
+        degrees = (opts.degrees,) * n if isinstance(opts.degrees, int) else tuple(opts.degrees)
     if len(degrees) != n:
         raise UsageError(f"tensor_parallel={list(degrees)} names {len(degrees)} stages; the plan has {n}")
     if all(d == 1 for d in degrees):
@@ -139,8 +147,11 @@ def format_tensor_parallel(state: CompileState) -> str:
 _LINEAR_FNS: set[Any] = {torch._C._nn.linear, torch.nn.functional.linear, torch.ops.aten.linear.default}
 
 
-def _linear_weight(gm: fx.GraphModule, node: fx.Node) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, bias) of a linear node: an ``nn.Linear`` call, or ``linear`` on weight attributes."""
+def _linear_weight(gm: fx.GraphModule, node: fx.Node,
+                   refs: Mapping[Any, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) of a linear node: an ``nn.Linear`` call, or ``linear`` on weight attributes that
+    nothing else reads (``refs``: get_attr nodes per target; another node of the same attribute, as a
+    stage cut can leave, keeps the linear whole: its module would hold the weight the other reads whole)."""
     if node.op == "call_module":
         m = gm.get_submodule(str(node.target))
         return (m.weight, m.bias) if type(m) is torch.nn.Linear else None
@@ -151,6 +162,8 @@ def _linear_weight(gm: fx.GraphModule, node: fx.Node) -> tuple[torch.Tensor, tor
         if not (isinstance(w, fx.Node) and w.op == "get_attr" and len(w.users) == 1):
             return None
         if b is not None and not (isinstance(b, fx.Node) and b.op == "get_attr" and len(b.users) == 1):
+            return None
+        if refs is not None and any(refs.get(a.target, 0) > 1 for a in (w, b) if isinstance(a, fx.Node)):
             return None
         weight = _attr(gm, w)
         bias = _attr(gm, b) if isinstance(b, fx.Node) else None
@@ -501,19 +514,23 @@ def _propagate(gm: fx.GraphModule, linears: Mapping[fx.Node, Any], exclude: set[
     return r
 
 
-def split_stage(st: Stage, t: int, tied: set[str]) -> tuple[Stage, StageTP]:
-    """``st`` with its splittable linear pairs split ``t`` ways: the rewritten stage and its :class:`StageTP`."""
-    gm = fx.GraphModule(st.gm, copy.deepcopy(st.gm.graph))
+def _regions(gm: fx.GraphModule, t: int, tied: set[str]) -> tuple[_Region, set[fx.Node], dict[fx.Node, Any],
+                                                                    dict[fx.Node, str]]:
+    """The split regions of ``gm`` at degree ``t``: the propagation's record, the regions split (no failure,
+    a row linear), the linears, and what stays whole and why."""
     linears: dict[fx.Node, Any] = {}
     whole: dict[fx.Node, str] = {}
     names = {id(p): n for n, p in gm.named_parameters(remove_duplicate=False)}
     uses = collections.Counter(id(p) for _, p in gm.named_parameters(remove_duplicate=False))
     shared = {n for n, p in gm.named_parameters(remove_duplicate=False) if uses[id(p)] > 1}
+    refs = collections.Counter(n.target for n in gm.graph.nodes if n.op == "get_attr")
     for node in gm.graph.nodes:
         if _op_name(gm, node) in ("embedding", "Embedding"):
             whole[node] = f"{node.name}: embeddings stay whole (vocabulary-parallel is not built yet)"
-        wb = _linear_weight(gm, node)
+        wb = _linear_weight(gm, node, refs)
         if wb is None:
+            if _linear_weight(gm, node) is not None:
+                whole[node] = f"{node.name}: its weight is read by another node of the stage too"
             continue
         pname = names.get(id(wb[0]), "")
         if pname in tied or pname in shared:
@@ -539,6 +556,47 @@ def split_stage(st: Stage, t: int, tied: set[str]) -> tuple[Stage, StageTP]:
     for node in linears:
         if node not in r.roles and node not in whole:
             whole[node] = f"{node.name}: no column linear feeds it, and its output reaches no row linear"
+    return r, rows_of, linears, whole
+
+
+def chain_shares(gm: fx.GraphModule, chain: Chain) -> Chain:
+    """``chain`` (one layer per node of ``gm``, the whole model's graph) with what Megatron's layout splits
+    (the ``tp_*`` fields the planner charges, ``passes/planner/tensor.py``): a column or row linear's compute
+    and parameters, and the compute of the ops between them (attention's core: heads split); what is saved
+    on a split value (a row linear's input, the ops between; a column linear saves its whole input); a row
+    linear's output all-reduced; every degree must divide the gcd of the split sizes. The rest stays whole."""
+    r, rows_of, _, _ = _regions(gm, 1, set())
+    role: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr") or r.find(node) not in rows_of:
+            continue
+        if node in r.roles:
+            role[node.name] = r.roles[node]
+        elif node in r.dim:
+            role[node.name] = "inside"
+    div = 0
+    for node, size, _ in r.sizes:
+        if r.find(node) in rows_of:
+            div = math.gcd(div, int(size))
+    layers = []
+    for l in chain.layers:
+        kinds = [role.get(m) for m in (l.members or (l.name,))]
+        if not any(kinds):
+            layers.append(l)
+            continue
+        frac = sum(1 for k in kinds if k) / len(kinds)  # merged layers: an even share per member
+        rows = sum(1 for k in kinds if k == "row")
+        saved = sum(1 for k in kinds if k in ("row", "inside")) / len(kinds)
+        layers.append(dataclasses.replace(
+            l, tp_share=frac, tp_param_share=frac if l.param_bytes else 0.0, tp_saved_share=saved,
+            tp_allreduce_bytes=l.output_bytes if rows else 0.0, tp_allreduces=rows, tp_divisor=div))
+    return dataclasses.replace(chain, layers=tuple(layers))
+
+
+def split_stage(st: Stage, t: int, tied: set[str]) -> tuple[Stage, StageTP]:
+    """``st`` with its splittable linear pairs split ``t`` ways: the rewritten stage and its :class:`StageTP`."""
+    gm = fx.GraphModule(st.gm, copy.deepcopy(st.gm.graph))
+    r, rows_of, linears, whole = _regions(gm, t, tied)
     for node, size, what in r.sizes:
         if r.find(node) in rows_of and size % t:
             raise UsageError(f"tensor_parallel={t} does not divide the {size} {what} of {node.name} (stage "

@@ -34,6 +34,7 @@ from pdcompile.passes import codegen
 from pdcompile.passes.annotate_costs import AnnotateOptions
 from pdcompile.passes.partition import PartitionOptions, balanced_bounds, planner_schedule
 from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
+from pdcompile.passes.planner import tensor
 from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.passes.planner.sharding import check_option as check_shard
 from pdcompile.passes.planner.sharding import describe as describe_shard
@@ -137,11 +138,14 @@ class CompiledPipeline:
             # microbatches than replicas, a replica idles whole steps, and the input stage's reader of a
             # DataLoader fails on a minibatch with nothing for its rank: runtime/data.py)
             counts = [m for m in counts if all(m % st.replicas == 0 for st in self.plan.stages)] or counts
-        cands = autoschedule.candidates(self.plan, self.wire_chain, self.cluster, batch, names, counts,
+        t = self.plan.stages[0].tensor_parallel  # a plan of t-worker groups is simulated as planned
+        tchain, tcluster = tensor.view(self.wire_chain, self.cluster, t)
+        cands = autoschedule.candidates(self.plan, tchain, tcluster, batch, names, counts,
                                         recompute=asked.recompute, split_backward=split, tied_bytes=tied_bytes,
                                         tied_stages=tied_stages, overhead_s=overhead, optimizer_state_factor=factor)
         ranks = len({r for st in self.plan.stages for r in st.ranks})
-        if (asked.replicas is None or all(r == 1 for r in asked.replicas)) and asked.clip_grad_norm is None:
+        if (asked.replicas is None or all(r == 1 for r in asked.replicas)) and asked.clip_grad_norm is None \
+                and t == 1:  # (virtual stages are given stages=, where the planner does not choose t)
             # virtual stages on the plan's ranks, one replica per stage: the tie (if any) joins the first and last
             # (not with clipping: a rank steps its stages at different points, see _check_virtual)
             for v in autoschedule.VIRTUAL_STAGES:
@@ -199,7 +203,9 @@ class CompiledPipeline:
                 PlanOptions(cost_model=opts.cost_model, schedule=opts.schedule, num_microbatches=self.num_microbatches,
                             recompute=opts.recompute, shard=check_shard(opts.shard),
                             optimizer_state_factor=optimizer_state_factor_of(opts.optimizer),
-                            choose_microbatches=choose_microbatches),
+                            choose_microbatches=choose_microbatches,
+                            tensor_parallel=opts.tensor_parallel if stages is None and isinstance(
+                                opts.tensor_parallel, (int, str)) else 1),
                 stages, tuple(opts.replicas) if opts.replicas is not None else None, opts.cluster, opts.solver,
                 precision=opts.precision, virtual_stages=opts.virtual_stages),
             schedule=ScheduleOptions(opts.schedule, self.num_microbatches, virtual_stages=opts.virtual_stages,
@@ -295,7 +301,8 @@ class CompiledPipeline:
 
         tied_bytes, tied_stages = self._tied()
         cost = self.action_cost or (machine_cache.action_cost() if self.cluster.device.name == "cpu" else None)
-        return simulate_plan(plan, self.wire_chain, self.cluster, schedule, m, num_steps=num_steps,
+        chain, cluster = tensor.view(self.wire_chain, self.cluster, plan.stages[0].tensor_parallel)
+        return simulate_plan(plan, chain, cluster, schedule, m, num_steps=num_steps,
                              tied_bytes=tied_bytes, tied_stages=tied_stages, virtual_stages=virtual_stages,
                              optimizer_state_factor=optimizer_state_factor_of(self.options.optimizer),
                              split_backward=need(self.state.schedule_spec, "schedule_spec").split_backward,
@@ -349,8 +356,8 @@ class CompiledPipeline:
             lines += ["", *staleness.describe(corr["mode"], corr["delays"], corr["warmup"])]
         lines += [f"note: {c.note}" for c in self._rank_callables().values() if c.note is not None]
         if self.state.tensor_parallel is not None:  # what each stage splits, and what it leaves whole
-            lines += ["", "tensor parallelism (each pipeline rank is t processes; the planner does not charge it "
-                      "yet, docs/tensor-parallel.md):", str(self.state.tensor_parallel)]
+            lines += ["", "tensor parallelism (each pipeline rank is t processes; the plan's times are one such "
+                      "process's, docs/tensor-parallel.md):", str(self.state.tensor_parallel)]
         if self.schedule_choice is not None:
             lines += ["", autoschedule.format_choice(*self.schedule_choice)]
         return "\n".join(lines)

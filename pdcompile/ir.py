@@ -88,6 +88,16 @@ class ChainLayer:
     # pays alike (the simulator scales only the rest, :meth:`scaled`)
     forward_fixed_s: float = 0.0
     backward_fixed_s: float = 0.0
+    # tensor parallelism (passes/planner/tensor.py): the shares of its compute, parameters and saved bytes
+    # that Megatron's layout splits t ways, the bytes its row linears' outputs all-reduce per forward (the
+    # backward all-reduces as many at its column linears' inputs) in how many all-reduces, and the number
+    # every degree must divide (the gcd of the head counts and split sizes; 0: no constraint)
+    tp_share: float = 0.0
+    tp_param_share: float = 0.0
+    tp_saved_share: float = 0.0
+    tp_allreduce_bytes: float = 0.0
+    tp_allreduces: int = 0
+    tp_divisor: int = 0
 
     def scaled(self, scale: float) -> tuple[float, float, float]:
         """(forward, backward, backward / profiled backward) at ``scale`` times the profiled batch: the
@@ -158,7 +168,7 @@ class Chain:
             saved_output_bytes=l.saved_output_bytes * f, input_grad_s=sc(l.input_grad_s),
             weight_grad_s=sc(l.weight_grad_s), selective_saved_bytes=sc(l.selective_saved_bytes),
             selective_recompute_s=sc(l.selective_recompute_s), selective_rebuilt_bytes=sc(l.selective_rebuilt_bytes),
-            resaved_bytes=l.resaved_bytes * f) for l in self.layers)
+            resaved_bytes=l.resaved_bytes * f, tp_allreduce_bytes=l.tp_allreduce_bytes * f) for l in self.layers)
         return dataclasses.replace(self, layers=layers, batch_size=batch_size,
                                    cut_bytes=tuple(c * f for c in self.cut_bytes))
 

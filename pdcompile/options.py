@@ -71,7 +71,7 @@ class Options:
     staleness: str = "none"  # 1f1b/2bw's stale weights: "none", "lr" (PipeMare), "predict" (weight prediction),
     staleness_warmup: float = 0.25  # "auto" (predict where the optimizer has a rule); K of "lr", a fraction of the run
     tensor_parallel: int | str | Sequence[int] = 1  # ranks each stage is split across (Megatron's linear pairs,
-    # passes/tensor_parallel.py), one for every stage or one per stage; "auto" is not planned yet
+    # passes/tensor_parallel.py), one for every stage or one per stage; "auto": the planner (passes/planner/tensor.py)
     csv_text: str | None = field(default=None, metadata={"internal": True})  # schedule="csv:PATH": the torch
     # CSV's text (schedule becomes its registered name); set by pdcompile, not an option
 

@@ -53,6 +53,15 @@ def plan(
     if solver not in solvers:
         raise UsageError(f"unknown solver {solver!r} (use 'dp' or 'ilp')")
     solve = solvers[solver]
+    tp = overrides.get("tensor_parallel", (options or PlanOptions()).tensor_parallel)
+    if tp != 1:  # each degree planned as the rest is (passes/partition_dp.py plan_tensor_parallel)
+        if callable(chain):
+            raise UsageError("tensor_parallel with a callable chain: plan one Chain (its microbatch size) at a time")
+        from pdcompile.passes.partition_dp import plan_tensor_parallel
+        known = set(PlanOptions.names())
+        rest = {k: v for k, v in overrides.items() if k not in known}
+        opts = (options or PlanOptions()).with_({k: v for k, v in overrides.items() if k in known})
+        return plan_tensor_parallel(chain, cluster, opts, lambda c, cl, o: plan(c, cl, o, solver=solver, **rest))
     if not callable(chain):
         if microbatch_sizes:
             raise UsageError("microbatch_sizes needs a callable chain_for(b) -> Chain")

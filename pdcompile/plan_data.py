@@ -58,6 +58,8 @@ class StagePlan:
     recompute: str = "none"  # activation recomputation: "none", "selective" (cheap ops), "partial", "full"
     recompute_layers: int = 0  # layers whose forward runs again in the backward (partial: the first ones)
     shard: str = "none"  # the replicas' state: "none", "optimizer" (ZeRO-1) or "full" (FSDP2), SHARD_MODES
+    tensor_parallel: int = 1  # processes each of its ranks is (Megatron's split, passes/planner/tensor.py)
+    tensor_why: str = ""  # why the planner chose that degree (one line; "" where it was given)
 
     @property
     def recompute_text(self) -> str:
@@ -146,7 +148,7 @@ class Plan:
 
     @property
     def workers_used(self) -> int:
-        return sum(s.replicas for s in self.stages)
+        return sum(s.replicas * s.tensor_parallel for s in self.stages)
 
     @property
     def configuration(self) -> str:
@@ -165,6 +167,9 @@ class Plan:
             d.pop("first")
             d.pop("last")
             d = {"layers": [s.first, s.last], **d}
+            if s.tensor_parallel == 1 and not s.tensor_why:  # plans without it keep the JSON they always had
+                d.pop("tensor_parallel")
+                d.pop("tensor_why")
             d["layer_names"] = list(s.layer_names)
             d["members"] = list(s.members)
             d["ranks"] = list(s.ranks)
@@ -266,6 +271,9 @@ class Plan:
         shards = any(s.shard != "none" for s in self.stages)  # likewise only when some stage shards
         if shards:
             cols.append("shard")
+        tensor = any(s.tensor_parallel != 1 for s in self.stages)  # and tensor parallelism's degree
+        if tensor:
+            cols.append("t")
         rows = []
         for s in self.stages:
             names = _abbrev_names(s.layer_names)
@@ -273,7 +281,8 @@ class Plan:
                 str(s.index), f"{s.first}..{s.last}", names, str(s.replicas), _ranges(s.ranks),
                 _fmt_s(s.compute_s), _fmt_s(s.comm_s), _fmt_s(s.send_s), _fmt_s(s.time_s),
                 _fmt_bytes(s.memory_bytes), str(s.in_flight),
-            ] + ([s.recompute_text] if recomputes else []) + ([s.shard] if shards else []))
+            ] + ([s.recompute_text] if recomputes else []) + ([s.shard] if shards else [])
+                + ([str(s.tensor_parallel)] if tensor else []))
         widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
         lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
         for r in rows:
@@ -290,6 +299,9 @@ class Plan:
         )
         if self.memory_limit_bytes is not None:
             lines.append(f"memory limit per worker: {_fmt_bytes(self.memory_limit_bytes)}")
+        for s in self.stages:
+            if s.tensor_why:
+                lines.append(f"stage {s.index} tensor parallel: {s.tensor_why}")
         for n in self.notes:
             lines.append(f"note: {n}")
         return "\n".join(lines)

@@ -150,7 +150,7 @@ def test_a_part_the_pass_cannot_split_stays_whole_and_the_plan_says_why() -> Non
 def test_degrees_that_do_not_fit_are_refused_with_the_fix() -> None:
     with pytest.raises(UsageError, match=r"tensor_parallel=4 does not divide the 2 heads .* give a degree that divides"):
         _compile("gpt", 1, tensor_parallel=4)
-    with pytest.raises(UsageError, match="not choose the degree yet"):
+    with pytest.raises(UsageError, match="is the planner's choice, which stages=1 leaves out; give the degree"):
         _compile("gpt", 1, tensor_parallel="auto")
     with pytest.raises(UsageError, match="differ between stages"):
         _compile("gpt", 2, tensor_parallel=[2, 1])
@@ -166,7 +166,7 @@ def test_the_command_line_takes_tensor_parallel(tmp_path: Path, capsys: pytest.C
     assert main(["emit", "zoo:gpt", "--stages", "1", "--tensor-parallel", "auto", "-o", str(tmp_path / "x")]) == 2
     assert main(["plan", "--profile", "pipedream:vgg16", "--cluster", "local:2", "--tensor-parallel", "2"]) == 2
     err = capsys.readouterr().err
-    assert "not choose the degree yet" in err and "planner does not charge tensor parallelism yet" in err
+    assert "is the planner's choice" in err and "does not say what tensor parallelism splits" in err
     program = Program.load(out)  # checkpoints of split stages: refused before anything starts
     with pytest.raises(UsageError, match="tensor parallelism"):
         check_args(parse_args(["--checkpoint-dir", str(tmp_path / "ck")], program), program, world=2)

@@ -32,6 +32,7 @@ class PlanOptions:
     microbatches_known: bool = True  # off: the step's count is unknown (full is then not refused for too few)
     choose_microbatches: bool = False  # a synchronous schedule's step search may cut the minibatch (batch x
     # num_microbatches) into any count up to 64 (pdcompile.plan.plan_step), else num_microbatches
+    tensor_parallel: int | str = 1  # ranks each stage is split across (planner/tensor.py), or "auto": planned
 
     def __post_init__(self) -> None:
         if isinstance(self.shard, list):  # a list per stage is kept as a tuple: the options stay hashable

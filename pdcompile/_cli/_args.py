@@ -169,11 +169,12 @@ def staleness_of_plan(args: Any, schedule: str, replicas: Sequence[int], optimiz
 
 
 TENSOR_PARALLEL_HELP = ("split every stage's attention and MLP linear pairs across N processes each (Megatron's "
-                        "layout, torch's DTensor tensor parallelism; docs/tensor-parallel.md); default 1")
+                        "layout, torch's DTensor tensor parallelism; docs/tensor-parallel.md), or auto: the planner chooses 1, 2, 4 "
+                        "or 8 inside the innermost level (1 on CPU workers); default 1")
 
 
 def parse_tensor_parallel(text: str) -> int | str | tuple[int, ...]:
-    """``--tensor-parallel N`` (or ``N,N,...``, one per stage; ``auto`` is refused by the compiler)."""
+    """``--tensor-parallel N`` (or ``N,N,...``, one per stage; ``auto``: the planner chooses)."""
     parts = [x.strip() for x in str(text).split(",")]
     if parts == ["auto"]:
         return "auto"
@@ -184,9 +185,3 @@ def parse_tensor_parallel(text: str) -> int | str | tuple[int, ...]:
     return values[0] if len(values) == 1 else values
 
 
-def refuse_tensor_parallel(text: str, command: str) -> None:
-    """``pdcompile plan``/``simulate`` on a profile: the planner does not charge tensor parallelism yet."""
-    if parse_tensor_parallel(text) != 1:
-        raise UsageError(f"pdcompile {command} --tensor-parallel {text}: the planner does not charge tensor "
-                         f"parallelism yet; compile the model with it (pdcompile emit/run MODEL --tensor-parallel "
-                         f"{text}), or plan without it")

@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from pdcompile._cli._args import (SHARD_HELP, add_staleness_args, call_factory, factory_kwargs, parse_inputs, parse_shard,
-                                  refuse_tensor_parallel, resolve_cluster, staleness_of_plan)
+from pdcompile._cli._args import (SHARD_HELP, add_staleness_args, call_factory, factory_kwargs, parse_inputs,
+                                  parse_shard, parse_tensor_parallel, resolve_cluster, staleness_of_plan)
 from pdcompile.errors import UsageError
 from pdcompile.passes.partition_dp import COST_MODELS, PlanOptions
 from pdcompile.runtime.schedules import SCHEDULES
@@ -89,7 +89,8 @@ def add_planning_arguments(p: argparse._ActionsContainer) -> None:
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="ilp: seconds (default 60)")
     add_staleness_args(p)
     p.add_argument("--tensor-parallel", default="1", metavar="N",
-                   help="not planned yet: only 1 (compile a model with emit/run --tensor-parallel N)")
+                   help="tensor parallelism's degree inside the innermost level, or auto (the planner chooses "
+                   "1, 2, 4 or 8; 1 on CPU workers); a profile must say what splits (docs/tensor-parallel.md)")
 
 
 def _profile(args: argparse.Namespace) -> Any:
@@ -168,7 +169,10 @@ def plan_options(args: argparse.Namespace, optimizer: str, schedule: str | None 
     (``benchmarks/bench_planner.py``, which checks the command's plans) read."""
     from pdcompile.profile import optimizer_state_factor
 
-    refuse_tensor_parallel(getattr(args, "tensor_parallel", "1"), "plan/simulate")
+    tp = parse_tensor_parallel(getattr(args, "tensor_parallel", "1"))
+    if not isinstance(tp, (int, str)):
+        raise UsageError(f"--tensor-parallel {args.tensor_parallel}: pdcompile plan chooses the stages, so give one "
+                         f"degree (or auto) for every stage")
     shard = parse_shard(args.shard)
     if not isinstance(shard, str):
         raise UsageError(f"--shard {args.shard!r}: pdcompile plan chooses the stages, so give one mode (or auto) "
@@ -184,7 +188,7 @@ def plan_options(args: argparse.Namespace, optimizer: str, schedule: str | None 
         pool=(dp and args.cost_model != "pipedream") if args.pool is None else args.pool,
         # the step's microbatch count is not known here: full is not refused for too few (the ILP plans
         # unsharded, and the mode asked is set on its plan: with_shard)
-        shard=shard, microbatches_known=False,
+        shard=shard, microbatches_known=False, tensor_parallel=tp,
     )
 
 

@@ -1,0 +1,204 @@
+"""The planner plans tensor parallelism (passes/planner/tensor.py, partition_dp.plan_tensor_parallel): the
+cost rule against closed forms, the degree chosen where memory needs it, none on CPU workers, the search's
+optimum against a brute force over (t, stages, replicas), and the refusals. No launches."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from pdcompile.cluster import ClusterSpec, Device, Level, local_cpu_cluster
+from pdcompile.errors import InfeasiblePlanError, UsageError
+from pdcompile.ir import Chain, ChainLayer
+from pdcompile.passes.partition_dp import partition_dp
+from pdcompile.passes.planner import tensor
+from pdcompile.plan import plan
+
+G = 2.0**30
+
+
+def _layer(i: int, params: float = 1 * G, share: float = 0.9, fwd: float = 0.01) -> ChainLayer:
+    return ChainLayer(f"l{i}", "block", fwd, 2 * fwd, 4e6, params, saved_bytes=2e8, forward_fixed_s=1e-4,
+                      backward_fixed_s=2e-4, tp_share=share, tp_param_share=0.95, tp_saved_share=0.6,
+                      tp_allreduce_bytes=8e6, tp_allreduces=2, tp_divisor=16)
+
+
+def _gpus(count: int = 8, memory: float = 80 * G, servers: int = 1) -> ClusterSpec:
+    levels = (Level("gpus-in-server", count, 300e9),) + ((Level("servers", servers, 25e9),) if servers > 1 else ())
+    return ClusterSpec(Device("A100", memory=memory, peak_flops=312e12, memory_bandwidth=2e12), levels)
+
+
+def test_the_cost_rule_against_closed_forms() -> None:
+    # ring all-reduce: 2 (t-1)/t bytes / bw + per all-reduce 2 (t-1) hops of latency
+    assert tensor.allreduce_s(1e9, 4, 1e11, count=2) == pytest.approx(2 * 3 / 4 * 1e9 / 1e11 + 2 * 2 * 3 * 5e-6)
+    assert tensor.allreduce_s(1e9, 1, 1e11, count=2) == 0.0
+    # alpha + work / (t rate): 1 s of which 0.8 splits, 0.1 s of it fixed -> 0.2 + 0.08 + 0.72 / 4
+    assert tensor.split_time(1.0, 0.1, 0.8, 4) == pytest.approx(0.46)
+    assert tensor.split_bytes(100.0, 0.5, 4) == pytest.approx(62.5)
+    layer = _layer(0)
+    at = tensor.layer_at(layer, 4, 300e9)
+    ar = 2 * 3 / 4 * 8e6 / 300e9 + 2 * 2 * 3 * 5e-6
+    assert at.forward_s == pytest.approx(0.01 * 0.1 + 1e-4 * 0.9 + (0.009 - 0.9e-4) / 4 + ar)
+    assert at.backward_s == pytest.approx(0.02 * 0.1 + 2e-4 * 0.9 + (0.018 - 1.8e-4) / 4 + ar)
+    assert at.param_bytes == pytest.approx(G * (0.05 + 0.95 / 4))
+    assert at.saved_bytes == pytest.approx(2e8 * (0.4 + 0.6 / 4))
+    assert at.output_bytes == layer.output_bytes  # a boundary stays whole
+    assert tensor.layer_at(layer, 1, 300e9) == layer
+    # groups of t: the innermost level's count / t; a level of one group goes where an outer one remains
+    assert tensor.cluster_at(_gpus(8, servers=4), 8).counts == (4,)
+    assert tensor.cluster_at(_gpus(8, servers=4), 2).counts == (4, 4)
+
+
+def test_auto_splits_a_layer_too_big_for_one_device_and_the_plan_fits() -> None:
+    # layer 2's weights (50 GiB, x4 with gradients and Adam's state) fit no 80 GiB device whole
+    layers = tuple(_layer(i, params=50 * G if i == 2 else 1 * G) for i in range(6))
+    chain = Chain(layers, (4e6,) * 5, batch_size=4, name="big-layer")
+    cluster = _gpus(8, servers=2)
+    with pytest.raises(InfeasiblePlanError):
+        partition_dp(chain, cluster, optimizer_state_factor=2)
+    p = partition_dp(chain, cluster, optimizer_state_factor=2, tensor_parallel="auto")
+    t = p.stages[0].tensor_parallel
+    assert t > 1 and all(st.tensor_parallel == t for st in p.stages)
+    assert all(st.memory_bytes <= 80 * G for st in p.stages)
+    assert p.workers_used <= 16 and p.num_workers == 16
+    # the stage holding layer 2 holds its split share 1/t (and its whole share) of it, each rank
+    st = next(s for s in p.stages if s.first <= 2 <= s.last)
+    assert st.memory_bytes >= 4 * 50 * G * (0.05 + 0.95 / t)
+    assert f"t={t} over gpus-in-server" in st.tensor_why and "t=1: does not fit" in p.notes[-1]
+    assert f"stage {st.index} tensor parallel: t={t}" in str(p)
+
+
+def test_auto_keeps_t_1_on_cpu_workers() -> None:
+    layers = tuple(_layer(i, params=50 * G if i == 2 else 1 * G) for i in range(4))
+    chain = Chain(layers, (4e6,) * 3, batch_size=4)
+    p = partition_dp(chain, local_cpu_cluster(8), tensor_parallel="auto", memory_limit=False)
+    assert all(st.tensor_parallel == 1 for st in p.stages)
+    assert "CPU workers: auto keeps t=1" in p.stages[0].tensor_why
+    # GPUs and CPU workers of the same memory and links: only the GPUs split the layer too big for one worker
+    levels = (Level("processes", 8, 2e9),)
+    gpu = ClusterSpec(Device("gpu", memory=80 * G), levels)
+    assert partition_dp(chain, gpu, tensor_parallel="auto", optimizer_state_factor=2).stages[0].tensor_parallel > 1
+    cpu = ClusterSpec(Device("cpu", memory=80 * G, cores=2), levels)
+    with pytest.raises(InfeasiblePlanError):
+        partition_dp(chain, cpu, tensor_parallel="auto", optimizer_state_factor=2)
+
+
+def _brute_force(chain: Chain, workers: int, bandwidth: float, degrees: tuple[int, ...]) -> float:
+    """The paper cost model's optimum over every t, split and replica count, on one level, from its
+    definition (SOSP'19 3.1): a stage's (1/r) max(compute, 2 (r-1) W / B), a cut's 2 a / B, the max."""
+    best = math.inf
+    n = len(chain)
+    for t in degrees:
+        comp, weights = [], []
+        for l in chain.layers:  # the TP rule written out: whole part, fixed part, work / t, two all-reduces each way
+            ar = 2 * (t - 1) / t * l.tp_allreduce_bytes / bandwidth + l.tp_allreduces * 2 * (t - 1) * 5e-6
+            fixed = (l.forward_fixed_s + l.backward_fixed_s) * l.tp_share
+            split = l.compute_s * l.tp_share
+            comp.append(l.compute_s * (1 - l.tp_share) + fixed + (split - fixed) / t + 2 * ar)
+            weights.append(l.param_bytes * (1 - l.tp_param_share + l.tp_param_share / t))
+        groups = workers // t
+        for k in range(1, min(n, groups) + 1):
+            for cuts in itertools.combinations(range(1, n), k - 1):
+                bounds = (0, *cuts, n)
+                boundary = max((2 * chain.cut_bytes[c - 1] / bandwidth for c in cuts), default=0.0)
+                for reps in itertools.product(range(1, groups + 1), repeat=k):
+                    if sum(reps) > groups:
+                        continue
+                    stage = max(max(sum(comp[a:b]), 2 * (r - 1) * sum(weights[a:b]) / bandwidth) / r
+                                for (a, b), r in zip(zip(bounds, bounds[1:]), reps))
+                    best = min(best, max(stage, boundary))
+    return best
+
+
+@pytest.mark.parametrize("bandwidth", [300e9, 2e9])
+def test_the_search_agrees_with_a_brute_force_over_t_stages_and_replicas(bandwidth: float) -> None:
+    shares = (0.0, 0.95, 0.5, 0.9)
+    layers = tuple(ChainLayer(f"l{i}", "b", 0.002 * (i + 1), 0.004 * (i + 1), 1e6, 2e8 * (1 + i % 2),
+                              forward_fixed_s=2e-5, backward_fixed_s=4e-5, tp_share=s, tp_param_share=s,
+                              tp_allreduce_bytes=4e6 * (s > 0), tp_allreduces=int(s > 0), tp_divisor=8)
+                   for i, s in enumerate(shares))
+    chain = Chain(layers, (3e6, 9e7, 5e6), batch_size=2)
+    cluster = ClusterSpec(Device("gpu", memory=80 * G), (Level("server", 8, bandwidth),))
+    p = partition_dp(chain, cluster, cost_model="paper", tensor_parallel="auto")
+    assert p.seconds_per_minibatch == pytest.approx(_brute_force(chain, 8, bandwidth, (1, 2, 4, 8)), rel=1e-6)
+    for t in (1, 2, 4):  # and at each given degree
+        q = partition_dp(chain, cluster, cost_model="paper", tensor_parallel=t)
+        assert q.seconds_per_minibatch == pytest.approx(_brute_force(chain, 8, bandwidth, (t,)), rel=1e-6)
+
+
+def test_degrees_that_do_not_fit_are_refused_in_one_line() -> None:
+    chain = Chain(tuple(_layer(i) for i in range(4)), (4e6,) * 3, batch_size=4)
+    with pytest.raises(UsageError, match=r"^tensor_parallel=16 does not fit in one gpus-in-server unit of 8 workers"
+                                         r".*give a degree that divides 8"):
+        partition_dp(chain, _gpus(8, servers=2), tensor_parallel=16)
+    odd = Chain(tuple(dataclass_with_divisor(_layer(i), 6) for i in range(4)), (4e6,) * 3, batch_size=4)
+    with pytest.raises(UsageError, match=r"tensor_parallel=4 does not divide the head counts .* divides 6"):
+        partition_dp(odd, _gpus(8), tensor_parallel=4)
+    assert tensor.degrees("auto", _gpus(8), odd) == (1, 2)  # auto tries only the degrees that divide
+    plain = Chain(tuple(ChainLayer(f"l{i}", "b", 1.0, 2.0, 1.0, 1.0) for i in range(3)), (1.0, 1.0))
+    with pytest.raises(UsageError, match="does not say what tensor parallelism splits"):
+        plan(plain, _gpus(8), tensor_parallel=2)
+    assert tensor.degrees("auto", _gpus(8), plain) == (1,)
+    for e in (UsageError,):
+        with pytest.raises(e, match="positive int or 'auto'"):
+            tensor.degrees(0, _gpus(8), chain)
+
+
+def dataclass_with_divisor(layer: ChainLayer, d: int) -> ChainLayer:
+    import dataclasses
+
+    return dataclasses.replace(layer, tp_divisor=d)
+
+
+def test_a_synchronous_schedule_plans_t_through_its_step_search() -> None:
+    layers = tuple(_layer(i, params=50 * G if i == 2 else 1 * G) for i in range(6))
+    chain = Chain(layers, (4e6,) * 5, batch_size=4, name="big-layer")
+    p = plan(chain, _gpus(8, servers=2), schedule="flush", num_microbatches=8, optimizer_state_factor=2,
+             tensor_parallel="auto")
+    assert p.stages[0].tensor_parallel > 1 and p.predicted_by.startswith("simulated flush step")
+    assert all(st.memory_bytes <= 80 * G for st in p.stages)
+
+
+def test_pdcompile_plans_the_degree_the_pass_splits_with() -> None:
+    """Through ``pdcompile()``: the planner's degree (given, or ``auto`` on CPU workers: 1) is the one the
+    tensor-parallel pass splits every stage with and the program runs (world size t x pipeline ranks)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import test_tensor_parallel as T
+
+    from pdcompile import api
+
+    build, _ = T.MODELS["gpt"]
+    (x,), target = T.token_batches(T.CFG.vocab_size, 1, T.BATCH, T.CFG.seq_len)[0]
+
+    def compile_(cluster: ClusterSpec, tp: object) -> object:
+        return api.pdcompile(build(), cluster, example_inputs=(x,), example_target=target,
+                             loss_fn=T.SequenceCrossEntropy(), optimizer=T._opt, schedule="flush",
+                             num_microbatches=T.MICRO, tensor_parallel=tp)
+
+    pipe: object = compile_(_gpus(4, servers=2), 2)
+    plan_ = pipe.plan  # type: ignore[attr-defined]
+    assert {st.tensor_parallel for st in plan_.stages} == {2}
+    assert pipe.state.tensor_parallel.degrees == (2,) * len(plan_.stages)  # type: ignore[attr-defined]
+    ranks = {r for st in plan_.stages for r in st.ranks}
+    assert max(ranks) < 4 and pipe.world_size == 2 * len(ranks)  # type: ignore[attr-defined]
+    assert " t\n" in str(plan_).split("\n", 4)[3] + "\n"  # the plan table's t column
+    # simulate() (the headline) replays the chain the planner split: its stage times are the plan's
+    assert any(l.tp_share > 0 for l in pipe.state.chain.layers)  # type: ignore[attr-defined]
+    sim = pipe.simulate()  # type: ignore[attr-defined]
+    assert float(sim.step_time_s) == pytest.approx(plan_.seconds_per_minibatch, rel=1e-6)
+    cpu = compile_(local_cpu_cluster(2), "auto")
+    assert {st.tensor_parallel for st in cpu.plan.stages} == {1}  # type: ignore[attr-defined]
+    assert cpu.state.tensor_parallel is None  # type: ignore[attr-defined]
+
+
+def test_the_plan_command_plans_auto_on_a_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    from pdcompile.cli import main
+
+    assert main(["plan", "--profile", "pipedream:vgg16", "--cluster", "paper:B", "--tensor-parallel", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel: t=1: nothing in this chain splits (a profile records no tensor-parallel shares)" in out
