@@ -119,35 +119,49 @@ def microbatch_choices(minibatch: int, most: int = 64) -> list[int]:
 
 @dataclass(frozen=True)
 class ChainWork:
-    """What a lower bound of a synchronous step reads of a chain, per layer at its batch size: the
-    forward, the part of the backward a stage must finish before it sends its input gradient (the
-    input-gradient part where the schedule may split backwards, else the whole backward), a
-    microbatch's whole work on its stage (forward and the least its backward costs, split or not),
-    and the parameter bytes. Plain arrays, scaled to another microbatch size by a factor."""
+    """What a lower bound of a synchronous step reads of a chain: per layer its forward and backward, their
+    fixed parts (paid whatever the microbatch's size) and a split backward's input- and weight-gradient
+    parts (as profiled, else the simulator's shares of the backward); the parameter bytes. Plain arrays;
+    :meth:`at` gives them at another microbatch size as the simulator scales them."""
 
     forward: np.ndarray
+    forward_fixed: np.ndarray
+    backward: np.ndarray
+    backward_fixed: np.ndarray
     input_grad: np.ndarray
-    work: np.ndarray
+    weight_grad: np.ndarray
+    split: bool
     param_bytes: float
     batch_size: int
 
     @classmethod
     def of(cls, chain: "Chain", split: bool) -> "ChainWork":
         """``split``: some backward may be split (``B`` then ``W``), as :func:`~pdcompile.simulate.simulate_plan`
-        costs the parts (as profiled, else its shares of the backward)."""
+        costs the parts."""
         from pdcompile.simulate import INPUT_GRAD_SHARE, WEIGHT_GRAD_SHARE
 
-        f = np.array([l.forward_s for l in chain.layers], dtype=float)
-        b = np.array([l.backward_s for l in chain.layers], dtype=float)
-        if split:
-            bi = np.array([l.input_grad_s if l.input_grad_s is not None else l.backward_s * INPUT_GRAD_SHARE
-                           for l in chain.layers], dtype=float)
-            bw = np.array([l.weight_grad_s if l.weight_grad_s is not None else l.backward_s * WEIGHT_GRAD_SHARE
-                           for l in chain.layers], dtype=float)
-            bi, b = np.minimum(bi, b), np.minimum(b, bi + bw)
-        else:
-            bi = b
-        return cls(f, bi, f + b, float(sum(l.param_bytes for l in chain.layers)), chain.batch_size)
+        def col(get: Callable[[Any], float]) -> np.ndarray:
+            return np.array([get(l) for l in chain.layers], dtype=float)
+
+        return cls(col(lambda l: l.forward_s), col(lambda l: l.forward_fixed_s), col(lambda l: l.backward_s),
+                   col(lambda l: l.backward_fixed_s),
+                   col(lambda l: l.input_grad_s if l.input_grad_s is not None else l.backward_s * INPUT_GRAD_SHARE),
+                   col(lambda l: l.weight_grad_s if l.weight_grad_s is not None else l.backward_s * WEIGHT_GRAD_SHARE),
+                   split, float(sum(l.param_bytes for l in chain.layers)), chain.batch_size)
+
+    def at(self, microbatch_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per layer at ``microbatch_size`` (``ChainLayer.scaled``): the forward; the part of the backward
+        a stage finishes before it sends its input gradient (the input-gradient part where backwards
+        may be split, else all of it); a microbatch's whole work on its stage (the forward and the least
+        its backward costs, split or not)."""
+        s = microbatch_size / self.batch_size
+        f = self.forward_fixed + (self.forward - self.forward_fixed) * s
+        b = self.backward_fixed + (self.backward - self.backward_fixed) * s
+        if not self.split:
+            return f, b, f + b
+        k = np.divide(b, self.backward, out=np.full_like(b, s), where=self.backward != 0)
+        gi, gw = self.input_grad * k, self.weight_grad * k
+        return f, np.minimum(gi, b), f + np.minimum(b, gi + gw)
 
 
 def step_lower_bound(cw: ChainWork, microbatch_size: int, num_microbatches: int, copies: int, workers: int,
@@ -157,11 +171,11 @@ def step_lower_bound(cw: ChainWork, microbatch_size: int, num_microbatches: int,
     alone (no plan): one microbatch's way forward through every layer and its input gradient back (the
     critical path); the whole step's work shared by every worker; the busiest layer's work on one
     worker's share of a copy's microbatches. Transfers, all-reduces and recomputation only add."""
-    s = microbatch_size / cw.batch_size  # the chain's costs scaled linearly (Chain.at_batch)
+    f, back, work = cw.at(microbatch_size)
     per_copy, width = num_microbatches // copies, workers // copies
-    path = float(cw.forward.sum() + cw.input_grad.sum()) * s
-    shared = num_microbatches * float(cw.work.sum()) * s / workers
-    busiest = math.ceil(per_copy / (width if allow_replication else 1)) * float(cw.work.max(initial=0.0)) * s
+    path = float(f.sum() + back.sum())
+    shared = num_microbatches * float(work.sum()) / workers
+    busiest = math.ceil(per_copy / (width if allow_replication else 1)) * float(work.max(initial=0.0))
     return max(path, shared, busiest) * (1 - 1e-9)  # the sums in another order than the simulator's
 
 
@@ -272,25 +286,24 @@ def _step_lower_bound(sub: Plan, chain: "Chain", per_copy: int, split: bool) -> 
     microbatch's forward through the stages before it; its last input gradient (after all its forwards
     and input gradients) then goes back through them (``split``: a backward may be split, its weight
     part later)."""
-    cw = ChainWork.of(chain, split)
-    pf, pi, pw = (np.concatenate(([0.0], np.cumsum(a))) for a in (cw.forward, cw.input_grad, cw.work))
+    f, back, work = ChainWork.of(chain, split).at(chain.batch_size)
+    pf, pi, pw = (np.concatenate(([0.0], np.cumsum(a))) for a in (f, back, work))
     out = 0.0
     for st in sub.stages:
         a, z = st.first, st.last + 1
         q = math.ceil(per_copy / st.replicas)
-        before_f, back = float(pf[a]), float(pi[a])
+        before_f, way_back = float(pf[a]), float(pi[a])
         out = max(out, before_f + q * float(pw[z] - pw[a]),
-                  before_f + q * float(pf[z] - pf[a] + pi[z] - pi[a]) + back)
+                  before_f + q * float(pf[z] - pf[a] + pi[z] - pi[a]) + way_back)
     return out * (1 - 1e-9)
 
 
 def _copies(sub: Plan, k: int, chain: "Chain", cluster: "ClusterSpec", options: PlanOptions,
             rate: Callable[..., Plan]) -> list[Plan]:
     """``k`` copies of ``sub`` (planned on the first ``W / k`` workers) on the whole cluster, rated
-    there: side by side (copy ``j`` on workers ``j W / k ..``), and each stage's replicas of all
-    copies on consecutive ranks. One copy: ``sub`` itself."""
-    if k == 1:
-        return [sub]
+    there: side by side (copy ``j`` on workers ``j W / k ..``; one copy: ``sub`` itself), and each
+    stage's replicas of all copies on consecutive ranks (one copy: where the planner placed a stage's
+    replicas apart, in one server's ranks where they fit, which its all-reduce may prefer)."""
     width = cluster.num_workers // k
     side = [(st.first, st.last, len(st.ranks) * k, tuple(sorted(r + j * width for j in range(k) for r in st.ranks)))
             for st in sub.stages]
@@ -299,8 +312,8 @@ def _copies(sub: Plan, k: int, chain: "Chain", cluster: "ClusterSpec", options: 
         n = len(st.ranks) * k
         grouped.append((st.first, st.last, n, tuple(range(nxt, nxt + n))))
         nxt += n
-    out = []
-    for assignment in (side, grouped) if side != grouped else (side,):
+    out = [sub] if k == 1 else []
+    for assignment in ((side,) if k > 1 else ()) + ((grouped,) if grouped != side else ()):
         for pool in (False, True):  # ranks that do not nest in the levels: rated on the pool
             try:
                 out.append(rate(chain, cluster, assignment, options, pool=pool))

@@ -171,15 +171,17 @@ def test_a_meta_model_with_a_real_target_traces_its_loss_on_meta() -> None:
 # --- the step search's pruning: the same step as every candidate planned and simulated -----------------------
 
 def _random_chain(rng: random.Random, n: int, batch: int) -> Chain:
-    """Layers of random forward, backward (some with profiled split parts), activations and weights."""
+    """Layers of random forward, backward (some with profiled split parts, some with fixed parts that a
+    smaller microbatch pays alike), activations and weights."""
     layers = []
     for i in range(n):
-        b = rng.uniform(0.1, 2.0)
-        split = rng.random() < 0.5
-        layers.append(ChainLayer(f"l{i}", "op", rng.uniform(0.05, 1.0), b, rng.uniform(0.0, 4.0) * GiB,
+        f, b = rng.uniform(0.05, 1.0), rng.uniform(0.1, 2.0)
+        split, fixed = rng.random() < 0.5, rng.choice([0.0, 0.0, 0.3, 0.9])
+        layers.append(ChainLayer(f"l{i}", "op", f, b, rng.uniform(0.0, 4.0) * GiB,
                                  rng.choice([0.0, 0.5, 2.0, 6.0]) * GiB, (f"l{i}",),
                                  input_grad_s=b * rng.uniform(0.3, 0.8) if split else None,
-                                 weight_grad_s=b * rng.uniform(0.3, 0.8) if split else None))
+                                 weight_grad_s=b * rng.uniform(0.3, 0.8) if split else None,
+                                 forward_fixed_s=f * fixed, backward_fixed_s=b * fixed * rng.random()))
     cuts = tuple(math.inf if rng.random() < 0.1 else rng.uniform(0.0, 2.0) * GiB for _ in range(n - 1))
     return Chain(tuple(layers), cuts, batch_size=batch, name="rand")
 
@@ -276,7 +278,7 @@ def test_the_step_bounds_are_never_above_the_simulated_step() -> None:
 
     rng = random.Random(7)
     checked = over = 0
-    for _ in range(300):
+    for _ in range(600):
         base = _random_chain(rng, rng.randint(1, 8), rng.choice([1, 2, 4]))
         cluster = _random_cluster(rng)
         W = cluster.num_workers
@@ -317,4 +319,29 @@ def test_the_step_bounds_are_never_above_the_simulated_step() -> None:
             assert max(res.peak_memory_bytes) > float(cluster.device.memory)
             over += 1
         checked += 1
-    assert checked > 200 and over > 5
+    assert checked > 400 and over > 10
+
+
+def test_a_chain_at_another_microbatch_size_is_what_the_simulator_runs_there() -> None:
+    """``Chain.at_batch`` (the step search's costs at each microbatch size) scales as the simulator does: a
+    plan of the base chain simulated at microbatch size ``b`` takes the same step as on the chain at ``b``
+    (fixed costs paid per microbatch whatever its size, split backward parts with the backward), and a
+    microbatch of one sample costs more per sample than a larger one where layers have fixed parts."""
+    rng = random.Random(3)
+    for _ in range(30):
+        base = _random_chain(rng, rng.randint(2, 6), 8)
+        cluster = _random_cluster(rng)
+        n = len(base.layers)
+        stages = rng.randint(1, min(n, cluster.num_workers))
+        p = partition_dp(base, cluster, PlanOptions(schedule="flush", num_microbatches=4, memory_limit=False))
+        for b in (1, 2, 4, 16):
+            sized = base.at_batch(b)
+            for split in (False, True):
+                want = float(simulate_plan(dataclasses.replace(p, microbatch_size=b), base, cluster, "flush", 4,
+                                           split_backward=split).step_time_s)
+                got = float(simulate_plan(dataclasses.replace(p, microbatch_size=b), sized, cluster, "flush", 4,
+                                          split_backward=split).step_time_s)
+                assert got == pytest.approx(want, rel=1e-9), (b, split, stages)
+        fixed = sum(l.forward_fixed_s + l.backward_fixed_s for l in base.layers)
+        one = sum(l.compute_s for l in base.at_batch(1).layers)
+        assert (one > sum(l.compute_s for l in base.layers) / 8 * (1 + 1e-12)) == (fixed > 0)
