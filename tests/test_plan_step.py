@@ -345,3 +345,49 @@ def test_a_chain_at_another_microbatch_size_is_what_the_simulator_runs_there() -
         fixed = sum(l.forward_fixed_s + l.backward_fixed_s for l in base.layers)
         one = sum(l.compute_s for l in base.at_batch(1).layers)
         assert (one > sum(l.compute_s for l in base.layers) / 8 * (1 + 1e-12)) == (fixed > 0)
+
+
+def _tiny_llama_on_two_gpus(schedule: str) -> Any:
+    """bench_big_model's --quick objective case: a 4-layer Llama on meta, real data, 2 H100s, bf16, AdamW."""
+    transformers = pytest.importorskip("transformers")
+    from pdcompile.api import pdcompile
+    from pdcompile.zoo.losses import SequenceCrossEntropy
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                   use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    h100 = Device("H100-80GB", memory=80 * GiB, peak_flops=494e12, memory_bandwidth=3.35e12, peak_flops_bf16=989e12)
+    cluster = ClusterSpec(h100, (Level("gpus-in-server", 2, 450e9),))
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randint(0, 100, (4, 16), generator=g), torch.randint(0, 100, (4, 16), generator=g)
+    return pdcompile(model, cluster, example_inputs=(x,), example_target=t, loss_fn=SequenceCrossEntropy(),
+                     cost_mode="analytic", precision="bf16", schedule=schedule,
+                     optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+
+
+def test_auto_never_loses_to_flushs_own_step_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The --quick case in miniature: auto compares schedules with flush's own plan (the microbatch count its
+    step search chose, its headline as it compiled), so auto's simulate() step is never above flush's; and a
+    choice that, compiled again, runs slower than flush's own plan gives way to it."""
+    from pdcompile import autoschedule
+
+    flush = _tiny_llama_on_two_gpus("flush")
+    auto = _tiny_llama_on_two_gpus("auto")
+    flush_step = float(flush.simulate().step_time_s)
+    assert float(auto.simulate().step_time_s) <= flush_step * (1 + 1e-9)
+    assert auto.plan.seconds_per_minibatch == float(auto.simulate().step_time_s)
+    cands, chosen, _ = auto.schedule_choice
+    # flush at the count flush's own search chose, at exactly its compiled headline
+    own = [c for c in cands if c.schedule == "flush" and c.num_microbatches == flush.num_microbatches
+           and c.virtual_stages == 1]
+    assert len(own) == 1 and own[0].step_s == pytest.approx(flush.plan.seconds_per_minibatch, rel=1e-12)
+    assert chosen.step_s <= own[0].step_s
+    # a pick that loses once compiled again (here: the slowest candidate that fits) leaves flush's own program
+    monkeypatch.setattr(autoschedule, "best", lambda cs: max((c for c in cs if c.fits and c.virtual_stages == 1
+                                                              and c.schedule != "flush"), key=lambda c: c.step_s))
+    slow = _tiny_llama_on_two_gpus("auto")
+    assert slow.options.schedule == "flush" and slow.num_microbatches == flush.num_microbatches
+    assert float(slow.simulate().step_time_s) == pytest.approx(flush_step, rel=1e-9)
+    assert any("flush kept" in n for n in slow.schedule_choice[2])
