@@ -95,7 +95,8 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     out["slowest_passes"] = ", ".join(f"{r.name} {r.seconds:.1f}"
                                       for r in sorted(pipe.records, key=lambda r: -r.seconds)[:3])
     out["stages"] = len(pipe.plan.stages)
-    out["replicas"] = "-".join(str(len(s.ranks)) for s in pipe.plan.stages)
+    reps = [len(s.ranks) for s in pipe.plan.stages]
+    out["replicas"] = f"{reps[0]} each" if len(reps) > 8 and len(set(reps)) == 1 else "-".join(map(str, reps))
     out["compile_rss_gib"] = _peak_rss_gib()
     out["schedule"] = pipe.options.schedule
     out["microbatches"] = f"{pipe.num_microbatches} x {pipe.microbatch_size}"
