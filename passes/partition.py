@@ -9,6 +9,8 @@ Without a cluster (or one too small for the replicas asked) the plan is for this
 
 from __future__ import annotations
 
+import bisect
+
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -46,12 +48,14 @@ def balanced_split(weights: Sequence[float], num_stages: int, cut_bytes: Sequenc
     """First positions of stages 1..S-1 of ``weights`` cut into ``num_stages`` contiguous parts that
     minimise the largest part's sum. ``cut_bytes[i]`` is what a cut after item ``i`` sends (``math.inf``:
     no cut there); ties go to the narrowest widest cut, then to the earliest cuts. The DP over
-    (parts, prefix) is vectorised over the last cut (numpy): 1250 layers in 32 parts in a few
-    tenths of a second instead of tens of seconds."""
+    (parts, prefix) is vectorised over the last cut (numpy), over the cuts whose last part is within the one
+    the previous prefix's choice gives (no other can tie the best): 1250 layers in 32 parts in a few
+    tenths of a second instead of tens of seconds, Llama-3-70B's 4858 in 128 in seconds."""
     n = len(weights)
     if num_stages > n:
         raise UsageError(f"pdcompile: {num_stages} stages but the model has only {n} layers")
     pre = np.concatenate([[0.0], np.cumsum(np.asarray(weights, dtype=float))])
+    monotone = bool(np.all(np.diff(pre) >= 0))  # a part's sum falls as its start moves right
     ok = np.array([True] + [math.isfinite(c) for c in cut_bytes])  # ok[j]: may a stage start at j?
     cut = np.array([0.0] + [float(c) for c in cut_bytes])  # cut[j]: bytes of a cut before item j
     inf = math.inf
@@ -66,12 +70,19 @@ def balanced_split(weights: Sequence[float], num_stages: int, cut_bytes: Sequenc
         usable = np.isfinite(prev_big) & ok[js]
         cut_j = np.where(js > 0, cut[js], 0.0)
         for i in range(k, n + 1):
-            m = usable[: i - (k - 1)]
+            # every last cut j that can tie the best has its part pre[i] - pre[j] within the part that the
+            # previous end's cut gives here (an upper bound of the best): only those are compared
+            lo, hi = 0, i - (k - 1)
+            j0 = int(back[k][i - 1]) - (k - 1) if i > k and monotone else -1
+            if 0 <= j0 < hi and usable[j0]:
+                top = max(prev_big[j0], pre[i] - pre[js[j0]])
+                lo = bisect.bisect_left(range(j0 + 1), True, key=lambda t: bool(pre[i] - pre[js[t]] <= top))
+            m = usable[lo:hi]
             if not m.any():
                 continue
-            jj = js[: i - (k - 1)]
-            a = np.maximum(prev_big[: len(jj)], pre[i] - pre[jj])
-            b = np.maximum(prev_wide[: len(jj)], cut_j[: len(jj)])
+            jj = js[lo:hi]
+            a = np.maximum(prev_big[lo:hi], pre[i] - pre[jj])
+            b = np.maximum(prev_wide[lo:hi], cut_j[lo:hi])
             a = np.where(m, a, inf)
             amin = a.min()
             tie = a == amin

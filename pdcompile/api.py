@@ -12,6 +12,8 @@ into microbatches; ``loss_fn(output, target)`` is traced into the last stage (``
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import inspect
 import json
@@ -61,15 +63,16 @@ class CompiledPipeline:
     def __init__(self, model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...], opts: Options,
                  dump_dir: str | os.PathLike[str] | None = None) -> None:
         self.model = model
-        # schedule="auto": compiled with flush first, then with the schedule and M the simulator picks
+        # schedule="auto": compiled with flush first (its own step search, as schedule="flush" compiles), then
+        # with the schedule and M the simulator picks where that compiles faster
         opts = _with_virtual_stages(_from_csv(opts))
         auto = opts.schedule == autoschedule.AUTO
         self.schedule_choice: tuple[list[autoschedule.Candidate], autoschedule.Candidate, list[str]] | None = None
         # schedule="auto" on CPU workers: the runtime's per-action cost it charged (calibrated or built-in)
         self.action_cost: machine_cache.ActionCost | None = None
         self.state: CompileState  # written by _compile
-        choose = not auto and chooses_microbatches(opts.cluster, opts.schedule, opts.num_microbatches, opts.microbatch_size,
-                                                   opts.stages)
+        choose = chooses_microbatches(opts.cluster, "flush" if auto else opts.schedule, opts.num_microbatches,
+                                      opts.microbatch_size, opts.stages)
         self._compile(model, example_inputs, replace(opts, schedule="flush") if auto else opts, dump_dir, choose)
         if auto:
             self._choose_schedule(model, example_inputs, opts, dump_dir)
@@ -153,9 +156,14 @@ class CompiledPipeline:
                     self.wire_chain, self.cluster, ranks, batch, virtual, counts, vs=(v,), split_backward=split,
                     tied_bytes=tied_bytes, tied_stages=[0, v * ranks - 1] if tied_bytes else [],
                     overhead_s=overhead, optimizer_state_factor=factor)
+        # the flush program compiled first is a candidate as it is: its headline, simulate() of it
+        flush_step = self.plan.seconds_per_minibatch
+        cands = [dataclasses.replace(c, step_s=flush_step) if (c.schedule, c.num_microbatches, c.virtual_stages) ==
+                 ("flush", self.num_microbatches, 1) else c for c in cands]
         chosen = autoschedule.best(cands)
         self.action_cost = cost
         self.schedule_choice = (cands, chosen, [*_action_cost_notes(cost, self.cluster, fixed is None), *skipped])
+        flush_compiled = dict(self.__dict__)  # kept where the chosen one, compiled, is predicted slower
         if chosen.virtual_stages > 1:
             ranks_v = chosen.virtual_stages * ranks
             self._compile(model, example_inputs, replace(asked, schedule=chosen.schedule, microbatch_size=None,
@@ -177,6 +185,12 @@ class CompiledPipeline:
                                                              num_microbatches=more[0]), dump_dir)
         else:
             self.options = replace(asked, schedule=chosen.schedule)
+        if self.plan.seconds_per_minibatch > flush_step * (1 + 1e-9):  # planned again, it lost to flush's own plan
+            note = (f"note: {chosen.schedule} with {chosen.num_microbatches} microbatches compiled to "
+                    f"{self.plan.seconds_per_minibatch:.4g} s per minibatch, slower than flush's own plan "
+                    f"({flush_step:.4g} s): flush kept")
+            self.__dict__.update(flush_compiled)  # its options too: flush at the count its search chose
+            self.schedule_choice[2].insert(0, note)
 
     def _tied(self) -> tuple[float, list[int]]:
         """Bytes of the parameters tied across stages, and those stages."""

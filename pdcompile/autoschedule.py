@@ -2,8 +2,10 @@
 simulating every synchronous schedule (the same training as single-process SGD) at every
 microbatch count that divides the minibatch (:func:`~pdcompile.simulate.simulate_plan`): those
 with a stage per rank on the plan, those with virtual stages on ``v p`` balanced stages over the
-plan's ``p`` ranks; the fastest whose predicted peak memory fits a worker wins. Pure Python over
-plain data (no torch)."""
+plan's ``p`` ranks; the fastest whose predicted peak memory fits a worker wins. The plan is flush's own
+(``pdcompile()`` compiles flush first, with its step search choosing the count where it may), rated at its
+compiled headline; a choice that compiles slower than it leaves flush's program (``api.py``), so auto is
+never predicted slower than ``schedule="flush"``. Pure Python over plain data (no torch)."""
 
 from __future__ import annotations
 

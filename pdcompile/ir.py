@@ -153,8 +153,9 @@ class Chain:
         return "\n".join(lines)
 
     def at_batch(self, batch_size: int) -> "Chain":
-        """This chain's costs at another batch (microbatch) size, scaled linearly, as the simulator
-        scales them (times, activation and boundary bytes; parameters stay)."""
+        """This chain's costs at another batch (microbatch) size, as the simulator scales them
+        (:meth:`ChainLayer.scaled`): times less their fixed parts scaled linearly (a split backward's
+        parts as the backward), activation and boundary bytes linearly; parameters stay."""
         if batch_size == self.batch_size:
             return self
         f = batch_size / self.batch_size
@@ -162,14 +163,19 @@ class Chain:
         def sc(x: float | None) -> float | None:
             return None if x is None else x * f
 
-        layers = tuple(dataclasses.replace(
-            l, forward_s=l.forward_s * f, backward_s=l.backward_s * f, output_bytes=l.output_bytes * f,
-            saved_bytes=sc(l.saved_bytes), saved_input_bytes=l.saved_input_bytes * f,
-            saved_output_bytes=l.saved_output_bytes * f, input_grad_s=sc(l.input_grad_s),
-            weight_grad_s=sc(l.weight_grad_s), selective_saved_bytes=sc(l.selective_saved_bytes),
-            selective_recompute_s=sc(l.selective_recompute_s), selective_rebuilt_bytes=sc(l.selective_rebuilt_bytes),
-            resaved_bytes=l.resaved_bytes * f, tp_allreduce_bytes=l.tp_allreduce_bytes * f) for l in self.layers)
-        return dataclasses.replace(self, layers=layers, batch_size=batch_size,
+        def one(l: ChainLayer) -> ChainLayer:
+            fwd, bwd, k = l.scaled(f)
+            return dataclasses.replace(
+                l, forward_s=fwd, backward_s=bwd, output_bytes=l.output_bytes * f,
+                saved_bytes=sc(l.saved_bytes), saved_input_bytes=l.saved_input_bytes * f,
+                saved_output_bytes=l.saved_output_bytes * f,
+                input_grad_s=None if l.input_grad_s is None else l.input_grad_s * k,
+                weight_grad_s=None if l.weight_grad_s is None else l.weight_grad_s * k,
+                selective_saved_bytes=sc(l.selective_saved_bytes), selective_recompute_s=sc(l.selective_recompute_s),
+                selective_rebuilt_bytes=sc(l.selective_rebuilt_bytes), resaved_bytes=l.resaved_bytes * f,
+                tp_allreduce_bytes=l.tp_allreduce_bytes * f)
+
+        return dataclasses.replace(self, layers=tuple(one(l) for l in self.layers), batch_size=batch_size,
                                    cut_bytes=tuple(c * f for c in self.cut_bytes))
 
     def on_the_wire(self, precision: str) -> "Chain":

@@ -12,8 +12,10 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
 
 from pdcompile.errors import InfeasiblePlanError, UsageError
 from pdcompile.passes.partition_dp import partition_dp
@@ -124,6 +126,80 @@ def microbatch_choices(minibatch: int, most: int = 64) -> list[int]:
     return [m for m in range(1, min(minibatch, most) + 1) if minibatch % m == 0]
 
 
+@dataclass(frozen=True)
+class ChainWork:
+    """What a lower bound of a synchronous step reads of a chain: per layer its forward and backward, their
+    fixed parts (paid whatever the microbatch's size) and a split backward's input- and weight-gradient
+    parts (as profiled, else the simulator's shares of the backward); the parameter bytes. Plain arrays;
+    :meth:`at` gives them at another microbatch size as the simulator scales them."""
+
+    forward: np.ndarray
+    forward_fixed: np.ndarray
+    backward: np.ndarray
+    backward_fixed: np.ndarray
+    input_grad: np.ndarray
+    weight_grad: np.ndarray
+    split: bool
+    param_bytes: float
+    batch_size: int
+
+    @classmethod
+    def of(cls, chain: "Chain", split: bool) -> "ChainWork":
+        """``split``: some backward may be split (``B`` then ``W``), as :func:`~pdcompile.simulate.simulate_plan`
+        costs the parts."""
+        from pdcompile.simulate import INPUT_GRAD_SHARE, WEIGHT_GRAD_SHARE
+
+        def col(get: Callable[[Any], float]) -> np.ndarray:
+            return np.array([get(l) for l in chain.layers], dtype=float)
+
+        return cls(col(lambda l: l.forward_s), col(lambda l: l.forward_fixed_s), col(lambda l: l.backward_s),
+                   col(lambda l: l.backward_fixed_s),
+                   col(lambda l: l.input_grad_s if l.input_grad_s is not None else l.backward_s * INPUT_GRAD_SHARE),
+                   col(lambda l: l.weight_grad_s if l.weight_grad_s is not None else l.backward_s * WEIGHT_GRAD_SHARE),
+                   split, float(sum(l.param_bytes for l in chain.layers)), chain.batch_size)
+
+    def at(self, microbatch_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per layer at ``microbatch_size`` (``ChainLayer.scaled``): the forward; the part of the backward
+        a stage finishes before it sends its input gradient (the input-gradient part where backwards
+        may be split, else all of it); a microbatch's whole work on its stage (the forward and the least
+        its backward costs, split or not)."""
+        s = microbatch_size / self.batch_size
+        f = self.forward_fixed + (self.forward - self.forward_fixed) * s
+        b = self.backward_fixed + (self.backward - self.backward_fixed) * s
+        if not self.split:
+            return f, b, f + b
+        k = np.divide(b, self.backward, out=np.full_like(b, s), where=self.backward != 0)
+        gi, gw = self.input_grad * k, self.weight_grad * k
+        return f, np.minimum(gi, b), f + np.minimum(b, gi + gw)
+
+
+def step_lower_bound(cw: ChainWork, microbatch_size: int, num_microbatches: int, copies: int, workers: int,
+                     allow_replication: bool = True) -> float:
+    """A bound below the simulated synchronous step of every plan of ``copies`` pipeline copies on
+    ``workers`` workers with ``num_microbatches`` microbatches of ``microbatch_size``, read off the chain
+    alone (no plan): one microbatch's way forward through every layer and its input gradient back (the
+    critical path); the whole step's work shared by every worker; the busiest layer's work on one
+    worker's share of a copy's microbatches. Transfers, all-reduces and recomputation only add."""
+    f, back, work = cw.at(microbatch_size)
+    per_copy, width = num_microbatches // copies, workers // copies
+    path = float(f.sum() + back.sum())
+    shared = num_microbatches * float(work.sum()) / workers
+    busiest = math.ceil(per_copy / (width if allow_replication else 1)) * float(work.max(initial=0.0))
+    return max(path, shared, busiest) * (1 - 1e-9)  # the sums in another order than the simulator's
+
+
+def copies_fit(cw: ChainWork, copies: int, workers: int, budget: float, optimizer_state_factor: float) -> bool:
+    """Whether one of ``copies`` copies (``workers / copies`` workers of ``budget`` bytes) can hold the chain's
+    state, read off the chain alone: a replica of a stage holds its weights x ``2 + f / r`` at least when
+    its gradients exist (sharding.py: one working copy, the gradients, its share of the optimizer state,
+    which ``optimizer`` divides least), so ``r`` replicas together at least ``2 + f``. A copy that cannot
+    is over memory under every plan, in the planner's model and the simulator's alike."""
+    if not math.isfinite(budget):
+        return True
+    need = cw.param_bytes * (2.0 + optimizer_state_factor)
+    return need <= (workers // copies) * budget * (1 + 1e-9)
+
+
 def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | None = None, *, solver: str = "dp",
               **overrides: Any) -> Plan:
     """The plan of ``chain`` on ``cluster`` whose step under ``options.schedule`` (synchronous) is the
@@ -136,9 +212,13 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
     bottleneck) plans one copy on the cluster's first ``W / k`` workers with ``M / k`` microbatches,
     at the microbatch size ``minibatch / M`` (``Chain.at_batch``); its ``k`` copies side by side, or
     each stage's ``k`` copies of replicas next to each other, are rated on the whole cluster and
-    simulated. Candidates are visited by a lower bound of their step (the busiest replica's work
-    after one microbatch's way to it), and the search stops where that bound passes the best step
-    found. A candidate whose simulated peak memory is over the device's loses to one that fits."""
+    simulated. The candidates are visited in the order of a bound of their step read off the chain
+    alone (:func:`step_lower_bound`), and the search stops where that bound passes the best step that
+    fits: most are never planned. A copy too small to hold the chain's state (:func:`copies_fit`) is
+    not planned; a planned one is simulated only where its plan's own bound (the busiest replica's work
+    after one microbatch's way to it) is below the best. A candidate whose simulated peak memory is over
+    the device's loses to one that fits. The same step as planning and simulating every candidate
+    (``tests/test_plan_step.py`` checks it against that search)."""
     from pdcompile.passes.partition_dp import plan_from_assignment
     from pdcompile.runtime.schedules.spec import default_split_backward
     from pdcompile.simulate import simulate_plan
@@ -153,31 +233,37 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
     counts = microbatch_choices(minibatch) if opts.choose_microbatches else [m0]
     workers = cluster.num_workers
     split = default_split_backward("cpu" if cluster.device.name == "cpu" else "gpu", workers, os.cpu_count() or 1)
+    pol = POLICIES[opts.schedule]
+    cw = ChainWork.of(chain, split or pol.splits_every_backward or pol.order_splits)
     # the memory limit as the planner applies it: on where asked, else the default cost model's default
     memory_on = opts.memory_limit if opts.memory_limit is not None else opts.cost_model == "default"
     limit = float(cluster.device.memory) if memory_on and cluster.device.memory else math.inf
-    found: list[tuple[float, int, int, Chain, Plan]] = []
+    order = sorted((step_lower_bound(cw, minibatch // m, m, k, workers, opts.allow_replication), m, k)
+                   for m in counts for k in range(1, workers + 1) if workers % k == 0 and m % k == 0)
     failures: list[str] = []
-    for m in counts:
-        chain_m = chain.at_batch(minibatch // m)
-        for k in (k for k in range(1, workers + 1) if workers % k == 0 and m % k == 0):
-            part = cluster.first_workers(workers // k)
-            if part is None:
-                continue
-            try:
-                sub = solve(chain_m, part, replace(opts, num_microbatches=m // k, choose_microbatches=False), **rest)
-            except InfeasiblePlanError as e:
-                failures.append(f"M={m}, {k} copies: {e}")
-                continue
-            found.append((_step_lower_bound(sub, chain_m, m // k), k, m, chain_m, sub))
-    if not found:
-        raise InfeasiblePlanError(failures[0] if len(failures) == 1 else
-                                  "no plan fits: " + "; ".join(failures[:4]) + ("; ..." if len(failures) > 4 else ""))
     best: tuple[tuple[bool, float], Plan, Plan, int] | None = None  # (over memory, step), plan, its copy, M
-    rated = 0
-    for lb, k, m, chain_m, sub in sorted(found, key=lambda c: (c[0], c[2], c[1])):
-        if best is not None and not best[0][0] and lb * (1 - 1e-9) >= best[0][1]:
+    chains: dict[int, Chain] = {}
+    planned = rated = 0
+    for lb, m, k in order:
+        if best is not None and not best[0][0] and lb >= best[0][1]:
             break  # no candidate left can beat the best that fits
+        if not copies_fit(cw, k, workers, limit, opts.optimizer_state_factor):
+            failures.append(f"M={m}, {k} copies: {workers // k} workers cannot hold the weights, gradients and "
+                            f"optimizer state")
+            continue
+        part = cluster.first_workers(workers // k)
+        if part is None:
+            continue
+        chain_m = chains.setdefault(m, chain.at_batch(minibatch // m))
+        try:
+            sub = solve(chain_m, part, replace(opts, num_microbatches=m // k, choose_microbatches=False), **rest)
+        except InfeasiblePlanError as e:
+            failures.append(f"M={m}, {k} copies: {e}")
+            continue
+        planned += 1
+        if best is not None and not best[0][0] and \
+                _step_lower_bound(sub, chain_m, m // k, split or pol.splits_every_backward) >= best[0][1]:
+            continue
         for full in _copies(sub, k, chain_m, cluster, replace(opts, num_microbatches=m, choose_microbatches=False),
                             plan_from_assignment):
             res = simulate_plan(full, chain_m, cluster, opts.schedule, m, split_backward=split,
@@ -186,13 +272,15 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
             key = (max(map(float, res.peak_memory_bytes or [0.0])) > limit * (1 + 1e-9), float(res.step_time_s))
             if best is None or key < best[0]:
                 best = (key, full, sub, m)
-    assert best is not None
+    if best is None:
+        raise InfeasiblePlanError(failures[0] if len(failures) == 1 else
+                                  "no plan fits: " + "; ".join(failures[:4]) + ("; ..." if len(failures) > 4 else ""))
     (over, step), full, sub, m = best
     if over:  # every candidate's simulated peak is over the device's memory: none fits, as the planners say
         raise InfeasiblePlanError(f"no {opts.schedule} plan fits {limit:.4g} bytes per worker: each candidate's "
                                   f"simulated peak memory is over it ({rated} simulated)")
-    note = (f"chosen by its simulated {opts.schedule} step: {len(found)} candidates (microbatch count x pipeline "
-            f"copies) planned, {rated} simulated")
+    note = (f"chosen by its simulated {opts.schedule} step: of {len(order)} candidates (microbatch count x "
+            f"pipeline copies), {planned} planned and {rated} simulated; the rest bounded out")
     return replace(full, solver=solver, schedule=opts.schedule, seconds_per_minibatch=step,
                    samples_per_second=minibatch / step if step > 0 else math.inf, num_microbatches=m,
                    predicted_by=f"simulated {opts.schedule} step of {m} microbatch{'es' if m != 1 else ''} "
@@ -201,25 +289,30 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
                    cluster=str(cluster), num_workers=workers, notes=(*full.notes, note))
 
 
-def _step_lower_bound(sub: Plan, chain: "Chain", per_copy: int) -> float:
+def _step_lower_bound(sub: Plan, chain: "Chain", per_copy: int, split: bool) -> float:
     """A bound below the simulated step of ``sub``'s copies, each with ``per_copy`` microbatches: some
-    replica of stage ``s`` runs ``ceil(per_copy / r_s)`` forwards and backwards, after the first
-    microbatch's forward through the stages before it and before that one's backward through them."""
-    out, before = 0.0, 0.0
+    replica of stage ``s`` runs ``q = ceil(per_copy / r_s)`` forwards and backwards, after the first
+    microbatch's forward through the stages before it; its last input gradient (after all its forwards
+    and input gradients) then goes back through them (``split``: a backward may be split, its weight
+    part later)."""
+    f, back, work = ChainWork.of(chain, split).at(chain.batch_size)
+    pf, pi, pw = (np.concatenate(([0.0], np.cumsum(a))) for a in (f, back, work))
+    out = 0.0
     for st in sub.stages:
-        work = sum(l.compute_s for l in chain.layers[st.first:st.last + 1])
-        out = max(out, before + math.ceil(per_copy / st.replicas) * work)
-        before += work
-    return out
+        a, z = st.first, st.last + 1
+        q = math.ceil(per_copy / st.replicas)
+        before_f, way_back = float(pf[a]), float(pi[a])
+        out = max(out, before_f + q * float(pw[z] - pw[a]),
+                  before_f + q * float(pf[z] - pf[a] + pi[z] - pi[a]) + way_back)
+    return out * (1 - 1e-9)
 
 
 def _copies(sub: Plan, k: int, chain: "Chain", cluster: "ClusterSpec", options: PlanOptions,
             rate: Callable[..., Plan]) -> list[Plan]:
     """``k`` copies of ``sub`` (planned on the first ``W / k`` workers) on the whole cluster, rated
-    there: side by side (copy ``j`` on workers ``j W / k ..``), and each stage's replicas of all
-    copies on consecutive ranks. One copy: ``sub`` itself."""
-    if k == 1:
-        return [sub]
+    there: side by side (copy ``j`` on workers ``j W / k ..``; one copy: ``sub`` itself), and each
+    stage's replicas of all copies on consecutive ranks (one copy: where the planner placed a stage's
+    replicas apart, in one server's ranks where they fit, which its all-reduce may prefer)."""
     width = cluster.num_workers // k
     side = [(st.first, st.last, len(st.ranks) * k, tuple(sorted(r + j * width for j in range(k) for r in st.ranks)))
             for st in sub.stages]
@@ -228,8 +321,8 @@ def _copies(sub: Plan, k: int, chain: "Chain", cluster: "ClusterSpec", options: 
         n = len(st.ranks) * k
         grouped.append((st.first, st.last, n, tuple(range(nxt, nxt + n))))
         nxt += n
-    out = []
-    for assignment in (side, grouped) if side != grouped else (side,):
+    out = [sub] if k == 1 else []
+    for assignment in ((side,) if k > 1 else ()) + ((grouped,) if grouped != side else ()):
         for pool in (False, True):  # ranks that do not nest in the levels: rated on the pool
             try:
                 out.append(rate(chain, cluster, assignment, options, pool=pool))

@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -108,3 +109,56 @@ def test_compile_state_has_a_named_field_for_everything() -> None:
     assert "extra" not in fields
     assert fields >= {"gm", "output_key", "profile", "chain", "plan", "assignment", "stage_ranks", "cluster",
                       "stages", "schedule", "loss"}
+
+
+def _balanced_split_every_cut(weights: list[float], num_stages: int, cut_bytes: list[float]) -> list[int]:
+    """The reference: balanced_split's DP comparing every last cut for every prefix (no window)."""
+    n = len(weights)
+    pre = [0.0]
+    for w in weights:
+        pre.append(pre[-1] + w)
+    ok = [True] + [math.isfinite(c) for c in cut_bytes]
+    cut = [0.0] + list(cut_bytes)
+    inf = math.inf
+    big = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    wide = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    back = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    big[0][0] = wide[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            best = None
+            for j in range(k - 1, i):
+                if not (math.isfinite(big[k - 1][j]) and ok[j]):
+                    continue
+                key = (max(big[k - 1][j], pre[i] - pre[j]), max(wide[k - 1][j], cut[j] if j > 0 else 0.0))
+                if best is None or key < best[0]:
+                    best = (key, j)
+            if best is not None:
+                (big[k][i], wide[k][i]), back[k][i] = best
+    if not math.isfinite(big[num_stages][n]):
+        raise UsageError("no split")
+    bounds, i = [], n
+    for k in range(num_stages, 0, -1):
+        i = back[k][i]
+        bounds.append(i)
+    return sorted(b for b in bounds if b > 0)
+
+
+def test_balanced_split_compares_only_the_cuts_that_can_tie_and_finds_the_same_split() -> None:
+    """balanced_split skips the last cuts whose part alone passes the previous prefix's choice: the same
+    split, ties included (zero weights, equal weights, forbidden and equal cuts), as comparing every cut."""
+    rng = random.Random(5)
+    for _ in range(1500):
+        n = rng.randint(1, 16)
+        w = [rng.choice([0.0, 1.0, 2.0, rng.random(), 5 * rng.random()]) for _ in range(n)]
+        cuts = [rng.choice([0.0, 1.0, 2.0, math.inf, rng.random()]) for _ in range(n - 1)]
+        s = rng.randint(1, n)
+        try:
+            want: Any = _balanced_split_every_cut(w, s, cuts)
+        except UsageError:
+            want = UsageError
+        try:
+            got: Any = balanced_split(w, s, cuts)
+        except UsageError:
+            got = UsageError
+        assert got == want, (w, s, cuts)

@@ -209,3 +209,41 @@ def test_recompute_selective_on_a_profile_without_its_costs_is_a_clear_error(cap
     assert "selective" in err and "recompute='full' or 'auto'" in err and len(err.strip().splitlines()) == 1
     rc, out, _ = _run(capsys, "plan", "--profile", VGG, "--cluster", "paper:A", "--recompute", "full", "--json")
     assert rc == 0 and all(s["recompute"] == "full" for s in json.loads(out)["stages"])
+
+
+def test_microbatches_plan_a_synchronous_step_and_let_the_search_choose(capsys, cluster4):
+    """``--microbatches N``: flush is planned by its simulated step of N microbatches (the headline is that step,
+    as simulate_plan replays it); ``--choose-microbatches``: the step search cuts the same minibatch into the
+    count it chooses, never slower than N; bad counts and schedules exit 2 with one line."""
+    from pdcompile.passes.linearize import linearize
+    from pdcompile.plan import Plan
+    from pdcompile.profile import load
+    from pdcompile._cli._args import resolve_cluster
+    from pdcompile.simulate import simulate_plan
+
+    base = ["plan", "--profile", VGG, "--cluster", str(cluster4), "--schedule", "flush", "--json"]
+    rc, out, err = _run(capsys, *base, "--microbatches", "8")
+    assert rc == 0, err
+    fixed = Plan.from_json(out)
+    assert fixed.num_microbatches == 8
+    chain = linearize(load(VGG))
+    cluster = resolve_cluster(str(cluster4))
+    step = float(simulate_plan(fixed, chain.at_batch(fixed.microbatch_size), cluster, "flush", 8,
+                               split_backward=True, optimizer_state_factor=fixed_factor(fixed)).step_time_s)
+    assert fixed.seconds_per_minibatch == pytest.approx(step, rel=1e-9)
+    rc, out, err = _run(capsys, *base, "--microbatches", "8", "--choose-microbatches")
+    assert rc == 0, err
+    chosen = Plan.from_json(out)
+    assert chosen.num_microbatches * chosen.microbatch_size == 8 * chain.batch_size
+    assert chosen.seconds_per_minibatch <= fixed.seconds_per_minibatch * (1 + 1e-9)
+    for bad, says in ((["--microbatches", "0"], "--microbatches 0"),
+                      (["--choose-microbatches", "--schedule", "1f1b"], "--choose-microbatches")):
+        rc, out, err = _run(capsys, *base, *bad)
+        assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def fixed_factor(plan) -> float:
+    """The optimizer state the command planned with (PipeDream's profiles: SGD with momentum, or as they say)."""
+    from pdcompile.profile import load, optimizer_state_factor
+
+    return optimizer_state_factor(load(VGG).optimizer)

@@ -5,16 +5,22 @@ user's cluster; a model on meta never runs its loss on full-size values."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
+import random
+import re
 from typing import Any
 
 import pytest
 import torch
 
 from pdcompile.cluster import ClusterSpec, Device, Level
+from pdcompile.ir import Chain, ChainLayer
 from pdcompile.passes.linearize import linearize
 from pdcompile.passes.partition_dp import partition_dp
+from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.plan import Plan, plan, step_objective
 from pdcompile.profile import load
 from pdcompile.simulate import simulate_plan
@@ -160,3 +166,228 @@ def test_a_meta_model_with_a_real_target_traces_its_loss_on_meta() -> None:
     assert seen and all(d.type == "meta" for d in seen)
     assert pipe.loss() is not None and "cross_entropy" in pipe.loss().gm.code.replace("nll_loss", "cross_entropy")
     assert not math.isnan(pipe.plan.seconds_per_minibatch)
+
+
+# --- the step search's pruning: the same step as every candidate planned and simulated -----------------------
+
+def _random_chain(rng: random.Random, n: int, batch: int) -> Chain:
+    """Layers of random forward, backward (some with profiled split parts, some with fixed parts that a
+    smaller microbatch pays alike), activations and weights."""
+    layers = []
+    for i in range(n):
+        f, b = rng.uniform(0.05, 1.0), rng.uniform(0.1, 2.0)
+        split, fixed = rng.random() < 0.5, rng.choice([0.0, 0.0, 0.3, 0.9])
+        layers.append(ChainLayer(f"l{i}", "op", f, b, rng.uniform(0.0, 4.0) * GiB,
+                                 rng.choice([0.0, 0.5, 2.0, 6.0]) * GiB, (f"l{i}",),
+                                 input_grad_s=b * rng.uniform(0.3, 0.8) if split else None,
+                                 weight_grad_s=b * rng.uniform(0.3, 0.8) if split else None,
+                                 forward_fixed_s=f * fixed, backward_fixed_s=b * fixed * rng.random()))
+    cuts = tuple(math.inf if rng.random() < 0.1 else rng.uniform(0.0, 2.0) * GiB for _ in range(n - 1))
+    return Chain(tuple(layers), cuts, batch_size=batch, name="rand")
+
+
+def _random_cluster(rng: random.Random) -> ClusterSpec:
+    inner, outer = rng.choice([(2, 1), (4, 1), (2, 2), (4, 2), (3, 2)])
+    levels = (Level("gpus", inner, rng.choice([1e9, 50e9])),) + ((Level("servers", outer, 1e9),) if outer > 1 else ())
+    device = Device("gpu" if rng.random() < 0.7 else "cpu", memory=rng.choice([24, 48, 96, 400]) * GiB,
+                    peak_flops=1e13, memory_bandwidth=1e12)
+    return ClusterSpec(device, levels)
+
+
+def _every_candidate(chain: Chain, cluster: ClusterSpec, opts: PlanOptions) -> tuple[bool, float] | None:
+    """The brute-force search: every microbatch count and number of pipeline copies planned (the DP), its
+    copies placed side by side and grouped by stage, each simulated; the least (over memory, step)."""
+    from pdcompile.errors import InfeasiblePlanError, UsageError
+    from pdcompile.passes.partition_dp import plan_from_assignment
+    from pdcompile.runtime.schedules.spec import default_split_backward
+
+    W = cluster.num_workers
+    minibatch = chain.batch_size * opts.num_microbatches
+    split = default_split_backward("cpu" if cluster.device.name == "cpu" else "gpu", W, os.cpu_count() or 1)
+    limit = float(cluster.device.memory)
+    best: tuple[bool, float] | None = None
+    for m in (m for m in range(1, min(minibatch, 64) + 1) if minibatch % m == 0):
+        chain_m = chain.at_batch(minibatch // m)
+        for k in (k for k in range(1, W + 1) if W % k == 0 and m % k == 0):
+            part = cluster.first_workers(W // k)
+            if part is None:
+                continue
+            try:
+                sub = partition_dp(chain_m, part, dataclasses.replace(opts, num_microbatches=m // k,
+                                                                      choose_microbatches=False))
+            except InfeasiblePlanError:
+                continue
+            width = W // k
+            side = [(s.first, s.last, len(s.ranks) * k, tuple(sorted(r + j * width for j in range(k) for r in s.ranks)))
+                    for s in sub.stages]
+            grouped, nxt = [], 0
+            for s in sub.stages:
+                grouped.append((s.first, s.last, len(s.ranks) * k, tuple(range(nxt, nxt + len(s.ranks) * k))))
+                nxt += len(s.ranks) * k
+            for assignment in (side, grouped):
+                for pool in (False, True):
+                    try:
+                        full = plan_from_assignment(chain_m, cluster, assignment,
+                                                    dataclasses.replace(opts, num_microbatches=m,
+                                                                        choose_microbatches=False), pool=pool)
+                    except UsageError:
+                        continue
+                    res = simulate_plan(full, chain_m, cluster, opts.schedule, m, split_backward=split,
+                                        optimizer_state_factor=opts.optimizer_state_factor)
+                    key = (max(res.peak_memory_bytes) > limit * (1 + 1e-9), float(res.step_time_s))
+                    best = key if best is None or key < best else best
+                    break
+    return best
+
+
+def test_the_pruned_step_search_finds_the_step_of_every_candidate_simulated() -> None:
+    """On random chains and clusters (memory from roomy to too small for a copy on few workers), under flush,
+    gpipe and zb-h1: the step search, which plans only the candidates its bounds leave, returns the least
+    step of planning and simulating every (microbatch count, copies) candidate; where none fits, both say so."""
+    from pdcompile.errors import InfeasiblePlanError
+
+    rng = random.Random(36)
+    pruned = compared = 0
+    for trial in range(40):
+        chain = _random_chain(rng, rng.randint(2, 9), rng.choice([1, 2, 3]))
+        cluster = _random_cluster(rng)
+        opts = PlanOptions(schedule=rng.choice(["flush", "gpipe", "zb-h1"]), num_microbatches=rng.choice([2, 4, 6]),
+                           choose_microbatches=True, optimizer_state_factor=rng.choice([0.0, 2.0]))
+        want = _every_candidate(chain, cluster, opts)
+        try:
+            got = plan(chain, cluster, opts)
+        except InfeasiblePlanError:
+            assert want is None or want[0], (trial, want)
+            continue
+        assert want is not None and not want[0], trial
+        assert got.seconds_per_minibatch == pytest.approx(want[1], rel=1e-9), (trial, str(cluster), opts)
+        note = got.notes[-1]
+        total, planned = (int(x) for x in re.findall(r"of (\d+) candidates .*?, (\d+) planned", note)[0])
+        pruned += total - planned
+        compared += 1
+    assert compared >= 25 and pruned > compared  # the bounds left most candidates unplanned
+
+
+def test_the_step_bounds_are_never_above_the_simulated_step() -> None:
+    """The chain-only bound (every plan of a candidate) and a plan's own bound, against the simulated step of
+    random pipelines (stages, replicas, copies) on random chains; and a copy that the chain-only memory test
+    says cannot hold the state is over the device's memory whatever its plan."""
+    from pdcompile.errors import UsageError
+    from pdcompile.passes.partition_dp import plan_from_assignment
+    from pdcompile.plan import ChainWork, _step_lower_bound, copies_fit, step_lower_bound
+
+    rng = random.Random(7)
+    checked = over = 0
+    for _ in range(600):
+        base = _random_chain(rng, rng.randint(1, 8), rng.choice([1, 2, 4]))
+        cluster = _random_cluster(rng)
+        W = cluster.num_workers
+        schedule = rng.choice(["flush", "gpipe", "zb-h1"])
+        split = rng.random() < 0.5
+        minibatch = base.batch_size * rng.choice([1, 2, 4, 6])
+        m = rng.choice([d for d in range(1, minibatch + 1) if minibatch % d == 0])
+        k = rng.choice([d for d in range(1, W + 1) if W % d == 0 and m % d == 0])
+        chain = base.at_batch(minibatch // m)
+        width, n = W // k, len(chain.layers)
+        # a random pipeline on one copy's workers: stages at random cuts, each with some of the workers
+        stages = rng.randint(1, min(n, width))
+        cuts = sorted(rng.sample(range(1, n), stages - 1))
+        reps = [1] * stages
+        for _ in range(rng.randint(0, width - stages)):
+            reps[rng.randrange(stages)] += 1
+        edges, assignment, nxt = [0, *cuts, n], [], 0
+        for s in range(stages):
+            r = reps[s] * k
+            assignment.append((edges[s], edges[s + 1] - 1, r, tuple(range(nxt, nxt + r))))
+            nxt += r
+        opts = PlanOptions(schedule=schedule, num_microbatches=m, optimizer_state_factor=rng.choice([0.0, 2.0]),
+                           recompute=rng.choice(["none", "auto"]), memory_limit=False)
+        try:
+            full = plan_from_assignment(chain, cluster, assignment, opts, pool=True)
+        except UsageError:
+            continue
+        res = simulate_plan(full, chain, cluster, schedule, m, split_backward=split,
+                            optimizer_state_factor=opts.optimizer_state_factor)
+        step = float(res.step_time_s)
+        pol_split = split or schedule == "zb-h1"
+        assert step_lower_bound(ChainWork.of(base, pol_split), minibatch // m, m, k, W) <= step
+        sub = dataclasses.replace(full, stages=tuple(dataclasses.replace(st_, ranks=st_.ranks[:len(st_.ranks) // k])
+                                                     for st_ in full.stages))
+        assert _step_lower_bound(sub, chain, m // k, pol_split) <= step
+        if not copies_fit(ChainWork.of(chain, pol_split), k, W, float(cluster.device.memory),
+                          opts.optimizer_state_factor):
+            assert max(res.peak_memory_bytes) > float(cluster.device.memory)
+            over += 1
+        checked += 1
+    assert checked > 400 and over > 10
+
+
+def test_a_chain_at_another_microbatch_size_is_what_the_simulator_runs_there() -> None:
+    """``Chain.at_batch`` (the step search's costs at each microbatch size) scales as the simulator does: a
+    plan of the base chain simulated at microbatch size ``b`` takes the same step as on the chain at ``b``
+    (fixed costs paid per microbatch whatever its size, split backward parts with the backward), and a
+    microbatch of one sample costs more per sample than a larger one where layers have fixed parts."""
+    rng = random.Random(3)
+    for _ in range(30):
+        base = _random_chain(rng, rng.randint(2, 6), 8)
+        cluster = _random_cluster(rng)
+        n = len(base.layers)
+        stages = rng.randint(1, min(n, cluster.num_workers))
+        p = partition_dp(base, cluster, PlanOptions(schedule="flush", num_microbatches=4, memory_limit=False))
+        for b in (1, 2, 4, 16):
+            sized = base.at_batch(b)
+            for split in (False, True):
+                want = float(simulate_plan(dataclasses.replace(p, microbatch_size=b), base, cluster, "flush", 4,
+                                           split_backward=split).step_time_s)
+                got = float(simulate_plan(dataclasses.replace(p, microbatch_size=b), sized, cluster, "flush", 4,
+                                          split_backward=split).step_time_s)
+                assert got == pytest.approx(want, rel=1e-9), (b, split, stages)
+        fixed = sum(l.forward_fixed_s + l.backward_fixed_s for l in base.layers)
+        one = sum(l.compute_s for l in base.at_batch(1).layers)
+        assert (one > sum(l.compute_s for l in base.layers) / 8 * (1 + 1e-12)) == (fixed > 0)
+
+
+def _tiny_llama_on_two_gpus(schedule: str) -> Any:
+    """bench_big_model's --quick objective case: a 4-layer Llama on meta, real data, 2 H100s, bf16, AdamW."""
+    transformers = pytest.importorskip("transformers")
+    from pdcompile.api import pdcompile
+    from pdcompile.zoo.losses import SequenceCrossEntropy
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                   use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    h100 = Device("H100-80GB", memory=80 * GiB, peak_flops=494e12, memory_bandwidth=3.35e12, peak_flops_bf16=989e12)
+    cluster = ClusterSpec(h100, (Level("gpus-in-server", 2, 450e9),))
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randint(0, 100, (4, 16), generator=g), torch.randint(0, 100, (4, 16), generator=g)
+    return pdcompile(model, cluster, example_inputs=(x,), example_target=t, loss_fn=SequenceCrossEntropy(),
+                     cost_mode="analytic", precision="bf16", schedule=schedule,
+                     optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+
+
+def test_auto_never_loses_to_flushs_own_step_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The --quick case in miniature: auto compares schedules with flush's own plan (the microbatch count its
+    step search chose, its headline as it compiled), so auto's simulate() step is never above flush's; and a
+    choice that, compiled again, runs slower than flush's own plan gives way to it."""
+    from pdcompile import autoschedule
+
+    flush = _tiny_llama_on_two_gpus("flush")
+    auto = _tiny_llama_on_two_gpus("auto")
+    flush_step = float(flush.simulate().step_time_s)
+    assert float(auto.simulate().step_time_s) <= flush_step * (1 + 1e-9)
+    assert auto.plan.seconds_per_minibatch == float(auto.simulate().step_time_s)
+    cands, chosen, _ = auto.schedule_choice
+    # flush at the count flush's own search chose, at exactly its compiled headline
+    own = [c for c in cands if c.schedule == "flush" and c.num_microbatches == flush.num_microbatches
+           and c.virtual_stages == 1]
+    assert len(own) == 1 and own[0].step_s == pytest.approx(flush.plan.seconds_per_minibatch, rel=1e-12)
+    assert chosen.step_s <= own[0].step_s
+    # a pick that loses once compiled again (here: the slowest candidate that fits) leaves flush's own program
+    monkeypatch.setattr(autoschedule, "best", lambda cs: max((c for c in cs if c.fits and c.virtual_stages == 1
+                                                              and c.schedule != "flush"), key=lambda c: c.step_s))
+    slow = _tiny_llama_on_two_gpus("auto")
+    assert slow.options.schedule == "flush" and slow.num_microbatches == flush.num_microbatches
+    assert float(slow.simulate().step_time_s) == pytest.approx(flush_step, rel=1e-9)
+    assert any("flush kept" in n for n in slow.schedule_choice[2])

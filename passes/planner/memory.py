@@ -141,6 +141,7 @@ class MemoryModel:
         }
         self._tables: dict[str, np.ndarray] = {}
         self._stacks: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+        self._rows1: dict[tuple[str, str, int, int], np.ndarray] = {}  # _direct_row's
 
     @classmethod
     def of(cls, arrays: ChainArrays, chain: Chain, options: PlanOptions, *, workers: int, budget: float,
@@ -160,7 +161,7 @@ class MemoryModel:
                 and self.M == other.M and self.cap == other.cap and self.workers == other.workers
                 and self.on == other.on and self._budget == other._budget)
         if same:
-            self._tables, self._stacks = other._tables, other._stacks
+            self._tables, self._stacks, self._rows1 = other._tables, other._stacks, other._rows1
         return same
 
     @property
@@ -173,6 +174,7 @@ class MemoryModel:
         self._budget = value
         self._tables = {}
         self._stacks = {}
+        self._rows1 = {}
 
     def versions(self, k: int) -> int:
         """Weight versions a replica keeps with ``k`` workers at it and downstream per replica."""
@@ -308,28 +310,43 @@ class MemoryModel:
 
     def _sharded_direct(self, mode: str, shard: str, kin: np.ndarray, ends: np.ndarray,
                         reps: np.ndarray) -> np.ndarray:
-        """:meth:`sharded_starts` for a few queries, each read off its own stage memories rather than
-        whole tables (:meth:`rows`, a table per replica class costs ``kmax`` passes over the chain): the
-        same arithmetic, so the same starts (past ``kmax`` in flight, or row 0, as the table reads)."""
+        """:meth:`sharded_starts` for a few queries, each read off the row of its in-flight count and
+        replica count (:meth:`_direct_row`) rather than whole tables (:meth:`rows`, a table per replica
+        class costs ``kmax`` passes over the chain): the same arithmetic, so the same starts (past
+        ``kmax`` in flight, or row 0, as the table reads)."""
         out = np.zeros(len(kin), dtype=np.int64)
         if not self.on:
             return out
         kmax = max(self.workers, self.M if self.policy.holds_step else 0)
-        budget = self.budget * (1 + EPS)
         for q in range(len(kin)):
-            k, e, r = int(kin[q]), int(ends[q]), int(reps[q])
+            k, e = int(kin[q]), int(ends[q])
             if k == 0:
                 continue
-            start = e + 1
-            if k <= kmax:
-                start = 0
-                for cv, kk, rb in self.terms(k, shard=shard, replicas=r):  # as rows(): every moment must fit
-                    g, H = self._moment(mode, cv, kk, rb)
-                    bad = np.flatnonzero(g[:e + 1] > budget - H[e])
-                    if len(bad):
-                        start = max(start, int(bad[-1]) + 1)
-            out[q] = min(start, e + 1)
+            out[q] = self._direct_row(mode, shard, k, int(reps[q]))[e] if k <= kmax else e + 1
         return out
+
+    #: rows :meth:`_direct_row` keeps at most (then it starts again): a few MiB on a chain of thousands of layers
+    DIRECT_ROWS = 2048
+
+    def _direct_row(self, mode: str, shard: str, k: int, replicas: int) -> np.ndarray:
+        """Per end, the smallest start of a stage with ``k`` in flight, ``replicas`` replicas held as ``shard``,
+        whose every moment fits (one row of :meth:`rows`' table for that replica count, the same
+        arithmetic): built once for every end by a range maximum, so that the many queries of one count
+        cost one pass over the chain, not one each."""
+        key = (mode, shard, k, replicas)
+        row = self._rows1.get(key)
+        if row is None:
+            N = len(self.PX) - 1
+            budget = self.budget * (1 + EPS)
+            row = np.zeros(N, dtype=np.int64)
+            for cv, kk, rb in self.terms(k, shard=shard, replicas=replicas):  # as rows(): every moment must fit
+                g, H = self._moment(mode, cv, kk, rb)
+                row = np.maximum(row, closed_starts(g[:N], budget - H))
+            row = np.minimum(row, np.arange(1, N + 1))
+            if len(self._rows1) >= self.DIRECT_ROWS:
+                self._rows1.clear()
+            self._rows1[key] = row
+        return row
 
     def max_in_flight(self, i: int, j: int) -> int:
         """The largest in-flight count whose memory (:meth:`memory`, nondecreasing in it) fits

@@ -18,6 +18,7 @@ Examples:
   pdcompile plan --profile graph.txt --cluster cluster.toml --cost-model paper --json
   pdcompile plan --profile gpt.json --cluster local:4 --solver ilp --schedule flush
   pdcompile plan --profile gpt.json --cluster cluster.toml --microbatch 4,8,16
+  pdcompile plan --profile pipedream:vgg16 --cluster c.toml --schedule flush --microbatches 8 --choose-microbatches
   pdcompile plan mypkg.models:make_net --input 32x3x224x224 --cluster cluster.toml
 
 --profile FILE is our profile JSON (pdcompile profile ... -o FILE), a PipeDream graph.txt, or
@@ -58,6 +59,12 @@ def register(subparsers: Any) -> None:
                         "microbatches (1f1b: one version per in-flight minibatch; flush, gpipe, zb-h1: 1; 2bw: 2)")
     p.add_argument("--microbatch", metavar="B[,B...]",
                    help="plan at these microbatch sizes (from the profile's symbolic costs) and keep the best")
+    p.add_argument("--microbatches", type=int, default=None, metavar="N",
+                   help="microbatches per step (the minibatch is the profile's batch x N); flush, gpipe and zb-h1 "
+                        "are then planned by their simulated step of N microbatches (default: 1)")
+    p.add_argument("--choose-microbatches", action="store_true",
+                   help="flush, gpipe, zb-h1: let the step search cut the same minibatch (batch x --microbatches) "
+                        "into any count up to 64, with the stages and copies of the pipeline")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=run)
 
@@ -194,10 +201,25 @@ def plan_options(args: argparse.Namespace, optimizer: str, schedule: str | None 
 
 def plan_for(args: argparse.Namespace) -> Any:
     """The plan ``pdcompile plan ARGS`` prints (``pdcompile demo`` shows the same)."""
+    import dataclasses
+
+    from pdcompile.plan import step_objective
+
+    m, choose = getattr(args, "microbatches", None), getattr(args, "choose_microbatches", False)
+    if m is not None and m < 1:
+        raise UsageError(f"--microbatches {m}: give a positive count of microbatches per step")
+    if choose and not step_objective(args.schedule):
+        raise UsageError(f"--choose-microbatches: only flush, gpipe and zb-h1 are planned by their step "
+                         f"(got --schedule {args.schedule}); give --microbatches N instead")
+    if choose and args.microbatch:
+        raise UsageError("--choose-microbatches chooses the count for the profile's batch: not with --microbatch")
     cluster = resolve_cluster(args.cluster)
     prof = _profile(args)
-    return plan_profile(args, prof, cluster, plan_options(args, prof.optimizer),
-                        _sizes(args.microbatch) if args.microbatch else None)
+    options = plan_options(args, prof.optimizer)
+    if m is not None or choose:  # the step's count is known (or chosen): it caps what a replica holds
+        options = dataclasses.replace(options, num_microbatches=m or 1, microbatches_known=True,
+                                      choose_microbatches=choose)
+    return plan_profile(args, prof, cluster, options, _sizes(args.microbatch) if args.microbatch else None)
 
 
 def plan_profile(args: argparse.Namespace, prof: Any, cluster: Any, options: PlanOptions,
