@@ -269,7 +269,10 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
             res = simulate_plan(full, chain_m, cluster, opts.schedule, m, split_backward=split,
                                 optimizer_state_factor=opts.optimizer_state_factor)
             rated += 1
-            key = (max(map(float, res.peak_memory_bytes or [0.0])) > limit * (1 + 1e-9), float(res.step_time_s))
+            # over memory by the simulator's peak or by the planner's own model of the copies' stages (a
+            # stage replicated at an outer level: the model charges a replica the inner block's share)
+            peak = max([*map(float, res.peak_memory_bytes or [0.0]), *(float(st.memory_bytes) for st in full.stages)])
+            key = (peak > limit * (1 + 1e-9), float(res.step_time_s))
             if best is None or key < best[0]:
                 best = (key, full, sub, m)
     if best is None:

@@ -132,8 +132,10 @@ def ref_memory_ok(chain: Chain, cluster: ClusterSpec, blocks, limit: float, sche
                     share = math.ceil(M / blk.units)
                     k = share if schedule == "gpipe" else min(k, share)
                 # 1F1B updates after every backward: its gradients are never alive with all k in flight;
-                # GPipe has none while it holds the whole step
-                if schedule in ("1f1b", "gpipe"):
+                # GPipe has none while it holds the whole step, nor does flush when a replica's share of a
+                # known step is all in flight (its first backward frees one microbatch's as they appear)
+                whole = schedule == "flush" and M is not None and k >= math.ceil(M / blk.units)
+                if schedule in ("1f1b", "gpipe") or whole:
                     need = max(W * (versions + f) + X * k, W * (versions + 1 + f) + X * (k - 1))
                 else:
                     need = W * (versions + 1 + f) + X * k
