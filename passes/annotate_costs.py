@@ -399,14 +399,25 @@ class AnnotateOptions:
 def run(state: CompileState, opts: AnnotateOptions) -> CompileState:
     """Annotates ``gm`` with ``pd.cost``; writes ``profile``. Every compute time is then charged the
     cluster's core contention (:func:`~pdcompile.passes.costs.roofline.contention`: a local CPU cluster of
-    more busy processes than cores), so that the planner and the simulator both see it."""
+    more busy processes than cores) and, with this machine's calibration, its co-running slowdown
+    (:func:`corun`), so that the planner and the simulator both see it."""
     spec = device_spec_for(opts.cluster, opts.precision).calibrated(opts.op_costs)
     gm = annotate_costs(need(state.gm, "gm"), state.graph_inputs, mode=opts.mode, device_spec=spec,
                         progress=False, symbolic=opts.symbolic)
-    charge_contention(gm, contention(opts.cluster))
+    charge_contention(gm, contention(opts.cluster) * corun(opts.cluster, opts.op_costs))
     profile = profile_from_graph(gm, batch_size=opts.microbatch_size, device=spec.name,
                                  name=type(state.model).__name__)
     return state.replace(gm=gm, profile=profile)
+
+
+def corun(cluster: Any, table: OpCostTable | None) -> float:
+    """Each process's compute slowdown beside its peers on a local CPU cluster, as this machine's
+    calibration measured it (``OpCostTable.corun``: shared memory bandwidth and caches) for the processes
+    that compute at once (the workers, at most the cores); 1 without a calibration or off a local host."""
+    cores = getattr(getattr(cluster, "device", None), "cores", None)
+    if table is None or not cores:
+        return 1.0
+    return table.corun_factor(min(int(cluster.num_workers), int(cores)))
 
 
 def charge_contention(gm: fx.GraphModule, factor: float) -> None:

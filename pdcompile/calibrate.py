@@ -88,7 +88,7 @@ def measure(log: Any = None) -> MachineConstants:
     factor = measure_compute_factor(over)
     fixed, rate = measure_step()
     say("measuring the fixed cost and rate of each op class (probe models at 8 sizes, one thread) ...")
-    ops = measure_op_costs()
+    ops = with_corun(measure_op_costs(), factor)
     return MachineConstants(lat, bw, ar_lat, over, fixed, rate, factor, key=machine_key(),
                             measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), op_costs=ops.to_dict())
 
@@ -316,6 +316,14 @@ def split_names(events: list[Any]) -> set[str]:
     return split | {w.replace("W", "B") for w in split}
 
 
+def with_corun(table: Any, compute_factor: float) -> Any:
+    """``table`` with its co-running slowdown (``OpCostTable.corun``) from a 2-process run's compute
+    against its profile (:func:`measure_compute_factor`): what two processes computing side by side cost
+    each other (memory bandwidth, caches) and what a node timed alone, data in cache, does not see;
+    charged for 2 or more busy processes (``annotate_costs.corun``). At least 1."""
+    return dataclasses.replace(table, corun={2: max(1.0, float(compute_factor))})
+
+
 def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20) -> float:
     """A run's compute against its profile on this machine: the median, over both stages'
     forward and backward, of the run's median action (less its per-action cost) / the profiled cost.
@@ -437,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         _link_worker(args.link_worker)
         return 0
     if args.ops:
-        table = measure_op_costs()
         d = machine_cache.cached() or {"key": machine_key()}
+        table = with_corun(measure_op_costs(), float(d.get("compute_factor", 1.0)))  # the cached run's factor
         d["op_costs"] = table.to_dict()
         cache_path().parent.mkdir(parents=True, exist_ok=True)
         cache_path().write_text(json.dumps(d, indent=1))

@@ -161,6 +161,10 @@ class CostSource:
         if (c := contention(cluster)) > 1.0:
             lines.append(f"  cores: {cluster.num_workers} processes x {THREADS_PER_PROCESS} thread on "
                          f"{cluster.device.cores} cores: every compute time charged x{c:.2f} (roofline.contention)")
+        cores = cluster.device.cores
+        if self.table is not None and cores and (k := self.table.corun_factor(min(cluster.num_workers, cores))) > 1.0:
+            lines.append(f"  side by side: {min(cluster.num_workers, cores)} processes computing at once each run "
+                         f"x{k:.2f} slower than one alone (calibrated; annotate_costs.corun)")
         return lines
 
 

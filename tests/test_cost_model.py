@@ -162,6 +162,37 @@ def test_more_processes_than_cores_are_charged(monkeypatch: pytest.MonkeyPatch) 
     assert "cores:" not in fair.explain()
 
 
+def test_side_by_side_slowdown_is_read_from_the_calibration(pdcompile_cache: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibration's co-running slowdown (two processes computing at once, each on its own core: a
+    run's compute against its profile) multiplies every compute time of a local cluster of 2 or more
+    processes, once, on top of time-sharing; a table without it, or one process, charges nothing."""
+    import pdcompile.cluster as cl
+    from pdcompile.calibrate import with_corun
+    from pdcompile.passes.annotate_costs import corun
+
+    monkeypatch.setattr(cl, "host_cores", lambda: 2)
+    base = _write_calibration(pdcompile_cache)
+    table = with_corun(base, 1.5)
+    assert OpCostTable.from_dict(json.loads(json.dumps(table.to_dict()))) == table  # survives the cache
+    assert with_corun(base, 0.9).corun == {2: 1.0}  # noise never makes company faster
+    assert [table.corun_factor(n) for n in (1, 2, 8)] == [1.0, 1.5, 1.5]
+    one, two, four = local_cpu_cluster(1), local_cpu_cluster(2), local_cpu_cluster(4)
+    assert (corun(one, table), corun(two, table), corun(four, table), corun(two, base), corun(two, None)) == \
+        (1.0, 1.5, 1.5, 1.0, 1.0)
+    with pytest.raises(ValueError, match="co-running"):
+        OpCostTable.from_dict({**table.to_dict(), "corun": {"2": 0.5}})
+    plain = _compile(16, 4, cluster=two)
+    (pdcompile_cache / "machine-constants.json").write_text(json.dumps({"key": machine_cache.machine_key(),
+                                                                        "op_costs": table.to_dict()}))
+    slowed, crowded = _compile(16, 4, cluster=two), _compile(16, 4, cluster=four)
+    f0, f1, f2 = (sum(l.forward_s for l in p.state.chain.layers) for p in (plain, slowed, crowded))
+    assert f1 == pytest.approx(1.5 * f0, rel=1e-9)
+    assert f2 == pytest.approx(2.0 * 1.5 * f0, rel=1e-9)  # time-sharing (4 on 2 cores) and side by side
+    assert "2 processes computing at once each run x1.50 slower than one alone" in slowed.explain()
+    assert "side by side" not in plain.explain()
+
+
 # -- the runtime's own costs: the memory meter off in a timed run -----------------------------------
 
 @pytest.mark.multiproc

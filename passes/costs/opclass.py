@@ -64,6 +64,15 @@ class OpCostTable:
     forward: Mapping[str, OpCost] = field(default_factory=dict)
     backward: Mapping[str, OpCost] = field(default_factory=dict)
     source: str = ""
+    #: busy processes -> how much slower each computes than one alone (memory bandwidth and caches
+    #: shared; measured by ``python -m pdcompile.calibrate`` up to the host's cores; 1 when absent)
+    corun: Mapping[int, float] = field(default_factory=dict)
+
+    def corun_factor(self, processes: int) -> float:
+        """Each process's slowdown with ``processes`` computing at once on their own cores: the measured
+        factor for the largest count measured that is at most ``processes`` (1 for one process)."""
+        known = [n for n in self.corun if n <= processes]
+        return float(self.corun[max(known)]) if known else 1.0
 
     def to_dict(self) -> dict[str, Any]:
         def rate(r: float) -> float | None:
@@ -71,7 +80,8 @@ class OpCostTable:
 
         return {"source": self.source,
                 "forward": {k: [v.alpha_s, rate(v.rate)] for k, v in sorted(self.forward.items())},
-                "backward": {k: [v.alpha_s, rate(v.rate)] for k, v in sorted(self.backward.items())}}
+                "backward": {k: [v.alpha_s, rate(v.rate)] for k, v in sorted(self.backward.items())},
+                "corun": {str(n): f for n, f in sorted(self.corun.items())}}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> OpCostTable:
@@ -87,7 +97,10 @@ class OpCostTable:
                 out[k] = OpCost(a, r)
             return out
 
-        return OpCostTable(part("forward"), part("backward"), str(d.get("source", "")))
+        corun = {int(n): float(f) for n, f in dict(d.get("corun") or {}).items()}
+        if any(n < 1 or not f >= 1.0 for n, f in corun.items()):
+            raise ValueError(f"bad co-running slowdowns {corun}")
+        return OpCostTable(part("forward"), part("backward"), str(d.get("source", "")), corun)
 
 
 def fit_op_cost(work: Sequence[float] | np.ndarray, seconds: Sequence[float] | np.ndarray,
