@@ -194,6 +194,10 @@ def _inner_searches(chain, cluster, **kw):  # type: ignore[no-untyped-def]
 @example(chain=make_chain([0.0] * 3, [0.0] * 3, [0.0, 0.0, 1.0], [0.0, 0.0, 1.0], [math.inf, math.inf]),
          two=False, frac=0.75, f=0.0, M=2, schedule="flush")  # flush, M = 2: one stage on 5 replicas holds
 # its share (1) whole, so no gradients with it in flight, and fits; the ILP read the memory at one replica
+@example(chain=make_chain([0.0] * 5, [0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0, 1.0], [0.0] * 5,
+                         [math.inf, math.inf, math.inf, 1.0]),
+         two=False, frac=0.5, f=0.0, M=1, schedule="flush")  # a tie: l0..l3 on 2 or 4 replicas, both 0.667 s a
+# minibatch by the planners' model; simulated, 2.0 s (DP's) and 2.17 s (ILP's)
 def test_ilp_equals_dp_through_the_partition_pass(chain, two, frac, f, M, schedule):
     """DP = ILP with the options the partition pass passes (the optimizer's state factor, the step's
     microbatches, which cap what a replica holds) on every inner search, the pass's plans alike where
