@@ -157,6 +157,8 @@ def partition_ilp(
     xs: dict[tuple[int, int, int], Any] = {}
     ys: dict[tuple[int, int, int, int], Any] = {}
     y_time: dict[tuple[int, int, int, int], int] = {}
+    whole: dict[tuple[int, int], int] = {}  # in_flight_max's, where it reads the memory at the share
+    budget = model.mem_budget * (1 + EPS)
 
     def in_flight_max(n_: int, i: int, j: int, r: int) -> int:
         """The most in flight a replica of stage ``i..j`` on ``r`` replicas holds within memory (``K``). Where a
@@ -165,11 +167,12 @@ def partition_ilp(
         which can fit where one in flight short of it, or the count at one replica, does not: as the DP's
         tables per replica count read it."""
         k1 = int(K[n_])
-        if model.mem.by_replicas:
-            share = -(-model.M // r)
-            if k1 < share and model.mem.memory(i, j, share, replicas=r) <= model.mem_budget * (1 + EPS):
-                return share  # below the share the moments are those of one replica (nondecreasing in k)
-        return k1
+        if not model.mem.by_replicas or k1 >= -(-model.M // r):
+            return k1
+        if (n_, r) not in whole:
+            share = -(-model.M // r)  # below it the moments are those of one replica (nondecreasing in k)
+            whole[(n_, r)] = share if model.mem.memory(i, j, share, replicas=r) <= budget else k1
+        return whole[(n_, r)]
 
     for n_, (i, j) in enumerate(zip(I.tolist(), J.tolist())):
         if not allowed_end[j]:
