@@ -157,17 +157,35 @@ def partition_ilp(
     xs: dict[tuple[int, int, int], Any] = {}
     ys: dict[tuple[int, int, int, int], Any] = {}
     y_time: dict[tuple[int, int, int, int], int] = {}
+    whole: dict[tuple[int, int], int] = {}  # in_flight_max's, where it reads the memory at the share
+    budget = model.mem_budget * (1 + EPS)
+
+    def in_flight_max(n_: int, i: int, j: int, r: int) -> int:
+        """The most in flight a replica of stage ``i..j`` on ``r`` replicas holds within memory (``K``). Where a
+        stage's bytes depend on its replicas (``MemoryModel.by_replicas``: flush, ZB-H1 with a known step), a
+        replica holding its whole share ceil(M / r) has no gradients with all of it in flight (``whole_step``),
+        which can fit where one in flight short of it, or the count at one replica, does not: as the DP's
+        tables per replica count read it."""
+        k1 = int(K[n_])
+        if not model.mem.by_replicas or k1 >= -(-model.M // r):
+            return k1
+        if (n_, r) not in whole:
+            share = -(-model.M // r)  # below it the moments are those of one replica (nondecreasing in k)
+            whole[(n_, r)] = share if model.mem.memory(i, j, share, replicas=r) <= budget else k1
+        return whole[(n_, r)]
+
     for n_, (i, j) in enumerate(zip(I.tolist(), J.tolist())):
         if not allowed_end[j]:
             continue
-        fits = not model.memory_on or K[n_] >= 1
         for R in range(1, Rmax + 1):
             oc = model.outer_comm(i, j, R, 2)
             if oc <= ub:
                 xs[(i, j, R)] = cp.new_bool_var(f"x_{i}_{j}_{R}")
                 if R > 1:
                     cp.add(T >= q(oc)).only_enforce_if(xs[(i, j, R)])
-            for r in range(1, rmax + 1 if fits else 1):
+            for r in range(1, rmax + 1):
+                if model.memory_on and in_flight_max(n_, i, j, r) < 1:
+                    continue  # not even one microbatch fits
                 if held is not None and model.memory(i, j, held[r]) > model.mem_budget * (1 + EPS):
                     continue  # a schedule that holds the step keeps M / r in flight, whatever the depth
                 t = model.level1_stage(i, j, r)[0] / R
@@ -249,7 +267,7 @@ def partition_ilp(
             cp.add(G[c] == G[c + 1] + sum(R * v for R, v in x_start[c + 1]))
         kidx = {(i, j): n_ for n_, (i, j) in enumerate(zip(I.tolist(), J.tolist()))}
         for (i, j, r, R), v in ys.items():
-            k = int(K[kidx[(i, j)]])
+            k = in_flight_max(kidx[(i, j)], i, j, r)
             if k >= m1 * m2 + 1 or held is not None or (model.mem.cap and -(-model.M // r) <= k):
                 continue  # fits whatever is downstream (capped: a replica holds at most its M / r of a step)
             cp.add(R * rem[j] + m1 * G[j] <= (k - 1) * R * r).only_enforce_if(v)

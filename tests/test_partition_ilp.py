@@ -152,26 +152,73 @@ def test_ilp_plans_with_the_users_optimizer_state() -> None:
         choose(chain, PartitionOptions(PASS_PLANNING.with_(dict(recompute="full")), cluster=cluster, solver="ilp"))
 
 
-# derandomized: random draws found two disagreements on chains whose every time is 0 (the DP plans 5
-# replicas at M=2 where the ILP proves none fits; a last stage's output counted by the reference, not the
-# planner), open in issue 36's notes; a fixed draw keeps CI from failing on them by chance
-@settings(SETTINGS, derandomize=True, database=None)
+def _inner_searches(chain, cluster, **kw):  # type: ignore[no-untyped-def]
+    """DP = ILP on each inner search ``plan_step`` runs for a synchronous schedule (``k`` pipeline copies
+    of ``M / k`` microbatches on the first ``W / k`` workers, at the step's microbatch size), or on the one
+    an asynchronous schedule plans: both infeasible, or the same optimum. Whether every pair of plans is
+    the same configuration (ties broken alike: then the pass must rate them alike)."""
+    from dataclasses import replace
+
+    from pdcompile.passes.partition import PASS_PLANNING
+    from pdcompile.plan import step_objective
+
+    opts = PASS_PLANNING.with_(dict(recompute="none", shard="none", **kw))
+    M, W = opts.num_microbatches, cluster.num_workers
+    sync = step_objective(opts.schedule)
+    alike = True
+    for k in (range(1, W + 1) if sync else (1,)):
+        part = cluster.first_workers(W // k)
+        if W % k or M % k or part is None:
+            continue
+        o = replace(opts, num_microbatches=M // k, choose_microbatches=False)
+        try:
+            d = partition_dp(chain, part, o)
+        except InfeasiblePlanError:
+            with pytest.raises(InfeasiblePlanError):
+                partition_ilp(chain, part, o, time_limit_s=30)
+            continue
+        p = partition_ilp(chain, part, o, time_limit_s=30)
+        _same(d.seconds_per_minibatch, p)
+        alike &= [(s.first, s.last, s.ranks) for s in d.stages] == [(s.first, s.last, s.ranks) for s in p.stages]
+    return alike
+
+
+# a synchronous schedule's pass rates each inner plan by its simulated step (fill, drain, all-reduce at
+# the step's microbatch size), which the planners' objective (the bottleneck) does not see: two plans
+# of one bottleneck (2 or 4 replicas of a stage whose time is its weight sync) are both optimal, and
+# the DP and the ILP may return either, so the pass's steps agree where the plans do; the optimum
+# itself is checked on every inner search
+@settings(SETTINGS, database=None)
 @given(chain=chains(5), two=st.booleans(), frac=st.floats(0.1, 1.2), f=st.sampled_from([0.0, 1.0, 2.0]),
        M=st.integers(1, 6), schedule=st.sampled_from(["1f1b", "flush", "2bw", "gpipe"]))
+@example(chain=make_chain([0.0] * 3, [0.0] * 3, [0.0, 0.0, 1.0], [0.0, 0.0, 1.0], [math.inf, math.inf]),
+         two=False, frac=0.75, f=0.0, M=2, schedule="flush")  # flush, M = 2: one stage on 5 replicas holds
+# its share (1) whole, so no gradients with it in flight, and fits; the ILP read the memory at one replica
+@example(chain=make_chain([0.0] * 5, [0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0, 1.0], [0.0] * 5,
+                         [math.inf, math.inf, math.inf, 1.0]),
+         two=False, frac=0.5, f=0.0, M=1, schedule="flush")  # a tie: l0..l3 on 2 or 4 replicas, both 0.667 s a
+# minibatch by the planners' model; simulated, 2.0 s (DP's) and 2.17 s (ILP's)
 def test_ilp_equals_dp_through_the_partition_pass(chain, two, frac, f, M, schedule):
     """DP = ILP with the options the partition pass passes (the optimizer's state factor, the step's
-    microbatches, which cap what a replica holds), and the ILP's plan fits by the reference."""
+    microbatches, which cap what a replica holds) on every inner search, the pass's plans alike where
+    those are, and the ILP's plan fits by the reference."""
     limit = max(frac * stage_memory(chain, 0, len(chain) - 1, 1, schedule="flush", optimizer_state_factor=f), 1e-6)
     cluster = two_level(2, 3, 20.0, 2.0, memory=limit) if two else flat_cluster(5, 3.0, memory=limit)
     kw = dict(schedule=schedule, num_microbatches=M, optimizer_state_factor=f)
-    try:
-        d, p = _both(chain, cluster, **kw)
-    except InfeasiblePlanError:
-        for solver in ("dp", "ilp"):
-            with pytest.raises(InfeasiblePlanError):
-                _pass_plan(chain, cluster, solver, **kw)
+    alike = _inner_searches(chain, cluster, **kw)
+    plans = {}
+    for solver in ("dp", "ilp"):
+        try:
+            plans[solver] = _pass_plan(chain, cluster, solver, **kw)
+        except InfeasiblePlanError:
+            pass
+    if alike:
+        assert set(plans) in (set(), {"dp", "ilp"}), plans
+        if plans:
+            _same(plans["dp"].seconds_per_minibatch, plans["ilp"])
+    if "ilp" not in plans:
         return
-    _same(d.seconds_per_minibatch, p)
+    p = plans["ilp"]
     ranks = [(s.first, s.last, s.ranks) for s in p.stages]
     try:
         blocks = blocks_from_ranks(ranks, cluster)
