@@ -472,20 +472,28 @@ def simulate(program: Path, w: _tta.Workload, link: str, system: str, per_epoch:
                                   stash=stash, lr_factor=lr_factor(done) if mode == "lr" else None)
         done += n
         got = _eval_chain(stages, loss, w, M)
-        c.steps.append(done)
-        c.epochs.append(done / per_epoch)
-        c.train_s.append(math.nan)
-        c.values.append(got[w.metric])
-        c.losses.append(got["loss"])
-        print(f"    step {done}: {w.metric} {got[w.metric]:.4f}", flush=True)
-        if w.reached(got[w.metric]):
-            c.stopped = "target"
+        if _record(c, w, done, per_epoch, got):
             break
     else:
         c.stopped = "budget" if done < total else "end"
     c.note, c.simulated = "", True
     c.bytes_per_epoch = pipeline_bytes_per_step(program) * per_epoch
     return c
+
+
+def _record(c: Curve, w: _tta.Workload, done: int, per_epoch: int, got: dict[str, float]) -> bool:
+    """One evaluation of a simulated run after ``done`` minibatches, appended to ``c`` (no time: nothing is
+    timed in one process); whether it reached the workload's target (``c.stopped`` says so)."""
+    c.steps.append(done)
+    c.epochs.append(done / per_epoch)
+    c.train_s.append(math.nan)
+    c.values.append(got[w.metric])
+    c.losses.append(got["loss"])
+    print(f"    step {done}: {w.metric} {got[w.metric]:.4f}", flush=True)
+    if w.reached(got[w.metric]):
+        c.stopped = "target"
+        return True
+    return False
 
 
 def simulate_ddp(w: _tta.Workload, link: str, per_epoch: int, max_steps: int) -> Curve:
@@ -507,14 +515,7 @@ def simulate_ddp(w: _tta.Workload, link: str, per_epoch: int, max_steps: int) ->
         reference.train_sync(model, loss, opt, data, steps=n, num_microbatches=1)
         done += n
         got = _eval_chain([model], loss, w)
-        c.steps.append(done)
-        c.epochs.append(done / per_epoch)
-        c.train_s.append(math.nan)
-        c.values.append(got[w.metric])
-        c.losses.append(got["loss"])
-        print(f"    step {done}: {w.metric} {got[w.metric]:.4f}", flush=True)
-        if w.reached(got[w.metric]):
-            c.stopped = "target"
+        if _record(c, w, done, per_epoch, got):
             break
     else:
         c.stopped = "budget" if done < total else "end"
