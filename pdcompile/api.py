@@ -118,6 +118,8 @@ class CompiledPipeline:
                          dump_dir: str | os.PathLike[str] | None) -> None:
         """``schedule="auto"``: simulate the candidates on the plan (:mod:`pdcompile.autoschedule`),
         recompile with the best when it is not the flush compiled first. M stays as given, if given."""
+        from pdcompile.simulate import update_bandwidth_of
+
         split = need(self.state.schedule_spec, "schedule_spec").split_backward  # the schedule pass's decision
         pays = autoschedule.split_every_backward_pays(self.cluster.device.name, split)
         names = autoschedule.auto_schedules(pays)
@@ -145,7 +147,8 @@ class CompiledPipeline:
         tchain, tcluster = tensor.view(self.wire_chain, self.cluster, t)
         cands = autoschedule.candidates(self.plan, tchain, tcluster, batch, names, counts,
                                         recompute=asked.recompute, split_backward=split, tied_bytes=tied_bytes,
-                                        tied_stages=tied_stages, overhead_s=overhead, optimizer_state_factor=factor)
+                                        tied_stages=tied_stages, overhead_s=overhead, optimizer_state_factor=factor,
+                                        update_bandwidth=update_bandwidth_of(tcluster))
         ranks = len({r for st in self.plan.stages for r in st.ranks})
         if (asked.replicas is None or all(r == 1 for r in asked.replicas)) and asked.clip_grad_norm is None \
                 and t == 1:  # (virtual stages are given stages=, where the planner does not choose t)
@@ -155,7 +158,8 @@ class CompiledPipeline:
                 cands += autoschedule.virtual_candidates(
                     self.wire_chain, self.cluster, ranks, batch, virtual, counts, vs=(v,), split_backward=split,
                     tied_bytes=tied_bytes, tied_stages=[0, v * ranks - 1] if tied_bytes else [],
-                    overhead_s=overhead, optimizer_state_factor=factor)
+                    overhead_s=overhead, optimizer_state_factor=factor,
+                    update_bandwidth=update_bandwidth_of(self.cluster))
         # the flush program compiled first is a candidate as it is: its headline, simulate() of it
         flush_step = self.plan.seconds_per_minibatch
         cands = [dataclasses.replace(c, step_s=flush_step) if (c.schedule, c.num_microbatches, c.virtual_stages) ==
@@ -311,7 +315,7 @@ class CompiledPipeline:
 
     def _simulate_plan(self, plan: Plan, schedule: str, m: int, num_steps: int = 1, virtual_stages: int = 1) -> Any:
         """``plan`` (of this compile's chain) simulated as :meth:`simulate` simulates the compiled one."""
-        from pdcompile.simulate import simulate_plan
+        from pdcompile.simulate import simulate_plan, update_bandwidth_of
 
         tied_bytes, tied_stages = self._tied()
         cost = self.action_cost or (machine_cache.action_cost() if self.cluster.device.name == "cpu" else None)
@@ -320,7 +324,8 @@ class CompiledPipeline:
                              tied_bytes=tied_bytes, tied_stages=tied_stages, virtual_stages=virtual_stages,
                              optimizer_state_factor=optimizer_state_factor_of(self.options.optimizer),
                              split_backward=need(self.state.schedule_spec, "schedule_spec").split_backward,
-                             overhead_s=cost.seconds if cost is not None else 0.0)
+                             overhead_s=cost.seconds if cost is not None else 0.0,
+                             update_bandwidth=update_bandwidth_of(cluster))
 
     def alternatives(self) -> list[tuple[str, Plan]]:
         """Other configurations on the same cluster, each as a Plan: pure data parallelism and

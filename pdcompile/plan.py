@@ -106,11 +106,11 @@ def step_objective(schedule: str) -> bool:
 def chooses_microbatches(cluster: Any, schedule: str, *given: Any) -> bool:
     """Whether ``pdcompile()`` lets the step search choose the microbatch count: where ``given`` (the
     microbatch count, size and stages asked) are all None, for a schedule :func:`step_objective`
-    plans, on a cluster (a ClusterSpec) of accelerators. Not yet on CPU workers, although the analytic
-    model now charges each op's fixed cost: bench_plan_regret measured the fixed default (4) at 1.23-1.39x
-    the best candidate (M=2) there, and choosing it changes the plans auto and the tests rely on (issue 36)."""
+    plans, on a cluster (a ClusterSpec). CPU workers too: the analytic model charges each operation's
+    fixed cost, which makes small microbatches dearer per sample (issue 36; bench_plan_regret measured the
+    old fixed default, 4, at 1.23-1.39x the best candidate there)."""
     device = getattr(cluster, "device", None)
-    return all(g is None for g in given) and device is not None and device.name != "cpu" and step_objective(schedule)
+    return all(g is None for g in given) and device is not None and step_objective(schedule)
 
 
 def step_headline(schedule: str, num_microbatches: int, microbatch_size: int) -> str:
@@ -200,10 +200,20 @@ def copies_fit(cw: ChainWork, copies: int, workers: int, budget: float, optimize
     return need <= (workers // copies) * budget * (1 + 1e-9)
 
 
+def copy_options(opts: PlanOptions, per_copy: int) -> PlanOptions:
+    """The options one pipeline copy of :func:`plan_step` is planned with: its ``per_copy`` microbatches,
+    and with one microbatch no replicated stage (a second replica would have no microbatch to run: the
+    planner's steady-state objective shares a stage's work among replicas however few microbatches there
+    are, so it would replicate where the step cannot use it; data parallelism is the copies' part)."""
+    return replace(opts, num_microbatches=per_copy, choose_microbatches=False,
+                   allow_replication=opts.allow_replication and per_copy > 1)
+
+
 def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | None = None, *, solver: str = "dp",
               **overrides: Any) -> Plan:
     """The plan of ``chain`` on ``cluster`` whose step under ``options.schedule`` (synchronous) is the
-    shortest that :func:`~pdcompile.simulate.simulate_plan` predicts; its ``seconds_per_minibatch``
+    shortest that :func:`~pdcompile.simulate.simulate_plan` predicts (each stage's optimizer step
+    included, at the cluster's ``update_bandwidth_of``); its ``seconds_per_minibatch``
     is that step (the minibatch is ``chain.batch_size x num_microbatches``).
 
     The outer search is over the microbatch count ``M`` (every divisor of the minibatch up to 64
@@ -221,10 +231,11 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
     (``tests/test_plan_step.py`` checks it against that search)."""
     from pdcompile.passes.partition_dp import plan_from_assignment
     from pdcompile.runtime.schedules.spec import default_split_backward
-    from pdcompile.simulate import simulate_plan
+    from pdcompile.simulate import simulate_plan, update_bandwidth_of
 
     t0 = time.perf_counter()
     solve = {"dp": partition_dp, "ilp": partition_ilp}[solver]
+    update_bw = update_bandwidth_of(cluster)  # each stage's optimizer step, as simulate() charges it
     names = set(PlanOptions.names())
     opts = (options or PlanOptions()).with_({k: v for k, v in overrides.items() if k in names})
     rest = {k: v for k, v in overrides.items() if k not in names}
@@ -256,7 +267,7 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
             continue
         chain_m = chains.setdefault(m, chain.at_batch(minibatch // m))
         try:
-            sub = solve(chain_m, part, replace(opts, num_microbatches=m // k, choose_microbatches=False), **rest)
+            sub = solve(chain_m, part, copy_options(opts, m // k), **rest)
         except InfeasiblePlanError as e:
             failures.append(f"M={m}, {k} copies: {e}")
             continue
@@ -267,7 +278,7 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
         for full in _copies(sub, k, chain_m, cluster, replace(opts, num_microbatches=m, choose_microbatches=False),
                             plan_from_assignment):
             res = simulate_plan(full, chain_m, cluster, opts.schedule, m, split_backward=split,
-                                optimizer_state_factor=opts.optimizer_state_factor)
+                                optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw)
             rated += 1
             # over memory by the simulator's peak or by the planner's own model of the copies' stages (a
             # stage replicated at an outer level: the model charges a replica the inner block's share)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdcompile.errors import UsageError
+from pdcompile.passes.costs.roofline import device_spec_for, optimizer_step_s, stream_bandwidth, weight_copy_s
 from pdcompile.passes.planner.decisions import Recompute, stage_decisions
 from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.runtime.schedules import (
@@ -455,6 +456,21 @@ def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float) -> float:
     return 2 * (replicas - 1) / replicas * nbytes / bandwidth
 
 
+def update_bandwidth_of(cluster: Any) -> float:
+    """Bytes/s the optimizer step and weight copies stream on ``cluster``'s workers: the device's memory
+    bandwidth x efficiency in the analytic model (``roofline.device_spec_for``, ``stream_bandwidth``)."""
+    return stream_bandwidth(device_spec_for(cluster))
+
+
+def stage_step_s(param_bytes: float, replicas: int, shard: str, optimizer_state_factor: float,
+                 bandwidth: float) -> float:
+    """A replica's optimizer step over a stage of ``param_bytes`` of weights: all of them, or its
+    ``1 / replicas`` share where the replicas shard their state (``shard`` other than ``"none"``: each
+    updates its own shard, runtime/shard.py)."""
+    share = param_bytes / replicas if shard != "none" and replicas > 1 else param_bytes
+    return optimizer_step_s(share, optimizer_state_factor, bandwidth)
+
+
 def _part(profiled: Any, backward_s: Any, share: float) -> Any:
     """One part of a layer's split backward: as profiled, else ``share`` of its backward."""
     return profiled if profiled is not None else backward_s * share
@@ -469,7 +485,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                   copy_bandwidth: float | None = None, split_backward: bool = True,
                   input_grad_share: float = INPUT_GRAD_SHARE, weight_grad_share: float = WEIGHT_GRAD_SHARE,
                   optimizer_state_factor: float = 1.0, virtual_stages: int = 1,
-                  refit_recompute: float | None = None) -> SimResult:
+                  refit_recompute: float | None = None, update_bandwidth: float | None = None) -> SimResult:
     """Simulate a :class:`pdcompile.plan.Plan` of ``chain`` on ``cluster``.
 
     ``tied_bytes``: bytes of parameters tied across ``tied_stages`` (a GPT's embedding and output
@@ -483,7 +499,10 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     one; gpipe's and flush's drain with ``split_backward``) costs the sums of the stage's layers'
     profiled ``input_grad_s`` for ``B`` and ``weight_grad_s`` for ``W``; a layer without them (an
     older or imported profile) ``input_grad_share`` and ``weight_grad_share`` of its backward
-    (:data:`INPUT_GRAD_SHARE`).
+    (:data:`INPUT_GRAD_SHARE`). ``update_bandwidth`` (bytes/s a pass over memory moves on a worker,
+    :func:`update_bandwidth_of`): where ``step_s`` is not given, each stage's ``ST`` costs its optimizer
+    step (:func:`stage_step_s`), and where ``copy_bandwidth`` is not given, weight stashing's copies cost
+    :func:`~pdcompile.passes.costs.roofline.weight_copy_s` at that bandwidth, as the runtime pays them.
 
     Stage ``s`` (chain layers ``first..last``) costs the sum of its layers' ``forward_s`` /
     ``backward_s``; its boundary sends ``chain.cut_bytes[last]`` forward (and as many gradient
@@ -510,6 +529,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
         # fits refit_recompute bytes with least forward run again, at the in-flight and version
         # counts a first run with the plan's modes gives (more recomputation never changes them)
         kw = dict(num_steps=num_steps, vertical_sync=vertical_sync, overlap_comm=overlap_comm, step_s=step_s,
+                  update_bandwidth=update_bandwidth,
                   tied_bytes=tied_bytes, tied_stages=tied_stages, latency_s=latency_s,
                   collective_latency_s=collective_latency_s, overhead_s=overhead_s, recv_progress=recv_progress,
                   copy_bandwidth=copy_bandwidth, split_backward=split_backward, input_grad_share=input_grad_share,
@@ -549,6 +569,12 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
         b_w.append(sum(_part(l.weight_grad_s, l.backward_s, weight_grad_share) * k for l, (_, _, k) in zip(mine, sized)))
         params.append(sum(l.param_bytes for l in mine))
         cut.append(chain.cut_bytes[st_.last] * scale if st_.last < len(chain.cut_bytes) else 0.0)
+    if update_bandwidth is not None and math.isfinite(update_bandwidth):
+        if step_s is None:
+            step_s = [stage_step_s(p, st_.replicas, getattr(st_, "shard", "none"), optimizer_state_factor,
+                                   update_bandwidth) for p, st_ in zip(params, plan.stages)]
+        if copy_bandwidth is None:  # version_s: bytes / copy_bandwidth, i.e. weight_copy_s(bytes, update_bandwidth)
+            copy_bandwidth = 1.0 / weight_copy_s(1.0, update_bandwidth)
     if virtual_stages > 1:
         sched_ranks = layout(name, reps, num_microbatches, 1, virtual_stages=virtual_stages).stage_ranks
         cluster_rank = {r: r for rs in sched_ranks for r in rs}

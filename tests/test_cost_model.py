@@ -5,6 +5,7 @@ class, fitted by the calibration and read by ``cost_mode="auto"``; core contenti
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +209,104 @@ def test_metrics_without_the_memory_meter(tmp_path: Path) -> None:
     ranks = [json.loads(p.read_text()) for p in sorted((tmp_path / "m").glob("rank_*.json"))]
     assert len(ranks) == 2 and all(len(r["step_times_s"]) == 2 for r in ranks)
     assert all(r["memory"]["total"] == 0 for r in ranks)
+
+
+# -- the optimizer step and weight stashing in simulate() -----------------------------------------------
+
+@pytest.mark.parametrize("make, moved", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), 3),  # reads w, g; writes w
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 5),  # + reads and writes the momentum buffer
+    (lambda ps: torch.optim.Adam(ps), 7),  # + reads and writes exp_avg and exp_avg_sq
+])
+def test_the_optimizer_step_streams_what_the_algorithm_reads_and_writes(make: Any, moved: int) -> None:
+    """Bytes of one step per weight byte, from the optimizer the user passes (its state measured as the API
+    measures it, ``optimizer_state_factor_of``) against the algorithm's own count of tensors read and written."""
+    from pdcompile.options import optimizer_state_factor_of
+    from pdcompile.passes.costs.roofline import optimizer_step_bytes, optimizer_step_s, weight_copy_s
+
+    factor = optimizer_state_factor_of(make)
+    assert optimizer_step_bytes(4e6, factor) == pytest.approx(moved * 4e6)
+    assert optimizer_step_s(4e6, factor, 2e9) == pytest.approx(moved * 4e6 / 2e9)
+    assert weight_copy_s(4e6, 2e9) == pytest.approx(2 * 4e6 / 2e9)  # a clone reads and writes the weights
+
+
+def _two_stage(params: tuple[float, float], schedule: str, replicas: tuple[int, int] = (1, 1)) -> tuple[Any, Any, Any]:
+    """Two stages of two layers each (forward 1 ms, backward 2 ms per minibatch of 4), with ``params`` bytes
+    of weights per stage, on a flat cluster of as many workers as replicas."""
+    from pdcompile.ir import Chain, ChainLayer
+    from pdcompile.passes.partition_dp import plan_from_assignment
+
+    layers = tuple(ChainLayer(f"l{i}", "linear", 1e-3, 2e-3, 4096.0, params[i // 2] / 2) for i in range(4))
+    chain = Chain(layers, (4096.0,) * 3, batch_size=4)
+    n0, n1 = replicas
+    cluster = ClusterSpec(Device("worker", memory=None), (Level("workers", n0 + n1, 1e9),))
+    assignment = [(0, 1, n0, tuple(range(n0))), (2, 3, n1, tuple(range(n0, n0 + n1)))]
+    plan = plan_from_assignment(chain, cluster, assignment, schedule=schedule, num_microbatches=4)
+    return plan, chain, cluster
+
+
+@pytest.mark.parametrize("schedule", ["flush", "gpipe", "1f1b", "2bw"])
+def test_simulate_charges_each_stages_step_and_the_stash_copies(schedule: str) -> None:
+    """With ``update_bandwidth``, every ``ST`` of stage ``s`` lasts ``(3 + 2 f) p_s / bw`` and every copy weight
+    stashing makes (runtime/schedules/versions.py ``version_copies``, what runtime/weights.py clones) adds
+    ``2 p_s / bw`` to its action: each rank's busy time grows by exactly those terms; under flush, whose ranks
+    end on their ``ST``, the step grows to the latest rank's end before its ``ST`` plus that ``ST``."""
+    from pdcompile.runtime.schedules import make_schedule, version_copies
+    from pdcompile.simulate import simulate_plan
+
+    params, f, bw = (3e6, 1e6), 2.0, 5e9
+    plan, chain, cluster = _two_stage(params, schedule)
+    kw = dict(num_steps=2, split_backward=False, optimizer_state_factor=f)
+    free = simulate_plan(plan, chain, cluster, schedule, 4, **kw)
+    paid = simulate_plan(plan, chain, cluster, schedule, 4, update_bandwidth=bw, **kw)
+    sched = make_schedule(schedule, [1, 1], 4, num_steps=2, split_backward=False)
+    stashed = 0
+    for r, acts in sched.items():
+        steps = sum(a.kind.value == "ST" for a in acts)
+        copies = sum(version_copies(acts))
+        stashed += copies
+        want = steps * (3 + 2 * f) * params[r] / bw + copies * 2 * params[r] / bw
+        assert float(paid.busy[r]) - float(free.busy[r]) == pytest.approx(want, rel=1e-9), (r, steps, copies)
+        assert {round(e.end_s - e.start_s, 15) for e in paid.events if e.rank == r and e.name.endswith("ST")} \
+            <= {round((3 + 2 * f) * params[r] / bw + 2 * params[r] / bw * c, 15) for c in (0, 1)}
+    assert (stashed > 0) == (schedule in ("1f1b", "2bw"))  # GPipe and Flush copy nothing
+    if schedule == "flush":
+        one = simulate_plan(plan, chain, cluster, schedule, 4, update_bandwidth=bw, split_backward=False,
+                            optimizer_state_factor=f)
+        before = simulate_plan(plan, chain, cluster, schedule, 4, split_backward=False, optimizer_state_factor=f)
+        ends = {e.rank: e.start_s for e in before.events if e.name.endswith("ST")}
+        assert float(one.step_time_s) == pytest.approx(
+            max(float(ends[r]) + (3 + 2 * f) * params[r] / bw for r in ends), rel=1e-12)
+
+
+def test_sharded_replicas_step_their_share_and_no_bandwidth_charges_nothing() -> None:
+    """A replicated stage whose replicas shard their state steps ``1 / replicas`` of its weights each; an
+    infinite bandwidth (a spec that ignores memory traffic) and none given charge nothing."""
+    from pdcompile.simulate import simulate_plan, stage_step_s
+
+    assert stage_step_s(6e6, 3, "optimizer", 2.0, 1e9) == pytest.approx(7 * 2e6 / 1e9)
+    assert stage_step_s(6e6, 3, "none", 2.0, 1e9) == pytest.approx(7 * 6e6 / 1e9)
+    assert stage_step_s(6e6, 1, "full", 2.0, 1e9) == pytest.approx(7 * 6e6 / 1e9)
+    plan, chain, cluster = _two_stage((3e6, 1e6), "flush", replicas=(2, 1))
+    base = float(simulate_plan(plan, chain, cluster, "flush", 4).step_time_s)
+    assert float(simulate_plan(plan, chain, cluster, "flush", 4, update_bandwidth=math.inf).step_time_s) == base
+    assert float(simulate_plan(plan, chain, cluster, "flush", 4, update_bandwidth=1e9).step_time_s) > base
+
+
+def test_a_compiled_pipelines_simulate_charges_the_users_optimizer(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``simulate()`` of a compiled 2-stage pipeline with Adam: each stage's ``ST`` lasts 7 x its weights' bytes
+    at the CPU's streamed bandwidth (the roofline's memory bandwidth x efficiency), and the plan's headline,
+    the step search's objective, is that simulate()."""
+    from pdcompile.passes.costs.roofline import DEVICE_SPECS
+
+    monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))
+    pipe = _compile(8, 2, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    spec = DEVICE_SPECS["cpu"]
+    bw = spec.mem_bandwidth * spec.bandwidth_efficiency
+    sim = pipe.simulate()
+    for s, st in enumerate(pipe.plan.stages):
+        p = sum(l.param_bytes for l in pipe.wire_chain.layers[st.first:st.last + 1])
+        durations = {e.end_s - e.start_s for e in sim.events if e.name == f"{s}ST"}
+        assert p > 0 and durations and all(d == pytest.approx(7 * p / bw, rel=1e-9) for d in durations), (s, durations)
+    assert pipe.plan.seconds_per_minibatch == pytest.approx(float(sim.step_time_s), rel=1e-12)

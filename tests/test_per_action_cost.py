@@ -132,27 +132,83 @@ def test_auto_gives_every_replica_a_share_of_every_minibatch(tmp_path: Path,
     assert pipe.num_microbatches % 2 == 0
 
 
-def test_a_plan_replicated_when_planned_again_still_gives_every_replica_a_share(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A small GPT on 3 CPU processes sharing 2 cores over a 6 MB/s link: auto's first plan (flush, 4 microbatches)
-    has no replicas and its choice is 1 microbatch; planned again at the whole minibatch, the plan is
-    one stage on 3 replicas, so auto compiles the fewest microbatches that 3 divides, and says so."""
+def _small_gpt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Any, Any, Any]:
+    """A small GPT, 12 sequences, on 3 CPU processes sharing 2 cores (the cores the cost model charges,
+    whatever the machine)."""
     import torch
 
-    from pdcompile.api import pdcompile
-    from pdcompile.cluster import local_cpu_cluster
     from pdcompile.zoo import gpt
-    from pdcompile.zoo.losses import SequenceCrossEntropy
 
     monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))
-    monkeypatch.setattr("pdcompile.cluster.host_cores", lambda: 2)  # the cores the cost model charges, any machine
+    monkeypatch.setattr("pdcompile.cluster.host_cores", lambda: 2)
     torch.manual_seed(0)
     model = gpt.GPT(gpt.GPTConfig(vocab_size=65, seq_len=64, d_model=16, n_heads=2, n_layers=3))
-    x, y = torch.randint(0, 65, (12, 64)), torch.randint(0, 65, (12, 64))
+    return model, torch.randint(0, 65, (12, 64)), torch.randint(0, 65, (12, 64))
+
+
+def _spy_compiles(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any, int, float]]:
+    """Each compile of ``pdcompile()`` (auto compiles flush first, then what it chose): the schedule and count
+    asked, the count compiled and its headline."""
+    from pdcompile.api import CompiledPipeline
+
+    compiled: list[tuple[str, Any, int, float]] = []
+    compile_ = CompiledPipeline._compile
+
+    def spy(self: Any, model: Any, inputs: Any, opts: Any, *rest: Any) -> None:
+        compile_(self, model, inputs, opts, *rest)
+        compiled.append((opts.schedule, opts.num_microbatches, self.num_microbatches, self.plan.seconds_per_minibatch))
+
+    monkeypatch.setattr(CompiledPipeline, "_compile", spy)
+    return compiled
+
+
+def test_the_step_search_never_replicates_a_stage_for_one_microbatch(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPT, 6 sequences, over a 6 MB/s link: the step search (flush) chooses the microbatch count on CPU
+    workers too, and a copy with one microbatch is planned without replicas (a second replica would have none
+    to run). The planner's steady-state objective replicated the one stage 3 ways at M=1, so the search never
+    saw one stage on one worker at M=1 and picked M=2 (9.0 ms), where auto's flush at M=1 on that plan took
+    5.6 ms: its pick is now the fastest flush auto rates on it."""
+    from pdcompile.api import pdcompile
+    from pdcompile.cluster import local_cpu_cluster
+    from pdcompile.zoo.losses import SequenceCrossEntropy
+
+    model, x, y = _small_gpt(monkeypatch, tmp_path)
+    compiled = _spy_compiles(monkeypatch)
+    with pytest.warns(UncalibratedWarning):
+        pipe = pdcompile(model, local_cpu_cluster(3, bandwidth=6e6), example_inputs=(x[:6],), example_target=y[:6],
+                         loss_fn=SequenceCrossEntropy(), schedule="auto")
+    schedule, _, m, step = next(c for c in compiled if c[1] is None)  # the first compile's, as it ended
+    assert schedule == "flush" and m != 4  # the step search chose the count (the default is 4)
+    flush = {c.num_microbatches: c.step_s for c in pipe.schedule_choice[0] if c.schedule == "flush"}
+    assert flush[m] == step and min(flush.values()) >= step * (1 - 1e-9), (m, flush)
+    assert all(pipe.num_microbatches % st.replicas == 0 for st in pipe.plan.stages)
+
+
+def test_a_plan_replicated_when_planned_again_still_gives_every_replica_a_share(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever count auto chooses, its program gives every replica a share of every minibatch: here auto's
+    choice is made gpipe with 2 microbatches on the GPT over a 6 MB/s link (flush's own plan: one stage, no
+    replicas); planned again at 2 microbatches of 6, the plan is one stage on 3 replicas, so auto compiles the
+    fewest microbatches that 3 divides (3), and says so."""
+    from pdcompile import autoschedule
+    from pdcompile.api import pdcompile
+    from pdcompile.cluster import local_cpu_cluster
+    from pdcompile.zoo.losses import SequenceCrossEntropy
+
+    model, x, y = _small_gpt(monkeypatch, tmp_path)
+    chosen = autoschedule.best
+
+    def gpipe_at_2(cands: Any) -> Any:
+        asked = [c for c in cands if (c.schedule, c.num_microbatches) == ("gpipe", 2)]
+        return asked[0] if asked else chosen(cands)
+
+    compiled = _spy_compiles(monkeypatch)
+    monkeypatch.setattr(autoschedule, "best", gpipe_at_2)
     with pytest.warns(UncalibratedWarning):
         pipe = pdcompile(model, local_cpu_cluster(3, bandwidth=6e6), example_inputs=(x,), example_target=y,
                          loss_fn=SequenceCrossEntropy(), schedule="auto")
-    chosen = pipe.schedule_choice[1]
+    assert pipe.schedule_choice[1].num_microbatches == 2 and [st.replicas for st in pipe.plan.stages] == [1]
+    assert [c[:3] for c in compiled[-2:]] == [("gpipe", 2, 2), ("gpipe", 3, 3)]  # planned again at 2, compiled at 3
+    assert "planned again at 2 microbatches, a stage has 3 replicas: compiled with 3" in pipe.explain()
     assert all(pipe.num_microbatches % st.replicas == 0 for st in pipe.plan.stages)
-    assert (chosen.num_microbatches, [st.replicas for st in pipe.plan.stages], pipe.num_microbatches) == (1, [3], 3)
-    assert "planned again at 1 microbatches, a stage has 3 replicas: compiled with 3" in pipe.explain()

@@ -219,7 +219,7 @@ def test_microbatches_plan_a_synchronous_step_and_let_the_search_choose(capsys, 
     from pdcompile.plan import Plan
     from pdcompile.profile import load
     from pdcompile._cli._args import resolve_cluster
-    from pdcompile.simulate import simulate_plan
+    from pdcompile.simulate import simulate_plan, update_bandwidth_of
 
     base = ["plan", "--profile", VGG, "--cluster", str(cluster4), "--schedule", "flush", "--json"]
     rc, out, err = _run(capsys, *base, "--microbatches", "8")
@@ -229,7 +229,8 @@ def test_microbatches_plan_a_synchronous_step_and_let_the_search_choose(capsys, 
     chain = linearize(load(VGG))
     cluster = resolve_cluster(str(cluster4))
     step = float(simulate_plan(fixed, chain.at_batch(fixed.microbatch_size), cluster, "flush", 8,
-                               split_backward=True, optimizer_state_factor=fixed_factor(fixed)).step_time_s)
+                               split_backward=True, optimizer_state_factor=fixed_factor(fixed),
+                               update_bandwidth=update_bandwidth_of(cluster)).step_time_s)
     assert fixed.seconds_per_minibatch == pytest.approx(step, rel=1e-9)
     rc, out, err = _run(capsys, *base, "--microbatches", "8", "--choose-microbatches")
     assert rc == 0, err

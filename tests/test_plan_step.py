@@ -23,7 +23,7 @@ from pdcompile.passes.partition_dp import partition_dp
 from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.plan import Plan, plan, step_objective
 from pdcompile.profile import load
-from pdcompile.simulate import simulate_plan
+from pdcompile.simulate import simulate_plan, update_bandwidth_of
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,7 +74,8 @@ def test_flush_chooses_depth_and_microbatches_by_the_simulated_step() -> None:
     # the steady-state planner's choice (today's) at the default count of 4, simulated the same way
     chain = pipe.wire_chain.at_batch(2)
     old = partition_dp(chain, pipe.cluster, schedule="flush", num_microbatches=4)
-    old_step = float(simulate_plan(old, chain, pipe.cluster, "flush", 4, split_backward=True).step_time_s)
+    old_step = float(simulate_plan(old, chain, pipe.cluster, "flush", 4, split_backward=True,
+            update_bandwidth=update_bandwidth_of(pipe.cluster)).step_time_s)
     assert chosen <= old_step * (1 + 1e-9)
     assert pipe.num_microbatches * pipe.microbatch_size == 8
 
@@ -90,10 +91,12 @@ def test_profile_only_plan_step_equals_simulate_and_beats_the_bottleneck_plan() 
         p = plan(chain, cluster, schedule=schedule, num_microbatches=8)
         m = p.num_microbatches
         assert m == 8 and p.microbatch_size == 1
-        res = simulate_plan(p, chain, cluster, schedule, m, split_backward=True)
+        res = simulate_plan(p, chain, cluster, schedule, m, split_backward=True,
+            update_bandwidth=update_bandwidth_of(cluster))
         assert p.seconds_per_minibatch == pytest.approx(float(res.step_time_s), rel=1e-9)
         steady = partition_dp(chain, cluster, schedule=schedule, num_microbatches=8)
-        steady_step = float(simulate_plan(steady, chain, cluster, schedule, 8, split_backward=True).step_time_s)
+        steady_step = float(simulate_plan(steady, chain, cluster, schedule, 8, split_backward=True,
+            update_bandwidth=update_bandwidth_of(cluster)).step_time_s)
         assert p.seconds_per_minibatch <= steady_step * (1 + 1e-9)
         assert steady.seconds_per_minibatch < steady_step  # the steady-state number leaves fill and drain out
     assert not step_objective("1f1b")
@@ -109,10 +112,11 @@ def test_deep_flush_pipeline_trades_depth_for_microbatches() -> None:
     cluster = gpu_cluster(8, 4, memory=64 * GiB)
     p = plan(chain, cluster, schedule="flush", num_microbatches=4, choose_microbatches=True)
     steady = partition_dp(chain, cluster, schedule="flush", num_microbatches=4)
-    steady_step = float(simulate_plan(steady, chain, cluster, "flush", 4, split_backward=True).step_time_s)
+    steady_step = float(simulate_plan(steady, chain, cluster, "flush", 4, split_backward=True,
+            update_bandwidth=update_bandwidth_of(cluster)).step_time_s)
     assert p.seconds_per_minibatch < steady_step
     res = simulate_plan(p, chain.at_batch(p.microbatch_size), cluster, "flush", p.num_microbatches,
-                        split_backward=True)
+                        split_backward=True, update_bandwidth=update_bandwidth_of(cluster))
     assert p.seconds_per_minibatch == pytest.approx(float(res.step_time_s), rel=1e-9)
     assert p.microbatch_size * p.num_microbatches == 4 and p.cluster == str(cluster)
 
@@ -213,8 +217,10 @@ def _every_candidate(chain: Chain, cluster: ClusterSpec, opts: PlanOptions) -> t
             if part is None:
                 continue
             try:
+                # one microbatch per copy: no replicated stage (a replica would have none to run)
                 sub = partition_dp(chain_m, part, dataclasses.replace(opts, num_microbatches=m // k,
-                                                                      choose_microbatches=False))
+                                                                      choose_microbatches=False,
+                                                                      allow_replication=m // k > 1))
             except InfeasiblePlanError:
                 continue
             width = W // k
@@ -233,7 +239,8 @@ def _every_candidate(chain: Chain, cluster: ClusterSpec, opts: PlanOptions) -> t
                     except UsageError:
                         continue
                     res = simulate_plan(full, chain_m, cluster, opts.schedule, m, split_backward=split,
-                                        optimizer_state_factor=opts.optimizer_state_factor)
+                                        optimizer_state_factor=opts.optimizer_state_factor,
+                                        update_bandwidth=update_bandwidth_of(cluster))
                     key = (max(res.peak_memory_bytes) > limit * (1 + 1e-9), float(res.step_time_s))
                     best = key if best is None or key < best else best
                     break

@@ -5,6 +5,7 @@ calibration (``op_costs``), the fitted ``alpha + work / rate`` per class instead
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from pdcompile.cluster import ClusterSpec
@@ -71,6 +72,32 @@ class DeviceSpec:
     def __str__(self) -> str:
         return (f"{self.name}: {self.peak_flops / 1e12:.1f} TFLOP/s x {self.efficiency}, "
                 f"{self.mem_bandwidth / 1e9:.0f} GB/s x {self.bandwidth_efficiency}")
+
+
+def optimizer_step_bytes(param_bytes: float, optimizer_state_factor: float) -> float:
+    """Bytes one optimizer step streams through memory over ``param_bytes`` of weights: it reads the
+    weights and their gradients and writes the weights (3x), and reads and writes its state
+    (``optimizer_state_factor`` x the weights, 2x): plain SGD 3x, SGD with momentum 5x, Adam 7x."""
+    return param_bytes * (3.0 + 2.0 * optimizer_state_factor)
+
+
+def stream_bandwidth(spec: DeviceSpec) -> float:
+    """Bytes per second an elementwise pass over memory moves on ``spec`` (the optimizer step, a weight
+    copy): its memory bandwidth x efficiency, as :meth:`DeviceSpec.seconds` charges bytes; inf when the
+    spec ignores memory traffic."""
+    return spec.mem_bandwidth * spec.bandwidth_efficiency if spec.mem_bandwidth else math.inf
+
+
+def optimizer_step_s(param_bytes: float, optimizer_state_factor: float, bandwidth: float) -> float:
+    """One optimizer step over ``param_bytes`` of weights at ``bandwidth`` bytes/s of streamed memory
+    (:func:`optimizer_step_bytes`; its fixed cost is the runtime's per-action ``ST`` cost)."""
+    return optimizer_step_bytes(param_bytes, optimizer_state_factor) / bandwidth
+
+
+def weight_copy_s(param_bytes: float, bandwidth: float) -> float:
+    """One copy of ``param_bytes`` of weights (read and written) at ``bandwidth`` bytes/s: what weight
+    stashing's clone costs (``runtime/weights.py``'s VersionedStore)."""
+    return 2.0 * param_bytes / bandwidth
 
 
 #: Published dense FP32 (TF32 for A100/H100/H200 tensor cores not assumed) peaks and HBM bandwidth.

@@ -103,7 +103,7 @@ def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
     """(SimResult, Plan, schedule, microbatches, notes) for the command's arguments."""
     from pdcompile.passes.linearize import linearize
     from pdcompile.profile import load, optimizer_state_factor
-    from pdcompile.simulate import simulate_plan
+    from pdcompile.simulate import simulate_plan, update_bandwidth_of
 
     kind, obj, program = _read_source(Path(args.source))
     compiled = program.get("schedule")
@@ -127,7 +127,8 @@ def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
         plan = plan_profile(args, obj, cluster, options)
         notes.append(f"planned {Path(args.source).name} for the cluster: configuration {plan.configuration}")
         res = simulate_plan(plan, linearize(obj), cluster, schedule, m, num_steps=args.steps, overlap_comm=overlap,
-                            optimizer_state_factor=options.optimizer_state_factor)
+                            optimizer_state_factor=options.optimizer_state_factor,
+                            update_bandwidth=update_bandwidth_of(cluster))
         return res, plan, schedule, m, notes
     plan = obj
     if args.profile:
@@ -141,7 +142,8 @@ def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
             raise UsageError(f"the plan covers layers up to {plan.stages[-1].last}, the profile's chain has "
                              f"{len(chain)}: give the profile the plan was made from")
         res = simulate_plan(plan, chain, cluster, schedule, m, num_steps=args.steps, overlap_comm=overlap,
-                            optimizer_state_factor=optimizer_state_factor(prof.optimizer))
+                            optimizer_state_factor=optimizer_state_factor(prof.optimizer),
+                            update_bandwidth=update_bandwidth_of(cluster))
     else:
         res = _simulate_plan_alone(plan, schedule, m, args.steps, overlap)
         notes.append("simulated from the plan's per-stage totals (forward:backward taken as 1:2); "
