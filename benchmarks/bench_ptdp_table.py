@@ -16,8 +16,9 @@ groups (``passes/planner/tensor.py``'s rule), ``M = B / (d b)`` microbatches of 
 (our ``flush``) simulated with full recomputation (``pdcompile.simulate``), plus the data-parallel
 all-reduce of the largest stage's fp32 gradients over InfiniBand after the step (a ring, not overlapped, as
 in the paper's runs); then what our planner chooses for the same model, GPU count and batch
-(``tensor_parallel="auto"``, the step search of ``pdcompile.plan``, which also cuts the minibatch into up to
-64 microbatches: ``choose_microbatches``) and its predicted throughput.
+(``tensor_parallel="auto"``, the step search of ``pdcompile.plan``, which also cuts the minibatch into any count
+of microbatches: ``choose_microbatches``) and its predicted throughput, against the paper's configuration rated by
+the same ``simulate()`` (:func:`paper_config_as_planned`).
 
 The chain is analytic (no model is built): per transformer layer a forward of ``24 b s h^2 + 4 b s^2 h``
 GEMM FLOPs at 80% of 312 TFLOP/s (``--gemm-efficiency``: what cuBLAS reaches on large bf16 GEMMs on
