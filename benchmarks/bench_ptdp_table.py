@@ -225,9 +225,9 @@ def planner_choice(row: Row) -> dict[str, Any]:
              recompute="full", optimizer_state_factor=ADAM_MIXED, tensor_parallel="auto", choose_microbatches=True)
     took, cpu = time.perf_counter() - t0, time.process_time() - c0
     t = p.stages[0].tensor_parallel
-    chain_t, groups = tensor.view(gpt_chain(row, p.microbatch_size), cluster(row.gpus), t)
+    chain_t, groups = tensor.view(gpt_chain(row, b), cluster(row.gpus), t)  # at b, scaled as the search scales it
     split = tensor.split_backward(t)
-    sim = simulate_plan(p, chain_t, groups, "flush", p.num_microbatches, split_backward=True if split is None else split,
+    sim = simulate_plan(p, chain_t.at_batch(p.microbatch_size), groups, "flush", p.num_microbatches, split_backward=True if split is None else split,
                         optimizer_state_factor=ADAM_MIXED)
     reps = sorted({st.replicas for st in p.stages})
     return {"step": p.seconds_per_minibatch, "tflops": model_flops(row) / p.seconds_per_minibatch / row.gpus / 1e12,
@@ -266,16 +266,16 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{row.params_b}B", str(row.t), str(row.p), str(row.gpus // (row.t * row.p)), str(row.gpus),
                  str(row.batch), f"{ours['b']} x {ours['m']}", f"{row.tflops:.0f}", f"{ours['tflops']:.1f}",
                  f"{diff:+.1%}"]
+        theirs = paper_config_as_planned(row)
+        cells.append(f"{theirs['tflops']:.1f}")
         if args.no_planner:
-            cells += ["-", "-", "-", "-", "-"]
+            cells += ["-", "-", "-", "-"]
         else:
-            theirs = paper_config_as_planned(row)
             pc = planner_choice(row)
             ratio = theirs["step"] / pc["step"]
             if ratio < 1 - 1e-9:
                 slower.append(f"{row.params_b}B: {ratio:.3f}x")
-            cells += [f"{theirs['tflops']:.1f}",
-                      f"{pc['t']}, {pc['stages']}, {pc['replicas']} ({pc['used']} GPUs, {pc['b']} x {pc['m']})",
+            cells += [f"{pc['t']}, {pc['stages']}, {pc['replicas']} ({pc['used']} GPUs, {pc['b']} x {pc['m']})",
                       f"{pc['tflops']:.1f}", f"{ratio:.3f}x", f"{pc['seconds']:.1f} s ({pc['cpu']:.1f} s)"]
             for name, got in (("theirs", theirs), ("planner", pc)):  # the step's breakdown (stdout only)
                 print(f"  {row.params_b}B {name}: " + got["sim"].summary().splitlines()[0], flush=True)
