@@ -239,7 +239,7 @@ def partition_dp(chain: Chain, cluster: ClusterSpec, options: PlanOptions | None
     t0 = time.perf_counter()
     opts = plan_options(options, overrides)
     if opts.tensor_parallel != 1:
-        return plan_tensor_parallel(chain, cluster, opts, partition_dp)
+        return plan_tensor_parallel(chain, cluster, opts, lambda c, cl, o, _split: partition_dp(c, cl, o))
     pool = opts.pool
     if pool and opts.cost_model == "pipedream":
         raise UsageError("the pipedream cost model reproduces PipeDream's released optimizer, whose stages nest in "
@@ -467,7 +467,7 @@ def pipeline_plan(chain: Chain, stage_bounds: Sequence[int], cluster: ClusterSpe
 
 
 def plan_tensor_parallel(chain: Chain, cluster: ClusterSpec, options: PlanOptions,
-                         solve: Callable[[Chain, ClusterSpec, PlanOptions], Plan]) -> Plan:
+                         solve: Callable[[Chain, ClusterSpec, PlanOptions, bool | None], Plan]) -> Plan:
     """The plan with tensor parallelism (``options.tensor_parallel``: a degree, or ``"auto"``): for each
     degree ``t`` that fits (:func:`tensor.degrees`), ``solve`` plans :func:`tensor.chain_at` (the chain as
     one of ``t`` ranks runs it, all-reduces at the innermost level's bandwidth) on :func:`tensor.cluster_at`
@@ -483,7 +483,8 @@ def plan_tensor_parallel(chain: Chain, cluster: ClusterSpec, options: PlanOption
     failed: list[tuple[int, InfeasiblePlanError]] = []
     for t in cands:
         try:
-            found.append((t, solve(tensor.chain_at(chain, t, inner.bandwidth), tensor.cluster_at(cluster, t), flat)))
+            found.append((t, solve(tensor.chain_at(chain, t, inner.bandwidth), tensor.cluster_at(cluster, t), flat,
+                                   tensor.split_backward(t))))
         except InfeasiblePlanError as e:
             failed.append((t, e))
     if not found:

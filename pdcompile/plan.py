@@ -39,6 +39,7 @@ def plan(
     *,
     solver: str = "dp",
     microbatch_sizes: Sequence[int] | None = None,
+    split_backward: bool | None = None,
     **overrides: Any,
 ) -> Plan:
     """Plan ``chain`` for ``cluster`` with ``solver`` (``"dp"`` or ``"ilp"``).
@@ -49,7 +50,8 @@ def plan(
     that fits in memory wins (ties: the smaller size). Raises
     :class:`~pdcompile.errors.InfeasiblePlanError` when no size fits. ``options``
     (:class:`PlanOptions`) and other keyword options go to the solver (``schedule=``, ...; the ILP's
-    ``time_limit_s``, ``hint``).
+    ``time_limit_s``, ``hint``). ``split_backward``: whether the program splits a drain's backwards, for the
+    step search of a synchronous schedule (None: the cluster's default, as the schedule pass decides).
     """
     solvers: dict[str, Callable[..., Plan]] = {"dp": partition_dp, "ilp": partition_ilp}
     if solver not in solvers:
@@ -63,13 +65,14 @@ def plan(
         known = set(PlanOptions.names())
         rest = {k: v for k, v in overrides.items() if k not in known}
         opts = (options or PlanOptions()).with_({k: v for k, v in overrides.items() if k in known})
-        return plan_tensor_parallel(chain, cluster, opts, lambda c, cl, o: plan(c, cl, o, solver=solver, **rest))
+        return plan_tensor_parallel(chain, cluster, opts, lambda c, cl, o, split: plan(
+            c, cl, o, solver=solver, split_backward=split, **rest))
     if not callable(chain):
         if microbatch_sizes:
             raise UsageError("microbatch_sizes needs a callable chain_for(b) -> Chain")
         schedule = overrides.get("schedule", (options or PlanOptions()).schedule)
         if step_objective(schedule):
-            return plan_step(chain, cluster, options, solver=solver, **overrides)
+            return plan_step(chain, cluster, options, solver=solver, split_backward=split_backward, **overrides)
         return solve(chain, cluster, options, **overrides)
     if not microbatch_sizes:
         raise UsageError("a callable chain needs microbatch_sizes to choose from")
@@ -210,14 +213,14 @@ def copy_options(opts: PlanOptions, per_copy: int) -> PlanOptions:
 
 
 def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | None = None, *, solver: str = "dp",
-              **overrides: Any) -> Plan:
+              split_backward: bool | None = None, **overrides: Any) -> Plan:
     """The plan of ``chain`` on ``cluster`` whose step under ``options.schedule`` (synchronous) is the
     shortest that :func:`~pdcompile.simulate.simulate_plan` predicts (each stage's optimizer step
     included, at the cluster's ``update_bandwidth_of``); its ``seconds_per_minibatch``
     is that step (the minibatch is ``chain.batch_size x num_microbatches``).
 
-    The outer search is over the microbatch count ``M`` (every divisor of the minibatch up to 64
-    with ``options.choose_microbatches``, else the given one) and the number ``k`` of pipeline copies
+    The outer search is over the microbatch count ``M`` (every divisor of the minibatch with
+    ``options.choose_microbatches``, else the given one) and the number ``k`` of pipeline copies
     (``k`` divides the workers and ``M``): the planner (DP or ILP, the inner search, minimising the
     bottleneck) plans one copy on the cluster's first ``W / k`` workers with ``M / k`` microbatches,
     at the microbatch size ``minibatch / M`` (``Chain.at_batch``); its ``k`` copies side by side, or
@@ -241,9 +244,10 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
     rest = {k: v for k, v in overrides.items() if k not in names}
     m0 = max(1, int(opts.num_microbatches or 1))
     minibatch = chain.batch_size * m0
-    counts = microbatch_choices(minibatch) if opts.choose_microbatches else [m0]
     workers = cluster.num_workers
-    split = default_split_backward("cpu" if cluster.device.name == "cpu" else "gpu", workers, os.cpu_count() or 1)
+    counts = microbatch_choices(minibatch, minibatch) if opts.choose_microbatches else [m0]
+    split = default_split_backward("cpu" if cluster.device.name == "cpu" else "gpu", workers, os.cpu_count() or 1) \
+        if split_backward is None else split_backward  # as the schedule pass decides (tensor parallelism: whole)
     pol = POLICIES[opts.schedule]
     cw = ChainWork.of(chain, split or pol.splits_every_backward or pol.order_splits)
     # the memory limit as the planner applies it: on where asked, else the default cost model's default

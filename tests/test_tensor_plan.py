@@ -202,3 +202,72 @@ def test_the_plan_command_plans_auto_on_a_profile(capsys: pytest.CaptureFixture[
     assert main(["plan", "--profile", "pipedream:vgg16", "--cluster", "paper:B", "--tensor-parallel", "auto"]) == 0
     out = capsys.readouterr().out
     assert "tensor parallel: t=1: nothing in this chain splits (a profile records no tensor-parallel shares)" in out
+
+
+def _every_configuration(chain: Chain, cluster: ClusterSpec, minibatch: int, factor: float) -> tuple[bool, float, int]:
+    """The brute force: every degree t, every microbatch count M dividing the minibatch (no cap), every split
+    into stages and every replica count of each (at most the cluster's t-groups), each rated by the objective
+    the compiled program's ``simulate()`` is: the flush step simulated on the groups, a drain's backward split on
+    GPUs where a stage runs whole (t = 1) and whole where it is split (the schedule pass); over memory (the
+    simulated peak or the plan's own stage memory) loses. The least (over memory, step, t)."""
+    from pdcompile.passes.partition_dp import plan_from_assignment
+    from pdcompile.simulate import simulate_plan
+
+    best: tuple[bool, float, int] | None = None
+    n, limit = len(chain), float(cluster.device.memory)
+    for t in tensor.degrees("auto", cluster, chain):
+        chain_t, groups = tensor.view(chain, cluster, t)
+        W = groups.num_workers
+        for m in (m for m in range(1, minibatch + 1) if minibatch % m == 0):
+            chain_m = chain_t.at_batch(minibatch // m)
+            for s in range(1, min(n, W) + 1):
+                for cuts in itertools.combinations(range(1, n), s - 1):
+                    bounds = (0, *cuts, n)
+                    for reps in itertools.product(range(1, W + 1), repeat=s):
+                        if sum(reps) > W:
+                            continue
+                        starts = [sum(reps[:i]) for i in range(s)]
+                        assignment = [(a, b - 1, r, tuple(range(q, q + r)))
+                                      for (a, b), r, q in zip(zip(bounds, bounds[1:]), reps, starts)]
+                        full = plan_from_assignment(chain_m, groups, assignment, schedule="flush", num_microbatches=m,
+                                                    optimizer_state_factor=factor)
+                        res = simulate_plan(full, chain_m, groups, "flush", m, split_backward=t == 1,
+                                            optimizer_state_factor=factor)
+                        peak = max([*map(float, res.peak_memory_bytes or [0.0]),
+                                    *(float(st.memory_bytes) for st in full.stages)])
+                        key = (peak > limit * (1 + 1e-9), float(res.step_time_s), t)
+                        best = key if best is None or key < best else best
+    assert best is not None
+    return best
+
+
+@pytest.mark.parametrize("memory_gib,work_s,cut_bytes,best_t", [(40, 0.01, 4e6, 1), (60, 0.03, 4e7, 2)])
+def test_the_step_search_picks_the_brute_force_best_over_t_stages_replicas_and_microbatches(
+        memory_gib: float, work_s: float, cut_bytes: float, best_t: int) -> None:
+    """``tensor_parallel="auto"`` with the flush step search choosing the microbatch count: its pick is the best of
+    every (t, stages, replicas, M) by the compiled program's own objective. The first case's best cuts the
+    minibatch of 128 into 128 microbatches (a cap of 64 on the count misses it); the second's is t = 2, whose
+    stages run their backward whole (a search rating t = 2 with split backwards compares another figure)."""
+    from pdcompile.simulate import simulate_plan
+
+    layers = tuple(ChainLayer(f"l{i}", "block", work_s * (1 + 0.3 * i), 2 * work_s * (1 + 0.3 * i), cut_bytes, 8 * G,
+                              saved_bytes=4 * cut_bytes, forward_fixed_s=1e-5, backward_fixed_s=2e-5, tp_share=s,
+                              tp_param_share=s, tp_saved_share=0.5, tp_allreduce_bytes=cut_bytes, tp_allreduces=2,
+                              tp_divisor=8)
+                   for i, s in enumerate((0.9, 0.5, 0.95)))
+    chain = Chain(layers, (cut_bytes,) * 2, batch_size=2)
+    cluster = ClusterSpec(Device("gpu", memory=memory_gib * G, peak_flops=312e12, memory_bandwidth=2e12),
+                          (Level("server", 4, 300e9),))
+    p = plan(chain, cluster, schedule="flush", num_microbatches=64, optimizer_state_factor=2.0,
+             tensor_parallel="auto", choose_microbatches=True)
+    over, step, t = _every_configuration(chain, cluster, 128, 2.0)
+    assert not over and t == best_t
+    assert p.stages[0].tensor_parallel == t
+    assert p.seconds_per_minibatch == pytest.approx(step, rel=1e-9)
+    if best_t == 1:
+        assert p.num_microbatches == 128
+    # the figure is the pick's own simulate(), as the compiled program replays it
+    chain_t, groups = tensor.view(chain, cluster, t)
+    res = simulate_plan(p, chain_t.at_batch(p.microbatch_size), groups, "flush", p.num_microbatches,
+                        split_backward=t == 1, optimizer_state_factor=2.0)
+    assert float(res.step_time_s) == pytest.approx(p.seconds_per_minibatch, rel=1e-9)

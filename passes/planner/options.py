@@ -31,7 +31,7 @@ class PlanOptions:
     shard: str | tuple[str, ...] = "none"  # replicas' state: "none", "optimizer", "full", "auto", or one per stage
     microbatches_known: bool = True  # off: the step's count is unknown (full is then not refused for too few)
     choose_microbatches: bool = False  # a synchronous schedule's step search may cut the minibatch (batch x
-    # num_microbatches) into any count up to 64 (pdcompile.plan.plan_step), else num_microbatches
+    # num_microbatches) into any count dividing it (pdcompile.plan.plan_step), else num_microbatches
     tensor_parallel: int | str = 1  # ranks each stage is split across (planner/tensor.py), or "auto": planned
 
     def __post_init__(self) -> None:

@@ -30,7 +30,7 @@ from pdcompile.errors import UsageError
 from pdcompile.ir import Chain, ChainLayer
 
 __all__ = ["DEGREES", "LINK_LATENCY_S", "allreduce_s", "split_time", "split_bytes", "layer_at", "chain_at",
-           "cluster_at", "view", "degrees", "why_not", "splittable", "stage_reason"]
+           "cluster_at", "view", "degrees", "split_backward", "why_not", "splittable", "stage_reason"]
 
 #: the degrees ``tensor_parallel="auto"`` tries (each must divide the innermost level's count)
 DEGREES = (1, 2, 4, 8)
@@ -44,6 +44,13 @@ def allreduce_s(nbytes: float, t: int, bandwidth: float, count: int = 1, latency
     if t <= 1 or (nbytes <= 0 and count <= 0):
         return 0.0
     return 2.0 * (t - 1) / t * nbytes / bandwidth + count * 2.0 * (t - 1) * latency
+
+
+def split_backward(t: int) -> bool | None:
+    """Whether a plan of degree ``t`` splits a drain's backwards (``B`` then ``W``), as the schedule pass runs it
+    and ``simulate()`` replays it: a stage split across ranks runs its backward whole (``False``); ``t = 1``:
+    None, the cluster's default (``default_split_backward``)."""
+    return None if t == 1 else False
 
 
 def split_time(total_s: float, fixed_s: float, share: float, t: int) -> float:

@@ -64,7 +64,7 @@ def register(subparsers: Any) -> None:
                         "are then planned by their simulated step of N microbatches (default: 1)")
     p.add_argument("--choose-microbatches", action="store_true",
                    help="flush, gpipe, zb-h1: let the step search cut the same minibatch (batch x --microbatches) "
-                        "into any count up to 64, with the stages and copies of the pipeline")
+                        "into any count (a divisor of it), with the stages and copies of the pipeline")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=run)
 
