@@ -211,9 +211,10 @@ def _every_configuration(chain: Chain, cluster: ClusterSpec, minibatch: int, fac
     GPUs where a stage runs whole (t = 1) and whole where it is split (the schedule pass); over memory (the
     simulated peak or the plan's own stage memory) loses. The least (over memory, step, t)."""
     from pdcompile.passes.partition_dp import plan_from_assignment
-    from pdcompile.simulate import simulate_plan
+    from pdcompile.simulate import simulate_plan, update_bandwidth_of
 
     best: tuple[bool, float, int] | None = None
+    update_bw = update_bandwidth_of(cluster)  # each stage's optimizer step, as the compiled simulate() charges it
     n, limit = len(chain), float(cluster.device.memory)
     for t in tensor.degrees("auto", cluster, chain):
         chain_t, groups = tensor.view(chain, cluster, t)
@@ -232,7 +233,7 @@ def _every_configuration(chain: Chain, cluster: ClusterSpec, minibatch: int, fac
                         full = plan_from_assignment(chain_m, groups, assignment, schedule="flush", num_microbatches=m,
                                                     optimizer_state_factor=factor)
                         res = simulate_plan(full, chain_m, groups, "flush", m, split_backward=t == 1,
-                                            optimizer_state_factor=factor)
+                                            optimizer_state_factor=factor, update_bandwidth=update_bw)
                         peak = max([*map(float, res.peak_memory_bytes or [0.0]),
                                     *(float(st.memory_bytes) for st in full.stages)])
                         key = (peak > limit * (1 + 1e-9), float(res.step_time_s), t)
@@ -248,7 +249,7 @@ def test_the_step_search_picks_the_brute_force_best_over_t_stages_replicas_and_m
     every (t, stages, replicas, M) by the compiled program's own objective. The first case's best cuts the
     minibatch of 128 into 128 microbatches (a cap of 64 on the count misses it); the second's is t = 2, whose
     stages run their backward whole (a search rating t = 2 with split backwards compares another figure)."""
-    from pdcompile.simulate import simulate_plan
+    from pdcompile.simulate import simulate_plan, update_bandwidth_of
 
     layers = tuple(ChainLayer(f"l{i}", "block", work_s * (1 + 0.3 * i), 2 * work_s * (1 + 0.3 * i), cut_bytes, 8 * G,
                               saved_bytes=4 * cut_bytes, forward_fixed_s=1e-5, backward_fixed_s=2e-5, tp_share=s,
@@ -269,5 +270,6 @@ def test_the_step_search_picks_the_brute_force_best_over_t_stages_replicas_and_m
     # the figure is the pick's own simulate(), as the compiled program replays it
     chain_t, groups = tensor.view(chain, cluster, t)
     res = simulate_plan(p, chain_t.at_batch(p.microbatch_size), groups, "flush", p.num_microbatches,
-                        split_backward=t == 1, optimizer_state_factor=2.0)
+                        split_backward=t == 1, optimizer_state_factor=2.0,
+                        update_bandwidth=update_bandwidth_of(cluster))
     assert float(res.step_time_s) == pytest.approx(p.seconds_per_minibatch, rel=1e-9)
