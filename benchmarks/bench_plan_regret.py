@@ -31,7 +31,9 @@ Usage:
   python benchmarks/bench_plan_regret.py --workloads gpt --links loopback --workers 2 \\
       --max-candidates 4 --repeats 1 --steps 6 --smoke         # a smoke run (minutes)
 Flags: --workloads gpt,vgg,fashion,shakespeare,llama --links loopback,100MB,20MB --workers 2,3
---repeats 3 --steps 20 --warmup 4 --max-candidates N --cuts 10 --png FILE --json FILE --no-write --smoke.
+--repeats 3 --steps 20 --warmup 4 --max-candidates N --cuts 10 --png FILE --json FILE --no-write --smoke
+--with-json FILE... (table another run's --json rows with this run's: one section over several sittings;
+``--workloads ''`` runs nothing new).
 """
 
 from __future__ import annotations
@@ -487,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuts", type=int, default=10, help="2-stage cuts per scenario, evenly spread")
     ap.add_argument("--png", default=str(HERE.parent / "plan_regret.png"))
     ap.add_argument("--json", default="", help="also write every row here")
+    ap.add_argument("--with-json", nargs="+", default=[], metavar="FILE",
+                    help="also table the rows another run wrote with --json (its scenarios named as from FILE)")
     ap.add_argument("--smoke", action="store_true", help="label the section a smoke run")
     ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md and the PNG alone")
     args = ap.parse_args(argv)
@@ -500,12 +504,17 @@ def main(argv: list[str] | None = None) -> int:
     t0, load_before = time.perf_counter(), load_note()
     rows: list[Row] = []
     notes: list[str] = []
-    for wname in args.workloads.split(","):
+    for wname in filter(None, args.workloads.split(",")):
         for link in args.links.split(","):
             for workers in (int(x) for x in args.workers.split(",")):
                 got, why = scenario(wname, link, workers, args)
                 rows += got
                 notes += [f"{wname}, {link}, {workers} workers: {n}" for n in why]
+    for f in args.with_json:  # earlier sittings' rows: same tables, their scenarios' notes say where from
+        earlier = [Row(**r) for r in json.loads(Path(f).read_text())]
+        rows = earlier + rows
+        notes += [f"{s}: rows from an earlier run's `--json {Path(f).name}` (its own load)"
+                  for s in dict.fromkeys(r.scenario for r in earlier)]
     body = tables(rows, notes, args, load_before, time.perf_counter() - t0)
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))

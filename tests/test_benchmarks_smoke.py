@@ -448,3 +448,21 @@ def test_plan_regret_orders_regrets_and_candidates() -> None:
     text = pr.tables(rows, ["c: not compiled"], args, "load 1", 3.0)
     assert "| c | - | 500.00 | nan | failed | - |" in text
     assert text.startswith("**SMOKE RUN**") and "| s | 2 | -1.00 | 14.00 | 1.50 | 1.00 |" in text  # a discordant pair
+
+
+def test_plan_regret_tables_rows_saved_by_earlier_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--with-json``: rows another sitting wrote with ``--json`` are tabled as if run now (nothing launched):
+    3 candidates, the predicted order with one pair swapped against the measured (tau = (2 - 1) / 3), the
+    planner's pick measured 1.2x the best; the scenario's note names the file."""
+    pr = bench_plan_regret
+    rows = [pr.Row("toy, loopback, 2 workers", "a", "grid", 0.010, [0.010, 0.010]),
+            pr.Row("toy, loopback, 2 workers", "b", "grid", 0.015, [0.020], ["auto"]),
+            pr.Row("toy, loopback, 2 workers", "c", "grid", 0.020, [0.012, 0.012], ["planner"])]
+    saved = tmp_path / "earlier.json"
+    saved.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
+    assert pr.main(["--workloads", "", "--with-json", str(saved), "--no-write"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("| toy, loopback, 2 workers | 3 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[2] == f"{1 / 3:.2f}" and cells[4] == "1.20" and cells[5] == "2.00", cells
+    assert "earlier.json" in out
