@@ -19,7 +19,7 @@ from pdcompile.passes.planner.costs import COST_MODELS
 from pdcompile.passes.planner.decisions import MODES, RECOMPUTE, stage_decisions
 from pdcompile.passes.planner.memory import EPS
 from pdcompile.passes.planner.options import PlanOptions, plan_options
-from pdcompile.passes.planner.search import SCHEDULES, PlanModel, solve
+from pdcompile.passes.planner.search import SCHEDULES, PlanModel, refusals_without_memory, solve
 from pdcompile.passes.planner import tensor
 from pdcompile.passes.planner.sharding import resolve as resolve_shard
 from pdcompile.plan_data import Plan, StagePlan
@@ -481,14 +481,20 @@ def plan_tensor_parallel(chain: Chain, cluster: ClusterSpec, options: PlanOption
     flat = replace(options, tensor_parallel=1)
     found: list[tuple[int, Plan]] = []
     failed: list[tuple[int, InfeasiblePlanError]] = []
-    for t in cands:
-        try:
-            found.append((t, solve(tensor.chain_at(chain, t, inner.bandwidth), tensor.cluster_at(cluster, t), flat,
-                                   tensor.split_backward(t))))
-        except InfeasiblePlanError as e:
-            failed.append((t, e))
+
+    def solve_at(t: int) -> Plan:
+        return solve(tensor.chain_at(chain, t, inner.bandwidth), tensor.cluster_at(cluster, t), flat,
+                     tensor.split_backward(t))
+
+    with refusals_without_memory():  # the step search's refused candidates are discarded: no bisection for them
+        for t in cands:
+            try:
+                found.append((t, solve_at(t)))
+            except InfeasiblePlanError as e:
+                failed.append((t, e))
     if not found:
-        raise failed[0][1]
+        solve_at(failed[0][0])  # the smallest degree's refusal in full (naming the memory that would fit)
+        raise failed[0][1]  # pragma: no cover - it refused just now
     t, best = min(found, key=lambda c: (c[1].seconds_per_minibatch, c[0]))
     compared = [f"t={d}: {p.seconds_per_minibatch:.4g} s" for d, p in found] + \
                [f"t={d}: does not fit" for d, _ in failed]

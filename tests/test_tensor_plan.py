@@ -273,3 +273,15 @@ def test_the_step_search_picks_the_brute_force_best_over_t_stages_replicas_and_m
                         split_backward=t == 1, optimizer_state_factor=2.0,
                         update_bandwidth=update_bandwidth_of(cluster))
     assert float(res.step_time_s) == pytest.approx(p.seconds_per_minibatch, rel=1e-9)
+
+
+def test_where_no_degree_fits_the_refusal_names_the_memory_that_would() -> None:
+    """The degree loop asks its candidates' refusals without the memory bisection; the one it raises (the smallest
+    degree's) is asked again in full."""
+    layers = tuple(_layer(i, params=400 * G) for i in range(3))  # 400 GiB x 4 of state a layer: no t of 8 holds one
+    chain = Chain(layers, (4e6,) * 2, batch_size=4)
+    for schedule in ("1f1b", "flush"):
+        with pytest.raises(InfeasiblePlanError, match="the smallest per-worker memory that fits is") as e:
+            plan(chain, _gpus(8), schedule=schedule, num_microbatches=4, optimizer_state_factor=2,
+                 tensor_parallel="auto")
+        assert e.value.needed_memory_bytes > 80 * G  # type: ignore[attr-defined]

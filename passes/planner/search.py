@@ -8,6 +8,9 @@ reads the cost model only through :class:`~pdcompile.passes.planner.costs.CostMo
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import replace
 from typing import Sequence
 
@@ -27,7 +30,23 @@ from pdcompile.passes.planner.sharding import check_option as check_shard
 from pdcompile.passes.planner.sharding import comm_factors, full_refusal
 from pdcompile.runtime.schedules import registry as schedule_registry
 
-__all__ = ["PlanModel", "SCHEDULES", "solve"]
+__all__ = ["PlanModel", "SCHEDULES", "solve", "refusals_without_memory"]
+
+#: whether a refusal names the smallest per-worker memory that would fit: a bisection of feasibility tests, the
+#: search's costliest answer; off inside :func:`refusals_without_memory`
+_NAME_NEEDED_MEMORY: ContextVar[bool] = ContextVar("name_needed_memory", default=True)
+
+
+@contextmanager
+def refusals_without_memory() -> Iterator[None]:
+    """Inside it, a search that finds no plan refuses without naming the memory that would fit (no bisection):
+    for callers that try many problems and discard refusals (the tensor-parallel degree loop, whose step search
+    tries every microbatch count and copy count at every degree), and ask again for the one they report."""
+    token = _NAME_NEEDED_MEMORY.set(False)
+    try:
+        yield
+    finally:
+        _NAME_NEEDED_MEMORY.reset(token)
 
 SCHEDULES = tuple(schedule_registry.SCHEDULES)  # memory from each one's Policy (weight versions, in flight)
 BIG = np.iinfo(np.int64).max // 4
@@ -588,7 +607,7 @@ def _solve_auto(model: PlanModel) -> tuple[tuple[Block, ...], Evaluation]:
     if model.costs.solver is None:
         base.partial = model.partial
     try:
-        blocks0, ev0 = _solve(base)
+        blocks0, ev0 = _solve(base, needed=False)  # where none fits unsharded, the sharded search answers
     except InfeasiblePlanError:
         return _solve(model)
     ev = model.evaluate(blocks0)
@@ -599,11 +618,17 @@ def _solve_auto(model: PlanModel) -> tuple[tuple[Block, ...], Evaluation]:
     return blocks0, ev
 
 
-def _solve(model: PlanModel) -> tuple[tuple[Block, ...], Evaluation]:
+def _solve(model: PlanModel, needed: bool = True) -> tuple[tuple[Block, ...], Evaluation]:
+    """The search (module doc). Where no plan fits: InfeasiblePlanError naming the smallest per-worker memory
+    that would (a bisection of feasibility tests; ``needed=False``: not computed, for a caller that discards
+    the error, as :func:`_solve_auto` does before its sharded search)."""
     if model.costs.solver is not None:  # a model with its own DP (the released optimizer's)
         blocks = model.costs.solver(model)
         return blocks, model.evaluate(blocks)
     if not model.feasible(math.inf):
+        if not needed or not _NAME_NEEDED_MEMORY.get():
+            raise InfeasiblePlanError(f"no plan of {model.chain.name} fits in "
+                                      f"{format_quantity(model.mem_budget, 'memory')} per worker")
         need = model.min_memory_to_fit()
         err = InfeasiblePlanError(
             f"no plan of {model.chain.name} fits in {format_quantity(model.mem_budget, 'memory')} per worker "
