@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fresh", default="", help="comma-separated parameter names used at the current version")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--diag", action="store_true", help="stage 0's prediction error against its staleness")
+    p.add_argument("--form", default="linear", choices=("linear", "decay"),
+                   help="--predict's form: s * lr * D (PipeOptim), or FTPipe's per-step sum with m decayed by beta1")
+    p.add_argument("--pipemare", type=float, default=0.0, metavar="K",
+                   help="PipeMare's rate on each stage of delay > 0, K in minibatches (with --predict: predict+lr)")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N", help="minibatches between evaluations")
     p.add_argument("--sync-first", type=int, default=0, metavar="N",
                    help="the first N minibatches synchronous (every delay 0), as a flush schedule would run them")
     args = p.parse_args(argv)
@@ -69,9 +74,14 @@ def main(argv: list[str] | None = None) -> None:
     data = iter(_tta.import_object(w.data["factory"])(w.batch, **w.data["kwargs"]))
     evals = [b for _, b in zip(range(w.eval_steps), _tta.import_object(w.eval_data)(w.batch))]
 
+    every = args.eval_every or w.eval_every
+    lrfix = [staleness.LrCorrection(d, 1.0, int(args.pipemare), 1, sync=args.sync_first) if args.pipemare and d > 0
+             else None
+             for d in delays]
+
     def stash(s: int) -> dict[str, torch.Tensor]:
         if args.predict and delays[s] > 0:
-            return staleness.Predictor(opts[s], params[s], delays[s], rule)()
+            return staleness.Predictor(opts[s], params[s], delays[s], rule, args.form, lrfix[s])()
         return {k: t.detach().clone() for k, t in params[s].items()}
 
     def chain(x: tuple[Any, ...], weights: list[dict[str, torch.Tensor]] | None) -> Any:
@@ -86,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         versions = [{0: stash(s)} for s in range(len(stages))]
         plain = {0: {k: t.detach().clone() for k, t in params[0].items()}}  # stage 0 unpredicted (--diag)
         errs: list[tuple[float, float, float]] = []
-        for j in range(min(w.eval_every, args.steps - step)):
+        for j in range(min(every, args.steps - step)):
             (x,), y = next(data)
             used = [{k: (versions[s][j][k] if k in fresh else t).detach().requires_grad_(params[s][k].requires_grad)
                      for k, t in versions[s][max(0, j - delays[s])].items()} for s in range(len(stages))]
@@ -105,7 +115,10 @@ def main(argv: list[str] | None = None) -> None:
             for s, opt in enumerate(opts):
                 for k, q in params[s].items():
                     q.grad = grads[s][k]
-                opt.step()
+                if lrfix[s] is not None and delays[s] > 0:
+                    lrfix[s].step(opt, step)  # type: ignore[union-attr]  # checked in the same expression
+                else:
+                    opt.step()
                 opt.zero_grad(set_to_none=True)
                 versions[s][j + 1] = stash(s)
                 versions[s].pop(j - delays[s], None)  # the next forward reads j + 1 - delays[s] (and j + 1: --fresh)
