@@ -586,6 +586,24 @@ def correction(program: Path) -> str:
     return fix + (f", the first {corr['sync']} minibatches synchronous" if corr.get("sync") else "")
 
 
+def sync_start_cost(w: _tta.Workload, link: str, steps: int = 50) -> str:
+    """What a synchronous start costs in time, as the planner predicts it (``CompiledPipeline.simulate``)
+    for the planner's 1F1B on ``link``: one minibatch as its own schedule (a ``staleness_sync`` minibatch:
+    fill and drain) against a minibatch of a ``steps``-minibatch schedule (the pipeline's steady state)."""
+    from pdcompile.cluster import local_cpu_cluster
+
+    cluster = local_cpu_cluster(NPROC, bandwidth=LINKS[link] or 2e9)
+    _, pipe = compile_program(w, "1f1b", 1, None, cluster)
+    one = float(pipe.simulate(num_steps=1).makespan_s)
+    many = float(pipe.simulate(num_steps=steps).makespan_s) / steps
+    return (f"{w.name} {link}: {describe_plan(pipe)}; predicted s per minibatch: alone (a synchronous start's) "
+            f"{one:.4g}, in a {steps}-minibatch 1F1B schedule {many:.4g}: {one / many:.2f}x")
+
+
+def describe_plan(pipe: Any) -> str:
+    return " + ".join(f"{st.replicas}" for st in pipe.plan.stages) + " replicas"
+
+
 def calibrated_at() -> str:
     """When the cached per-action cost that ``schedule="auto"`` read was measured (``pdcompile.calibrate``):
     the choice of schedule and microbatch count follows these measured constants, so it changes when they
@@ -841,7 +859,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="measure nothing: the tables and PNG from curves saved with --save")
     p.add_argument("--notes", type=Path, default=None, help="a Markdown file added under the tables (the reading; "
                    f"with --report, default {NOTES.relative_to(ROOT)})")
+    p.add_argument("--sync-cost", action="store_true", help="measure nothing: print the planner's predicted time of "
+                   "a synchronous start's minibatch against a 1F1B minibatch (sync_start_cost), per workload and link")
     args = p.parse_args(argv)
+    if args.sync_cost:
+        for name in args.workloads.split(","):
+            for link in (args.links or "slow").split(","):
+                print(sync_start_cost(_tta.workload(name), link), flush=True)
+        return
     write = not (args.quick or args.no_write or args.simulate)
     quick_systems = ",".join(QUICK_SYSTEMS if args.quick else SYSTEMS)
     systems = tuple(s for s in SYSTEMS if s in (args.systems or quick_systems).split(","))

@@ -18,7 +18,13 @@ gradient (1F1B: the stage's in-flight count less one, NOAM-based, per replica; 2
   (the step it predicts shrinks W too), momentum SGD its momentum buffer. ``lr`` is the rate the
   next step will use (after the scheduler), held for all ``s`` steps. ``s`` is our delay, the number
   of updates between the forward and the one its gradient meets (PipeOptim counts one more).
-  The predicted tensors are the version stashed for the backward (runtime/weights.py)."""
+  The predicted tensors are the version stashed for the backward (runtime/weights.py). FTPipe's
+  multi-step form (:func:`predict_adam_multistep`) was measured against this one and lost
+  (benchmarks/RESULTS.md); it stays as a formula for ``benchmarks/staleness_probe.py --form decay``.
+* ``predict+lr``: both; the prediction uses the rate of the stage's last (rescaled) step.
+* ``staleness_sync = N`` (any mode): the first ``N`` minibatches synchronous, each its own schedule
+  (a flush after each: delay 0, no prediction, full rate), then the schedule; PipeMare's ``t`` counts
+  from the end of those ``N``."""
 
 from __future__ import annotations
 
