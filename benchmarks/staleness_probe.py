@@ -2,7 +2,8 @@
 prediction removes: an in-process probe of PipeDream's 1F1B semantics (issue 37, RESULTS.md "Staleness
 corrections").
 
-    python benchmarks/staleness_probe.py PROGRAM --delays 2,1,0 [--predict] [--lr 1e-3] [--fresh wte.weight]
+    python benchmarks/staleness_probe.py PROGRAM --delays 2,1,0 [--predict [--form decay]] [--pipemare K]
+                                         [--sync-first N] [--lr 1e-3] [--fresh wte.weight] [--eval-every N]
                                          [--steps 300] [--diag]
 
 PROGRAM is an emitted program folder (``bench_time_to_accuracy.py`` leaves its planner's in
@@ -13,7 +14,9 @@ forward and backward are one pass, since with stashing both use that version; ti
 their summed gradient. ``--predict``: the versions are the runtime's own
 :class:`pdcompile.runtime.staleness.Predictor`'s weights (``W - s lr D``). Ablations the pipeline cannot
 run: any ``--delays`` per stage, and ``--fresh NAMES`` (those parameters at the current version).
-``--sync-first N``: the first N minibatches at delay 0 (a synchronous warm-up). ``--diag``: for stage 0, the norm of (weights when the gradient is applied - weights the forward used)
+``--sync-first N``: the first N minibatches at delay 0 (``staleness_sync``'s start). ``--form decay``: FTPipe's
+multi-step prediction instead of ours; ``--pipemare K``: PipeMare's rate on each stage of delay > 0 over K
+minibatches after the synchronous start (with ``--predict``: ``predict+lr``). ``--diag``: for stage 0, the norm of (weights when the gradient is applied - weights the forward used)
 against the same without prediction, and the least-squares scale ``c*`` of the prediction (1: its size
 is right). Prints the validation loss at every evaluation, as train.py's metrics.
 """

@@ -519,6 +519,10 @@ def test_plan_and_simulate_commands_say_each_stages_delay(capsys: pytest.Capture
                  "--staleness", "lr"]) == 0
     text = capsys.readouterr().out
     assert "staleness: lr (K = 0.25 of the run)" in text and f"stage {len(reps) - 1}: delay 0 update(s)" in text
+    assert main(["plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", "--schedule", "1f1b",
+                 "--staleness", "predict+lr", "--staleness-sync", "7", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["staleness"]
+    assert (got["mode"], got["sync"]) == ("predict+lr", 7)
     assert main(["simulate", "pipedream:vgg16", "--cluster", "paper:A", "--schedule", "flush", "--microbatches", "4",
                  "--staleness", "predict", "--json"]) == 0
     sim = json.loads(capsys.readouterr().out)
