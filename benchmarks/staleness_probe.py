@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         versions = [{0: stash(s)} for s in range(len(stages))]
         plain = {0: {k: t.detach().clone() for k, t in params[0].items()}}  # stage 0 unpredicted (--diag)
         errs: list[tuple[float, float, float]] = []
-        for j in range(min(every, args.steps - step)):
+        # up to the next evaluation; a synchronous start ends its own segment (the pipeline then starts afresh)
+        for j in range(min(every - step % every, args.steps - step, *([args.sync_first - step] if delays != asked else []))):
             (x,), y = next(data)
             used = [{k: (versions[s][j][k] if k in fresh else t).detach().requires_grad_(params[s][k].requires_grad)
                      for k, t in versions[s][max(0, j - delays[s])].items()} for s in range(len(stages))]
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
                 plain[j + 1] = {k: t.detach().clone() for k, t in params[0].items()}
                 plain.pop(j - delays[0], None)
             step += 1
+        if step % every and step < args.steps:
+            continue  # a segment cut short by the synchronous start: no evaluation here
         for m in stages:
             m.eval()
         with torch.no_grad():
