@@ -193,6 +193,9 @@ class Trainer:
         self.resumed = resume.resume(program, args, rank, self.executors)
         self.start = self.resumed.step if self.resumed is not None else 0  # this run's first minibatch
         first_mb = self.start * M
+        for ex in self.executors:  # predict+lr predicts with the rate of the stage's last step: the one before the resume
+            if ex.staleness_lr is not None and first_mb:
+                ex.staleness_lr.applied(first_mb - 1)
         # --targets local: the first microbatch of each last-stage replica still has its target sent, to compare
         for ex in self.executors:
             ex.target_check = frozenset(range(first_mb, first_mb + len(program.stages[-1].ranks)))

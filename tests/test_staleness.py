@@ -431,11 +431,12 @@ class _Each:
 @pytest.mark.multiproc
 def test_a_synchronous_start_then_predict_lr_1f1b_trains_sync_then_the_reference(tmp_path: Path) -> None:
     """1F1B on 3 stages, one microbatch a minibatch, Adam, staleness='predict+lr' with staleness_sync=2 over
-    5 minibatches (K = 0.4 of the run, 2 minibatches): explain() and plan.json say so; the first 2
-    minibatches step at the full rate and the rest at PipeMare's closed form at t - 2 (the metrics' rates);
-    the final weights equal reference.train_sync of the whole model for 2 minibatches, then PipeDream's
-    1F1B reference whose stashed versions are the float64 predictions at the rescaled rate, within 1e-5;
-    the same run without the synchronous start ends elsewhere (it changed something)."""
+    5 minibatches (K = 0.4 of the run, 2 minibatches), checkpointed at 3 and resumed: explain() and
+    plan.json say so; the resumed steps run at PipeMare's closed form at t - 2 (the metrics' rates); the
+    final weights equal reference.train_sync of the whole model for 2 minibatches, then PipeDream's 1F1B
+    reference (cut at the checkpoint's flush) whose stashed versions are the float64 predictions at the
+    rate of each stage's last step, carried over the resume, within 1e-5; the same run without the
+    synchronous start ends elsewhere (it changed something)."""
     lr, steps, sync, warmup = 0.01, 5, 2, 0.4
     adam = functools.partial(torch.optim.Adam, lr=lr)
     prog, pipe = _emit(tmp_path / "p", stages=3, schedule="1f1b", optimizer=adam, mode="predict+lr", micro=1,
@@ -444,14 +445,18 @@ def test_a_synchronous_start_then_predict_lr_1f1b_trains_sync_then_the_reference
     assert "stage 0: delay 2 update(s); applies forward on W - 2 * lr'" in pipe.explain()
     plan = json.loads((prog / "plan.json").read_text())["staleness"]
     assert (plan["mode"], plan["sync"], plan["delays"]) == ("predict+lr", 2, [2, 1, 0])
-    rc, out = run_ranks(prog, 3, ["--timeout", "90", "--steps", str(steps), "--save-final", str(tmp_path / "final"),
-                                  "--metrics", str(tmp_path / "m")], timeout=240)
+    common = ["--checkpoint-dir", str(tmp_path / "ck"), "--steps", str(steps), "--checkpoint-every", "3"]
+    # the run (K is a fraction of --steps) killed at step 4, after its checkpoint at 3, and resumed
+    rc, out = run_ranks(prog, 3, [*common, "--timeout", "10", "--fail-at-step", "4", "--fail-rank", "0"], timeout=240)
+    assert rc != 0 and "killed at step 4" in out, out[-3000:]
+    rc, out = run_ranks(prog, 3, [*common, "--timeout", "90", "--resume",
+                                  "--save-final", str(tmp_path / "final"), "--metrics", str(tmp_path / "m")], timeout=240)
     assert rc == 0, out[-3000:]
     delays, k = [2, 1, 0], warmup * steps
     for r, m in _metrics(tmp_path / "m").items():
         entry = m["staleness"][str(m["stage"])]
         if delays[m["stage"]]:
-            want = [lr if t <= sync else _pipemare(lr, delays[m["stage"]], t - sync, k) for t in range(1, steps + 1)]
+            want = [_pipemare(lr, delays[m["stage"]], t - sync, k) for t in range(4, steps + 1)]
             assert (entry["applies"], entry["lrs"]) == ("predict+lr", pytest.approx(want, rel=1e-12)), r
 
     def reference_run(first_sync: int) -> list[dict[str, torch.Tensor]]:
@@ -464,12 +469,14 @@ def test_a_synchronous_start_then_predict_lr_1f1b_trains_sync_then_the_reference
         last = [1.0] * 3  # the factor of each stage's last step (the prediction's rate)
 
         def factor(s: int, n: int) -> float:
-            last[s] = _pipemare(1.0, delays[s], n + 1, k)  # this segment's microbatch n: t - sync = n + 1
+            last[s] = _pipemare(1.0, delays[s], n + 1, k)  # the n-th minibatch after the start: t - sync = n + 1
             return last[s]
-        rest = [((xs[0],), ys) for _, (xs, ys) in zip(range(steps - first_sync), data)]
         fwd, bwd, group = reference.pipedream_1f1b([1, 1, 1])
-        reference.train_versioned(stages, opts, program.build_loss(), rest, fwd=fwd, bwd=bwd, group=group,
-                                  stash=lambda s: _want(opts[s], stages[s], delays[s], last[s]), lr_factor=factor)
+        for a, b in ((first_sync, 3), (3, steps)):  # the checkpoint at 3 is a flush point
+            rest = [((xs[0],), ys) for _, (xs, ys) in zip(range(b - a), data)]
+            reference.train_versioned(stages, opts, program.build_loss(), rest, fwd=fwd, bwd=bwd, group=group,
+                                      stash=lambda s: _want(opts[s], stages[s], delays[s], last[s]),
+                                      lr_factor=lambda s, n, a=a: factor(s, a - first_sync + n))
         return [{n: p.detach() for n, p in m.named_parameters()} for m in stages]
 
     got = _final(prog, tmp_path / "final")
