@@ -50,8 +50,10 @@ installs the link emulation):
   ``r`` microbatches, so the stage's update (once per ``r`` microbatches, its replicas' gradients
   summed) covers one whole minibatch as DDP's does, and every replica reads a share of every minibatch.
 
-* Planner + 1F1B + staleness (lr) / (predict): the same, compiled with ``staleness="lr"`` (PipeMare's
-  rate, K = ``--staleness-warmup`` of the run) or ``"predict"`` (weight prediction): docs/schedules.md.
+* Planner + 1F1B + staleness (lr) / (predict) / (predict+lr): the same, compiled with ``staleness="lr"``
+  (PipeMare's rate, K = ``--staleness-warmup`` of the run), ``"predict"`` (weight prediction) or
+  ``"predict+lr"`` (both): docs/schedules.md. "(sync start, ...)": the same with ``staleness_sync=N``
+  (``--staleness-sync``, default 200): the first N minibatches synchronous, each flushed.
 * Planner + 2BW + staleness (predict): the planner's stages and replicas for 2BW at the workload's
   microbatch count, compiled with ``staleness="predict"`` (every stage's delay is 1; the hand-split 2BW
   row runs the flush program with ``--schedule 2bw`` and so cannot ask for a correction).
@@ -105,14 +107,21 @@ NPROC = 3
 LINKS = {"slow": 20e6, "loopback": 0.0}  # bytes/s of the emulated link (0: loopback as is)
 LR_CORR, PREDICT = "Planner + 1F1B + staleness (lr)", "Planner + 1F1B + staleness (predict)"
 PREDICT_2BW = "Planner + 2BW + staleness (predict)"
+PREDICT_LR = "Planner + 1F1B + staleness (predict+lr)"
+SYNC_PREDICT, SYNC_PREDICT_LR = "Planner + 1F1B + staleness (sync start + predict)", \
+    "Planner + 1F1B + staleness (sync start + predict+lr)"
 SYSTEMS = ("DDP", "Flush", "1F1B + weight stashing", "2BW", "Planner (auto)", "Planner + 1F1B", LR_CORR, PREDICT,
-           PREDICT_2BW)
+           PREDICT_LR, SYNC_PREDICT, SYNC_PREDICT_LR, PREDICT_2BW)
 # system: the schedule it plans with
-PLANNERS = {"Planner (auto)": "auto", "Planner + 1F1B": "1f1b", LR_CORR: "1f1b", PREDICT: "1f1b", PREDICT_2BW: "2bw"}
+PLANNERS = {"Planner (auto)": "auto", "Planner + 1F1B": "1f1b", LR_CORR: "1f1b", PREDICT: "1f1b", PREDICT_LR: "1f1b",
+            SYNC_PREDICT: "1f1b", SYNC_PREDICT_LR: "1f1b", PREDICT_2BW: "2bw"}
 # the planner's 1F1B or 2BW with a staleness correction (docs/schedules.md)
-STALENESS = {LR_CORR: "lr", PREDICT: "predict", PREDICT_2BW: "predict"}
+STALENESS = {LR_CORR: "lr", PREDICT: "predict", PREDICT_2BW: "predict", PREDICT_LR: "predict+lr",
+             SYNC_PREDICT: "predict", SYNC_PREDICT_LR: "predict+lr"}
+SYNCED = (SYNC_PREDICT, SYNC_PREDICT_LR)  # with a synchronous start of --staleness-sync minibatches
+DEFAULT_SYNC = 200
 QUICK_SYSTEMS = ("DDP", "Planner (auto)", "Planner + 1F1B")
-ASYNC_1F1B = ("1F1B + weight stashing", "Planner + 1F1B", LR_CORR, PREDICT)  # PipeDream's statistical argument's
+ASYNC_1F1B = ("1F1B + weight stashing", "Planner + 1F1B", LR_CORR, PREDICT, PREDICT_LR, SYNC_PREDICT, SYNC_PREDICT_LR)  # PipeDream's statistical argument's
 SPEEDUP_GOAL, EPOCHS_GOAL = 3.0, 0.20  # the planner's pipeline >= 3x DDP (slow link); 1F1B's epochs within 20%
 
 
@@ -295,7 +304,8 @@ def stopped_curve(records: list[dict[str, Any]], w: _tta.Workload, link: str, sy
 # --- the systems -------------------------------------------------------------------------------------
 
 def compile_program(w: _tta.Workload, schedule: str, num_microbatches: int | None, stages: int | None,
-                    cluster: Any = None, staleness: str = "none", warmup: float | None = None) -> tuple[Path, Any]:
+                    cluster: Any = None, staleness: str = "none", warmup: float | None = None,
+                    sync: int = 0) -> tuple[Path, Any]:
     """The workload compiled and emitted with its data hook; (program folder, the CompiledPipeline)."""
     from pdcompile.api import pdcompile
 
@@ -303,6 +313,8 @@ def compile_program(w: _tta.Workload, schedule: str, num_microbatches: int | Non
     kw: dict[str, Any] = {"stages": stages} if stages else {}
     if warmup is not None:
         kw["staleness_warmup"] = warmup
+    if sync:
+        kw["staleness_sync"] = sync
     pipe = pdcompile(_tta.build_model(w.model), cluster, example_inputs=inputs, example_target=target,
                      loss_fn=_tta.loss_fn(w), optimizer=_tta.optimizer_of(w), schedule=schedule,
                      num_microbatches=num_microbatches, staleness=staleness, **kw)
@@ -442,9 +454,10 @@ def simulate(program: Path, w: _tta.Workload, link: str, system: str, per_epoch:
     mode = "none" if schedule else str(corr.get("mode", "none"))  # a schedule run other than compiled: as is
     delays = [int(d) for d in corr.get("delays", [0] * len(stages))]
     total = w.epochs * per_epoch
+    sync = int(corr.get("sync", 0)) if not schedule else 0  # a synchronous start: one schedule per minibatch
     fixes = [staleness.of_stage(mode, delays[k], opts[k], dict(m.named_parameters()), plan["optimizer"],
                                 warmup=float(corr.get("warmup", staleness.DEFAULT_WARMUP)), total=total, micro=M,
-                                sharded=False) for k, m in enumerate(stages)]
+                                sharded=False, sync=sync) for k, m in enumerate(stages)]
     if name == "1f1b":
         versions, scale = reference.pipedream_1f1b(replicas), 1.0
     elif name == "2bw":
@@ -452,12 +465,14 @@ def simulate(program: Path, w: _tta.Workload, link: str, system: str, per_epoch:
     else:
         versions, scale = reference.synchronous(M), 1.0 / M
 
-    def stash(k: int) -> dict[str, torch.Tensor]:
-        pred = fixes[k][1]
-        return pred() if pred is not None else {n: p.detach() for n, p in stages[k].named_parameters()}
+    def stash(warm: bool) -> Any:
+        def version(k: int) -> dict[str, torch.Tensor]:
+            pred = None if warm else fixes[k][1]  # a synchronous start's minibatch: the newest weights, unpredicted
+            return pred() if pred is not None else {n: p.detach() for n, p in stages[k].named_parameters()}
+        return version
 
     def lr_factor(first: int) -> Any:
-        return lambda k, n: fixes[k][0].factor(first * M + n) if fixes[k][0] is not None else 1.0  # type: ignore[union-attr]  # checked in the same expression
+        return lambda k, n: fixes[k][0].applied(first * M + n) if fixes[k][0] is not None else 1.0  # type: ignore[union-attr]  # checked in the same expression
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     data = iter(_tta.import_object(w.data["factory"])(w.batch, **w.data["kwargs"]))
@@ -465,11 +480,14 @@ def simulate(program: Path, w: _tta.Workload, link: str, system: str, per_epoch:
     done = 0
     while done < min(max_steps, total):
         n = min(w.eval_every, max_steps - done)
-        micro = [(tuple(x[j] for x in xs), ys[j]) for (inputs, target) in (next(data) for _ in range(n))
-                 for xs, ys in [([x.chunk(M) for x in inputs], target.chunk(M))] for j in range(M)]
         fwd, bwd, group = versions
-        reference.train_versioned(stages, opts, loss, micro, fwd=fwd, bwd=bwd, group=group, scale=scale, tied=tied,
-                                  stash=stash, lr_factor=lr_factor(done) if mode == "lr" else None)
+        # train.py's segments up to the evaluation: one per minibatch over a synchronous start, then one
+        for a, b in _tta_cuts(done, done + n, sync):
+            micro = [(tuple(x[j] for x in xs), ys[j]) for (inputs, target) in (next(data) for _ in range(b - a))
+                     for xs, ys in [([x.chunk(M) for x in inputs], target.chunk(M))] for j in range(M)]
+            reference.train_versioned(stages, opts, loss, micro, fwd=fwd, bwd=bwd, group=group, scale=scale,
+                                      tied=tied, stash=stash(a < sync),
+                                      lr_factor=lr_factor(a) if mode in staleness.RESCALING else None)
         done += n
         got = _eval_chain(stages, loss, w, M)
         if _record(c, w, done, per_epoch, got):
@@ -479,6 +497,14 @@ def simulate(program: Path, w: _tta.Workload, link: str, system: str, per_epoch:
     c.note, c.simulated = "", True
     c.bytes_per_epoch = pipeline_bytes_per_step(program) * per_epoch
     return c
+
+
+def _tta_cuts(first: int, end: int, sync: int) -> list[tuple[int, int]]:
+    """The schedules train.py runs for minibatches ``[first, end)`` (runtime/loop.py's cuts, with a
+    synchronous start's flush after each of its first ``sync`` minibatches)."""
+    from pdcompile.runtime import loop, staleness
+
+    return loop.cuts(first, end, extra=staleness.sync_cuts(first, end, sync))
 
 
 def _record(c: Curve, w: _tta.Workload, done: int, per_epoch: int, got: dict[str, float]) -> bool:
@@ -523,7 +549,8 @@ def simulate_ddp(w: _tta.Workload, link: str, per_epoch: int, max_steps: int) ->
     return c
 
 
-def planner_program(w: _tta.Workload, system: str, link: str, warmup: float | None = None) -> tuple[Path, str]:
+def planner_program(w: _tta.Workload, system: str, link: str, warmup: float | None = None,
+                    sync: int = DEFAULT_SYNC) -> tuple[Path, str]:
     """The program a planner system (:data:`PLANNERS`) compiles for ``link``, and its plan column: the
     plan, its prediction, and whether the microbatch count was chosen without this runtime's calibration."""
     from pdcompile.cluster import local_cpu_cluster
@@ -532,7 +559,8 @@ def planner_program(w: _tta.Workload, system: str, link: str, warmup: float | No
     cluster = local_cpu_cluster(NPROC, bandwidth=LINKS[link] or 2e9)
     if schedule == "1f1b":  # the fewest microbatches that every stage's replica count divides (see SYSTEMS' doc)
         for m in (k for k in range(1, w.batch + 1) if w.batch % k == 0):
-            prog, pipe = compile_program(w, schedule, m, None, cluster, STALENESS.get(system, "none"), warmup)
+            prog, pipe = compile_program(w, schedule, m, None, cluster, STALENESS.get(system, "none"), warmup,
+                                         sync if system in SYNCED else 0)
             if all(m % st.replicas == 0 for st in pipe.plan.stages):
                 break
         step = m * pipe.plan.seconds_per_minibatch  # the planner's steady state: per microbatch
@@ -554,7 +582,26 @@ def correction(program: Path) -> str:
     """The plan column's note of a program's staleness correction (plan.json's ``staleness``), or ""."""
     corr = json.loads((program / "plan.json").read_text()).get("staleness") or {}
     fix = f"; staleness {corr['mode']}, delays {corr['delays']}" if corr.get("mode", "none") != "none" else ""
-    return fix + (f", K = {corr['warmup']:g} of the run" if corr.get("mode") == "lr" else "")
+    fix += f", K = {corr['warmup']:g} of the run" if corr.get("mode") in ("lr", "predict+lr") else ""
+    return fix + (f", the first {corr['sync']} minibatches synchronous" if corr.get("sync") else "")
+
+
+def sync_start_cost(w: _tta.Workload, link: str, steps: int = 50) -> str:
+    """What a synchronous start costs in time, as the planner predicts it (``CompiledPipeline.simulate``)
+    for the planner's 1F1B on ``link``: one minibatch as its own schedule (a ``staleness_sync`` minibatch:
+    fill and drain) against a minibatch of a ``steps``-minibatch schedule (the pipeline's steady state)."""
+    from pdcompile.cluster import local_cpu_cluster
+
+    cluster = local_cpu_cluster(NPROC, bandwidth=LINKS[link] or 2e9)
+    _, pipe = compile_program(w, "1f1b", 1, None, cluster)
+    one = float(pipe.simulate(num_steps=1).makespan_s)
+    many = float(pipe.simulate(num_steps=steps).makespan_s) / steps
+    return (f"{w.name} {link}: {describe_plan(pipe)}; predicted s per minibatch: alone (a synchronous start's) "
+            f"{one:.4g}, in a {steps}-minibatch 1F1B schedule {many:.4g}: {one / many:.2f}x")
+
+
+def describe_plan(pipe: Any) -> str:
+    return " + ".join(f"{st.replicas}" for st in pipe.plan.stages) + " replicas"
 
 
 def calibrated_at() -> str:
@@ -569,7 +616,7 @@ def calibrated_at() -> str:
 
 def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], budget_s: float,
             quick: bool, save: Path | None = None, warmup: float | None = None,
-            simulated: int | None = None) -> list[Curve]:
+            simulated: int | None = None, sync: int = DEFAULT_SYNC) -> list[Curve]:
     """Every system's curve on every link for workload ``w``; ``simulated``: each trained in this process
     for at most that many minibatches instead (:func:`simulate`, :func:`simulate_ddp`)."""
     per_epoch = _tta.steps_per_epoch(w)
@@ -580,7 +627,7 @@ def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], 
         progs["1f1b"], _ = compile_program(w, "1f1b", 1, NPROC)
     curves = []
     for link in links:
-        planned = {s: planner_program(w, s, link, warmup) for s in PLANNERS if s in systems}
+        planned = {s: planner_program(w, s, link, warmup, sync) for s in PLANNERS if s in systems}
         for system in systems:
             print(f"[{time.strftime('%H:%M:%S')}] {w.name} {link} {system} ({load_note()})", flush=True)
             hand = {"Flush": "flush", "2BW": "flush", "1F1B + weight stashing": "1f1b"}.get(system)
@@ -794,6 +841,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="generated data, tiny models, nothing written")
     p.add_argument("--staleness-warmup", type=float, default=None, metavar="K",
                    help="the staleness (lr) system's K, a fraction of the run (default: the API's, 0.25)")
+    p.add_argument("--staleness-sync", type=int, default=DEFAULT_SYNC, metavar="N",
+                   help=f"the 'sync start' systems' synchronous minibatches (default {DEFAULT_SYNC})")
     p.add_argument("--lr", type=float, default=None, help="every system's optimizer at this learning rate instead of "
                    "the workload's (Shakespeare: Adam 3e-3); the rows say '@ lr X', and DDP's faster rate is the one "
                    "the goals compare with")
@@ -810,7 +859,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="measure nothing: the tables and PNG from curves saved with --save")
     p.add_argument("--notes", type=Path, default=None, help="a Markdown file added under the tables (the reading; "
                    f"with --report, default {NOTES.relative_to(ROOT)})")
+    p.add_argument("--sync-cost", action="store_true", help="measure nothing: print the planner's predicted time of "
+                   "a synchronous start's minibatch against a 1F1B minibatch (sync_start_cost), per workload and link")
     args = p.parse_args(argv)
+    if args.sync_cost:
+        for name in args.workloads.split(","):
+            for link in (args.links or "slow").split(","):
+                print(sync_start_cost(_tta.workload(name), link), flush=True)
+        return
     write = not (args.quick or args.no_write or args.simulate)
     quick_systems = ",".join(QUICK_SYSTEMS if args.quick else SYSTEMS)
     systems = tuple(s for s in SYSTEMS if s in (args.systems or quick_systems).split(","))
@@ -840,7 +896,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         for w in workloads:
             curves += measure(w, links, systems, args.budget_s, args.quick, args.save, args.staleness_warmup,
-                              args.simulate)
+                              args.simulate, args.staleness_sync)
         load_text = f"{before} at the start, {load_note()} at the end"
     png = plot(curves, workloads, PNG if write else Path(tempfile.mkdtemp(prefix="pd-tta-png-")) / "tta.png")
     body = (f"{NPROC} CPU processes (gloo). Links: `slow` = 20 MB/s emulated (pdcompile/slowlink.py), `loopback` "

@@ -2,7 +2,8 @@
 prediction removes: an in-process probe of PipeDream's 1F1B semantics (issue 37, RESULTS.md "Staleness
 corrections").
 
-    python benchmarks/staleness_probe.py PROGRAM --delays 2,1,0 [--predict] [--lr 1e-3] [--fresh wte.weight]
+    python benchmarks/staleness_probe.py PROGRAM --delays 2,1,0 [--predict [--form decay]] [--pipemare K]
+                                         [--sync-first N] [--lr 1e-3] [--fresh wte.weight] [--eval-every N]
                                          [--steps 300] [--diag]
 
 PROGRAM is an emitted program folder (``bench_time_to_accuracy.py`` leaves its planner's in
@@ -13,7 +14,9 @@ forward and backward are one pass, since with stashing both use that version; ti
 their summed gradient. ``--predict``: the versions are the runtime's own
 :class:`pdcompile.runtime.staleness.Predictor`'s weights (``W - s lr D``). Ablations the pipeline cannot
 run: any ``--delays`` per stage, and ``--fresh NAMES`` (those parameters at the current version).
-``--sync-first N``: the first N minibatches at delay 0 (a synchronous warm-up). ``--diag``: for stage 0, the norm of (weights when the gradient is applied - weights the forward used)
+``--sync-first N``: the first N minibatches at delay 0 (``staleness_sync``'s start). ``--form decay``: FTPipe's
+multi-step prediction instead of ours; ``--pipemare K``: PipeMare's rate on each stage of delay > 0 over K
+minibatches after the synchronous start (with ``--predict``: ``predict+lr``). ``--diag``: for stage 0, the norm of (weights when the gradient is applied - weights the forward used)
 against the same without prediction, and the least-squares scale ``c*`` of the prediction (1: its size
 is right). Prints the validation loss at every evaluation, as train.py's metrics.
 """
@@ -50,6 +53,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fresh", default="", help="comma-separated parameter names used at the current version")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--diag", action="store_true", help="stage 0's prediction error against its staleness")
+    p.add_argument("--form", default="linear", choices=("linear", "decay"),
+                   help="--predict's form: s * lr * D (PipeOptim), or FTPipe's per-step sum with m decayed by beta1")
+    p.add_argument("--pipemare", type=float, default=0.0, metavar="K",
+                   help="PipeMare's rate on each stage of delay > 0, K in minibatches (with --predict: predict+lr)")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N", help="minibatches between evaluations")
     p.add_argument("--sync-first", type=int, default=0, metavar="N",
                    help="the first N minibatches synchronous (every delay 0), as a flush schedule would run them")
     args = p.parse_args(argv)
@@ -69,9 +77,14 @@ def main(argv: list[str] | None = None) -> None:
     data = iter(_tta.import_object(w.data["factory"])(w.batch, **w.data["kwargs"]))
     evals = [b for _, b in zip(range(w.eval_steps), _tta.import_object(w.eval_data)(w.batch))]
 
+    every = args.eval_every or w.eval_every
+    lrfix = [staleness.LrCorrection(d, 1.0, int(args.pipemare), 1, sync=args.sync_first) if args.pipemare and d > 0
+             else None
+             for d in delays]
+
     def stash(s: int) -> dict[str, torch.Tensor]:
         if args.predict and delays[s] > 0:
-            return staleness.Predictor(opts[s], params[s], delays[s], rule)()
+            return staleness.Predictor(opts[s], params[s], delays[s], rule, args.form, lrfix[s])()
         return {k: t.detach().clone() for k, t in params[s].items()}
 
     def chain(x: tuple[Any, ...], weights: list[dict[str, torch.Tensor]] | None) -> Any:
@@ -86,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         versions = [{0: stash(s)} for s in range(len(stages))]
         plain = {0: {k: t.detach().clone() for k, t in params[0].items()}}  # stage 0 unpredicted (--diag)
         errs: list[tuple[float, float, float]] = []
-        for j in range(min(w.eval_every, args.steps - step)):
+        # up to the next evaluation; a synchronous start ends its own segment (the pipeline then starts afresh)
+        for j in range(min(every - step % every, args.steps - step, *([args.sync_first - step] if delays != asked else []))):
             (x,), y = next(data)
             used = [{k: (versions[s][j][k] if k in fresh else t).detach().requires_grad_(params[s][k].requires_grad)
                      for k, t in versions[s][max(0, j - delays[s])].items()} for s in range(len(stages))]
@@ -105,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
             for s, opt in enumerate(opts):
                 for k, q in params[s].items():
                     q.grad = grads[s][k]
-                opt.step()
+                if lrfix[s] is not None and delays[s] > 0:
+                    lrfix[s].step(opt, step)  # type: ignore[union-attr]  # checked in the same expression
+                else:
+                    opt.step()
                 opt.zero_grad(set_to_none=True)
                 versions[s][j + 1] = stash(s)
                 versions[s].pop(j - delays[s], None)  # the next forward reads j + 1 - delays[s] (and j + 1: --fresh)
@@ -113,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
                 plain[j + 1] = {k: t.detach().clone() for k, t in params[0].items()}
                 plain.pop(j - delays[0], None)
             step += 1
+        if step % every and step < args.steps:
+            continue  # a segment cut short by the synchronous start: no evaluation here
         for m in stages:
             m.eval()
         with torch.no_grad():

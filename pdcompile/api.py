@@ -372,7 +372,7 @@ class CompiledPipeline:
         lines += describe_shard(plan, self.options.shard)
         corr = self.staleness_entry()  # each stage's delay where the schedule has one, or a correction was asked
         if corr["asked"] != "none" or any(corr["delays"]):
-            lines += ["", *staleness.describe(corr["mode"], corr["delays"], corr["warmup"])]
+            lines += ["", *staleness.describe(corr["mode"], corr["delays"], corr["warmup"], corr["sync"])]
         lines += [f"note: {c.note}" for c in self._rank_callables().values() if c.note is not None]
         if self.state.tensor_parallel is not None:  # what each stage splits, and what it leaves whole
             lines += ["", "tensor parallelism (each pipeline rank is t processes; the plan's times are one such "
@@ -443,7 +443,8 @@ class CompiledPipeline:
         return staleness.plan_entry(self.options.staleness, self.options.staleness_warmup,
                                     need(self.state.schedule_spec, "schedule_spec"),
                                     codegen.optimizer_spec(self.options.optimizer).to_json(),
-                                    [st.shard != "none" and st.replicas > 1 for st in self.plan.stages])
+                                    [st.shard != "none" and st.replicas > 1 for st in self.plan.stages],
+                                    self.options.staleness_sync)
 
     @keywords_checked()
     def emit(self, folder: str | os.PathLike[str], *, data: dict[str, Any] | Callable[[int], Any] | None = None,

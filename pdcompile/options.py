@@ -70,6 +70,7 @@ class Options:
     # is initialised fresh on the ranks by its modules' own initialisers
     staleness: str = "none"  # 1f1b/2bw's stale weights: "none", "lr" (PipeMare), "predict" (weight prediction),
     staleness_warmup: float = 0.25  # "auto" (predict where the optimizer has a rule); K of "lr", a fraction of the run
+    staleness_sync: int = 0  # 1f1b/2bw: the first N minibatches run synchronously (each flushed: delay 0), then stale
     tensor_parallel: int | str | Sequence[int] = 1  # ranks each stage is split across (Megatron's linear pairs,
     # passes/tensor_parallel.py), one for every stage or one per stage; "auto": the planner (passes/planner/tensor.py)
     csv_text: str | None = field(default=None, metadata={"internal": True})  # schedule="csv:PATH": the torch
@@ -236,6 +237,7 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[Example, int
     spec = codegen.optimizer_spec(opts.optimizer).to_json()  # staleness: its mode and K, before any pass runs
     staleness.resolve(opts.staleness, False, spec["class"], spec.get("kwargs", {}))
     staleness.check_warmup(opts.staleness_warmup)
+    staleness.check_sync(opts.staleness_sync)
     for what in ("lr_scheduler", "data"):  # a callable the ranks run: by name or by value, else refused here
         if getattr(opts, what) is not None and not isinstance(getattr(opts, what), dict):
             callables.check(getattr(opts, what), what)

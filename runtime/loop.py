@@ -6,6 +6,7 @@ and where a run is cut into segments (a checkpoint or an evaluation falls on a f
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +127,11 @@ def agree(local: int | None, device: torch.device) -> int | None:
     return None if n < 0 else n
 
 
-def cuts(start: int, steps: int, *everys: int) -> list[tuple[int, int]]:
+def cuts(start: int, steps: int, *everys: int, extra: Iterable[int] = ()) -> list[tuple[int, int]]:
     """[first, end) minibatch ranges run as one schedule each: cut at every multiple of each of
-    ``everys`` (checkpoints, evaluations; 0: none)."""
-    points = {start, steps} | {s for e in everys if e > 0 for s in range(e, steps, e) if s > start}
+    ``everys`` (checkpoints, evaluations; 0: none) and at each of ``extra`` (a synchronous start's)."""
+    points = {start, steps} | {s for e in everys if e > 0 for s in range(e, steps, e) if s > start} | \
+        {s for s in extra if start < s < steps}
     bounds = sorted(c for c in points if c >= start)
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 

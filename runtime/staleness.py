@@ -18,7 +18,13 @@ gradient (1F1B: the stage's in-flight count less one, NOAM-based, per replica; 2
   (the step it predicts shrinks W too), momentum SGD its momentum buffer. ``lr`` is the rate the
   next step will use (after the scheduler), held for all ``s`` steps. ``s`` is our delay, the number
   of updates between the forward and the one its gradient meets (PipeOptim counts one more).
-  The predicted tensors are the version stashed for the backward (runtime/weights.py)."""
+  The predicted tensors are the version stashed for the backward (runtime/weights.py). FTPipe's
+  multi-step form (:func:`predict_adam_multistep`) was measured against this one and lost
+  (benchmarks/RESULTS.md); it stays as a formula for ``benchmarks/staleness_probe.py --form decay``.
+* ``predict+lr``: both; the prediction uses the rate of the stage's last (rescaled) step.
+* ``staleness_sync = N`` (any mode): the first ``N`` minibatches synchronous, each its own schedule
+  (a flush after each: delay 0, no prediction, full rate), then the schedule; PipeMare's ``t`` counts
+  from the end of those ``N``."""
 
 from __future__ import annotations
 
@@ -30,8 +36,10 @@ import torch
 
 from pdcompile.errors import UsageError
 
-MODES = ("none", "lr", "predict", "auto")
-CORRECTIONS = ("none", "lr", "predict")  # what a stage applies ("auto" resolves to one of these)
+MODES = ("none", "lr", "predict", "predict+lr", "auto")
+CORRECTIONS = ("none", "lr", "predict", "predict+lr")  # what a stage applies ("auto" resolves to one of these)
+PREDICTING = ("predict", "predict+lr")  # the modes that predict weights (need the optimizer's rule)
+RESCALING = ("lr", "predict+lr")  # the modes that rescale each stage's rate (PipeMare)
 DEFAULT_WARMUP = 0.25  # K as a fraction of the run (PipeMare's ramp back to the full rate)
 
 
@@ -64,6 +72,25 @@ def predict_adam(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: float,
     if decoupled and weight_decay:
         d = d + weight_decay * p
     return p - (delay * lr) * d
+
+
+def predict_adam_multistep(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: float, lrs: Sequence[float], *,
+                           betas: tuple[float, float], eps: float, weight_decay: float = 0.0,
+                           decoupled: bool = False) -> torch.Tensor:
+    """FTPipe's schedule-aware prediction (``pipe/pipeline/weight_prediction/adam.py``): the ``k``-th of
+    the ``len(lrs)`` coming steps moves by ``lrs[k-1] * b1^k m / (1 - b1^(step+k)) / (sqrt(v / (1 -
+    b2^(step+k))) + eps)``: ``m`` decays as if the coming gradients were zero, each step bias-corrected
+    at its own count, ``v`` held; AdamW adds ``lr_k * weight_decay * p`` per step. No step yet: ``p``."""
+    if step <= 0:
+        return p.clone()
+    b1, b2 = betas
+    out = p.clone()
+    for k, lr in enumerate(lrs, start=1):
+        d = (b1 ** k) * m / (1 - b1 ** (step + k)) / ((v / (1 - b2 ** (step + k))).sqrt() + eps)
+        if decoupled and weight_decay:
+            d = d + weight_decay * p
+        out = out - lr * d
+    return out
 
 
 def predict_momentum(p: torch.Tensor, buf: torch.Tensor | None, lr: float, delay: int) -> torch.Tensor:
@@ -111,7 +138,7 @@ def resolve(mode: str, synchronous: bool, class_path: str, kwargs: Mapping[str, 
         if synchronous:
             return "none"
         return "predict" if has_rule(class_path, kwargs) else "lr"
-    if mode == "predict":
+    if mode in PREDICTING:
         rule_for(class_path, kwargs)
     return mode
 
@@ -123,16 +150,33 @@ def check_warmup(warmup: Any) -> float:
     return float(warmup)
 
 
-def describe(mode: str, delays: list[int], warmup: float) -> list[str]:
+def check_sync(sync: Any) -> int:
+    """``staleness_sync`` (the minibatches run synchronously first) checked: an int >= 0."""
+    if isinstance(sync, bool) or not isinstance(sync, int) or sync < 0:
+        raise UsageError(f"staleness_sync must be a number of minibatches >= 0 (run synchronously before the "
+                         f"schedule's stale weights), got {sync!r}")
+    return sync
+
+
+def sync_cuts(start: int, steps: int, sync: int) -> set[int]:
+    """The flush points of a synchronous start: after each of the first ``sync`` minibatches (each then
+    its own schedule, so every stage's forward uses the newest weights: delay 0), from ``start`` on."""
+    return set(range(start + 1, min(sync, steps) + 1))
+
+
+def describe(mode: str, delays: list[int], warmup: float, sync: int = 0) -> list[str]:
     """explain()'s lines: each stage's delay and what it applies."""
-    out = [f"staleness: {mode}" + (f" (K = {warmup:g} of the run)" if mode == "lr" else "")]
+    out = [f"staleness: {mode}" + (f" (K = {warmup:g} of the run)" if mode in RESCALING else "")
+           + (f"; the first {sync} minibatch(es) synchronous (each flushed: delay 0)" if sync else "")]
     for s, d in enumerate(delays):
         if d == 0 or mode == "none":
             what = "nothing" + (" (delay 0)" if d == 0 and mode != "none" else "")
         elif mode == "lr":
             what = f"lr / {d}^(1 - min(t/K, 1))"
-        else:
+        elif mode == "predict":
             what = f"forward on W - {d} * lr * (next update direction)"
+        else:
+            what = f"forward on W - {d} * lr' * (next update direction), stepping at lr' = lr / {d}^(1 - min(t/K, 1))"
         out.append(f"  stage {s}: delay {d} update(s); applies {what}")
     return out
 
@@ -150,12 +194,20 @@ class LrCorrection:
     total: int
     micro: int
     used: list[float] | None = None  # the first group's rate of each step (metrics)
+    sync: int = 0  # the minibatches run synchronously first (staleness_sync): full rate, t counted after them
+    last: float = 1.0  # the factor of the last step (a predictor under "predict+lr" predicts with it)
 
     def factor(self, last_microbatch: int) -> float:
-        return pipemare_factor(self.delay, (last_microbatch + 1) / self.micro, self.warmup * self.total)
+        t = (last_microbatch + 1) / self.micro - self.sync  # counted from the end of a synchronous start
+        return 1.0 if t <= 0 else pipemare_factor(self.delay, t, self.warmup * self.total)
+
+    def applied(self, last_microbatch: int) -> float:
+        """The factor of the step closed by ``last_microbatch``, recorded as :attr:`last`."""
+        self.last = self.factor(last_microbatch)
+        return self.last
 
     def step(self, optimizer: Any, last_microbatch: int) -> None:
-        f = self.factor(last_microbatch)
+        f = self.applied(last_microbatch)
         groups = optimizer.param_groups
         saved = [g["lr"] for g in groups]
         for g in groups:
@@ -174,8 +226,9 @@ class Predictor:
     optimizer's state now (called when a version is stashed, while the live parameters hold it).
     Groups are looked up at each call: ``load_state_dict`` (``--resume``) replaces them."""
 
-    def __init__(self, optimizer: Any, params: Mapping[str, torch.nn.Parameter], delay: int, rule: str) -> None:
-        self.optimizer, self.delay, self.rule = optimizer, delay, rule
+    def __init__(self, optimizer: Any, params: Mapping[str, torch.nn.Parameter], delay: int, rule: str,
+                 form: str = "linear", scaled: LrCorrection | None = None) -> None:
+        self.optimizer, self.delay, self.rule, self.form, self.scaled = optimizer, delay, rule, form, scaled
         self.params = dict(params)
 
     def predicted(self, p: torch.Tensor, group: Mapping[str, Any] | None) -> torch.Tensor:
@@ -184,15 +237,23 @@ class Predictor:
         state = self.optimizer.state.get(p, {}) if group is not None else {}
         if group is None:
             return w.clone()
-        lr = float(group["lr"])
+        lr = float(group["lr"]) * (self.scaled.last if self.scaled is not None else 1.0)
         if self.rule == "momentum":
+            if self.form == "decay" and state.get("momentum_buffer") is not None:  # the buffer decays by mu a step
+                mu = float(group["momentum"])
+                return predict_momentum(w, state["momentum_buffer"], lr * sum(mu ** k for k in range(1, self.delay + 1)) / self.delay,
+                                        self.delay)
             return predict_momentum(w, state.get("momentum_buffer"), lr, self.delay)
         if "exp_avg" not in state:
             return w.clone()
         b1, b2 = group["betas"]
+        kw = dict(betas=(float(b1), float(b2)), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                  decoupled=self.rule == "adamw")
+        if self.form == "decay":
+            return predict_adam_multistep(w, state["exp_avg"], state["exp_avg_sq"], float(state["step"]),
+                                          [lr] * self.delay, **kw)  # type: ignore[arg-type]
         return predict_adam(w, state["exp_avg"], state["exp_avg_sq"], float(state["step"]), lr, self.delay,
-                            betas=(float(b1), float(b2)), eps=float(group["eps"]),
-                            weight_decay=float(group["weight_decay"]), decoupled=self.rule == "adamw")
+                            **kw)  # type: ignore[arg-type]
 
     def __call__(self) -> dict[str, torch.Tensor]:
         group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
@@ -202,22 +263,23 @@ class Predictor:
 
 def of_stage(mode: str, delay: int, optimizer: Any, params: Mapping[str, torch.nn.Parameter],
              optimizer_spec: Mapping[str, Any], *, warmup: float, total: int, micro: int,
-             sharded: bool) -> tuple[LrCorrection | None, Predictor | None]:
+             sharded: bool, sync: int = 0) -> tuple[LrCorrection | None, Predictor | None]:
     """What a stage of ``delay`` applies under correction ``mode`` (resolved): an LR correction, a
     predictor, or neither (delay 0, or ``none``: today's code path exactly)."""
     if delay <= 0 or mode == "none" or not params:
         return None, None
-    if mode == "lr":
-        return LrCorrection(delay, warmup, total, micro, used=[]), None
+    lr = LrCorrection(delay, warmup, total, micro, used=[], sync=sync) if mode in RESCALING else None
+    if mode not in PREDICTING:
+        return lr, None
     if sharded:
-        raise UsageError("staleness='predict' needs each replica to hold its stage's whole optimizer state; "
+        raise UsageError(f"staleness={mode!r} needs each replica to hold its stage's whole optimizer state; "
                          "this stage is sharded. Fix: shard='none', or staleness='lr'")
     rule = rule_for(str(optimizer_spec["class"]), optimizer_spec.get("kwargs", {}))
-    return None, Predictor(optimizer, params, delay, rule)
+    return lr, Predictor(optimizer, params, delay, rule, scaled=lr)
 
 
 def plan_entry(mode: str, warmup: float, spec: Any, optimizer_spec: Mapping[str, Any],
-               sharded: Sequence[bool] = ()) -> dict[str, Any]:
+               sharded: Sequence[bool] = (), sync: int = 0) -> dict[str, Any]:
     """plan.json's ``staleness``: the mode asked, the correction it resolves to for this schedule and
     optimizer (:func:`resolve`), K, and each stage's delay read off the compiled schedule ``spec``
     (a ``ScheduleSpec``; the runtime reads its own again from the schedule it runs). ``sharded``: per
@@ -228,8 +290,9 @@ def plan_entry(mode: str, warmup: float, spec: Any, optimizer_spec: Mapping[str,
     applied = resolve(mode, policy(spec.name).synchronous, str(optimizer_spec["class"]),
                       optimizer_spec.get("kwargs", {}))
     delays = stage_delays(spec)  # what each stage faces, corrected or not (explain, plan.json)
-    if applied == "predict" and any(sh and delays.get(s, 0) > 0 for s, sh in enumerate(sharded)):
-        raise UsageError("staleness='predict' needs each replica to hold its stage's whole optimizer state; the plan "
-                         "shards a replicated stage's. Fix: shard='none', or staleness='lr'")
+    if applied in PREDICTING and any(sh and delays.get(s, 0) > 0 for s, sh in enumerate(sharded)):
+        raise UsageError(f"staleness={applied!r} needs each replica to hold its stage's whole optimizer state; the "
+                         "plan shards a replicated stage's. Fix: shard='none', or staleness='lr'")
     return {"asked": mode, "mode": applied, "warmup": check_warmup(warmup),
+            "sync": check_sync(sync) if any(delays.values()) else 0,  # a synchronous schedule has nothing to warm
             "delays": [delays.get(s, 0) for s in range(len(spec.replicas) * spec.virtual_stages)]}

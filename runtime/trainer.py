@@ -144,6 +144,7 @@ class Trainer:
         # staleness (runtime/staleness.py): each stage's delay read off the schedule this run executes
         corr = program.raw.get("staleness") or {}
         self.staleness_mode = str(corr.get("mode", "none"))
+        self.sync = int(corr.get("sync", 0))  # the minibatches run synchronously first (each its own segment)
         self.delays = stage_delays(self.schedule, ranks=(rank,)) if self.staleness_mode != "none" else \
             {st.index: 0 for st in specs}
         self.predictors: dict[int, staleness.Predictor | None] = {}
@@ -160,7 +161,7 @@ class Trainer:
             lr_fix, self.predictors[st.index] = staleness.of_stage(
                 self.staleness_mode, self.delays[st.index], optimizer, dict(module.named_parameters()),
                 program.raw["optimizer"], warmup=float(corr.get("warmup", staleness.DEFAULT_WARMUP)),
-                total=args.steps, micro=M, sharded=mode != "none" and len(st.ranks) > 1)
+                total=args.steps, micro=M, sharded=mode != "none" and len(st.ranks) > 1, sync=self.sync)
             sched_spec = loop.scheduler_spec(args, program.raw)  # --lr-scheduler, else plan.json's
             lr_scheduler = loop.build_scheduler(sched_spec, optimizer, program.folder) if params else None
             norm_skip = frozenset(n for group in program.raw.get("tied", []) for s, n in group
@@ -192,6 +193,9 @@ class Trainer:
         self.resumed = resume.resume(program, args, rank, self.executors)
         self.start = self.resumed.step if self.resumed is not None else 0  # this run's first minibatch
         first_mb = self.start * M
+        for ex in self.executors:  # predict+lr predicts with the rate of the stage's last step: the one before the resume
+            if ex.staleness_lr is not None and first_mb:
+                ex.staleness_lr.applied(first_mb - 1)
         # --targets local: the first microbatch of each last-stage replica still has its target sent, to compare
         for ex in self.executors:
             ex.target_check = frozenset(range(first_mb, first_mb + len(program.stages[-1].ranks)))
@@ -289,9 +293,10 @@ class Trainer:
         if run.repeats == 0 and len(run) > 100_000:
             log.warning("the %s schedule of %d steps does not repeat step by step here: laid out whole (%d actions "
                         "in memory); please report it", args.schedule, end - first, len(run))
-        if self.ran:  # the pipeline drained: weight versions start afresh
+        warm = first < self.sync  # a synchronous start's minibatch: its forwards use the newest weights, unpredicted
+        if self.ran or warm:  # the pipeline drained: weight versions start afresh
             for ex in self.executors:
-                ex.weights = VersionedStore(ex.module, self.predictors[ex.stage])
+                ex.weights = VersionedStore(ex.module, None if warm else self.predictors[ex.stage])
         self.ran = True
         self.promised_versions = max(self.promised_versions, run.promised_versions)
         reading = (schedules.shift(a, offset) for a, _ in run)  # the weight store's read-ahead
@@ -379,7 +384,8 @@ class Trainer:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         try:
             # One schedule per segment between checkpoints and evaluations: each falls on a flush point.
-            for first, end in loop.cuts(self.start, args.steps, args.checkpoint_every, args.eval_every):
+            for first, end in loop.cuts(self.start, args.steps, args.checkpoint_every, args.eval_every,
+                                        extra=staleness.sync_cuts(self.start, args.steps, self.sync)):
                 self.segment(first, end)
                 if self.evaluator is not None and (end == args.steps or (args.eval_every and end % args.eval_every == 0)):
                     self.evaluate(end)

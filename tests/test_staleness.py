@@ -34,9 +34,10 @@ M = 2
 
 # ---- the formulas, independently: float64, from the papers' definitions -----------------------------
 
-def _want(opt: torch.optim.Optimizer, module: torch.nn.Module, delay: int) -> dict[str, torch.Tensor]:
+def _want(opt: torch.optim.Optimizer, module: torch.nn.Module, delay: int,
+          scale: float = 1.0) -> dict[str, torch.Tensor]:
     """W - delay * lr * D in float64 for every parameter of ``module`` (D: Adam's m_hat / (sqrt(v_hat) +
-    eps) [+ AdamW's weight_decay * W], momentum SGD's buffer; no state yet: W)."""
+    eps) [+ AdamW's weight_decay * W], momentum SGD's buffer; no state yet: W); ``lr`` times ``scale``."""
     out = {}
     for g in opt.param_groups:
         names = {id(p): n for n, p in module.named_parameters()}
@@ -54,7 +55,7 @@ def _want(opt: torch.optim.Optimizer, module: torch.nn.Module, delay: int) -> di
                 d = st["momentum_buffer"].double()
             else:
                 d = torch.zeros_like(w)
-            out[names[id(p)]] = (w - delay * g["lr"] * d).float()
+            out[names[id(p)]] = (w - delay * g["lr"] * scale * d).float()
     return out
 
 
@@ -138,6 +139,77 @@ def test_each_steps_rate_is_pipemares_closed_form() -> None:
     assert staleness.pipemare_factor(0, 0.1, 1.0) == 1.0 == staleness.pipemare_factor(1, 0.0, 1.0)
 
 
+def test_predict_lr_predicts_with_the_rate_it_steps_at() -> None:
+    """staleness='predict+lr': a stage holds PipeMare's rate and a predictor; each step runs at the closed
+    form, and the weights stashed after it are W - s * (lr * factor of that step) * D, the float64 formula
+    at the rescaled rate (before any step: W). A stage of delay 0 holds neither."""
+    m, opt = _stepped(OPTIMIZERS["adamw"], 0)
+    corr, pred = staleness.of_stage("predict+lr", 2, opt, dict(m.named_parameters()),
+                                    {"class": "torch.optim.adamw.AdamW", "kwargs": {}}, warmup=0.5, total=8, micro=2,
+                                    sharded=False)
+    assert corr is not None and pred is not None
+    for n in range(6):
+        for p in m.parameters():
+            p.grad = torch.randn_like(p)
+        corr.step(opt, n)
+        f = _pipemare(1.0, 2, (n + 1) / 2, 4)
+        assert corr.used[-1] == pytest.approx(0.01 * f, rel=1e-12) and opt.param_groups[0]["lr"] == 0.01
+        want, got = _want(opt, m, 2, scale=f), pred()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7)
+    assert f < 1 and staleness.of_stage("predict+lr", 0, opt, dict(m.named_parameters()), {"class": "x"}, warmup=0.5,
+                                        total=8, micro=2, sharded=False) == (None, None)
+    with pytest.raises(UsageError, match="Fix: staleness='lr'"):  # it predicts: the optimizer needs a rule
+        staleness.resolve("predict+lr", False, "torch.optim.sgd.SGD", {"momentum": 0})
+
+
+def test_a_synchronous_start_cuts_every_minibatch_and_delays_pipemares_ramp() -> None:
+    """staleness_sync=N: train.py's schedule is cut after each of the first N minibatches (then at its
+    evaluations and checkpoints only), from a resumed step on too; PipeMare's rate is the full rate over
+    those N and then the closed form at t - N (its ramp starts where the staleness does)."""
+    from pdcompile.runtime import loop
+
+    assert loop.cuts(0, 10, 0, 6, extra=staleness.sync_cuts(0, 10, 3)) == [(0, 1), (1, 2), (2, 3), (3, 6), (6, 10)]
+    assert loop.cuts(2, 10, 0, 6, extra=staleness.sync_cuts(2, 10, 3)) == [(2, 3), (3, 6), (6, 10)]
+    assert loop.cuts(0, 2, 0, 0, extra=staleness.sync_cuts(0, 2, 5)) == [(0, 1), (1, 2)]
+    assert loop.cuts(0, 4, 0, 0, extra=staleness.sync_cuts(0, 4, 0)) == [(0, 4)]
+    corr = staleness.LrCorrection(delay=2, warmup=0.5, total=8, micro=2, sync=3)
+    for n in range(16):
+        t = (n + 1) / 2
+        assert corr.factor(n) == (1.0 if t <= 3 else pytest.approx(_pipemare(1.0, 2, t - 3, 4), rel=1e-12))
+    assert corr.factor(7) < 1 == corr.factor(5) == corr.factor(15)  # t - 3 = 1 of K = 4; t = 3; past K
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(UsageError, match="staleness_sync must be"):
+            staleness.check_sync(bad)
+    spec = ScheduleSpec("1f1b", (1, 1), 1)
+    assert staleness.plan_entry("none", 0.25, spec, {"class": "torch.optim.adam.Adam"}, sync=5)["sync"] == 5
+    assert staleness.plan_entry("none", 0.25, ScheduleSpec("flush", (1, 1), 2), {"class": "torch.optim.adam.Adam"},
+                                sync=5)["sync"] == 0  # nothing stale to start synchronously
+
+
+def test_ftpipe_multistep_prediction_is_its_per_step_sum() -> None:
+    """predict_adam_multistep (FTPipe's form, measured against ours in RESULTS.md): the float64 sum over
+    the s coming steps of lr_k * b1^k m / (1 - b1^(t+k)) / (sqrt(v / (1 - b2^(t+k))) + eps), v held;
+    AdamW's decay lr_k * wd * W per step; at step 0: W."""
+    m, opt = _stepped(OPTIMIZERS["adamw"], 3)
+    g = opt.param_groups[0]
+    b1, b2 = g["betas"]
+    for p in m.parameters():
+        st = opt.state[p]
+        t = float(st["step"])
+        ex, ex2, w = st["exp_avg"].double(), st["exp_avg_sq"].double(), p.detach().double()
+        lrs = [0.01, 0.02, 0.005]
+        want = w.clone()
+        for k, lr in enumerate(lrs, start=1):
+            want -= lr * (b1 ** k * ex / (1 - b1 ** (t + k)) / ((ex2 / (1 - b2 ** (t + k))).sqrt() + g["eps"])
+                          + g["weight_decay"] * w)
+        got = staleness.predict_adam_multistep(p.detach(), st["exp_avg"], st["exp_avg_sq"], t, lrs, betas=(b1, b2),
+                                               eps=g["eps"], weight_decay=g["weight_decay"], decoupled=True)
+        torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(staleness.predict_adam_multistep(p.detach(), st["exp_avg"], st["exp_avg_sq"], 0, lrs,
+                                                            betas=(b1, b2), eps=1e-8), p.detach())
+
+
 def _noam(replicas: list[int], s: int) -> int:
     return math.ceil(sum(replicas[s:]) / replicas[s])
 
@@ -201,11 +273,11 @@ def test_predicting_store_stashes_predicted_weights_and_adds_their_gradients() -
 # ---- launches: the runtime against PipeDream's reference with the same corrections ------------------
 
 def _emit(folder: Path, *, stages: int, schedule: str, optimizer: Any, mode: str, replicas: list[int] | None = None,
-          warmup: float = 0.25) -> tuple[Path, Any]:
+          warmup: float = 0.25, micro: int = M, sync: int = 0) -> tuple[Path, Any]:
     z = get("mlp", batch_size=8, seed=0)
     pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
-                     optimizer=optimizer, stages=stages, schedule=schedule, num_microbatches=M, replicas=replicas,
-                     staleness=mode, staleness_warmup=warmup, shard="none")
+                     optimizer=optimizer, stages=stages, schedule=schedule, num_microbatches=micro, replicas=replicas,
+                     staleness=mode, staleness_warmup=warmup, shard="none", staleness_sync=sync)
     return pipe.emit(folder, data={"factory": "pdcompile.zoo:batches", "kwargs": {"name": "mlp"}}), pipe
 
 
@@ -257,7 +329,7 @@ def test_predicted_1f1b_with_a_replicated_stage_resumes_and_trains_the_reference
     assert "stage 0: delay 3 update(s); applies forward on W - 3 * lr" in text
     assert "stage 2: delay 0 update(s); applies nothing (delay 0)" in text
     plan = json.loads((prog / "plan.json").read_text())["staleness"]
-    assert plan == {"asked": "predict", "mode": "predict", "warmup": 0.25, "delays": [3, 1, 0]}
+    assert plan == {"asked": "predict", "mode": "predict", "warmup": 0.25, "sync": 0, "delays": [3, 1, 0]}
     ck = tmp_path / "ck"
     common = ["--timeout", "90", "--checkpoint-dir", str(ck)]
     rc, out = run_ranks(prog, 4, [*common, "--steps", "2", "--checkpoint-every", "2"], timeout=240)
@@ -326,6 +398,92 @@ def test_pipemare_1f1b_steps_each_stage_at_the_closed_form(tmp_path: Path) -> No
     assert _close(got, _reference_run(prog, [(0, steps)], reference.pipedream_1f1b([1, 1, 1]), 1.0)) > 1e-5
 
 
+class _Chain(torch.nn.Module):
+    """A program's stages in order, as one model (the synchronous reference trains it whole)."""
+
+    def __init__(self, stages: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.stages = torch.nn.ModuleList(stages)
+
+    def forward(self, *x: torch.Tensor) -> Any:
+        out: Any = x
+        for m in self.stages:
+            out = m(*out)
+            out = out if isinstance(out, tuple) else (out,)
+        return out if len(out) > 1 else out[0]
+
+
+class _Each:
+    """Every stage's optimizer stepped as one (reference.train_sync takes one optimizer)."""
+
+    def __init__(self, opts: list[torch.optim.Optimizer]) -> None:
+        self.opts = opts
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+
+@pytest.mark.multiproc
+def test_a_synchronous_start_then_predict_lr_1f1b_trains_sync_then_the_reference(tmp_path: Path) -> None:
+    """1F1B on 3 stages, one microbatch a minibatch, Adam, staleness='predict+lr' with staleness_sync=2 over
+    5 minibatches (K = 0.4 of the run, 2 minibatches), checkpointed at 3 and resumed: explain() and
+    plan.json say so; the resumed steps run at PipeMare's closed form at t - 2 (the metrics' rates); the
+    final weights equal reference.train_sync of the whole model for 2 minibatches, then PipeDream's 1F1B
+    reference (cut at the checkpoint's flush) whose stashed versions are the float64 predictions at the
+    rate of each stage's last step, carried over the resume, within 1e-5; the same run without the
+    synchronous start ends elsewhere (it changed something)."""
+    lr, steps, sync, warmup = 0.01, 5, 2, 0.4
+    adam = functools.partial(torch.optim.Adam, lr=lr)
+    prog, pipe = _emit(tmp_path / "p", stages=3, schedule="1f1b", optimizer=adam, mode="predict+lr", micro=1,
+                       warmup=warmup, sync=sync)
+    assert "the first 2 minibatch(es) synchronous" in pipe.explain()
+    assert "stage 0: delay 2 update(s); applies forward on W - 2 * lr'" in pipe.explain()
+    plan = json.loads((prog / "plan.json").read_text())["staleness"]
+    assert (plan["mode"], plan["sync"], plan["delays"]) == ("predict+lr", 2, [2, 1, 0])
+    common = ["--checkpoint-dir", str(tmp_path / "ck"), "--steps", str(steps), "--checkpoint-every", "3"]
+    # the run (K is a fraction of --steps) killed at step 4, after its checkpoint at 3, and resumed
+    rc, out = run_ranks(prog, 3, [*common, "--timeout", "10", "--fail-at-step", "4", "--fail-rank", "0"], timeout=240)
+    assert rc != 0 and "killed at step 4" in out, out[-3000:]
+    rc, out = run_ranks(prog, 3, [*common, "--timeout", "90", "--resume",
+                                  "--save-final", str(tmp_path / "final"), "--metrics", str(tmp_path / "m")], timeout=240)
+    assert rc == 0, out[-3000:]
+    delays, k = [2, 1, 0], warmup * steps
+    for r, m in _metrics(tmp_path / "m").items():
+        entry = m["staleness"][str(m["stage"])]
+        if delays[m["stage"]]:
+            want = [_pipemare(lr, delays[m["stage"]], t - sync, k) for t in range(4, steps + 1)]
+            assert (entry["applies"], entry["lrs"]) == ("predict+lr", pytest.approx(want, rel=1e-12)), r
+
+    def reference_run(first_sync: int) -> list[dict[str, torch.Tensor]]:
+        program = Program.load(prog)
+        stages = [program.build_stage(s) for s in range(program.num_stages)]
+        opts = [build(program.raw["optimizer"], m.parameters()) for m in stages]
+        data = batches(8, "mlp")
+        reference.train_sync(_Chain(stages), program.build_loss(), _Each(opts), data,  # type: ignore[arg-type]  # duck-typed optimizer
+                             steps=first_sync, num_microbatches=1)
+        last = [1.0] * 3  # the factor of each stage's last step (the prediction's rate)
+
+        def factor(s: int, n: int) -> float:
+            last[s] = _pipemare(1.0, delays[s], n + 1, k)  # the n-th minibatch after the start: t - sync = n + 1
+            return last[s]
+        fwd, bwd, group = reference.pipedream_1f1b([1, 1, 1])
+        for a, b in ((first_sync, 3), (3, steps)):  # the checkpoint at 3 is a flush point
+            rest = [((xs[0],), ys) for _, (xs, ys) in zip(range(b - a), data)]
+            reference.train_versioned(stages, opts, program.build_loss(), rest, fwd=fwd, bwd=bwd, group=group,
+                                      stash=lambda s: _want(opts[s], stages[s], delays[s], last[s]),
+                                      lr_factor=lambda s, n, a=a: factor(s, a - first_sync + n))
+        return [{n: p.detach() for n, p in m.named_parameters()} for m in stages]
+
+    got = _final(prog, tmp_path / "final")
+    assert _close(got, reference_run(sync)) < 1e-5
+    assert _close(got, reference_run(0)) > 1e-4
+
+
 @pytest.mark.multiproc
 def test_delay_zero_trains_bitwise_as_plain_1f1b(tmp_path: Path) -> None:
     """One stage under 1F1B has delay 0: staleness='predict' and 'lr' apply nothing, and the weights
@@ -368,6 +526,10 @@ def test_plan_and_simulate_commands_say_each_stages_delay(capsys: pytest.Capture
                  "--staleness", "lr"]) == 0
     text = capsys.readouterr().out
     assert "staleness: lr (K = 0.25 of the run)" in text and f"stage {len(reps) - 1}: delay 0 update(s)" in text
+    assert main(["plan", "--profile", "pipedream:vgg16", "--cluster", "paper:A", "--schedule", "1f1b",
+                 "--staleness", "predict+lr", "--staleness-sync", "7", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["staleness"]
+    assert (got["mode"], got["sync"]) == ("predict+lr", 7)
     assert main(["simulate", "pipedream:vgg16", "--cluster", "paper:A", "--schedule", "flush", "--microbatches", "4",
                  "--staleness", "predict", "--json"]) == 0
     sim = json.loads(capsys.readouterr().out)

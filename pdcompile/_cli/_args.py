@@ -136,7 +136,7 @@ def parse_shard(text: str) -> str | tuple[str, ...]:
 
 STALENESS_HELP = ("1f1b/2bw's stale weights: none (as PipeDream), lr (PipeMare: each stage's rate divided by its "
                   "delay^(1 - t/K) until K), predict (each forward on the weights its optimizer will reach: Adam, "
-                  "AdamW, SGD with momentum), auto (predict where the optimizer has a rule, lr where not, none for "
+                  "AdamW, SGD with momentum), predict+lr (both), auto (predict where the optimizer has a rule, lr where not, none for "
                   "synchronous schedules); default none")
 #: a profile's optimizer name -> the optimizer the staleness rules read (class, options)
 PROFILE_OPTIMIZERS = {"sgd": ("torch.optim.sgd.SGD", {}), "sgd-momentum": ("torch.optim.sgd.SGD", {"momentum": 0.9}),
@@ -149,7 +149,10 @@ def add_staleness_args(p: Any) -> None:
 
     p.add_argument("--staleness", choices=MODES, default="none", help=STALENESS_HELP)
     p.add_argument("--staleness-warmup", type=float, default=DEFAULT_WARMUP, metavar="K",
-                   help=f"with --staleness lr: PipeMare's K, a fraction of the run (default {DEFAULT_WARMUP})")
+                   help=f"with --staleness lr or predict+lr: PipeMare's K, a fraction of the run (default {DEFAULT_WARMUP})")
+    p.add_argument("--staleness-sync", type=int, default=0, metavar="N",
+                   help="1f1b/2bw: run the first N minibatches synchronously (each flushed, delay 0), then the "
+                   "schedule with the --staleness correction (default 0)")
 
 
 def staleness_of_plan(args: Any, schedule: str, replicas: Sequence[int], optimizer: str,
@@ -165,7 +168,8 @@ def staleness_of_plan(args: Any, schedule: str, replicas: Sequence[int], optimiz
         return None
     cls, kwargs = PROFILE_OPTIMIZERS.get(optimizer.lower(), (optimizer, options or {}))
     spec = ScheduleSpec(schedule, tuple(replicas), max(2, sum(replicas)))
-    return plan_entry(mode, args.staleness_warmup, spec, {"class": cls, "kwargs": kwargs})
+    return plan_entry(mode, args.staleness_warmup, spec, {"class": cls, "kwargs": kwargs},
+                      sync=getattr(args, "staleness_sync", 0))
 
 
 TENSOR_PARALLEL_HELP = ("split every stage's attention and MLP linear pairs across N processes each (Megatron's "

@@ -160,5 +160,6 @@ def compile_from_args(args: argparse.Namespace) -> tuple[LoadedModel, Any]:
                      virtual_stages=getattr(args, "virtual_stages", None),
                      shard=parse_shard(getattr(args, "shard", "auto")),
                      staleness=getattr(args, "staleness", "none"), staleness_warmup=getattr(args, "staleness_warmup", 0.25),
+                     staleness_sync=getattr(args, "staleness_sync", 0),
                      tensor_parallel=parse_tensor_parallel(getattr(args, "tensor_parallel", "1")))
     return m, pipe

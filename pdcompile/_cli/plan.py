@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         if corr is not None:
             from pdcompile.runtime.staleness import describe
 
-            print("\n".join(describe(corr["mode"], corr["delays"], corr["warmup"])))
+            print("\n".join(describe(corr["mode"], corr["delays"], corr["warmup"], corr["sync"])))
     return 0
 
 

@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     if corr is not None:
         from pdcompile.runtime.staleness import describe
 
-        print("\n".join(describe(corr["mode"], corr["delays"], corr["warmup"])))
+        print("\n".join(describe(corr["mode"], corr["delays"], corr["warmup"], corr["sync"])))
     for label, path in (("trace", args.trace), ("timeline", args.png)):
         if path:
             print(f"wrote {label} {path}")
