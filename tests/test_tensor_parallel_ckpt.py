@@ -1,0 +1,134 @@
+"""Checkpoints, ``init_from`` and ``merge`` of tensor-parallel stages (runtime/tensor_parallel.py's
+layouts, runtime/checkpoint.py): a checkpoint written with t = 2 holds the model's own tensors under its
+names (fused q, k, v rows in the model's order; Adam's state split like its weights), so it resumes under
+t = 1 and under t = 2 with another stage count, and a t = 1 checkpoint resumes under t = 2; every run is
+checked against one uninterrupted single-process run (``reference.train_sync``), fp32, gloo."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _hf_llama import token_batches
+from _ranks import run_ranks
+from pdcompile import api, reference
+from pdcompile.merge import checkpoint_source, merge_weights
+from pdcompile.runtime import checkpoint
+from pdcompile.runtime.data import save_batches
+from pdcompile.zoo import gpt
+from pdcompile.zoo.losses import SequenceCrossEntropy
+
+CFG = gpt.CONFIGS["small"]  # 2 layers, 2 heads, d=32 (c_attn: q, k, v fused), T=8, vocabulary 64
+MICRO, BATCH, STEPS = 2, 4, 4
+
+pytestmark = pytest.mark.xdist_group("tensor_parallel")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return gpt.GPT(CFG)
+
+
+def _opt(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(stages: int, t: int) -> Any:
+    (x,), target = token_batches(CFG.vocab_size, 1, BATCH, CFG.seq_len)[0]
+    kw: dict[str, Any] = {"tensor_parallel": t} if t > 1 else {}
+    return api.pdcompile(_model(), example_inputs=(x,), example_target=target, loss_fn=SequenceCrossEntropy(),
+                         optimizer=_opt, stages=stages, schedule="flush", num_microbatches=MICRO, **kw)
+
+
+def _reference(data: list[Any]) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """The whole model trained in one process: its state dict and Adam's state (``optim/NAME/KEY``) after
+    each of 1..STEPS minibatches."""
+    model = _model()
+    opt = _opt(model.parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    weights, states = [], []
+    for k in range(STEPS):
+        reference.train_sync(model, SequenceCrossEntropy(), opt, data[k:k + 1], steps=1, num_microbatches=MICRO)
+        weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        states.append({checkpoint.optim_key(names[id(p)], key): v.clone() for p, st in opt.state.items()
+                       for key, v in st.items() if key != "step"})
+    return weights, states
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert set(want) <= set(got), (what, sorted(set(want) - set(got))[:3])
+    for k, w in want.items():
+        torch.testing.assert_close(got[k], w, rtol=0, atol=1e-5, msg=lambda m: f"{what}: {k}: {m}")
+
+
+def _run(prog: Path, nproc: int, *args: str) -> None:
+    rc, log = run_ranks(prog, nproc, ["--timeout", "90", *args], timeout=400)
+    assert rc == 0, log[-3000:]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_checkpoints_of_split_stages_resume_under_another_t_and_stage_count_and_merge(tmp_path: Path) -> None:
+    data = token_batches(CFG.vocab_size, STEPS, BATCH, CFG.seq_len)
+    save_batches(data, STEPS, tmp_path / "data.pt")
+    source = {"factory": "pdcompile.runtime.data:from_file", "kwargs": {"path": str(tmp_path / "data.pt")}}
+    progs = {(s, t): _compiled(s, t).emit(tmp_path / f"prog_{s}x{t}", data=source) for s, t in [(2, 2), (2, 1), (1, 2)]}
+    weights, states = _reference(data)
+    initial = {n: p.detach() for n, p in _model().named_parameters()}
+    assert sum(not torch.equal(weights[1][n], initial[n]) for n in initial) > len(initial) // 2  # it trains
+
+    # t = 2 x 2 stages (4 processes): 2 steps, a checkpoint after the second
+    _run(progs[2, 2], 4, "--steps", "2", "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "2")
+    step2 = checkpoint.latest(tmp_path / "a")
+    assert step2 is not None and step2.name == "step_00000002"
+    # it holds the model's tensors under its names, whole in the model's order (c_attn's fused rows too) ...
+    merged = {k: v for part in checkpoint_source(step2).stream() for k, v in part.items()}
+    _close(merged, weights[1], "merge of the t=2 checkpoint")
+    shapes = checkpoint.tensor_shapes(checkpoint.read_metadata(step2))
+    assert shapes["h.0.attn.c_attn.weight"][0] == (3 * CFG.d_model, CFG.d_model)
+    # ... and Adam's state, split like its weights, whole under optim/NAME/KEY
+    opt_keys = {k: torch.empty(shapes[k][0], dtype=shapes[k][1]) for k in states[1]}
+    checkpoint.read_tensors(step2, opt_keys)
+    _close(opt_keys, states[1], "Adam's state in the t=2 checkpoint")
+
+    # resumed under t = 1 x 2 stages (2 processes): step 3, checkpointed (a t = 1 checkpoint)
+    _run(progs[2, 1], 2, "--steps", "3", "--resume", str(step2), "--checkpoint-dir", str(tmp_path / "b"),
+         "--checkpoint-every", "3", "--save-final", str(tmp_path / "final_b"))
+    _close(merge_weights(progs[2, 1], tmp_path / "final_b"), weights[2], "t=2 x 2 resumed under t=1 x 2")
+    step3 = checkpoint.latest(tmp_path / "b")
+    assert step3 is not None
+
+    # that t = 1 checkpoint resumed under t = 2 x 1 stage (2 processes): step 4, checkpointed again with t = 2
+    _run(progs[1, 2], 2, "--steps", "4", "--resume", str(step3), "--checkpoint-dir", str(tmp_path / "c"),
+         "--checkpoint-every", "4", "--save-final", str(tmp_path / "final_c"))
+    _close(merge_weights(progs[1, 2], tmp_path / "final_c"), weights[3], "t=1 resumed under t=2 x 1")
+    step4 = checkpoint.latest(tmp_path / "c")
+    assert step4 is not None
+    _close({k: v for part in checkpoint_source(step4).stream() for k, v in part.items()}, weights[3],
+           "merge of the t=2 x 1 checkpoint")
+
+
+@pytest.mark.parametrize("dim,chunks,t", [(0, 1, 2), (1, 1, 2), (0, 3, 2), (0, 3, 4), (1, 2, 4)])
+def test_a_layout_takes_each_processes_part_and_puts_the_parts_back_in_the_models_order(dim: int, chunks: int,
+                                                                                    t: int) -> None:
+    """What apply's interleave and DTensor's split give each process (its rows of every fused chunk) is what
+    ``Layout.local`` reads from the model's tensor, and ``Layout.whole`` undoes the concatenation
+    ``full_tensor()`` makes."""
+    from pdcompile.runtime.tensor_parallel import Layout, interleave
+
+    whole = torch.arange(24 * 5, dtype=torch.float32).reshape(24, 5)
+    whole = whole if dim == 0 else whole.T.contiguous()
+    moved = whole.movedim(dim, 0)
+    split = interleave(moved, chunks, t).movedim(0, dim).chunk(t, dim)  # as apply + ColwiseParallel hold it
+    locals_ = [Layout(dim, t, j, chunks).local(whole) for j in range(t)]
+    for j in range(t):
+        assert torch.equal(locals_[j], split[j]), j
+    assert torch.equal(Layout(dim, t, 0, chunks).whole(torch.cat(locals_, dim)), whole)
+    if chunks > 1:  # the parts are not the plain split: the interleave matters
+        assert not torch.equal(locals_[0], whole.chunk(t, dim)[0])
