@@ -232,3 +232,19 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
+
+
+@dataclass(frozen=True)
+class Split:
+    """A stage's split as a stage builder applies it (:meth:`pdcompile.runtime.program.Program.build_stage`):
+    on the module built on meta, before any tensor has storage, so that each process fills only its part
+    (runtime/sources.py reads each split tensor's slice by its layout)."""
+
+    entry: Mapping[str, Any]
+    mesh: Any
+
+    def apply(self, module: torch.nn.Module) -> torch.nn.Module:
+        return apply(module, self.entry, self.mesh)
+
+    def layouts(self, module: torch.nn.Module) -> dict[str, Layout]:
+        return layouts(module, self.entry)

@@ -132,3 +132,82 @@ def test_a_layout_takes_each_processes_part_and_puts_the_parts_back_in_the_model
     assert torch.equal(Layout(dim, t, 0, chunks).whole(torch.cat(locals_, dim)), whole)
     if chunks > 1:  # the parts are not the plain split: the interleave matters
         assert not torch.equal(locals_[0], whole.chunk(t, dim)[0])
+
+
+def _fake_group(rank: int, world: int) -> None:
+    """One process standing for ``rank`` of ``world`` (torch's fake process group: collectives do nothing),
+    enough to build a stage's DTensors and see what this rank keeps."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+@pytest.mark.timeout(300)
+def test_init_from_with_t2_fills_each_process_with_its_own_part_of_every_format(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPT compiled on meta with t = 2, its stage built from a checkpoint (safetensors: read as slices;
+    torch.save; DCP) as processes 0 and 1 build it: each holds what splitting the whole model gives it
+    (column linears' rows, fused q, k, v per chunk; row linears' columns), and every tensor left whole."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from pdcompile.runtime import tensor_parallel
+    from pdcompile.runtime.program import Program
+    from pdcompile.runtime.tensor_parallel import interleave
+
+    whole = _model()
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.add_(torch.randn_like(p))  # not what an initialiser gives
+    sd = {k: v.detach().clone() for k, v in whole.state_dict().items()}
+    save_file({k: v.contiguous() for k, v in sd.items() if k != "lm_head.weight"}, tmp_path / "w.safetensors")
+    torch.save(sd, tmp_path / "w.pt")
+    checkpoint.write_offline(tmp_path / "dcp", {"stages": []}, 0, sd, checkpoint.rank_state([], 0, 0))
+    with torch.device("meta"):
+        model = gpt.GPT(CFG)
+    (x,), target = token_batches(CFG.vocab_size, 1, BATCH, CFG.seq_len)[0]
+    pipe = api.pdcompile(model, example_inputs=(x,), example_target=target, loss_fn=SequenceCrossEntropy(),
+                         optimizer=_opt, stages=1, num_microbatches=MICRO, tensor_parallel=2,
+                         init_from=tmp_path / "w.safetensors")
+    prog = Program.load(pipe.emit(tmp_path / "prog"))
+    entry = tensor_parallel.stage_entry(prog.raw, 0)
+    names = prog.stages[0].param_names
+    col, row, fused = set(entry["colwise"]), set(entry["rowwise"]), dict(entry["fused"])
+    assert col and row and fused
+    from pdcompile.runtime import sources
+
+    whole_reads: list[str] = []  # a safetensors file's split tensors are read as slices, never whole
+    for method in ("read", "copy_into"):
+        real = getattr(sources.SafetensorsReader, method)
+
+        def spy(self: Any, name: Any, *a: Any, _real: Any = real, **k: Any) -> Any:
+            whole_reads.extend([name] if isinstance(name, str) else name)
+            return _real(self, name, *a, **k)
+        monkeypatch.setattr(sources.SafetensorsReader, method, spy)
+
+    def expected(local: str, j: int) -> torch.Tensor:  # splitting the whole model, as Megatron lays it out
+        w, (mod, _, leaf) = sd[names[local]], local.rpartition(".")
+        if mod in col:
+            return interleave(w, fused.get(mod, 1), 2).chunk(2, 0)[j]
+        return w.chunk(2, 1)[j] if mod in row and leaf == "weight" else w
+
+    for j in (0, 1):
+        _fake_group(j, 2)
+        try:
+            mesh = tensor_parallel.tensor_mesh(prog.raw, "cpu")
+            for path in ("w.safetensors", "w.pt", "step_00000000"):
+                src = tmp_path / ("dcp" if path.startswith("step") else "") / path
+                stage = prog.build_stage(0, "cpu", init_from=str(src), split=tensor_parallel.Split(entry, mesh))
+                split = 0
+                for local, t in stage.named_parameters():
+                    got = tensor_parallel.local_tensor(t)
+                    split += got.shape != t.shape
+                    assert torch.equal(got, expected(local, j)), (path, j, local)
+                assert split == 6 * CFG.n_layers, path  # c_attn, c_fc: weights and biases; both c_proj: weights
+                if path.endswith("safetensors"):
+                    assert whole_reads and not {names[n] for n, t in stage.named_parameters()
+                                                if tensor_parallel.local_tensor(t).shape != t.shape} & set(whole_reads)
+                whole_reads.clear()
+        finally:
+            dist.destroy_process_group()
