@@ -1,7 +1,7 @@
 """Checkpoints, ``init_from`` and ``merge`` of tensor-parallel stages (runtime/tensor_parallel.py's
 layouts, runtime/checkpoint.py): a checkpoint written with t = 2 holds the model's own tensors under its
 names (fused q, k, v rows in the model's order; Adam's state split like its weights), so it resumes under
-t = 1 and under t = 2 with another stage count, and a t = 1 checkpoint resumes under t = 2; every run is
+t = 1 and under t = 2 with another stage or replica count, and a t = 1 checkpoint resumes under t = 2; every run is
 checked against one uninterrupted single-process run (``reference.train_sync``), fp32, gloo."""
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ def _opt(params: Any) -> torch.optim.Optimizer:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(stages: int, t: int) -> Any:
+def _compiled(stages: int, t: int, replicas: int = 1) -> Any:
     (x,), target = token_batches(CFG.vocab_size, 1, BATCH, CFG.seq_len)[0]
     kw: dict[str, Any] = {"tensor_parallel": t} if t > 1 else {}
+    if replicas > 1:
+        kw["replicas"] = [replicas] * stages
     return api.pdcompile(_model(), example_inputs=(x,), example_target=target, loss_fn=SequenceCrossEntropy(),
                          optimizer=_opt, stages=stages, schedule="flush", num_microbatches=MICRO, **kw)
 
@@ -80,44 +82,52 @@ def test_checkpoints_of_split_stages_resume_under_another_t_and_stage_count_and_
     data = token_batches(CFG.vocab_size, STEPS, BATCH, CFG.seq_len)
     save_batches(data, STEPS, tmp_path / "data.pt")
     source = {"factory": "pdcompile.runtime.data:from_file", "kwargs": {"path": str(tmp_path / "data.pt")}}
-    progs = {(s, t): _compiled(s, t).emit(tmp_path / f"prog_{s}x{t}", data=source) for s, t in [(2, 2), (2, 1), (1, 2)]}
+    progs = {(s, t, r): _compiled(s, t, r).emit(tmp_path / f"prog_{s}x{t}x{r}", data=source)
+             for s, t, r in [(2, 2, 1), (2, 1, 1), (1, 2, 2)]}
     weights, states = _reference(data)
     initial = {n: p.detach() for n, p in _model().named_parameters()}
     assert sum(not torch.equal(weights[1][n], initial[n]) for n in initial) > len(initial) // 2  # it trains
 
     # t = 2 x 2 stages (4 processes): 2 steps, a checkpoint after the second
-    _run(progs[2, 2], 4, "--steps", "2", "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "2")
+    _run(progs[2, 2, 1], 4, "--steps", "2", "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "2")
     step2 = checkpoint.latest(tmp_path / "a")
     assert step2 is not None and step2.name == "step_00000002"
     # it holds the model's tensors under its names, whole in the model's order (c_attn's fused rows too) ...
     merged = {k: v for part in checkpoint_source(step2).stream() for k, v in part.items()}
     _close(merged, weights[1], "merge of the t=2 checkpoint")
-    shapes = checkpoint.tensor_shapes(checkpoint.read_metadata(step2))
+    md = checkpoint.read_metadata(step2)
+    shapes = checkpoint.tensor_shapes(md)
     assert shapes["h.0.attn.c_attn.weight"][0] == (3 * CFG.d_model, CFG.d_model)
+    # each process wrote its shard (2 pieces: rows of a column linear, columns of a row linear); a fused
+    # projection's shard is not one piece of the whole, so it was gathered and written whole (1 piece)
+    pieces = {k: len(getattr(md.state_dict_metadata[k], "chunks")) for k in shapes}
+    assert pieces["h.0.mlp.c_fc.weight"] == pieces["h.1.mlp.c_proj.weight"] == 2, pieces
+    assert pieces["optim/h.0.mlp.c_fc.weight/exp_avg"] == 2 and pieces["h.0.attn.c_attn.weight"] == 1
     # ... and Adam's state, split like its weights, whole under optim/NAME/KEY
     opt_keys = {k: torch.empty(shapes[k][0], dtype=shapes[k][1]) for k in states[1]}
     checkpoint.read_tensors(step2, opt_keys)
     _close(opt_keys, states[1], "Adam's state in the t=2 checkpoint")
 
     # resumed under t = 1 x 2 stages (2 processes): step 3, checkpointed (a t = 1 checkpoint)
-    _run(progs[2, 1], 2, "--steps", "3", "--resume", str(step2), "--checkpoint-dir", str(tmp_path / "b"),
+    _run(progs[2, 1, 1], 2, "--steps", "3", "--resume", str(step2), "--checkpoint-dir", str(tmp_path / "b"),
          "--checkpoint-every", "3", "--save-final", str(tmp_path / "final_b"))
-    _close(merge_weights(progs[2, 1], tmp_path / "final_b"), weights[2], "t=2 x 2 resumed under t=1 x 2")
+    _close(merge_weights(progs[2, 1, 1], tmp_path / "final_b"), weights[2], "t=2 x 2 resumed under t=1 x 2")
     step3 = checkpoint.latest(tmp_path / "b")
     assert step3 is not None
 
-    # that t = 1 checkpoint resumed under t = 2 x 1 stage (2 processes): step 4, checkpointed again with t = 2
-    _run(progs[1, 2], 2, "--steps", "4", "--resume", str(step3), "--checkpoint-dir", str(tmp_path / "c"),
+    # that t = 1 checkpoint resumed under t = 2 x 1 stage x 2 replicas (4 processes): step 4, checkpointed again
+    # with t = 2 (a shard two replicas hold is written once)
+    _run(progs[1, 2, 2], 4, "--steps", "4", "--resume", str(step3), "--checkpoint-dir", str(tmp_path / "c"),
          "--checkpoint-every", "4", "--save-final", str(tmp_path / "final_c"))
-    _close(merge_weights(progs[1, 2], tmp_path / "final_c"), weights[3], "t=1 resumed under t=2 x 1")
+    _close(merge_weights(progs[1, 2, 2], tmp_path / "final_c"), weights[3], "t=1 resumed under t=2 x 1 x 2 replicas")
     step4 = checkpoint.latest(tmp_path / "c")
     assert step4 is not None
     _close({k: v for part in checkpoint_source(step4).stream() for k, v in part.items()}, weights[3],
-           "merge of the t=2 x 1 checkpoint")
+           "merge of the t=2 x 1 x 2 replicas checkpoint")
 
-    # that t = 2 checkpoint of one stage resumed under t = 2 x 2 stages (4 processes): step 5
-    _run(progs[2, 2], 4, "--steps", "5", "--resume", str(step4), "--save-final", str(tmp_path / "final_d"))
-    _close(merge_weights(progs[2, 2], tmp_path / "final_d"), weights[4], "t=2 x 1 resumed under t=2 x 2")
+    # that t = 2 checkpoint of one stage and 2 replicas resumed under t = 2 x 2 stages (4 processes): step 5
+    _run(progs[2, 2, 1], 4, "--steps", "5", "--resume", str(step4), "--save-final", str(tmp_path / "final_d"))
+    _close(merge_weights(progs[2, 2, 1], tmp_path / "final_d"), weights[4], "t=2 x 1 x 2 resumed under t=2 x 2")
 
 
 @pytest.mark.parametrize("dim,chunks,t", [(0, 1, 2), (1, 1, 2), (0, 3, 2), (0, 3, 4), (1, 2, 4)])
