@@ -87,7 +87,7 @@ def resume(program: Program, args: argparse.Namespace, rank: int,
     if state.rng:
         checkpoint.set_rng_state(state.rng)
     else:  # the writing job had fewer ranks: this rank's random numbers start from --seed
-        log.info("the checkpoint has no RNG state of process %d (written by fewer): seeded afresh", process_rank(rank))
+        log.info("the checkpoint has no RNG state of rank %d (written by fewer ranks): seeded afresh", process_rank(rank))
     log.info("resumed from %s: step %d, %d minibatches consumed", folder, state.step, state.data_consumed)
     return state
 
