@@ -29,7 +29,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +153,9 @@ class StagePart:
     names: Mapping[str, str]
     lr_scheduler: Any = None
     stage: int = 0
+    # tensor parallelism: each split parameter's layout by local name (runtime/tensor_parallel.py ``layouts``);
+    # its tensors are written and read under the model's names, in the model's order
+    layouts: Mapping[str, Any] = field(default_factory=dict)
 
 
 def rng_state() -> dict[str, Any]:
@@ -204,6 +207,26 @@ def optimizer_tensors(part: StagePart) -> dict[str, torch.Tensor]:
         for key, value in st.items():
             if isinstance(value, torch.Tensor):
                 out[optim_key(names[id(p)], key)] = value.detach()
+    return out
+
+
+def _layouts(part: StagePart) -> dict[str, Any]:
+    """Original name -> layout of the stage's split parameters (tensor parallelism)."""
+    return {_original(part, n): lay for n, lay in part.layouts.items()}
+
+
+def saved_tensors(part: StagePart) -> dict[str, torch.Tensor]:
+    """The stage's tensors and optimizer state as a checkpoint holds them: under the model's names, a split
+    parameter (and its optimizer state, split like it) as its shard where that is one piece of the model's
+    tensor, else gathered whole in the model's order (runtime/tensor_parallel.py ``saved_tensor``)."""
+    from pdcompile.runtime.tensor_parallel import saved_tensor
+
+    lay = _layouts(part)
+    shapes = {_original(part, n): tuple(p.shape) for n, p in part.module.named_parameters()}
+    out = {k: saved_tensor(v, lay.get(k)) for k, v in model_tensors(part).items()}
+    for k, v in optimizer_tensors(part).items():
+        name = k[len(OPTIM):].rpartition("/")[0]
+        out[k] = saved_tensor(v, lay.get(name) if tuple(v.shape) == shapes.get(name) else None)
     return out
 
 
@@ -448,8 +471,11 @@ def stage_states(folder: Path, manifest: Mapping[str, Any], parts: Sequence[Stag
     parameters of writing stages whose schedulers differ is refused (one scheduler can't continue both)."""
     check_files(folder, manifest, ["plan.json"])
     try:
-        writers = [(int(st["index"]), [int(r) for r in st["ranks"]], set(st.get("param_names", {}).values()))
-                   for st in json.loads((folder / "plan.json").read_text())["stages"]]
+        written = json.loads((folder / "plan.json").read_text())
+        # a writer with tensor parallelism (degree t): pipeline rank r's state is its tensor index 0's, process r * t
+        t = int((written.get("tensor_parallel") or {}).get("degree", 1))
+        writers = [(int(st["index"]), [int(r) * t for r in st["ranks"]], set(st.get("param_names", {}).values()))
+                   for st in written["stages"]]
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{folder / 'plan.json'}: not a plan ({type(e).__name__}: {e}). Fix: resume from "
                               f"an older step folder") from None
@@ -503,9 +529,13 @@ def load_rank(folder: str | os.PathLike[str], plan: Mapping[str, Any] | None, ra
     manifest = verify(folder, plan, [METADATA])
     md = read_metadata(folder)
     shapes = tensor_shapes(md)
+    from pdcompile.runtime.tensor_parallel import local_tensor, read_target, take_local
+
     targets: dict[str, torch.Tensor] = {}
     copies: list[tuple[torch.Tensor, str]] = []  # a tensor several of the rank's stages hold: read once
+    parts_of: list[tuple[torch.Tensor, str, Any]] = []  # split parameters read whole: (parameter, name, layout)
     for part in parts:
+        lay = _layouts(part)
         for name, t in model_tensors(part).items():
             if name not in shapes:
                 raise CheckpointError(f"{folder}: no tensor {name!r} (stage {part.stage}): a checkpoint of another "
@@ -516,10 +546,15 @@ def load_rank(folder: str | os.PathLike[str], plan: Mapping[str, Any] | None, ra
                                       f"resume with the model that wrote it")
             if name in targets:
                 copies.append((t, name))
+            elif name in lay and lay[name].chunks > 1:  # its shard is pieces of the model's tensor: read whole
+                targets[name] = read_target(t, lay[name], shapes[name][0], t.dtype)
+                parts_of.append((t, name, lay[name]))
             else:
                 targets[name] = t
     optim: list[dict[str, dict[str, torch.Tensor]]] = []
+    split_state: list[tuple[dict[str, torch.Tensor], str, str, torch.Tensor, Any]] = []
     for part in parts:
+        lay = _layouts(part)
         per_param: dict[str, dict[str, torch.Tensor]] = {}
         for local_name, param in part.module.named_parameters():
             name = _original(part, local_name)
@@ -527,9 +562,11 @@ def load_rank(folder: str | os.PathLike[str], plan: Mapping[str, Any] | None, ra
             for key, (shape, dtype) in shapes.items():
                 if key.startswith(prefix):
                     if key not in targets:  # a sharded parameter's state (a DTensor) is read as its shard
-                        targets[key] = torch.empty_like(param.detach(), dtype=dtype) \
-                            if _is_dtensor(param) and shape == tuple(param.shape) else torch.empty(shape, dtype=dtype)
-                    per_param.setdefault(name, {})[key[len(prefix):]] = targets[key]
+                        targets[key] = read_target(param, lay.get(name), shape, dtype)
+                    held = per_param.setdefault(name, {})
+                    held[key[len(prefix):]] = targets[key]
+                    if _is_dtensor(param) and not _is_dtensor(targets[key]) and shape == tuple(param.shape):
+                        split_state.append((held, key[len(prefix):], key, param, lay[name]))
         optim.append(per_param)
     check_files(folder, manifest, sorted(files_of(md, targets)))
     state = load_state(folder, manifest, rank)
@@ -538,6 +575,10 @@ def load_rank(folder: str | os.PathLike[str], plan: Mapping[str, Any] | None, ra
         read_tensors(folder, targets)
         for t, name in copies:
             t.copy_(targets[name])
+        for split, name, layout in parts_of:  # this process's part of a fused parameter read whole
+            local_tensor(split).copy_(layout.local(targets[name]))
+        for held, k, key, owner, layout in split_state:  # and of its optimizer state
+            held[k] = take_local(targets[key], owner, layout)
     for part, per_param, sched in zip(parts, optim, scheds):
         _load_optimizer(part, per_param, sched["param_groups"] if sched else None)
         if part.lr_scheduler is not None and sched and sched["lr_scheduler"] is not None:
@@ -579,7 +620,7 @@ def state_dict_of(parts: Sequence[StagePart]) -> dict[str, torch.Tensor]:
     two of its stages hold, once)."""
     out: dict[str, torch.Tensor] = {}
     for part in parts:
-        for k, v in {**model_tensors(part), **optimizer_tensors(part)}.items():
+        for k, v in saved_tensors(part).items():
             out.setdefault(k, v)
     return out
 

@@ -171,9 +171,6 @@ def check_args(args: argparse.Namespace, program: Program, world: int | None = N
     if tensor_parallel.degree(program.raw) > 1 and args.split_backward:
         raise UsageError("--split-backward with tensor parallelism: a split backward of a stage split across "
                          "processes is not built yet; drop --split-backward")
-    if tensor_parallel.degree(program.raw) > 1 and (args.checkpoint_dir or args.resume):
-        raise UsageError("--checkpoint-dir/--resume with tensor parallelism: checkpoints of split stages are not "
-                         "built yet; train without them (--save-final keeps the final weights, whole)")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir DIR (a folder every rank can see)")
     if args.resume == "auto" and not args.checkpoint_dir:

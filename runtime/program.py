@@ -11,11 +11,14 @@ import json
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pdcompile.errors import UsageError
+
+if TYPE_CHECKING:
+    from pdcompile.runtime import tensor_parallel
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -149,11 +152,13 @@ class Program:
         return dict(self.raw.get("init") or {"source": "weights"})
 
     def build_stage(self, index: int, device: torch.device | str | None = None,
-                    init_from: str | None = None, seed: int | None = None) -> torch.nn.Module:
+                    init_from: str | None = None, seed: int | None = None,
+                    split: tensor_parallel.Split | None = None) -> torch.nn.Module:
         """Stage ``index``'s module with its initial weights, on ``device`` (default the CPU), from the
         program's source; ``init_from`` (a checkpoint) overrides it, ``seed`` the fresh initialisation's.
         From a checkpoint or a fresh initialisation the module is built on the meta device and only this
-        stage's tensors get storage."""
+        stage's tensors get storage. ``split`` (tensor parallelism): the stage's linears split across the
+        tensor group; built on meta, the split is applied there and each process fills only its shards."""
         from pdcompile.runtime import sources
 
         st = self.stages[index]
@@ -170,11 +175,14 @@ class Program:
                 module = module.to(device)
             if init_from:
                 sources.fill_stage(module, index, st.param_names, init, init_from, rest_fresh=False)
-            return module
+            return split.apply(module) if split is not None else module  # whole here: index 0's scattered
         with torch.device("meta"):
             module = cls()
+        if split is not None:
+            module = split.apply(module)
         module = module.to_empty(device=device if device is not None else "cpu")
-        sources.fill_stage(module, index, st.param_names, init, init_from)
+        sources.fill_stage(module, index, st.param_names, init, init_from,
+                           layouts=split.layouts(module) if split is not None else None)
         return module
 
     def build_loss(self, device: torch.device | str | None = None) -> Any:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pdcompile.errors import CheckpointError
-from pdcompile.runtime import checkpoint, devices, faults
+from pdcompile.runtime import checkpoint, devices, faults, tensor_parallel
 from pdcompile.runtime.executor import StageExecutor
 from pdcompile.runtime.program import Program
 
@@ -26,9 +26,20 @@ def segments(start: int, steps: int, every: int) -> list[tuple[int, int]]:
 
 
 def parts(program: Program, executors: Sequence[StageExecutor]) -> list[checkpoint.StagePart]:
-    """The rank's stages as a checkpoint sees them: module, optimizer, LR scheduler, original names."""
+    """The rank's stages as a checkpoint sees them: module, optimizer, LR scheduler, original names, and
+    with tensor parallelism each split parameter's layout (saved and read under the model's names)."""
+    split = tensor_parallel.degree(program.raw) > 1
     return [checkpoint.StagePart(ex.module, ex.optimizer, program.stages[ex.stage].param_names, ex.lr_scheduler,
-                                 ex.stage) for ex in executors]
+                                 ex.stage, tensor_parallel.layouts(ex.module, tensor_parallel.stage_entry(
+                                     program.raw, ex.stage)) if split else {}) for ex in executors]
+
+
+def process_rank(rank: int) -> int:
+    """The process a checkpoint's files are named by: ``rank`` (a pipeline rank), or this process's number
+    where tensor parallelism makes each pipeline rank several processes."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else rank
 
 
 def resume(program: Program, args: argparse.Namespace, rank: int,
@@ -62,7 +73,7 @@ def resume(program: Program, args: argparse.Namespace, rank: int,
     state = None
     if error is None and folder is not None:
         try:
-            state = checkpoint.load_rank(folder, program.raw, rank, parts(program, executors))
+            state = checkpoint.load_rank(folder, program.raw, process_rank(rank), parts(program, executors))
         except CheckpointError as e:
             error = e
     _, failed = checkpoint.agree(int(error is not None), devices.rank_device())
@@ -76,7 +87,7 @@ def resume(program: Program, args: argparse.Namespace, rank: int,
     if state.rng:
         checkpoint.set_rng_state(state.rng)
     else:  # the writing job had fewer ranks: this rank's random numbers start from --seed
-        log.info("the checkpoint has no RNG state of rank %d (written by fewer ranks): seeded afresh", rank)
+        log.info("the checkpoint has no RNG state of rank %d (written by fewer ranks): seeded afresh", process_rank(rank))
     log.info("resumed from %s: step %d, %d minibatches consumed", folder, state.step, state.data_consumed)
     return state
 
@@ -93,7 +104,7 @@ def maybe_checkpoint(program: Program, args: argparse.Namespace, rank: int, exec
         def hook() -> None:
             faults.inject_fault(args, rank, f"while writing the checkpoint of step {step}")
     t0 = time.perf_counter()
-    folder = checkpoint.save(args.checkpoint_dir, program.raw, rank, mine, state, keep=args.keep_checkpoints,
-                             before_manifest=hook)
+    folder = checkpoint.save(args.checkpoint_dir, program.raw, process_rank(rank), mine, state,
+                             keep=args.keep_checkpoints, before_manifest=hook)
     if rank == 0:
         log.info("checkpoint %s (%.3f s)", folder, time.perf_counter() - t0)

@@ -115,6 +115,20 @@ class SafetensorsReader:
         return out
 
 
+    def read_spans(self, name: str, dim: int, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """The pieces ``(start, length)`` along ``dim`` of tensor ``name``, concatenated: a tensor-parallel
+        process's part, read as slices (safetensors' ``get_slice``) without the whole tensor."""
+        from safetensors import safe_open
+
+        f = self._where[name]
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                sl = h.get_slice(name)
+                parts = [sl[(slice(None),) * dim + (slice(a, a + n),)] for a, n in spans]
+        except Exception as e:  # noqa: BLE001
+            raise _unreadable(f, e) from None
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
     def copy_into(self, name: str, dest: torch.Tensor, chunk_bytes: int = 16 << 20) -> None:
         """Copy tensor ``name`` into ``dest`` (casting), read from the file with plain reads: straight into
         ``dest``'s memory when the dtypes agree, else through a buffer of about ``chunk_bytes`` (rows of
@@ -417,6 +431,13 @@ def given_values(init: Mapping[str, Any], names: list[str]) -> Iterator[tuple[st
 
 # -- filling a stage ------------------------------------------------------------------------------
 
+def _storage(t: torch.Tensor) -> torch.Tensor:
+    """What holds ``t``'s values on this process: a DTensor's local tensor (tensor parallelism), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def stage_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's parameters and buffers by local name, shared ones under each of their names."""
     own: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
@@ -425,12 +446,16 @@ def stage_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def fill_stage(module: torch.nn.Module, stage: int, param_names: Mapping[str, str], init: Mapping[str, Any],
-               init_from: str | None, reader: Reader | None = None, rest_fresh: bool = True) -> None:
+               init_from: str | None, reader: Reader | None = None, rest_fresh: bool = True,
+               layouts: Mapping[str, Any] | None = None) -> None:
     """Fill every tensor of ``module`` (materialised, uninitialised) from its source: the checkpoint at
     ``init_from`` for what the model's state_dict holds, the owning modules' initialisers for the rest
     (or everything, with no ``init_from``). ``rest_fresh=False``: the module already holds its emitted
-    weights; only the checkpoint's tensors are copied in."""
+    weights; only the checkpoint's tensors are copied in. ``layouts`` (tensor parallelism, local name ->
+    runtime/tensor_parallel.py's ``Layout``): a split tensor gets only this process's part, read as slices
+    from a safetensors file, else cut from the tensor read (a DTensor left whole gets the whole tensor)."""
     own = stage_tensors(module)
+    layouts = layouts or {}
     unnamed = sorted(set(own) - set(param_names))
     if unnamed and rest_fresh:
         raise UsageError(f"stage {stage}: tensors {unnamed} are not the model's own (tensor constants made while "
@@ -443,7 +468,9 @@ def fill_stage(module: torch.nn.Module, stage: int, param_names: Mapping[str, st
     def put(orig: str, value: torch.Tensor) -> None:
         with torch.no_grad():
             for local in locals_of[orig]:
-                own[local].copy_(value)  # casts: a bf16 checkpoint into fp32 master weights
+                lay = layouts.get(local)
+                # casts: a bf16 checkpoint into fp32 master weights
+                _storage(own[local]).copy_(lay.local(value) if lay is not None else value)
         done.add(orig)
 
     if init_from:  # tensor by tensor: a rank holds its stage and one tensor read, never a whole file
@@ -452,12 +479,23 @@ def fill_stage(module: torch.nn.Module, stage: int, param_names: Mapping[str, st
         keys = locate(reader, {n: own[ls[0]] for n, ls in locals_of.items() if n not in not_saved},
                       init.get("aliases") or {}, stage)
         for orig, key in keys.items():
-            if isinstance(reader, SafetensorsReader):  # sliced: no whole copy of a big tensor
+            split = [ls for ls in locals_of[orig] if ls in layouts]
+            lay = layouts[split[0]] if split else None
+            if lay is not None and isinstance(reader, SafetensorsReader) and \
+                    all(layouts.get(ls) == lay for ls in locals_of[orig]):  # this process's slices alone
+                part = reader.read_spans(key, lay.dim, lay.spans(own[split[0]].shape[lay.dim]))
+                with torch.no_grad():
+                    for local in locals_of[orig]:
+                        _storage(own[local]).copy_(part)
+                done.add(orig)
+            elif split:  # cut from the tensor read (mapped: a torch.save'd file's pages read are the slice's)
+                put(orig, reader.read([key], {})[key])
+            elif isinstance(reader, SafetensorsReader):  # sliced: no whole copy of a big tensor
                 first, *more = locals_of[orig]
                 with torch.no_grad():
-                    reader.copy_into(key, own[first])
+                    reader.copy_into(key, _storage(own[first]))
                     for local in more:
-                        own[local].copy_(own[first])
+                        _storage(own[local]).copy_(_storage(own[first]))
                 done.add(orig)
             else:
                 put(orig, reader.read([key], {})[key])

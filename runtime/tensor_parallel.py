@@ -133,3 +133,118 @@ def whole_parameters(module: torch.nn.Module) -> frozenset[str]:
     from torch.distributed.tensor import DTensor
 
     return frozenset(n for n, p in module.named_parameters() if not isinstance(p, DTensor))
+
+
+# --- checkpoints and init_from: split parameters under the model's own names -------------------------
+# Driven by each parameter's placement (the dimension its DTensor is sharded along, its mesh) and the
+# entry's ``fused`` chunk counts, not by the kind of module: a column linear (dim 0), a row linear (dim 1)
+# and a vocabulary-split embedding (dim 0) are read and written the same way.
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a split parameter's local tensor lies in the model's whole tensor: ``dim`` is cut into
+    ``degree`` parts and this process holds part ``index``; with ``chunks`` > 1 the dimension is that many
+    equal parts (a fused q, k, v) and the local tensor is each part's share, in order (:func:`interleave`)."""
+
+    dim: int
+    degree: int
+    index: int
+    chunks: int = 1
+
+    def spans(self, size: int) -> list[tuple[int, int]]:
+        """(start, length) along ``dim`` of the whole tensor's pieces the local tensor holds, in order."""
+        n = size // (self.chunks * self.degree)
+        return [((c * self.degree + self.index) * n, n) for c in range(self.chunks)]
+
+    def local(self, whole: torch.Tensor) -> torch.Tensor:
+        """This process's part of the model's ``whole`` tensor (a view where it is one piece)."""
+        parts = [whole.narrow(self.dim, a, n) for a, n in self.spans(whole.shape[self.dim])]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)
+
+    def whole(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The model's tensor from the processes' local tensors concatenated along ``dim`` in index order
+        (a DTensor's ``full_tensor()``): fused chunks back in the model's order."""
+        if self.chunks == 1:
+            return gathered
+        return interleave(gathered.movedim(self.dim, 0), self.chunks, self.degree, inverse=True).movedim(0, self.dim)
+
+
+def layouts(module: torch.nn.Module, entry: Mapping[str, Any]) -> dict[str, Layout]:
+    """Each split parameter of ``module`` (a DTensor sharded on its tensor mesh) by local name: its
+    :class:`Layout`, read off its placement; fused chunk counts from ``entry["fused"]`` (module -> chunks)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    fused = {str(k): int(v) for k, v in dict(entry.get("fused") or {}).items()}
+    out: dict[str, Layout] = {}
+    for name, p in module.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        shards = [(i, pl) for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+        if not shards:
+            continue
+        if len(shards) > 1 or p.device_mesh.ndim != 1:
+            raise NotImplementedError(f"{name}: split over {p.placements} of a {p.device_mesh.ndim}-D mesh; "
+                                      f"checkpoints read and write parameters split along one dimension")
+        owner = name.rpartition(".")[0]
+        out[name] = Layout(int(shards[0][1].dim), p.device_mesh.size(), p.device_mesh.get_local_rank(),
+                           fused.get(owner, 1))
+    return out
+
+
+def saved_tensor(t: torch.Tensor, layout: Layout | None) -> torch.Tensor:
+    """What a checkpoint holds for a tensor laid out as ``layout``: the DTensor itself where its shards are
+    contiguous pieces of the model's tensor (DCP writes each process's shard at its offset), the whole
+    tensor in the model's order where they are not (fused chunks: gathered over the tensor group, a
+    collective every index calls at the same point)."""
+    if layout is None or layout.chunks == 1 or not _is_dtensor(t):
+        return t
+    split: Any = t
+    return layout.whole(split.full_tensor().detach()).cpu()
+
+
+def read_target(t: torch.Tensor, layout: Layout | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor a checkpoint of the model's names is read into for ``t`` (a parameter or its optimizer
+    state): a DTensor like ``t`` (DCP reads its shard alone) where the shard is one piece, else the whole
+    tensor on the CPU (:func:`take_local` keeps this process's part of it)."""
+    if _is_dtensor(t) and (layout is None or layout.chunks == 1) and tuple(t.shape) == shape:
+        return torch.empty_like(t.detach(), dtype=dtype)
+    return torch.empty(shape, dtype=dtype)
+
+
+def take_local(whole: torch.Tensor, like: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """A DTensor like ``like`` (its mesh and placements) holding this process's part of ``whole``."""
+    from torch.distributed.tensor import DTensor
+
+    split: Any = like
+    part = layout.local(whole).to(device=like.device, dtype=like.dtype)
+    return DTensor.from_local(part.contiguous(), split.device_mesh, split.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This process's tensor of ``t``: a DTensor's local shard (its storage), a plain tensor itself."""
+    split: Any = t
+    return split.to_local() if _is_dtensor(t) else t  # type: ignore[no-any-return]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+@dataclass(frozen=True)
+class Split:
+    """A stage's split as a stage builder applies it (:meth:`pdcompile.runtime.program.Program.build_stage`):
+    on the module built on meta, before any tensor has storage, so that each process fills only its part
+    (runtime/sources.py reads each split tensor's slice by its layout)."""
+
+    entry: Mapping[str, Any]
+    mesh: Any
+
+    def apply(self, module: torch.nn.Module) -> torch.nn.Module:
+        return apply(module, self.entry, self.mesh)
+
+    def layouts(self, module: torch.nn.Module) -> dict[str, Layout]:
+        return layouts(module, self.entry)

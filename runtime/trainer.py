@@ -69,17 +69,18 @@ class Trainer:
         self.specs = specs = program.stages_of_rank(rank)  # one, or several with virtual stages
         self.spec = spec = specs[0]
         torch.manual_seed(args.seed)
-        # each rank builds only its stages, from the program's source (runtime/sources.py: stage_K.pt, fresh, init_from)
-        modules = [program.build_stage(st.index, devices.rank_device(), getattr(args, "init_from", None),
-                                       seed=args.seed).to(devices.rank_device()) for st in specs]
         if devices.rank_device().type == "cuda":
             torch.cuda.set_device(devices.rank_device())
+        # the linears the compiler split, over this process's tensor group (before any optimizer): applied as
+        # the stage is built, so that from a checkpoint or a fresh start each process fills only its shards
+        mesh = tensor_parallel.tensor_mesh(program.raw, devices.rank_device().type) if tp.degree > 1 else None
+        # each rank builds only its stages, from the program's source (runtime/sources.py: stage_K.pt, fresh, init_from)
+        modules = [program.build_stage(st.index, devices.rank_device(), getattr(args, "init_from", None),
+                                       seed=args.seed, split=tensor_parallel.Split(
+                                           tensor_parallel.stage_entry(program.raw, st.index), mesh)
+                                       if mesh is not None else None).to(devices.rank_device()) for st in specs]
         for module in modules:
             module.train()
-        if tp.degree > 1:  # the linears the compiler split, over this process's tensor group (before any optimizer)
-            mesh = tensor_parallel.tensor_mesh(program.raw, devices.rank_device().type)
-            modules = [tensor_parallel.apply(m, tensor_parallel.stage_entry(program.raw, st.index), mesh)
-                       for m, st in zip(modules, specs)]
         # Groups: every rank creates every group, in the same order.
         replica_groups: dict[int, Any] = {}
         for st in program.stages:
