@@ -132,6 +132,18 @@ def apply(module: torch.nn.Module, entry: Mapping[str, Any], mesh: Any) -> torch
     return out
 
 
+def place_grads(params: Mapping[str, torch.Tensor]) -> None:
+    """Each split parameter's gradient laid out as the parameter is: an embedding split by vocabulary gets its
+    weight's gradient replicated from torch's backward; its shard of it (this rank's rows, no communication)
+    is what the rank all-reduces with its peers, counts in the norm and steps with."""
+    for p in params.values():
+        g = p.grad
+        placements = getattr(p, "placements", None)
+        if placements is not None and g is not None and getattr(g, "placements", placements) != placements:
+            with torch.no_grad():
+                p.grad = g.redistribute(p.device_mesh, placements)  # type: ignore[attr-defined]
+
+
 def has_vocab_head(entry: Mapping[str, Any]) -> bool:
     """Whether the stage's LM head is split by vocabulary (its loss then runs loss-parallel)."""
     return int(entry.get("degree", 1)) > 1 and bool(entry.get("head"))
