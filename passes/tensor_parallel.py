@@ -624,7 +624,8 @@ def _vocab(gm: fx.GraphModule, t: int, loss: LossProgram | None,
         if wb is not None and len(out.users) == 1 and shape and shape[-1] == wb[0].shape[0]:
             why = vp.cross_entropy_why(loss, len(shape), int(shape[-1]))
             if why is not None:
-                whole[out.name] = f"{out.name}: the LM head stays whole: {why}"
+                shown = weight_name(out).removesuffix(".weight").removesuffix("_weight") or out.name
+                whole[out.name] = f"{shown}: the LM head stays whole: {why}"
             elif vocab_ok(out, wb[0]):
                 split[out.name] = ("head", weight_name(out))
     params = dict(gm.named_parameters(remove_duplicate=False))

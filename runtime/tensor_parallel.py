@@ -144,6 +144,13 @@ def place_grads(params: Mapping[str, torch.Tensor]) -> None:
                 p.grad = g.redistribute(p.device_mesh, placements)  # type: ignore[attr-defined]
 
 
+def shard_shapes(module: torch.nn.Module) -> dict[str, list[int]]:
+    """The shape of this process's shard of each split parameter (the metrics' ``tensor_parallel_shards``)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: list(p.to_local().shape) for n, p in module.named_parameters() if isinstance(p, DTensor)}
+
+
 def has_vocab_head(entry: Mapping[str, Any]) -> bool:
     """Whether the stage's LM head is split by vocabulary (its loss then runs loss-parallel)."""
     return int(entry.get("degree", 1)) > 1 and bool(entry.get("head"))

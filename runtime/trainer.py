@@ -435,6 +435,9 @@ class Trainer:
                 # the stage's peak bytes at its measuring points, by category (runtime/memory.py)
                 "memory": executor.meter.report(),
                 "memory_by_stage": {str(ex.stage): ex.meter.report() for ex in self.executors},
+                # tensor parallelism: each split parameter's shape on this process (index 0), per stage
+                "tensor_parallel_shards": {str(ex.stage): tensor_parallel.shard_shapes(ex.module)
+                                           for ex in self.executors} if self.tp.degree > 1 else None,
                 # the allocator's own peak (CUDA): what the accounting and the planner's model are checked against
                 "cuda_max_memory_allocated": (torch.cuda.max_memory_allocated(devices.rank_device())
                                               if devices.rank_device().type == "cuda" else None),
