@@ -617,15 +617,16 @@ def _vocab(gm: fx.GraphModule, t: int, loss: LossProgram | None,
             whole[node.name] = f"{node.name}: position embeddings stay whole (its indices are no input of the stage)"
         elif vocab_ok(node, w):
             split[node.name] = ("embedding", weight_name(node))
-    out = gm.graph.output_node().args[0]
+    out: Any = gm.graph.output_node().args[0]
     if last and isinstance(out, fx.Node):
         wb = _linear_weight(gm, out, refs)
-        shape = _meta(out).shape if _meta(out) is not None else ()  # type: ignore[union-attr]
+        out_meta = _meta(out)
+        shape = out_meta.shape if out_meta is not None else ()
         if wb is not None and len(out.users) == 1 and shape and shape[-1] == wb[0].shape[0]:
-            why = vp.cross_entropy_why(loss, len(shape), int(shape[-1]))
-            if why is not None:
+            loss_why = vp.cross_entropy_why(loss, len(shape), int(shape[-1]))
+            if loss_why is not None:
                 shown = weight_name(out).removesuffix(".weight").removesuffix("_weight") or out.name
-                whole[out.name] = f"{shown}: the LM head stays whole: {why}"
+                whole[out.name] = f"{shown}: the LM head stays whole: {loss_why}"
             elif vocab_ok(out, wb[0]):
                 split[out.name] = ("head", weight_name(out))
     params = dict(gm.named_parameters(remove_duplicate=False))

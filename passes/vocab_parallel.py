@@ -78,7 +78,7 @@ def cross_entropy_why(loss: LossProgram | None, ndim: int, vocab: int) -> str | 
             continue
         name = _name(node)
         x = node.args[0] if node.args else None
-        if ins != [x] or len(x.users) != 1:
+        if not isinstance(x, fx.Node) or ins != [x] or len(x.users) != 1:
             return f"the loss combines the logits with other values ({node.name}), not a plain cross-entropy"
         if name in _RESHAPES:
             k = _keeps_last(node, ranks[x], vocab)
@@ -90,6 +90,7 @@ def cross_entropy_why(loss: LossProgram | None, ndim: int, vocab: int) -> str | 
             return f"{node.name} ({name}) reads logits of rank {ranks[x]}; a plain cross-entropy over (N, vocab) splits"
         if name == "cross_entropy" and node.op == "call_function":
             if (_arg(node, 2, "weight") is not None or float(_arg(node, 7, "label_smoothing", 0.0) or 0.0) != 0.0
+                    or _arg(node, 3, "size_average") is not None or _arg(node, 5, "reduce") is not None
                     or _arg(node, 6, "reduction", "mean") not in ("mean", "sum")):
                 return "the loss is a cross-entropy with class weights, label smoothing or no reduction"
             result = node
