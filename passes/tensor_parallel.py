@@ -646,14 +646,19 @@ def _vocab(gm: fx.GraphModule, t: int, loss: LossProgram | None,
     return split, whole
 
 
-def chain_shares(gm: fx.GraphModule, chain: Chain) -> Chain:
+def chain_shares(gm: fx.GraphModule, chain: Chain, loss: LossProgram | None = None) -> Chain:
     """``chain`` (one layer per node of ``gm``, the whole model's graph) with what Megatron's layout splits
     (the ``tp_*`` fields the planner charges, ``passes/planner/tensor.py``): a column or row linear's compute
     and parameters, and the compute of the ops between them (attention's core: heads split); what is saved
     on a split value (a row linear's input, the ops between; a column linear saves its whole input); a row
-    linear's output all-reduced; every degree must divide the gcd of the split sizes. The rest stays whole."""
-    r, rows_of, _, _ = _regions(gm, 1, set())
-    role: dict[str, str] = {}
+    linear's output all-reduced; every degree must divide the gcd of the split sizes. The token embedding and,
+    with a plain cross-entropy ``loss`` (the model's own, traced on its output), the LM head split by vocabulary
+    (:func:`_vocab`) where every degree tried (up to 8) divides the vocabulary: their compute and parameters,
+    the embedding's output all-reduced in the forward, the head's input gradient in the backward. The rest
+    stays whole."""
+    vocab, _ = _vocab(gm, 8, loss, True)
+    r, rows_of, _, _ = _regions(gm, 1, set(), vocab)
+    role: dict[str, str] = {n: kind for n, (kind, _) in vocab.items()}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr") or r.find(node) not in rows_of:
             continue
@@ -665,18 +670,32 @@ def chain_shares(gm: fx.GraphModule, chain: Chain) -> Chain:
     for node, size, _ in r.sizes:
         if r.find(node) in rows_of:
             div = math.gcd(div, int(size))
+    heads = {n.name: n for n in gm.graph.nodes if role.get(n.name) == "head"}
     layers = []
     for l in chain.layers:
-        kinds = [role.get(m) for m in (l.members or (l.name,))]
+        members = l.members or (l.name,)
+        kinds = [role.get(m) for m in members]
         if not any(kinds):
             layers.append(l)
             continue
         frac = sum(1 for k in kinds if k) / len(kinds)  # merged layers: an even share per member
         rows = sum(1 for k in kinds if k == "row")
         saved = sum(1 for k in kinds if k in ("row", "inside")) / len(kinds)
+        # the vocabulary split's one all-reduce each (charged half each way, as a pair's two are): the embedding's
+        # output in the forward, the head's input gradient (its output's bytes x features / vocabulary) in the backward
+        extra = 0.0
+        for m, k in zip(members, kinds):
+            if k == "embedding":
+                extra += l.output_bytes / 2
+            elif k == "head":
+                shape = _shape(heads[m])
+                x = _shape(heads[m].args[0])
+                extra += l.output_bytes * x[-1] / shape[-1] / 2
+        vocab_ars = sum(1 for k in kinds if k in ("embedding", "head"))
         layers.append(dataclasses.replace(
             l, tp_share=frac, tp_param_share=frac if l.param_bytes else 0.0, tp_saved_share=saved,
-            tp_allreduce_bytes=l.output_bytes if rows else 0.0, tp_allreduces=rows, tp_divisor=div))
+            tp_allreduce_bytes=(l.output_bytes if rows else 0.0) + extra, tp_allreduces=rows + vocab_ars,
+            tp_divisor=div))
     return dataclasses.replace(chain, layers=tuple(layers))
 
 

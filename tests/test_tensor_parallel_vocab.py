@@ -167,3 +167,20 @@ def test_vocabulary_parallel_trains_like_one_process(tmp_path: Path, kind: str, 
     assert sum(not torch.equal(want[k], initial[k]) for k in want) > len(want) // 2  # it trained
     losses = json.loads((tmp_path / "m" / f"rank_{stages - 1}.json").read_text())["losses"]
     assert len(losses) == STEPS * MICRO and all(0 < v < 10 for v in losses)  # plain numbers, not DTensors
+
+
+def test_the_planner_charges_the_vocabulary_split_where_the_pass_makes_it() -> None:
+    """``chain_shares`` (what the planner charges, passes/planner/tensor.py) counts the token embedding and the
+    head as split under a plain cross-entropy; under another loss the head, and the embedding tied to it, whole."""
+    (x,), y = _data()[0]
+
+    def shares(loss: Any) -> dict[str, tuple[float, float, int]]:
+        pipe = api.pdcompile(_gpt(), example_inputs=(x,), example_target=y, loss_fn=loss, num_microbatches=MICRO,
+                             tensor_parallel=2)
+        return {l.name: (l.tp_share, l.tp_param_share, l.tp_allreduces) for l in pipe.state.chain.layers
+                if {"wte", "lm_head"} & set(l.members or (l.name,))}
+
+    plain, smooth = shares(SequenceCrossEntropy()), shares(_smoothed)
+    assert set(plain) == set(smooth) == {"wte", "lm_head"}
+    assert plain == {"wte": (1.0, 1.0, 1), "lm_head": (1.0, 0.0, 1)}  # the tied weight's bytes are wte's
+    assert smooth == {"wte": (0.0, 0.0, 0), "lm_head": (0.0, 0.0, 0)}
