@@ -12,8 +12,9 @@ a row linear stays whole, and the plan says why. A fused projection split into e
 rank's contiguous block holds its share of every chunk (``fused``). What the split changes in the
 graph is rewritten to the local sizes: head counts in views and reshapes, split sizes. An exported
 graph's ``aten.linear`` on a weight attribute becomes a call of an ``nn.Linear`` holding the same
-parameter, so ``parallelize_module`` can find it. Embeddings and the LM head stay whole
-(replicated) in this increment. docs/tensor-parallel.md is the user's page.
+parameter, so ``parallelize_module`` can find it. The token embedding and, into a plain cross-entropy,
+the LM head split by vocabulary (:func:`_vocab`, passes/vocab_parallel.py). docs/tensor-parallel.md is the
+user's page.
 """
 
 from __future__ import annotations
