@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from pdcompile.cluster import ClusterSpec, local_cpu_cluster
-from pdcompile.errors import UsageError
+from pdcompile.errors import PdcompileError, UsageError
 from pdcompile.ir import Chain, CompileState, need
 from pdcompile.passes.partition_dp import SCHEDULES as DP_SCHEDULES
 from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
@@ -122,6 +123,7 @@ class PartitionOptions:
     solver: str = "dp"  # "dp" or "ilp"
     precision: str = "fp32"  # "bf16": boundaries send half the bytes (Chain.on_the_wire)
     virtual_stages: int = 1  # stages per rank, for a schedule with a placement (stages= counts them all)
+    loss: Any = None  # trace-loss's options (TraceLossOptions), where known: whether the LM head splits by vocabulary
 
 
 def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
@@ -261,11 +263,26 @@ def run(state: CompileState, opts: PartitionOptions) -> CompileState:
     if opts.planning.tensor_parallel != 1 and opts.stages is None:  # what Megatron's layout splits, charged
         from pdcompile.passes.tensor_parallel import chain_shares
 
-        chain = chain_shares(need(state.gm, "gm"), chain)  # kept: simulate() replays the plan on it
+        chain = chain_shares(need(state.gm, "gm"), chain, _model_loss(state, opts))  # kept: simulate() replays it
     plan, cluster = choose(chain.on_the_wire(opts.precision), opts)
     assignment = {name: st.index for st in plan.stages for name in st.members}
     return state.replace(chain=chain, plan=plan, assignment=assignment, cluster=cluster,
                          stage_ranks=tuple(tuple(st.ranks) for st in plan.stages))
+
+
+def _model_loss(state: CompileState, opts: PartitionOptions) -> Any:
+    """The loss traced on the whole model's output (the last stage's, before the stages exist), which says
+    whether the LM head will split by vocabulary; None without a target, or where trace-loss will refuse it."""
+    if opts.loss is None:
+        return None
+    from pdcompile.passes.trace_loss import loss_program
+
+    on_meta = any(t.is_meta for t in itertools.chain(state.model.parameters(), state.model.buffers()))
+    try:
+        return loss_program(opts.loss.loss_fn, need(state.gm, "gm"), opts.loss.target, state.output_key,
+                            values=not on_meta)
+    except PdcompileError:  # trace-loss says why, after the stages are cut
+        return None
 
 
 def format_partition(state: CompileState) -> str:

@@ -12,8 +12,9 @@ a row linear stays whole, and the plan says why. A fused projection split into e
 rank's contiguous block holds its share of every chunk (``fused``). What the split changes in the
 graph is rewritten to the local sizes: head counts in views and reshapes, split sizes. An exported
 graph's ``aten.linear`` on a weight attribute becomes a call of an ``nn.Linear`` holding the same
-parameter, so ``parallelize_module`` can find it. Embeddings and the LM head stay whole
-(replicated) in this increment. docs/tensor-parallel.md is the user's page.
+parameter, so ``parallelize_module`` can find it. The token embedding and, into a plain cross-entropy,
+the LM head split by vocabulary (:func:`_vocab`, passes/vocab_parallel.py). docs/tensor-parallel.md is the
+user's page.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import dataclasses
 import functools
 import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -34,6 +35,9 @@ import torch.fx as fx
 from pdcompile.errors import UsageError
 from pdcompile.ir import Chain, CompileState, TensorMeta, need
 from pdcompile.passes.split_stages import Stage, StageSplit
+
+if TYPE_CHECKING:
+    from pdcompile.passes.trace_loss import LossProgram
 
 
 @dataclass(frozen=True)
@@ -53,16 +57,22 @@ class StageTP:
     fused: tuple[tuple[str, int], ...] = ()  # column module -> equal chunks its output is split into
     whole: tuple[str, ...] = ()  # "name: why" of each linear left whole
     rewritten: tuple[str, ...] = ()  # "node: old -> new" of each size made local
+    embeddings: tuple[str, ...] = ()  # embeddings split by vocabulary (RowwiseParallel)
+    head: str | None = None  # the LM head split by vocabulary, into a loss-parallel cross-entropy
 
     def to_json(self) -> dict[str, Any]:
         return {"degree": self.degree, "colwise": list(self.colwise), "rowwise": list(self.rowwise),
-                "fused": {m: k for m, k in self.fused}, "whole": list(self.whole)}
+                "fused": {m: k for m, k in self.fused}, "whole": list(self.whole),
+                "embeddings": list(self.embeddings), "head": self.head}
 
     def __str__(self) -> str:
         lines = [f"tensor parallel t={self.degree}: {len(self.colwise)} column and {len(self.rowwise)} row linears"]
         lines += [f"  column {m}" + (f" (fused: {dict(self.fused)[m]} chunks)" if m in dict(self.fused) else "")
                   for m in self.colwise]
         lines += [f"  row    {m}" for m in self.rowwise]
+        lines += [f"  vocab  {m} (embedding: rows split by vocabulary)" for m in self.embeddings]
+        if self.head is not None:
+            lines.append(f"  vocab  {self.head} (LM head: split by vocabulary into a loss-parallel cross-entropy)")
         lines += [f"  whole  {w}" for w in self.whole]
         lines += [f"  local  {r}" for r in self.rewritten]
         return "\n".join(lines)
@@ -125,13 +135,25 @@ def run(state: CompileState, opts: TensorParallelOptions) -> CompileState:
     if all(d == 1 for d in degrees):
         return state.replace(tensor_parallel=None)
     tied = {(s, name) for group in split.tied for s, name in group}
+    last = len(split.stages) - 1
+    vocab = [_vocab(st.gm, t, state.loss if st.index == last else None, st.index == last) if t > 1 else ({}, {})
+             for st, t in zip(split.stages, degrees)]
+    for group in split.tied:  # a weight tied across stages splits only where every copy's layer splits alike
+        split_params = [any(p == name for _, p in vocab[s][0].values()) for s, name in group]
+        if not all(split_params):
+            held = ", ".join(f"stage {s}'s {name}" for (s, name), ok in zip(group, split_params) if not ok)
+            for s, name in group:
+                for node, (_, p) in list(vocab[s][0].items()):
+                    if p == name:
+                        del vocab[s][0][node]
+                        vocab[s][1][node] = f"{node}: its weight is tied to {held}, which stays whole"
     stages, plans = [], []
     for st, t in zip(split.stages, degrees):
         if t == 1:
             stages.append(st)
             plans.append(StageTP(1))
             continue
-        new, tp = split_stage(st, t, {name for s, name in tied if s == st.index})
+        new, tp = split_stage(st, t, {name for s, name in tied if s == st.index}, vocab[st.index])
         stages.append(new)
         plans.append(tp)
     return state.replace(stages=StageSplit(tuple(stages), split.tied), tensor_parallel=TensorParallelPlan(tuple(plans)))
@@ -499,7 +521,8 @@ def _propagate(gm: fx.GraphModule, linears: Mapping[fx.Node, Any], exclude: set[
             r.union(ins[0], a)
         r.union(ins[0], node)
         if node.op == "output":
-            r.fail(node, "its output leaves the stage (an LM head stays whole: vocabulary-parallel is not built yet)")
+            r.fail(node, "its output leaves the stage (an LM head splits by vocabulary only in the last stage, "
+                        "into a plain cross-entropy)")
             continue
         if node in linears:
             r.fail(node, f"{node.name} takes a split value but is itself left whole")
@@ -514,10 +537,11 @@ def _propagate(gm: fx.GraphModule, linears: Mapping[fx.Node, Any], exclude: set[
     return r
 
 
-def _regions(gm: fx.GraphModule, t: int, tied: set[str]) -> tuple[_Region, set[fx.Node], dict[fx.Node, Any],
-                                                                    dict[fx.Node, str]]:
+def _regions(gm: fx.GraphModule, t: int, tied: set[str],
+             vocab: Collection[str] = ()) -> tuple[_Region, set[fx.Node], dict[fx.Node, Any], dict[fx.Node, str]]:
     """The split regions of ``gm`` at degree ``t``: the propagation's record, the regions split (no failure,
-    a row linear), the linears, and what stays whole and why."""
+    a row linear), the linears, and what stays whole and why (``vocab``: nodes split by vocabulary instead,
+    left out; an embedding's reason is :func:`_vocab`'s)."""
     linears: dict[fx.Node, Any] = {}
     whole: dict[fx.Node, str] = {}
     names = {id(p): n for n, p in gm.named_parameters(remove_duplicate=False)}
@@ -525,8 +549,8 @@ def _regions(gm: fx.GraphModule, t: int, tied: set[str]) -> tuple[_Region, set[f
     shared = {n for n, p in gm.named_parameters(remove_duplicate=False) if uses[id(p)] > 1}
     refs = collections.Counter(n.target for n in gm.graph.nodes if n.op == "get_attr")
     for node in gm.graph.nodes:
-        if _op_name(gm, node) in ("embedding", "Embedding"):
-            whole[node] = f"{node.name}: embeddings stay whole (vocabulary-parallel is not built yet)"
+        if node.name in vocab:
+            continue
         wb = _linear_weight(gm, node, refs)
         if wb is None:
             if _linear_weight(gm, node) is not None:
@@ -559,14 +583,83 @@ def _regions(gm: fx.GraphModule, t: int, tied: set[str]) -> tuple[_Region, set[f
     return r, rows_of, linears, whole
 
 
-def chain_shares(gm: fx.GraphModule, chain: Chain) -> Chain:
+def _vocab(gm: fx.GraphModule, t: int, loss: LossProgram | None,
+           last: bool) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    """What of ``gm`` splits by vocabulary at degree ``t`` (passes/vocab_parallel.py): node name -> (``"embedding"``
+    or ``"head"``, its weight's name) of the token embeddings (indices a stage input) and, in the last stage
+    with a plain cross-entropy ``loss``, the LM head (the linear the stage returns); and node name -> why of
+    those left whole. A weight one of them shares with another layer of the stage splits only with it."""
+    from pdcompile.passes import vocab_parallel as vp
+
+    refs = collections.Counter(n.target for n in gm.graph.nodes if n.op == "get_attr")
+    split: dict[str, tuple[str, str]] = {}
+    whole: dict[str, str] = {}
+
+    def weight_name(node: fx.Node) -> str:  # the weight's name as the module that holds it calls it
+        if node.op == "call_module":
+            return f"{node.target}.weight"
+        w = node.args[0] if _op_name(gm, node) == "embedding" else node.args[1]
+        return str(w.target) if isinstance(w, fx.Node) else ""
+
+    def vocab_ok(node: fx.Node, w: torch.Tensor) -> bool:
+        if w.shape[0] % t:
+            whole[node.name] = f"{node.name}: its vocabulary of {w.shape[0]} does not divide by t={t} (stays whole)"
+            return False
+        return True
+
+    for node in gm.graph.nodes:
+        if _op_name(gm, node) not in ("embedding", "Embedding"):
+            continue
+        w, why = vp.embedding_weight(gm, node, refs)
+        ids = node.args[0] if node.op == "call_module" else node.args[1]
+        if w is None:
+            whole[node.name] = why
+        elif not (isinstance(ids, fx.Node) and ids.op == "placeholder"):
+            whole[node.name] = f"{node.name}: position embeddings stay whole (its indices are no input of the stage)"
+        elif vocab_ok(node, w):
+            split[node.name] = ("embedding", weight_name(node))
+    out: Any = gm.graph.output_node().args[0]
+    if last and isinstance(out, fx.Node):
+        wb = _linear_weight(gm, out, refs)
+        out_meta = _meta(out)
+        shape = out_meta.shape if out_meta is not None else ()
+        if wb is not None and len(out.users) == 1 and shape and shape[-1] == wb[0].shape[0]:
+            loss_why = vp.cross_entropy_why(loss, len(shape), int(shape[-1]))
+            if loss_why is not None:
+                shown = weight_name(out).removesuffix(".weight").removesuffix("_weight") or out.name
+                whole[out.name] = f"{shown}: the LM head stays whole: {loss_why}"
+            elif vocab_ok(out, wb[0]):
+                split[out.name] = ("head", weight_name(out))
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    owners: dict[int, set[str]] = collections.defaultdict(set)
+    for n, p in params.items():
+        owners[id(p)].add(n)
+    changed = True
+    while changed:  # until no split layer shares its weight with a layer left whole
+        changed = False
+        splitting = {p for _, p in split.values()}
+        for node, (_, pname) in list(split.items()):
+            others = owners[id(params[pname])] - splitting if pname in params else set()
+            if pname not in params or others:
+                del split[node]
+                whole[node] = f"{node}: its weight is tied to {', '.join(sorted(others)) or 'a layer'}, which stays whole"
+                changed = True
+    return split, whole
+
+
+def chain_shares(gm: fx.GraphModule, chain: Chain, loss: LossProgram | None = None) -> Chain:
     """``chain`` (one layer per node of ``gm``, the whole model's graph) with what Megatron's layout splits
     (the ``tp_*`` fields the planner charges, ``passes/planner/tensor.py``): a column or row linear's compute
     and parameters, and the compute of the ops between them (attention's core: heads split); what is saved
     on a split value (a row linear's input, the ops between; a column linear saves its whole input); a row
-    linear's output all-reduced; every degree must divide the gcd of the split sizes. The rest stays whole."""
-    r, rows_of, _, _ = _regions(gm, 1, set())
-    role: dict[str, str] = {}
+    linear's output all-reduced; every degree must divide the gcd of the split sizes. The token embedding and,
+    with a plain cross-entropy ``loss`` (the model's own, traced on its output), the LM head split by vocabulary
+    (:func:`_vocab`) where every degree tried (up to 8) divides the vocabulary: their compute and parameters,
+    the embedding's output all-reduced in the forward, the head's input gradient in the backward. The rest
+    stays whole."""
+    vocab, _ = _vocab(gm, 8, loss, True)
+    r, rows_of, _, _ = _regions(gm, 1, set(), vocab)
+    role: dict[str, str] = {n: kind for n, (kind, _) in vocab.items()}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr") or r.find(node) not in rows_of:
             continue
@@ -578,25 +671,46 @@ def chain_shares(gm: fx.GraphModule, chain: Chain) -> Chain:
     for node, size, _ in r.sizes:
         if r.find(node) in rows_of:
             div = math.gcd(div, int(size))
+    heads = {n.name: n for n in gm.graph.nodes if role.get(n.name) == "head"}
     layers = []
     for l in chain.layers:
-        kinds = [role.get(m) for m in (l.members or (l.name,))]
+        members = l.members or (l.name,)
+        kinds = [role.get(m) for m in members]
         if not any(kinds):
             layers.append(l)
             continue
         frac = sum(1 for k in kinds if k) / len(kinds)  # merged layers: an even share per member
         rows = sum(1 for k in kinds if k == "row")
         saved = sum(1 for k in kinds if k in ("row", "inside")) / len(kinds)
+        # the vocabulary split's one all-reduce each (charged half each way, as a pair's two are): the embedding's
+        # output in the forward, the head's input gradient (its output's bytes x features / vocabulary) in the backward
+        extra = 0.0
+        for m, k in zip(members, kinds):
+            if k == "embedding":
+                extra += l.output_bytes / 2
+            elif k == "head":
+                shape = _shape(heads[m])
+                x = _shape(heads[m].args[0])
+                extra += l.output_bytes * x[-1] / shape[-1] / 2
+        vocab_ars = sum(1 for k in kinds if k in ("embedding", "head"))
         layers.append(dataclasses.replace(
             l, tp_share=frac, tp_param_share=frac if l.param_bytes else 0.0, tp_saved_share=saved,
-            tp_allreduce_bytes=l.output_bytes if rows else 0.0, tp_allreduces=rows, tp_divisor=div))
+            tp_allreduce_bytes=(l.output_bytes if rows else 0.0) + extra, tp_allreduces=rows + vocab_ars,
+            tp_divisor=div))
     return dataclasses.replace(chain, layers=tuple(layers))
 
 
-def split_stage(st: Stage, t: int, tied: set[str]) -> tuple[Stage, StageTP]:
-    """``st`` with its splittable linear pairs split ``t`` ways: the rewritten stage and its :class:`StageTP`."""
+def split_stage(st: Stage, t: int, tied: set[str],
+                vocab: tuple[Mapping[str, tuple[str, str]], Mapping[str, str]] = ({}, {})) -> tuple[Stage, StageTP]:
+    """``st`` with its splittable linear pairs split ``t`` ways, and the embeddings and LM head ``vocab`` names
+    (:func:`_vocab`: node -> kind, and node -> why whole) split by vocabulary: the rewritten stage and its
+    :class:`StageTP`."""
+    from pdcompile.passes import vocab_parallel as vp
+
     gm = fx.GraphModule(st.gm, copy.deepcopy(st.gm.graph))
-    r, rows_of, linears, whole = _regions(gm, t, tied)
+    gm.meta.update(st.gm.meta)  # the output's view (pd.output_view), which the loss reads
+    r, rows_of, linears, whole = _regions(gm, t, tied, vocab[0])
+    whole = {n: w for n, w in whole.items() if n.name not in vocab[1]}
     for node, size, what in r.sizes:
         if r.find(node) in rows_of and size % t:
             raise UsageError(f"tensor_parallel={t} does not divide the {size} {what} of {node.name} (stage "
@@ -612,13 +726,25 @@ def split_stage(st: Stage, t: int, tied: set[str]) -> tuple[Stage, StageTP]:
         if node not in r.roles:
             continue
         modules[node] = _as_module(gm, node, linears[node], param_names)
+    embeddings: list[str] = []
+    head = None
+    refs = collections.Counter(n.target for n in gm.graph.nodes if n.op == "get_attr")
+    for node in list(gm.graph.nodes):
+        kind = vocab[0].get(node.name, ("", ""))[0]
+        if kind == "embedding":
+            embeddings.append(vp.as_embedding(gm, node, param_names))
+        elif kind == "head":
+            wb = _linear_weight(gm, node, refs)
+            assert wb is not None, node.name
+            head = _as_module(gm, node, wb, param_names)
     gm.graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
     cols = tuple(modules[n] for n, role in r.roles.items() if role == "col")
     rows = tuple(modules[n] for n, role in r.roles.items() if role == "row")
     fused = tuple((modules[n], k) for n, k in r.chunks.items() if n in modules and k > 1)
-    tp = StageTP(t, cols, rows, fused, tuple(sorted(whole.values())), tuple(rewritten))
+    tp = StageTP(t, cols, rows, fused, tuple(sorted([*whole.values(), *vocab[1].values()])), tuple(rewritten),
+                 tuple(embeddings), head)
     return dataclasses.replace(st, gm=gm, param_names=param_names), tp
 
 

@@ -225,7 +225,8 @@ class CompiledPipeline:
                             tensor_parallel=opts.tensor_parallel if stages is None and isinstance(
                                 opts.tensor_parallel, (int, str)) else 1),
                 stages, tuple(opts.replicas) if opts.replicas is not None else None, opts.cluster, opts.solver,
-                precision=opts.precision, virtual_stages=opts.virtual_stages),
+                precision=opts.precision, virtual_stages=opts.virtual_stages,
+                loss=TraceLossOptions(opts.loss_fn, self._micro_target(target)) if target is not None else None),
             schedule=ScheduleOptions(opts.schedule, self.num_microbatches, virtual_stages=opts.virtual_stages,
                                      csv=opts.csv_text),
             loss=TraceLossOptions(opts.loss_fn, self._micro_target(target)) if target is not None else None,

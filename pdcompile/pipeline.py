@@ -61,10 +61,12 @@ def passes(opts: PassOptions) -> list[Pass]:
              lambda s: linearize.report(need(s.chain, "chain")) + "\n" + str(s.chain)),
         Pass("partition", _with(partition.run, opts.partition), partition.format_partition),
         Pass("split-stages", split_stages.run, lambda s: str(s.stages)),
+    ]
+    if opts.loss is not None:  # before tensor-parallel: the LM head splits by vocabulary only into a plain cross-entropy
+        out.append(Pass("trace-loss", _with(trace_loss.run, opts.loss), lambda s: str(s.loss)))
+    out += [
         Pass("tensor-parallel", _with(tensor_parallel.run, opts.tensor_parallel),
              lambda s: tensor_parallel.format_tensor_parallel(s) + "\n\n" + str(s.stages)),
         Pass("schedule", _with(schedule.run, opts.schedule), schedule.format_schedule),
     ]
-    if opts.loss is not None:
-        out.append(Pass("trace-loss", _with(trace_loss.run, opts.loss), lambda s: str(s.loss)))
     return out

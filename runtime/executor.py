@@ -651,7 +651,7 @@ class StageExecutor:
         for group, grad, share in self.tied_grads():
             if share != 1.0:
                 grad.mul_(share)
-            dist.all_reduce(grad, group=group)
+            dist.all_reduce(local(grad), group=group)  # a weight split by vocabulary: its shard with the peer's
 
     def _weight_version(self, a: Action) -> None:
         self.weights.set_forward_version(a.wv)

@@ -43,9 +43,16 @@ def storages(tensors: Iterable[Any]) -> dict[int, int]:
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor, without autograd (inside a saved-tensor hook); a plain tensor itself."""
-    inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else t
+    """A DTensor's local tensor, without autograd (inside a saved-tensor hook), as of any wrapper subclass
+    (a functional collective's pending result, which a split embedding's sum saves); a plain tensor itself."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    while is_traceable_wrapper_subclass(t):
+        inner = getattr(t, t.__tensor_flatten__()[0][0], None)
+        if not isinstance(inner, torch.Tensor):
+            break
+        t = inner
+    return t
 
 
 def span(t: torch.Tensor) -> tuple[int, int, int]:

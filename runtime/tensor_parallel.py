@@ -96,7 +96,12 @@ def interleave(w: torch.Tensor, chunks: int, t: int, inverse: bool = False) -> t
 
 
 def apply(module: torch.nn.Module, entry: Mapping[str, Any], mesh: Any) -> torch.nn.Module:
-    """Split ``module``'s linears as ``entry`` names them, over the tensor ``mesh``."""
+    """Split ``module``'s linears as ``entry`` names them, over the tensor ``mesh``: column and row pairs
+    (local outputs), embeddings by vocabulary (``RowwiseParallel`` on ``nn.Embedding``: each rank's rows,
+    the outputs summed) and the LM head by vocabulary (``ColwiseParallel`` whose logits stay a DTensor
+    sharded on the last dimension, for the loss-parallel cross-entropy, :class:`VocabParallelLoss`). A weight
+    two split layers share (an embedding tied to the head) is shared again after the split."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     t = int(entry.get("degree", 1))
@@ -110,7 +115,71 @@ def apply(module: torch.nn.Module, entry: Mapping[str, Any], mesh: Any) -> torch
                     p.copy_(interleave(p, int(k), t))
     plan: dict[str, Any] = {n: ColwiseParallel(use_local_output=True) for n in entry.get("colwise", ())}
     plan.update({n: RowwiseParallel(use_local_output=True) for n in entry.get("rowwise", ())})
-    return parallelize_module(module, mesh, plan)
+    plan.update({n: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=True)
+                 for n in entry.get("embeddings", ())})
+    if entry.get("head"):
+        plan[str(entry["head"])] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                                   use_local_output=False)
+    shared: dict[int, list[tuple[str, str]]] = {}  # a parameter held by several of the split modules
+    for name in plan:
+        for leaf, p in module.get_submodule(name).named_parameters(recurse=False):
+            shared.setdefault(id(p), []).append((name, leaf))
+    out = parallelize_module(module, mesh, plan)
+    for owners in shared.values():
+        first = getattr(out.get_submodule(owners[0][0]), owners[0][1])
+        for name, leaf in owners[1:]:
+            setattr(out.get_submodule(name), leaf, first)
+    return out
+
+
+def place_grads(params: Mapping[str, torch.Tensor]) -> None:
+    """Each split parameter's gradient laid out as the parameter is: an embedding split by vocabulary gets its
+    weight's gradient replicated from torch's backward; its shard of it (this rank's rows, no communication)
+    is what the rank all-reduces with its peers, counts in the norm and steps with."""
+    for p in params.values():
+        g = p.grad
+        placements = getattr(p, "placements", None)
+        if placements is not None and g is not None and getattr(g, "placements", placements) != placements:
+            with torch.no_grad():
+                p.grad = g.redistribute(p.device_mesh, placements)  # type: ignore[attr-defined]
+
+
+def shard_shapes(module: torch.nn.Module) -> dict[str, list[int]]:
+    """The shape of this process's shard of each split parameter (the metrics' ``tensor_parallel_shards``)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: list(p.to_local().shape) for n, p in module.named_parameters() if isinstance(p, DTensor)}
+
+
+def has_vocab_head(entry: Mapping[str, Any]) -> bool:
+    """Whether the stage's LM head is split by vocabulary (its loss then runs loss-parallel)."""
+    return int(entry.get("degree", 1)) > 1 and bool(entry.get("head"))
+
+
+class VocabParallelLoss(torch.nn.Module):
+    """The program's loss on logits sharded by vocabulary (a DTensor from the split LM head): the traced
+    cross-entropy's ``aten._log_softmax`` and ``aten.nll_loss_forward`` run as torch's ``loss_parallel``
+    runs them (each rank's shard, the maximum and the sums all-reduced), and so do their backwards: the
+    context is entered for the process's life (:func:`loss_parallel_scope`). The value comes back as the
+    same plain scalar on every tensor index."""
+
+    def __init__(self, loss: Any) -> None:
+        super().__init__()
+        self.loss = loss
+
+    def forward(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        value = self.loss(output, target)
+        return value.to_local() if isinstance(value, DTensor) else value
+
+
+def loss_parallel_scope() -> Any:
+    """torch's ``loss_parallel`` context; the trainer holds it open while a stage with a split head trains
+    (its handlers act only on DTensors: the split head's logits)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def full_state(module: torch.nn.Module, entry: Mapping[str, Any]) -> dict[str, torch.Tensor]:

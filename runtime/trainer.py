@@ -5,6 +5,7 @@ minibatches run as one schedule each; final weights, metrics and trace written."
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import itertools
@@ -64,6 +65,7 @@ class Trainer:
         # with tensor parallelism (runtime/tensor_parallel.py) ``rank`` is this process's; the plan's
         # stages and schedule name pipeline ranks, each t processes: from here on ``rank`` is the pipeline rank
         self.tp = tp = tensor_parallel.rank_of(program.raw, rank)
+        self.loss_scope = contextlib.ExitStack()  # loss-parallel, where this rank's last stage splits its LM head
         rank = tp.logical
         self.program, self.args, self.rank = program, args, rank
         self.specs = specs = program.stages_of_rank(rank)  # one, or several with virtual stages
@@ -170,7 +172,7 @@ class Trainer:
             if tp.index > 0:  # a whole parameter's gradient is the same on every tensor index: counted on index 0
                 norm_skip |= tensor_parallel.whole_parameters(module)
             self.executors.append(StageExecutor(
-                program, rank, module, optimizer, program.build_loss(devices.rank_device()) if st.index == last else None,
+                program, rank, module, optimizer, self._loss(st.index) if st.index == last else None,
                 accumulation=schedules.policy(self.schedule.name).accumulation(M),
                 data=self.data if reads_data else None, local_targets=local,
                 replica_group=None if full else replica_groups.get(st.index), tied_groups=tied_groups[st.index],
@@ -370,6 +372,15 @@ class Trainer:
         groups = self.executors[-1].optimizer.param_groups
         return float(groups[0]["lr"]) if groups else None
 
+    def _loss(self, stage: int) -> Any:
+        """The last stage's loss; on logits split by vocabulary, run loss-parallel (runtime/tensor_parallel.py),
+        with torch's ``loss_parallel`` held open until :meth:`train` ends."""
+        loss = self.program.build_loss(devices.rank_device())
+        if not tensor_parallel.has_vocab_head(tensor_parallel.stage_entry(self.program.raw, stage)):
+            return loss
+        self.loss_scope.enter_context(tensor_parallel.loss_parallel_scope())
+        return tensor_parallel.VocabParallelLoss(loss)
+
     def train(self) -> int:
         """The whole run: every segment between checkpoints, then the final weights, metrics and trace."""
         program, args, rank, executor = self.program, self.args, self.rank, self.executor
@@ -396,6 +407,7 @@ class Trainer:
             raise
         finally:
             self.runlog.close()
+            self.loss_scope.close()
         dist.barrier()
         wall = timing.now(devices.rank_device()) - t_run
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
@@ -430,6 +442,9 @@ class Trainer:
                 # the stage's peak bytes at its measuring points, by category (runtime/memory.py)
                 "memory": executor.meter.report(),
                 "memory_by_stage": {str(ex.stage): ex.meter.report() for ex in self.executors},
+                # tensor parallelism: each split parameter's shape on this process (index 0), per stage
+                "tensor_parallel_shards": {str(ex.stage): tensor_parallel.shard_shapes(ex.module)
+                                           for ex in self.executors} if self.tp.degree > 1 else None,
                 # the allocator's own peak (CUDA): what the accounting and the planner's model are checked against
                 "cuda_max_memory_allocated": (torch.cuda.max_memory_allocated(devices.rank_device())
                                               if devices.rank_device().type == "cuda" else None),

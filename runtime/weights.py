@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pdcompile.runtime import fused_grads
+from pdcompile.runtime import fused_grads, tensor_parallel
 from pdcompile.runtime.executor import WeightStore
 from pdcompile.runtime.schedules import Action, Kind
 
@@ -55,6 +55,7 @@ class VersionedStore(WeightStore):
         super().__init__(module)
         self.predict = predict
         self.params: dict[str, torch.nn.Parameter] = dict(module.named_parameters())
+        self.split = {n: p for n, p in self.params.items() if getattr(p, "placements", None) is not None}  # DTensors
         self.newest = 0
         self.forward_version = 0
         self.clones: dict[int, dict[str, torch.Tensor]] = {}
@@ -143,6 +144,8 @@ class VersionedStore(WeightStore):
                     else:
                         p.grad += t.grad
                     t.grad = None
+        if self.split:  # tensor parallelism: each split parameter's gradient as its shard
+            tensor_parallel.place_grads(self.split)
         self._release()
 
     def before_step(self) -> None:

@@ -82,9 +82,8 @@ def test_gpt_attention_and_mlp_pairs_are_split_and_head_counts_made_local(tmp_pa
     assert tp.colwise == ("h_0_attn_c_attn", "h_0_mlp_c_fc", "h_1_attn_c_attn", "h_1_mlp_c_fc")
     assert tp.rowwise == ("h_0_attn_c_proj", "h_0_mlp_c_proj", "h_1_attn_c_proj", "h_1_mlp_c_proj")
     assert dict(tp.fused) == {"h_0_attn_c_attn": 3, "h_1_attn_c_attn": 3}  # q, k, v in one projection
-    whole = "\n".join(tp.whole)
-    assert "wte: embeddings stay whole" in whole and "wpe: embeddings stay whole" in whole
-    assert "lm_head" in whole  # the LM head (tied to wte) stays whole, and the plan says so
+    whole = "\n".join(tp.whole)  # the token embedding and the head (one weight) split by vocabulary
+    assert "wpe: position embeddings stay whole" in whole and (tp.embeddings, tp.head) == (("wte",), "lm_head")
     code = pipe.split.stages[0].gm.code
     assert code.count("view(-1, 8, 1, 16)") == 6 and code.count("split(16, dim = 2)") == 2  # 1 head of 2 per rank
     assert code.count("reshape(-1, 8, 16)") == 2
@@ -124,7 +123,7 @@ def test_an_exported_llamas_linears_become_modules_under_the_models_names() -> N
         node = f"model_layers_{k}_self_attn_q_proj"
         assert pipe.split.stages[s].param_names[f"{node}.weight"] == f"model.layers.{k}.self_attn.q_proj.weight"
     assert split_blocks >= 3  # at most one pair is cut by the one boundary
-    assert any("LM head stays whole" in w for w in pipe.state.tensor_parallel.stages[1].whole)
+    assert pipe.state.tensor_parallel.stages[1].head == "lm_head"  # a plain cross-entropy: split by vocabulary
 
 
 class _Pairs(torch.nn.Module):
