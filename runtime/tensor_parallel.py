@@ -246,7 +246,7 @@ def layouts(module: torch.nn.Module, entry: Mapping[str, Any]) -> dict[str, Layo
 
     fused = {str(k): int(v) for k, v in dict(entry.get("fused") or {}).items()}
     out: dict[str, Layout] = {}
-    for name, p in module.named_parameters():
+    for name, p in module.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
         if not isinstance(p, DTensor):
             continue
         shards = [(i, pl) for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]

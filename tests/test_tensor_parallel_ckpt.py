@@ -236,8 +236,13 @@ def test_init_from_with_t2_fills_each_process_with_its_own_part_of_every_format(
             return _real(self, name, *a, **k)
         monkeypatch.setattr(sources.SafetensorsReader, method, spy)
 
+    vocab = {*entry.get("embeddings", ()), *([entry["head"]] if entry.get("head") else [])}
+    tied = {n for n in names if names[n] in {names[m] for m in names if m.rpartition(".")[0] in vocab}}
+
     def expected(local: str, j: int) -> torch.Tensor:  # splitting the whole model, as Megatron lays it out
         w, (mod, _, leaf) = sd[names[local]], local.rpartition(".")
+        if local in tied:  # split by vocabulary: rows (a tied embedding and head under either name)
+            return w.chunk(2, 0)[j]
         if mod in col:
             return interleave(w, fused.get(mod, 1), 2).chunk(2, 0)[j]
         return w.chunk(2, 1)[j] if mod in row and leaf == "weight" else w
@@ -254,7 +259,8 @@ def test_init_from_with_t2_fills_each_process_with_its_own_part_of_every_format(
                     got = tensor_parallel.local_tensor(t)
                     split += got.shape != t.shape
                     assert torch.equal(got, expected(local, j)), (path, j, local)
-                assert split == 6 * CFG.n_layers, path  # c_attn, c_fc: weights and biases; both c_proj: weights
+                # c_attn, c_fc: weights and biases; both c_proj: weights; the tied wte/lm_head (one tensor) by vocabulary
+                assert split == 6 * CFG.n_layers + len(tied & {n for n, _ in stage.named_parameters()}), path
                 if path.endswith("safetensors"):
                     assert whole_reads and not {names[n] for n, t in stage.named_parameters()
                                                 if tensor_parallel.local_tensor(t).shape != t.shape} & set(whole_reads)
