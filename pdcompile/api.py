@@ -258,7 +258,8 @@ class CompiledPipeline:
                             recompute=opts.recompute, shard=check_shard(opts.shard),
                             optimizer_state_factor=optimizer_state_factor_of(opts.optimizer),
                             choose_microbatches=choose_microbatches, update_bandwidth=self.update_bandwidth,
-                            action_overhead_s=self.action_cost.seconds if self.action_cost is not None else (),
+                            action_overhead_s=tuple(sorted(self.action_cost.seconds.items()))
+                            if self.action_cost is not None else (),
                             tensor_parallel=opts.tensor_parallel if stages is None and isinstance(
                                 opts.tensor_parallel, (int, str)) else 1),
                 stages, tuple(opts.replicas) if opts.replicas is not None else None, opts.cluster, opts.solver,
