@@ -70,6 +70,9 @@ class CompiledPipeline:
         self.schedule_choice: tuple[list[autoschedule.Candidate], autoschedule.Candidate, list[str]] | None = None
         # schedule="auto" on CPU workers: the runtime's per-action cost it charged (calibrated or built-in)
         self.action_cost: machine_cache.ActionCost | None = None
+        # the optimizer step's calibrated bandwidth (bytes/s) where charged, else None and why not (_step_costs)
+        self.update_bandwidth: float | None = None
+        self.update_bandwidth_problem = ""
         self.state: CompileState  # written by _compile
         choose = chooses_microbatches(opts.cluster, "flush" if auto else opts.schedule, opts.num_microbatches,
                                       opts.microbatch_size, opts.stages)
@@ -88,6 +91,7 @@ class CompiledPipeline:
         # a model on meta: the passes see the inputs' shapes on meta too
         micro = self.example.micro(self.microbatch_size, meta=init_source.has_meta(model))
         self.cost_source = machine_cache.cost_source(opts.cost_mode, machine_cache.is_local(opts.cluster))
+        self._step_costs(opts.cluster)
         state = CompileState(model=model, example_inputs=micro.args, example_kwargs=micro.kwargs or None)
         # the passes run the model's forward in training mode (shapes, costs), which writes buffers such as
         # BatchNorm's running statistics: put them back, for the user's model and the stages (the same tensors)
@@ -114,12 +118,45 @@ class CompiledPipeline:
         except PdcompileError:  # one the simulator cannot replay keeps the planner's figure (its table says so)
             pass
 
+    def _step_costs(self, cluster: ClusterSpec | None) -> None:
+        """What the step search, :meth:`simulate` and ``schedule="auto"`` all charge besides the chain's costs
+        (``PlanOptions.update_bandwidth`` and ``action_overhead_s``, one channel): on CPU workers the runtime's
+        per-action cost (:func:`pdcompile.machine_cache.action_cost`: calibrated, or a built-in estimate), and
+        where the costs are this machine's (cost_mode calibrated, or measured on a local cluster) the
+        optimizer step's calibrated bandwidth (:func:`pdcompile.machine_cache.update_bandwidth`), else the
+        device's analytic one (``update_bandwidth`` None: :func:`pdcompile.simulate.update_bandwidth_of`)."""
+        if self.action_cost is None and (cluster is None or cluster.device.name == "cpu"):
+            self.action_cost = machine_cache.action_cost()
+        ours = self.cost_source.table is not None or \
+            (self.cost_source.mode == "measured" and machine_cache.is_local(cluster))
+        self.update_bandwidth, self.update_bandwidth_problem = machine_cache.update_bandwidth() if ours \
+            else (None, "")
+
+    def _step_cost_line(self) -> str:
+        """explain()'s line on what the step search, simulate() and auto charged besides the chain's costs."""
+        bw = self._update_bandwidth(self.cluster)
+        if self.update_bandwidth is not None:
+            whence = "calibrated on this machine (step_rate x 5 bytes streamed per weight byte)"
+        else:
+            whence = "the device's analytic memory bandwidth x efficiency" + \
+                (f"; not calibrated: {self.update_bandwidth_problem}" if self.update_bandwidth_problem else "")
+        cost = self.action_cost
+        per = "no per-action cost" if cost is None else \
+            f"the runtime's per-action cost ({'calibrated' if cost.calibrated else 'built-in estimate'}, " \
+            f"{max(cost.seconds.values(), default=0.0) * 1e6:.0f} us at most)"
+        return (f"step costs (the step search, simulate() and auto alike): each optimizer step and weight copy "
+                f"streams at {bw / 1e9:.3g} GB/s, {whence}; {per}")
+
+    def _update_bandwidth(self, cluster: ClusterSpec) -> float:
+        """Bytes/s the optimizer step streams on ``cluster`` as charged: calibrated, else the device's."""
+        from pdcompile.simulate import update_bandwidth_of
+
+        return self.update_bandwidth if self.update_bandwidth is not None else update_bandwidth_of(cluster)
+
     def _choose_schedule(self, model: torch.nn.Module, example_inputs: Any, asked: Options,
                          dump_dir: str | os.PathLike[str] | None) -> None:
         """``schedule="auto"``: simulate the candidates on the plan (:mod:`pdcompile.autoschedule`),
         recompile with the best when it is not the flush compiled first. M stays as given, if given."""
-        from pdcompile.simulate import update_bandwidth_of
-
         split = need(self.state.schedule_spec, "schedule_spec").split_backward  # the schedule pass's decision
         pays = autoschedule.split_every_backward_pays(self.cluster.device.name, split)
         names = autoschedule.auto_schedules(pays)
@@ -134,7 +171,7 @@ class CompiledPipeline:
         fixed = self.num_microbatches if asked.num_microbatches is not None or asked.microbatch_size is not None \
             else None
         tied_bytes, tied_stages = self._tied()
-        cost = machine_cache.action_cost() if self.cluster.device.name == "cpu" else None
+        cost = self.action_cost  # read by _compile (_step_costs), as the step search and simulate() charge it
         overhead = cost.seconds if cost is not None else 0.0
         # the user's optimizer state, as the plan and simulate() count it (Adam 2, plain SGD 0 bytes per weight byte)
         factor = optimizer_state_factor_of(asked.optimizer)
@@ -148,7 +185,7 @@ class CompiledPipeline:
         cands = autoschedule.candidates(self.plan, tchain, tcluster, batch, names, counts,
                                         recompute=asked.recompute, split_backward=split, tied_bytes=tied_bytes,
                                         tied_stages=tied_stages, overhead_s=overhead, optimizer_state_factor=factor,
-                                        update_bandwidth=update_bandwidth_of(tcluster))
+                                        update_bandwidth=self._update_bandwidth(tcluster))
         ranks = len({r for st in self.plan.stages for r in st.ranks})
         if (asked.replicas is None or all(r == 1 for r in asked.replicas)) and asked.clip_grad_norm is None \
                 and t == 1:  # (virtual stages are given stages=, where the planner does not choose t)
@@ -159,13 +196,12 @@ class CompiledPipeline:
                     self.wire_chain, self.cluster, ranks, batch, virtual, counts, vs=(v,), split_backward=split,
                     tied_bytes=tied_bytes, tied_stages=[0, v * ranks - 1] if tied_bytes else [],
                     overhead_s=overhead, optimizer_state_factor=factor,
-                    update_bandwidth=update_bandwidth_of(self.cluster))
+                    update_bandwidth=self._update_bandwidth(self.cluster))
         # the flush program compiled first is a candidate as it is: its headline, simulate() of it
         flush_step = self.plan.seconds_per_minibatch
         cands = [dataclasses.replace(c, step_s=flush_step) if (c.schedule, c.num_microbatches, c.virtual_stages) ==
                  ("flush", self.num_microbatches, 1) else c for c in cands]
         chosen = autoschedule.best(cands)
-        self.action_cost = cost
         self.schedule_choice = (cands, chosen, [*_action_cost_notes(cost, self.cluster, fixed is None), *skipped])
         flush_compiled = dict(self.__dict__)  # kept where the chosen one, compiled, is predicted slower
         if chosen.virtual_stages > 1:
@@ -221,7 +257,9 @@ class CompiledPipeline:
                 PlanOptions(cost_model=opts.cost_model, schedule=opts.schedule, num_microbatches=self.num_microbatches,
                             recompute=opts.recompute, shard=check_shard(opts.shard),
                             optimizer_state_factor=optimizer_state_factor_of(opts.optimizer),
-                            choose_microbatches=choose_microbatches,
+                            choose_microbatches=choose_microbatches, update_bandwidth=self.update_bandwidth,
+                            action_overhead_s=tuple(sorted(self.action_cost.seconds.items()))
+                            if self.action_cost is not None else (),
                             tensor_parallel=opts.tensor_parallel if stages is None and isinstance(
                                 opts.tensor_parallel, (int, str)) else 1),
                 stages, tuple(opts.replicas) if opts.replicas is not None else None, opts.cluster, opts.solver,
@@ -316,17 +354,17 @@ class CompiledPipeline:
 
     def _simulate_plan(self, plan: Plan, schedule: str, m: int, num_steps: int = 1, virtual_stages: int = 1) -> Any:
         """``plan`` (of this compile's chain) simulated as :meth:`simulate` simulates the compiled one."""
-        from pdcompile.simulate import simulate_plan, update_bandwidth_of
+        from pdcompile.simulate import simulate_plan
 
         tied_bytes, tied_stages = self._tied()
-        cost = self.action_cost or (machine_cache.action_cost() if self.cluster.device.name == "cpu" else None)
+        cost = self.action_cost  # the figures the step search charged (_step_costs)
         chain, cluster = tensor.view(self.wire_chain, self.cluster, plan.stages[0].tensor_parallel)
         return simulate_plan(plan, chain, cluster, schedule, m, num_steps=num_steps,
                              tied_bytes=tied_bytes, tied_stages=tied_stages, virtual_stages=virtual_stages,
                              optimizer_state_factor=optimizer_state_factor_of(self.options.optimizer),
                              split_backward=need(self.state.schedule_spec, "schedule_spec").split_backward,
                              overhead_s=cost.seconds if cost is not None else 0.0,
-                             update_bandwidth=update_bandwidth_of(cluster))
+                             update_bandwidth=self._update_bandwidth(cluster))
 
     def alternatives(self) -> list[tuple[str, Plan]]:
         """Other configurations on the same cluster, each as a Plan: pure data parallelism and
@@ -360,7 +398,7 @@ class CompiledPipeline:
         if step_objective(sched) and self.options.stages is None:
             how = f"chose the stages, replicas and microbatch count whose simulated {sched} step is shortest ({how})"
         lines = [str(plan), "", f"why: the planner ({plan.solver}, cost model {plan.cost_model}) {how}.",
-                 *self.cost_source.explain(self.cluster, self.options.precision),
+                 *self.cost_source.explain(self.cluster, self.options.precision), self._step_cost_line(),
                  "alternatives on the same cluster (simulated as the plan's headline):"]
         for name, alt in self.alternatives():
             try:  # a stage per rank: virtual stages' alternatives under flush

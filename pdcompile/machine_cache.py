@@ -137,6 +137,32 @@ def op_costs() -> tuple[OpCostTable | None, str]:
     return table, ""
 
 
+def update_bandwidth() -> tuple[float | None, str]:
+    """Bytes/s this machine's optimizer step streams, from the calibration's ``step_rate`` (parameter
+    bytes/s of SGD with momentum, which streams 5 bytes per weight byte: ``roofline.optimizer_step_bytes``),
+    or None and what the cache lacks. It holds for the host, core count, Python and torch of
+    :func:`machine_key`, as :func:`op_costs` does (the step is torch's, not the runtime's)."""
+    from pdcompile.passes.costs.roofline import optimizer_step_bytes
+
+    path = cache_path()
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, f"no calibration at {path}"
+    except (OSError, ValueError):
+        return None, f"{path} is unreadable"
+    have = str(d.get("key") if isinstance(d, dict) else "").split("|")
+    if len(have) != len(_KEY_PARTS) or have[:-1] != machine_key().split("|")[:-1]:
+        return None, f"{path} was measured for another machine"
+    try:
+        rate = float(d["step_rate"])
+    except (KeyError, TypeError, ValueError):
+        return None, f"{path} holds no optimizer step rate"
+    if not rate > 0 or rate == float("inf"):
+        return None, f"{path} holds an optimizer step rate of {rate}"
+    return rate * optimizer_step_bytes(1.0, 1.0), ""
+
+
 COST_MODES = ("auto", "measured", "calibrated", "analytic")
 
 

@@ -216,7 +216,8 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
               split_backward: bool | None = None, **overrides: Any) -> Plan:
     """The plan of ``chain`` on ``cluster`` whose step under ``options.schedule`` (synchronous) is the
     shortest that :func:`~pdcompile.simulate.simulate_plan` predicts (each stage's optimizer step
-    included, at the cluster's ``update_bandwidth_of``); its ``seconds_per_minibatch``
+    included, at ``options.update_bandwidth`` or else the cluster's ``update_bandwidth_of``, and every
+    action's ``options.action_overhead_s``); its ``seconds_per_minibatch``
     is that step (the minibatch is ``chain.batch_size x num_microbatches``).
 
     The outer search is over the microbatch count ``M`` (every divisor of the minibatch with
@@ -238,9 +239,12 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
 
     t0 = time.perf_counter()
     solve = {"dp": partition_dp, "ilp": partition_ilp}[solver]
-    update_bw = update_bandwidth_of(cluster)  # each stage's optimizer step, as simulate() charges it
     names = set(PlanOptions.names())
     opts = (options or PlanOptions()).with_({k: v for k, v in overrides.items() if k in names})
+    # each stage's optimizer step and the runtime's per-action cost, as simulate() of the compiled pipeline
+    # charges them (the figures PlanOptions carries, from pdcompile.api: calibrated on this machine or not)
+    update_bw = opts.update_bandwidth if opts.update_bandwidth is not None else update_bandwidth_of(cluster)
+    overhead = opts.overhead_s
     rest = {k: v for k, v in overrides.items() if k not in names}
     m0 = max(1, int(opts.num_microbatches or 1))
     minibatch = chain.batch_size * m0
@@ -282,7 +286,8 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
         for full in _copies(sub, k, chain_m, cluster, replace(opts, num_microbatches=m, choose_microbatches=False),
                             plan_from_assignment):
             res = simulate_plan(full, chain_m, cluster, opts.schedule, m, split_backward=split,
-                                optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw)
+                                optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw,
+                                overhead_s=overhead)
             rated += 1
             # over memory by the simulator's peak or by the planner's own model of the copies' stages (a
             # stage replicated at an outer level: the model charges a replica the inner block's share)

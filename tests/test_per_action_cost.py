@@ -5,6 +5,7 @@ estimate, and then ``pdcompile()``, ``explain()`` and the CLI say so in one line
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -212,3 +213,103 @@ def test_a_plan_replicated_when_planned_again_still_gives_every_replica_a_share(
     assert [c[:3] for c in compiled[-2:]] == [("gpipe", 2, 2), ("gpipe", 3, 3)]  # planned again at 2, compiled at 3
     assert "planned again at 2 microbatches, a stage has 3 replicas: compiled with 3" in pipe.explain()
     assert all(pipe.num_microbatches % st.replicas == 0 for st in pipe.plan.stages)
+
+
+# --- one channel: the step search, simulate() and auto charge the same step costs ----------------------------
+
+def _calibration(folder: Path, overhead_s: dict[str, float], step_rate: float) -> None:
+    """A synthetic calibration of this machine (never the real cache): the runtime's per-action cost, the
+    optimizer step's rate (parameter bytes/s of SGD with momentum) and a cost per op class, so that
+    cost_mode="auto" on a local cluster uses this machine's calibration."""
+    table = {"source": "synthetic test table", "forward": {"matmul": [2e-5, 2e10], "elementwise": [5e-6, 5e9]},
+             "backward": {"matmul": [4e-5, 2e10], "elementwise": [8e-6, 5e9]}, "corun": {}}
+    (folder / "machine-constants.json").write_text(json.dumps(
+        {"key": machine_cache.machine_key(), "latency_s": 1e-4, "bandwidth": 1e9, "allreduce_latency_s": 1e-4,
+         "overhead_s": overhead_s, "step_fixed_s": 0.0, "step_rate": step_rate, "op_costs": table}))
+
+
+def _spy_search(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Each plan the partition pass's step search returns, before the API replaces its headline."""
+    import pdcompile.passes.partition as partition
+
+    found: list[Any] = []
+    choose = partition.choose_plan
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        found.append(choose(*a, **kw))
+        return found[-1]
+
+    monkeypatch.setattr(partition, "choose_plan", spy)
+    return found
+
+
+def test_the_step_search_rates_its_pick_as_simulate_does_with_the_calibrated_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local CPU cluster with this machine's calibration (synthetic): the flush step search's objective for
+    its pick is the compiled pipeline's simulate() step (the runtime's per-action cost and the calibrated
+    optimizer step both charged; before, the search charged neither, simulate() the per-action cost), and
+    each stage's optimizer step is (3 + 2f) x its weight bytes / the calibrated bandwidth (Adam: f = 2)."""
+    import torch
+
+    from pdcompile.api import pdcompile
+    from pdcompile.cluster import local_cpu_cluster
+    from pdcompile.passes.costs.roofline import optimizer_step_bytes
+    from pdcompile.zoo import get
+
+    monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))
+    over = {k: 2e-4 for k in machine_cache.ACTION_KINDS} | {"ST": 5e-4}
+    _calibration(tmp_path, over, step_rate=3e8)
+    found = _spy_search(monkeypatch)
+    z = get("mlp", batch_size=8, seed=0)
+    pipe = pdcompile(z.model, local_cpu_cluster(2), example_inputs=z.example_inputs, example_target=z.target,
+                     loss_fn=z.loss_fn, schedule="flush", optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    assert pipe.cost_source.table is not None  # the calibration's costs, not the analytic model's
+    search = found[-1]
+    sim = pipe.simulate()
+    assert search.num_microbatches == pipe.num_microbatches
+    assert search.seconds_per_minibatch == pytest.approx(float(sim.step_time_s), rel=1e-9)
+    # the optimizer step at the calibrated bandwidth: SGD with momentum streams 5 bytes per weight byte
+    bw = 3e8 * 5
+    assert pipe.update_bandwidth == pytest.approx(bw)
+    weights = sum(p.numel() * p.element_size() for p in z.model.parameters())
+    chain = pipe.wire_chain
+    assert sum(l.param_bytes for l in chain.layers) == weights  # the stages' weights are the model's
+    steps = [e for e in sim.events if re.fullmatch(r"\d+ST", e.name)]  # each replica's optimizer step
+    assert len(steps) == sum(st.replicas for st in pipe.plan.stages)
+    for e in steps:
+        st = pipe.plan.stages[sim.stage_of_rank[e.rank]]
+        mine = sum(l.param_bytes for l in chain.layers[st.first:st.last + 1])
+        assert e.end_s - e.start_s == pytest.approx((3 + 2 * 2.0) * mine / bw, rel=1e-9)
+    assert optimizer_step_bytes(1.0, 2.0) == 7.0
+    text = pipe.explain()
+    assert "calibrated on this machine" in text and f"{bw / 1e9:.3g} GB/s" in text
+    assert "per-action cost (calibrated" in text
+
+
+def test_the_step_search_chooses_with_the_per_action_cost() -> None:
+    """The planner alone: a per-action cost makes more microbatches dearer, so the step search charged it
+    picks fewer than the search that ignores it (the old objective); its objective is simulate_plan's step with
+    that cost, and the old pick, so rated (as simulate() of the compiled pipeline rates it), is slower."""
+    from pdcompile.cluster import local_cpu_cluster
+    from pdcompile.ir import Chain, ChainLayer
+    from pdcompile.plan import plan
+    from pdcompile.simulate import simulate_plan, update_bandwidth_of
+
+    # 6 layers of 5 MB of weights over a 100 MB/s link: two stages beat data parallelism, and without a cost
+    # per action the pipeline's bubble shrinks with every microbatch more (16 of 1 sample)
+    layers = tuple(ChainLayer(f"l{i}", "op", 1e-3, 2e-3, 1e5, 5e6, (f"l{i}",)) for i in range(6))
+    chain = Chain(layers, (1e3,) * 5, batch_size=2, name="six")  # costs per microbatch of 2
+    cluster = local_cpu_cluster(2, bandwidth=1e8)
+    over = {k: 5e-4 for k in machine_cache.ACTION_KINDS}
+    base = dict(schedule="flush", num_microbatches=8, choose_microbatches=True, memory_limit=False)
+    free = plan(chain, cluster, **base)
+    charged = plan(chain, cluster, **base, action_overhead_s=over)
+    assert charged.num_microbatches < free.num_microbatches, (charged.num_microbatches, free.num_microbatches)
+
+    def rated(p: Any) -> float:
+        c = chain.at_batch(16 // p.num_microbatches)
+        return float(simulate_plan(p, c, cluster, "flush", p.num_microbatches, overhead_s=over,
+                                   split_backward=True, update_bandwidth=update_bandwidth_of(cluster)).step_time_s)
+
+    assert charged.seconds_per_minibatch == pytest.approx(rated(charged), rel=1e-9)
+    assert rated(free) > charged.seconds_per_minibatch * (1 + 1e-6)

@@ -33,14 +33,29 @@ class PlanOptions:
     choose_microbatches: bool = False  # a synchronous schedule's step search may cut the minibatch (batch x
     # num_microbatches) into any count dividing it (pdcompile.plan.plan_step), else num_microbatches
     tensor_parallel: int | str = 1  # ranks each stage is split across (planner/tensor.py), or "auto": planned
+    # What the step search (pdcompile.plan.plan_step) charges besides the chain's costs, as simulate() of the
+    # compiled pipeline and schedule="auto" charge it (pdcompile.api sets both; docs/reading-a-plan.md):
+    update_bandwidth: float | None = None  # bytes/s the optimizer step and weight copies stream; None: the
+    # cluster's analytic figure (simulate.update_bandwidth_of), else this machine's calibrated one
+    action_overhead_s: tuple[tuple[str, float], ...] = ()  # the runtime's fixed seconds per action kind
+    # (machine_cache.action_cost, as (kind, seconds) pairs; a mapping is accepted), () none
 
     def __post_init__(self) -> None:
         if isinstance(self.shard, list):  # a list per stage is kept as a tuple: the options stay hashable
             object.__setattr__(self, "shard", tuple(self.shard))
+        if isinstance(self.action_overhead_s, Mapping):  # kept as sorted pairs: hashable, deterministic
+            object.__setattr__(self, "action_overhead_s",
+                               tuple(sorted((str(k), float(v)) for k, v in self.action_overhead_s.items())))
+
+    @property
+    def overhead_s(self) -> dict[str, float]:
+        """``action_overhead_s`` as the simulator takes it (action kind -> seconds)."""
+        return dict(self.action_overhead_s)
 
     def __str__(self) -> str:
         def show(v: Any) -> str:
-            return ",".join(v) if isinstance(v, tuple) else str(v)
+            return ",".join(f"{x[0]}:{x[1]:g}" if isinstance(x, tuple) else str(x) for x in v) \
+                if isinstance(v, tuple) else str(v)
 
         return " ".join(f"{f.name}={show(getattr(self, f.name))}" for f in dataclasses.fields(self))
 
