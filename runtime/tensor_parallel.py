@@ -139,9 +139,11 @@ def place_grads(params: Mapping[str, torch.Tensor]) -> None:
     for p in params.values():
         g = p.grad
         placements = getattr(p, "placements", None)
-        if placements is not None and g is not None and getattr(g, "placements", placements) != placements:
+        held = getattr(g, "placements", None)
+        # only a replicated gradient of a shard: its rows are local (any other layout, e.g. FSDP2's, is left alone)
+        if placements is not None and held is not None and held != placements and all(q.is_replicate() for q in held):
             with torch.no_grad():
-                p.grad = g.redistribute(p.device_mesh, placements)  # type: ignore[attr-defined]
+                p.grad = g.redistribute(p.device_mesh, placements)  # type: ignore[union-attr, attr-defined]
 
 
 def shard_shapes(module: torch.nn.Module) -> dict[str, list[int]]:
