@@ -2,7 +2,8 @@
 and every parameter; plan.json carries it and train.py runs it) and its action lists for one step.
 
 It decides the one parameter that depends on the machine: a split backward, which pays only when
-every worker has a core of its own (:func:`default_split_backward`).
+every worker has a core of its own (:func:`default_split_backward`) and some stage waits for another's
+input gradients (never on one stage: data parallelism).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def run(state: CompileState, opts: ScheduleOptions) -> CompileState:
             raise UsageError(f"schedule={opts.schedule!r} splits every backward, which tensor parallelism does not "
                              f"run yet; choose flush, gpipe, 1f1b or 2bw, or tensor_parallel=1")
         split = False
+    if split is None and len(replicas) == 1 and opts.virtual_stages == 1:
+        split = False  # one stage: no stage before it waits for its input gradients, so a split only adds actions
     if split is None:
         cluster = need(state.cluster, "cluster")
         workers = len({q for rs in need(state.stage_ranks, "stage_ranks") for q in rs})
