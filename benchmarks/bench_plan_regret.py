@@ -510,11 +510,13 @@ def main(argv: list[str] | None = None) -> int:
                 got, why = scenario(wname, link, workers, args)
                 rows += got
                 notes += [f"{wname}, {link}, {workers} workers: {n}" for n in why]
-    for f in args.with_json:  # earlier sittings' rows: same tables, their scenarios' notes say where from
-        earlier = [Row(**r) for r in json.loads(Path(f).read_text())]
-        rows = earlier + rows
+    earlier: list[Row] = []
+    for f in args.with_json:  # earlier sittings' rows, in the files' order: their scenarios' notes say where from
+        got = [Row(**r) for r in json.loads(Path(f).read_text())]
+        earlier += got
         notes += [f"{s}: rows from an earlier run's `--json {Path(f).name}` (its own load)"
-                  for s in dict.fromkeys(r.scenario for r in earlier)]
+                  for s in dict.fromkeys(r.scenario for r in got)]
+    rows = earlier + rows
     body = tables(rows, notes, args, load_before, time.perf_counter() - t0)
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
