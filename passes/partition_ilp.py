@@ -43,13 +43,17 @@ def _two_level(cluster: ClusterSpec) -> ClusterSpec:
     )
 
 
-def _simple_plans(model: PlanModel) -> tuple[float, tuple[Block, ...] | None]:
-    """The better of two trivial plans that fit (everything on one worker; data parallelism):
-    its time bounds the optimum and it warm-starts the search. (inf, None) when neither fits."""
+def _simple_plans(model: PlanModel, allow_replication: bool = True) -> tuple[float, tuple[Block, ...] | None]:
+    """The better of two trivial plans that fit (everything on one worker; data parallelism, where
+    replication is allowed): its time bounds the optimum and it warm-starts the search. (inf, None) when
+    neither fits."""
     n = model.N - 1
     m1, m2 = model.counts[0], model.counts[-1]
     best: tuple[float, tuple[Block, ...] | None] = (math.inf, None)
-    for blocks in ((Block(0, n, 1, (Block(0, n, 1),)),), (Block(0, n, m2, (Block(0, n, m1),)),)):
+    trivial = [(Block(0, n, 1, (Block(0, n, 1),)),)]
+    if allow_replication:  # else a bound no allowed plan can meet (the search would prove it infeasible)
+        trivial.append((Block(0, n, m2, (Block(0, n, m1),)),))
+    for blocks in trivial:
         ev = model.evaluate(blocks)
         if model.memory_ok(ev) and ev.seconds < best[0]:
             best = (ev.seconds, blocks)
@@ -119,7 +123,7 @@ def partition_ilp(
     rmax = m1 if allow_replication else 1
     Rmax = m2 if allow_replication else 1
 
-    ub, simple = _simple_plans(model)
+    ub, simple = _simple_plans(model, allow_replication)
     if isinstance(hint, str):
         if hint != "dp":
             raise UsageError(f"hint must be a Plan, 'dp' or None (got {hint!r})")

@@ -154,10 +154,8 @@ def _inner_searches(chain, cluster, **kw):  # type: ignore[no-untyped-def]
     of ``M / k`` microbatches on the first ``W / k`` workers, at the step's microbatch size), or on the one
     an asynchronous schedule plans: both infeasible, or the same optimum. Whether every pair of plans is
     the same configuration (ties broken alike: then the pass must rate them alike)."""
-    from dataclasses import replace
-
     from pdcompile.passes.partition import PASS_PLANNING
-    from pdcompile.plan import step_objective
+    from pdcompile.plan import copy_options, step_objective
 
     opts = PASS_PLANNING.with_(dict(recompute="none", shard="none", **kw))
     M, W = opts.num_microbatches, cluster.num_workers
@@ -167,7 +165,7 @@ def _inner_searches(chain, cluster, **kw):  # type: ignore[no-untyped-def]
         part = cluster.first_workers(W // k)
         if W % k or M % k or part is None:
             continue
-        o = replace(opts, num_microbatches=M // k, choose_microbatches=False)
+        o = copy_options(opts, M // k)  # as plan_step plans a copy (one microbatch: no replicas)
         try:
             d = partition_dp(chain, part, o)
         except InfeasiblePlanError:
@@ -195,6 +193,9 @@ def _inner_searches(chain, cluster, **kw):  # type: ignore[no-untyped-def]
                          [math.inf, math.inf, math.inf, 1.0]),
          two=False, frac=0.5, f=0.0, M=1, schedule="flush")  # a tie: l0..l3 on 2 or 4 replicas, both 0.667 s a
 # minibatch by the planners' model; simulated, 2.0 s (DP's) and 2.17 s (ILP's)
+@example(chain=make_chain([0.0], [1.0], [0.0], [0.0], []), two=False, frac=1.0, f=0.0, M=1,
+         schedule="flush")  # one microbatch: the copy is planned without replicas, and the ILP bounded its search
+# by data parallelism's time anyway (1 / 5 of the one worker's), so it proved no plan fits
 def test_ilp_equals_dp_through_the_partition_pass(chain, two, frac, f, M, schedule):
     """DP = ILP with the options the partition pass passes (the optimizer's state factor, the step's
     microbatches, which cap what a replica holds) on every inner search, the pass's plans alike where

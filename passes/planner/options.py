@@ -54,6 +54,8 @@ class PlanOptions:
 
     def __str__(self) -> str:
         def show(v: Any) -> str:
+            if isinstance(v, tuple) and not v:
+                return "none"
             return ",".join(f"{x[0]}:{x[1]:g}" if isinstance(x, tuple) else str(x) for x in v) \
                 if isinstance(v, tuple) else str(v)
 
