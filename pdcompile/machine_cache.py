@@ -111,12 +111,9 @@ def _builtin(problem: str) -> ActionCost:
     return ActionCost(dict.fromkeys(ACTION_KINDS, BUILTIN_ACTION_S), False, problem)
 
 
-def op_costs() -> tuple[OpCostTable | None, str]:
-    """This machine's fitted cost per op class (``python -m pdcompile.calibrate``), or None and what the
-    cache lacks. They hold for the host, core count, Python and torch of :func:`machine_key`, whatever
-    the runtime's code (the ops are torch's, not the runtime's)."""
-    from pdcompile.passes.costs.opclass import OpCostTable
-
+def _machine_entry() -> tuple[dict[str, Any] | None, str]:
+    """The cache's calibration where it was measured on this host, core count, Python and torch (the
+    runtime's code aside: what torch computes does not depend on it), else None and what is wrong."""
     path = cache_path()
     try:
         d = json.loads(path.read_text())
@@ -130,6 +127,19 @@ def op_costs() -> tuple[OpCostTable | None, str]:
         diff = [name for name, a, b in zip(_KEY_PARTS[:-1], have, key) if a != b] \
             if len(have) == len(_KEY_PARTS) else ["layout"]
         return None, f"{path} was measured for another {', '.join(diff)}"
+    return d, ""
+
+
+def op_costs() -> tuple[OpCostTable | None, str]:
+    """This machine's fitted cost per op class (``python -m pdcompile.calibrate``), or None and what the
+    cache lacks. They hold for the host, core count, Python and torch of :func:`machine_key`, whatever
+    the runtime's code (the ops are torch's, not the runtime's)."""
+    from pdcompile.passes.costs.opclass import OpCostTable
+
+    d, problem = _machine_entry()
+    if d is None:
+        return None, problem
+    path = cache_path()
     try:
         table = OpCostTable.from_dict(d["op_costs"])
     except (KeyError, TypeError, ValueError):
@@ -144,16 +154,10 @@ def update_bandwidth() -> tuple[float | None, str]:
     :func:`machine_key`, as :func:`op_costs` does (the step is torch's, not the runtime's)."""
     from pdcompile.passes.costs.roofline import optimizer_step_bytes
 
+    d, problem = _machine_entry()
+    if d is None:
+        return None, problem
     path = cache_path()
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None, f"no calibration at {path}"
-    except (OSError, ValueError):
-        return None, f"{path} is unreadable"
-    have = str(d.get("key") if isinstance(d, dict) else "").split("|")
-    if len(have) != len(_KEY_PARTS) or have[:-1] != machine_key().split("|")[:-1]:
-        return None, f"{path} was measured for another machine"
     try:
         rate = float(d["step_rate"])
     except (KeyError, TypeError, ValueError):
