@@ -48,7 +48,7 @@ from pdcompile.passes.tensor_parallel import TensorParallelOptions, degrees_of
 from pdcompile.passes.trace import TraceOptions
 from pdcompile.passes.trace_loss import LossProgram, TracedLoss, TraceLossOptions, loss_program
 from pdcompile.pipeline import PassOptions, passes
-from pdcompile.plan import Plan, chooses_microbatches, step_headline, step_objective
+from pdcompile.plan import Plan, chooses_microbatches, layout_of, step_headline, step_objective
 from pdcompile.runtime import staleness
 from pdcompile.runtime.data import batch_parts, no_target
 from pdcompile.run_result import RunResult, aliases
@@ -109,7 +109,8 @@ class CompiledPipeline:
         if opts.clip_grad_norm is not None:
             _check_clipping(need(self.state.schedule_spec, "schedule_spec"))
         if choose_microbatches and self.plan.num_microbatches != self.num_microbatches:  # again, at the M it chose
-            self._compile(model, example_inputs, replace(opts, num_microbatches=self.plan.num_microbatches), dump_dir)
+            self._compile(model, example_inputs, replace(opts, num_microbatches=self.plan.num_microbatches,
+                                                         also_rate=(layout_of(self.plan),)), dump_dir)
             return
         try:  # the plan's headline is simulate() of the compiled program: one number (docs/reading-a-plan.md)
             head = step_headline(opts.schedule, self.num_microbatches, self.microbatch_size)
@@ -211,8 +212,10 @@ class CompiledPipeline:
                                                          virtual_stages=chosen.virtual_stages, stages=ranks_v,
                                                          replicas=None), dump_dir)
         elif (chosen.schedule, chosen.num_microbatches) != (self.options.schedule, self.num_microbatches):
+            # planned again at its count, the plan the candidates were rated on is rated there too
             self._compile(model, example_inputs, replace(asked, schedule=chosen.schedule, microbatch_size=None,
-                                                         num_microbatches=chosen.num_microbatches), dump_dir)
+                                                         num_microbatches=chosen.num_microbatches,
+                                                         also_rate=(layout_of(self.plan),)), dump_dir)
             # planned again at the new microbatch size, a stage may have more replicas than the count allows
             reps = math.lcm(*(st.replicas for st in self.plan.stages))
             more = [m for m in autoschedule.microbatch_counts(batch) if m > chosen.num_microbatches and m % reps == 0] \
@@ -258,6 +261,7 @@ class CompiledPipeline:
                             recompute=opts.recompute, shard=check_shard(opts.shard),
                             optimizer_state_factor=optimizer_state_factor_of(opts.optimizer),
                             choose_microbatches=choose_microbatches, update_bandwidth=self.update_bandwidth,
+                            also_rate=opts.also_rate,
                             action_overhead_s=tuple(sorted(self.action_cost.seconds.items()))
                             if self.action_cost is not None else (),
                             tensor_parallel=opts.tensor_parallel if stages is None and isinstance(

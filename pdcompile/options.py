@@ -73,6 +73,9 @@ class Options:
     staleness_sync: int = 0  # 1f1b/2bw: the first N minibatches run synchronously (each flushed: delay 0), then stale
     tensor_parallel: int | str | Sequence[int] = 1  # ranks each stage is split across (Megatron's linear pairs,
     # passes/tensor_parallel.py), one for every stage or one per stage; "auto": the planner (passes/planner/tensor.py)
+    also_rate: tuple[tuple[tuple[int, int, tuple[int, ...]], ...], ...] = field(default=(), metadata={"internal": True})
+    # plans the step search rates beside its own (PlanOptions.also_rate): the one chosen before re-planning at
+    # another microbatch count (set by pdcompile, not an option)
     csv_text: str | None = field(default=None, metadata={"internal": True})  # schedule="csv:PATH": the torch
     # CSV's text (schedule becomes its registered name); set by pdcompile, not an option
 

@@ -190,9 +190,11 @@ def test_a_plan_replicated_when_planned_again_still_gives_every_replica_a_share(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever count auto chooses, its program gives every replica a share of every minibatch: here auto's
     choice is made gpipe with 2 microbatches on the GPT over a 6 MB/s link (flush's own plan: one stage, no
-    replicas); planned again at 2 microbatches of 6, the plan is one stage on 3 replicas, so auto compiles the
-    fewest microbatches that 3 divides (3), and says so."""
+    replicas). Planned again at 2 microbatches of 6 with that plan rated there too, the plan stays unreplicated;
+    without it (``_given_plans`` left empty, as before plans were carried over) the DP's plan at 2 is one stage
+    on 3 replicas, so auto compiles the fewest microbatches that 3 divides (3), and says so."""
     from pdcompile import autoschedule
+    from pdcompile import plan as plan_module
     from pdcompile.api import pdcompile
     from pdcompile.cluster import local_cpu_cluster
     from pdcompile.zoo.losses import SequenceCrossEntropy
@@ -210,6 +212,14 @@ def test_a_plan_replicated_when_planned_again_still_gives_every_replica_a_share(
         pipe = pdcompile(model, local_cpu_cluster(3, bandwidth=6e6), example_inputs=(x,), example_target=y,
                          loss_fn=SequenceCrossEntropy(), schedule="auto")
     assert pipe.schedule_choice[1].num_microbatches == 2 and [st.replicas for st in pipe.plan.stages] == [1]
+    assert compiled[-1][:3] == ("gpipe", 2, 2)  # the plan rated there kept: no third compile at 3
+    assert all(pipe.num_microbatches % st.replicas == 0 for st in pipe.plan.stages)
+
+    compiled.clear()
+    monkeypatch.setattr(plan_module, "_given_plans", lambda given, workers: [])
+    with pytest.warns(UncalibratedWarning):
+        pipe = pdcompile(model, local_cpu_cluster(3, bandwidth=6e6), example_inputs=(x,), example_target=y,
+                         loss_fn=SequenceCrossEntropy(), schedule="auto")
     assert [c[:3] for c in compiled[-2:]] == [("gpipe", 2, 2), ("gpipe", 3, 3)]  # planned again at 2, compiled at 3
     assert "planned again at 2 microbatches, a stage has 3 replicas: compiled with 3" in pipe.explain()
     assert all(pipe.num_microbatches % st.replicas == 0 for st in pipe.plan.stages)

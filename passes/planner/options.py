@@ -39,6 +39,9 @@ class PlanOptions:
     # cluster's analytic figure (simulate.update_bandwidth_of), else this machine's calibrated one
     action_overhead_s: tuple[tuple[str, float], ...] = ()  # the runtime's fixed seconds per action kind
     # (machine_cache.action_cost, as (kind, seconds) pairs; a mapping is accepted), () none
+    also_rate: tuple[tuple[tuple[int, int, tuple[int, ...]], ...], ...] = ()  # plans the step search rates beside
+    # its own at each microbatch count it tries, each as its stages' (first layer, last layer, ranks) on the whole
+    # cluster: pdcompile() re-planning at the count it chose keeps the plan it chose there (pdcompile.api)
 
     def __post_init__(self) -> None:
         if isinstance(self.shard, list):  # a list per stage is kept as a tuple: the options stay hashable
@@ -59,7 +62,11 @@ class PlanOptions:
             return ",".join(f"{x[0]}:{x[1]:g}" if isinstance(x, tuple) else str(x) for x in v) \
                 if isinstance(v, tuple) else str(v)
 
-        return " ".join(f"{f.name}={show(getattr(self, f.name))}" for f in dataclasses.fields(self))
+        def plans(v: Any) -> str:  # each plan as its stages' layers and ranks: 0-5@0,1/6-11@2
+            return ";".join("/".join(f"{a}-{b}@{','.join(map(str, r))}" for a, b, r in p) for p in v) or "none"
+
+        return " ".join(f"{f.name}={(plans if f.name == 'also_rate' else show)(getattr(self, f.name))}"
+                        for f in dataclasses.fields(self))
 
     @property
     def step_microbatches(self) -> int | None:
