@@ -358,10 +358,13 @@ def profile_model(
     name: str | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[..., Any] | None = None,
+    contention: float = 1.0,
 ) -> Profile:
     """Trace, propagate shapes, annotate costs and build the Profile, in one call. ``example_kwargs``:
     forward's keyword inputs (traced by torch.export, as ``pdcompile(example_kwargs=)`` does; their
-    tensors are the graph's inputs after the positional ones), the output traced the one ``loss_fn`` reads."""
+    tensors are the graph's inputs after the positional ones), the output traced the one ``loss_fn`` reads.
+    ``contention``: every compute time charged so (:func:`charge_contention`), as the annotate-costs pass
+    charges a cluster's (``pdcompile plan`` passes its cluster's, to plan as ``pdcompile()`` does)."""
     from pdcompile.ir import graph_inputs
     from pdcompile.passes.export_frontend import LossProbe
     from pdcompile.passes.propagate_shapes import propagate_shapes
@@ -378,6 +381,7 @@ def profile_model(
     annotate_costs(gm, inputs, mode=mode, device_spec=device_spec, optimizer=optimizer,
                    warmup=warmup, repeats=repeats, symbolic=symbolic, batch_fn=batch_fn,
                    progress=progress)
+    charge_contention(gm, contention)
     b = batch_size or batch_size_of(inputs)
     dev = device_name(_device_of(gm, inputs))
     if mode == "analytic":
