@@ -104,16 +104,19 @@ def _simulate_plan_alone(plan: Any, schedule: str, m: int, steps: int, overlap: 
 def _charged(plan: Any, chain: Any, cluster: Any, options: Any) -> dict[str, Any]:
     """simulate_plan's keywords for what the step search and ``pdcompile()``'s simulate() charge besides the
     chain's costs: the optimizer's state, the step costs ``options`` carry (:func:`with_step_costs`), the
-    split backwards the schedule pass decides on the cluster."""
+    split backwards the schedule pass decides on the cluster, the all-reduce of weights tied across stages."""
     import os
 
+    from pdcompile.plan import tied_of
     from pdcompile.runtime.schedules.spec import default_split_backward
     from pdcompile.simulate import update_bandwidth_of
 
     workers = len({r for st in plan.stages for r in st.ranks})  # as the schedule pass decides (passes/schedule.py)
     split = len(plan.stages) > 1 and default_split_backward("cpu" if cluster.device.name == "cpu" else "gpu",
                                                             workers, os.cpu_count() or 1)
+    tied_bytes, tied_stages = tied_of(plan, chain)  # weights shared across stages, all-reduced every step
     return dict(optimizer_state_factor=options.optimizer_state_factor, overhead_s=options.overhead_s,
+                tied_bytes=tied_bytes, tied_stages=tied_stages,
                 update_bandwidth=options.update_bandwidth if options.update_bandwidth is not None
                 else update_bandwidth_of(cluster), split_backward=split)
 
