@@ -77,22 +77,10 @@ def test_the_step_search_charges_the_tied_all_reduce_between_its_stages() -> Non
     assert float(_sim(free, heavy, cluster, 5e7, (0, 1)).step_time_s) > charged.seconds_per_minibatch
 
 
-def test_a_tied_language_model_is_planned_as_simulate_charges_it(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """A user's small language model whose LM head reuses the embedding (512 x 256 fp32 = 524288 bytes, by
-    hand), compiled for two CPU workers on a 100 MB/s link: the step search's pick is two stages, the tie
-    between them; the search's step equals simulate() of the compiled program (which reads the tie off the
-    split stages), whose TG lasts 524288 / 1e8 s; tied_of reads the same tie off the plan and chain, and a
-    profile file keeps it (pdcompile plan / simulate plan from one)."""
-    import torch
-
+def _spy_search(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Each plan the partition pass's step search returns, before the API replaces its headline."""
     import pdcompile.passes.partition as partition
-    from pdcompile.api import pdcompile
-    from pdcompile.cluster import local_cpu_cluster
-    from pdcompile.passes.linearize import linearize
-    from pdcompile.profile import load, save
 
-    monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))  # no calibration: the analytic model, deterministic
     found: list[Any] = []
     choose = partition.choose_plan
 
@@ -101,6 +89,16 @@ def test_a_tied_language_model_is_planned_as_simulate_charges_it(tmp_path: Path,
         return found[-1]
 
     monkeypatch.setattr(partition, "choose_plan", spy)
+    return found
+
+
+def _compile_lm(schedule: str) -> Any:
+    """A user's small language model whose LM head reuses the embedding, for two CPU workers on a 100 MB/s
+    link, with cross-entropy over its logits."""
+    import torch
+
+    from pdcompile.api import pdcompile
+    from pdcompile.cluster import local_cpu_cluster
 
     class TinyLM(torch.nn.Module):
         def __init__(self, vocab: int = 512, d: int = 256, n: int = 4) -> None:
@@ -119,8 +117,23 @@ def test_a_tied_language_model_is_planned_as_simulate_charges_it(tmp_path: Path,
 
     torch.manual_seed(0)
     x, y = torch.randint(0, 512, (16, 32)), torch.randint(0, 512, (16, 32))
-    pipe = pdcompile(TinyLM(), local_cpu_cluster(2, bandwidth=1e8), example_inputs=(x,), example_target=y,
-                     loss_fn=loss, schedule="flush")
+    return pdcompile(TinyLM(), local_cpu_cluster(2, bandwidth=1e8), example_inputs=(x,), example_target=y,
+                     loss_fn=loss, schedule=schedule)
+
+
+def test_a_tied_language_model_is_planned_as_simulate_charges_it(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's small language model whose LM head reuses the embedding (512 x 256 fp32 = 524288 bytes, by
+    hand), compiled for two CPU workers on a 100 MB/s link: the step search's pick is two stages, the tie
+    between them; the search's step equals simulate() of the compiled program (which reads the tie off the
+    split stages), whose TG lasts 524288 / 1e8 s; tied_of reads the same tie off the plan and chain, and a
+    profile file keeps it (pdcompile plan / simulate plan from one)."""
+    from pdcompile.passes.linearize import linearize
+    from pdcompile.profile import load, save
+
+    monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))  # no calibration: the analytic model, deterministic
+    found = _spy_search(monkeypatch)
+    pipe = _compile_lm("flush")
     tie = 512 * 256 * 4
     assert len(pipe.plan.stages) == 2
     assert pipe._tied() == (tie, [0, 1])
@@ -133,3 +146,28 @@ def test_a_tied_language_model_is_planned_as_simulate_charges_it(tmp_path: Path,
     save(pipe.state.profile, tmp_path / "lm.json")
     assert tied_of(pipe.plan, linearize(load(tmp_path / "lm.json"))) == (tie, [0, 1])
     assert os.path.getsize(tmp_path / "lm.json") > 0
+
+
+@pytest.mark.parametrize("schedule", ["flush", "gpipe", "zb-h1"])
+def test_every_step_schedules_search_rates_its_pick_as_simulate_does(schedule: str, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every schedule family planned by its step (the synchronous ones with a stage per rank), on a calibrated
+    local CPU cluster (synthetic calibration: op costs, per-action cost, optimizer step), the tied LM: the step
+    search's own figure for its pick (before the API replaces the headline) is simulate() of the compiled
+    program, which charges the calibrated per-action cost and optimizer step and the tie, each read its own way
+    (the split stages' tie, the compile's step costs). The other families (1f1b, 2bw, virtual stages) are
+    planned by PipeDream's steady state and headlined by simulate() (test_plan_step)."""
+    from test_cli_step_costs import OVERHEAD, STEP_RATE, _calibrate
+
+    monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))
+    _calibrate(tmp_path)
+    found = _spy_search(monkeypatch)
+    pipe = _compile_lm(schedule)
+    assert pipe.cost_source.table is not None and pipe.action_cost is not None
+    assert pipe.action_cost.seconds == OVERHEAD and pipe.update_bandwidth == pytest.approx(5 * STEP_RATE)
+    search = found[-1]
+    assert (search.schedule, search.num_microbatches) == (schedule, pipe.num_microbatches)
+    assert [(st.first, st.last, st.replicas) for st in search.stages] == \
+        [(st.first, st.last, st.replicas) for st in pipe.plan.stages]
+    assert search.seconds_per_minibatch == pytest.approx(float(pipe.simulate().step_time_s), rel=1e-9)
+    assert pipe._tied() == tied_of(pipe.plan, pipe.wire_chain)
