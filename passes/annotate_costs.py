@@ -27,7 +27,7 @@ from pdcompile.ir import CompileState, TensorMeta, meta_bytes, need
 from pdcompile.passes.costs.flops import node_flops, rnn_flops
 from pdcompile.passes.costs.measure import backward_call_overhead, medians
 from pdcompile.passes.costs.nodes import COMPUTE_OPS, NodeCall, call_key, capture, flat_tensors, output_meta
-from pdcompile.passes.costs.params import param_attribution, shared_param_bytes
+from pdcompile.passes.costs.params import param_attribution, shared_param_bytes, tied_params
 from pdcompile.passes.costs.opclass import OpCostTable, op_class
 from pdcompile.passes.costs.profile import profile_from_graph
 from pdcompile.passes.costs.roofline import (
@@ -76,6 +76,7 @@ class NodeCost:
     saved_input_bytes: int = 0
     saved_output_bytes: int = 0
     shared_param_bytes: int = 0  # parameters an earlier node uses too (tied: a later stage holds a copy)
+    tied_params: tuple[tuple[str, int], ...] = ()  # (name, bytes) of its parameters another node uses too
     # a split backward's parts: gradients of the inputs only, of the parameters only (None: not known)
     input_grad_s: float | None = None
     weight_grad_s: float | None = None
@@ -230,7 +231,7 @@ def annotate_costs(
     rec = record_saved(gm, inputs)
     saved, selective, resaved = saved_from(rec, gm), selective_from(rec, gm), resaved_from(rec, gm)
     rec.keep.clear()
-    shared = shared_param_bytes(gm)
+    shared, tied = shared_param_bytes(gm), tied_params(gm)
 
     # symbolic sizes: re-run at other batch sizes
     exprs: dict[fx.Node, tuple[str | None, str | None, str | None, str]] = {}
@@ -285,7 +286,7 @@ def annotate_costs(
                 output_bytes_expr=e_out, forward_flops_expr=e_f, backward_flops_expr=e_b,
                 symbolic_note=note, **({} if mode == "measured" else split_parts(bwd_s, share)),
                 saved_bytes=saved[node][0], saved_input_bytes=saved[node][1],
-                saved_output_bytes=saved[node][2], shared_param_bytes=shared[node],
+                saved_output_bytes=saved[node][2], shared_param_bytes=shared[node], tied_params=tied[node],
                 selective_saved_bytes=selective[node][0], selective_recompute_s=fwd_s * selective[node][1],
                 selective_rebuilt_bytes=selective[node][2], resaved_bytes=resaved[node],
                 **({} if mode == "measured" else fixed),
@@ -358,10 +359,13 @@ def profile_model(
     name: str | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[..., Any] | None = None,
+    contention: float = 1.0,
 ) -> Profile:
     """Trace, propagate shapes, annotate costs and build the Profile, in one call. ``example_kwargs``:
     forward's keyword inputs (traced by torch.export, as ``pdcompile(example_kwargs=)`` does; their
-    tensors are the graph's inputs after the positional ones), the output traced the one ``loss_fn`` reads."""
+    tensors are the graph's inputs after the positional ones), the output traced the one ``loss_fn`` reads.
+    ``contention``: every compute time charged so (:func:`charge_contention`), as the annotate-costs pass
+    charges a cluster's (``pdcompile plan`` passes its cluster's, to plan as ``pdcompile()`` does)."""
     from pdcompile.ir import graph_inputs
     from pdcompile.passes.export_frontend import LossProbe
     from pdcompile.passes.propagate_shapes import propagate_shapes
@@ -378,6 +382,7 @@ def profile_model(
     annotate_costs(gm, inputs, mode=mode, device_spec=device_spec, optimizer=optimizer,
                    warmup=warmup, repeats=repeats, symbolic=symbolic, batch_fn=batch_fn,
                    progress=progress)
+    charge_contention(gm, contention)
     b = batch_size or batch_size_of(inputs)
     dev = device_name(_device_of(gm, inputs))
     if mode == "analytic":

@@ -57,6 +57,35 @@ from pdcompile.options import (  # noqa: F401 - SCHEDULE_NAMES, Options, check_k
     check_keywords, keywords_checked, optimizer_state_factor_of, option_names)
 
 
+def step_costs(cluster: ClusterSpec | None,
+               source: machine_cache.CostSource) -> tuple[machine_cache.ActionCost | None, float | None, str]:
+    """The step costs charged besides the chain's (one channel: ``pdcompile()``'s compile, ``pdcompile plan``
+    and ``pdcompile simulate`` read them here): on CPU workers the runtime's per-action cost
+    (:func:`pdcompile.machine_cache.action_cost`: calibrated, or a built-in estimate; else None); the
+    optimizer step's calibrated bandwidth (:func:`pdcompile.machine_cache.update_bandwidth`) where the costs
+    are this machine's (``source`` calibrated, or measured on a local cluster), else None (the device's
+    analytic one) and why not."""
+    cost = machine_cache.action_cost() if cluster is None or cluster.device.name == "cpu" else None
+    ours = source.table is not None or (source.mode == "measured" and machine_cache.is_local(cluster))
+    bw, problem = machine_cache.update_bandwidth() if ours else (None, "")
+    return cost, bw, problem
+
+
+def step_cost_line(bandwidth: float, calibrated: bool, problem: str, cost: machine_cache.ActionCost | None) -> str:
+    """One line: the step costs charged (:func:`step_costs`): the optimizer step's ``bandwidth`` and whence
+    (``calibrated`` on this machine, else the device's analytic one and ``problem``), the per-action cost."""
+    if calibrated:
+        whence = "calibrated on this machine (step_rate x 5 bytes streamed per weight byte)"
+    else:
+        whence = "the device's analytic memory bandwidth x efficiency" + \
+            (f"; not calibrated: {problem}" if problem else "")
+    per = "no per-action cost" if cost is None else \
+        f"the runtime's per-action cost ({'calibrated' if cost.calibrated else 'built-in estimate'}, " \
+        f"{max(cost.seconds.values(), default=0.0) * 1e6:.0f} us at most)"
+    return (f"step costs (the step search, simulate() and auto alike): each optimizer step and weight copy "
+            f"streams at {bandwidth / 1e9:.3g} GB/s, {whence}; {per}")
+
+
 class CompiledPipeline:
     """The result of ``pdcompile``: plan, IR after every pass, emit and run."""
 
@@ -126,27 +155,14 @@ class CompiledPipeline:
         where the costs are this machine's (cost_mode calibrated, or measured on a local cluster) the
         optimizer step's calibrated bandwidth (:func:`pdcompile.machine_cache.update_bandwidth`), else the
         device's analytic one (``update_bandwidth`` None: :func:`pdcompile.simulate.update_bandwidth_of`)."""
-        if self.action_cost is None and (cluster is None or cluster.device.name == "cpu"):
-            self.action_cost = machine_cache.action_cost()
-        ours = self.cost_source.table is not None or \
-            (self.cost_source.mode == "measured" and machine_cache.is_local(cluster))
-        self.update_bandwidth, self.update_bandwidth_problem = machine_cache.update_bandwidth() if ours \
-            else (None, "")
+        cost, self.update_bandwidth, self.update_bandwidth_problem = step_costs(cluster, self.cost_source)
+        if self.action_cost is None:
+            self.action_cost = cost
 
     def _step_cost_line(self) -> str:
         """explain()'s line on what the step search, simulate() and auto charged besides the chain's costs."""
-        bw = self._update_bandwidth(self.cluster)
-        if self.update_bandwidth is not None:
-            whence = "calibrated on this machine (step_rate x 5 bytes streamed per weight byte)"
-        else:
-            whence = "the device's analytic memory bandwidth x efficiency" + \
-                (f"; not calibrated: {self.update_bandwidth_problem}" if self.update_bandwidth_problem else "")
-        cost = self.action_cost
-        per = "no per-action cost" if cost is None else \
-            f"the runtime's per-action cost ({'calibrated' if cost.calibrated else 'built-in estimate'}, " \
-            f"{max(cost.seconds.values(), default=0.0) * 1e6:.0f} us at most)"
-        return (f"step costs (the step search, simulate() and auto alike): each optimizer step and weight copy "
-                f"streams at {bw / 1e9:.3g} GB/s, {whence}; {per}")
+        return step_cost_line(self._update_bandwidth(self.cluster), self.update_bandwidth is not None,
+                              self.update_bandwidth_problem, self.action_cost)
 
     def _update_bandwidth(self, cluster: ClusterSpec) -> float:
         """Bytes/s the optimizer step streams on ``cluster`` as charged: calibrated, else the device's."""

@@ -76,6 +76,7 @@ class ChainLayer:
     saved_input_bytes: float = 0.0  # of it, storages an earlier layer produced (received, at a stage's start)
     saved_output_bytes: float = 0.0  # of its own output, what it saves itself (sent, at a stage's end)
     shared_param_bytes: float = 0.0  # parameters an earlier layer uses too (a later stage holds a copy)
+    tied_params: tuple[tuple[str, float], ...] = ()  # (name, bytes) of its parameters another layer uses too
     input_grad_s: float | None = None  # a split backward's parts (None: not profiled; the simulator's shares)
     weight_grad_s: float | None = None
     # under selective recomputation: bytes that stay saved per microbatch (the cached outputs of its

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from pdcompile.ir import Chain
 
 __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "StagePlan", "Plan", "PlanOptions", "plan", "plan_step", "step_objective",
-           "chooses_microbatches", "step_headline", "layout_of"]
+           "chooses_microbatches", "step_headline", "layout_of", "tied_of"]
 
 
 def plan(
@@ -216,8 +216,9 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
               split_backward: bool | None = None, **overrides: Any) -> Plan:
     """The plan of ``chain`` on ``cluster`` whose step under ``options.schedule`` (synchronous) is the
     shortest that :func:`~pdcompile.simulate.simulate_plan` predicts (each stage's optimizer step
-    included, at ``options.update_bandwidth`` or else the cluster's ``update_bandwidth_of``, and every
-    action's ``options.action_overhead_s``); its ``seconds_per_minibatch``
+    included, at ``options.update_bandwidth`` or else the cluster's ``update_bandwidth_of``, every
+    action's ``options.action_overhead_s``, and the all-reduce of weights tied across its stages,
+    :func:`tied_of`); its ``seconds_per_minibatch``
     is that step (the minibatch is ``chain.batch_size x num_microbatches``).
 
     The outer search is over the microbatch count ``M`` (every divisor of the minibatch with
@@ -271,9 +272,10 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
     def rate(full: Plan, sub: Plan | _Layout, chain_m: "Chain", m: int) -> None:
         """Simulate ``full`` (``sub``'s copies) at ``m`` microbatches; keep it where it beats the best."""
         nonlocal best, rated
+        tied_bytes, tied_stages = tied_of(full, chain_m)  # the tied all-reduce, as simulate() charges it
         res = simulate_plan(full, chain_m, cluster, opts.schedule, m, split_backward=split,
                             optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw,
-                            overhead_s=overhead)
+                            overhead_s=overhead, tied_bytes=tied_bytes, tied_stages=tied_stages)
         rated += 1
         # over memory by the simulator's peak or by the planner's own model of the copies' stages (a
         # stage replicated at an outer level: the model charges a replica the inner block's share)
@@ -338,6 +340,22 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
                                 f"(fill and drain included)",
                    planning_seconds=time.perf_counter() - t0, optimal=sub.optimal, gap=sub.gap,
                    cluster=str(cluster), num_workers=workers, notes=(*full.notes, note))
+
+
+def tied_of(plan: Plan, chain: "Chain") -> tuple[float, list[int]]:
+    """The bytes of the parameters that ``plan``'s stages share (``ChainLayer.tied_params``: a parameter used
+    by layers in several stages, a GPT's embedding and LM head) and those stages: what the runtime sums across
+    them every step (``TG``) and ``simulate_plan`` charges as one ring all-reduce (``tied_bytes``,
+    ``tied_stages``), as ``pdcompile()``'s simulate() reads them off the split stages."""
+    stage_of = {i: st.index for st in plan.stages for i in range(st.first, st.last + 1)}
+    where: dict[str, tuple[float, set[int]]] = {}
+    for i, layer in enumerate(chain.layers):
+        for name, nbytes in layer.tied_params:
+            held = where.setdefault(name, (float(nbytes), set()))[1]
+            if i in stage_of:
+                held.add(stage_of[i])
+    tied = [(b, held) for b, held in where.values() if len(held) > 1]
+    return float(sum(b for b, _ in tied)), sorted(set().union(*(held for _, held in tied)))
 
 
 def _step_lower_bound(sub: Plan, chain: "Chain", per_copy: int, split: bool) -> float:

@@ -88,6 +88,9 @@ class ProfileLayer:
     saved_input_bytes: float = 0.0
     saved_output_bytes: float = 0.0
     shared_param_bytes: float = 0.0  # parameters an earlier layer uses too (tied across stages)
+    # (name, bytes) of each parameter it uses that another layer uses too: where those layers are in different
+    # stages, the runtime sums the parameter's gradients across them every step (the tied all-reduce)
+    tied_params: tuple[tuple[str, float], ...] = ()
     # a split backward's parts, input gradients only and parameter gradients only (None: not
     # profiled, as in older and imported profiles; the simulator then uses fixed shares)
     input_grad_s: float | None = None
@@ -445,7 +448,12 @@ def from_json(data: Mapping[str, Any], where: str = "<json>") -> Profile:
                 f"{where}: layer #{k} ({d.get('name', '?')!r}) "
                 + (f"lacks {missing}" if missing else f"has unknown keys {unknown}")
             )
-        layers.append(ProfileLayer(**{**d, "inputs": tuple(d["inputs"])}))
+        try:
+            tied = tuple((str(n), float(b)) for n, b in d.get("tied_params", ()))
+        except (TypeError, ValueError):
+            raise ProfileError(f"{where}: layer #{k} ({d.get('name', '?')!r}): tied_params must be a list of "
+                               f"[parameter name, bytes] pairs") from None
+        layers.append(ProfileLayer(**{**d, "inputs": tuple(d["inputs"]), "tied_params": tied}))
     inputs = []
     for d in data.get("inputs", []):
         unknown = sorted(set(d) - _INPUT_FIELDS)

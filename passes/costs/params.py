@@ -26,6 +26,28 @@ def shared_param_bytes(gm: fx.GraphModule) -> dict[fx.Node, int]:
     return out
 
 
+def tied_params(gm: fx.GraphModule) -> dict[fx.Node, tuple[tuple[str, int], ...]]:
+    """Per compute node, (name, bytes) of each parameter it uses that another compute node uses too (tied
+    weights: a GPT's embedding and LM head), named by the graph's first name for it: the parameters whose
+    gradients the runtime sums across the stages holding them (split_stages' ``tied``)."""
+    names: dict[int, str] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    used: dict[fx.Node, dict[int, torch.nn.Parameter]] = {}
+    users: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if node.op not in COMPUTE_OPS:
+            continue
+        params = list(gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module" else []
+        params += [t for a in node.all_input_nodes if a.op == "get_attr"
+                   for t in [_fetch_attr(gm, str(a.target))] if isinstance(t, torch.nn.Parameter)]
+        used[node] = {id(p): p for p in params}
+        for i in used[node]:
+            users[i] = users.get(i, 0) + 1
+    return {node: tuple(sorted((names.get(i, f"param{i}"), p.numel() * p.element_size())
+                               for i, p in mine.items() if users[i] > 1)) for node, mine in used.items()}
+
+
 def param_attribution(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
     """(parameter bytes, buffer bytes) per compute node: each tensor once, at its first user;
     get_attr tensors go to the first compute node that reads them."""

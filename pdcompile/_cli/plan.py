@@ -12,6 +12,8 @@ from pdcompile.errors import UsageError
 from pdcompile.passes.partition_dp import COST_MODELS, PlanOptions
 from pdcompile.runtime.schedules import SCHEDULES
 
+COST_MODES = ("auto", "measured", "calibrated", "analytic")  # machine_cache.COST_MODES (the parser needs no torch)
+
 EXAMPLES = """\
 Examples:
   pdcompile plan --profile pipedream:vgg16 --cluster paper:A
@@ -53,6 +55,10 @@ def register(subparsers: Any) -> None:
                    help="with MODULE:FACTORY: keyword argument for the factory (repeatable)")
     p.add_argument("--cluster", metavar="FILE", required=True,
                    help="cluster TOML, paper:A, paper:B or local:N")
+    p.add_argument("--cost-mode", choices=COST_MODES, default="auto",
+                   help="with MODULE:FACTORY: how each layer is costed, as pdcompile(cost_mode=) costs it (auto: "
+                        "this machine's calibration on a local cluster where one is cached, else analytic; "
+                        "docs/reading-a-plan.md)")
     add_planning_arguments(p)
     p.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
                    help="what the memory model keeps per worker: the schedule's weight versions and in-flight "
@@ -100,7 +106,9 @@ def add_planning_arguments(p: argparse._ActionsContainer) -> None:
                    "1, 2, 4 or 8; 1 on CPU workers); a profile must say what splits (docs/tensor-parallel.md)")
 
 
-def _profile(args: argparse.Namespace) -> Any:
+def _profile(args: argparse.Namespace, cluster: Any = None) -> Any:
+    """The profile to plan: ``--profile``'s, or MODULE:FACTORY's costed for ``cluster`` as ``pdcompile()``'s
+    annotate-costs pass costs it (``--cost-mode``, :func:`cost_source`; the cluster's core contention)."""
     from pdcompile import profile as profile_mod
 
     if args.profile and args.model:
@@ -135,9 +143,43 @@ def _profile(args: argparse.Namespace) -> Any:
     else:
         raise UsageError(f"{args.model} returned {type(made).__name__}; it must return an nn.Module or an "
                          "object with .model and .example_inputs")
-    return profile_model(model, inputs, leaf_modules=leaf,
+    from pdcompile.passes.annotate_costs import corun
+    from pdcompile.passes.costs.roofline import contention, device_spec_for
+
+    source = cost_source(cluster, cost_mode=getattr(args, "cost_mode", "auto"))
+    return profile_model(model, inputs, leaf_modules=leaf, mode=source.mode,
+                         device_spec=device_spec_for(cluster).calibrated(source.table),
+                         contention=contention(cluster) * corun(cluster, source.table),
                          name=getattr(made, "name", None) or type(model).__name__, example_kwargs=kwargs,
                          loss_fn=getattr(made, "loss_fn", None) if kwargs else None)
+
+
+def cost_source(cluster: Any, prof: Any = None, cost_mode: str = "auto") -> Any:
+    """Where the costs planned come from (:class:`~pdcompile.machine_cache.CostSource`): a profile file's
+    (``prof``), measured or analytic as it says; a model's, ``cost_mode`` (``--cost-mode``) resolved as
+    ``pdcompile()`` resolves it (:func:`pdcompile.machine_cache.cost_source`)."""
+    from pdcompile import machine_cache
+
+    if prof is not None:
+        mode = "measured" if prof.mode == "measured" else "analytic"
+        return machine_cache.CostSource("profile", mode, None, f"the profile's ({prof.mode}, {prof.device})")
+    return machine_cache.cost_source(cost_mode, machine_cache.is_local(cluster))
+
+
+def with_step_costs(options: PlanOptions, cluster: Any, source: Any) -> tuple[PlanOptions, str]:
+    """``options`` charging the step costs ``pdcompile()`` charges (:func:`pdcompile.api.step_costs`: the
+    runtime's per-action cost on CPU workers, the calibrated optimizer step where the costs are this
+    machine's), and the line that says which."""
+    import dataclasses
+
+    from pdcompile.api import step_cost_line, step_costs
+    from pdcompile.simulate import update_bandwidth_of
+
+    cost, bw, problem = step_costs(cluster, source)
+    options = dataclasses.replace(options, update_bandwidth=bw, action_overhead_s=tuple(sorted(cost.seconds.items()))
+                                  if cost is not None else ())
+    return options, step_cost_line(bw if bw is not None else update_bandwidth_of(cluster), bw is not None, problem,
+                                   cost)
 
 
 def _sizes(text: str) -> list[int]:
@@ -214,22 +256,28 @@ def plan_for(args: argparse.Namespace) -> Any:
     if choose and args.microbatch:
         raise UsageError("--choose-microbatches chooses the count for the profile's batch: not with --microbatch")
     cluster = resolve_cluster(args.cluster)
-    prof = _profile(args)
-    options = plan_options(args, prof.optimizer)
+    prof = _profile(args, cluster)
+    # the step costs pdcompile() charges on this cluster (one channel, pdcompile.api.step_costs)
+    source = cost_source(cluster, prof if args.profile else None, getattr(args, "cost_mode", "auto"))
+    options, line = with_step_costs(plan_options(args, prof.optimizer), cluster, source)
     if m is not None or choose:  # the step's count is known (or chosen): it caps what a replica holds
         options = dataclasses.replace(options, num_microbatches=m or 1, microbatches_known=True,
                                       choose_microbatches=choose)
-    return plan_profile(args, prof, cluster, options, _sizes(args.microbatch) if args.microbatch else None)
+    return plan_profile(args, prof, cluster, options, _sizes(args.microbatch) if args.microbatch else None, line)
 
 
 def plan_profile(args: argparse.Namespace, prof: Any, cluster: Any, options: PlanOptions,
-                 sizes: list[int] | None = None) -> Any:
+                 sizes: list[int] | None = None, step_costs: str = "") -> Any:
     """The plan of profile ``prof`` on ``cluster`` under ``options`` (:func:`plan_options`) with the solver
     ``args`` name (the ILP within ``--time-limit``, warm-started from the DP, a shard mode asked set on its
     plan), at the best of the microbatch ``sizes`` if given: ``pdcompile plan``'s and ``pdcompile
-    simulate``'s (a profile) planning, one way."""
+    simulate``'s (a profile) planning, one way. ``step_costs``: the line :func:`with_step_costs` gives, a note
+    of a plan chosen by its simulated step (which charges them)."""
+    import dataclasses
+
     from pdcompile.passes.linearize import linearize
     from pdcompile.plan import plan as make_plan
+    from pdcompile.plan import step_objective
 
     if args.time_limit <= 0:
         raise UsageError(f"--time-limit must be positive (got {args.time_limit})")
@@ -243,4 +291,6 @@ def plan_profile(args: argparse.Namespace, prof: Any, cluster: Any, options: Pla
         from pdcompile.passes.partition import with_shard
 
         result = with_shard(result, options)
+    if step_costs and step_objective(options.schedule):
+        result = dataclasses.replace(result, notes=(*result.notes, step_costs))
     return result

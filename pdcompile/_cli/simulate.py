@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile._cli._args import staleness_of_plan
-from pdcompile._cli.plan import add_planning_arguments, plan_options, plan_profile, resolve_cluster
+from pdcompile._cli.plan import (add_planning_arguments, cost_source, plan_options, plan_profile, resolve_cluster,
+                                 with_step_costs)
+from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.errors import UsageError
 
 EXAMPLES = """\
@@ -99,11 +101,31 @@ def _simulate_plan_alone(plan: Any, schedule: str, m: int, steps: int, overlap: 
                              microbatch_size=plan.microbatch_size)
 
 
+def _charged(plan: Any, chain: Any, cluster: Any, options: Any) -> dict[str, Any]:
+    """simulate_plan's keywords for what the step search and ``pdcompile()``'s simulate() charge besides the
+    chain's costs: the optimizer's state, the step costs ``options`` carry (:func:`with_step_costs`), the
+    split backwards the schedule pass decides on the cluster, the all-reduce of weights tied across stages."""
+    import os
+
+    from pdcompile.plan import tied_of
+    from pdcompile.runtime.schedules.spec import default_split_backward
+    from pdcompile.simulate import update_bandwidth_of
+
+    workers = len({r for st in plan.stages for r in st.ranks})  # as the schedule pass decides (passes/schedule.py)
+    split = len(plan.stages) > 1 and default_split_backward("cpu" if cluster.device.name == "cpu" else "gpu",
+                                                            workers, os.cpu_count() or 1)
+    tied_bytes, tied_stages = tied_of(plan, chain)  # weights shared across stages, all-reduced every step
+    return dict(optimizer_state_factor=options.optimizer_state_factor, overhead_s=options.overhead_s,
+                tied_bytes=tied_bytes, tied_stages=tied_stages,
+                update_bandwidth=options.update_bandwidth if options.update_bandwidth is not None
+                else update_bandwidth_of(cluster), split_backward=split)
+
+
 def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
     """(SimResult, Plan, schedule, microbatches, notes) for the command's arguments."""
     from pdcompile.passes.linearize import linearize
     from pdcompile.profile import load, optimizer_state_factor
-    from pdcompile.simulate import simulate_plan, update_bandwidth_of
+    from pdcompile.simulate import simulate_plan
 
     kind, obj, program = _read_source(Path(args.source))
     compiled = program.get("schedule")
@@ -121,15 +143,23 @@ def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
             raise UsageError(f"{args.source} is a profile: it must be planned for a cluster first; "
                              f"give --cluster FILE.toml (or paper:A, paper:B, local:N)")
         # planned as pdcompile plan plans it with these flags, under the schedule the partition pass plans for
-        from pdcompile.passes.partition import planned_schedule
+        import dataclasses
 
-        options = plan_options(args, obj.optimizer, planned_schedule(schedule))
-        plan = plan_profile(args, obj, cluster, options)
+        from pdcompile.passes.partition import planned_schedule
+        from pdcompile.plan import step_objective
+
+        # the step costs pdcompile() charges (pdcompile.api.step_costs), in the plan's search and its replay
+        options, line = with_step_costs(plan_options(args, obj.optimizer, planned_schedule(schedule)), cluster,
+                                        cost_source(cluster, obj))
+        if step_objective(options.schedule):  # the step search plans the step simulated: M microbatches of the
+            # profile's batch, as pdcompile plan --microbatches M plans it (and pdcompile() its count)
+            options = dataclasses.replace(options, num_microbatches=m, microbatches_known=True)
+        plan = plan_profile(args, obj, cluster, options, step_costs=line)
         notes.append(f"planned {Path(args.source).name} for the cluster: configuration {plan.configuration}")
-        res = simulate_plan(plan, linearize(obj), cluster, schedule, m, num_steps=args.steps, overlap_comm=overlap,
-                            optimizer_state_factor=options.optimizer_state_factor,
-                            update_bandwidth=update_bandwidth_of(cluster))
-        return res, plan, schedule, m, notes
+        chain = linearize(obj)
+        res = simulate_plan(plan, chain, cluster, schedule, m, num_steps=args.steps, overlap_comm=overlap,
+                            **_charged(plan, chain, cluster, options))
+        return res, plan, schedule, m, [*notes, line]
     plan = obj
     if args.profile:
         if cluster is None:
@@ -141,9 +171,11 @@ def predict(args: argparse.Namespace) -> tuple[Any, Any, str, int, list[str]]:
         if plan.stages[-1].last >= len(chain):
             raise UsageError(f"the plan covers layers up to {plan.stages[-1].last}, the profile's chain has "
                              f"{len(chain)}: give the profile the plan was made from")
+        options, line = with_step_costs(PlanOptions(optimizer_state_factor=optimizer_state_factor(prof.optimizer)),
+                                        cluster, cost_source(cluster, prof))
         res = simulate_plan(plan, chain, cluster, schedule, m, num_steps=args.steps, overlap_comm=overlap,
-                            optimizer_state_factor=optimizer_state_factor(prof.optimizer),
-                            update_bandwidth=update_bandwidth_of(cluster))
+                            **_charged(plan, chain, cluster, options))
+        notes.append(line)
     else:
         res = _simulate_plan_alone(plan, schedule, m, args.steps, overlap)
         notes.append("simulated from the plan's per-stage totals (forward:backward taken as 1:2); "
