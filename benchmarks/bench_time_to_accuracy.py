@@ -56,7 +56,13 @@ installs the link emulation):
   (``--staleness-sync``, default 200): the first N minibatches synchronous, each flushed.
 * Planner + 2BW + staleness (predict): the planner's stages and replicas for 2BW at the workload's
   microbatch count, compiled with ``staleness="predict"`` (every stage's delay is 1; the hand-split 2BW
-  row runs the flush program with ``--schedule 2bw`` and so cannot ask for a correction).
+  row runs the flush program with ``--schedule 2bw`` and so cannot ask for a correction); "(sync start +
+  predict)": the same with ``staleness_sync=N`` (a synchronous minibatch is a flush of its microbatches).
+
+``--stages S`` compiles the planner's 1F1B systems with ``stages=S`` (2 on the GPT: delays 1, 0 instead of
+2, 1, 0, one process idle; rows "@ ... S stages"). ``--warmup N`` / ``--boost AT X`` give every system
+(DDP's worker too) a rate schedule through the ``lr_scheduler=`` option (``_tta.lr_schedule``: a linear
+warm-up over N updates; the rate times X from update AT), so DDP is judged with the same schedule.
 
 ``--lr X`` runs every system's optimizer at rate X (rows "@ lr X"). The goals judge each system at its
 better rate: of a system's runs on a link (``--save`` files of several rates given to ``--report``), the
@@ -565,7 +571,7 @@ def planner_program(w: _tta.Workload, system: str, link: str, warmup: float | No
                     sync: int = DEFAULT_SYNC, stages: int | None = None) -> tuple[Path, str]:
     """The program a planner system (:data:`PLANNERS`) compiles for ``link``, and its plan column: the
     plan, its prediction, and whether the microbatch count was chosen without this runtime's calibration.
-    ``stages``: the ``stages=`` option for the 1F1B and 2BW systems (``--stages``; None: the planner's)."""
+    ``stages``: the ``stages=`` option of a 1F1B system (``--stages``; None: the planner's count)."""
     from pdcompile.cluster import local_cpu_cluster
 
     schedule = PLANNERS[system]
@@ -579,7 +585,7 @@ def planner_program(w: _tta.Workload, system: str, link: str, warmup: float | No
         step = m * pipe.plan.seconds_per_minibatch  # the planner's steady state: per microbatch
         return prog, f"{describe(prog)}; planner's prediction {step:.3g} s/step{correction(prog)}"
     if schedule == "2bw":  # the workload's microbatches per minibatch, as the hand-split 2BW row
-        prog, pipe = compile_program(w, schedule, w.microbatches, stages, cluster, STALENESS.get(system, "none"),
+        prog, pipe = compile_program(w, schedule, w.microbatches, None, cluster, STALENESS.get(system, "none"),
                                      warmup, sync if system in SYNCED else 0)
         return prog, f"{describe(prog)}{correction(prog)}"
     prog, pipe = compile_program(w, schedule, None, None, cluster)
@@ -600,18 +606,21 @@ def correction(program: Path) -> str:
     return fix + (f", the first {corr['sync']} minibatches synchronous" if corr.get("sync") else "")
 
 
-def sync_start_cost(w: _tta.Workload, link: str, steps: int = 50) -> str:
+def sync_start_cost(w: _tta.Workload, link: str, steps: int = 50, stages: int | None = None,
+                    schedule: str = "1f1b") -> str:
     """What a synchronous start costs in time, as the planner predicts it (``CompiledPipeline.simulate``)
-    for the planner's 1F1B on ``link``: one minibatch as its own schedule (a ``staleness_sync`` minibatch:
-    fill and drain) against a minibatch of a ``steps``-minibatch schedule (the pipeline's steady state)."""
+    for the planner's 1F1B (or 2BW, at the workload's microbatches) on ``link``, with ``stages`` (None: the
+    planner's count): one minibatch as its own schedule (a ``staleness_sync`` minibatch: fill and drain)
+    against a minibatch of a ``steps``-minibatch schedule (the pipeline's steady state)."""
     from pdcompile.cluster import local_cpu_cluster
 
     cluster = local_cpu_cluster(NPROC, bandwidth=LINKS[link] or 2e9)
-    _, pipe = compile_program(w, "1f1b", 1, None, cluster)
+    _, pipe = compile_program(w, schedule, 1 if schedule == "1f1b" else w.microbatches, stages, cluster)
     one = float(pipe.simulate(num_steps=1).makespan_s)
     many = float(pipe.simulate(num_steps=steps).makespan_s) / steps
-    return (f"{w.name} {link}: {describe_plan(pipe)}; predicted s per minibatch: alone (a synchronous start's) "
-            f"{one:.4g}, in a {steps}-minibatch 1F1B schedule {many:.4g}: {one / many:.2f}x")
+    return (f"{w.name} {link} {schedule}: {len(pipe.plan.stages)} stage(s), {describe_plan(pipe)}; predicted s per "
+            f"minibatch: alone (a synchronous start's) {one:.4g}, in a {steps}-minibatch {schedule} schedule "
+            f"{many:.4g}: {one / many:.2f}x")
 
 
 def describe_plan(pipe: Any) -> str:
@@ -641,7 +650,7 @@ def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], 
         progs["1f1b"], _ = compile_program(w, "1f1b", 1, NPROC)
     curves = []
     for link in links:
-        planned = {s: planner_program(w, s, link, warmup, sync, stages if PLANNERS[s] in ("1f1b", "2bw") else None)
+        planned = {s: planner_program(w, s, link, warmup, sync, stages if PLANNERS[s] == "1f1b" else None)
                    for s in PLANNERS if s in systems}
         for system in systems:
             print(f"[{time.strftime('%H:%M:%S')}] {w.name} {link} {system} ({load_note()})", flush=True)
@@ -649,7 +658,7 @@ def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], 
             note = planned[system][1] if system in planned else describe(progs[hand]) if hand else ""
             note = note.replace("flush", "flush program run with --schedule 2bw") if system == "2BW" else note
             named = f"{system}{at_lr(w)}"
-            if stages and system in planned and PLANNERS[system] in ("1f1b", "2bw"):  # --stages: in the row's name
+            if stages and system in planned and PLANNERS[system] == "1f1b":  # --stages: in the row's name
                 named += f"{', ' if ' @ ' in named else ' @ '}{stages} stages"
             try:
                 if simulated is not None:
@@ -872,8 +881,8 @@ def main(argv: list[str] | None = None) -> None:
                    "its first N updates (the lr_scheduler= option; DDP's worker the same), rows '@ ... warm-up N'")
     p.add_argument("--boost", type=float, nargs=2, default=None, metavar=("AT", "X"),
                    help="every system's rate times X from update AT on (the same lr_scheduler=)")
-    p.add_argument("--stages", type=int, default=None, metavar="S", help="the planner's 1F1B and 2BW systems "
-                   "compiled with stages=S (the planner then picks the split and replicas for S stages)")
+    p.add_argument("--stages", type=int, default=None, metavar="S", help="the planner's 1F1B systems compiled with "
+                   "stages=S (the planner then picks the split and replicas for S stages; 2BW keeps its own count)")
     p.add_argument("--simulate", type=int, default=None, metavar="STEPS",
                    help="train each system in this process instead of launching it (pdcompile.reference's semantics, "
                    "the corrections' own code; one core, deterministic: epochs to the target, no time), at most STEPS "
@@ -890,10 +899,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sync-cost", action="store_true", help="measure nothing: print the planner's predicted time of "
                    "a synchronous start's minibatch against a 1F1B minibatch (sync_start_cost), per workload and link")
     args = p.parse_args(argv)
-    if args.sync_cost:
+    if args.sync_cost:  # the 1F1B and 2BW planner systems asked for (default: 1F1B), 1F1B with --stages
+        asked = [PLANNERS[s] for s in SYSTEMS if s in (args.systems or "").split(",") and s in PLANNERS]
         for name in args.workloads.split(","):
             for link in (args.links or "slow").split(","):
-                print(sync_start_cost(_tta.workload(name), link), flush=True)
+                for sched in [k for k in ("1f1b", "2bw") if k in asked] or ["1f1b"]:
+                    print(sync_start_cost(_tta.workload(name), link, stages=args.stages if sched == "1f1b" else None,
+                                          schedule=sched), flush=True)
         return
     write = not (args.quick or args.no_write or args.simulate)
     quick_systems = ",".join(QUICK_SYSTEMS if args.quick else SYSTEMS)
