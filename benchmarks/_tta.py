@@ -60,6 +60,7 @@ class Workload:
     loss: str = "cross_entropy"
     kwargs: dict[str, Any] = field(default_factory=dict)
     lr: float | None = None  # the optimizer's learning rate instead of its own (--lr: each system at its better rate)
+    schedule: dict[str, Any] = field(default_factory=dict)  # lr_schedule's keywords (--warmup, --boost): {} none
 
     @property
     def higher_is_better(self) -> bool:
@@ -83,6 +84,32 @@ def optimizer_of(w: Workload) -> Any:
     """The workload's optimizer factory ``params -> Optimizer``, at ``w.lr`` where given."""
     make = import_object(w.optimizer)
     return functools.partial(make, lr=w.lr) if w.lr else make
+
+
+def lr_factor(step: int, *, warmup: int = 0, boost_at: int = 0, boost: float = 1.0) -> float:
+    """The rate's multiplier at scheduler ``step`` (0: the first update): a linear warm-up ``(step + 1) /
+    warmup`` over the first ``warmup`` updates, then 1; times ``boost`` from update ``boost_at`` on."""
+    ramp = min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+    return ramp * (boost if boost_at and step >= boost_at else 1.0)
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, warmup: int = 0, boost_at: int = 0,
+                boost: float = 1.0) -> torch.optim.lr_scheduler.LRScheduler:
+    """The runs' optional rate schedule (``--warmup``, ``--boost``): :func:`lr_factor` as a ``LambdaLR``,
+    stepped after every update (DDP: every minibatch; a pipeline's stage: each of its updates, the
+    ``lr_scheduler=`` option). Module-level, so the emitted program's ranks import it by name."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(lr_factor, warmup=warmup, boost_at=boost_at, boost=boost))
+
+
+def scheduler_of(w: Workload) -> Any:
+    """The workload's ``lr_scheduler=`` (``optimizer -> scheduler``), or None without a schedule."""
+    return functools.partial(lr_schedule, **w.schedule) if w.schedule else None
+
+
+def schedule_args(schedule: dict[str, Any]) -> list[str]:
+    """The DDP worker's flags for ``schedule`` (:func:`lr_schedule`'s keywords)."""
+    return [a for k, v in sorted(schedule.items()) for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def fashion_eval(batch_size: int) -> Any:
@@ -199,11 +226,17 @@ def ddp_main(argv: list[str] | None = None) -> None:
     p.add_argument("--watchdog", type=float, default=1800)
     p.add_argument("--lr", type=float, default=None, help="the optimizer's learning rate instead of the workload's")
     p.add_argument("--eval-every", type=int, default=None, help="minibatches between evaluations instead of the workload's")
+    p.add_argument("--warmup", type=int, default=0, help="lr_schedule's linear warm-up, in updates")
+    p.add_argument("--boost-at", type=int, default=0, help="lr_schedule: the update from which the rate is x --boost")
+    p.add_argument("--boost", type=float, default=1.0)
     args = p.parse_args(argv)
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     w = dataclasses.replace(workload(args.workload, args.quick), lr=args.lr)
     w = dataclasses.replace(w, eval_every=args.eval_every) if args.eval_every else w
+    sched = {k: v for k, v in (("warmup", args.warmup), ("boost_at", args.boost_at), ("boost", args.boost))
+             if v != (1.0 if k == "boost" else 0)}
+    w = dataclasses.replace(w, schedule=sched)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if w.batch % world:
@@ -212,6 +245,8 @@ def ddp_main(argv: list[str] | None = None) -> None:
     if slowlink.bandwidth() > 0:
         model.register_comm_hook(None, slowlink.ddp_hook)
     opt = optimizer_of(w)(model.parameters())
+    make_sched = scheduler_of(w)
+    scheduler = make_sched(opt) if make_sched is not None else None
     lf = loss_fn(w)
     share = w.batch // world
     data = import_object(w.data["factory"])(w.batch, **w.data["kwargs"])
@@ -228,6 +263,8 @@ def ddp_main(argv: list[str] | None = None) -> None:
             opt.zero_grad(set_to_none=True)
             lf(model(*mine), target[rank * share:(rank + 1) * share]).backward()
             opt.step()
+            if scheduler is not None:
+                scheduler.step()
             step += 1
             if step % w.eval_every == 0:
                 t_eval = time.monotonic()

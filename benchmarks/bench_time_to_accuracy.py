@@ -56,7 +56,13 @@ installs the link emulation):
   (``--staleness-sync``, default 200): the first N minibatches synchronous, each flushed.
 * Planner + 2BW + staleness (predict): the planner's stages and replicas for 2BW at the workload's
   microbatch count, compiled with ``staleness="predict"`` (every stage's delay is 1; the hand-split 2BW
-  row runs the flush program with ``--schedule 2bw`` and so cannot ask for a correction).
+  row runs the flush program with ``--schedule 2bw`` and so cannot ask for a correction); "(sync start +
+  predict)": the same with ``staleness_sync=N`` (a synchronous minibatch is a flush of its microbatches).
+
+``--stages S`` compiles the planner's 1F1B systems with ``stages=S`` (2 on the GPT: delays 1, 0 instead of
+2, 1, 0, one process idle; rows "@ ... S stages"). ``--warmup N`` / ``--boost AT X`` give every system
+(DDP's worker too) a rate schedule through the ``lr_scheduler=`` option (``_tta.lr_schedule``: a linear
+warm-up over N updates; the rate times X from update AT), so DDP is judged with the same schedule.
 
 ``--lr X`` runs every system's optimizer at rate X (rows "@ lr X"). The goals judge each system at its
 better rate: of a system's runs on a link (``--save`` files of several rates given to ``--report``), the
@@ -107,18 +113,19 @@ NPROC = 3
 LINKS = {"slow": 20e6, "loopback": 0.0}  # bytes/s of the emulated link (0: loopback as is)
 LR_CORR, PREDICT = "Planner + 1F1B + staleness (lr)", "Planner + 1F1B + staleness (predict)"
 PREDICT_2BW = "Planner + 2BW + staleness (predict)"
+SYNC_2BW = "Planner + 2BW + staleness (sync start + predict)"
 PREDICT_LR = "Planner + 1F1B + staleness (predict+lr)"
 SYNC_PREDICT, SYNC_PREDICT_LR = "Planner + 1F1B + staleness (sync start + predict)", \
     "Planner + 1F1B + staleness (sync start + predict+lr)"
 SYSTEMS = ("DDP", "Flush", "1F1B + weight stashing", "2BW", "Planner (auto)", "Planner + 1F1B", LR_CORR, PREDICT,
-           PREDICT_LR, SYNC_PREDICT, SYNC_PREDICT_LR, PREDICT_2BW)
+           PREDICT_LR, SYNC_PREDICT, SYNC_PREDICT_LR, PREDICT_2BW, SYNC_2BW)
 # system: the schedule it plans with
 PLANNERS = {"Planner (auto)": "auto", "Planner + 1F1B": "1f1b", LR_CORR: "1f1b", PREDICT: "1f1b", PREDICT_LR: "1f1b",
-            SYNC_PREDICT: "1f1b", SYNC_PREDICT_LR: "1f1b", PREDICT_2BW: "2bw"}
+            SYNC_PREDICT: "1f1b", SYNC_PREDICT_LR: "1f1b", PREDICT_2BW: "2bw", SYNC_2BW: "2bw"}
 # the planner's 1F1B or 2BW with a staleness correction (docs/schedules.md)
 STALENESS = {LR_CORR: "lr", PREDICT: "predict", PREDICT_2BW: "predict", PREDICT_LR: "predict+lr",
-             SYNC_PREDICT: "predict", SYNC_PREDICT_LR: "predict+lr"}
-SYNCED = (SYNC_PREDICT, SYNC_PREDICT_LR)  # with a synchronous start of --staleness-sync minibatches
+             SYNC_PREDICT: "predict", SYNC_PREDICT_LR: "predict+lr", SYNC_2BW: "predict"}
+SYNCED = (SYNC_PREDICT, SYNC_PREDICT_LR, SYNC_2BW)  # with a synchronous start of --staleness-sync minibatches
 DEFAULT_SYNC = 200
 QUICK_SYSTEMS = ("DDP", "Planner (auto)", "Planner + 1F1B")
 ASYNC_1F1B = ("1F1B + weight stashing", "Planner + 1F1B", LR_CORR, PREDICT, PREDICT_LR, SYNC_PREDICT, SYNC_PREDICT_LR)  # PipeDream's statistical argument's
@@ -315,6 +322,8 @@ def compile_program(w: _tta.Workload, schedule: str, num_microbatches: int | Non
         kw["staleness_warmup"] = warmup
     if sync:
         kw["staleness_sync"] = sync
+    if w.schedule:  # --warmup / --boost: the rate schedule through the lr_scheduler= option
+        kw["lr_scheduler"] = _tta.scheduler_of(w)
     pipe = pdcompile(_tta.build_model(w.model), cluster, example_inputs=inputs, example_target=target,
                      loss_fn=_tta.loss_fn(w), optimizer=_tta.optimizer_of(w), schedule=schedule,
                      num_microbatches=num_microbatches, staleness=staleness, **kw)
@@ -387,7 +396,7 @@ def run_ddp(w: _tta.Workload, link: str, per_epoch: int, budget_s: float, quick:
     metrics = Path(tempfile.mkdtemp(prefix="pd-tta-ddp-"))
     ended, _ = launch_until(["benchmarks._tta", "ddp", "--workload", w.name, "--metrics", str(metrics),
                              *(["--quick"] if quick else []), *(["--lr", str(w.lr)] if w.lr else []),
-                             "--eval-every", str(w.eval_every)],
+                             "--eval-every", str(w.eval_every), *_tta.schedule_args(w.schedule)],
                             metrics, w, LINKS[link], budget_s)
     c = stopped_curve(read_records(metrics), w, link, "DDP", per_epoch, ended)
     c.bytes_per_epoch = NPROC * slowlink.ring_bytes(_tta.param_bytes(_tta.build_model(w.model)), NPROC) * per_epoch
@@ -466,7 +475,12 @@ def simulate(program: Path, w: _tta.Workload, link: str, system: str, per_epoch:
         versions, scale = reference.synchronous(M), 1.0 / M
 
     def stash(warm: bool) -> Any:
+        initial: set[int] = set()  # the stages whose segment-opening version was taken (no step before it)
+
         def version(k: int) -> dict[str, torch.Tensor]:
+            if k in initial and scheds:  # after an update: the scheduler steps before the version is stashed,
+                scheds[k].step()  # as the runtime's executor (_step) does, so a prediction uses the next rate
+            initial.add(k)
             pred = None if warm else fixes[k][1]  # a synchronous start's minibatch: the newest weights, unpredicted
             return pred() if pred is not None else {n: p.detach() for n, p in stages[k].named_parameters()}
         return version
@@ -474,6 +488,8 @@ def simulate(program: Path, w: _tta.Workload, link: str, system: str, per_epoch:
     def lr_factor(first: int) -> Any:
         return lambda k, n: fixes[k][0].applied(first * M + n) if fixes[k][0] is not None else 1.0  # type: ignore[union-attr]  # checked in the same expression
 
+    make_sched = _tta.scheduler_of(w)  # the lr_scheduler= option: one per stage, stepped after each update
+    scheds = [make_sched(o) for o in opts] if make_sched is not None else []
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     data = iter(_tta.import_object(w.data["factory"])(w.batch, **w.data["kwargs"]))
     c = Curve(w.name, link, system, stopped="end")
@@ -534,11 +550,13 @@ def simulate_ddp(w: _tta.Workload, link: str, per_epoch: int, max_steps: int) ->
     loss = _tta.loss_fn(w)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     data = iter(_tta.import_object(w.data["factory"])(w.batch, **w.data["kwargs"]))
+    make_sched = _tta.scheduler_of(w)
+    sched = make_sched(opt) if make_sched is not None else None
     c = Curve(w.name, link, "DDP", stopped="end", simulated=True)
     done, total = 0, w.epochs * per_epoch
     while done < min(max_steps, total):
         n = min(w.eval_every, max_steps - done)
-        reference.train_sync(model, loss, opt, data, steps=n, num_microbatches=1)
+        reference.train_sync(model, loss, opt, data, steps=n, num_microbatches=1, lr_scheduler=sched)
         done += n
         got = _eval_chain([model], loss, w)
         if _record(c, w, done, per_epoch, got):
@@ -550,23 +568,25 @@ def simulate_ddp(w: _tta.Workload, link: str, per_epoch: int, max_steps: int) ->
 
 
 def planner_program(w: _tta.Workload, system: str, link: str, warmup: float | None = None,
-                    sync: int = DEFAULT_SYNC) -> tuple[Path, str]:
+                    sync: int = DEFAULT_SYNC, stages: int | None = None) -> tuple[Path, str]:
     """The program a planner system (:data:`PLANNERS`) compiles for ``link``, and its plan column: the
-    plan, its prediction, and whether the microbatch count was chosen without this runtime's calibration."""
+    plan, its prediction, and whether the microbatch count was chosen without this runtime's calibration.
+    ``stages``: the ``stages=`` option of a 1F1B system (``--stages``; None: the planner's count)."""
     from pdcompile.cluster import local_cpu_cluster
 
     schedule = PLANNERS[system]
     cluster = local_cpu_cluster(NPROC, bandwidth=LINKS[link] or 2e9)
     if schedule == "1f1b":  # the fewest microbatches that every stage's replica count divides (see SYSTEMS' doc)
         for m in (k for k in range(1, w.batch + 1) if w.batch % k == 0):
-            prog, pipe = compile_program(w, schedule, m, None, cluster, STALENESS.get(system, "none"), warmup,
+            prog, pipe = compile_program(w, schedule, m, stages, cluster, STALENESS.get(system, "none"), warmup,
                                          sync if system in SYNCED else 0)
             if all(m % st.replicas == 0 for st in pipe.plan.stages):
                 break
         step = m * pipe.plan.seconds_per_minibatch  # the planner's steady state: per microbatch
         return prog, f"{describe(prog)}; planner's prediction {step:.3g} s/step{correction(prog)}"
     if schedule == "2bw":  # the workload's microbatches per minibatch, as the hand-split 2BW row
-        prog, pipe = compile_program(w, schedule, w.microbatches, None, cluster, STALENESS.get(system, "none"), warmup)
+        prog, pipe = compile_program(w, schedule, w.microbatches, None, cluster, STALENESS.get(system, "none"),
+                                     warmup, sync if system in SYNCED else 0)
         return prog, f"{describe(prog)}{correction(prog)}"
     prog, pipe = compile_program(w, schedule, None, None, cluster)
     _, chosen, _ = pipe.schedule_choice
@@ -586,18 +606,21 @@ def correction(program: Path) -> str:
     return fix + (f", the first {corr['sync']} minibatches synchronous" if corr.get("sync") else "")
 
 
-def sync_start_cost(w: _tta.Workload, link: str, steps: int = 50) -> str:
+def sync_start_cost(w: _tta.Workload, link: str, steps: int = 50, stages: int | None = None,
+                    schedule: str = "1f1b") -> str:
     """What a synchronous start costs in time, as the planner predicts it (``CompiledPipeline.simulate``)
-    for the planner's 1F1B on ``link``: one minibatch as its own schedule (a ``staleness_sync`` minibatch:
-    fill and drain) against a minibatch of a ``steps``-minibatch schedule (the pipeline's steady state)."""
+    for the planner's 1F1B (or 2BW, at the workload's microbatches) on ``link``, with ``stages`` (None: the
+    planner's count): one minibatch as its own schedule (a ``staleness_sync`` minibatch: fill and drain)
+    against a minibatch of a ``steps``-minibatch schedule (the pipeline's steady state)."""
     from pdcompile.cluster import local_cpu_cluster
 
     cluster = local_cpu_cluster(NPROC, bandwidth=LINKS[link] or 2e9)
-    _, pipe = compile_program(w, "1f1b", 1, None, cluster)
+    _, pipe = compile_program(w, schedule, 1 if schedule == "1f1b" else w.microbatches, stages, cluster)
     one = float(pipe.simulate(num_steps=1).makespan_s)
     many = float(pipe.simulate(num_steps=steps).makespan_s) / steps
-    return (f"{w.name} {link}: {describe_plan(pipe)}; predicted s per minibatch: alone (a synchronous start's) "
-            f"{one:.4g}, in a {steps}-minibatch 1F1B schedule {many:.4g}: {one / many:.2f}x")
+    return (f"{w.name} {link} {schedule}: {len(pipe.plan.stages)} stage(s), {describe_plan(pipe)}; predicted s per "
+            f"minibatch: alone (a synchronous start's) {one:.4g}, in a {steps}-minibatch {schedule} schedule "
+            f"{many:.4g}: {one / many:.2f}x")
 
 
 def describe_plan(pipe: Any) -> str:
@@ -616,7 +639,7 @@ def calibrated_at() -> str:
 
 def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], budget_s: float,
             quick: bool, save: Path | None = None, warmup: float | None = None,
-            simulated: int | None = None, sync: int = DEFAULT_SYNC) -> list[Curve]:
+            simulated: int | None = None, sync: int = DEFAULT_SYNC, stages: int | None = None) -> list[Curve]:
     """Every system's curve on every link for workload ``w``; ``simulated``: each trained in this process
     for at most that many minibatches instead (:func:`simulate`, :func:`simulate_ddp`)."""
     per_epoch = _tta.steps_per_epoch(w)
@@ -627,13 +650,16 @@ def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], 
         progs["1f1b"], _ = compile_program(w, "1f1b", 1, NPROC)
     curves = []
     for link in links:
-        planned = {s: planner_program(w, s, link, warmup, sync) for s in PLANNERS if s in systems}
+        planned = {s: planner_program(w, s, link, warmup, sync, stages if PLANNERS[s] == "1f1b" else None)
+                   for s in PLANNERS if s in systems}
         for system in systems:
             print(f"[{time.strftime('%H:%M:%S')}] {w.name} {link} {system} ({load_note()})", flush=True)
             hand = {"Flush": "flush", "2BW": "flush", "1F1B + weight stashing": "1f1b"}.get(system)
             note = planned[system][1] if system in planned else describe(progs[hand]) if hand else ""
             note = note.replace("flush", "flush program run with --schedule 2bw") if system == "2BW" else note
             named = f"{system}{at_lr(w)}"
+            if stages and system in planned and PLANNERS[system] == "1f1b":  # --stages: in the row's name
+                named += f"{', ' if ' @ ' in named else ' @ '}{stages} stages"
             try:
                 if simulated is not None:
                     prog = planned[system][0] if system in planned else progs[hand] if hand else None
@@ -663,8 +689,13 @@ def measure(w: _tta.Workload, links: tuple[str, ...], systems: tuple[str, ...], 
 
 
 def at_lr(w: _tta.Workload) -> str:
-    """A system's name suffix at a learning rate not the workload's own (``--lr``)."""
-    return f" @ lr {w.lr:g}" if w.lr else ""
+    """A system's name suffix at a learning rate not the workload's own (``--lr``) or with a rate schedule
+    (``--warmup``, ``--boost``): its better-rate comparisons group the runs by the name before it."""
+    sched = w.schedule
+    parts = [f"lr {w.lr:g}"] if w.lr else []
+    parts += [f"warm-up {sched['warmup']}"] if sched.get("warmup") else []
+    parts += [f"x{sched['boost']:g} from {sched['boost_at']}"] if sched.get("boost_at") else []
+    return f" @ {', '.join(parts)}" if parts else ""
 
 
 def base_name(system: str) -> str:
@@ -781,7 +812,7 @@ def goals(curves: list[Curve], w: _tta.Workload) -> list[str]:
            f"**{speeds}** ({'; '.join(speed_figs) or 'no planner and DDP runs on the slow link'}).",
            f"- {w.title}: 1F1B's epochs to the target within {EPOCHS_GOAL:.0%} of DDP's: **{epochs}** "
            f"({'; '.join(epoch_figs) or 'no 1F1B and DDP runs on one link'})."]
-    two = [c for c in better_runs(curves, epochs_of) if base_name(c.system) == PREDICT_2BW]
+    two = [c for c in better_runs(curves, epochs_of) if base_name(c.system) in (PREDICT_2BW, SYNC_2BW)]
     if two:
         figs = [f"{c.system} {c.link} " + ("failed" if c.stopped == "failed" else
                 f"{c.epochs_to(w):.3f} epochs" if c.first(w) is not None else
@@ -846,6 +877,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=None, help="every system's optimizer at this learning rate instead of "
                    "the workload's (Shakespeare: Adam 3e-3); the rows say '@ lr X', and DDP's faster rate is the one "
                    "the goals compare with")
+    p.add_argument("--warmup", type=int, default=0, metavar="N", help="every system's rate warmed up linearly over "
+                   "its first N updates (the lr_scheduler= option; DDP's worker the same), rows '@ ... warm-up N'")
+    p.add_argument("--boost", type=float, nargs=2, default=None, metavar=("AT", "X"),
+                   help="every system's rate times X from update AT on (the same lr_scheduler=)")
+    p.add_argument("--stages", type=int, default=None, metavar="S", help="the planner's 1F1B systems compiled with "
+                   "stages=S (the planner then picks the split and replicas for S stages; 2BW keeps its own count)")
     p.add_argument("--simulate", type=int, default=None, metavar="STEPS",
                    help="train each system in this process instead of launching it (pdcompile.reference's semantics, "
                    "the corrections' own code; one core, deterministic: epochs to the target, no time), at most STEPS "
@@ -862,10 +899,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sync-cost", action="store_true", help="measure nothing: print the planner's predicted time of "
                    "a synchronous start's minibatch against a 1F1B minibatch (sync_start_cost), per workload and link")
     args = p.parse_args(argv)
-    if args.sync_cost:
+    if args.sync_cost:  # the 1F1B and 2BW planner systems asked for (default: 1F1B), 1F1B with --stages
+        asked = [PLANNERS[s] for s in SYSTEMS if s in (args.systems or "").split(",") and s in PLANNERS]
         for name in args.workloads.split(","):
             for link in (args.links or "slow").split(","):
-                print(sync_start_cost(_tta.workload(name), link), flush=True)
+                for sched in [k for k in ("1f1b", "2bw") if k in asked] or ["1f1b"]:
+                    print(sync_start_cost(_tta.workload(name), link, stages=args.stages if sched == "1f1b" else None,
+                                          schedule=sched), flush=True)
         return
     write = not (args.quick or args.no_write or args.simulate)
     quick_systems = ",".join(QUICK_SYSTEMS if args.quick else SYSTEMS)
@@ -878,7 +918,10 @@ def main(argv: list[str] | None = None) -> None:
         print("time to accuracy needs its data:\n  " + "\n  ".join(missing_data(args.workloads.split(","))),
               file=sys.stderr)
         sys.exit(2)
-    workloads = [dataclasses.replace(_tta.workload(n, args.quick), lr=args.lr) for n in args.workloads.split(",")]
+    sched: dict[str, Any] = {"warmup": args.warmup} if args.warmup else {}
+    sched.update({"boost_at": int(args.boost[0]), "boost": args.boost[1]} if args.boost else {})
+    workloads = [dataclasses.replace(_tta.workload(n, args.quick), lr=args.lr, schedule=sched)
+                 for n in args.workloads.split(",")]
     if args.eval_every:
         workloads = [dataclasses.replace(w, eval_every=args.eval_every) for w in workloads]
     before = load_note()
@@ -896,7 +939,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         for w in workloads:
             curves += measure(w, links, systems, args.budget_s, args.quick, args.save, args.staleness_warmup,
-                              args.simulate, args.staleness_sync)
+                              args.simulate, args.staleness_sync, args.stages)
         load_text = f"{before} at the start, {load_note()} at the end"
     png = plot(curves, workloads, PNG if write else Path(tempfile.mkdtemp(prefix="pd-tta-png-")) / "tta.png")
     body = (f"{NPROC} CPU processes (gloo). Links: `slow` = 20 MB/s emulated (pdcompile/slowlink.py), `loopback` "

@@ -485,6 +485,41 @@ def test_a_synchronous_start_then_predict_lr_1f1b_trains_sync_then_the_reference
 
 
 @pytest.mark.multiproc
+def test_a_synchronous_start_then_predicted_2bw_trains_sync_then_the_reference(tmp_path: Path) -> None:
+    """2BW on 2 stages (delay 1 on each), 2 microbatches a minibatch, Adam, staleness='predict' with
+    staleness_sync=2 over 4 minibatches: plan.json says so; the final weights equal reference.train_sync of
+    the whole model for 2 minibatches (each its own flush: the mean gradient of its 2 microbatches at the
+    newest weights), then PipeDream-2BW's reference (one version late, scaled 1/M) whose versions are the
+    float64 predictions, within 1e-5; the same reference without the start ends elsewhere."""
+    steps, sync = 4, 2
+    adam = functools.partial(torch.optim.Adam, lr=0.01)
+    prog, _ = _emit(tmp_path / "p", stages=2, schedule="2bw", optimizer=adam, mode="predict", sync=sync)
+    plan = json.loads((prog / "plan.json").read_text())["staleness"]
+    assert (plan["mode"], plan["sync"], plan["delays"]) == ("predict", 2, [1, 1])
+    rc, out = run_ranks(prog, 2, ["--timeout", "90", "--steps", str(steps), "--save-final", str(tmp_path / "final")],
+                        timeout=240)
+    assert rc == 0, out[-3000:]
+
+    def reference_run(first_sync: int) -> list[dict[str, torch.Tensor]]:
+        program = Program.load(prog)
+        stages = [program.build_stage(s) for s in range(program.num_stages)]
+        opts = [build(program.raw["optimizer"], m.parameters()) for m in stages]
+        data = batches(8, "mlp")
+        reference.train_sync(_Chain(stages), program.build_loss(), _Each(opts), data,  # type: ignore[arg-type]  # duck-typed optimizer
+                             steps=first_sync, num_microbatches=M)
+        rest = [((x,), y) for _, ((xs,), ys) in zip(range(steps - first_sync), data)
+                for x, y in zip(xs.chunk(M), ys.chunk(M))]
+        fwd, bwd, group = reference.pipedream_2bw(M)
+        reference.train_versioned(stages, opts, program.build_loss(), rest, fwd=fwd, bwd=bwd, group=group,
+                                  scale=1.0 / M, stash=lambda s: _want(opts[s], stages[s], 1))
+        return [{n: p.detach() for n, p in m.named_parameters()} for m in stages]
+
+    got = _final(prog, tmp_path / "final")
+    assert _close(got, reference_run(sync)) < 1e-5
+    assert _close(got, reference_run(0)) > 1e-4
+
+
+@pytest.mark.multiproc
 def test_delay_zero_trains_bitwise_as_plain_1f1b(tmp_path: Path) -> None:
     """One stage under 1F1B has delay 0: staleness='predict' and 'lr' apply nothing, and the weights
     after 3 minibatches are bitwise those of plain 1F1B."""
