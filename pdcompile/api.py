@@ -433,8 +433,12 @@ class CompiledPipeline:
             lines += ["", *staleness.describe(corr["mode"], corr["delays"], corr["warmup"], corr["sync"])]
         lines += [f"note: {c.note}" for c in self._rank_callables().values() if c.note is not None]
         if self.state.tensor_parallel is not None:  # what each stage splits, and what it leaves whole
-            lines += ["", "tensor parallelism (each pipeline rank is t processes; the plan's times are one such "
-                      "process's, docs/tensor-parallel.md):", str(self.state.tensor_parallel)]
+            degrees = self.state.tensor_parallel.degrees
+            how = "tensor_parallel='auto': one degree for every stage" if self.options.tensor_parallel == "auto" \
+                else f"degrees {list(degrees)} per stage, {self.world_size} processes" if len(set(degrees)) > 1 \
+                else f"t={degrees[0]} for every stage"
+            lines += ["", f"tensor parallelism ({how}; each pipeline rank is its stage's t processes; the plan's times "
+                      f"are one such process's, docs/tensor-parallel.md):", str(self.state.tensor_parallel)]
         if self.schedule_choice is not None:
             lines += ["", autoschedule.format_choice(*self.schedule_choice)]
         return "\n".join(lines)

@@ -118,6 +118,7 @@ def test_each_stage_is_charged_and_shown_at_its_own_degree(tmp_path: Path) -> No
     assert [st.degree for st in pipe.state.tensor_parallel.stages] == [2, 1]
     text = pipe.explain()
     assert "stage 0: tensor parallel t=2" in text and "stage 1: tensor parallel t=1" in text
+    assert "degrees [2, 1] per stage, 3 processes" in text
     assert "tied to a copy in a stage of another degree (stage 0: t=2, stage 1: t=1)" in text
     prog = pipe.emit(tmp_path / "prog")
     plan = json.loads((prog / "plan.json").read_text())
