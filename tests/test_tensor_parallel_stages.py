@@ -20,7 +20,7 @@ from pdcompile.merge import merge_weights
 from pdcompile.passes.planner import tensor
 from pdcompile.runtime.data import save_batches
 from pdcompile.runtime.tensor_parallel import RankLayout
-from test_tensor_parallel import CFG, MODELS, STEPS, _compile, _compiled, _reference
+from test_tensor_parallel import CFG, MICRO, MODELS, STEPS, _compile, _compiled, _reference
 
 pytestmark = pytest.mark.xdist_group("tensor_parallel")  # shares test_tensor_parallel's compiles
 
@@ -139,21 +139,25 @@ def test_the_command_line_takes_a_degree_per_stage(tmp_path: Path) -> None:
 
 # --- training: t = [2, 1] and [1, 2] on 3 processes --------------------------------------------------
 
-CASES = [("gpt", (2, 1), "flush"), ("gpt", (1, 2), "1f1b")]
+# the GPT's embedding and head are tied across its 2 stages (whole: degrees differ); the Llama's are not (its
+# embedding splits by vocabulary in stage 0), and it clips by the global norm over stages of both degrees
+CASES = [("gpt", (2, 1), "flush", None), ("gpt", (1, 2), "1f1b", None), ("llama", (2, 1), "1f1b", 0.5)]
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind,degrees,schedule", CASES, ids=[f"{k}-{d[0]}x{d[1]}-{s}" for k, d, s in CASES])
+@pytest.mark.parametrize("kind,degrees,schedule,clip", CASES,
+                         ids=[f"{k}-{d[0]}x{d[1]}-{s}-{c}" for k, d, s, c in CASES])
 def test_degrees_per_stage_train_like_one_process(tmp_path: Path, kind: str, degrees: tuple[int, int],
-                                                  schedule: str) -> None:
+                                                  schedule: str, clip: float | None) -> None:
     data = token_batches(CFG.vocab_size, STEPS, 4, CFG.seq_len)
     save_batches(data, STEPS, tmp_path / "data.pt")
     pipe = _compiled(kind, 2, schedule, degrees)
     prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
                                               "kwargs": {"path": str(tmp_path / "data.pt")}})
+    extra = ["--clip-grad-norm", str(clip)] if clip is not None else []
     rc, log = run_ranks(prog, 3, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
-                                  "--metrics", str(tmp_path / "m"), "--timeout", "90"], timeout=400)
+                                  "--metrics", str(tmp_path / "m"), "--timeout", "90", *extra], timeout=400)
     assert rc == 0, log[-3000:]
     files = sorted(p.name for p in (tmp_path / "final").iterdir())
     split = degrees.index(2)  # the stage of 2 processes: its index 1 writes the parameters it left whole
@@ -162,7 +166,8 @@ def test_degrees_per_stage_train_like_one_process(tmp_path: Path, kind: str, deg
     one = torch.load(tmp_path / "final" / f"stage_{split}.rank_{split}.tensor_1.pt", weights_only=True)
     assert one and all(torch.equal(zero[n], t) for n, t in one.items())  # whole parameters: the same on both
     got = merge_weights(prog, tmp_path / "final")
-    want = _reference(kind, 2, schedule, data, None, [], [1, 1])
+    norms: list[float] = []
+    want = _reference(kind, 2, schedule, data, clip, norms, [1, 1])
     initial = {k: v.detach() for k, v in MODELS[kind][0]().named_parameters()}
     assert set(want) <= set(got)
     for k, w in want.items():
@@ -171,3 +176,10 @@ def test_degrees_per_stage_train_like_one_process(tmp_path: Path, kind: str, deg
     metrics: Any = json.loads((tmp_path / "m" / f"rank_{split}.json").read_text())
     shards = metrics["tensor_parallel_shards"]  # the split stage's linears hold half their rows or columns
     assert shards is not None and any(v for v in shards.values())
+    if kind == "llama":  # untied: stage 0's embedding splits by vocabulary
+        assert pipe.state.tensor_parallel.stages[0].embeddings
+    if clip is not None:  # the global norm counts each shard once and each whole parameter once, over both stages
+        last = json.loads((tmp_path / "m" / "rank_0.json").read_text())
+        assert len(last["grad_norms"]) == len(norms) == STEPS * MICRO and min(norms) > clip  # it clipped (1F1B steps
+        # each microbatch)
+        assert last["grad_norms"] == pytest.approx(norms, rel=1e-5)
