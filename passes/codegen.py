@@ -28,6 +28,7 @@ from pdcompile.callables import ForRanks, for_ranks
 from pdcompile.errors import UnsupportedModelError
 from pdcompile.ir import TensorMeta
 from pdcompile.runtime.program import wire_dtype
+from pdcompile.runtime.tensor_parallel import RankLayout
 from pdcompile.passes.split_stages import StageSplit
 
 _SKIP_ARGS = {"self", "device", "dtype", "mode"}
@@ -366,6 +367,10 @@ def _emit_into(out: Path, split: StageSplit, program: Mapping[str, Any], model_n
     planned = [dict(d) for d in dict(program.get("plan") or {}).get("stages", [])]  # the plan's stages, when given
     stages_json = []
     last = len(split.stages) - 1
+    # each stage's tensor-parallel degree, and so each pipeline rank's block of processes (runtime/tensor_parallel.py)
+    tp_stages = list(dict(program.get("tensor_parallel") or {}).get("stages") or [])
+    degrees = [int(tp_stages[k].get("degree", 1)) if k < len(tp_stages) else 1 for k in range(len(split.stages))]
+    ranks_layout = RankLayout.of(stage_ranks, degrees)
     loss_json: dict[str, Any] | None = None
     if loss is not None:
         tensors = {n: t.detach().cpu().clone() for n, t in loss.named_parameters()}
@@ -390,6 +395,8 @@ def _emit_into(out: Path, split: StageSplit, program: Mapping[str, Any], model_n
         stages_json.append({
             "index": k, "module": f"stage_{k}.py", "class": f"Stage{k}", "weights": weights,
             "ranks": list(stage_ranks[k]), "replicas": len(stage_ranks[k]),
+            **({"tensor_parallel": degrees[k], "processes": [ranks_layout.block(q) for q in stage_ranks[k]]}
+               if max(degrees) > 1 else {}),
             # how the replicas hold the stage's state (docs/api.md shard=; runtime/shard.py runs it)
             "shard": str(planned[k].get("shard", "none")) if k < len(planned) else "none",
             "inputs": [dict(name=n, **tensor_spec(m, precision)) for n, m in zip(st.inputs, st.input_meta)],
@@ -403,8 +410,7 @@ def _emit_into(out: Path, split: StageSplit, program: Mapping[str, Any], model_n
         "version": 1,
         "model": model_name,
         # a rank may hold several (virtual) stages; with tensor parallelism each rank is t processes
-        "world_size": len({q for r in stage_ranks for q in r}) * int(dict(program.get("tensor_parallel") or {})
-                                                                    .get("degree", 1)),
+        "world_size": ranks_layout.world,
         "stages": stages_json,
         "tied": [[[s, n] for s, n in group] for group in split.tied],
         **{k: v for k, v in program.items() if k != "stage_ranks"},

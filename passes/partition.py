@@ -25,6 +25,7 @@ from pdcompile.errors import PdcompileError, UsageError
 from pdcompile.ir import Chain, CompileState, need
 from pdcompile.passes.partition_dp import SCHEDULES as DP_SCHEDULES
 from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
+from pdcompile.passes.planner import tensor
 from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.passes.planner.sharding import resolve as resolve_shard
 from pdcompile.plan import Plan
@@ -124,6 +125,7 @@ class PartitionOptions:
     precision: str = "fp32"  # "bf16": boundaries send half the bytes (Chain.on_the_wire)
     virtual_stages: int = 1  # stages per rank, for a schedule with a placement (stages= counts them all)
     loss: Any = None  # trace-loss's options (TraceLossOptions), where known: whether the LM head splits by vocabulary
+    degrees: tuple[int, ...] | None = None  # with stages=: each stage's tensor-parallel degree, charged per stage
 
 
 def choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
@@ -169,12 +171,21 @@ def _choose(chain: Chain, opts: PartitionOptions) -> tuple[Plan, ClusterSpec]:
         else local_cpu_cluster(sum(reps))
     # a given split: the memory limit of a cluster the user gave (recompute="auto" fits stages in it), else none
     limit = None if opts.cluster is not None and cluster is opts.cluster else False
+    cuts = balanced_bounds(chain, n)
+    bounds = [0, *cuts, len(chain)]
+    # given degrees: each stage's layers charged at its own t (passes/planner/tensor.py), a worker a pipeline rank
+    degrees = opts.degrees if opts.degrees is not None else (1,) * n
+    charged = tensor.stages_at(chain, [(a, b - 1, t) for (a, b), t in zip(zip(bounds, bounds[1:]), degrees)],
+                               cluster.levels[0].bandwidth)
     if opts.replicas is None:
-        return pipeline_plan(chain, balanced_bounds(chain, n), cluster, mem, schedule=sched, memory_limit=limit), cluster
-    # the same balanced split, stage k on ranks stage_ranks(replicas)[k]
-    bounds = [0, *balanced_bounds(chain, n), len(chain)]
-    assignment = [(a, b - 1, len(r), tuple(r)) for (a, b), r in zip(zip(bounds, bounds[1:]), stage_ranks(reps))]
-    return plan_from_assignment(chain, cluster, assignment, mem, schedule=sched, memory_limit=limit), cluster
+        plan = pipeline_plan(charged, cuts, cluster, mem, schedule=sched, memory_limit=limit)
+    else:  # the same balanced split, stage k on ranks stage_ranks(replicas)[k]
+        assignment = [(a, b - 1, len(r), tuple(r)) for (a, b), r in zip(zip(bounds, bounds[1:]), stage_ranks(reps))]
+        plan = plan_from_assignment(charged, cluster, assignment, mem, schedule=sched, memory_limit=limit)
+    if any(t != 1 for t in degrees):
+        plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, tensor_parallel=t)
+                                                      for st, t in zip(plan.stages, degrees)))
+    return plan, cluster
 
 
 def placement_choices(schedule: str, stages: int) -> dict[int, int]:
@@ -260,7 +271,9 @@ def run(state: CompileState, opts: PartitionOptions) -> CompileState:
     """Reads ``chain``; writes ``plan``, ``assignment`` (fx node -> stage), ``stage_ranks`` and ``cluster`` (and,
     where the planner plans tensor parallelism, ``chain`` with what it splits: ``tensor_parallel.chain_shares``)."""
     chain = need(state.chain, "chain")
-    if opts.planning.tensor_parallel != 1 and opts.stages is None:  # what Megatron's layout splits, charged
+    if (opts.planning.tensor_parallel != 1 and opts.stages is None) or \
+            (opts.degrees is not None and opts.stages is not None and max(opts.degrees) > 1):  # what Megatron's
+        # layout splits, charged (by the planner's degree, or each stage's given one)
         from pdcompile.passes.tensor_parallel import chain_shares
 
         chain = chain_shares(need(state.gm, "gm"), chain, _model_loss(state, opts))  # kept: simulate() replays it

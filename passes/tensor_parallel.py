@@ -35,90 +35,13 @@ import torch.fx as fx
 from pdcompile.errors import UsageError
 from pdcompile.ir import Chain, CompileState, TensorMeta, need
 from pdcompile.passes.split_stages import Stage, StageSplit
+from pdcompile.passes.tensor_parallel_plan import StageTP, TensorParallelOptions, TensorParallelPlan, degrees_of, rank_degrees
+
+__all__ = ["StageTP", "TensorParallelOptions", "TensorParallelPlan", "chain_shares", "degrees_of", "format_tensor_parallel",
+           "run", "split_stage"]
 
 if TYPE_CHECKING:
     from pdcompile.passes.trace_loss import LossProgram
-
-
-@dataclass(frozen=True)
-class TensorParallelOptions:
-    degrees: tuple[int, ...] | int | str = 1  # one degree for every stage, one per stage, or "auto": the plan's
-
-
-@dataclass(frozen=True)
-class StageTP:
-    """One stage's split: its degree, the modules ``ColwiseParallel`` and ``RowwiseParallel`` take,
-    the column linears whose rows are interleaved per chunk, what stays whole and why, and the graph
-    nodes whose sizes became local."""
-
-    degree: int
-    colwise: tuple[str, ...] = ()
-    rowwise: tuple[str, ...] = ()
-    fused: tuple[tuple[str, int], ...] = ()  # column module -> equal chunks its output is split into
-    whole: tuple[str, ...] = ()  # "name: why" of each linear left whole
-    rewritten: tuple[str, ...] = ()  # "node: old -> new" of each size made local
-    embeddings: tuple[str, ...] = ()  # embeddings split by vocabulary (RowwiseParallel)
-    head: str | None = None  # the LM head split by vocabulary, into a loss-parallel cross-entropy
-
-    def to_json(self) -> dict[str, Any]:
-        return {"degree": self.degree, "colwise": list(self.colwise), "rowwise": list(self.rowwise),
-                "fused": {m: k for m, k in self.fused}, "whole": list(self.whole),
-                "embeddings": list(self.embeddings), "head": self.head}
-
-    def __str__(self) -> str:
-        lines = [f"tensor parallel t={self.degree}: {len(self.colwise)} column and {len(self.rowwise)} row linears"]
-        lines += [f"  column {m}" + (f" (fused: {dict(self.fused)[m]} chunks)" if m in dict(self.fused) else "")
-                  for m in self.colwise]
-        lines += [f"  row    {m}" for m in self.rowwise]
-        lines += [f"  vocab  {m} (embedding: rows split by vocabulary)" for m in self.embeddings]
-        if self.head is not None:
-            lines.append(f"  vocab  {self.head} (LM head: split by vocabulary into a loss-parallel cross-entropy)")
-        lines += [f"  whole  {w}" for w in self.whole]
-        lines += [f"  local  {r}" for r in self.rewritten]
-        return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class TensorParallelPlan:
-    """Every stage's :class:`StageTP` (degree 1: nothing split)."""
-
-    stages: tuple[StageTP, ...]
-
-    @property
-    def degrees(self) -> tuple[int, ...]:
-        return tuple(s.degree for s in self.stages)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"stages": [s.to_json() for s in self.stages]}
-
-    def __str__(self) -> str:
-        return "\n".join(f"stage {k}: {s}" for k, s in enumerate(self.stages))
-
-
-def degrees_of(option: Any, num_stages: int | None) -> tuple[int, ...] | int | str:
-    """The checked ``tensor_parallel=`` option: an int for every stage, one per stage, or ``"auto"`` (the
-    planner chooses, where it chooses the stages)."""
-    if option == "auto":
-        if num_stages is not None:
-            raise UsageError(f"tensor_parallel='auto' is the planner's choice, which stages={num_stages} leaves out; "
-                             f"give the degree (e.g. tensor_parallel=2), or leave stages= to the planner")
-        return "auto"
-    if isinstance(option, int) and not isinstance(option, bool):
-        if option < 1:
-            raise UsageError(f"tensor_parallel={option}: must be a positive int, e.g. 2")
-        return option
-    if isinstance(option, (list, tuple)) and option and all(isinstance(d, int) and not isinstance(d, bool)
-                                                            and d >= 1 for d in option):
-        if num_stages is not None and len(option) != num_stages:
-            raise UsageError(f"tensor_parallel={list(option)} names {len(option)} stages, but stages={num_stages}")
-        if len(set(option)) > 1:
-            raise UsageError(f"tensor_parallel={list(option)}: degrees that differ between stages are not run yet "
-                             f"(every pipeline rank is t processes); give one degree for all, e.g. {max(option)}")
-        if num_stages is None:
-            raise UsageError(f"tensor_parallel={list(option)} gives a degree per stage, which needs stages= as "
-                             f"many; or give one degree for all")
-        return tuple(option)
-    raise UsageError(f"tensor_parallel={option!r}: give a positive int (every stage), or a list of one per stage")
 
 
 def run(state: CompileState, opts: TensorParallelOptions) -> CompileState:
@@ -134,19 +57,24 @@ def run(state: CompileState, opts: TensorParallelOptions) -> CompileState:
         raise UsageError(f"tensor_parallel={list(degrees)} names {len(degrees)} stages; the plan has {n}")
     if all(d == 1 for d in degrees):
         return state.replace(tensor_parallel=None)
+    rank_degrees(need(state.stage_ranks, "stage_ranks"), degrees)
     tied = {(s, name) for group in split.tied for s, name in group}
     last = len(split.stages) - 1
     vocab = [_vocab(st.gm, t, state.loss if st.index == last else None, st.index == last) if t > 1 else ({}, {})
              for st, t in zip(split.stages, degrees)]
     for group in split.tied:  # a weight tied across stages splits only where every copy's layer splits alike
         split_params = [any(p == name for _, p in vocab[s][0].values()) for s, name in group]
+        held = ", ".join(f"stage {s}'s {name}" for (s, name), ok in zip(group, split_params) if not ok) + \
+            ", which stays whole"
+        if len({degrees[s] for s, _ in group}) > 1:  # and at one degree (runtime/tensor_parallel.py's tied groups)
+            split_params, held = [False] * len(group), "a copy in a stage of another degree (" + ", ".join(
+                f"stage {s}: t={degrees[s]}" for s in sorted({s for s, _ in group})) + "): it stays whole"
         if not all(split_params):
-            held = ", ".join(f"stage {s}'s {name}" for (s, name), ok in zip(group, split_params) if not ok)
             for s, name in group:
                 for node, (_, p) in list(vocab[s][0].items()):
                     if p == name:
                         del vocab[s][0][node]
-                        vocab[s][1][node] = f"{node}: its weight is tied to {held}, which stays whole"
+                        vocab[s][1][node] = f"{node}: its weight is tied to {held}"
     stages, plans = [], []
     for st, t in zip(split.stages, degrees):
         if t == 1:

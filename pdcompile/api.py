@@ -51,6 +51,7 @@ from pdcompile.pipeline import PassOptions, passes
 from pdcompile.plan import Plan, chooses_microbatches, layout_of, step_headline, step_objective
 from pdcompile.runtime import staleness
 from pdcompile.runtime.data import batch_parts, no_target
+from pdcompile.runtime.tensor_parallel import RankLayout
 from pdcompile.run_result import RunResult, aliases
 from pdcompile.options import (  # noqa: F401 - SCHEDULE_NAMES, Options, check_keywords: the API's names too
     SCHEDULE_NAMES, Options, _check, _check_clipping, _default_optimizer, _from_csv, _with_virtual_stages,
@@ -197,8 +198,8 @@ class CompiledPipeline:
             # microbatches than replicas, a replica idles whole steps, and the input stage's reader of a
             # DataLoader fails on a minibatch with nothing for its rank: runtime/data.py)
             counts = [m for m in counts if all(m % st.replicas == 0 for st in self.plan.stages)] or counts
-        t = self.plan.stages[0].tensor_parallel  # a plan of t-worker groups is simulated as planned
-        tchain, tcluster = tensor.view(self.wire_chain, self.cluster, t)
+        t = max(st.tensor_parallel for st in self.plan.stages)
+        tchain, tcluster = self._tensor_view(self.plan)  # a plan with tensor parallelism is simulated as planned
         cands = autoschedule.candidates(self.plan, tchain, tcluster, batch, names, counts,
                                         recompute=asked.recompute, split_backward=split, tied_bytes=tied_bytes,
                                         tied_stages=tied_stages, overhead_s=overhead, optimizer_state_factor=factor,
@@ -284,12 +285,30 @@ class CompiledPipeline:
                                 opts.tensor_parallel, (int, str)) else 1),
                 stages, tuple(opts.replicas) if opts.replicas is not None else None, opts.cluster, opts.solver,
                 precision=opts.precision, virtual_stages=opts.virtual_stages,
-                loss=TraceLossOptions(opts.loss_fn, self._micro_target(target)) if target is not None else None),
+                loss=TraceLossOptions(opts.loss_fn, self._micro_target(target)) if target is not None else None,
+                degrees=self._given_degrees(stages)),
             schedule=ScheduleOptions(opts.schedule, self.num_microbatches, virtual_stages=opts.virtual_stages,
                                      csv=opts.csv_text),
             loss=TraceLossOptions(opts.loss_fn, self._micro_target(target)) if target is not None else None,
             tensor_parallel=TensorParallelOptions(degrees_of(opts.tensor_parallel, stages)),
         )
+
+    def _given_degrees(self, stages: int | None) -> tuple[int, ...] | None:
+        """With ``stages=``, each stage's ``tensor_parallel=`` degree, which the partition pass charges per stage
+        (without, the planner plans one: ``PlanOptions.tensor_parallel``)."""
+        given = degrees_of(self.options.tensor_parallel, stages)
+        if stages is None or isinstance(given, str):
+            return None
+        return (given,) * stages if isinstance(given, int) else tuple(given)
+
+    def _tensor_view(self, plan: Plan) -> tuple[Chain, ClusterSpec]:
+        """The chain and cluster ``plan`` was planned on, which its simulation replays: a plan the planner chose
+        a degree for is one of ``t``-worker groups (``tensor.view``); a given split has each stage's layers at
+        its own degree on the cluster's workers as pipeline ranks (``tensor.stages_at``)."""
+        if not isinstance(self.options.stages, int):  # (as _pass_options reads it)
+            return tensor.view(self.wire_chain, self.cluster, plan.stages[0].tensor_parallel)
+        return tensor.stages_at(self.wire_chain, [(st.first, st.last, st.tensor_parallel) for st in plan.stages],
+                                self.cluster.levels[0].bandwidth), self.cluster
 
     def _micro_target(self, target: torch.Tensor) -> torch.Tensor:
         return target[: self.microbatch_size]
@@ -348,9 +367,9 @@ class CompiledPipeline:
 
     @property
     def world_size(self) -> int:
-        ranks = len({r for rs in need(self.state.stage_ranks, "stage_ranks") for r in rs})  # virtual: a rank runs several
-        tp = self.state.tensor_parallel
-        return ranks * (tp.degrees[0] if tp is not None else 1)  # each pipeline rank is t processes
+        tp = self.state.tensor_parallel  # each pipeline rank is its stage's t processes; virtual: a rank runs several
+        stage_ranks = need(self.state.stage_ranks, "stage_ranks")
+        return RankLayout.of(stage_ranks, tp.degrees if tp is not None else [1] * len(stage_ranks)).world
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -378,7 +397,7 @@ class CompiledPipeline:
 
         tied_bytes, tied_stages = self._tied()
         cost = self.action_cost  # the figures the step search charged (_step_costs)
-        chain, cluster = tensor.view(self.wire_chain, self.cluster, plan.stages[0].tensor_parallel)
+        chain, cluster = self._tensor_view(plan)
         return simulate_plan(plan, chain, cluster, schedule, m, num_steps=num_steps,
                              tied_bytes=tied_bytes, tied_stages=tied_stages, virtual_stages=virtual_stages,
                              optimizer_state_factor=optimizer_state_factor_of(self.options.optimizer),
@@ -434,8 +453,12 @@ class CompiledPipeline:
             lines += ["", *staleness.describe(corr["mode"], corr["delays"], corr["warmup"], corr["sync"])]
         lines += [f"note: {c.note}" for c in self._rank_callables().values() if c.note is not None]
         if self.state.tensor_parallel is not None:  # what each stage splits, and what it leaves whole
-            lines += ["", "tensor parallelism (each pipeline rank is t processes; the plan's times are one such "
-                      "process's, docs/tensor-parallel.md):", str(self.state.tensor_parallel)]
+            degrees = self.state.tensor_parallel.degrees
+            how = "tensor_parallel='auto': one degree for every stage" if self.options.tensor_parallel == "auto" \
+                else f"degrees {list(degrees)} per stage, {self.world_size} processes" if len(set(degrees)) > 1 \
+                else f"t={degrees[0]} for every stage"
+            lines += ["", f"tensor parallelism ({how}; each pipeline rank is its stage's t processes; the plan's times "
+                      f"are one such process's, docs/tensor-parallel.md):", str(self.state.tensor_parallel)]
         if self.schedule_choice is not None:
             lines += ["", autoschedule.format_choice(*self.schedule_choice)]
         return "\n".join(lines)
@@ -493,7 +516,8 @@ class CompiledPipeline:
             "init": init_source.init_entry(self.model, self.split, init_from if init_from is not None
                                            else self.options.init_from),
             # each stage's split over its tensor ranks (runtime/tensor_parallel.py); None: t = 1
-            "tensor_parallel": {"degree": tp.degrees[0], **tp.to_json()} if (tp := self.state.tensor_parallel) else None,
+            # ("degree": the largest; each stage's in its entry)
+            "tensor_parallel": {"degree": max(tp.degrees), **tp.to_json()} if (tp := self.state.tensor_parallel) else None,
             "staleness": self.staleness_entry(),
         }, files
 

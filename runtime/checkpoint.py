@@ -472,10 +472,12 @@ def stage_states(folder: Path, manifest: Mapping[str, Any], parts: Sequence[Stag
     check_files(folder, manifest, ["plan.json"])
     try:
         written = json.loads((folder / "plan.json").read_text())
-        # a writer with tensor parallelism (degree t): pipeline rank r's state is its tensor index 0's, process r * t
-        t = int((written.get("tensor_parallel") or {}).get("degree", 1))
-        writers = [(int(st["index"]), [int(r) * t for r in st["ranks"]], set(st.get("param_names", {}).values()))
-                   for st in written["stages"]]
+        # a writer with tensor parallelism: pipeline rank r's state is its tensor index 0's (runtime/tensor_parallel.py)
+        from pdcompile.runtime.tensor_parallel import rank_layout
+
+        lay = rank_layout(written)
+        writers = [(int(st["index"]), [lay.process(int(r), 0) for r in st["ranks"]],
+                    set(st.get("param_names", {}).values())) for st in written["stages"]]
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{folder / 'plan.json'}: not a plan ({type(e).__name__}: {e}). Fix: resume from "
                               f"an older step folder") from None

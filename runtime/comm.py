@@ -78,32 +78,39 @@ class _Mode:
     nccl_rules: bool = False
     timeout: float = 120.0
     lines: dict[int, _PeerLine] = field(default_factory=dict)
-    peer: Callable[[int], int] | None = None  # a pipeline rank's process (tensor parallelism), None: the same
+    route: Callable[[str, int], Sequence[int]] | None = None  # a pipeline rank's processes (tensor parallelism)
 
 
 _mode = _Mode()
 
 
-def configure(*, nccl_rules: bool, timeout: float, peer: Callable[[int], int] | None = None) -> None:
+def configure(*, nccl_rules: bool, timeout: float, route: Callable[[str, int], Sequence[int]] | None = None) -> None:
     """Choose plain transfers, or gloo following NCCL's rules (``PDCOMPILE_NCCL_RULES=1`` for train.py).
 
     With ``nccl_rules``, gloo behaves as NCCL does with point-to-point transfers: per peer, one
     transfer at a time in issue order (the next starts once the previous completed), callers not
     blocked, and a wait that gives up with a named error after ``timeout``. The runtime issues no
-    ``batch_isend_irecv`` groups, so the mode has none to start together. ``peer``: the process of a
-    pipeline rank the actions name (``runtime/tensor_parallel.py``: the peer's of the same tensor index)."""
+    ``batch_isend_irecv`` groups, so the mode has none to start together. ``route``: the processes a transfer
+    (``"send"`` or ``"recv"``) with a pipeline rank the actions name goes to (``runtime/tensor_parallel.py``
+    ``RankLayout``: a receive comes from exactly one, a send goes to none, one or several); None: the rank itself."""
     global _mode
-    _mode = _Mode(nccl_rules, timeout, peer=peer)
+    _mode = _Mode(nccl_rules, timeout, route=route)
 
 
 def nccl_rules() -> bool:
     return _mode.nccl_rules
 
 
-def _issue(kind: str, tensor: torch.Tensor, peer: int) -> Any:
+def _issue(kind: str, tensor: torch.Tensor, peer: int) -> list[Any]:
+    """One transfer with pipeline rank ``peer``: its works, one per process it is routed to."""
+    peers = [peer] if _mode.route is None else list(_mode.route(kind, peer))
+    if kind == "recv" and len(peers) != 1:
+        raise RuntimeError(f"a receive from rank {peer} routed to processes {peers}: a receive has one sender")
+    return [_issue_one(kind, tensor, p) for p in peers]
+
+
+def _issue_one(kind: str, tensor: torch.Tensor, peer: int) -> Any:
     fn = dist.isend if kind == "send" else dist.irecv
-    if _mode.peer is not None:
-        peer = _mode.peer(peer)
     if not _mode.nccl_rules:
         return fn(tensor, peer)
     op = _Queued(f"{kind} of {tensor.numel()} x {tensor.dtype}", peer, _mode.timeout)
@@ -129,7 +136,7 @@ def post_recv(buffers: Sequence[torch.Tensor], src: int) -> Pending:
     works = []
     for group in _groups(buffers):
         if len(group) == 1:
-            works.append(_issue("recv", out[group[0]], src))
+            works += _issue("recv", out[group[0]], src)
             continue
         flat = torch.empty(sum(out[i].numel() for i in group), dtype=out[group[0]].dtype,
                            device=out[group[0]].device)
@@ -138,7 +145,7 @@ def post_recv(buffers: Sequence[torch.Tensor], src: int) -> Pending:
             n = out[i].numel()
             out[i] = flat[offset:offset + n].view(out[i].shape)
             offset += n
-        works.append(_issue("recv", flat, src))
+        works += _issue("recv", flat, src)
     return Pending(out, works)
 
 
@@ -159,7 +166,7 @@ def post_send(tensors: Sequence[torch.Tensor], dst: int) -> list[Any]:
         _sent[key] = _sent.get(key, 0) + t.numel() * t.element_size()
     for group in _groups(tensors):
         if len(group) == 1:
-            works.append(_issue("send", tensors[group[0]].contiguous(), dst))
+            works += _issue("send", tensors[group[0]].contiguous(), dst)
         else:
-            works.append(_issue("send", torch.cat([tensors[i].reshape(-1) for i in group]), dst))
+            works += _issue("send", torch.cat([tensors[i].reshape(-1) for i in group]), dst)
     return works

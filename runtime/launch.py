@@ -226,9 +226,8 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
     timeout = datetime.timedelta(seconds=args.timeout)
     init_process_group(backend, timeout)
     # PDCOMPILE_NCCL_RULES=1: gloo runs point-to-point as NCCL does (the tests' check that no transfer order hangs)
-    tp = tensor_parallel.rank_of(program.raw, rank)  # a pipeline rank's process at this tensor index
     comm.configure(nccl_rules=backend == "gloo" and os.environ.get(comm.NCCL_RULES_ENV) == "1", timeout=args.timeout,
-                   peer=tp.physical if tp.degree > 1 else None)
+                   route=tensor_parallel.route(program.raw, rank))  # a pipeline rank's processes
     allocator.set_mode(malloc_mode(args.malloc, args.keep_freed_memory, devices.rank_device()))
     try:
         code = Trainer(program, args, rank, timeout).train()

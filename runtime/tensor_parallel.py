@@ -1,22 +1,27 @@
 """Tensor parallelism on a rank: plan.json's ``tensor_parallel`` applied with torch's DTensor TP.
 
-With degree ``t`` every pipeline rank of the plan (the ranks the schedule and the stages name) is
-``t`` processes: process ``rank`` is pipeline rank ``rank // t`` at tensor index ``rank % t`` (the
-(pipeline, data, tensor) mesh with tensor innermost). The processes of one tensor index form a whole
-pipeline among themselves: point-to-point transfers go to the peer's process of the same index
-(:meth:`TPRank.physical`), and each group of pipeline ranks (replicas, tied copies) is made once per
-index (:func:`new_group`). Within a stage the ``t`` processes run the same microbatches on the same
-whole activations; ``parallelize_module`` splits the linears the compiler's ``tensor-parallel`` pass
-named (``ColwiseParallel``, ``RowwiseParallel``, local outputs), so each row linear's output is
-all-reduced in the forward and each column linear's input gradient in the backward. No collective
-here is written by hand. Parameters left whole get the same gradient on every index (same inputs, same
-whole outputs), so nothing syncs them; the global norm counts them on index 0 only.
+Each stage has a degree ``t_s``: every pipeline rank of the plan (the ranks the schedule and the stages
+name) is a contiguous block of ``t_s`` processes (:class:`RankLayout`: with one ``t`` for all, process
+``rank`` is pipeline rank ``rank // t`` at tensor index ``rank % t``, the (pipeline, data, tensor) mesh with
+tensor innermost). Point-to-point transfers go from a pipeline rank's processes to its peer's: receiving
+index ``k`` takes each value from sending index ``k % t_send`` (:meth:`RankLayout.source`), so with one
+degree the processes of one index form a whole pipeline; each group of pipeline ranks (replicas, tied
+copies) is made once per index (:func:`make_group`). Within a stage the ``t`` processes run the same
+microbatches on the same whole activations; ``parallelize_module`` splits the linears the compiler's
+``tensor-parallel`` pass named (``ColwiseParallel``, ``RowwiseParallel``, local outputs), so each row
+linear's output is all-reduced in the forward and each column linear's input gradient in the backward, and
+what crosses a stage boundary is whole on every index. No collective here is written by hand. Parameters
+left whole get the same gradient on every index (same inputs, same whole outputs), so nothing syncs them;
+the global norm counts them on index 0 only.
 """
 
 from __future__ import annotations
 
+import bisect
 import datetime
-from collections.abc import Mapping, Sequence
+import functools
+import itertools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,26 +31,147 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class TPRank:
-    """Where a process stands: its pipeline rank and its tensor index, of ``degree``."""
+    """Where a process stands: its pipeline rank ``logical``, the degree of the stage that rank runs, and its
+    tensor index of that degree."""
 
     degree: int
     index: int
     logical: int
 
-    def physical(self, logical: int) -> int:
-        """The process of pipeline rank ``logical`` at this process's tensor index."""
-        return logical * self.degree + self.index
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The processes of a plan whose stages each have their own tensor-parallel degree.
+
+    ``stage_ranks[s]`` are stage ``s``'s pipeline ranks (one per replica, as the schedule names them) and
+    ``degrees[s]`` its degree ``t_s``. Pipeline rank ``q`` is a contiguous block of ``t_q`` processes, the
+    blocks in rank order, so the world is the sum over stages of replicas x ``t_s`` (with one degree for all,
+    process ``q * t + j`` is rank ``q``'s index ``j``, the (pipeline, data, tensor) mesh, tensor innermost).
+    A value crossing a stage boundary (activations forward, gradients backward) is whole and the same on
+    each of the sender's tensor indices, and every receiving process needs it whole: receiving index ``k``
+    takes it from sending index ``k % t_send`` (:meth:`source`), so each receiving process gets each value
+    exactly once, sender ``j`` sends to the indices ``k`` of the receiver with ``k % t_send == j``
+    (:meth:`targets`: several where the receiver has more indices, none where ``j`` is past the receiver's
+    degree). With virtual stages a rank holds several stages: they must have one degree."""
+
+    stage_ranks: tuple[tuple[int, ...], ...]
+    degrees: tuple[int, ...]
+
+    @staticmethod
+    def of(stage_ranks: Sequence[Sequence[int]], degrees: Sequence[int]) -> RankLayout:
+        if len(stage_ranks) != len(degrees):
+            raise ValueError(f"{len(degrees)} tensor-parallel degrees for {len(stage_ranks)} stages")
+        return RankLayout(tuple(tuple(int(q) for q in rs) for rs in stage_ranks), tuple(int(t) for t in degrees))
+
+    @functools.cached_property
+    def rank_degrees(self) -> tuple[int, ...]:
+        """Each pipeline rank's degree (its stages')."""
+        n = 1 + max(q for rs in self.stage_ranks for q in rs)
+        out: list[int | None] = [None] * n
+        for s, (rs, t) in enumerate(zip(self.stage_ranks, self.degrees)):
+            for q in rs:
+                if out[q] not in (None, t):
+                    raise ValueError(f"pipeline rank {q} holds stages of tensor-parallel degrees {out[q]} and {t} "
+                                     f"(stage {s}); the stages of one rank need one degree")
+                out[q] = t
+        if any(t is None for t in out):
+            raise ValueError(f"pipeline ranks {[q for q, t in enumerate(out) if t is None]} run no stage")
+        return tuple(int(t or 1) for t in out)
+
+    @functools.cached_property
+    def bases(self) -> tuple[int, ...]:
+        """Each pipeline rank's first process."""
+        return tuple(itertools.accumulate(self.rank_degrees, initial=0))[:-1]
+
+    @property
+    def world(self) -> int:
+        return sum(self.rank_degrees)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.degrees)) == 1
+
+    def process(self, logical: int, index: int) -> int:
+        """The process of pipeline rank ``logical`` at tensor index ``index``."""
+        if not 0 <= index < self.rank_degrees[logical]:
+            raise ValueError(f"tensor index {index} of pipeline rank {logical} (degree {self.rank_degrees[logical]})")
+        return self.bases[logical] + index
+
+    def locate(self, process: int) -> TPRank:
+        """Where ``process`` stands."""
+        if not 0 <= process < self.world:
+            raise ValueError(f"process {process} of a world of {self.world}")
+        q = bisect.bisect_right(self.bases, process) - 1
+        return TPRank(self.rank_degrees[q], process - self.bases[q], q)
+
+    def block(self, logical: int) -> list[int]:
+        """Pipeline rank ``logical``'s processes (its tensor group)."""
+        return [self.bases[logical] + j for j in range(self.rank_degrees[logical])]
+
+    def source(self, receiver: int, index: int, sender: int) -> int:
+        """The process that sends pipeline rank ``receiver``'s index ``index`` what rank ``sender`` sends it."""
+        return self.process(sender, index % self.rank_degrees[sender])
+
+    def targets(self, sender: int, index: int, receiver: int) -> list[int]:
+        """The processes of pipeline rank ``receiver`` that rank ``sender``'s index ``index`` sends to."""
+        t = self.rank_degrees[sender]
+        return [self.process(receiver, k) for k in range(self.rank_degrees[receiver]) if k % t == index]
+
+    def groups(self, ranks: Sequence[int]) -> list[list[int]]:
+        """Pipeline ranks of one degree (a stage's replicas) as process groups, one per tensor index."""
+        degrees = {self.rank_degrees[q] for q in ranks}
+        if len(degrees) != 1:
+            raise ValueError(f"pipeline ranks {list(ranks)} have tensor-parallel degrees {sorted(degrees)}")
+        return [[self.process(q, j) for q in ranks] for j in range(degrees.pop())]
+
+    def tied_groups(self, ranks: Sequence[int]) -> list[list[int]]:
+        """Process groups for a weight tied across the stages of pipeline ranks ``ranks`` (whole, or split alike
+        where their degrees agree): with ``m`` the least degree, group ``i`` holds every index ``k`` with
+        ``k % m == i`` of every rank, so each process is in one group and each group has every stage."""
+        m = min(self.rank_degrees[q] for q in ranks)
+        return [[self.process(q, k) for q in sorted(ranks) for k in range(self.rank_degrees[q]) if k % m == i]
+                for i in range(m)]
+
+    def tied_share(self, logical: int, index: int, ranks: Sequence[int]) -> int:
+        """How many of pipeline rank ``logical``'s processes share ``index``'s tied group (each adds its copy of
+        the rank's gradient, so each adds 1 / that many of it)."""
+        m = min(self.rank_degrees[q] for q in ranks)
+        return sum(1 for k in range(self.rank_degrees[logical]) if k % m == index % m)
+
+
+def rank_layout(raw: Mapping[str, Any]) -> RankLayout:
+    """plan.json's processes: its stages' pipeline ranks and each stage's degree."""
+    stages = raw["stages"]
+    return RankLayout.of([st["ranks"] for st in stages], [int(stage_entry(raw, k).get("degree", 1))
+                                                         for k in range(len(stages))])
 
 
 def degree(raw: Mapping[str, Any]) -> int:
-    """plan.json's tensor-parallel degree (1: none)."""
+    """plan.json's largest tensor-parallel degree (1: none)."""
     tp = raw.get("tensor_parallel") or {}
     return int(tp.get("degree", 1))
 
 
 def rank_of(raw: Mapping[str, Any], rank: int) -> TPRank:
-    t = degree(raw)
-    return TPRank(t, rank % t, rank // t)
+    """Where process ``rank`` stands in plan.json's layout."""
+    if degree(raw) == 1:
+        return TPRank(1, 0, rank)
+    return rank_layout(raw).locate(rank)
+
+
+def route(raw: Mapping[str, Any], process: int) -> Callable[[str, int], list[int]] | None:
+    """What ``comm.configure`` routes transfers by (None without tensor parallelism): a send of this process to
+    a pipeline rank goes to :meth:`RankLayout.targets`, a receive from one comes from :meth:`RankLayout.source`."""
+    if degree(raw) == 1:
+        return None
+    lay = rank_layout(raw)
+    me = lay.locate(process)
+
+    def to(kind: str, peer: int) -> list[int]:
+        if kind == "send":
+            return lay.targets(me.logical, me.index, peer)
+        return [lay.source(me.logical, me.index, peer)]
+    return to
 
 
 def stage_entry(raw: Mapping[str, Any], stage: int) -> dict[str, Any]:
@@ -55,27 +181,41 @@ def stage_entry(raw: Mapping[str, Any], stage: int) -> dict[str, Any]:
     return dict(stages[stage]) if stage < len(stages) else {"degree": 1}
 
 
-def new_group(tp: TPRank, ranks: Sequence[int], timeout: datetime.timedelta) -> Any:
-    """The group of pipeline ranks ``ranks`` at this process's tensor index: one group per index is
-    made (every process makes them all, in the same order, as ``dist.new_group`` needs)."""
-    if tp.degree == 1:
-        return dist.new_group(list(ranks), timeout=timeout)
+def make_group(groups: Sequence[Sequence[int]], process: int, timeout: datetime.timedelta) -> Any:
+    """Every one of ``groups`` (lists of processes) made, in order, as ``dist.new_group`` needs every process to;
+    the one holding ``process`` (None: none does)."""
     mine = None
-    for j in range(tp.degree):
-        g = dist.new_group([r * tp.degree + j for r in ranks], timeout=timeout)
-        if j == tp.index:
+    for ranks in groups:
+        g = dist.new_group(list(ranks), timeout=timeout)
+        if process in ranks:
             mine = g
     return mine
 
 
-def tensor_mesh(raw: Mapping[str, Any], device_type: str) -> Any:
-    """The (pipeline, data, tensor) ``DeviceMesh`` of every process, tensor innermost; its tensor
-    dimension, this process's tensor group. With replicas differing per stage (or virtual stages) the
-    first two are one dimension, ``pipeline_data``."""
+def tensor_mesh(raw: Mapping[str, Any], device_type: str, timeout: datetime.timedelta | None = None) -> Any:
+    """This process's tensor ``DeviceMesh``: with one degree ``t`` for every stage, the tensor dimension of the
+    (pipeline, data, tensor) mesh of every process, tensor innermost (with replicas differing per stage, or
+    virtual stages, the first two are one dimension, ``pipeline_data``); with degrees per stage, a 1-D mesh over
+    its pipeline rank's block of processes alone (each block's group made by every process, in rank order).
+    Called by every process, at the same point."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    t = degree(raw)
+    lay = rank_layout(raw)
     world = int(raw["world_size"])
+    if not lay.uniform:
+        me = lay.locate(dist.get_rank())
+        kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        mine = None
+        for q in range(len(lay.rank_degrees)):
+            block = lay.block(q)
+            if len(block) > 1:
+                g = dist.new_group(block, **kw)
+                if q == me.logical:
+                    mine = g
+        if mine is None:
+            return None
+        return DeviceMesh.from_group(mine, device_type, mesh_dim_names=("tensor",))
+    t = lay.degrees[0]
     replicas = {len(st["ranks"]) for st in raw["stages"]}
     stages = len(raw["stages"])
     ids = torch.arange(world)

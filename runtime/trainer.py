@@ -75,19 +75,25 @@ class Trainer:
             torch.cuda.set_device(devices.rank_device())
         # the linears the compiler split, over this process's tensor group (before any optimizer): applied as
         # the stage is built, so that from a checkpoint or a fresh start each process fills only its shards
-        mesh = tensor_parallel.tensor_mesh(program.raw, devices.rank_device().type) if tp.degree > 1 else None
+        # (every process makes the meshes' groups, also one of a stage left whole where another stage splits)
+        mesh = tensor_parallel.tensor_mesh(program.raw, devices.rank_device().type, timeout) \
+            if tensor_parallel.degree(program.raw) > 1 else None
         # each rank builds only its stages, from the program's source (runtime/sources.py: stage_K.pt, fresh, init_from)
         modules = [program.build_stage(st.index, devices.rank_device(), getattr(args, "init_from", None),
                                        seed=args.seed, split=tensor_parallel.Split(
                                            tensor_parallel.stage_entry(program.raw, st.index), mesh)
-                                       if mesh is not None else None).to(devices.rank_device()) for st in specs]
+                                       if mesh is not None and tp.degree > 1 else None).to(devices.rank_device())
+                   for st in specs]
         for module in modules:
             module.train()
-        # Groups: every rank creates every group, in the same order.
+        # Groups: every rank creates every group, in the same order; with tensor parallelism one per tensor index
+        # (runtime/tensor_parallel.py RankLayout), of the processes this process is one of
+        lay = tensor_parallel.rank_layout(program.raw)
+        me = lay.process(rank, tp.index)
         replica_groups: dict[int, Any] = {}
         for st in program.stages:
             if len(st.ranks) > 1:
-                g = tensor_parallel.new_group(tp, st.ranks, timeout)
+                g = tensor_parallel.make_group(lay.groups(st.ranks), me, timeout)
                 if rank in st.ranks:
                     replica_groups[st.index] = g
         tied_groups: dict[int, list[tuple[Any, ...]]] = {st.index: [] for st in specs}
@@ -95,12 +101,15 @@ class Trainer:
             # Every replica of every stage holding the parameter joins; after the replicas' all-reduce
             # each replica holds its stage's whole gradient, so each contributes 1/replicas of it.
             stages = sorted({s for s, _ in group})
+            # With degrees differing between the stages the weight is whole on each (passes/tensor_parallel.py), and
+            # a rank's processes may share one group: each then adds its share of the rank's gradient.
             ranks = sorted({r for s in stages for r in program.stages[s].ranks})
-            g = tensor_parallel.new_group(tp, ranks, timeout)
+            g = tensor_parallel.make_group(lay.tied_groups(ranks), me, timeout)
             for st in specs:
                 mine = [n for s, n in group if s == st.index]
                 if mine:
-                    tied_groups[st.index].append((g, mine, 1.0 / len(st.ranks)))
+                    tied_groups[st.index].append((g, mine, 1.0 / (len(st.ranks) * lay.tied_share(rank, tp.index,
+                                                                                                 ranks))))
         # global-norm clipping: one group over every rank; each stage's gradient is counted by its replica 0,
         # each tied parameter by the first stage holding it
         norm_group = dist.new_group(list(range(program.world_size)), timeout=timeout) \

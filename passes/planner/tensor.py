@@ -29,7 +29,7 @@ from pdcompile.cluster import ClusterSpec, Level, format_quantity
 from pdcompile.errors import UsageError
 from pdcompile.ir import Chain, ChainLayer
 
-__all__ = ["DEGREES", "LINK_LATENCY_S", "allreduce_s", "split_time", "split_bytes", "layer_at", "chain_at",
+__all__ = ["DEGREES", "LINK_LATENCY_S", "allreduce_s", "split_time", "split_bytes", "layer_at", "chain_at", "stages_at",
            "cluster_at", "view", "degrees", "split_backward", "why_not", "splittable", "stage_reason"]
 
 #: the degrees ``tensor_parallel="auto"`` tries (each must divide the innermost level's count)
@@ -100,6 +100,16 @@ def chain_at(chain: Chain, t: int, bandwidth: float) -> Chain:
     if t == 1:
         return chain
     return dataclasses.replace(chain, layers=tuple(layer_at(l, t, bandwidth) for l in chain.layers))
+
+
+def stages_at(chain: Chain, stages: Sequence[tuple[int, int, int]], bandwidth: float) -> Chain:
+    """``chain`` with each stage's layers at that stage's own degree: ``stages`` are ``(first, last, t)``
+    (a given split with a degree per stage, each pipeline rank its stage's ``t`` processes; cuts stay whole)."""
+    at = {i: t for first, last, t in stages for i in range(first, last + 1)}
+    if all(t == 1 for t in at.values()):
+        return chain
+    return dataclasses.replace(chain, layers=tuple(layer_at(l, at.get(i, 1), bandwidth)
+                                                   for i, l in enumerate(chain.layers)))
 
 
 def cluster_at(cluster: ClusterSpec, t: int) -> ClusterSpec:
