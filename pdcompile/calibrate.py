@@ -80,15 +80,17 @@ def load_or_measure(refresh: bool = False, log: Any = None) -> tuple[MachineCons
 def measure(log: Any = None) -> MachineConstants:
     """Measure every constant now (two short torchrun launches and an in-process timing)."""
     say = log or (lambda msg: None)
+    say("measuring the fixed cost and rate of each op class and each node's overhead in a whole model "
+        "(probe models, one thread) ...")
+    table = measure_op_costs()
     say("measuring the loopback link (2 processes, gloo ping-pong) ...")
     lat, bw, ar_lat = measure_link()
     say("measuring the runtime's cost per action (a traced 2-stage run of a tiny model) ...")
     over = measure_overheads()
-    say("measuring compute in a run against its profile (a traced 2-stage run of an MLP) ...")
-    factor = measure_compute_factor(over)
+    say("measuring compute in a run against its profile (a traced 2-stage run of a small VGG) ...")
+    factor = measure_compute_factor(over, node_s=table.node_s)
     fixed, rate = measure_step()
-    say("measuring the fixed cost and rate of each op class (probe models at 8 sizes, one thread) ...")
-    ops = with_corun(measure_op_costs(), factor)
+    ops = with_corun(table, factor)
     return MachineConstants(lat, bw, ar_lat, over, fixed, rate, factor, key=machine_key(),
                             measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), op_costs=ops.to_dict())
 
@@ -257,11 +259,12 @@ def node_overhead_samples(table: Any, sizes: tuple[tuple[int, int, int, int], ..
     return out
 
 
-def _low_times(fns: dict[str, Any], repeats: int, quantile: float = 0.2) -> dict[str, float]:
+def _low_times(fns: dict[str, Any], repeats: int, quantile: float = 0.5) -> dict[str, float]:
     """Seconds per call of each of ``fns``: ``repeats`` single calls of each, in turn (after 3 untimed),
-    and the ``quantile`` of each one's timings. On a machine shared with other work a call of a few
-    milliseconds is often preempted (tens of milliseconds); a low quantile is a call that was not, as the
-    nodes' own smallest-of-visits medians are."""
+    and the ``quantile`` of each one's timings, in this thread's CPU time: on a machine shared with other
+    work a call of a few milliseconds is often preempted for tens of milliseconds, which wall time would
+    count and CPU time does not (one thread computes: ``torch.set_num_threads(1)``, as every runtime
+    process does)."""
     import numpy as np
 
     for fn in fns.values():
@@ -270,9 +273,9 @@ def _low_times(fns: dict[str, Any], repeats: int, quantile: float = 0.2) -> dict
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             fn()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(time.thread_time() - t0)
     return {k: float(np.quantile(v, quantile)) for k, v in times.items()}
 
 
@@ -417,9 +420,12 @@ def with_corun(table: Any, compute_factor: float) -> Any:
     return dataclasses.replace(table, corun={2: max(1.0, float(compute_factor))})
 
 
-def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20) -> float:
+def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20,
+                           node_s: tuple[float, float] = (0.0, 0.0)) -> float:
     """A run's compute against its profile on this machine: the median, over both stages'
-    forward and backward, of the run's median action (less its per-action cost) / the profiled cost.
+    forward and backward, of the run's median action (less its per-action cost) / the profiled cost,
+    each of the stage's nodes charged ``node_s`` (forward, backward) beyond it as the calibrated model
+    charges them (``OpCostTable.node_s``), so that the factor is what is left: two processes side by side.
 
     The run is a traced 2-stage Flush run of a small VGG-style network (convolutions
     16-16-M-32-32-M on 32x32 images, Linear 2048-512-512-10; microbatches of 8), profiled in this
@@ -435,7 +441,9 @@ def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20) -> flo
     ratios = []
     for s, st in enumerate(plan.stages):
         for cat, attr in (("forward", "forward_s"), ("backward", "backward_s")):
-            prof = sum(getattr(l, attr) for l in chain.layers[st.first:st.last + 1]) * scale
+            mine = chain.layers[st.first:st.last + 1]
+            prof = sum(getattr(l, attr) for l in mine) * scale + \
+                node_s[cat == "backward"] * sum(len(l.members or (l.name,)) for l in mine)
             d = [e.end_s - e.start_s for e in _steady(events)
                  if e.rank == s and e.category == cat and e.name not in split]
             if d and prof > 0:
