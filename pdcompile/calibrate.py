@@ -80,45 +80,57 @@ def load_or_measure(refresh: bool = False, log: Any = None) -> tuple[MachineCons
 def measure(log: Any = None) -> MachineConstants:
     """Measure every constant now (two short torchrun launches and an in-process timing)."""
     say = log or (lambda msg: None)
+    say("measuring the fixed cost and rate of each op class and each node's overhead in a whole model "
+        "(probe models, one thread) ...")
+    table = measure_op_costs()
     say("measuring the loopback link (2 processes, gloo ping-pong) ...")
     lat, bw, ar_lat = measure_link()
     say("measuring the runtime's cost per action (a traced 2-stage run of a tiny model) ...")
     over = measure_overheads()
-    say("measuring compute in a run against its profile (a traced 2-stage run of an MLP) ...")
-    factor = measure_compute_factor(over)
+    say("measuring compute in a run against its profile (a traced 2-stage run of a small VGG) ...")
+    factor = measure_compute_factor(over, node_s=table.node_s)
     fixed, rate = measure_step()
-    say("measuring the fixed cost and rate of each op class (probe models at 8 sizes, one thread) ...")
-    ops = with_corun(measure_op_costs(), factor)
+    ops = with_corun(table, factor)
     return MachineConstants(lat, bw, ar_lat, over, fixed, rate, factor, key=machine_key(),
                             measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), op_costs=ops.to_dict())
 
 
-def _probe_model(d: int, channels: int) -> Any:
-    """A model with an op of every class (opclass.OP_CLASSES): embedding, norm, linear, GELU, attention
-    over 4 heads, a residual add, views, a convolution with ReLU and pooling, and a cross-entropy loss."""
+def _probe_model(d: int, channels: int, blocks: int = 1) -> Any:
+    """A model with an op of every class (opclass.OP_CLASSES): embedding, then ``blocks`` blocks of norm,
+    linear, attention over 4 heads, GELU and a residual add, views, a convolution with ReLU and max
+    pooling, and a cross-entropy loss."""
     import torch
     import torch.nn.functional as F
     from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+            self.qkv = nn.Linear(d, 3 * d)
+            self.fc = nn.Linear(d, d)
+            self.act = nn.GELU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm(x)
+            b, t, _ = h.shape
+            q, k, v = self.qkv(h).view(b, t, 3, 4, d // 4).permute(2, 0, 3, 1, 4).unbind(0)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+            return x + self.act(self.fc(a))
 
     class Probe(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.emb = nn.Embedding(512, d)
-            self.norm = nn.LayerNorm(d)
-            self.qkv = nn.Linear(d, 3 * d)
-            self.fc = nn.Linear(d, d)
-            self.act = nn.GELU()
+            self.blocks = nn.Sequential(*(Block() for _ in range(blocks)))
             self.conv = nn.Conv2d(channels, channels, 3, padding=1)
             self.relu = nn.ReLU()
-            self.pool = nn.AvgPool2d(2)
+            self.pool = nn.MaxPool2d(2)
             self.head = nn.Linear(d, 16)
 
         def forward(self, tokens: torch.Tensor, image: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            x = self.norm(self.emb(tokens))
+            x = self.blocks(self.emb(tokens))
             b, t, _ = x.shape
-            q, k, v = self.qkv(x).view(b, t, 3, 4, d // 4).permute(2, 0, 3, 1, 4).unbind(0)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-            x = x + self.act(self.fc(a))
             y = self.pool(self.relu(self.conv(image))).mean()
             logits = self.head(x).view(b * t, 16) + y
             return F.cross_entropy(logits, target.view(b * t))
@@ -187,11 +199,95 @@ def fit_op_costs(samples: dict[str, list[tuple[float, float, float, float]]], so
 
 
 def measure_op_costs() -> Any:
-    """This machine's :class:`~pdcompile.passes.costs.opclass.OpCostTable` (:func:`op_cost_samples`, fitted)."""
+    """This machine's :class:`~pdcompile.passes.costs.opclass.OpCostTable` (:func:`op_cost_samples`, fitted),
+    with the per-node overhead of a whole stage (:func:`measure_node_overhead`)."""
     import platform
 
     stamp = time.strftime("%Y-%m-%d %H:%M %Z")
-    return fit_op_costs(op_cost_samples(), f"python -m pdcompile.calibrate, {stamp} on {platform.node()}")
+    table = fit_op_costs(op_cost_samples(), f"python -m pdcompile.calibrate, {stamp} on {platform.node()}")
+    return dataclasses.replace(table, node_s=fit_node_samples(node_overhead_samples(table)))
+
+
+#: probe sizes (batch, tokens, width, conv channels) of the per-node fit: small, so that the ops' own
+#: work is a small part of the residual; blocks 1 and 4 give the node counts their line runs through
+NODE_SIZES = ((1, 8, 32, 4), (2, 8, 32, 4), (4, 8, 32, 4))
+NODE_BLOCKS = (1, 4)
+
+
+def node_overhead_samples(table: Any, sizes: tuple[tuple[int, int, int, int], ...] = NODE_SIZES,
+                          blocks: tuple[int, ...] = NODE_BLOCKS, repeats: int = 40
+                          ) -> list[tuple[int, float, int, float]]:
+    """Per probe model (:func:`_probe_model` at ``sizes`` with ``blocks`` blocks): ``(forward nodes,
+    forward s beyond the ops, nodes with a backward, backward s beyond the ops)``. The whole model runs as
+    a runtime's stage does (its generated ``forward``, then one backward through autograd from the loss,
+    one thread), timed :func:`_low_times`; the ops
+    are costed by ``table`` as ``cost_mode="calibrated"`` costs them (annotate-costs, analytic), its
+    per-node overhead left out, so that what is left is what each node costs beyond its op."""
+    import torch
+
+    from pdcompile.passes.annotate_costs import annotate_costs, analytic_flops
+    from pdcompile.passes.costs.nodes import COMPUTE_OPS, capture
+    from pdcompile.passes.costs.roofline import device_spec_for
+    from pdcompile.passes.trace import trace
+
+    torch.set_num_threads(1)
+    spec = device_spec_for(None).calibrated(dataclasses.replace(table, node_s=(0.0, 0.0)))
+    out = []
+    for nblocks in blocks:
+        for b, t, d, ch in sizes:
+            torch.manual_seed(0)
+            gm = trace(_probe_model(d, ch, nblocks))
+            inputs = (torch.randint(0, 512, (b, t)), torch.randn(b, ch, 16, 16), torch.randint(0, 16, (b, t)))
+            annotate_costs(gm, inputs, mode="analytic", device_spec=spec, symbolic=False, progress=False)
+            values = capture(gm, inputs)
+            counted: dict[Any, tuple[int, int, bool, float]] = {}
+            nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+            n_fwd = len(nodes)
+            n_bwd = len([n for n in nodes if analytic_flops(gm, n, values, counted)[2]])
+            ops_f = sum(n.meta["pd.cost"].forward_s for n in nodes)
+            ops_b = sum(n.meta["pd.cost"].backward_s for n in nodes)
+
+            def forward() -> Any:
+                with torch.enable_grad():
+                    return gm(*inputs)
+
+            def step() -> None:
+                forward().backward()
+
+            secs = _low_times({"f": forward, "fb": step}, repeats)
+            out.append((n_fwd, secs["f"] - ops_f, n_bwd, max(secs["fb"] - secs["f"], 0.0) - ops_b))
+    return out
+
+
+def _low_times(fns: dict[str, Any], repeats: int, quantile: float = 0.5) -> dict[str, float]:
+    """Seconds per call of each of ``fns``: ``repeats`` single calls of each, in turn (after 3 untimed),
+    and the ``quantile`` of each one's timings, in this thread's CPU time: on a machine shared with other
+    work a call of a few milliseconds is often preempted for tens of milliseconds, which wall time would
+    count and CPU time does not (one thread computes: ``torch.set_num_threads(1)``, as every runtime
+    process does)."""
+    import numpy as np
+
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.thread_time()
+            fn()
+            times[k].append(time.thread_time() - t0)
+    return {k: float(np.quantile(v, quantile)) for k, v in times.items()}
+
+
+def fit_node_samples(samples: list[tuple[int, float, int, float]]) -> tuple[float, float]:
+    """``(forward, backward)`` seconds per node through :func:`node_overhead_samples`: the slope of each
+    residual over its node count (:func:`~pdcompile.passes.costs.opclass.fit_node_overhead`; the fixed
+    part, a call's own cost, is the runtime's per-action cost)."""
+    from pdcompile.passes.costs.opclass import fit_node_overhead
+
+    _, fwd = fit_node_overhead([s[0] for s in samples], [s[1] for s in samples])
+    _, bwd = fit_node_overhead([s[2] for s in samples], [s[3] for s in samples])
+    return fwd, bwd
 
 
 def _torchrun_module(module: str, nproc: int, args: list[str], timeout: float) -> tuple[int, str]:
@@ -324,9 +420,12 @@ def with_corun(table: Any, compute_factor: float) -> Any:
     return dataclasses.replace(table, corun={2: max(1.0, float(compute_factor))})
 
 
-def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20) -> float:
+def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20,
+                           node_s: tuple[float, float] = (0.0, 0.0)) -> float:
     """A run's compute against its profile on this machine: the median, over both stages'
-    forward and backward, of the run's median action (less its per-action cost) / the profiled cost.
+    forward and backward, of the run's median action (less its per-action cost) / the profiled cost,
+    each of the stage's nodes charged ``node_s`` (forward, backward) beyond it as the calibrated model
+    charges them (``OpCostTable.node_s``), so that the factor is what is left: two processes side by side.
 
     The run is a traced 2-stage Flush run of a small VGG-style network (convolutions
     16-16-M-32-32-M on 32x32 images, Linear 2048-512-512-10; microbatches of 8), profiled in this
@@ -342,7 +441,9 @@ def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20) -> flo
     ratios = []
     for s, st in enumerate(plan.stages):
         for cat, attr in (("forward", "forward_s"), ("backward", "backward_s")):
-            prof = sum(getattr(l, attr) for l in chain.layers[st.first:st.last + 1]) * scale
+            mine = chain.layers[st.first:st.last + 1]
+            prof = sum(getattr(l, attr) for l in mine) * scale + \
+                node_s[cat == "backward"] * sum(len(l.members or (l.name,)) for l in mine)
             d = [e.end_s - e.start_s for e in _steady(events)
                  if e.rank == s and e.category == cat and e.name not in split]
             if d and prof > 0:

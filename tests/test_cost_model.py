@@ -16,7 +16,8 @@ from torch import nn
 
 from pdcompile import machine_cache
 from pdcompile.cluster import ClusterSpec, Device, Level, local_cpu_cluster
-from pdcompile.passes.costs.opclass import OP_CLASSES, OpCost, OpCostTable, fit_op_cost, op_class_of_name
+from pdcompile.passes.costs.opclass import (OP_CLASSES, OpCost, OpCostTable, fit_node_overhead, fit_op_cost,
+                                            op_class_of_name)
 from pdcompile.passes.costs.roofline import DEVICE_SPECS, contention
 
 pytestmark = pytest.mark.timeout(180)
@@ -52,18 +53,48 @@ def test_fit_refuses_what_it_cannot_fit() -> None:
 
 def test_op_classes_of_the_ops_that_matter() -> None:
     assert [op_class_of_name(n, module=True) for n in
-            ("Linear", "Conv2d", "MultiheadAttention", "LayerNorm", "GELU", "Embedding", "CrossEntropyLoss")] == \
-        ["matmul", "conv", "attention", "norm", "elementwise", "embedding", "loss"]
+            ("Linear", "Conv2d", "MultiheadAttention", "LayerNorm", "GELU", "Embedding", "CrossEntropyLoss",
+             "MaxPool2d", "AdaptiveAvgPool2d", "BertPooler")] == \
+        ["matmul", "conv", "attention", "norm", "elementwise", "embedding", "loss", "pool", "pool", "elementwise"]
     assert [op_class_of_name(n) for n in ("linear", "conv1d", "scaled_dot_product_attention", "group_norm", "add",
-                                          "embedding", "cross_entropy", "getitem", "view")] == \
-        ["matmul", "conv", "attention", "norm", "elementwise", "embedding", "loss", "view", "view"]
+                                          "embedding", "cross_entropy", "getitem", "view", "max_pool2d",
+                                          "adaptive_avg_pool1d")] == \
+        ["matmul", "conv", "attention", "norm", "elementwise", "embedding", "loss", "view", "view", "pool", "pool"]
+
+
+def test_node_overhead_fit_recovers_the_line_from_synthetic_timings() -> None:
+    """The calibration's per-node overhead: whole probe models' time beyond their ops at several node
+    counts is ``fixed + nodes x per_node``; the fit recovers both, and a timing a busy machine inflated
+    (one call preempted) moves neither (the median of pairwise slopes)."""
+    from pdcompile.calibrate import fit_node_samples
+
+    nodes = np.array([34, 34, 34, 88, 88, 88], dtype=float)
+    fixed, per_node = 150e-6, 21e-6
+    exact = fixed + nodes * per_node
+    assert fit_node_overhead(nodes, exact) == pytest.approx((fixed, per_node), rel=1e-9)
+    noisy = exact.copy()
+    noisy[4] *= 6.0
+    assert fit_node_overhead(nodes, noisy) == pytest.approx((fixed, per_node), rel=1e-9)
+    assert fit_node_overhead(nodes, np.full(6, 1e-4)) == pytest.approx((1e-4, 0.0))  # no growth: none per node
+    # forward and backward each through their own node counts (nodes with a backward: fewer)
+    samples = [(int(n), float(fixed + n * per_node), int(n) // 2, float(n // 2 * 40e-6)) for n in nodes]
+    assert fit_node_samples(samples) == pytest.approx((per_node, 40e-6), rel=1e-9)
+    from pdcompile.errors import UsageError
+
+    with pytest.raises(UsageError, match="two distinct node counts"):
+        fit_node_overhead([5, 5], [1e-5, 2e-5])
 
 
 def test_a_table_survives_its_json() -> None:
     t = OpCostTable({"matmul": OpCost(2e-5, 3e10), "view": OpCost(2e-6, float("inf"))},
-                    {"matmul": OpCost(4e-5, 2e10)}, "test")
+                    {"matmul": OpCost(4e-5, 2e10)}, "test", node_s=(2e-5, 3e-5))
     back = OpCostTable.from_dict(json.loads(json.dumps(t.to_dict())))
     assert back == t
+    # a calibration written before the per-node overhead still reads, with none
+    old = {k: v for k, v in t.to_dict().items() if k != "node"}
+    assert OpCostTable.from_dict(old).node_s == (0.0, 0.0)
+    with pytest.raises(ValueError, match="per-node"):
+        OpCostTable.from_dict({**t.to_dict(), "node": [-1.0, 0.0]})
 
 
 # -- the analytic model charges each op's fixed cost ---------------------------------------------------
@@ -102,11 +133,54 @@ def test_one_sample_microbatches_cost_more_per_sample_than_48() -> None:
     assert per_one - per_many == pytest.approx(fixed * (1 - 1 / 48), rel=0.05)
 
 
+class _Chain(nn.Module):
+    """A linear, then ``n`` cheap elementwise nodes: a chain whose cost is mostly per node."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc(x)
+        for _ in range(self.n):
+            x = x * 1.5
+        return x
+
+
+def test_a_chain_of_n_nodes_is_charged_n_times_the_node_overhead() -> None:
+    """With a calibration's per-node overhead ``(f, b)``, a chain of ``n`` nodes that all have a backward
+    is predicted dearer by ``n x f`` forward and ``n x b`` backward than with none, whatever their sizes,
+    and the whole of it is fixed cost (a microbatch of any size pays it)."""
+    from pdcompile.passes.annotate_costs import annotate_costs
+    from pdcompile.passes.costs.roofline import device_spec_for
+    from pdcompile.passes.trace import trace
+
+    table = OpCostTable({c: OpCost(1e-6, 1e10) for c in OP_CLASSES}, {c: OpCost(2e-6, 1e10) for c in OP_CLASSES},
+                        "synthetic")
+    f, b = 7e-6, 11e-6
+
+    def totals(n: int, node_s: tuple[float, float]) -> tuple[float, float, float, float]:
+        from dataclasses import replace
+
+        gm = trace(_Chain(n))
+        spec = device_spec_for(None).calibrated(replace(table, node_s=node_s))
+        annotate_costs(gm, (torch.randn(4, 8),), mode="analytic", device_spec=spec, symbolic=False, progress=False)
+        costs = [nd.meta["pd.cost"] for nd in gm.graph.nodes if nd.op in ("call_module", "call_function", "call_method")]
+        assert len(costs) == n + 1  # the linear and the n products: every one a node with a backward
+        return (sum(c.forward_s for c in costs), sum(c.backward_s for c in costs),
+                sum(c.forward_fixed_s for c in costs), sum(c.backward_fixed_s for c in costs))
+
+    for n in (3, 40):
+        plain, charged = totals(n, (0.0, 0.0)), totals(n, (f, b))
+        assert [c - p for c, p in zip(charged, plain)] == pytest.approx([(n + 1) * f, (n + 1) * b] * 2, rel=1e-9)
+
+
 # -- cost_mode="auto" and explain() ------------------------------------------------------------------
 
-def _write_calibration(folder: Path) -> OpCostTable:
+def _write_calibration(folder: Path, node_s: tuple[float, float] = (0.0, 0.0)) -> OpCostTable:
     table = OpCostTable({c: OpCost(1e-3, 1e12) for c in OP_CLASSES}, {c: OpCost(2e-3, 1e12) for c in OP_CLASSES},
-                        "python -m pdcompile.calibrate, 2026-12-07 05:00 UTC on testhost")
+                        "python -m pdcompile.calibrate, 2026-12-07 05:00 UTC on testhost", node_s=node_s)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "machine-constants.json").write_text(json.dumps({"key": machine_cache.machine_key(),
                                                                "op_costs": table.to_dict()}))
@@ -128,6 +202,14 @@ def test_auto_reads_this_machines_calibration_and_explain_says_which(pdcompile_c
     for layer in after.state.chain.layers:
         n = len(layer.members or (layer.name,))
         assert layer.forward_s == pytest.approx(1e-3 * n, rel=1e-3)
+    assert "no per-node overhead of a whole stage (calibrated before it" in text
+    # with the per-node overhead: each op 1 ms + 0.25 ms forward, and explain() names it
+    _write_calibration(pdcompile_cache, node_s=(2.5e-4, 5e-4))
+    noded = _compile(8, 4)
+    for layer in noded.state.chain.layers:
+        n = len(layer.members or (layer.name,))
+        assert layer.forward_s == pytest.approx(1.25e-3 * n, rel=1e-3)
+    assert "every node 250.0 us forward, 500.0 us backward beyond its op (per-node overhead" in noded.explain()
     # a cluster that is not this host (GPUs) stays analytic, and says why
     gpus = ClusterSpec(Device("H100", memory=80e9, peak_flops=67e12, memory_bandwidth=3.35e12),
                        (Level("gpus", 2, 450e9),))

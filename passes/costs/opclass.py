@@ -2,17 +2,22 @@
 ``seconds = alpha + work / rate``, forward and backward apart.
 
 Op classes are the kinds of kernel whose fixed cost and speed differ: ``matmul`` (linear, matmul,
-recurrent cells), ``conv``, ``attention``, ``norm``, ``elementwise`` (activations, pooling,
-dropout, softmax, arithmetic), ``embedding`` (and gathers), ``loss`` and ``view`` (shape ops that
-launch no kernel). Work is FLOPs for the first three, bytes read and written for the others (what
+recurrent cells), ``conv``, ``attention``, ``norm``, ``pool`` (max and average pooling: on one CPU
+thread a max pool moves its bytes tens of times slower than arithmetic does), ``elementwise``
+(activations, dropout, softmax, arithmetic), ``embedding`` (and gathers), ``loss`` and ``view``
+(shape ops that launch no kernel). Work is FLOPs for the first three, bytes read and written for the others (what
 ``annotate-costs`` counts for a node). ``python -m pdcompile.calibrate`` times each class at several
 sizes on this machine and fits ``alpha`` and ``rate`` (:func:`fit_op_cost`); without a calibration
-the analytic model adds :data:`DEFAULT_ALPHA_S` to its roofline (``roofline.DeviceSpec``).
+the analytic model adds :data:`DEFAULT_ALPHA_S` to its roofline (``roofline.DeviceSpec``). Beside the
+classes, the calibration fits what every node costs when a whole stage runs (``OpCostTable.node_s``,
+:func:`fit_node_overhead`): the generated forward's Python, autograd's node per op and its engine's
+visit in the backward, ops run one after another rather than each timed alone in a loop.
 Pure data and arithmetic: the node classifier reads only an fx node's target.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -20,10 +25,10 @@ import numpy as np
 
 from pdcompile.errors import UsageError
 
-__all__ = ["DEFAULT_ALPHA_S", "FLOP_CLASSES", "OP_CLASSES", "OpCost", "OpCostTable", "default_alphas", "fit_op_cost",
-           "op_class", "op_class_of_name"]
+__all__ = ["DEFAULT_ALPHA_S", "FLOP_CLASSES", "OP_CLASSES", "OpCost", "OpCostTable", "default_alphas", "fit_node_overhead",
+           "fit_op_cost", "op_class", "op_class_of_name"]
 
-OP_CLASSES = ("matmul", "conv", "attention", "norm", "elementwise", "embedding", "loss", "view")
+OP_CLASSES = ("matmul", "conv", "attention", "norm", "pool", "elementwise", "embedding", "loss", "view")
 FLOP_CLASSES = ("matmul", "conv", "attention")  # work in FLOPs; the others' in bytes read + written
 
 #: The fixed seconds of one op per class, forward (a backward is charged 1.5 times as much: it runs
@@ -32,9 +37,9 @@ FLOP_CLASSES = ("matmul", "conv", "attention")  # work in FLOPs; the others' in 
 #: 2-core development VM are in benchmarks/RESULTS.md); GPU: a kernel launch from eager PyTorch
 #: (5-10 us, the host's dispatch dominating small kernels), more for the few-kernel ops.
 DEFAULT_ALPHA_S: dict[str, dict[str, float]] = {
-    "cpu": {"matmul": 20e-6, "conv": 40e-6, "attention": 25e-6, "norm": 15e-6, "elementwise": 3e-6,
+    "cpu": {"matmul": 20e-6, "conv": 40e-6, "attention": 25e-6, "norm": 15e-6, "pool": 10e-6, "elementwise": 3e-6,
             "embedding": 15e-6, "loss": 15e-6, "view": 2e-6},
-    "gpu": {"matmul": 10e-6, "conv": 15e-6, "attention": 25e-6, "norm": 10e-6, "elementwise": 8e-6,
+    "gpu": {"matmul": 10e-6, "conv": 15e-6, "attention": 25e-6, "norm": 10e-6, "pool": 8e-6, "elementwise": 8e-6,
             "embedding": 10e-6, "loss": 20e-6, "view": 3e-6},
 }
 BACKWARD_ALPHA_FACTOR = 1.5
@@ -67,6 +72,15 @@ class OpCostTable:
     #: busy processes -> how much slower each computes than one alone (memory bandwidth and caches
     #: shared; measured by ``python -m pdcompile.calibrate`` up to the host's cores; 1 when absent)
     corun: Mapping[int, float] = field(default_factory=dict)
+    #: (forward, backward) seconds every node pays beyond its op's cost when a whole stage runs: the
+    #: generated forward's line and module call, autograd's node and the engine's visit of it in the
+    #: backward (a backward only for nodes that have one); fitted by ``python -m pdcompile.calibrate``
+    #: from whole probe models of 1 and 4 blocks (:func:`fit_node_overhead`); (0, 0) when absent
+    node_s: tuple[float, float] = (0.0, 0.0)
+
+    def node_overhead(self, backward: bool = False) -> float:
+        """Seconds one node pays beyond its op's fitted cost in a whole stage's forward (or backward)."""
+        return float(self.node_s[1 if backward else 0])
 
     def corun_factor(self, processes: int) -> float:
         """Each process's slowdown with ``processes`` computing at once on their own cores: the measured
@@ -81,7 +95,8 @@ class OpCostTable:
         return {"source": self.source,
                 "forward": {k: [v.alpha_s, rate(v.rate)] for k, v in sorted(self.forward.items())},
                 "backward": {k: [v.alpha_s, rate(v.rate)] for k, v in sorted(self.backward.items())},
-                "corun": {str(n): f for n, f in sorted(self.corun.items())}}
+                "corun": {str(n): f for n, f in sorted(self.corun.items())},
+                "node": [float(self.node_s[0]), float(self.node_s[1])]}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> OpCostTable:
@@ -100,7 +115,10 @@ class OpCostTable:
         corun = {int(n): float(f) for n, f in dict(d.get("corun") or {}).items()}
         if any(n < 1 or not f >= 1.0 for n, f in corun.items()):
             raise ValueError(f"bad co-running slowdowns {corun}")
-        return OpCostTable(part("forward"), part("backward"), str(d.get("source", "")), corun)
+        node = [float(x) for x in (d.get("node") or (0.0, 0.0))]  # absent in calibrations before it: none
+        if len(node) != 2 or not all(x >= 0 and math.isfinite(x) for x in node):
+            raise ValueError(f"bad per-node overhead {node}")
+        return OpCostTable(part("forward"), part("backward"), str(d.get("source", "")), corun, (node[0], node[1]))
 
 
 def fit_op_cost(work: Sequence[float] | np.ndarray, seconds: Sequence[float] | np.ndarray,
@@ -126,6 +144,24 @@ def fit_op_cost(work: Sequence[float] | np.ndarray, seconds: Sequence[float] | n
     return OpCost(float(alpha), float(1.0 / inv_rate))
 
 
+def fit_node_overhead(nodes: Sequence[float] | np.ndarray, residual_s: Sequence[float] | np.ndarray) -> tuple[float, float]:
+    """``(fixed, per_node)`` through a whole model's time beyond its ops' costs (``residual_s``) at ``nodes``
+    nodes each: the line ``fixed + nodes x per_node``, fitted robustly (Theil-Sen: the median of the
+    slopes between every two timings of different node counts, then the median intercept), so that a
+    timing a busy machine inflated moves neither; both clamped at 0 (the fixed part: a call's own cost,
+    e.g. the autograd engine's start). Needs two or more distinct node counts."""
+    n = np.asarray(nodes, dtype=float)
+    r = np.asarray(residual_s, dtype=float)
+    if n.shape != r.shape or n.ndim != 1 or len(np.unique(n)) < 2:
+        raise UsageError("fit_node_overhead: needs equal-length 1-D arrays with at least two distinct node counts")
+    if not np.all(np.isfinite(r)):
+        raise UsageError("fit_node_overhead: residual timings must be finite")
+    i, j = np.triu_indices(len(n), 1)
+    keep = n[i] != n[j]
+    slope = max(0.0, float(np.median((r[j] - r[i])[keep] / (n[j] - n[i])[keep])))
+    return max(0.0, float(np.median(r - slope * n))), slope
+
+
 def _fit(w: np.ndarray, t: np.ndarray) -> tuple[float, float]:
     """(alpha >= 0, 1 / rate) minimising the relative residuals ``(alpha + w / rate) / t - 1``."""
     A = np.stack([1.0 / t, w / t], axis=1)
@@ -140,6 +176,7 @@ _MODULE_CLASSES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("Conv",), "conv"),
     (("Attention",), "attention"),
     (("Norm",), "norm"),
+    (("MaxPool", "AvgPool", "LPPool"), "pool"),
     (("Embedding",), "embedding"),
     (("Loss",), "loss"),
     (("Flatten", "Unflatten", "Identity"), "view"),
@@ -165,6 +202,8 @@ def op_class_of_name(name: str, module: bool = False) -> str:
         return "matmul"
     if "norm" in low:
         return "norm"
+    if "pool" in low and "pooler" not in low:
+        return "pool"
     if low in _EMBEDDING:
         return "embedding"
     if "loss" in low or "entropy" in low or low == "kl_div":

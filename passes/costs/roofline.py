@@ -1,7 +1,8 @@
 """Analytic time: a :class:`DeviceSpec` roofline turns FLOPs and bytes into seconds, the same on
 every machine; presets by name, or the cluster's own device. Each op also pays its class's fixed
 cost (``passes/costs/opclass.py``): a preset's documented default, or, with this machine's
-calibration (``op_costs``), the fitted ``alpha + work / rate`` per class instead of the roofline."""
+calibration (``op_costs``), the fitted ``alpha + work / rate`` per class instead of the roofline, and every
+node the per-node overhead of a whole stage the calibration fitted (``OpCostTable.node_s``)."""
 
 from __future__ import annotations
 
@@ -34,21 +35,27 @@ class DeviceSpec:
         return max(compute, memory)
 
     def op_seconds(self, op: str, flops: float, nbytes: float, backward: bool = False) -> float:
-        """One op of class ``op``: with a calibration that fitted the class, its ``alpha + work / rate``
-        (work: FLOPs for matmul, conv and attention, else bytes); otherwise the roofline plus the
-        class's fixed cost (:attr:`alphas`, doubled for a backward)."""
+        """One op of class ``op`` in a stage: with a calibration that fitted the class, its ``alpha + work /
+        rate`` (work: FLOPs for matmul, conv and attention, else bytes); otherwise the roofline plus the
+        class's fixed cost (:attr:`alphas`, x1.5 for a backward); with a calibration, plus the node's
+        overhead in a whole stage (:meth:`node_overhead`)."""
         fit = None if self.op_costs is None else (self.op_costs.backward if backward else self.op_costs.forward).get(op)
         if fit is not None:
-            return fit.seconds(flops if op in FLOP_CLASSES else nbytes)
+            return fit.seconds(flops if op in FLOP_CLASSES else nbytes) + self.node_overhead(backward)
         alpha = dict(self.alphas).get(op, 0.0) * (BACKWARD_ALPHA_FACTOR if backward else 1.0)
-        return alpha + (0.0 if op == "view" else self.seconds(flops, nbytes))  # a view moves no bytes
+        return alpha + self.node_overhead(backward) + (0.0 if op == "view" else self.seconds(flops, nbytes))  # a view moves no bytes
 
     def op_fixed(self, op: str, backward: bool = False) -> float:
         """Of :meth:`op_seconds`, the fixed part (a microbatch of any size pays it once)."""
         fit = None if self.op_costs is None else (self.op_costs.backward if backward else self.op_costs.forward).get(op)
         if fit is not None:
-            return fit.alpha_s
-        return dict(self.alphas).get(op, 0.0) * (BACKWARD_ALPHA_FACTOR if backward else 1.0)
+            return fit.alpha_s + self.node_overhead(backward)
+        return dict(self.alphas).get(op, 0.0) * (BACKWARD_ALPHA_FACTOR if backward else 1.0) + self.node_overhead(backward)
+
+    def node_overhead(self, backward: bool = False) -> float:
+        """Seconds each node pays in a whole stage beyond its op (this machine's calibration,
+        ``OpCostTable.node_s``; 0 without one)."""
+        return 0.0 if self.op_costs is None else self.op_costs.node_overhead(backward)
 
     def with_default_alphas(self) -> DeviceSpec:
         """This spec with its device kind's documented fixed cost per op class (opclass.DEFAULT_ALPHA_S)."""
@@ -61,8 +68,12 @@ class DeviceSpec:
     def describe(self) -> str:
         """One line for ``explain()``: which time model the costs came from."""
         if self.op_costs is not None:
+            f, b = self.op_costs.node_s
+            node = (f"; every node {f * 1e6:.1f} us forward, {b * 1e6:.1f} us backward beyond its op "
+                    f"(per-node overhead of a whole stage, fitted)" if f or b else
+                    "; no per-node overhead of a whole stage (calibrated before it: python -m pdcompile.calibrate --refresh)")
             return (f"fixed cost + work / rate per op class, fitted on this machine ({self.op_costs.source}); "
-                    f"roofline {self} for classes it did not fit")
+                    f"roofline {self} for classes it did not fit{node}")
         if self.alphas:
             return (f"roofline {self} plus a documented default fixed cost per op "
                     f"({', '.join(f'{k} {v * 1e6:g} us' for k, v in self.alphas)}; x{BACKWARD_ALPHA_FACTOR:g} "
