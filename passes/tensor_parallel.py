@@ -603,7 +603,8 @@ def _vocab(gm: fx.GraphModule, t: int, loss: LossProgram | None,
 
     def vocab_ok(node: fx.Node, w: torch.Tensor) -> bool:
         if w.shape[0] % t:
-            whole[node.name] = f"{node.name}: its vocabulary of {w.shape[0]} does not divide by t={t} (stays whole)"
+            whole[node.name] = (f"{node.name}: its vocabulary of {w.shape[0]} does not divide by t={t} (stays whole; "
+                                f"to split it, pad the vocabulary to a multiple of {t}, as Megatron does)")
             return False
         return True
 

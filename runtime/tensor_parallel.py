@@ -176,6 +176,16 @@ class VocabParallelLoss(torch.nn.Module):
         return value.to_local() if isinstance(value, DTensor) else value
 
 
+def whole_output(output: Any) -> Any:
+    """A stage's output as user code (a validation metric) reads it: logits split by vocabulary (a DTensor, from
+    the split LM head) gathered whole, any other value itself. A collective over the tensor group where there is
+    a DTensor: every tensor index calls it at the same point."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.full_tensor() if isinstance(v, DTensor) else v, output)
+
+
 def loss_parallel_scope() -> Any:
     """torch's ``loss_parallel`` context; the trainer holds it open while a stage with a split head trains
     (its handlers act only on DTensors: the split head's logits)."""

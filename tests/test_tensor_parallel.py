@@ -5,7 +5,6 @@ same model (the zoo GPT and a small Hugging Face Llama, fp32, gloo), under flush
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 from pathlib import Path
@@ -14,46 +13,20 @@ from typing import Any
 import pytest
 import torch
 
-from _hf_llama import llama_config, token_batches
-from _ranks import run_ranks
-from pdcompile import api, reference
+from _hf_llama import token_batches
+from _tp_common import BATCH, CFG, MICRO, STEPS, assert_trained_like, compile_model, reference_weights, train
+from pdcompile import api
 from pdcompile.cli import main
 from pdcompile.errors import UsageError
 from pdcompile.merge import merge_weights
-from pdcompile.runtime.data import save_batches
 from pdcompile.runtime.launch import check_args, parse_args
 from pdcompile.runtime.program import Program
-from pdcompile.zoo import gpt
 from pdcompile.zoo.losses import SequenceCrossEntropy
-
-CFG = gpt.CONFIGS["small"]  # 2 layers, 2 heads, d=32, T=8, vocabulary 64
-STEPS, MICRO, BATCH, LR = 2, 2, 4, 0.1
-
-
-def _gpt() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return gpt.GPT(CFG)
-
-
-def _llama() -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(llama_config(CFG.vocab_size, attn_implementation="eager"))
-
-
-MODELS = {"gpt": (_gpt, "auto"), "llama": (_llama, "export")}
-
-
-def _opt(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
 def _compile(kind: str, stages: int, schedule: str = "flush", **kw: Any) -> Any:
-    build, frontend = MODELS[kind]
-    (x,), target = token_batches(CFG.vocab_size, 1, BATCH, CFG.seq_len)[0]
-    return api.pdcompile(build(), example_inputs=(x,), example_target=target, loss_fn=SequenceCrossEntropy(),
-                         optimizer=_opt, stages=stages, schedule=schedule, num_microbatches=MICRO,
-                         frontend=frontend, **kw)
+    return compile_model(kind, stages, schedule, SequenceCrossEntropy(),
+                         token_batches(CFG.vocab_size, 1, BATCH, CFG.seq_len), **kw)
 
 
 # The file's tests run on one xdist worker, one after another, so that a compile two of them make is made once:
@@ -173,21 +146,6 @@ def test_the_command_line_takes_tensor_parallel(tmp_path: Path, capsys: pytest.C
 
 # --- training: t = 2, and t = 2 x 2 stages -------------------------------------------------------
 
-def _reference(kind: str, stages: int, schedule: str, data: list[Any], max_norm: float | None,
-               norms: list[float], replicas: list[int]) -> dict[str, torch.Tensor]:
-    """The same model trained in one process with what ``schedule`` computes (reference.py), from the
-    stages of an untouched (t = 1) compile: final weights under the model's names."""
-    pipe = _compiled(kind, stages, schedule, None, None if set(replicas) == {1} else tuple(replicas))
-    mods = [copy.deepcopy(s.gm) for s in pipe.split.stages]
-    micro = [((x.chunk(MICRO)[j],), t.chunk(MICRO)[j]) for (x,), t in data for j in range(MICRO)]
-    fwd, bwd, group = (reference.pipedream_1f1b(replicas) if schedule == "1f1b"
-                       else reference.synchronous(MICRO))
-    reference.train_versioned(mods, [_opt(m.parameters()) for m in mods], SequenceCrossEntropy(), micro,
-                              fwd=fwd, bwd=bwd, group=group, scale=1.0 if schedule == "1f1b" else 1 / MICRO,
-                              tied=[list(g) for g in pipe.split.tied], max_norm=max_norm, norms=norms)
-    return {st.param_names[n]: p.detach() for st, m in zip(pipe.split.stages, mods) for n, p in m.named_parameters()}
-
-
 # (model, stages, schedule, clip, replicas): t = 2 on 2 and 4 processes; the last, (pipeline, data, tensor) = (1, 2, 2)
 CASES = [("gpt", 1, "flush", None, 1), ("gpt", 2, "1f1b", None, 1), ("llama", 1, "1f1b", None, 1),
          ("llama", 2, "flush", 0.5, 1), ("gpt", 1, "flush", None, 2)]
@@ -200,15 +158,10 @@ CASES = [("gpt", 1, "flush", None, 1), ("gpt", 2, "1f1b", None, 1), ("llama", 1,
 def test_tensor_parallel_trains_like_one_process(tmp_path: Path, kind: str, stages: int, schedule: str,
                                                  clip: float | None, reps: int) -> None:
     data = token_batches(CFG.vocab_size, STEPS, BATCH, CFG.seq_len)
-    save_batches(data, STEPS, tmp_path / "data.pt")
     replicas = [reps] * stages
     pipe = _compiled(kind, stages, schedule, 2, None if reps == 1 else tuple(replicas))  # one replica: the default
-    prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
-                                              "kwargs": {"path": str(tmp_path / "data.pt")}})
     extra = ["--clip-grad-norm", str(clip)] if clip is not None else []
-    rc, log = run_ranks(prog, 2 * stages * reps, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
-                                           "--metrics", str(tmp_path / "m"), "--timeout", "90", *extra], timeout=400)
-    assert rc == 0, log[-3000:]
+    prog = train(pipe, tmp_path, data, 2 * stages * reps, extra)
     # one file per pipeline rank (its tensor index 0 writes), gathered whole; index 1 writes its copy of the
     # parameters left whole, which must be index 0's exactly (each index computed their gradients alone)
     files = sorted(p.name for p in (tmp_path / "final").iterdir())
@@ -222,12 +175,10 @@ def test_tensor_parallel_trains_like_one_process(tmp_path: Path, kind: str, stag
         assert len(one) < len([n for n in zero if "weight" in n or "bias" in n])  # some were split
     got = merge_weights(prog, tmp_path / "final")
     norms: list[float] = []
-    want = _reference(kind, stages, schedule, data, clip, norms, replicas)
-    initial = {k: v.detach() for k, v in MODELS[kind][0]().named_parameters()}
-    assert set(want) <= set(got)
-    for k, w in want.items():
-        torch.testing.assert_close(got[k], w, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
-    assert sum(not torch.equal(want[k], initial[k]) for k in want) > len(want) // 2  # it trained
+    plain = _compiled(kind, stages, schedule, None, None if reps == 1 else tuple(replicas))
+    want, _ = reference_weights(plain, schedule, SequenceCrossEntropy(), data, replicas=replicas, max_norm=clip,
+                                norms=norms)
+    assert_trained_like(got, want, kind)
     if clip is not None:  # the global norm counts each shard once and each whole parameter once
         metrics = json.loads((tmp_path / "m" / "rank_0.json").read_text())
         assert len(metrics["grad_norms"]) == STEPS and min(norms) > clip  # it clipped
