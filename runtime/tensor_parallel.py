@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pdcompile.errors import UsageError
+
 
 @dataclass(frozen=True)
 class TPRank:
@@ -265,8 +267,9 @@ def layouts(module: torch.nn.Module, entry: Mapping[str, Any]) -> dict[str, Layo
         if not shards:
             continue
         if len(shards) > 1 or p.device_mesh.ndim != 1:
-            raise NotImplementedError(f"{name}: split over {p.placements} of a {p.device_mesh.ndim}-D mesh; "
-                                      f"checkpoints read and write parameters split along one dimension")
+            raise UsageError(f"{name}: split over {p.placements} of a {p.device_mesh.ndim}-D mesh (a split stage's "
+                             f"replicas sharded too); checkpoints, init_from and merge read and write parameters split "
+                             f"along one dimension of the tensor mesh: run the stage with shard 'none'")
         owner = name.rpartition(".")[0]
         out[name] = Layout(int(shards[0][1].dim), p.device_mesh.size(), p.device_mesh.get_local_rank(),
                            fused.get(owner, 1))

@@ -44,7 +44,7 @@ def opt(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
-def compile_model(kind: str, stages: int, schedule: str, loss_fn: Any, example: Batches,
+def compile_model(kind: str, stages: int | None, schedule: str, loss_fn: Any, example: Batches,
                   build_kw: dict[str, Any] | None = None, **kw: Any) -> Any:
     """``kind`` (a key of :data:`MODELS`, built with ``build_kw``) compiled on the first of ``example``'s
     minibatches."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from _hf_llama import token_batches
 from _tp_common import BATCH, CFG, MICRO, STEPS, assert_trained_like, compile_model, reference_weights, train
 from pdcompile import api
 from pdcompile.cli import main
+from pdcompile.cluster import local_cpu_cluster, paper_cluster
 from pdcompile.errors import UsageError
 from pdcompile.merge import merge_weights
 from pdcompile.runtime.launch import check_args, parse_args
@@ -24,7 +27,7 @@ from pdcompile.runtime.program import Program
 from pdcompile.zoo.losses import SequenceCrossEntropy
 
 
-def _compile(kind: str, stages: int, schedule: str = "flush", **kw: Any) -> Any:
+def _compile(kind: str, stages: int | None, schedule: str = "flush", **kw: Any) -> Any:
     return compile_model(kind, stages, schedule, SequenceCrossEntropy(),
                          token_batches(CFG.vocab_size, 1, BATCH, CFG.seq_len), **kw)
 
@@ -128,6 +131,66 @@ def test_degrees_that_do_not_fit_are_refused_with_the_fix() -> None:
         _compile("gpt", 2, tensor_parallel=[2, 1])
     with pytest.raises(UsageError, match="splits every backward, which tensor parallelism does not run yet"):
         _compile("gpt", 1, "zb-h1", tensor_parallel=2)
+    # a hidden size t does not divide
+    with pytest.raises(UsageError, match=r"tensor_parallel=4 does not divide the 6 output features of up .* give a "
+                                         r"degree that divides the head count and the hidden sizes"):
+        api.pdcompile(_Pair(), example_inputs=(torch.randn(4, 8),), example_target=torch.randn(4, 8),
+                      loss_fn=torch.nn.MSELoss(), stages=1, num_microbatches=2, tensor_parallel=4)
+    # t across a level it does not fit in, whether the planner or the user chooses the stages (refused before
+    # any pass: the GPT's 2 heads would refuse t=4 and t=16 too, later)
+    for cluster, t, where in ((local_cpu_cluster(2), 4, "processes unit of 2 workers"),
+                              (paper_cluster("B"), 16, "gpus-in-server unit of 8 workers")):
+        for stages in (None, 1):
+            with pytest.raises(UsageError, match=rf"^tensor_parallel={t} does not fit in one {where} .* give a "
+                                                 rf"degree that divides"):
+                _compile("gpt", stages, tensor_parallel=t, cluster=cluster)
+    # replicas of a split stage sharded (FSDP2, ZeRO-1): not run yet (DTensors on a 2-D mesh), refused at compile
+    for mode in ("full", "optimizer"):
+        with pytest.raises(UsageError, match=rf"stage 0 shards its 2 replicas \(shard='{mode}'\) and is split by "
+                                             r"tensor_parallel=2, which is not run yet; give shard='none'"):
+            _compile("gpt", 1, tensor_parallel=2, replicas=[2], shard=mode)
+
+
+class _Pair(torch.nn.Module):
+    """A linear pair whose hidden size (6) t = 4 does not divide."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+def test_a_degree_that_does_not_fit_is_one_line_from_the_command_line(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "pdcompile.cli", "emit", "zoo:gpt", "--stages", "1", "--tensor-parallel", "4",
+           "--cluster", "local:2", "-o", str(tmp_path / "prog")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [line for line in p.stderr.splitlines() if line.strip() and "warning" not in line]
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "tensor_parallel=4 does not fit in one processes unit of 2 workers" in lines[0] and "give a degree" in lines[0]
+    assert not (tmp_path / "prog").exists()
+
+
+def test_a_parameter_split_over_a_two_dimensional_mesh_is_refused_by_checkpoints(tmp_path: Path) -> None:
+    """runtime/tensor_parallel.py's layouts read parameters split along one dimension of the tensor mesh; a split
+    stage's replicas sharded too (refused at compile, above) would put them on a 2-D mesh: our error, not a crash."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from pdcompile.runtime.tensor_parallel import layouts
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", torch.zeros(1, 1, dtype=torch.int), mesh_dim_names=("data", "tensor"))
+        lin = torch.nn.Linear(4, 4)
+        lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0), Shard(0)]))
+        with pytest.raises(UsageError, match=r"weight: split over .* of a 2-D mesh .* run the stage with shard 'none'"):
+            layouts(lin, {"degree": 1})
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_command_line_takes_tensor_parallel(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
