@@ -29,7 +29,7 @@ class ScheduleOptions:
 
 
 def run(state: CompileState, opts: ScheduleOptions) -> CompileState:
-    """Reads ``stage_ranks``, ``stages`` (tied weights), ``tensor_parallel`` and ``cluster``; writes ``schedule_spec`` and
+    """Reads ``stage_ranks``, ``stages`` (tied weights), ``tensor_parallel``, ``plan`` (shard modes) and ``cluster``; writes ``schedule_spec`` and
     ``schedule`` (one step's actions)."""
     replicas = tuple(len(r) for r in need(state.stage_ranks, "stage_ranks"))
     tied = bool(need(state.stages, "stages").tied)
@@ -39,6 +39,11 @@ def run(state: CompileState, opts: ScheduleOptions) -> CompileState:
             raise UsageError(f"schedule={opts.schedule!r} splits every backward, which tensor parallelism does not "
                              f"run yet; choose flush, gpipe, 1f1b or 2bw, or tensor_parallel=1")
         split = False
+        for k, (st, tp) in enumerate(zip(state.plan.stages if state.plan is not None else (), state.tensor_parallel.stages)):
+            if tp.degree > 1 and st.shard != "none":  # FSDP2 or ZeRO-1 over a stage split by tensor parallelism
+                raise UsageError(f"stage {k} shards its {st.replicas} replicas (shard={st.shard!r}) and is split by "
+                                 f"tensor_parallel={tp.degree}, which is not run yet; give shard='none' (or "
+                                 f"tensor_parallel=1)")
     if split is None and len(replicas) == 1 and opts.virtual_stages == 1:
         split = False  # one stage: no stage before it waits for its input gradients, so a split only adds actions
     if split is None:

@@ -531,7 +531,8 @@ def _vocab(gm: fx.GraphModule, t: int, loss: LossProgram | None,
 
     def vocab_ok(node: fx.Node, w: torch.Tensor) -> bool:
         if w.shape[0] % t:
-            whole[node.name] = f"{node.name}: its vocabulary of {w.shape[0]} does not divide by t={t} (stays whole)"
+            whole[node.name] = (f"{node.name}: its vocabulary of {w.shape[0]} does not divide by t={t} (stays whole; "
+                                f"to split it, pad the vocabulary to a multiple of {t}, as Megatron does)")
             return False
         return True
 
@@ -680,16 +681,14 @@ def _as_module(gm: fx.GraphModule, node: fx.Node, wb: tuple[torch.Tensor, torch.
                param_names: dict[str, str]) -> str:
     """The module name of a linear node; an ``aten.linear`` on weight attributes becomes a call of a new
     ``nn.Linear`` holding the same parameters (``param_names`` follows the new names)."""
+    from pdcompile.passes import vocab_parallel as vp
+
     if node.op == "call_module":
         return str(node.target)
     w_node = node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
     b_node = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     assert isinstance(w_node, fx.Node)
-    base = str(w_node.target)
-    base = base[: -len("_weight")] if base.endswith("_weight") and len(base) > 7 else base + "_linear"
-    name, i = base, 1
-    while hasattr(gm, name):
-        name, i = f"{base}_{i}", i + 1
+    name = vp.free_module_name(gm, str(w_node.target), "_linear")
     weight, bias = wb
     lin: Any = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
     lin.weight = weight

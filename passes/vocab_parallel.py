@@ -150,6 +150,17 @@ def _device_reads(graph: fx.Graph, w: fx.Node) -> list[fx.Node]:
             and all(u.op == "call_function" and u.target is getattr and u.args[1:] == ("device",) for u in n.users)]
 
 
+def free_module_name(gm: fx.GraphModule, weight_target: str, suffix: str) -> str:
+    """A name no attribute of ``gm`` has, for the module that takes over the weight attribute ``weight_target``
+    (``layer_weight`` -> ``layer``; any other name gets ``suffix``), numbered where taken."""
+    base = weight_target[: -len("_weight")] if weight_target.endswith("_weight") and len(weight_target) > 7 \
+        else weight_target + suffix
+    name, i = base, 1
+    while hasattr(gm, name):
+        name, i = f"{base}_{i}", i + 1
+    return name
+
+
 def as_embedding(gm: fx.GraphModule, node: fx.Node, param_names: dict[str, str]) -> str:
     """The module name of an embedding node; ``aten.embedding`` on a weight attribute becomes a call of a
     new ``nn.Embedding`` holding the same parameter (``param_names`` follows the new name)."""
@@ -157,11 +168,7 @@ def as_embedding(gm: fx.GraphModule, node: fx.Node, param_names: dict[str, str])
         return str(node.target)
     w_node = node.args[0]
     assert isinstance(w_node, fx.Node)
-    base = str(w_node.target)
-    base = base[: -len("_weight")] if base.endswith("_weight") and len(base) > 7 else base + "_embedding"
-    name, i = base, 1
-    while hasattr(gm, name):
-        name, i = f"{base}_{i}", i + 1
+    name = free_module_name(gm, str(w_node.target), "_embedding")
     obj: Any = gm
     for part in str(w_node.target).split("."):
         obj = getattr(obj, part)

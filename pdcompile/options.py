@@ -244,6 +244,13 @@ def _check(model: Any, example_inputs: Any, opts: Options) -> tuple[Example, int
     for what in ("lr_scheduler", "data"):  # a callable the ranks run: by name or by value, else refused here
         if getattr(opts, what) is not None and not isinstance(getattr(opts, what), dict):
             callables.check(getattr(opts, what), what)
+    if isinstance(opts.cluster, ClusterSpec):  # t inside the innermost level, with stages= given too
+        from pdcompile.passes.planner.tensor import check_fits
+
+        asked = opts.tensor_parallel
+        for t in sorted({asked} if isinstance(asked, int) else set(asked) if isinstance(asked, (list, tuple)) else set()):
+            if isinstance(t, int) and not isinstance(t, bool):
+                check_fits(t, opts.cluster)
     if opts.precision not in PRECISIONS:
         raise UsageError(f"pdcompile: precision must be one of {PRECISIONS}, got {opts.precision!r}")
     if opts.clip_grad_norm is not None:

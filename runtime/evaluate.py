@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdcompile.runtime import comm, devices
+from pdcompile.runtime import comm, devices, tensor_parallel
 from pdcompile.runtime.data import Reader
 from pdcompile.runtime.executor import StageExecutor
 from pdcompile.runtime.program import PICKLED, Program, load_callable
@@ -163,7 +163,7 @@ class Evaluator:
                     loss = ex.loss_fn(out, target)
                 sums[0] += loss.double()
                 if self.metric is not None:
-                    sums[1] += float(self.metric[1](out, target))
+                    sums[1] += float(self.metric[1](tensor_parallel.whole_output(out), target))
                 sums[2] += 1
             while len(sends) > 4 * self.M:  # bounded: each is taken by its receiver in order
                 for w in sends.popleft():

@@ -42,7 +42,7 @@ def storages(tensors: Iterable[Any]) -> dict[int, int]:
     return out
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor, without autograd (inside a saved-tensor hook), as of any wrapper subclass
     (a functional collective's pending result, which a split embedding's sum saves); a plain tensor itself."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -131,7 +131,7 @@ class MemoryMeter:
             if not gathered:  # the first saved tensor: the gathered working copy is held now (not an activation)
                 skip.update(storages(p for p in self.module.parameters() if p is local(p)))
                 gathered = True
-            held = _plain(t)  # a DTensor autograd saves (tensor parallelism): its local tensor's storage
+            held = plain_tensor(t)  # a DTensor autograd saves (tensor parallelism): its local tensor's storage
             if held.untyped_storage().data_ptr() not in skip:
                 _note(mine, held, self.data_storages)
             return t.detach()  # a detached alias: no cycle through an output's own grad_fn
@@ -151,8 +151,9 @@ class MemoryMeter:
             return
         mine = self.activations.setdefault(microbatch, {})
         for t in tensors:
-            if isinstance(t, torch.Tensor) and _plain(t).untyped_storage().data_ptr() not in self.static:
-                _note(mine, t, self.data_storages)
+            held = plain_tensor(t) if isinstance(t, torch.Tensor) else None  # a DTensor: its local tensor
+            if held is not None and held.untyped_storage().data_ptr() not in self.static:
+                _note(mine, held, self.data_storages)
 
     def measure(self, in_flight: Iterable[int], posted: Iterable[torch.Tensor], live_versions: int,
                 rebuilding: bool = False) -> None:

@@ -37,6 +37,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
 
+from pdcompile.runtime.memory import plain_tensor
+
 MODES = ("none", "full", "selective", "partial")
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
@@ -244,13 +246,15 @@ class FlopOutputs(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         flop = kept(func)
-        ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        # a DTensor (tensor parallelism) holds no storage of its own: its local tensor's
+        ins = {plain_tensor(t).untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+               if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
             if flop:
                 self.outputs.append(t)
-            st = t.untyped_storage()
+            st = plain_tensor(t).untyped_storage()
             ptr = st.data_ptr()
             if ptr not in ins and ptr not in self.seen:
                 self.seen.add(ptr)
@@ -308,10 +312,10 @@ class StageRecompute:
                 calls[0] += 1
                 if calls[0] == 1:
                     return fn(p, *xs)
-                on_rebuild()
                 # a rebuild is not a forward: buffers it updates (BatchNorm's running statistics,
                 # its batch count) get back the values the microbatch's own forward left
-                with _disable_current_modes():  # outside selective's caching mode: not ops of the stage
+                with _disable_current_modes():  # outside selective's caching mode: not ops of the stage (the
+                    on_rebuild()  # measure reads a DTensor gradient's local tensor: an op selective would count)
                     kept = {n: b.clone() for n, b in self.module.named_buffers()}
                 try:  # (checkpoint may stop a rebuild early, by an exception, once it has what it needs)
                     return fn(p, *xs)
@@ -347,7 +351,7 @@ class StageRecompute:
         if self.mode == "selective":
             with FlopOutputs() as rec:
                 run_stage(params, *inputs)
-            return {t.untyped_storage().data_ptr() for t in rec.outputs}
+            return {plain_tensor(t).untyped_storage().data_ptr() for t in rec.outputs}
         run_stage(params, *inputs)
         return set()
 

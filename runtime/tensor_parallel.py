@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pdcompile.errors import UsageError
+
 
 @dataclass(frozen=True)
 class TPRank:
@@ -316,6 +318,16 @@ class VocabParallelLoss(torch.nn.Module):
         return value.to_local() if isinstance(value, DTensor) else value
 
 
+def whole_output(output: Any) -> Any:
+    """A stage's output as user code (a validation metric) reads it: logits split by vocabulary (a DTensor, from
+    the split LM head) gathered whole, any other value itself. A collective over the tensor group where there is
+    a DTensor: every tensor index calls it at the same point."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.full_tensor() if isinstance(v, DTensor) else v, output)
+
+
 def loss_parallel_scope() -> Any:
     """torch's ``loss_parallel`` context; the trainer holds it open while a stage with a split head trains
     (its handlers act only on DTensors: the split head's logits)."""
@@ -395,8 +407,9 @@ def layouts(module: torch.nn.Module, entry: Mapping[str, Any]) -> dict[str, Layo
         if not shards:
             continue
         if len(shards) > 1 or p.device_mesh.ndim != 1:
-            raise NotImplementedError(f"{name}: split over {p.placements} of a {p.device_mesh.ndim}-D mesh; "
-                                      f"checkpoints read and write parameters split along one dimension")
+            raise UsageError(f"{name}: split over {p.placements} of a {p.device_mesh.ndim}-D mesh (a split stage's "
+                             f"replicas sharded too); checkpoints, init_from and merge read and write parameters split "
+                             f"along one dimension of the tensor mesh: run the stage with shard 'none'")
         owner = name.rpartition(".")[0]
         out[name] = Layout(int(shards[0][1].dim), p.device_mesh.size(), p.device_mesh.get_local_rank(),
                            fused.get(owner, 1))

@@ -5,55 +5,31 @@ same model (the zoo GPT and a small Hugging Face Llama, fp32, gloo), under flush
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from _hf_llama import llama_config, token_batches
-from _ranks import run_ranks
-from pdcompile import api, reference
+from _hf_llama import token_batches
+from _tp_common import BATCH, CFG, MICRO, STEPS, assert_trained_like, compile_model, reference_weights, train
+from pdcompile import api
 from pdcompile.cli import main
+from pdcompile.cluster import local_cpu_cluster, paper_cluster
 from pdcompile.errors import UsageError
 from pdcompile.merge import merge_weights
-from pdcompile.runtime.data import save_batches
 from pdcompile.runtime.launch import check_args, parse_args
 from pdcompile.runtime.program import Program
-from pdcompile.zoo import gpt
 from pdcompile.zoo.losses import SequenceCrossEntropy
 
-CFG = gpt.CONFIGS["small"]  # 2 layers, 2 heads, d=32, T=8, vocabulary 64
-STEPS, MICRO, BATCH, LR = 2, 2, 4, 0.1
 
-
-def _gpt() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return gpt.GPT(CFG)
-
-
-def _llama() -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(llama_config(CFG.vocab_size, attn_implementation="eager"))
-
-
-MODELS = {"gpt": (_gpt, "auto"), "llama": (_llama, "export")}
-
-
-def _opt(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=LR, momentum=0.9)
-
-
-def _compile(kind: str, stages: int, schedule: str = "flush", **kw: Any) -> Any:
-    build, frontend = MODELS[kind]
-    (x,), target = token_batches(CFG.vocab_size, 1, BATCH, CFG.seq_len)[0]
-    return api.pdcompile(build(), example_inputs=(x,), example_target=target, loss_fn=SequenceCrossEntropy(),
-                         optimizer=_opt, stages=stages, schedule=schedule, num_microbatches=MICRO,
-                         frontend=frontend, **kw)
+def _compile(kind: str, stages: int | None, schedule: str = "flush", **kw: Any) -> Any:
+    return compile_model(kind, stages, schedule, SequenceCrossEntropy(),
+                         token_batches(CFG.vocab_size, 1, BATCH, CFG.seq_len), **kw)
 
 
 # The file's tests run on one xdist worker, one after another, so that a compile two of them make is made once:
@@ -153,6 +129,66 @@ def test_degrees_that_do_not_fit_are_refused_with_the_fix() -> None:
         _compile("gpt", 1, tensor_parallel="auto")
     with pytest.raises(UsageError, match="splits every backward, which tensor parallelism does not run yet"):
         _compile("gpt", 1, "zb-h1", tensor_parallel=2)
+    # a hidden size t does not divide
+    with pytest.raises(UsageError, match=r"tensor_parallel=4 does not divide the 6 output features of up .* give a "
+                                         r"degree that divides the head count and the hidden sizes"):
+        api.pdcompile(_Pair(), example_inputs=(torch.randn(4, 8),), example_target=torch.randn(4, 8),
+                      loss_fn=torch.nn.MSELoss(), stages=1, num_microbatches=2, tensor_parallel=4)
+    # t across a level it does not fit in, whether the planner or the user chooses the stages (refused before
+    # any pass: the GPT's 2 heads would refuse t=4 and t=16 too, later)
+    for cluster, t, where in ((local_cpu_cluster(2), 4, "processes unit of 2 workers"),
+                              (paper_cluster("B"), 16, "gpus-in-server unit of 8 workers")):
+        for stages in (None, 1):
+            with pytest.raises(UsageError, match=rf"^tensor_parallel={t} does not fit in one {where} .* give a "
+                                                 rf"degree that divides"):
+                _compile("gpt", stages, tensor_parallel=t, cluster=cluster)
+    # replicas of a split stage sharded (FSDP2, ZeRO-1): not run yet (DTensors on a 2-D mesh), refused at compile
+    for mode in ("full", "optimizer"):
+        with pytest.raises(UsageError, match=rf"stage 0 shards its 2 replicas \(shard='{mode}'\) and is split by "
+                                             r"tensor_parallel=2, which is not run yet; give shard='none'"):
+            _compile("gpt", 1, tensor_parallel=2, replicas=[2], shard=mode)
+
+
+class _Pair(torch.nn.Module):
+    """A linear pair whose hidden size (6) t = 4 does not divide."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+def test_a_degree_that_does_not_fit_is_one_line_from_the_command_line(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "pdcompile.cli", "emit", "zoo:gpt", "--stages", "1", "--tensor-parallel", "4",
+           "--cluster", "local:2", "-o", str(tmp_path / "prog")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [line for line in p.stderr.splitlines() if line.strip() and "warning" not in line]
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "tensor_parallel=4 does not fit in one processes unit of 2 workers" in lines[0] and "give a degree" in lines[0]
+    assert not (tmp_path / "prog").exists()
+
+
+def test_a_parameter_split_over_a_two_dimensional_mesh_is_refused_by_checkpoints(tmp_path: Path) -> None:
+    """runtime/tensor_parallel.py's layouts read parameters split along one dimension of the tensor mesh; a split
+    stage's replicas sharded too (refused at compile, above) would put them on a 2-D mesh: our error, not a crash."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from pdcompile.runtime.tensor_parallel import layouts
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", torch.zeros(1, 1, dtype=torch.int), mesh_dim_names=("data", "tensor"))
+        lin = torch.nn.Linear(4, 4)
+        lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0), Shard(0)]))
+        with pytest.raises(UsageError, match=r"weight: split over .* of a 2-D mesh .* run the stage with shard 'none'"):
+            layouts(lin, {"degree": 1})
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_command_line_takes_tensor_parallel(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -171,21 +207,6 @@ def test_the_command_line_takes_tensor_parallel(tmp_path: Path, capsys: pytest.C
 
 # --- training: t = 2, and t = 2 x 2 stages -------------------------------------------------------
 
-def _reference(kind: str, stages: int, schedule: str, data: list[Any], max_norm: float | None,
-               norms: list[float], replicas: list[int]) -> dict[str, torch.Tensor]:
-    """The same model trained in one process with what ``schedule`` computes (reference.py), from the
-    stages of an untouched (t = 1) compile: final weights under the model's names."""
-    pipe = _compiled(kind, stages, schedule, None, None if set(replicas) == {1} else tuple(replicas))
-    mods = [copy.deepcopy(s.gm) for s in pipe.split.stages]
-    micro = [((x.chunk(MICRO)[j],), t.chunk(MICRO)[j]) for (x,), t in data for j in range(MICRO)]
-    fwd, bwd, group = (reference.pipedream_1f1b(replicas) if schedule == "1f1b"
-                       else reference.synchronous(MICRO))
-    reference.train_versioned(mods, [_opt(m.parameters()) for m in mods], SequenceCrossEntropy(), micro,
-                              fwd=fwd, bwd=bwd, group=group, scale=1.0 if schedule == "1f1b" else 1 / MICRO,
-                              tied=[list(g) for g in pipe.split.tied], max_norm=max_norm, norms=norms)
-    return {st.param_names[n]: p.detach() for st, m in zip(pipe.split.stages, mods) for n, p in m.named_parameters()}
-
-
 # (model, stages, schedule, clip, replicas): t = 2 on 2 and 4 processes; the last, (pipeline, data, tensor) = (1, 2, 2)
 CASES = [("gpt", 1, "flush", None, 1), ("gpt", 2, "1f1b", None, 1), ("llama", 1, "1f1b", None, 1),
          ("llama", 2, "flush", 0.5, 1), ("gpt", 1, "flush", None, 2)]
@@ -198,15 +219,10 @@ CASES = [("gpt", 1, "flush", None, 1), ("gpt", 2, "1f1b", None, 1), ("llama", 1,
 def test_tensor_parallel_trains_like_one_process(tmp_path: Path, kind: str, stages: int, schedule: str,
                                                  clip: float | None, reps: int) -> None:
     data = token_batches(CFG.vocab_size, STEPS, BATCH, CFG.seq_len)
-    save_batches(data, STEPS, tmp_path / "data.pt")
     replicas = [reps] * stages
     pipe = _compiled(kind, stages, schedule, 2, None if reps == 1 else tuple(replicas))  # one replica: the default
-    prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
-                                              "kwargs": {"path": str(tmp_path / "data.pt")}})
     extra = ["--clip-grad-norm", str(clip)] if clip is not None else []
-    rc, log = run_ranks(prog, 2 * stages * reps, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
-                                           "--metrics", str(tmp_path / "m"), "--timeout", "90", *extra], timeout=400)
-    assert rc == 0, log[-3000:]
+    prog = train(pipe, tmp_path, data, 2 * stages * reps, extra)
     # one file per pipeline rank (its tensor index 0 writes), gathered whole; index 1 writes its copy of the
     # parameters left whole, which must be index 0's exactly (each index computed their gradients alone)
     files = sorted(p.name for p in (tmp_path / "final").iterdir())
@@ -220,12 +236,10 @@ def test_tensor_parallel_trains_like_one_process(tmp_path: Path, kind: str, stag
         assert len(one) < len([n for n in zero if "weight" in n or "bias" in n])  # some were split
     got = merge_weights(prog, tmp_path / "final")
     norms: list[float] = []
-    want = _reference(kind, stages, schedule, data, clip, norms, replicas)
-    initial = {k: v.detach() for k, v in MODELS[kind][0]().named_parameters()}
-    assert set(want) <= set(got)
-    for k, w in want.items():
-        torch.testing.assert_close(got[k], w, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
-    assert sum(not torch.equal(want[k], initial[k]) for k in want) > len(want) // 2  # it trained
+    plain = _compiled(kind, stages, schedule, None, None if reps == 1 else tuple(replicas))
+    want, _ = reference_weights(plain, schedule, SequenceCrossEntropy(), data, replicas=replicas, max_norm=clip,
+                                norms=norms)
+    assert_trained_like(got, want, kind)
     if clip is not None:  # the global norm counts each shard once and each whole parameter once
         metrics = json.loads((tmp_path / "m" / "rank_0.json").read_text())
         assert len(metrics["grad_norms"]) == STEPS and min(norms) > clip  # it clipped

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -17,30 +18,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _hf_llama import llama_config, token_batches
-from _ranks import run_ranks
-from pdcompile import api, reference
+from _hf_llama import token_batches
+from _tp_common import BATCH, CFG, MICRO, MODELS, STEPS, assert_trained_like, compile_model, gpt_model, opt, \
+    reference_weights, train
+from pdcompile import api
 from pdcompile.merge import merge_weights
-from pdcompile.runtime.data import save_batches
-from pdcompile.zoo import gpt
+from pdcompile.runtime.data import from_file, save_batches
 from pdcompile.zoo.losses import SequenceCrossEntropy
 
-CFG = gpt.CONFIGS["small"]  # 2 layers, 2 heads, d=32, T=8, vocabulary 64
 V = CFG.vocab_size
-STEPS, MICRO, BATCH, LR = 2, 2, 4, 0.1
 
 pytestmark = pytest.mark.xdist_group("tensor_parallel")  # one worker: the compiles below are made once
-
-
-def _gpt() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return gpt.GPT(CFG)
-
-
-def _llama() -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(llama_config(V, attn_implementation="eager"))  # head untied
 
 
 def _flat_ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # as a user writes it
@@ -51,31 +39,23 @@ def _smoothed(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # no plain c
     return F.cross_entropy(out.reshape(-1, V), y.reshape(-1), label_smoothing=0.1)
 
 
-MODELS = {"gpt": (_gpt, "auto"), "llama": (_llama, "export")}
 LOSSES = {"seq": SequenceCrossEntropy(), "flat": _flat_ce, "smooth": _smoothed}
 
 
-def _data() -> list[Any]:
+def _data(vocab: int = V) -> list[Any]:
     """Token batches whose targets ignore some positions (-100, as Hugging Face pads labels)."""
-    data = token_batches(V, STEPS, BATCH, CFG.seq_len)
+    data = token_batches(vocab, STEPS, BATCH, CFG.seq_len)
     for (_, y) in data:
         y[0, :3] = -100
         y[2, 5:] = -100
     return data
 
 
-def _opt(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=LR, momentum=0.9)
-
-
 @functools.lru_cache(maxsize=None)
-def _compiled(kind: str, stages: int, schedule: str, loss: str, t: int | None) -> Any:
-    build, frontend = MODELS[kind]
-    (x,), target = _data()[0]
-    kw: dict[str, Any] = {} if t is None else {"tensor_parallel": t}
-    return api.pdcompile(build(), example_inputs=(x,), example_target=target, loss_fn=LOSSES[loss],
-                         optimizer=_opt, stages=stages, schedule=schedule, num_microbatches=MICRO,
-                         frontend=frontend, **kw)
+def _compiled(kind: str, stages: int, schedule: str, loss: str, t: int | None, **kw: Any) -> Any:
+    if t is not None:
+        kw["tensor_parallel"] = t
+    return compile_model(kind, stages, schedule, LOSSES[loss], _data(), **kw)
 
 
 # --- the pass -------------------------------------------------------------------------------------
@@ -104,32 +84,19 @@ def test_any_other_loss_keeps_the_head_whole_and_the_plan_says_why() -> None:
     assert any(w.startswith("lm_head: the LM head stays whole: the loss") and "label smoothing" in w
                for w in llama.whole), llama.whole
     # the GPT's head shares its weight with wte: both stay whole
-    pipe = api.pdcompile(_gpt(), example_inputs=(_data()[0][0][0],), example_target=_data()[0][1],
+    pipe = api.pdcompile(gpt_model(), example_inputs=(_data()[0][0][0],), example_target=_data()[0][1],
                          loss_fn=_smoothed, stages=1, num_microbatches=MICRO, tensor_parallel=2)
     tp = pipe.state.tensor_parallel.stages[0]
     assert (tp.embeddings, tp.head) == ((), None)
     whole = "\n".join(tp.whole)
     assert "lm_head: the LM head stays whole" in whole and "wte: its weight is tied to lm_head.weight" in whole
     # without a target the loss is not known when the stages are split: the head stays whole
-    bare = api.pdcompile(_llama(), example_inputs=(_data()[0][0][0],), loss_fn=_flat_ce, stages=1,
+    bare = api.pdcompile(MODELS["llama"][0](), example_inputs=(_data()[0][0][0],), loss_fn=_flat_ce, stages=1,
                          num_microbatches=MICRO, tensor_parallel=2, frontend="export")
     assert any("no example_target" in w for w in bare.state.tensor_parallel.stages[0].whole)
 
 
 # --- training ------------------------------------------------------------------------------------
-
-def _reference(kind: str, stages: int, schedule: str, loss: str, data: list[Any]) -> dict[str, torch.Tensor]:
-    """The same model trained in one process with what ``schedule`` computes (reference.py), from the stages
-    of an untouched (t = 1) compile: final weights under the model's names."""
-    pipe = _compiled(kind, stages, schedule, loss, None)
-    mods = [copy.deepcopy(s.gm) for s in pipe.split.stages]
-    micro = [((x.chunk(MICRO)[j],), y.chunk(MICRO)[j]) for (x,), y in data for j in range(MICRO)]
-    fwd, bwd, group = reference.pipedream_1f1b([1] * stages) if schedule == "1f1b" else reference.synchronous(MICRO)
-    reference.train_versioned(mods, [_opt(m.parameters()) for m in mods], LOSSES[loss], micro, fwd=fwd, bwd=bwd,
-                              group=group, scale=1.0 if schedule == "1f1b" else 1 / MICRO,
-                              tied=[list(g) for g in pipe.split.tied])
-    return {st.param_names[n]: p.detach() for st, m in zip(pipe.split.stages, mods) for n, p in m.named_parameters()}
-
 
 # (model, stages, schedule, loss, what is split by vocabulary: {stage: parameter names})
 CASES = [("llama", 1, "flush", "flat", {0: ["lm_head.weight", "model_embed_tokens.weight"]}),
@@ -145,13 +112,7 @@ CASES = [("llama", 1, "flush", "flat", {0: ["lm_head.weight", "model_embed_token
 def test_vocabulary_parallel_trains_like_one_process(tmp_path: Path, kind: str, stages: int, schedule: str, loss: str,
                                                      vocab: dict[int, list[str]]) -> None:
     data = _data()
-    save_batches(data, STEPS, tmp_path / "data.pt")
-    pipe = _compiled(kind, stages, schedule, loss, 2)
-    prog = pipe.emit(tmp_path / "prog", data={"factory": "pdcompile.runtime.data:from_file",
-                                              "kwargs": {"path": str(tmp_path / "data.pt")}})
-    rc, log = run_ranks(prog, 2 * stages, ["--steps", str(STEPS), "--save-final", str(tmp_path / "final"),
-                                           "--metrics", str(tmp_path / "m"), "--timeout", "90"], timeout=400)
-    assert rc == 0, log[-3000:]
+    prog = train(_compiled(kind, stages, schedule, loss, 2), tmp_path, data, 2 * stages)
     for k in range(stages):  # each split weight held as V / t rows by the process (tensor index 0)
         shards = json.loads((tmp_path / "m" / f"rank_{k}.json").read_text())["tensor_parallel_shards"][str(k)]
         for name in vocab[k]:
@@ -159,14 +120,100 @@ def test_vocabulary_parallel_trains_like_one_process(tmp_path: Path, kind: str, 
         heads = [n for n in ("lm_head.weight",) if k == stages - 1 and n not in vocab[k]]
         assert not set(heads) & set(shards)  # a head left whole is whole on the process
     got = merge_weights(prog, tmp_path / "final")
-    want = _reference(kind, stages, schedule, loss, data)
-    initial = {k: v.detach() for k, v in MODELS[kind][0]().named_parameters()}
-    assert set(want) <= set(got)
-    for k, w in want.items():
-        torch.testing.assert_close(got[k], w, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
-    assert sum(not torch.equal(want[k], initial[k]) for k in want) > len(want) // 2  # it trained
+    want, _ = reference_weights(_compiled(kind, stages, schedule, loss, None), schedule, LOSSES[loss], data)
+    assert_trained_like(got, want, kind)
     losses = json.loads((tmp_path / "m" / f"rank_{stages - 1}.json").read_text())["losses"]
     assert len(losses) == STEPS * MICRO and all(0 < v < 10 for v in losses)  # plain numbers, not DTensors
+
+
+# --- with bf16, recomputation, validation, and a vocabulary t does not divide ----------------------
+
+def _val(vocab: int) -> list[Any]:
+    """Validation minibatches, drawn apart from the training ones."""
+    g = torch.Generator().manual_seed(7)
+    return [((torch.randint(1, vocab, (BATCH, CFG.seq_len), generator=g),),
+             torch.randint(0, vocab, (BATCH, CFG.seq_len), generator=g)) for _ in range(2)]
+
+
+def _reference_bf16(pipe: Any, loss_fn: Any, data: list[Any]) -> tuple[dict[str, torch.Tensor], list[torch.nn.Module]]:
+    """One stage trained in one process as ``precision="bf16"`` trains it (a synchronous schedule): the forward
+    and the loss under bf16 autocast, fp32 master weights and gradients."""
+    (st,) = pipe.split.stages
+    mod = copy.deepcopy(st.gm)
+    o = opt(mod.parameters())
+    for (x,), y in data:
+        o.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(mod(xs), ys)
+            (loss / MICRO).backward()
+        o.step()
+    return {st.param_names[n]: p.detach() for n, p in mod.named_parameters()}, [mod]
+
+
+def _validate(mods: list[torch.nn.Module], loss_fn: Any, val: list[Any], bf16: bool) -> dict[str, float]:
+    """What ``--eval-data`` reports for a one-stage model: the mean loss and accuracy over its microbatches."""
+    (mod,) = mods
+    losses, hits = [], []
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        for (x,), y in val:
+            for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO)):
+                out = mod(xs)
+                losses.append(float(loss_fn(out, ys)))
+                hits.append(float((out.argmax(-1) == ys).float().mean()))
+    return {"loss": sum(losses) / len(losses), "accuracy": sum(hits) / len(hits)}
+
+
+# (model, schedule, loss, precision, recompute, vocabulary); t = 2 on 2 processes, validated after the last step
+FEATURES = [("gpt", "flush", "seq", "bf16", "none", V), ("gpt", "1f1b", "flat", "fp32", "full", V),
+            ("llama", "flush", "flat", "fp32", "selective", V),
+            ("gpt", "flush", "seq", "fp32", "none", V + 1)]  # 65: the embedding and the head stay whole
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind,schedule,loss,precision,recompute,vocab", FEATURES,
+                         ids=[f"{k}-{c}-{p}-recompute_{r}-V{v}" for k, c, _, p, r, v in FEATURES])
+def test_the_vocabulary_split_trains_under_bf16_recomputation_and_validation(
+        tmp_path: Path, kind: str, schedule: str, loss: str, precision: str, recompute: str, vocab: int) -> None:
+    """The split head's logits (a DTensor) through autocast, a checkpointed forward (whole, or selective, which
+    caches the head's matmul) and the forward-only validation pass: the same as one process computes; and a
+    vocabulary t does not divide leaves the embedding and the head whole (the plan says why) and trains exactly."""
+    data, val = _data(vocab), _val(vocab)
+    kw: dict[str, Any] = {"precision": precision, "recompute": recompute}
+    if vocab == V:
+        pipe, plain = _compiled(kind, 1, schedule, loss, 2, **kw), _compiled(kind, 1, schedule, loss, None, **kw)
+    else:
+        pipe, plain = (compile_model(kind, 1, schedule, LOSSES[loss], data, build_kw={"vocab": vocab}, **kw, **t)
+                       for t in ({"tensor_parallel": 2}, {}))
+        whole = "\n".join(pipe.state.tensor_parallel.stages[0].whole)
+        assert f"wte: its vocabulary of {vocab} does not divide by t=2" in whole and "pad the vocabulary" in whole
+    save_batches(val, len(val), tmp_path / "val.pt")
+    (tmp_path / "val.pkl").write_bytes(pickle.dumps(functools.partial(from_file, path=str(tmp_path / "val.pt"))))
+    prog = train(pipe, tmp_path, data, 2, ["--eval-data", str(tmp_path / "val.pkl"), "--eval-steps", str(len(val)),
+                                          "--eval-metric", "accuracy"])
+    plan = json.loads((prog / "plan.json").read_text())
+    assert plan["precision"] == precision and plan["plan"]["stages"][0]["recompute"] == recompute
+    shards = json.loads((tmp_path / "m" / "rank_0.json").read_text())["tensor_parallel_shards"]["0"]
+    head = "lm_head.weight" if kind == "llama" else "wte.weight"
+    assert (head in shards) == (vocab == V), shards  # split by vocabulary where t divides it, else whole
+    assert len(shards) >= 8  # the linear pairs split either way
+    got = merge_weights(prog, tmp_path / "final")
+    bf16 = precision == "bf16"
+    want, mods = (_reference_bf16(plain, LOSSES[loss], data) if bf16
+                  else reference_weights(plain, schedule, LOSSES[loss], data))
+    # bf16: the tolerance of tests/test_precision_clip.py's bf16 pipeline against single-process autocast
+    assert_trained_like(got, want, kind, atol=1e-3 if bf16 else 1e-5, rtol=1.6e-2 if bf16 else 0.0,
+                        **({"vocab": vocab} if vocab != V else {}))
+    if bf16:  # it ran in bf16: fp32 training (which t = 2 matches within 1e-5) ends elsewhere
+        fp32, _ = reference_weights(plain, schedule, LOSSES[loss], data)
+        assert max(float((got[k] - w).abs().max()) for k, w in fp32.items()) > 1e-4
+        assert json.loads((tmp_path / "m" / "rank_0.json").read_text())["precision"] == "bf16"
+    (evaluated,) = json.loads((tmp_path / "m" / "rank_0.json").read_text())["eval"]
+    expect = _validate(mods, LOSSES[loss], val, bf16)
+    assert evaluated["step"] == STEPS
+    assert evaluated["loss"] == pytest.approx(expect["loss"], rel=1e-2 if bf16 else 1e-5)
+    assert evaluated["accuracy"] == pytest.approx(expect["accuracy"], abs=0.1 if bf16 else 1e-6)
 
 
 def test_the_planner_charges_the_vocabulary_split_where_the_pass_makes_it() -> None:
@@ -175,7 +222,7 @@ def test_the_planner_charges_the_vocabulary_split_where_the_pass_makes_it() -> N
     (x,), y = _data()[0]
 
     def shares(loss: Any) -> dict[str, tuple[float, float, int]]:
-        pipe = api.pdcompile(_gpt(), example_inputs=(x,), example_target=y, loss_fn=loss, num_microbatches=MICRO,
+        pipe = api.pdcompile(gpt_model(), example_inputs=(x,), example_target=y, loss_fn=loss, num_microbatches=MICRO,
                              tensor_parallel=2)
         return {l.name: (l.tp_share, l.tp_param_share, l.tp_allreduces) for l in pipe.state.chain.layers
                 if {"wte", "lm_head"} & set(l.members or (l.name,))}

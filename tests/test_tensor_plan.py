@@ -168,16 +168,18 @@ def test_pdcompile_plans_the_degree_the_pass_splits_with() -> None:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    import test_tensor_parallel as T
+    import _tp_common as T
+    from _hf_llama import token_batches
 
     from pdcompile import api
+    from pdcompile.zoo.losses import SequenceCrossEntropy
 
     build, _ = T.MODELS["gpt"]
-    (x,), target = T.token_batches(T.CFG.vocab_size, 1, T.BATCH, T.CFG.seq_len)[0]
+    (x,), target = token_batches(T.CFG.vocab_size, 1, T.BATCH, T.CFG.seq_len)[0]
 
     def compile_(cluster: ClusterSpec, tp: object) -> object:
         return api.pdcompile(build(), cluster, example_inputs=(x,), example_target=target,
-                             loss_fn=T.SequenceCrossEntropy(), optimizer=T._opt, schedule="flush",
+                             loss_fn=SequenceCrossEntropy(), optimizer=T.opt, schedule="flush",
                              num_microbatches=T.MICRO, tensor_parallel=tp)
 
     pipe: object = compile_(_gpus(4, servers=2), 2)

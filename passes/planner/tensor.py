@@ -142,6 +142,16 @@ def _divisor(chain: Chain) -> int:
     return d
 
 
+def check_fits(t: int, cluster: ClusterSpec) -> None:
+    """Refuse a degree ``t`` that does not fit the cluster's innermost level (a server's GPUs, a machine's
+    processes): tensor parallelism stays inside it, whether the planner or the user chose the stages."""
+    inner = cluster.levels[0]
+    if t > 1 and inner.count % t:
+        raise UsageError(f"tensor_parallel={t} does not fit in one {inner.name} unit of {inner.count} workers "
+                         f"(tensor parallelism stays inside the innermost level); give a degree that divides "
+                         f"{inner.count}, or 'auto'")
+
+
 def degrees(option: Any, cluster: ClusterSpec, chain: Chain) -> tuple[int, ...]:
     """The degrees to plan for ``tensor_parallel=option``: ``"auto"``, those of :data:`DEGREES` that divide
     the innermost level's count and every layer's ``tp_divisor`` (only 1 on a CPU cluster, or where
@@ -159,10 +169,7 @@ def degrees(option: Any, cluster: ClusterSpec, chain: Chain) -> tuple[int, ...]:
         raise UsageError(f"tensor_parallel={t}: this chain does not say what tensor parallelism splits (a profile "
                          f"has no tp_* shares); compile the model itself (pdcompile emit/run MODEL "
                          f"--tensor-parallel {t}), or plan with 1 or 'auto'")
-    if t > 1 and inner.count % t:
-        raise UsageError(f"tensor_parallel={t} does not fit in one {inner.name} unit of {inner.count} workers "
-                         f"(tensor parallelism stays inside the innermost level); give a degree that divides "
-                         f"{inner.count}, or 'auto'")
+    check_fits(t, cluster)
     if t > 1 and div and div % t:
         raise UsageError(f"tensor_parallel={t} does not divide the head counts and hidden sizes the split needs "
                          f"(their greatest common divisor is {div}); give a degree that divides {div}, or 'auto'")
