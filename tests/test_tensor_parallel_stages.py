@@ -20,7 +20,9 @@ from pdcompile.merge import merge_weights
 from pdcompile.passes.planner import tensor
 from pdcompile.runtime.data import save_batches
 from pdcompile.runtime.tensor_parallel import RankLayout
-from test_tensor_parallel import CFG, MICRO, MODELS, STEPS, _compile, _compiled, _reference
+from _tp_common import CFG, MICRO, MODELS, STEPS, reference_weights
+from pdcompile.zoo.losses import SequenceCrossEntropy
+from test_tensor_parallel import _compile, _compiled
 
 pytestmark = pytest.mark.xdist_group("tensor_parallel")  # shares test_tensor_parallel's compiles
 
@@ -167,7 +169,8 @@ def test_degrees_per_stage_train_like_one_process(tmp_path: Path, kind: str, deg
     assert one and all(torch.equal(zero[n], t) for n, t in one.items())  # whole parameters: the same on both
     got = merge_weights(prog, tmp_path / "final")
     norms: list[float] = []
-    want = _reference(kind, 2, schedule, data, clip, norms, [1, 1])
+    want, _ = reference_weights(_compiled(kind, 2, schedule, None), schedule, SequenceCrossEntropy(), data,
+                                replicas=[1, 1], max_norm=clip, norms=norms)
     initial = {k: v.detach() for k, v in MODELS[kind][0]().named_parameters()}
     assert set(want) <= set(got)
     for k, w in want.items():
