@@ -177,13 +177,14 @@ def paper_config_as_planned(row: Row) -> dict[str, Any]:
     """The paper's (t, p, d, M) rated as the planner's step search rates its own candidates: ``d`` copies of a
     pipeline of ``p`` balanced stages on ``t``-GPU groups (each stage's ``d`` replicas side by side or on
     consecutive groups, the faster), ``B / b`` microbatches of ``b``, the flush step simulated on the groups with
-    the gradient all-reduce of each stage's replicas inside it, a drain's backward split only where ``t = 1``
-    (``tensor.split_backward``): the figure the planner's choice is compared with."""
+    the gradient all-reduce of each stage's replicas inside it and each stage's optimizer step at the device's
+    streamed bandwidth (``update_bandwidth_of``, as ``plan_step`` rates its candidates), a drain's backward
+    split only where ``t = 1`` (``tensor.split_backward``): the figure the planner's choice is compared with."""
     from pdcompile.errors import UsageError
     from pdcompile.passes.partition import balanced_bounds
     from pdcompile.passes.partition_dp import plan_from_assignment
     from pdcompile.passes.planner import tensor
-    from pdcompile.simulate import simulate_plan
+    from pdcompile.simulate import simulate_plan, update_bandwidth_of
 
     b = microbatch(row)
     d = row.gpus // (row.t * row.p)
@@ -203,7 +204,7 @@ def paper_config_as_planned(row: Row) -> dict[str, Any]:
             except UsageError:
                 continue
             sim = simulate_plan(plan, chain_t, groups, "flush", m, split_backward=True if split is None else split,
-                                optimizer_state_factor=ADAM_MIXED)
+                                optimizer_state_factor=ADAM_MIXED, update_bandwidth=update_bandwidth_of(groups))
             step = float(sim.step_time_s)
             if not best or step < best["step"]:
                 best = {"step": step, "tflops": model_flops(row) / step / row.gpus / 1e12, "sim": sim,
@@ -217,7 +218,7 @@ def planner_choice(row: Row) -> dict[str, Any]:
     step search may cut the minibatch into any count), and its figure replayed as ``simulate()`` does."""
     from pdcompile.passes.planner import tensor
     from pdcompile.plan import plan
-    from pdcompile.simulate import simulate_plan
+    from pdcompile.simulate import simulate_plan, update_bandwidth_of
 
     b = microbatch(row)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -227,8 +228,9 @@ def planner_choice(row: Row) -> dict[str, Any]:
     t = p.stages[0].tensor_parallel
     chain_t, groups = tensor.view(gpt_chain(row, b), cluster(row.gpus), t)  # at b, scaled as the search scales it
     split = tensor.split_backward(t)
-    sim = simulate_plan(p, chain_t.at_batch(p.microbatch_size), groups, "flush", p.num_microbatches, split_backward=True if split is None else split,
-                        optimizer_state_factor=ADAM_MIXED)
+    sim = simulate_plan(p, chain_t.at_batch(p.microbatch_size), groups, "flush", p.num_microbatches,
+                        split_backward=True if split is None else split, optimizer_state_factor=ADAM_MIXED,
+                        update_bandwidth=update_bandwidth_of(groups))
     reps = sorted({st.replicas for st in p.stages})
     return {"step": p.seconds_per_minibatch, "tflops": model_flops(row) / p.seconds_per_minibatch / row.gpus / 1e12,
             "t": t, "stages": len(p.stages), "replicas": "/".join(map(str, reps)), "seconds": took, "cpu": cpu,
@@ -288,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "models differ). `ours at theirs`: our prediction at the paper's (t, p, d) and microbatch (one pipeline "
         "simulated plus the fp32 gradient all-reduce over InfiniBand); `theirs, as the search rates it`: the same "
         "configuration rated as the planner's step search rates its candidates (its d copies simulated together, "
-        "each stage's bf16 gradient all-reduce in the step, backwards split only at t = 1); `planner`: what "
+        "each stage's bf16 gradient all-reduce and optimizer step in the step, backwards split only at t = 1); `planner`: what "
         "`tensor_parallel=\"auto\"` with the flush step search (any microbatch count) chooses for the same GPUs and "
         "batch; `vs theirs`: the paper's configuration's step over the planner's, both by that same simulate().",
         "",

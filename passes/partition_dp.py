@@ -36,6 +36,7 @@ __all__ = [
     "StageCost",
     "partition_dp",
     "plan_tensor_parallel",
+    "SlowerPlanError",
     "pipeline_plan",
     "pipeline_time",
     "stage_time",
@@ -239,7 +240,7 @@ def partition_dp(chain: Chain, cluster: ClusterSpec, options: PlanOptions | None
     t0 = time.perf_counter()
     opts = plan_options(options, overrides)
     if opts.tensor_parallel != 1:
-        return plan_tensor_parallel(chain, cluster, opts, lambda c, cl, o, _split: partition_dp(c, cl, o))
+        return plan_tensor_parallel(chain, cluster, opts, lambda c, cl, o, _split, _faster: partition_dp(c, cl, o))
     pool = opts.pool
     if pool and opts.cost_model == "pipedream":
         raise UsageError("the pipedream cost model reproduces PipeDream's released optimizer, whose stages nest in "
@@ -466,30 +467,43 @@ def pipeline_plan(chain: Chain, stage_bounds: Sequence[int], cluster: ClusterSpe
     return plan_from_assignment(chain, cluster, assignment, options, solver="fixed", **overrides)
 
 
+class SlowerPlanError(InfeasiblePlanError):
+    """A degree's search cut at another degree's step (``plan_step(faster_than=)``): none of its plans is
+    faster."""
+
+
 def plan_tensor_parallel(chain: Chain, cluster: ClusterSpec, options: PlanOptions,
-                         solve: Callable[[Chain, ClusterSpec, PlanOptions, bool | None], Plan]) -> Plan:
+                         solve: Callable[[Chain, ClusterSpec, PlanOptions, bool | None, float | None], Plan]) -> Plan:
     """The plan with tensor parallelism (``options.tensor_parallel``: a degree, or ``"auto"``): for each
     degree ``t`` that fits (:func:`tensor.degrees`), ``solve`` plans :func:`tensor.chain_at` (the chain as
     one of ``t`` ranks runs it, all-reduces at the innermost level's bandwidth) on :func:`tensor.cluster_at`
     (groups of ``t`` workers), so stages, replicas and everything else the search decides are searched at
     each ``t``; the fastest plan wins (ties: the smaller ``t``). Every stage has the plan's degree (the
     runtime runs one degree per program); its ranks are the groups' (pipeline ranks), and each stage says
-    why in one line. Raises the smallest degree's InfeasiblePlanError when none fits."""
+    why in one line. Raises the smallest degree's InfeasiblePlanError when none fits. Each degree's search is
+    given the best step of the smaller degrees (``solve``'s last argument: a step search stops where its
+    bounds reach it, :class:`SlowerPlanError` where none of its plans is faster; ties go to the smaller
+    degree, so the pick is the one of searching every degree in full)."""
     t0 = time.perf_counter()
     inner = cluster.levels[0]
     cands = tensor.degrees(options.tensor_parallel, cluster, chain)
     flat = replace(options, tensor_parallel=1)
     found: list[tuple[int, Plan]] = []
     failed: list[tuple[int, InfeasiblePlanError]] = []
+    slower: list[tuple[int, float]] = []
 
-    def solve_at(t: int) -> Plan:
+    def solve_at(t: int, faster_than: float | None = None) -> Plan:
         return solve(tensor.chain_at(chain, t, inner.bandwidth), tensor.cluster_at(cluster, t), flat,
-                     tensor.split_backward(t))
+                     tensor.split_backward(t), faster_than)
 
     with refusals_without_memory():  # the step search's refused candidates are discarded: no bisection for them
-        for t in cands:
+        for t in cands:  # ascending: a later degree must be strictly faster
+            beat = min((p.seconds_per_minibatch for _, p in found), default=None)
             try:
-                found.append((t, solve_at(t)))
+                found.append((t, solve_at(t, beat)))
+            except SlowerPlanError:
+                assert beat is not None
+                slower.append((t, beat))
             except InfeasiblePlanError as e:
                 failed.append((t, e))
     if not found:
@@ -497,6 +511,7 @@ def plan_tensor_parallel(chain: Chain, cluster: ClusterSpec, options: PlanOption
         raise failed[0][1]  # pragma: no cover - it refused just now
     t, best = min(found, key=lambda c: (c[1].seconds_per_minibatch, c[0]))
     compared = [f"t={d}: {p.seconds_per_minibatch:.4g} s" for d, p in found] + \
+               [f"t={d}: over {b:.4g} s" for d, b in slower] + \
                [f"t={d}: does not fit" for d, _ in failed]
     over = [c for c in compared if not c.startswith(f"t={t}:")]
     chain_t = tensor.chain_at(chain, t, inner.bandwidth)

@@ -17,7 +17,7 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from pdcompile.errors import ClusterSpecError
 
@@ -217,6 +217,14 @@ class ClusterSpec:
         """Bandwidth of the innermost level the two ranks share (``inf`` for the same rank)."""
         k = self.shared_level(rank_a, rank_b)
         return math.inf if k < 0 else self.levels[k].bandwidth
+
+    def slowest_bandwidth(self, ranks: Iterable[int]) -> float:
+        """The slowest link among ``ranks``: the least :meth:`bandwidth_between` over every pair of distinct
+        ones (``inf`` for fewer than two). Ranks count innermost first, so each unit of a level is a run of
+        consecutive ranks and the outermost level two of them span is spanned by two neighbours in rank
+        order: the neighbours' links are every pair's, in O(n log n) rather than O(n^2)."""
+        rs = sorted(set(ranks))
+        return min((self.bandwidth_between(a, b) for a, b in zip(rs, rs[1:])), default=math.inf)
 
     # -- construction -------------------------------------------------------------------
     @staticmethod

@@ -8,6 +8,7 @@ table) lives in ``pdcompile/plan_data.py``, below the planners that build it; it
 
 from __future__ import annotations
 
+import heapq
 import math
 import os
 import time
@@ -40,6 +41,7 @@ def plan(
     solver: str = "dp",
     microbatch_sizes: Sequence[int] | None = None,
     split_backward: bool | None = None,
+    faster_than: float | None = None,
     **overrides: Any,
 ) -> Plan:
     """Plan ``chain`` for ``cluster`` with ``solver`` (``"dp"`` or ``"ilp"``).
@@ -52,6 +54,7 @@ def plan(
     (:class:`PlanOptions`) and other keyword options go to the solver (``schedule=``, ...; the ILP's
     ``time_limit_s``, ``hint``). ``split_backward``: whether the program splits a drain's backwards, for the
     step search of a synchronous schedule (None: the cluster's default, as the schedule pass decides).
+    ``faster_than``: the step search's cut (:func:`plan_step`; other planners ignore it).
     """
     solvers: dict[str, Callable[..., Plan]] = {"dp": partition_dp, "ilp": partition_ilp}
     if solver not in solvers:
@@ -65,14 +68,15 @@ def plan(
         known = set(PlanOptions.names())
         rest = {k: v for k, v in overrides.items() if k not in known}
         opts = (options or PlanOptions()).with_({k: v for k, v in overrides.items() if k in known})
-        return plan_tensor_parallel(chain, cluster, opts, lambda c, cl, o, split: plan(
-            c, cl, o, solver=solver, split_backward=split, **rest))
+        return plan_tensor_parallel(chain, cluster, opts, lambda c, cl, o, split, faster: plan(
+            c, cl, o, solver=solver, split_backward=split, faster_than=faster, **rest))
     if not callable(chain):
         if microbatch_sizes:
             raise UsageError("microbatch_sizes needs a callable chain_for(b) -> Chain")
         schedule = overrides.get("schedule", (options or PlanOptions()).schedule)
         if step_objective(schedule):
-            return plan_step(chain, cluster, options, solver=solver, split_backward=split_backward, **overrides)
+            return plan_step(chain, cluster, options, solver=solver, split_backward=split_backward,
+                             faster_than=faster_than, **overrides)
         return solve(chain, cluster, options, **overrides)
     if not microbatch_sizes:
         raise UsageError("a callable chain needs microbatch_sizes to choose from")
@@ -145,11 +149,13 @@ class ChainWork:
     split: bool
     param_bytes: float
     batch_size: int
+    rerun: bool = False
 
     @classmethod
-    def of(cls, chain: "Chain", split: bool) -> "ChainWork":
+    def of(cls, chain: "Chain", split: bool, rerun: bool = False) -> "ChainWork":
         """``split``: some backward may be split (``B`` then ``W``), as :func:`~pdcompile.simulate.simulate_plan`
-        costs the parts."""
+        costs the parts; ``rerun``: every stage runs its forward again in its backward (``recompute="full"``,
+        the only mode the planner then gives a stage)."""
         from pdcompile.simulate import INPUT_GRAD_SHARE, WEIGHT_GRAD_SHARE
 
         def col(get: Callable[[Any], float]) -> np.ndarray:
@@ -159,21 +165,23 @@ class ChainWork:
                    col(lambda l: l.backward_fixed_s),
                    col(lambda l: l.input_grad_s if l.input_grad_s is not None else l.backward_s * INPUT_GRAD_SHARE),
                    col(lambda l: l.weight_grad_s if l.weight_grad_s is not None else l.backward_s * WEIGHT_GRAD_SHARE),
-                   split, float(sum(l.param_bytes for l in chain.layers)), chain.batch_size)
+                   split, float(sum(l.param_bytes for l in chain.layers)), chain.batch_size, rerun)
 
     def at(self, microbatch_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per layer at ``microbatch_size`` (``ChainLayer.scaled``): the forward; the part of the backward
         a stage finishes before it sends its input gradient (the input-gradient part where backwards
         may be split, else all of it); a microbatch's whole work on its stage (the forward and the least
-        its backward costs, split or not)."""
+        its backward costs, split or not); with ``rerun``, the backward's parts each with the forward run again
+        before them (the simulator adds a stage's recomputation to its ``B``, whole or split)."""
         s = microbatch_size / self.batch_size
         f = self.forward_fixed + (self.forward - self.forward_fixed) * s
         b = self.backward_fixed + (self.backward - self.backward_fixed) * s
+        again = f if self.rerun else np.zeros_like(f)
         if not self.split:
-            return f, b, f + b
+            return f, b + again, f + b + again
         k = np.divide(b, self.backward, out=np.full_like(b, s), where=self.backward != 0)
         gi, gw = self.input_grad * k, self.weight_grad * k
-        return f, np.minimum(gi, b), f + np.minimum(b, gi + gw)
+        return f, np.minimum(gi, b) + again, f + np.minimum(b, gi + gw) + again
 
 
 def step_lower_bound(cw: ChainWork, microbatch_size: int, num_microbatches: int, copies: int, workers: int,
@@ -191,15 +199,19 @@ def step_lower_bound(cw: ChainWork, microbatch_size: int, num_microbatches: int,
     return max(path, shared, busiest) * (1 - 1e-9)  # the sums in another order than the simulator's
 
 
-def copies_fit(cw: ChainWork, copies: int, workers: int, budget: float, optimizer_state_factor: float) -> bool:
+def copies_fit(cw: ChainWork, copies: int, workers: int, budget: float, optimizer_state_factor: float,
+               shard: Any = "none") -> bool:
     """Whether one of ``copies`` copies (``workers / copies`` workers of ``budget`` bytes) can hold the chain's
     state, read off the chain alone: a replica of a stage holds its weights x ``2 + f / r`` at least when
     its gradients exist (sharding.py: one working copy, the gradients, its share of the optimizer state,
     which ``optimizer`` divides least), so ``r`` replicas together at least ``2 + f``. A copy that cannot
-    is over memory under every plan, in the planner's model and the simulator's alike."""
-    if not math.isfinite(budget):
+    is over memory under every plan, in the planner's model and the simulator's alike. ``shard``: the
+    replicas' state as ``PlanOptions.shard`` allows it: the optimizer state sharded (``"optimizer"``) is
+    divided among every replica of a stage, the copies' included, so a copy holds the weights and gradients
+    at least; weights sharded too (``"full"``, ``"auto"``, per stage): no test."""
+    if not math.isfinite(budget) or shard not in ("none", "optimizer"):
         return True
-    need = cw.param_bytes * (2.0 + optimizer_state_factor)
+    need = cw.param_bytes * (2.0 + (optimizer_state_factor if shard == "none" else 0.0))
     return need <= (workers // copies) * budget * (1 + 1e-9)
 
 
@@ -213,7 +225,7 @@ def copy_options(opts: PlanOptions, per_copy: int) -> PlanOptions:
 
 
 def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | None = None, *, solver: str = "dp",
-              split_backward: bool | None = None, **overrides: Any) -> Plan:
+              split_backward: bool | None = None, faster_than: float | None = None, **overrides: Any) -> Plan:
     """The plan of ``chain`` on ``cluster`` whose step under ``options.schedule`` (synchronous) is the
     shortest that :func:`~pdcompile.simulate.simulate_plan` predicts (each stage's optimizer step
     included, at ``options.update_bandwidth`` or else the cluster's ``update_bandwidth_of``, every
@@ -227,16 +239,20 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
     bottleneck) plans one copy on the cluster's first ``W / k`` workers with ``M / k`` microbatches,
     at the microbatch size ``minibatch / M`` (``Chain.at_batch``); its ``k`` copies side by side, or
     each stage's ``k`` copies of replicas next to each other, are rated on the whole cluster and
-    simulated. The candidates are visited in the order of a bound of their step read off the chain
-    alone (:func:`step_lower_bound`), and the search stops where that bound passes the best step that
-    fits: most are never planned. A copy too small to hold the chain's state (:func:`copies_fit`) is
-    not planned; a planned one is simulated only where its plan's own bound (the busiest replica's work
-    after one microbatch's way to it) is below the best. A candidate whose simulated peak memory is over
-    the device's loses to one that fits. Each plan planned (and each of ``options.also_rate``) is also rated
-    at the other counts its replicas divide, where the chain's bound leaves room: the bottleneck-optimal plan
-    for one count can run another count's step best (Fashion-MNIST on 3 processes: 38.4 -> 30.6 ms). No
-    longer than planning and simulating every candidate, no shorter than those plans rated at every count
-    (``tests/test_plan_step.py`` checks both against that search)."""
+    simulated. The search is best first: a candidate is planned in the order of a bound of its step read
+    off the chain alone (:func:`step_lower_bound`), each arrangement of its copies is then simulated in the
+    order of its plan's own bound (:func:`_plan_lower_bound`: the busiest replicas' work, all-reduces and
+    optimizer steps, each stage's first replica in the schedule's order), the two kinds interleaved by
+    bound, and the search stops where the least bound left passes the best step that fits: most candidates
+    are never planned, most planned ones never simulated. A copy too small to hold the chain's state
+    (:func:`copies_fit`) is not planned. A candidate whose simulated peak memory is over the device's
+    loses to one that fits; of equal steps, the first in the chain-bound order wins. Each plan planned (and
+    each of ``options.also_rate``) is also queued at the other counts its replicas divide, at their chain-only
+    bounds: the bottleneck-optimal plan for one count can run another count's step best. The step is no
+    longer than planning and simulating every candidate, and no shorter than those plans simulated at every
+    count (``tests/test_plan_step.py`` checks both against that search). ``faster_than`` (another search's step, e.g. another tensor-parallel degree's): bounds
+    at or above it end the search too, and where that cut left no plan faster than it,
+    :class:`~pdcompile.passes.partition_dp.SlowerPlanError`."""
     from pdcompile.passes.partition_dp import plan_from_assignment
     from pdcompile.runtime.schedules.spec import default_split_backward
     from pdcompile.simulate import simulate_plan, update_bandwidth_of
@@ -257,37 +273,75 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
     split = default_split_backward("cpu" if cluster.device.name == "cpu" else "gpu", workers, os.cpu_count() or 1) \
         if split_backward is None else split_backward  # as the schedule pass decides (tensor parallelism: whole)
     pol = POLICIES[opts.schedule]
-    cw = ChainWork.of(chain, split or pol.splits_every_backward or pol.order_splits)
+    cw = ChainWork.of(chain, split or pol.splits_every_backward or pol.order_splits, opts.recompute == "full")
     # the memory limit as the planner applies it: on where asked, else the default cost model's default
     memory_on = opts.memory_limit if opts.memory_limit is not None else opts.cost_model == "default"
     limit = float(cluster.device.memory) if memory_on and cluster.device.memory else math.inf
     order = sorted((step_lower_bound(cw, minibatch // m, m, k, workers, opts.allow_replication), m, k)
                    for m in counts for k in range(1, workers + 1) if workers % k == 0 and m % k == 0)
     failures: list[str] = []
-    best: tuple[tuple[bool, float], Plan, Plan, int] | None = None  # (over memory, step), plan, its copy, M
+    # (over memory, step, candidate's place in the order, arrangement), plan, its copy, M: of equal steps the
+    # first in the order wins, as a search visiting the candidates in that order would keep it
+    best: tuple[tuple[bool, float, int, int], Plan, Plan, int] | None = None
     chains: dict[int, Chain] = {}
     planned = rated = 0
-    pool: list[tuple[int, int, Plan | _Layout]] = []  # (copies, microbatch count, one copy's plan) planned
+    # best first: a candidate to plan (arrangement 0) at its chain-only bound, a planned copy's arrangements at
+    # their own bounds (_plan_lower_bound); each popped in the order of its bound, until none left can beat
+    # the best that fits
+    heap: list[tuple[float, int, int, Any]] = [(lb, i, 0, (m, k)) for i, (lb, m, k) in enumerate(order)]
+    cap = math.inf if faster_than is None else faster_than
+    cut = False  # whether the cap ended the search
 
-    def rate(full: Plan, sub: Plan | _Layout, chain_m: "Chain", m: int) -> None:
-        """Simulate ``full`` (``sub``'s copies) at ``m`` microbatches; keep it where it beats the best."""
-        nonlocal best, rated
-        tied_bytes, tied_stages = tied_of(full, chain_m)  # the tied all-reduce, as simulate() charges it
-        res = simulate_plan(full, chain_m, cluster, opts.schedule, m, split_backward=split,
-                            optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw,
-                            overhead_s=overhead, tied_bytes=tied_bytes, tied_stages=tied_stages)
-        rated += 1
-        # over memory by the simulator's peak or by the planner's own model of the copies' stages (a
-        # stage replicated at an outer level: the model charges a replica the inner block's share)
-        peak = max([*map(float, res.peak_memory_bytes or [0.0]), *(float(st.memory_bytes) for st in full.stages)])
-        key = (peak > limit * (1 + 1e-9), float(res.step_time_s))
-        if best is None or key < best[0]:
-            best = (key, full, sub if isinstance(sub, Plan) else full, m)
+    def rate_elsewhere(one: _Layout, k: int, planned_m: int, sub: Plan | None) -> None:
+        """Queue ``one`` (``k`` copies) at every other count its replicas divide, at that count's chain-only
+        bound: the bottleneck-optimal plan for one count can run another count's step best (Fashion-MNIST on 3
+        processes: the 16-count plan at 6 microbatches, 30.6 ms, against 38.4 at 16 and 42.9 for the 6-count's
+        own plan). Ordered after every candidate of the chain order, so ties keep the order's first."""
+        for m in counts:
+            if m != planned_m and m % k == 0 and all((m // k) % st.replicas == 0 for st in one.stages):
+                lb = step_lower_bound(cw, minibatch // m, m, k, workers, opts.allow_replication)
+                heapq.heappush(heap, (lb, len(order) + len(elsewhere), -1, (one, k, m, sub)))
+                elsewhere.append(m)
 
-    for lb, m, k in order:
-        if best is not None and not best[0][0] and lb >= best[0][1]:
+    elsewhere: list[int] = []
+    for given in _given_plans(opts.also_rate, workers):  # e.g. the plan chosen before a re-plan at its count
+        rate_elsewhere(given, 1, 0, None)
+    while heap:
+        bound, idx, arrangement, item = heapq.heappop(heap)
+        if best is not None and not best[0][0] and bound >= best[0][1]:
             break  # no candidate left can beat the best that fits
-        if not copies_fit(cw, k, workers, limit, opts.optimizer_state_factor):
+        if bound >= cap:
+            cut = True
+            break  # nor the other search's step
+        if arrangement < 0:  # a plan planned for another count (or given), rated at this one: its copies placed
+            one, k, m, sub = item
+            chain_m = chains.setdefault(m, chain.at_batch(minibatch // m))
+            if best is not None and not best[0][0] and \
+                    _step_lower_bound(one, chain_m, m // k, split or pol.splits_every_backward) >= best[0][1]:
+                continue
+            for j, full in enumerate(_copies(one, k, chain_m, cluster, replace(opts, num_microbatches=m,
+                                                                               choose_microbatches=False),
+                                             plan_from_assignment, again=True)):
+                own = _plan_lower_bound(full, chain_m, cluster, m, split or pol.splits_every_backward, update_bw,
+                                        opts.optimizer_state_factor, opts.schedule, split)
+                heapq.heappush(heap, (max(bound, own), idx, j + 1, (full, sub or full, m, chain_m)))
+            continue
+        if arrangement:  # a planned candidate's copies placed one way: simulated
+            full, sub, m, chain_m = item
+            tied_bytes, tied_stages = tied_of(full, chain_m)  # the tied all-reduce, as simulate() charges it
+            res = simulate_plan(full, chain_m, cluster, opts.schedule, m, split_backward=split,
+                                optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw,
+                                overhead_s=overhead, tied_bytes=tied_bytes, tied_stages=tied_stages)
+            rated += 1
+            # over memory by the simulator's peak or by the planner's own model of the copies' stages (a
+            # stage replicated at an outer level: the model charges a replica the inner block's share)
+            peak = max([*map(float, res.peak_memory_bytes or [0.0]), *(float(st.memory_bytes) for st in full.stages)])
+            key = (peak > limit * (1 + 1e-9), float(res.step_time_s), idx, arrangement)
+            if best is None or key < best[0]:
+                best = (key, full, sub, m)
+            continue
+        m, k = item
+        if not copies_fit(cw, k, workers, limit, opts.optimizer_state_factor, opts.shard):
             failures.append(f"M={m}, {k} copies: {workers // k} workers cannot hold the weights, gradients and "
                             f"optimizer state")
             continue
@@ -301,26 +355,23 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
             failures.append(f"M={m}, {k} copies: {e}")
             continue
         planned += 1
-        pool.append((k, m, sub))
-        if best is not None and not best[0][0] and \
-                _step_lower_bound(sub, chain_m, m // k, split or pol.splits_every_backward) >= best[0][1]:
+        # its stages alone (whatever they recompute at this count: another count's bound counts none)
+        rate_elsewhere(_Layout(tuple(_StageAt(st.first, st.last, tuple(st.ranks)) for st in sub.stages)), k, m, sub)
+        own = _step_lower_bound(sub, chain_m, m // k, split or pol.splits_every_backward)
+        if best is not None and not best[0][0] and own >= best[0][1]:
             continue
-        for full in _copies(sub, k, chain_m, cluster, replace(opts, num_microbatches=m, choose_microbatches=False),
-                            plan_from_assignment):
-            rate(full, sub, chain_m, m)
-    # every plan planned above (and each one given in also_rate) at the other counts its copies divide, where
-    # the chain's bound leaves room: the bottleneck-optimal plan for one count may run another count's step best
-    pool += [(1, 0, given) for given in _given_plans(opts.also_rate, workers)]
-    for k, planned_m, one in pool:
-        for m in counts:
-            if m == planned_m or m % k or any((m // k) % st.replicas for st in one.stages) or (
-                    best is not None and not best[0][0] and
-                    step_lower_bound(cw, minibatch // m, m, k, workers, opts.allow_replication) >= best[0][1]):
-                continue
-            chain_m = chains.setdefault(m, chain.at_batch(minibatch // m))
-            for full in _copies(one, k, chain_m, cluster, replace(opts, num_microbatches=m, choose_microbatches=False),
-                                plan_from_assignment, again=True):
-                rate(full, one, chain_m, m)
+        if own >= cap:
+            cut = True
+            continue
+        for j, full in enumerate(_copies(sub, k, chain_m, cluster, replace(opts, num_microbatches=m,
+                                                                           choose_microbatches=False),
+                                         plan_from_assignment)):
+            own = _plan_lower_bound(full, chain_m, cluster, m, split or pol.splits_every_backward, update_bw,
+                                    opts.optimizer_state_factor, opts.schedule, split)
+            heapq.heappush(heap, (max(bound, own), idx, j + 1, (full, sub, m, chain_m)))
+    if cut and (best is None or best[0][0] or best[0][1] >= cap):
+        from pdcompile.passes.partition_dp import SlowerPlanError
+        raise SlowerPlanError(f"no {opts.schedule} plan faster than {cap:.4g} s")
     if best is None:
         if planned == 0 and failures:  # no copy could hold the state: the planner's own refusal of one copy at
             # the count asked says what would fit (the smallest memory per worker), which the pre-check does not
@@ -328,7 +379,7 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
                   **rest)
         raise InfeasiblePlanError(failures[0] if len(failures) == 1 else
                                   "no plan fits: " + "; ".join(failures[:4]) + ("; ..." if len(failures) > 4 else ""))
-    (over, step), full, sub, m = best
+    (over, step, _, _), full, sub, m = best
     if over:  # every candidate's simulated peak is over the device's memory: none fits, as the planners say
         raise InfeasiblePlanError(f"no {opts.schedule} plan fits {limit:.4g} bytes per worker: each candidate's "
                                   f"simulated peak memory is over it ({rated} simulated)")
@@ -360,19 +411,134 @@ def tied_of(plan: Plan, chain: "Chain") -> tuple[float, list[int]]:
 
 def _step_lower_bound(sub: Plan, chain: "Chain", per_copy: int, split: bool) -> float:
     """A bound below the simulated step of ``sub``'s copies, each with ``per_copy`` microbatches: some
-    replica of stage ``s`` runs ``q = ceil(per_copy / r_s)`` forwards and backwards, after the first
-    microbatch's forward through the stages before it; its last input gradient (after all its forwards
-    and input gradients) then goes back through them (``split``: a backward may be split, its weight
-    part later)."""
+    replica of stage ``s`` runs ``q = ceil(per_copy / r_s)`` forwards and backwards (with what its
+    recomputation runs again), after the first microbatch's forward through the stages before it; its last
+    input gradient (after all its forwards and input gradients) then goes back through them (``split``: a
+    backward may be split, its weight part later)."""
+    return _stages_bound(sub.stages, chain, [math.ceil(per_copy / st.replicas) for st in sub.stages], split,
+                         [0.0] * len(sub.stages))
+
+
+def _plan_lower_bound(full: Plan, chain: "Chain", cluster: "ClusterSpec", num_microbatches: int, split: bool,
+                      update_bandwidth: float, optimizer_state_factor: float, schedule: str | None = None,
+                      split_backward: bool = False) -> float:
+    """A bound below ``full``'s simulated step (its ``num_microbatches`` at the chain's batch size), tighter
+    than :func:`_step_lower_bound` by what ends every rank's step in ``simulate()``: after a replica's last
+    backward, its stage's gradient all-reduce (a ring over the slowest link among its ranks, once every
+    replica is there) and its optimizer step (:func:`~pdcompile.simulate.stage_step_s`), neither overlapped.
+    Per stage ``s`` with ``R`` replicas: the busiest replica (``ceil(M / R)`` microbatches) after the first
+    forward's way to it, then ``s``'s all-reduce and step; and its last input gradient's way back to
+    stage 0, then stage 0's. With ``schedule`` (simulated with ``split_backward``), also each stage's first
+    replica in that schedule's order (:func:`_ranks_bound`). Transfers and per-action costs only add."""
+    from pdcompile.simulate import ring_allreduce_s, stage_step_s
+
+    ars, steps, nxt = [], [], 0
+    for st in full.stages:  # each stage's all-reduce and optimizer step, as simulate_plan charges them
+        ranks = st.ranks if len(st.ranks) == st.replicas else tuple(range(nxt, nxt + st.replicas))
+        nxt += st.replicas
+        params = sum(l.param_bytes for l in chain.layers[st.first:st.last + 1])
+        ars.append(ring_allreduce_s(params, st.replicas, cluster.slowest_bandwidth(ranks)) if st.replicas > 1 else 0.0)
+        steps.append(stage_step_s(params, st.replicas, st.shard, optimizer_state_factor, update_bandwidth)
+                     if math.isfinite(update_bandwidth) else 0.0)
+    ends = [x + y for x, y in zip(ars, steps)]
+    bound = _stages_bound(full.stages, chain, [math.ceil(num_microbatches / st.replicas) for st in full.stages],
+                          split, ends)
+    if schedule is None:
+        return bound
+    return max(bound, _ranks_bound(full.stages, chain, schedule, num_microbatches, split_backward, ars, steps))
+
+
+def _ranks_bound(stages: Sequence[StagePlan], chain: "Chain", schedule: str, num_microbatches: int,
+                 split_backward: bool, ars: Sequence[float], steps: Sequence[float]) -> float:
+    """A bound below the simulated step read off each stage's first replica (its most microbatches) alone,
+    in the schedule's own order (``make_schedule`` for that rank): its actions one after another at their
+    simulated costs (the all-reduce ``ars``, the optimizer step ``steps``), a forward no sooner than the
+    first microbatch can reach it, a backward no sooner than its forward's end plus the microbatch's round
+    trip through the later stages (their forwards and input gradients, recomputation included); then its
+    last input gradient's way back to stage 0, and stage 0's all-reduce and step. Every other rank is taken
+    as infinitely fast, so the simulator's timeline of that rank is never earlier: its fill and drain count."""
+    from pdcompile.runtime.schedules import make_schedule
+    from pdcompile.runtime.schedules.actions import Kind
+    from pdcompile.simulate import INPUT_GRAD_SHARE, WEIGHT_GRAD_SHARE
+
+    layers = chain.layers
+    fwd, bwd, b_in, b_w = [], [], [], []
+    for st in stages:  # as simulate_plan sums a stage's costs (at the chain's own batch size)
+        mine = layers[st.first:st.last + 1]
+        mode = getattr(st, "recompute", "none")
+        head = len(mine) if mode == "full" else getattr(st, "recompute_layers", 0) if mode == "partial" else 0
+        again = sum(l.forward_s for l in mine[:head])
+        fwd.append(sum(l.forward_s for l in mine))
+        bwd.append(sum(l.backward_s for l in mine) + again)
+        b_in.append(sum(l.input_grad_s if l.input_grad_s is not None else l.backward_s * INPUT_GRAD_SHARE
+                        for l in mine) + again)
+        b_w.append(sum(l.weight_grad_s if l.weight_grad_s is not None else l.backward_s * WEIGHT_GRAD_SHARE
+                       for l in mine))
+    S = len(stages)
+    gi = [min(x, y) for x, y in zip(b_in, bwd)]  # a backward's input-gradient part, split or not
+    pf = np.concatenate(([0.0], np.cumsum(fwd)))
+    pg = np.concatenate(([0.0], np.cumsum(gi)))
+    firsts = [int(x) for x in np.concatenate(([0], np.cumsum([st.replicas for st in stages])))[:-1]]
+    sched = make_schedule(schedule, [st.replicas for st in stages], num_microbatches, split_backward=split_backward,
+                          ranks=firsts)
+    out = 0.0
+    for s, rank in enumerate(firsts):
+        acts = sched[rank]
+        split = {a.microbatch for a in acts if a.kind is Kind.WEIGHT_GRAD}
+        trip = float(pf[S] - pf[s + 1] + pg[S] - pg[s + 1])
+        clock, f_end, last_b = float(pf[s]), {}, 0.0
+        for a in acts:
+            if a.kind is Kind.FORWARD:
+                clock += fwd[s]
+                f_end[a.microbatch] = clock
+            elif a.kind is Kind.BACKWARD:
+                clock = max(clock, f_end.get(a.microbatch, 0.0) + trip) + (b_in[s] if a.microbatch in split else bwd[s])
+                last_b = clock
+            elif a.kind is Kind.WEIGHT_GRAD:
+                clock += b_w[s]
+            elif a.kind is Kind.ALLREDUCE:
+                clock += ars[s]
+            elif a.kind is Kind.STEP:
+                clock += steps[s]
+        out = max(out, clock, last_b + float(pg[s]) + ars[0] + steps[0])
+    return out * (1 - 1e-9)
+
+
+def _stages_bound(stages: Sequence[StagePlan], chain: "Chain", counts: Sequence[int], split: bool,
+                  ends: Sequence[float]) -> float:
+    """The bounds of :func:`_plan_lower_bound` for ``stages`` whose busiest replicas run ``counts``
+    microbatches, each stage's step ending ``ends`` after its replicas' last backward; a stage's
+    recomputation (its mode: the forward of its layers, or of its first ``recompute_layers``) runs again
+    in each of its backwards, as ``simulate_plan`` charges it.
+
+    Per stage, that replica (``q`` forwards ``F``, ``q`` backwards ``B`` of input-gradient part ``G`` and
+    whole part ``B``, from ``a``, when the first forward can reach it): all its work, then its stage's end;
+    all its forwards and input gradients, then the last one's way back and stage 0's end. And the pipeline's
+    round trip ``R`` (a microbatch's forward and input gradient through the later stages): its first backward
+    waits ``F + R`` after its first forward, so either every forward runs before it (the step at least
+    ``a + max(q F, F + R) + q B`` and an end) or some backward runs before its last forward, whose backward
+    then waits ``R`` again (at least ``a + q F + G + R + G`` and an end)."""
     f, back, work = ChainWork.of(chain, split).at(chain.batch_size)
     pf, pi, pw = (np.concatenate(([0.0], np.cumsum(a))) for a in (f, back, work))
+    again = []
+    for st in stages:
+        mode = getattr(st, "recompute", "none")
+        head = st.last - st.first + 1 if mode == "full" else getattr(st, "recompute_layers", 0) if mode == "partial" else 0
+        again.append(float(pf[st.first + head] - pf[st.first]))
+    rerun = np.concatenate(([0.0], np.cumsum(again)))  # recomputation of the stages before each
+    n = len(chain.layers)
     out = 0.0
-    for st in sub.stages:
+    for s, (st, q, end) in enumerate(zip(stages, counts, ends)):
         a, z = st.first, st.last + 1
-        q = math.ceil(per_copy / st.replicas)
-        before_f, way_back = float(pf[a]), float(pi[a])
-        out = max(out, before_f + q * float(pw[z] - pw[a]),
-                  before_f + q * float(pf[z] - pf[a] + pi[z] - pi[a]) + way_back)
+        before_f, way_back = float(pf[a]), float(pi[a]) + float(rerun[s])
+        fs, gs, bs = float(pf[z] - pf[a]), float(pi[z] - pi[a]) + again[s], float(pw[z] - pw[a]) - float(pf[z] - pf[a]) + again[s]
+        trip = float(pf[n] - pf[z] + pi[n] - pi[z]) + float(rerun[len(stages)] - rerun[s + 1])
+        back_end = way_back + ends[0]  # the last input gradient's way back to stage 0, then stage 0's end
+        first = before_f + max(q * fs, fs + trip)  # the first backward's start, every forward before it
+        drained = first + max(q * bs + end, q * gs + back_end)
+        if q >= 2:  # or a backward before the last forward
+            drained = min(drained, before_f + q * fs + gs + trip + max(bs + end, gs + back_end))
+        out = max(out, before_f + q * (fs + bs) + end, before_f + q * (fs + gs) + back_end, drained)
     return out * (1 - 1e-9)
 
 

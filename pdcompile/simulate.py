@@ -476,6 +476,15 @@ def _part(profiled: Any, backward_s: Any, share: float) -> Any:
     return profiled if profiled is not None else backward_s * share
 
 
+def _slowest(cluster: Any, ranks: Sequence[int]) -> float:
+    """The slowest link among ``ranks`` of ``cluster`` (``ClusterSpec.slowest_bandwidth``; another object
+    with ``bandwidth_between``: every pair)."""
+    fast = getattr(cluster, "slowest_bandwidth", None)
+    if fast is not None:
+        return float(fast(ranks))
+    return min((cluster.bandwidth_between(a, b) for a in ranks for b in ranks if a != b), default=math.inf)
+
+
 def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None = None,
                   num_microbatches: int = 8, *, num_steps: int = 1, vertical_sync: bool = False,
                   overlap_comm: bool = True, step_s: Sequence[float] | None = None,
@@ -583,20 +592,27 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
         cluster_rank = {r: plan.stages[s].ranks[i] if len(plan.stages[s].ranks) == reps[s] else r
                         for s, rs in enumerate(sched_ranks) for i, r in enumerate(rs)}
 
+    link_bw: dict[tuple[int, int], float] = {}  # each link's bandwidth, looked up once
+
     def send(sa: int, sb: int, ra: int, rb: int) -> float:
         nbytes = cut[min(sa, sb)]
-        return nbytes / cluster.bandwidth_between(cluster_rank[ra], cluster_rank[rb]) + latency_s if nbytes else 0.0
+        if not nbytes:
+            return 0.0
+        bw = link_bw.get((ra, rb))
+        if bw is None:
+            bw = link_bw[ra, rb] = cluster.bandwidth_between(cluster_rank[ra], cluster_rank[rb])
+        return nbytes / bw + latency_s
 
     coll_lat = latency_s if collective_latency_s is None else collective_latency_s
     allreduce = []
     for s, rs in enumerate(sched_ranks):
         cr = [cluster_rank[r] for r in rs]
-        bw = min((cluster.bandwidth_between(a, b) for a in cr for b in cr if a != b), default=math.inf)
+        bw = _slowest(cluster, cr)
         allreduce.append(ring_allreduce_s(params[s], len(rs), bw) + (coll_lat if len(rs) > 1 else 0.0))
     tied_s = 0.0
     if tied_bytes and tied_stages:
         cr = sorted({cluster_rank[r] for s in tied_stages for r in sched_ranks[s]})
-        bw = min((cluster.bandwidth_between(a, b) for a in cr for b in cr if a != b), default=math.inf)
+        bw = _slowest(cluster, cr)
         # on one rank (a V's ends) its stages' copies are summed in memory, no collective
         tied_s = ring_allreduce_s(tied_bytes, len(cr), bw) + coll_lat if len(cr) > 1 else 0.0
     res = simulate_schedule(name, reps, num_microbatches, num_steps=num_steps, vertical_sync=vertical_sync,

@@ -95,6 +95,22 @@ def test_ranks_and_bandwidth_between():
         c.coordinates(16)
 
 
+def test_slowest_bandwidth_is_the_least_over_every_pair():
+    """The slowest link among a set of ranks (the simulator's all-reduce rate), read off neighbours in rank
+    order, is the least ``bandwidth_between`` over every pair, on random hierarchies whose bandwidths need not
+    fall outwards and random rank sets (with repeats)."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(300):
+        levels = tuple(Level(f"l{k}", rng.randint(1, 4), rng.choice([1e9, 5e9, 50e9, 300e9]))
+                       for k in range(rng.randint(1, 4)))
+        c = ClusterSpec(Device("gpu"), levels)
+        ranks = [rng.randrange(c.num_workers) for _ in range(rng.randint(0, 8))]
+        want = min((c.bandwidth_between(a, b) for a in ranks for b in ranks if a != b), default=math.inf)
+        assert c.slowest_bandwidth(ranks) == want, (levels, ranks)
+
+
 def test_paper_and_local_clusters():
     a, b = paper_cluster("A"), paper_cluster("b")
     assert a.counts == (4, 4) and a.bandwidths == (10e9, 1.25e9)

@@ -272,7 +272,8 @@ def test_the_pruned_step_search_finds_the_step_of_every_candidate_simulated() ->
         chain = _random_chain(rng, rng.randint(2, 9), rng.choice([1, 2, 3]))
         cluster = _random_cluster(rng)
         opts = PlanOptions(schedule=rng.choice(["flush", "gpipe", "zb-h1"]), num_microbatches=rng.choice([2, 4, 6]),
-                           choose_microbatches=True, optimizer_state_factor=rng.choice([0.0, 2.0]))
+                           choose_microbatches=True, optimizer_state_factor=rng.choice([0.0, 2.0]),
+                           recompute=rng.choice(["none", "none", "full"]))
         want, every = _every_candidate(chain, cluster, opts)
         try:
             got = plan(chain, cluster, opts)
@@ -292,15 +293,17 @@ def test_the_pruned_step_search_finds_the_step_of_every_candidate_simulated() ->
 
 
 def test_the_step_bounds_are_never_above_the_simulated_step() -> None:
-    """The chain-only bound (every plan of a candidate) and a plan's own bound, against the simulated step of
-    random pipelines (stages, replicas, copies) on random chains; and a copy that the chain-only memory test
+    """The chain-only bound (every plan of a candidate; with recompute="full", every backward with its forward
+    run again), a plan's own bound and its bound with the all-reduces, optimizer steps and each stage's first
+    replica in the schedule's order (replicas' ranks consecutive or spread, sharded or not, with and without
+    an update bandwidth), against the simulated step of random pipelines (stages, replicas, copies) on random chains; and a copy that the chain-only memory test
     says cannot hold the state is over the device's memory whatever its plan."""
     from pdcompile.errors import UsageError
     from pdcompile.passes.partition_dp import plan_from_assignment
-    from pdcompile.plan import ChainWork, _step_lower_bound, copies_fit, step_lower_bound
+    from pdcompile.plan import ChainWork, _plan_lower_bound, _step_lower_bound, copies_fit, step_lower_bound
 
     rng = random.Random(7)
-    checked = over = 0
+    checked = over = closer = 0
     for _ in range(600):
         base = _random_chain(rng, rng.randint(1, 8), rng.choice([1, 2, 4]))
         cluster = _random_cluster(rng)
@@ -324,25 +327,37 @@ def test_the_step_bounds_are_never_above_the_simulated_step() -> None:
             assignment.append((edges[s], edges[s + 1] - 1, r, tuple(range(nxt, nxt + r))))
             nxt += r
         opts = PlanOptions(schedule=schedule, num_microbatches=m, optimizer_state_factor=rng.choice([0.0, 2.0]),
-                           recompute=rng.choice(["none", "auto"]), memory_limit=False)
+                           recompute=rng.choice(["none", "auto", "full"]), memory_limit=False,
+                           shard=rng.choice(["none", "none", "optimizer", "full"]))
+        # the replicas' ranks: consecutive, or spread over the cluster (their all-reduce over a slower link)
+        if rng.random() < 0.5:
+            perm = rng.sample(range(W), W)
+            assignment = [(a, z, r, tuple(sorted(perm[x] for x in ranks))) for a, z, r, ranks in assignment]
         try:
             full = plan_from_assignment(chain, cluster, assignment, opts, pool=True)
         except UsageError:
             continue
+        update_bw = rng.choice([math.inf, update_bandwidth_of(cluster), 1e9])
         res = simulate_plan(full, chain, cluster, schedule, m, split_backward=split,
-                            optimizer_state_factor=opts.optimizer_state_factor)
+                            optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw)
         step = float(res.step_time_s)
         pol_split = split or schedule == "zb-h1"
-        assert step_lower_bound(ChainWork.of(base, pol_split), minibatch // m, m, k, W) <= step
+        assert step_lower_bound(ChainWork.of(base, pol_split, opts.recompute == "full"), minibatch // m, m, k, W) <= step
         sub = dataclasses.replace(full, stages=tuple(dataclasses.replace(st_, ranks=st_.ranks[:len(st_.ranks) // k])
                                                      for st_ in full.stages))
         assert _step_lower_bound(sub, chain, m // k, pol_split) <= step
+        # with every stage's all-reduce and optimizer step: never above, and tight where those dominate
+        tight = _plan_lower_bound(full, chain, cluster, m, pol_split, update_bw, opts.optimizer_state_factor,
+                                  schedule, split)
+        assert _step_lower_bound(sub, chain, m // k, pol_split) <= tight * (1 + 1e-9) and tight <= step, \
+            (tight, step, str(full))
+        closer += tight > _step_lower_bound(sub, chain, m // k, pol_split) * 1.01
         if not copies_fit(ChainWork.of(chain, pol_split), k, W, float(cluster.device.memory),
-                          opts.optimizer_state_factor):
+                          opts.optimizer_state_factor, opts.shard):
             assert max(res.peak_memory_bytes) > float(cluster.device.memory)
             over += 1
         checked += 1
-    assert checked > 400 and over > 10
+    assert checked > 400 and over > 10 and closer > 50
 
 
 def test_a_chain_at_another_microbatch_size_is_what_the_simulator_runs_there() -> None:

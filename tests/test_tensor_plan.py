@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pytest
 
@@ -275,6 +276,24 @@ def test_the_step_search_picks_the_brute_force_best_over_t_stages_replicas_and_m
                         split_backward=t == 1, optimizer_state_factor=2.0,
                         update_bandwidth=update_bandwidth_of(cluster))
     assert float(res.step_time_s) == pytest.approx(p.seconds_per_minibatch, rel=1e-9)
+    # each degree searched alone (no cut): the note's figure, or the cut it says that degree's plans are over
+    note = next(n for n in p.notes if n.startswith("tensor parallelism"))
+    cut = 0
+    for d in (1, 2, 4):
+        try:
+            alone = plan(chain, cluster, schedule="flush", num_microbatches=64, optimizer_state_factor=2.0,
+                         tensor_parallel=d, choose_microbatches=True).seconds_per_minibatch
+        except InfeasiblePlanError:
+            alone = math.inf
+        said = re.search(rf"t={d}: (over )?([0-9.e+-]+) s", note)
+        if said is None:
+            assert f"t={d}: does not fit" in note and alone == math.inf, note
+        elif said.group(1):
+            assert alone > float(said.group(2)) >= p.seconds_per_minibatch * (1 - 1e-3), (d, alone, note)
+            cut += 1
+        else:
+            assert float(said.group(2)) == pytest.approx(alone, rel=1e-3), (d, alone, note)
+    assert cut >= 1  # the smaller degrees' best cut at least one degree's search short
 
 
 def test_where_no_degree_fits_the_refusal_names_the_memory_that_would() -> None:
