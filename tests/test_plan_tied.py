@@ -17,6 +17,7 @@ from pdcompile.cluster import flat_cluster
 from pdcompile.ir import Chain, ChainLayer
 from pdcompile.plan import plan, tied_of
 from pdcompile.simulate import simulate_plan, update_bandwidth_of
+from test_per_action_cost import _spy_search
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,21 +76,6 @@ def test_the_step_search_charges_the_tied_all_reduce_between_its_stages() -> Non
     assert tied_of(charged, heavy) == (0.0, [])
     assert charged.seconds_per_minibatch == pytest.approx(float(_sim(charged, heavy, cluster).step_time_s), rel=1e-9)
     assert float(_sim(free, heavy, cluster, 5e7, (0, 1)).step_time_s) > charged.seconds_per_minibatch
-
-
-def _spy_search(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Each plan the partition pass's step search returns, before the API replaces its headline."""
-    import pdcompile.passes.partition as partition
-
-    found: list[Any] = []
-    choose = partition.choose_plan
-
-    def spy(*a: Any, **kw: Any) -> Any:
-        found.append(choose(*a, **kw))
-        return found[-1]
-
-    monkeypatch.setattr(partition, "choose_plan", spy)
-    return found
 
 
 def _compile_lm(schedule: str) -> Any:

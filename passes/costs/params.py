@@ -10,6 +10,14 @@ import torch.fx as fx
 
 from pdcompile.passes.costs.nodes import COMPUTE_OPS
 
+def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[torch.nn.Parameter]:
+    """The parameters a compute node uses: its module's, and those it reads as attributes."""
+    params = list(gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module" else []
+    params += [t for a in node.all_input_nodes if a.op == "get_attr"
+               for t in [_fetch_attr(gm, str(a.target))] if isinstance(t, torch.nn.Parameter)]
+    return params
+
+
 def shared_param_bytes(gm: fx.GraphModule) -> dict[fx.Node, int]:
     """Per compute node, bytes of the parameters it uses that an earlier node used already."""
     seen: set[int] = set()
@@ -17,10 +25,7 @@ def shared_param_bytes(gm: fx.GraphModule) -> dict[fx.Node, int]:
     for node in gm.graph.nodes:
         if node.op not in COMPUTE_OPS:
             continue
-        params = list(gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module" else []
-        params += [t for a in node.all_input_nodes if a.op == "get_attr"
-                   for t in [_fetch_attr(gm, str(a.target))] if isinstance(t, torch.nn.Parameter)]
-        mine = {id(p): p for p in params}
+        mine = {id(p): p for p in _node_params(gm, node)}
         out[node] = sum(p.numel() * p.element_size() for i, p in mine.items() if i in seen)
         seen.update(mine)
     return out
@@ -38,10 +43,7 @@ def tied_params(gm: fx.GraphModule) -> dict[fx.Node, tuple[tuple[str, int], ...]
     for node in gm.graph.nodes:
         if node.op not in COMPUTE_OPS:
             continue
-        params = list(gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module" else []
-        params += [t for a in node.all_input_nodes if a.op == "get_attr"
-                   for t in [_fetch_attr(gm, str(a.target))] if isinstance(t, torch.nn.Parameter)]
-        used[node] = {id(p): p for p in params}
+        used[node] = {id(p): p for p in _node_params(gm, node)}
         for i in used[node]:
             users[i] = users.get(i, 0) + 1
     return {node: tuple(sorted((names.get(i, f"param{i}"), p.numel() * p.element_size())
