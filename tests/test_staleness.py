@@ -460,12 +460,7 @@ def test_a_synchronous_start_then_predict_lr_1f1b_trains_sync_then_the_reference
             assert (entry["applies"], entry["lrs"]) == ("predict+lr", pytest.approx(want, rel=1e-12)), r
 
     def reference_run(first_sync: int) -> list[dict[str, torch.Tensor]]:
-        program = Program.load(prog)
-        stages = [program.build_stage(s) for s in range(program.num_stages)]
-        opts = [build(program.raw["optimizer"], m.parameters()) for m in stages]
-        data = batches(8, "mlp")
-        reference.train_sync(_Chain(stages), program.build_loss(), _Each(opts), data,  # type: ignore[arg-type]  # duck-typed optimizer
-                             steps=first_sync, num_microbatches=1)
+        program, stages, opts, data = _synchronous_start(prog, first_sync, 1)
         last = [1.0] * 3  # the factor of each stage's last step (the prediction's rate)
 
         def factor(s: int, n: int) -> float:
@@ -482,6 +477,19 @@ def test_a_synchronous_start_then_predict_lr_1f1b_trains_sync_then_the_reference
     got = _final(prog, tmp_path / "final")
     assert _close(got, reference_run(sync)) < 1e-5
     assert _close(got, reference_run(0)) > 1e-4
+
+
+def _synchronous_start(prog: Path, first_sync: int, num_microbatches: int) -> tuple[Any, list[Any], list[Any], Any]:
+    """The emitted program's stages and optimizers trained in one process through a synchronous start of
+    ``first_sync`` minibatches (``reference.train_sync``): (program, stages, optimizers, the data iterator
+    where it stopped), for the schedule's reference to go on from."""
+    program = Program.load(prog)
+    stages = [program.build_stage(s) for s in range(program.num_stages)]
+    opts = [build(program.raw["optimizer"], m.parameters()) for m in stages]
+    data = batches(8, "mlp")
+    reference.train_sync(_Chain(stages), program.build_loss(), _Each(opts), data,  # type: ignore[arg-type]  # duck-typed optimizer
+                         steps=first_sync, num_microbatches=num_microbatches)
+    return program, stages, opts, data
 
 
 @pytest.mark.multiproc
@@ -501,12 +509,7 @@ def test_a_synchronous_start_then_predicted_2bw_trains_sync_then_the_reference(t
     assert rc == 0, out[-3000:]
 
     def reference_run(first_sync: int) -> list[dict[str, torch.Tensor]]:
-        program = Program.load(prog)
-        stages = [program.build_stage(s) for s in range(program.num_stages)]
-        opts = [build(program.raw["optimizer"], m.parameters()) for m in stages]
-        data = batches(8, "mlp")
-        reference.train_sync(_Chain(stages), program.build_loss(), _Each(opts), data,  # type: ignore[arg-type]  # duck-typed optimizer
-                             steps=first_sync, num_microbatches=M)
+        program, stages, opts, data = _synchronous_start(prog, first_sync, M)
         rest = [((x,), y) for _, ((xs,), ys) in zip(range(steps - first_sync), data)
                 for x, y in zip(xs.chunk(M), ys.chunk(M))]
         fwd, bwd, group = reference.pipedream_2bw(M)
