@@ -116,26 +116,42 @@ def test_simulate_draws_measured_under_predicted(tmp_path: Path, capsys: pytest.
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_a_real_runtime_trace_converts(tmp_path: Path) -> None:
-    """train.py --trace on two processes: every rank's actions, in a valid Chrome trace."""
+def test_a_real_runtime_trace_converts_and_the_programs_plan_simulates(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """train.py --trace on two processes: every rank's actions, in a valid Chrome trace. All of it as a user
+    types it in a fresh folder, with relative paths: the program's own plan.json (whose plan codegen stores
+    beside the program's fields) simulates, drawn above that trace."""
     import torch
 
     from pdcompile.api import pdcompile
     from _ranks import run_ranks
     from pdcompile.zoo import get
 
+    (tmp_path / "user").mkdir()
+    monkeypatch.chdir(tmp_path / "user")
     z = get("mlp", batch_size=8)
     pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
                      optimizer=lambda p: torch.optim.SGD(p, lr=0.01), stages=2, schedule="flush",
                      num_microbatches=2, leaf_modules=z.leaf_modules)
     data = {"factory": "pdcompile.zoo:batches", "kwargs": {"name": "mlp", "cycle": 2}}
-    prog = pipe.emit(tmp_path / "prog", data=data)
-    rc, log = run_ranks(prog, 2, ["--steps", "2", "--trace", str(tmp_path / "trace"), "--timeout", "60"], timeout=120)
+    prog = pipe.emit("prog", data=data)
+    rc, log = run_ranks(prog, 2, ["--steps", "2", "--trace", "trace", "--timeout", "60"], timeout=120)
     assert rc == 0, log[-2000:]
-    events = runtime_trace_to_chrome(tmp_path / "trace", tmp_path / "trace.json")
+    events = runtime_trace_to_chrome(Path("trace"), Path("trace.json"))
     names = {e.name for e in events}
     assert {"0F0", "0F3", "0B3", "0ST", "1F0", "1B3", "1ST"} <= names
-    assert len(read_chrome_trace(tmp_path / "trace.json")) == len(events)
+    assert len(read_chrome_trace(Path("trace.json"))) == len(events)
+
+    capsys.readouterr()
+    assert main(["simulate", "prog/plan.json", "--measured", "trace", "--png", "compare.png", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # the program's schedule, microbatches and configuration, from its plan's own per-stage totals
+    assert (out["schedule"], out["num_microbatches"], out["configuration"]) == ("flush", 2, pipe.plan.configuration)
+    alone = pipe.plan.stages  # flush of 2 microbatches on 2 stages, forward:backward 1:2: the step is at least
+    # every stage's work and at most all of it in a row
+    work = [st.compute_s * st.replicas * 2 for st in alone]
+    assert max(work) <= out["predicted_step_time_s"] <= sum(work) + sum(st.send_s for st in alone) * 2
+    assert Path("compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("flags", [

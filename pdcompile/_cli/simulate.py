@@ -55,6 +55,13 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _is_program_plan(data: Any) -> bool:
+    """Whether ``data`` is an emitted program's plan.json (passes/codegen.py): the plan it was compiled from
+    under ``"plan"``, beside the program's ``world_size`` and ``stages`` (each with its ranks)."""
+    return (isinstance(data, dict) and isinstance(data.get("plan"), dict) and "world_size" in data
+            and isinstance(data.get("stages"), list))
+
+
 def _read_source(path: Path) -> tuple[str, Any, dict[str, Any]]:
     """("plan", Plan, program fields) or ("profile", Profile, {})."""
     from pdcompile.plan import PLAN_FORMAT, Plan
@@ -71,7 +78,7 @@ def _read_source(path: Path) -> tuple[str, Any, dict[str, Any]]:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
-        if isinstance(data, dict) and isinstance(data.get("plan"), dict) and "stage_ranks" in data:
+        if _is_program_plan(data):
             return "plan", Plan.from_dict(data["plan"]), data  # an emitted program's plan.json
         if isinstance(data, dict) and (data.get("format") == PLAN_FORMAT or ("stages" in data and "predicted" in data)):
             return "plan", Plan.from_dict(data), {}
