@@ -1,8 +1,9 @@
 """Checkpoints, ``init_from`` and ``merge`` of tensor-parallel stages (runtime/tensor_parallel.py's
 layouts, runtime/checkpoint.py): a checkpoint written with t = 2 holds the model's own tensors under its
 names (fused q, k, v rows in the model's order; Adam's state split like its weights), so it resumes under
-t = 1 and under t = 2 with another stage or replica count, and a t = 1 checkpoint resumes under t = 2; every run is
-checked against one uninterrupted single-process run (``reference.train_sync``), fp32, gloo."""
+another t, another degree per stage (``tensor_parallel=[2, 1]`` to ``[1, 2]``), t = 1, another stage or replica
+count, and a t = 1 checkpoint resumes under t = 2; every run is checked against one uninterrupted
+single-process run (``reference.train_sync``), fp32, gloo."""
 
 from __future__ import annotations
 
@@ -41,10 +42,13 @@ def _opt(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3, eps=1e-4)
 
 
+Degrees = int | tuple[int, ...]  # one t for every stage, or one per stage
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled(stages: int, t: int, replicas: int = 1) -> Any:
+def _compiled(stages: int, t: Degrees, replicas: int = 1) -> Any:
     (x,), target = token_batches(CFG.vocab_size, 1, BATCH, CFG.seq_len)[0]
-    kw: dict[str, Any] = {"tensor_parallel": t} if t > 1 else {}
+    kw: dict[str, Any] = {"tensor_parallel": list(t)} if isinstance(t, tuple) else {"tensor_parallel": t} if t > 1 else {}
     if replicas > 1:
         kw["replicas"] = [replicas] * stages
     return api.pdcompile(_model(), example_inputs=(x,), example_target=target, loss_fn=SequenceCrossEntropy(),
@@ -77,59 +81,95 @@ def _run(prog: Path, nproc: int, *args: str) -> None:
     assert rc == 0, log[-3000:]
 
 
+def _pieces(step: Path) -> dict[str, int]:
+    """How many pieces the checkpoint at ``step`` holds of each tensor: 1 written whole, t written by each of a
+    split stage's processes at its offset."""
+    md = checkpoint.read_metadata(step)
+    return {k: len(getattr(md.state_dict_metadata[k], "chunks")) for k in checkpoint.tensor_shapes(md)}
+
+
+def _adam_state(step: Path, want: dict[str, torch.Tensor], what: str) -> None:
+    """Adam's state in the checkpoint at ``step``, read whole under ``optim/NAME/KEY``, is ``want``."""
+    shapes = checkpoint.tensor_shapes(checkpoint.read_metadata(step))
+    got = {k: torch.empty(shapes[k][0], dtype=shapes[k][1]) for k in want}
+    checkpoint.read_tensors(step, got)
+    _close(got, want, what)
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_checkpoints_of_split_stages_resume_under_another_t_and_stage_count_and_merge(tmp_path: Path) -> None:
+    """One chain of runs (steps 1-2, 3, 3 again, 4, 5), each resuming the checkpoint of one before it under another
+    layout: t = [2, 1] per stage -> [1, 2] and -> t = 1 on 1 stage -> t = 2 x 1 stage x 2 replicas -> t = 2 x 2
+    stages, every one checked against the single-process run."""
     data = token_batches(CFG.vocab_size, STEPS, BATCH, CFG.seq_len)
     save_batches(data, STEPS, tmp_path / "data.pt")
     source = {"factory": "pdcompile.runtime.data:from_file", "kwargs": {"path": str(tmp_path / "data.pt")}}
-    progs = {(s, t, r): _compiled(s, t, r).emit(tmp_path / f"prog_{s}x{t}x{r}", data=source)
-             for s, t, r in [(2, 2, 1), (2, 1, 1), (1, 2, 2)]}
+    layouts: list[tuple[int, Degrees, int]] = [(2, (2, 1), 1), (2, (1, 2), 1), (1, 1, 1), (1, 2, 2), (2, 2, 1)]
+    progs = {(s, t, r): _compiled(s, t, r).emit(tmp_path / f"prog_{s}x{t}x{r}".replace(" ", ""), data=source)
+             for s, t, r in layouts}
     weights, states = _reference(data)
     initial = {n: p.detach() for n, p in _model().named_parameters()}
     assert sum(not torch.equal(weights[1][n], initial[n]) for n in initial) > len(initial) // 2  # it trains
 
-    # t = 2 x 2 stages (4 processes): 2 steps, a checkpoint after the second
-    _run(progs[2, 2, 1], 4, "--steps", "2", "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "2")
+    # t = [2, 1]: stage 0 on 2 processes, stage 1 on 1 (3 processes): 2 steps, a checkpoint after the second
+    _run(progs[2, (2, 1), 1], 3, "--steps", "2", "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "2")
     step2 = checkpoint.latest(tmp_path / "a")
     assert step2 is not None and step2.name == "step_00000002"
     # it holds the model's tensors under its names, whole in the model's order (c_attn's fused rows too):
     # `pdcompile merge` of the checkpoint folder gives the model's state dict ...
     assert main(["merge", str(tmp_path / "a"), "-o", str(tmp_path / "merged.pt"), "--no-safetensors"]) == 0
-    _close(torch.load(tmp_path / "merged.pt", weights_only=True), weights[1], "pdcompile merge of the t=2 checkpoint")
-    md = checkpoint.read_metadata(step2)
-    shapes = checkpoint.tensor_shapes(md)
-    assert shapes["h.0.attn.c_attn.weight"][0] == (3 * CFG.d_model, CFG.d_model)
-    # each process wrote its shard (2 pieces: rows of a column linear, columns of a row linear); a fused
-    # projection's shard is not one piece of the whole, so it was gathered and written whole (1 piece)
-    pieces = {k: len(getattr(md.state_dict_metadata[k], "chunks")) for k in shapes}
-    assert pieces["h.0.mlp.c_fc.weight"] == pieces["h.1.mlp.c_proj.weight"] == 2, pieces
-    assert pieces["optim/h.0.mlp.c_fc.weight/exp_avg"] == 2 and pieces["h.0.attn.c_attn.weight"] == 1
+    _close(torch.load(tmp_path / "merged.pt", weights_only=True), weights[1], "pdcompile merge of the [2, 1] checkpoint")
+    # stage 0's 2 processes each wrote their shard (rows of a column linear), stage 1 (t = 1) its tensors whole
+    pieces = _pieces(step2)
+    assert pieces["h.0.mlp.c_fc.weight"] == pieces["optim/h.0.mlp.c_fc.weight/exp_avg"] == 2, pieces
+    assert pieces["h.1.mlp.c_fc.weight"] == pieces["optim/h.1.mlp.c_fc.weight/exp_avg"] == 1, pieces
     # ... and Adam's state, split like its weights, whole under optim/NAME/KEY
-    opt_keys = {k: torch.empty(shapes[k][0], dtype=shapes[k][1]) for k in states[1]}
-    checkpoint.read_tensors(step2, opt_keys)
-    _close(opt_keys, states[1], "Adam's state in the t=2 checkpoint")
+    _adam_state(step2, states[1], "Adam's state in the [2, 1] checkpoint")
 
-    # resumed under t = 1 x 2 stages (2 processes): step 3, checkpointed (a t = 1 checkpoint)
-    _run(progs[2, 1, 1], 2, "--steps", "3", "--resume", str(step2), "--checkpoint-dir", str(tmp_path / "b"),
+    # resumed under t = [1, 2] (the other stage split; 3 processes): step 3, checkpointed
+    _run(progs[2, (1, 2), 1], 3, "--steps", "3", "--resume", str(step2), "--checkpoint-dir", str(tmp_path / "b"),
          "--checkpoint-every", "3", "--save-final", str(tmp_path / "final_b"))
-    _close(merge_weights(progs[2, 1, 1], tmp_path / "final_b"), weights[2], "t=2 x 2 resumed under t=1 x 2")
-    step3 = checkpoint.latest(tmp_path / "b")
+    _close(merge_weights(progs[2, (1, 2), 1], tmp_path / "final_b"), weights[2], "[2, 1] resumed under [1, 2]")
+    step3b = checkpoint.latest(tmp_path / "b")
+    assert step3b is not None
+    _close({k: v for part in checkpoint_source(step3b).stream() for k, v in part.items()}, weights[2],
+           "merge of the [1, 2] checkpoint")
+    assert _pieces(step3b)["h.1.mlp.c_fc.weight"] == 2 and _pieces(step3b)["h.0.mlp.c_fc.weight"] == 1
+    _adam_state(step3b, states[2], "Adam's state in the [1, 2] checkpoint")
+
+    # the [2, 1] checkpoint resumed under t = 1 on one stage (1 process): step 3 again, checkpointed (t = 1)
+    _run(progs[1, 1, 1], 1, "--steps", "3", "--resume", str(step2), "--checkpoint-dir", str(tmp_path / "c"),
+         "--checkpoint-every", "3", "--save-final", str(tmp_path / "final_c"))
+    _close(merge_weights(progs[1, 1, 1], tmp_path / "final_c"), weights[2], "[2, 1] x 2 stages resumed under t=1 x 1")
+    step3 = checkpoint.latest(tmp_path / "c")
     assert step3 is not None
 
     # that t = 1 checkpoint resumed under t = 2 x 1 stage x 2 replicas (4 processes): step 4, checkpointed again
     # with t = 2 (a shard two replicas hold is written once)
-    _run(progs[1, 2, 2], 4, "--steps", "4", "--resume", str(step3), "--checkpoint-dir", str(tmp_path / "c"),
-         "--checkpoint-every", "4", "--save-final", str(tmp_path / "final_c"))
-    _close(merge_weights(progs[1, 2, 2], tmp_path / "final_c"), weights[3], "t=1 resumed under t=2 x 1 x 2 replicas")
-    step4 = checkpoint.latest(tmp_path / "c")
+    _run(progs[1, 2, 2], 4, "--steps", "4", "--resume", str(step3), "--checkpoint-dir", str(tmp_path / "d"),
+         "--checkpoint-every", "4")
+    step4 = checkpoint.latest(tmp_path / "d")
     assert step4 is not None
     _close({k: v for part in checkpoint_source(step4).stream() for k, v in part.items()}, weights[3],
-           "merge of the t=2 x 1 x 2 replicas checkpoint")
+           "t=1 resumed under t=2 x 1 x 2 replicas (its checkpoint merged)")
 
-    # that t = 2 checkpoint of one stage and 2 replicas resumed under t = 2 x 2 stages (4 processes): step 5
-    _run(progs[2, 2, 1], 4, "--steps", "5", "--resume", str(step4), "--save-final", str(tmp_path / "final_d"))
-    _close(merge_weights(progs[2, 2, 1], tmp_path / "final_d"), weights[4], "t=2 x 1 x 2 resumed under t=2 x 2")
+    # that t = 2 checkpoint of one stage and 2 replicas resumed under t = 2 x 2 stages (4 processes): step 5,
+    # checkpointed with t = 2 on both stages
+    _run(progs[2, 2, 1], 4, "--steps", "5", "--resume", str(step4), "--checkpoint-dir", str(tmp_path / "e"),
+         "--checkpoint-every", "5")
+    step5 = checkpoint.latest(tmp_path / "e")
+    assert step5 is not None
+    assert main(["merge", str(tmp_path / "e"), "-o", str(tmp_path / "merged_e.pt"), "--no-safetensors"]) == 0
+    _close(torch.load(tmp_path / "merged_e.pt", weights_only=True), weights[4], "t=2 x 1 x 2 resumed under t=2 x 2")
+    shapes = checkpoint.tensor_shapes(checkpoint.read_metadata(step5))
+    assert shapes["h.0.attn.c_attn.weight"][0] == (3 * CFG.d_model, CFG.d_model)
+    # each process wrote its shard (2 pieces: rows of a column linear, columns of a row linear); a fused
+    # projection's shard is not one piece of the whole, so it was gathered and written whole (1 piece)
+    pieces = _pieces(step5)
+    assert pieces["h.0.mlp.c_fc.weight"] == pieces["h.1.mlp.c_proj.weight"] == 2, pieces
+    assert pieces["optim/h.0.mlp.c_fc.weight/exp_avg"] == 2 and pieces["h.0.attn.c_attn.weight"] == 1
+    _adam_state(step5, states[4], "Adam's state in the t=2 x 2 checkpoint")
 
 
 @pytest.mark.parametrize("dim,chunks,t", [(0, 1, 2), (1, 1, 2), (0, 3, 2), (0, 3, 4), (1, 2, 4)])
@@ -165,35 +205,35 @@ def _pretrained(folder: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _meta_compiled(folder: Path, stages: int = 1, **kw: Any) -> Any:
-    """The GPT compiled on the meta device with t = 2, its weights from ``folder/w.safetensors``."""
+def _meta_compiled(folder: Path, stages: int = 1, t: Degrees = 2) -> Any:
+    """The GPT compiled on the meta device with ``t``, its weights from ``folder/w.safetensors``."""
     with torch.device("meta"):
         model = gpt.GPT(CFG)
     (x,), target = token_batches(CFG.vocab_size, 1, BATCH, CFG.seq_len)[0]
     return api.pdcompile(model, example_inputs=(x,), example_target=target, loss_fn=SequenceCrossEntropy(),
-                         optimizer=_opt, stages=stages, num_microbatches=MICRO, tensor_parallel=2,
-                         init_from=folder / "w.safetensors", **kw)
+                         optimizer=_opt, stages=stages, num_microbatches=MICRO,
+                         tensor_parallel=list(t) if isinstance(t, tuple) else t, init_from=folder / "w.safetensors")
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_a_meta_compiled_model_trains_from_init_from_with_t2_like_the_whole_model_loaded(tmp_path: Path) -> None:
-    """The emitted program on 2 stages x t = 2 (4 processes): each process builds its stage on meta and reads
-    its slices of the safetensors file; 2 steps train like the whole model loaded from that file."""
+    """The emitted program on 2 stages of degrees [1, 2] (3 processes): each process builds its stage on meta and
+    reads its slices of the safetensors file; 2 steps train like the whole model loaded from that file."""
     sd = _pretrained(tmp_path)
     data = token_batches(CFG.vocab_size, 2, BATCH, CFG.seq_len)
     save_batches(data, 2, tmp_path / "data.pt")
-    prog = _meta_compiled(tmp_path, 2).emit(tmp_path / "prog", data={
+    prog = _meta_compiled(tmp_path, 2, (1, 2)).emit(tmp_path / "prog", data={
         "factory": "pdcompile.runtime.data:from_file", "kwargs": {"path": str(tmp_path / "data.pt")}})
     assert not list(prog.glob("stage_*.pt"))  # no weights emitted: the ranks read the checkpoint
-    _run(prog, 4, "--steps", "2", "--save-final", str(tmp_path / "final"))
+    _run(prog, 3, "--steps", "2", "--save-final", str(tmp_path / "final"))
     model = _model()
     model.load_state_dict(sd)
     reference.train_sync(model, SequenceCrossEntropy(), _opt(model.parameters()), data, steps=2,
                          num_microbatches=MICRO)
     want = {n: p.detach() for n, p in model.named_parameters()}
     assert sum(not torch.equal(want[n], sd[n]) for n in want) > len(want) // 2  # it trained
-    _close(merge_weights(prog, tmp_path / "final"), want, "init_from with t=2 x 2 stages")
+    _close(merge_weights(prog, tmp_path / "final"), want, "init_from with t=[1, 2]")
 
 
 def _fake_group(rank: int, world: int) -> None:
@@ -206,26 +246,26 @@ def _fake_group(rank: int, world: int) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_init_from_with_t2_fills_each_process_with_its_own_part_of_every_format(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A GPT compiled on meta with t = 2, its stage built from a checkpoint (safetensors: read as slices;
-    torch.save; DCP) as processes 0 and 1 build it: each holds what splitting the whole model gives it
-    (column linears' rows, fused q, k, v per chunk; row linears' columns), and every tensor left whole."""
+@pytest.mark.parametrize("degrees", [2, (2, 1)], ids=["t2", "per-stage-2-1"])
+def test_init_from_fills_each_process_with_its_own_part_of_every_format(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, degrees: Degrees) -> None:
+    """A GPT compiled on meta with t = 2 on one stage, or degrees [2, 1] on two stages, each stage built from a
+    checkpoint (safetensors: read as slices; torch.save; DCP) as each process builds it: each holds what
+    splitting the whole model gives it (column linears' rows, fused q, k, v per chunk; row linears' columns),
+    and every tensor left whole (all of a stage of degree 1)."""
     import torch.distributed as dist
 
-    from pdcompile.runtime import tensor_parallel
+    from pdcompile.runtime import sources, tensor_parallel
     from pdcompile.runtime.program import Program
     from pdcompile.runtime.tensor_parallel import interleave
 
     sd = _pretrained(tmp_path)
     torch.save(sd, tmp_path / "w.pt")
     checkpoint.write_offline(tmp_path / "dcp", {"stages": []}, 0, sd, checkpoint.rank_state([], 0, 0))
-    prog = Program.load(_meta_compiled(tmp_path).emit(tmp_path / "prog"))
-    entry = tensor_parallel.stage_entry(prog.raw, 0)
-    names = prog.stages[0].param_names
-    col, row, fused = set(entry["colwise"]), set(entry["rowwise"]), dict(entry["fused"])
-    assert col and row and fused
-    from pdcompile.runtime import sources
+    prog = Program.load(_meta_compiled(tmp_path, 1 if isinstance(degrees, int) else len(degrees), degrees)
+                        .emit(tmp_path / "prog"))
+    lay = tensor_parallel.rank_layout(prog.raw)
+    assert lay.world == (2 if isinstance(degrees, int) else 3)
 
     whole_reads: list[str] = []  # a safetensors file's split tensors are read as slices, never whole
     for method in ("read", "copy_into"):
@@ -236,31 +276,42 @@ def test_init_from_with_t2_fills_each_process_with_its_own_part_of_every_format(
             return _real(self, name, *a, **k)
         monkeypatch.setattr(sources.SafetensorsReader, method, spy)
 
-    vocab = {*entry.get("embeddings", ()), *([entry["head"]] if entry.get("head") else [])}
-    tied = {n for n in names if names[n] in {names[m] for m in names if m.rpartition(".")[0] in vocab}}
+    for process in range(lay.world):
+        me = lay.locate(process)
+        k = next(st.index for st in prog.stages if me.logical in st.ranks)
+        entry, names = tensor_parallel.stage_entry(prog.raw, k), prog.stages[k].param_names
+        col, row, fused = set(entry.get("colwise", ())), set(entry.get("rowwise", ())), dict(entry.get("fused", {}))
+        assert (me.degree > 1) == bool(col and row and fused)
+        vocab = {*entry.get("embeddings", ()), *([entry["head"]] if entry.get("head") else [])}
+        tied = {n for n in names if names[n] in {names[m] for m in names if m.rpartition(".")[0] in vocab}}
+        layers = {names[n].split(".")[1] for n in names if names[n].startswith("h.")}  # the stage's blocks
 
-    def expected(local: str, j: int) -> torch.Tensor:  # splitting the whole model, as Megatron lays it out
-        w, (mod, _, leaf) = sd[names[local]], local.rpartition(".")
-        if local in tied:  # split by vocabulary: rows (a tied embedding and head under either name)
-            return w.chunk(2, 0)[j]
-        if mod in col:
-            return interleave(w, fused.get(mod, 1), 2).chunk(2, 0)[j]
-        return w.chunk(2, 1)[j] if mod in row and leaf == "weight" else w
+        def expected(local: str, j: int = me.index, t: int = me.degree) -> torch.Tensor:
+            # splitting the whole model, as Megatron lays it out
+            w, (mod, _, leaf) = sd[names[local]], local.rpartition(".")
+            if local in tied:  # split by vocabulary: rows (a tied embedding and head under either name)
+                return w.chunk(t, 0)[j]
+            if mod in col:
+                return interleave(w, fused.get(mod, 1), t).chunk(t, 0)[j]
+            return w.chunk(t, 1)[j] if mod in row and leaf == "weight" else w
 
-    for j in (0, 1):
-        _fake_group(j, 2)
+        _fake_group(process, lay.world)
         try:
             mesh = tensor_parallel.tensor_mesh(prog.raw, "cpu")
+            assert (mesh is None) == (me.degree == 1)
             for path in ("w.safetensors", "w.pt", "step_00000000"):
                 src = tmp_path / ("dcp" if path.startswith("step") else "") / path
-                stage = prog.build_stage(0, "cpu", init_from=str(src), split=tensor_parallel.Split(entry, mesh))
+                stage = prog.build_stage(k, "cpu", init_from=str(src),
+                                         split=tensor_parallel.Split(entry, mesh) if me.degree > 1 else None)
                 split = 0
                 for local, t in stage.named_parameters():
                     got = tensor_parallel.local_tensor(t)
                     split += got.shape != t.shape
-                    assert torch.equal(got, expected(local, j)), (path, j, local)
-                # c_attn, c_fc: weights and biases; both c_proj: weights; the tied wte/lm_head (one tensor) by vocabulary
-                assert split == 6 * CFG.n_layers + len(tied & {n for n, _ in stage.named_parameters()}), path
+                    assert torch.equal(got, expected(local)), (path, process, local)
+                # c_attn, c_fc: weights and biases; both c_proj: weights; the tied wte/lm_head (one tensor) by
+                # vocabulary (where one stage holds both: across stages of different degrees the weight is whole)
+                want = 6 * len(layers) + len(tied & {n for n, _ in stage.named_parameters()}) if me.degree > 1 else 0
+                assert split == want and (split > 0) == (me.degree > 1), (path, process)
                 if path.endswith("safetensors"):
                     assert whole_reads and not {names[n] for n, t in stage.named_parameters()
                                                 if tensor_parallel.local_tensor(t).shape != t.shape} & set(whole_reads)
