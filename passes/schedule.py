@@ -40,10 +40,11 @@ def run(state: CompileState, opts: ScheduleOptions) -> CompileState:
                              f"run yet; choose flush, gpipe, 1f1b or 2bw, or tensor_parallel=1")
         split = False
         for k, (st, tp) in enumerate(zip(state.plan.stages if state.plan is not None else (), state.tensor_parallel.stages)):
-            if tp.degree > 1 and st.shard != "none":  # FSDP2 or ZeRO-1 over a stage split by tensor parallelism
+            if tp.degree > 1 and st.shard == "full":  # FSDP2 over a stage split by tensor parallelism (ZeRO-1 runs:
+                # runtime/shard.py broadcasts a split parameter's local shard among its tensor index's replicas)
                 raise UsageError(f"stage {k} shards its {st.replicas} replicas (shard={st.shard!r}) and is split by "
-                                 f"tensor_parallel={tp.degree}, which is not run yet; give shard='none' (or "
-                                 f"tensor_parallel=1)")
+                                 f"tensor_parallel={tp.degree}, which is not run yet; give shard='optimizer' or 'none' "
+                                 f"(or tensor_parallel=1)")
     if split is None and len(replicas) == 1 and opts.virtual_stages == 1:
         split = False  # one stage: no stage before it waits for its input gradients, so a split only adds actions
     if split is None:

@@ -5,7 +5,9 @@
   ``ZeroRedundancyOptimizer`` over the replica group: each replica keeps and steps the state of
   its share of the parameters, then the updated parameters are broadcast (:class:`Zero1`). Every
   schedule runs it, the weight-stashing ones too (stashed versions are full weights: there the
-  mode shards the optimizer state only, as everywhere).
+  mode shards the optimizer state only, as everywhere). On a stage split by tensor parallelism the
+  replica group is one tensor index's, and a split parameter (a DTensor) is broadcast as its local
+  shard (:func:`zero1`).
 * ``full`` (FSDP2): ``fully_shard`` over the replica group (a ``DeviceMesh`` made from it): the
   parameters, gradients and optimizer state are 1/r per replica. As torchtitan runs it under a
   pipeline, parameters are gathered at a step's first forward and kept (``reshard_after_forward``
@@ -134,6 +136,16 @@ def zero1(spec: Mapping[str, Any], params: Sequence[torch.nn.Parameter], group: 
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             super().load_state_dict(state_dict)  # keeps this replica's share, in self.optim
             self.state = self.optim.state  # type: ignore[assignment]
+
+        def _broadcast_params_from_rank(self, rank: int) -> list[Any]:
+            """The updated parameters of replica ``rank``'s share sent to the others, as torch's own does (one
+            broadcast per parameter), a split parameter's (a DTensor: tensor parallelism) as its local shard:
+            the replicas of one tensor index hold the same shard (c10d's broadcast has no DTensor rule)."""
+            import torch.distributed as dist
+
+            src = dist.get_global_rank(self.process_group, rank)
+            return [dist.broadcast(local(p.data), src=src, group=self.process_group, async_op=True)
+                    for g in self._partition_parameters()[rank] for p in g["params"]]
 
     opt = Zero1(list(params), optimizer_class=import_object(spec["class"]), process_group=group,
                 **spec.get("kwargs", {}))

@@ -409,7 +409,7 @@ def layouts(module: torch.nn.Module, entry: Mapping[str, Any]) -> dict[str, Layo
         if len(shards) > 1 or p.device_mesh.ndim != 1:
             raise UsageError(f"{name}: split over {p.placements} of a {p.device_mesh.ndim}-D mesh (a split stage's "
                              f"replicas sharded too); checkpoints, init_from and merge read and write parameters split "
-                             f"along one dimension of the tensor mesh: run the stage with shard 'none'")
+                             f"along one dimension of the tensor mesh: run the stage with shard 'none' or 'optimizer'")
         owner = name.rpartition(".")[0]
         out[name] = Layout(int(shards[0][1].dim), p.device_mesh.size(), p.device_mesh.get_local_rank(),
                            fused.get(owner, 1))

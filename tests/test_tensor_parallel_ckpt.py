@@ -2,13 +2,13 @@
 layouts, runtime/checkpoint.py): a checkpoint written with t = 2 holds the model's own tensors under its
 names (fused q, k, v rows in the model's order; Adam's state split like its weights), so it resumes under
 another t, another degree per stage (``tensor_parallel=[2, 1]`` to ``[1, 2]``), t = 1, another stage or replica
-count, and a t = 1 checkpoint resumes under t = 2; every run is checked against one uninterrupted
-single-process run (``reference.train_sync``), fp32, gloo."""
+count (the replicas sharding the optimizer, ZeRO-1), and a t = 1 checkpoint resumes under t = 2; every run is
+checked against one uninterrupted single-process run (``reference.train_sync``), fp32, gloo."""
 
 from __future__ import annotations
 
-import copy
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from pdcompile.zoo import gpt
 from pdcompile.zoo.losses import SequenceCrossEntropy
 
 CFG = gpt.CONFIGS["small"]  # 2 layers, 2 heads, d=32 (c_attn: q, k, v fused), T=8, vocabulary 64
-MICRO, BATCH, STEPS = 2, 4, 5
+MICRO, BATCH, STEPS = 2, 4, 6
 
 pytestmark = pytest.mark.xdist_group("tensor_parallel")
 
@@ -46,11 +46,11 @@ Degrees = int | tuple[int, ...]  # one t for every stage, or one per stage
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(stages: int, t: Degrees, replicas: int = 1) -> Any:
+def _compiled(stages: int, t: Degrees, replicas: int = 1, shard: str = "none") -> Any:
     (x,), target = token_batches(CFG.vocab_size, 1, BATCH, CFG.seq_len)[0]
     kw: dict[str, Any] = {"tensor_parallel": list(t)} if isinstance(t, tuple) else {"tensor_parallel": t} if t > 1 else {}
     if replicas > 1:
-        kw["replicas"] = [replicas] * stages
+        kw.update(replicas=[replicas] * stages, shard=shard)
     return api.pdcompile(_model(), example_inputs=(x,), example_target=target, loss_fn=SequenceCrossEntropy(),
                          optimizer=_opt, stages=stages, schedule="flush", num_microbatches=MICRO, **kw)
 
@@ -99,14 +99,14 @@ def _adam_state(step: Path, want: dict[str, torch.Tensor], what: str) -> None:
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_checkpoints_of_split_stages_resume_under_another_t_and_stage_count_and_merge(tmp_path: Path) -> None:
-    """One chain of runs (steps 1-2, 3, 3 again, 4, 5), each resuming the checkpoint of one before it under another
-    layout: t = [2, 1] per stage -> [1, 2] and -> t = 1 on 1 stage -> t = 2 x 1 stage x 2 replicas -> t = 2 x 2
-    stages, every one checked against the single-process run."""
+    """One chain of runs (steps 1-2, 3, 3 again, 4-5, 6), each resuming the checkpoint of one before it under
+    another layout: t = [2, 1] per stage -> [1, 2] and -> t = 1 on 1 stage -> t = 2 x 1 stage x 2 replicas sharding
+    the optimizer (ZeRO-1) -> t = 2 x 2 stages, every one checked against the single-process run."""
     data = token_batches(CFG.vocab_size, STEPS, BATCH, CFG.seq_len)
     save_batches(data, STEPS, tmp_path / "data.pt")
     source = {"factory": "pdcompile.runtime.data:from_file", "kwargs": {"path": str(tmp_path / "data.pt")}}
     layouts: list[tuple[int, Degrees, int]] = [(2, (2, 1), 1), (2, (1, 2), 1), (1, 1, 1), (1, 2, 2), (2, 2, 1)]
-    progs = {(s, t, r): _compiled(s, t, r).emit(tmp_path / f"prog_{s}x{t}x{r}".replace(" ", ""), data=source)
+    progs = {(s, t, r): _compiled(s, t, r, "optimizer").emit(tmp_path / f"prog_{s}x{t}x{r}".replace(" ", ""), data=source)
              for s, t, r in layouts}
     weights, states = _reference(data)
     initial = {n: p.detach() for n, p in _model().named_parameters()}
@@ -145,31 +145,36 @@ def test_checkpoints_of_split_stages_resume_under_another_t_and_stage_count_and_
     step3 = checkpoint.latest(tmp_path / "c")
     assert step3 is not None
 
-    # that t = 1 checkpoint resumed under t = 2 x 1 stage x 2 replicas (4 processes): step 4, checkpointed again
-    # with t = 2 (a shard two replicas hold is written once)
-    _run(progs[1, 2, 2], 4, "--steps", "4", "--resume", str(step3), "--checkpoint-dir", str(tmp_path / "d"),
-         "--checkpoint-every", "4")
-    step4 = checkpoint.latest(tmp_path / "d")
-    assert step4 is not None
-    _close({k: v for part in checkpoint_source(step4).stream() for k, v in part.items()}, weights[3],
-           "t=1 resumed under t=2 x 1 x 2 replicas (its checkpoint merged)")
+    # that t = 1 checkpoint resumed under t = 2 x 1 stage x 2 replicas, each of the 2 processes of a tensor index
+    # stepping half its parameters with Adam (ZeRO-1) and broadcasting them (4 processes): steps 4 and 5,
+    # checkpointed again with t = 2 (a shard two replicas hold written once, Adam's state by the replica holding it)
+    _run(progs[1, 2, 2], 4, "--steps", "5", "--resume", str(step3), "--checkpoint-dir", str(tmp_path / "d"),
+         "--checkpoint-every", "5", "--metrics", str(tmp_path / "m"))
+    step5 = checkpoint.latest(tmp_path / "d")
+    assert step5 is not None and step5.name == "step_00000005"
+    _close({k: v for part in checkpoint_source(step5).stream() for k, v in part.items()}, weights[4],
+           "t=1 resumed under t=2 x 1 x 2 replicas with ZeRO-1 (its checkpoint merged)")
+    _adam_state(step5, states[4], "Adam's state in the t=2 x 2 replicas ZeRO-1 checkpoint")
+    # ZeRO-1 held Adam's state (2 tensors the size of each weight) of about half the shard's weights
+    mem = json.loads((tmp_path / "m" / "rank_0.json").read_text())["memory"]
+    assert 0.5 * mem["weights"] < mem["optimizer_state"] < 1.5 * mem["weights"], mem
 
-    # that t = 2 checkpoint of one stage and 2 replicas resumed under t = 2 x 2 stages (4 processes): step 5,
+    # that t = 2 checkpoint of one stage and 2 replicas resumed under t = 2 x 2 stages (4 processes): step 6,
     # checkpointed with t = 2 on both stages
-    _run(progs[2, 2, 1], 4, "--steps", "5", "--resume", str(step4), "--checkpoint-dir", str(tmp_path / "e"),
-         "--checkpoint-every", "5")
-    step5 = checkpoint.latest(tmp_path / "e")
-    assert step5 is not None
+    _run(progs[2, 2, 1], 4, "--steps", "6", "--resume", str(step5), "--checkpoint-dir", str(tmp_path / "e"),
+         "--checkpoint-every", "6")
+    step6 = checkpoint.latest(tmp_path / "e")
+    assert step6 is not None
     assert main(["merge", str(tmp_path / "e"), "-o", str(tmp_path / "merged_e.pt"), "--no-safetensors"]) == 0
-    _close(torch.load(tmp_path / "merged_e.pt", weights_only=True), weights[4], "t=2 x 1 x 2 resumed under t=2 x 2")
-    shapes = checkpoint.tensor_shapes(checkpoint.read_metadata(step5))
+    _close(torch.load(tmp_path / "merged_e.pt", weights_only=True), weights[5], "t=2 x 1 x 2 resumed under t=2 x 2")
+    shapes = checkpoint.tensor_shapes(checkpoint.read_metadata(step6))
     assert shapes["h.0.attn.c_attn.weight"][0] == (3 * CFG.d_model, CFG.d_model)
     # each process wrote its shard (2 pieces: rows of a column linear, columns of a row linear); a fused
     # projection's shard is not one piece of the whole, so it was gathered and written whole (1 piece)
-    pieces = _pieces(step5)
+    pieces = _pieces(step6)
     assert pieces["h.0.mlp.c_fc.weight"] == pieces["h.1.mlp.c_proj.weight"] == 2, pieces
     assert pieces["optim/h.0.mlp.c_fc.weight/exp_avg"] == 2 and pieces["h.0.attn.c_attn.weight"] == 1
-    _adam_state(step5, states[4], "Adam's state in the t=2 x 2 checkpoint")
+    _adam_state(step6, states[5], "Adam's state in the t=2 x 2 checkpoint")
 
 
 @pytest.mark.parametrize("dim,chunks,t", [(0, 1, 2), (1, 1, 2), (0, 3, 2), (0, 3, 4), (1, 2, 4)])
