@@ -143,9 +143,14 @@ def zero1(spec: Mapping[str, Any], params: Sequence[torch.nn.Parameter], group: 
             the replicas of one tensor index hold the same shard (c10d's broadcast has no DTensor rule)."""
             import torch.distributed as dist
 
-            src = dist.get_global_rank(self.process_group, rank)
-            return [dist.broadcast(local(p.data), src=src, group=self.process_group, async_op=True)
-                    for g in self._partition_parameters()[rank] for p in g["params"]]
+            zero: Any = self  # (torch's private methods, untyped)
+            if zero.parameters_as_bucket_view:  # flat buckets of plain tensors: torch's own
+                base: Any = ZeroRedundancyOptimizer
+                handles: list[Any] = base._broadcast_params_from_rank(zero, rank)
+                return handles
+            src = dist.get_global_rank(zero.process_group, rank)
+            return [dist.broadcast(local(p.data), src=src, group=zero.process_group, async_op=True)
+                    for g in zero._partition_parameters()[rank] for p in g["params"]]
 
     opt = Zero1(list(params), optimizer_class=import_object(spec["class"]), process_group=group,
                 **spec.get("kwargs", {}))
