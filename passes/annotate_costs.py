@@ -274,10 +274,11 @@ def annotate_costs(
                 assert spec is not None
                 io = input_bytes(node, values) + out_bytes
                 cls = op_class(node, gm)
-                fwd_s = spec.op_seconds(cls, ff, io)
-                bwd_s = spec.op_seconds(cls, bf, 2 * io, backward=True) if has_backward else 0.0
-                fixed = {"forward_fixed_s": spec.op_fixed(cls),
-                         "backward_fixed_s": spec.op_fixed(cls, backward=True) if has_backward else 0.0}
+                pw = attribution[node][0]  # the node's weights: streamed at a small microbatch (weight_rate)
+                fwd_s = spec.op_seconds(cls, ff, io, weight_bytes=pw)
+                bwd_s = spec.op_seconds(cls, bf, 2 * io, backward=True, weight_bytes=pw) if has_backward else 0.0
+                fixed = {"forward_fixed_s": spec.op_fixed(cls, weight_bytes=pw),
+                         "backward_fixed_s": spec.op_fixed(cls, backward=True, weight_bytes=pw) if has_backward else 0.0}
             pb, bb = attribution[node]
             node.meta["pd.cost"] = NodeCost(
                 forward_s=fwd_s, backward_s=bwd_s, forward_flops=ff, backward_flops=bf,
