@@ -213,7 +213,47 @@ def measure_op_costs() -> Any:
     stamp = time.strftime("%Y-%m-%d %H:%M %Z")
     table = fit_op_costs(op_cost_samples(), f"python -m pdcompile.calibrate, {stamp} on {platform.node()}")
     table = dataclasses.replace(table, weight_rate=measure_weight_rate(table))
-    return dataclasses.replace(table, node_s=fit_node_samples(node_overhead_samples(table)))
+    table = dataclasses.replace(table, node_s=fit_node_samples(node_overhead_samples(table)))
+    return dataclasses.replace(table, w_param_s=measure_weight_pass())
+
+
+def measure_weight_pass(blocks: tuple[int, int] = (1, 4), repeats: int = 30) -> float:
+    """Seconds a split backward's weight pass (``W``) costs per trainable parameter tensor
+    (``OpCostTable.w_param_s``): the probe model (:func:`_probe_model`, width 32, 4 conv channels, 2 samples:
+    its ops' work negligible) at ``blocks`` blocks, split as the runtime splits it
+    (:class:`~pdcompile.runtime.graph_split.GraphSplit`, input gradients of its image input), each ``W``
+    timed :func:`_low_times` after its ``I``; the slope of ``W``'s time over the parameter tensors. 0 where the
+    split does not apply to the probe."""
+    import torch
+
+    from pdcompile.passes.trace import trace
+    from pdcompile.runtime.graph_split import GraphSplit, Unsupported
+
+    torch.set_num_threads(1)
+    points = []
+    for nb in blocks:
+        torch.manual_seed(0)
+        gm = trace(_probe_model(32, 4, nb))
+        inputs = (torch.randint(0, 512, (2, 8)), torch.randn(2, 4, 16, 16, requires_grad=True),
+                  torch.randint(0, 16, (2, 8)))
+        try:
+            gs = GraphSplit(gm, inputs)
+        except Unsupported:
+            return 0.0
+
+        def through_i(gs: Any = gs, inputs: Any = inputs) -> Any:
+            _, rec = gs.capture()
+            out = gs.forward(rec, inputs)
+            loss = out if isinstance(out, torch.Tensor) else out[0]
+            return gs.input_grads([loss], None, inputs, rec)[1]
+
+        def through_w(gs: Any = gs, through_i: Any = through_i) -> None:
+            gs.weight_grads(through_i())
+
+        secs = _low_times({"i": through_i, "w": through_w}, repeats)
+        points.append((sum(p.requires_grad for p in gm.parameters()), max(secs["w"] - secs["i"], 0.0)))
+    (n0, t0), (n1, t1) = points[0], points[-1]
+    return max(0.0, (t1 - t0) / (n1 - n0)) if n1 > n0 else 0.0
 
 
 #: Linears (in, out) of the weight-rate probe (1, 4 and 8 MiB of weights), at WEIGHT_PROBE_BATCH samples (one

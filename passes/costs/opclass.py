@@ -84,6 +84,11 @@ class OpCostTable:
     #: against 0.1 and 0.2 for its FLOPs); fitted by ``python -m pdcompile.calibrate`` (``fit_weight_rate``)
     #: from Linears of two weight sizes at one sample; (0, 0) when absent: not charged
     weight_rate: tuple[float, float] = (0.0, 0.0)
+    #: seconds a split backward's weight pass (``W``, runtime/graph_split.py: the traced backward graph's weight
+    #: half, run op by op) costs per trainable parameter tensor beyond the weight gradients' own share of the
+    #: backward: its ops' dispatch, views and accumulation into ``.grad``; fitted by ``python -m
+    #: pdcompile.calibrate`` from the probe model's weight pass at 1 and 4 blocks; 0 when absent
+    w_param_s: float = 0.0
 
     def weight_seconds(self, weight_bytes: float, backward: bool = False) -> float:
         """Seconds a matmul's or convolution's ``weight_bytes`` of weights cost beyond its FLOPs (0 uncalibrated)."""
@@ -109,7 +114,8 @@ class OpCostTable:
                 "backward": {k: [v.alpha_s, rate(v.rate)] for k, v in sorted(self.backward.items())},
                 "corun": {str(n): f for n, f in sorted(self.corun.items())},
                 "node": [float(self.node_s[0]), float(self.node_s[1])],
-                "weight": [float(self.weight_rate[0]), float(self.weight_rate[1])]}
+                "weight": [float(self.weight_rate[0]), float(self.weight_rate[1])],
+                "w_param": float(self.w_param_s)}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> OpCostTable:
@@ -134,8 +140,11 @@ class OpCostTable:
         weight = [float(x) for x in (d.get("weight") or (0.0, 0.0))]  # absent in calibrations before it: none
         if len(weight) != 2 or not all(x >= 0 and math.isfinite(x) for x in weight):
             raise ValueError(f"bad weight rates {weight}")
+        w_param = float(d.get("w_param") or 0.0)
+        if not (w_param >= 0 and math.isfinite(w_param)):
+            raise ValueError(f"bad weight-pass cost per parameter {w_param}")
         return OpCostTable(part("forward"), part("backward"), str(d.get("source", "")), corun, (node[0], node[1]),
-                           (weight[0], weight[1]))
+                           (weight[0], weight[1]), w_param)
 
 
 def fit_op_cost(work: Sequence[float] | np.ndarray, seconds: Sequence[float] | np.ndarray,
