@@ -86,6 +86,10 @@ def step_cost_line(bandwidth: float, calibrated: bool, problem: str, cost: machi
     per = "no per-action cost" if cost is None else \
         f"the runtime's per-action cost ({'calibrated' if cost.calibrated else 'built-in estimate'}, " \
         f"{max(cost.seconds.values(), default=0.0) * 1e6:.0f} us at most)"
+    if cost is not None and cost.collective is not None:
+        fixed, rate = cost.collective
+        per += (f"; each all-reduce the runtime's own, calibrated on this host: {fixed * 1e3:.2f} ms + bytes / "
+                f"{rate / 1e9:.3g} GB/s (2 processes; a ring's bytes for more)")
     return (f"step costs (the step search, simulate() and auto alike): each optimizer step and weight copy "
             f"streams at {bandwidth / 1e9:.3g} GB/s, {whence}; {per}")
 

@@ -206,10 +206,15 @@ def test_weights_are_charged_at_the_calibrated_rate_as_fixed_cost() -> None:
     assert lin1.forward_fixed_s - lin0.forward_fixed_s == pytest.approx(weight_bytes / wf, rel=1e-9)
     assert lin1.backward_fixed_s - lin0.backward_fixed_s == pytest.approx(weight_bytes / wb, rel=1e-9)
     assert (relu1.forward_s, relu1.backward_s) == (relu0.forward_s, relu0.backward_s)
+    # a split backward's weight pass: its cost per parameter tensor (the Linear's weight and bias) on W alone
+    (lin2, relu2) = costs(replace(table, w_param_s=5e-5))
+    assert lin2.weight_grad_s - lin0.weight_grad_s == pytest.approx(2 * 5e-5, rel=1e-9)
+    assert (lin2.input_grad_s, lin2.backward_s, relu2.weight_grad_s) == \
+        (lin0.input_grad_s, lin0.backward_s, relu0.weight_grad_s)
     sizes, flop_s = [1e6, 4e6, 8e6], [3e-5, 2e-4, 1e-4]
     assert fit_weight_rate(sizes, [f + n / wb for n, f in zip(sizes, flop_s)], flop_s) == pytest.approx(wb, rel=1e-9)
     assert fit_weight_rate(sizes, flop_s, flop_s) == 0.0  # nothing beyond the FLOPs: nothing to charge
-    t = replace(table, weight_rate=(wf, wb))
+    t = replace(table, weight_rate=(wf, wb), w_param_s=5e-5)
     assert OpCostTable.from_dict(json.loads(json.dumps(t.to_dict()))) == t
     assert OpCostTable.from_dict({k: v for k, v in t.to_dict().items() if k != "weight"}).weight_rate == (0.0, 0.0)
 
@@ -278,6 +283,7 @@ def test_a_local_clusters_simulate_charges_the_calibrated_all_reduce(pdcompile_c
     ars = {e.end_s - e.start_s for e in pipe.simulate().events if e.name == "0AR"}
     assert ars and all(a == pytest.approx(fixed + weight_bytes / rate, rel=1e-9) for a in ars)
     assert pipe.plan.seconds_per_minibatch == pytest.approx(float(pipe.simulate().step_time_s), rel=1e-12)
+    assert "each all-reduce the runtime's own, calibrated on this host: 3.00 ms + bytes / 0.4 GB/s" in pipe.explain()
     gpus = ClusterSpec(Device("cpu", memory=80e9), (Level("hosts", 2, 1e9),))  # CPU workers, not this host's
     cost, _, _ = step_costs(gpus, machine_cache.cost_source("auto", False))
     assert cost is not None and cost.collective is None
