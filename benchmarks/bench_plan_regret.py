@@ -16,7 +16,8 @@ calls it: the compile's own costs and whatever this machine's cached calibration
 the run being predicted; the steady state is the makespan's growth per minibatch from 2 to 4
 minibatches), the measured time per minibatch (the emitted program under torchrun through
 ``python -m pdcompile.slowlink``, which emulates the link when ``PDCOMPILE_LINK_BPS`` is set; per
-minibatch the slowest rank, 1F1B and 2BW's per-update times summed per minibatch; ``--warmup`` dropped,
+minibatch the slowest rank, 1F1B and 2BW's per-update times summed per minibatch, the memory meter off;
+``--warmup`` dropped,
 the median of ``--steps``), and the error. Candidates are interleaved: every repeat runs each once, in
 turn, and a candidate's figure is the median over repeats. Per scenario: Kendall's tau between the
 predicted and measured orders, and the regret of the planner's pick and of auto's (its measured step
@@ -253,8 +254,10 @@ def measure(program: Path, nproc: int, schedule: str, bps: float, steps: int, wa
     from pdcompile import slowlink
 
     metrics = Path(tempfile.mkdtemp(prefix="pd-regret-metrics-"))
-    args = [str(program), "--steps", str(warmup + steps), "--metrics", str(metrics), "--timeout", "300",
-            "--schedule", schedule]
+    # the memory meter off (--no-memory-meter): its hook per saved tensor is an instrument the user turns on with
+    # --metrics, not the training step the prediction is of
+    args = [str(program), "--steps", str(warmup + steps), "--metrics", str(metrics), "--no-memory-meter",
+            "--timeout", "300", "--schedule", schedule]
     rc, log = torchrun("pdcompile.slowlink", nproc, args, timeout=timeout,
                        env={slowlink.ENV: str(bps), "PDCOMPILE_NCCL_RULES": "0"})
     if rc != 0:
@@ -399,7 +402,8 @@ def tables(rows: Sequence[Row], notes: Sequence[str], args: argparse.Namespace, 
             f"calibration if any, nothing from the runs), steady state per minibatch. Measured: the emitted "
             f"program through `python -m pdcompile.slowlink` (links: loopback as is, or the emulated link at "
             f"100 MB/s or 20 MB/s), {args.steps} minibatches after {args.warmup} of warm-up, slowest rank per "
-            f"minibatch, median; {args.repeats} repeat(s), candidates interleaved, the median over repeats.",
+            f"minibatch, median, the memory meter off (`--no-memory-meter`); {args.repeats} repeat(s), candidates "
+            f"interleaved, the median over repeats.",
             f"The runtime's per-action cost in the predictions: {action_cost_note()}.",
             f"Load before: {load_before}; after: {load_note()}. Run time {elapsed:.0f} s.", "",
             "| scenario | candidates | Kendall's tau | best measured (ms) | regret, planner's pick | regret, auto's pick "

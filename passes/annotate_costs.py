@@ -27,7 +27,7 @@ from pdcompile.ir import CompileState, TensorMeta, meta_bytes, need
 from pdcompile.passes.costs.flops import node_flops, rnn_flops
 from pdcompile.passes.costs.measure import backward_call_overhead, medians
 from pdcompile.passes.costs.nodes import COMPUTE_OPS, NodeCall, call_key, capture, flat_tensors, output_meta
-from pdcompile.passes.costs.params import param_attribution, shared_param_bytes, tied_params
+from pdcompile.passes.costs.params import param_attribution, param_tensor_counts, shared_param_bytes, tied_params
 from pdcompile.passes.costs.opclass import OpCostTable, op_class
 from pdcompile.passes.costs.profile import profile_from_graph
 from pdcompile.passes.costs.roofline import (
@@ -228,6 +228,9 @@ def annotate_costs(
         raise PassError(f"annotate-costs: running the graph on the example inputs failed: "
                         f"{type(e).__name__}: {e}") from e
     attribution = param_attribution(gm)
+    # a split backward's weight pass: its cost per parameter tensor beyond its FLOPs (calibrated; 0 otherwise)
+    w_param_s = spec.op_costs.w_param_s if spec is not None and spec.op_costs is not None else 0.0
+    w_extra = param_tensor_counts(gm) if w_param_s else {}
     rec = record_saved(gm, inputs)
     saved, selective, resaved = saved_from(rec, gm), selective_from(rec, gm), resaved_from(rec, gm)
     rec.keep.clear()
@@ -274,17 +277,19 @@ def annotate_costs(
                 assert spec is not None
                 io = input_bytes(node, values) + out_bytes
                 cls = op_class(node, gm)
-                fwd_s = spec.op_seconds(cls, ff, io)
-                bwd_s = spec.op_seconds(cls, bf, 2 * io, backward=True) if has_backward else 0.0
-                fixed = {"forward_fixed_s": spec.op_fixed(cls),
-                         "backward_fixed_s": spec.op_fixed(cls, backward=True) if has_backward else 0.0}
+                pw = attribution[node][0]  # the node's weights: streamed at a small microbatch (weight_rate)
+                fwd_s = spec.op_seconds(cls, ff, io, weight_bytes=pw)
+                bwd_s = spec.op_seconds(cls, bf, 2 * io, backward=True, weight_bytes=pw) if has_backward else 0.0
+                fixed = {"forward_fixed_s": spec.op_fixed(cls, weight_bytes=pw),
+                         "backward_fixed_s": spec.op_fixed(cls, backward=True, weight_bytes=pw) if has_backward else 0.0}
             pb, bb = attribution[node]
             node.meta["pd.cost"] = NodeCost(
                 forward_s=fwd_s, backward_s=bwd_s, forward_flops=ff, backward_flops=bf,
                 output_bytes=out_bytes, param_bytes=pb, buffer_bytes=bb,
                 optimizer_bytes=pb * opt_factor, mode=mode, tensor_output=_is_tensor_output(meta),
                 output_bytes_expr=e_out, forward_flops_expr=e_f, backward_flops_expr=e_b,
-                symbolic_note=note, **({} if mode == "measured" else split_parts(bwd_s, share)),
+                symbolic_note=note, **({} if mode == "measured" else
+                                       split_parts(bwd_s, share, w_extra.get(node, 0) * w_param_s)),
                 saved_bytes=saved[node][0], saved_input_bytes=saved[node][1],
                 saved_output_bytes=saved[node][2], shared_param_bytes=shared[node], tied_params=tied[node],
                 selective_saved_bytes=selective[node][0], selective_recompute_s=fwd_s * selective[node][1],

@@ -62,11 +62,14 @@ def step_costs(cluster: ClusterSpec | None,
                source: machine_cache.CostSource) -> tuple[machine_cache.ActionCost | None, float | None, str]:
     """The step costs charged besides the chain's (one channel: ``pdcompile()``'s compile, ``pdcompile plan``
     and ``pdcompile simulate`` read them here): on CPU workers the runtime's per-action cost
-    (:func:`pdcompile.machine_cache.action_cost`: calibrated, or a built-in estimate; else None); the
+    (:func:`pdcompile.machine_cache.action_cost`: calibrated, or a built-in estimate; else None), with, on a
+    local cluster where calibrated, the runtime's measured all-reduce (``ActionCost.collective``); the
     optimizer step's calibrated bandwidth (:func:`pdcompile.machine_cache.update_bandwidth`) where the costs
     are this machine's (``source`` calibrated, or measured on a local cluster), else None (the device's
     analytic one) and why not."""
     cost = machine_cache.action_cost() if cluster is None or cluster.device.name == "cpu" else None
+    if cost is not None and not machine_cache.is_local(cluster):
+        cost = replace(cost, collective=None)  # this host's all-reduce holds for a cluster on this host only
     ours = source.table is not None or (source.mode == "measured" and machine_cache.is_local(cluster))
     bw, problem = machine_cache.update_bandwidth() if ours else (None, "")
     return cost, bw, problem
@@ -83,6 +86,10 @@ def step_cost_line(bandwidth: float, calibrated: bool, problem: str, cost: machi
     per = "no per-action cost" if cost is None else \
         f"the runtime's per-action cost ({'calibrated' if cost.calibrated else 'built-in estimate'}, " \
         f"{max(cost.seconds.values(), default=0.0) * 1e6:.0f} us at most)"
+    if cost is not None and cost.collective is not None:
+        fixed, rate = cost.collective
+        per += (f"; each all-reduce the runtime's own, calibrated on this host: {fixed * 1e3:.2f} ms + bytes / "
+                f"{rate / 1e9:.3g} GB/s (2 processes; a ring's bytes for more)")
     return (f"step costs (the step search, simulate() and auto alike): each optimizer step and weight copy "
             f"streams at {bandwidth / 1e9:.3g} GB/s, {whence}; {per}")
 
@@ -191,6 +198,7 @@ class CompiledPipeline:
         tied_bytes, tied_stages = self._tied()
         cost = self.action_cost  # read by _compile (_step_costs), as the step search and simulate() charge it
         overhead = cost.seconds if cost is not None else 0.0
+        collective = cost.collective if cost is not None else None
         # the user's optimizer state, as the plan and simulate() count it (Adam 2, plain SGD 0 bytes per weight byte)
         factor = optimizer_state_factor_of(asked.optimizer)
         counts = autoschedule.microbatch_counts(batch, fixed)
@@ -203,7 +211,7 @@ class CompiledPipeline:
         cands = autoschedule.candidates(self.plan, tchain, tcluster, batch, names, counts,
                                         recompute=asked.recompute, split_backward=split, tied_bytes=tied_bytes,
                                         tied_stages=tied_stages, overhead_s=overhead, optimizer_state_factor=factor,
-                                        update_bandwidth=self._update_bandwidth(tcluster))
+                                        update_bandwidth=self._update_bandwidth(tcluster), collective=collective)
         ranks = len({r for st in self.plan.stages for r in st.ranks})
         if (asked.replicas is None or all(r == 1 for r in asked.replicas)) and asked.clip_grad_norm is None \
                 and t == 1:  # (virtual stages are given stages=, where the planner does not choose t)
@@ -214,7 +222,7 @@ class CompiledPipeline:
                     self.wire_chain, self.cluster, ranks, batch, virtual, counts, vs=(v,), split_backward=split,
                     tied_bytes=tied_bytes, tied_stages=[0, v * ranks - 1] if tied_bytes else [],
                     overhead_s=overhead, optimizer_state_factor=factor,
-                    update_bandwidth=self._update_bandwidth(self.cluster))
+                    update_bandwidth=self._update_bandwidth(self.cluster), collective=collective)
         # the flush program compiled first is a candidate as it is: its headline, simulate() of it
         flush_step = self.plan.seconds_per_minibatch
         cands = [dataclasses.replace(c, step_s=flush_step) if (c.schedule, c.num_microbatches, c.virtual_stages) ==
@@ -281,6 +289,7 @@ class CompiledPipeline:
                             also_rate=opts.also_rate,
                             action_overhead_s=tuple(sorted(self.action_cost.seconds.items()))
                             if self.action_cost is not None else (),
+                            collective=self.action_cost.collective if self.action_cost is not None else None,
                             tensor_parallel=opts.tensor_parallel if stages is None and isinstance(
                                 opts.tensor_parallel, (int, str)) else 1),
                 stages, tuple(opts.replicas) if opts.replicas is not None else None, opts.cluster, opts.solver,
@@ -403,6 +412,7 @@ class CompiledPipeline:
                              optimizer_state_factor=optimizer_state_factor_of(self.options.optimizer),
                              split_backward=need(self.state.schedule_spec, "schedule_spec").split_backward,
                              overhead_s=cost.seconds if cost is not None else 0.0,
+                             collective=cost.collective if cost is not None else None,
                              update_bandwidth=self._update_bandwidth(cluster))
 
     def alternatives(self) -> list[tuple[str, Plan]]:

@@ -45,6 +45,10 @@ class MachineConstants:
     key: str = ""
     measured_at: str = ""
     op_costs: dict[str, Any] = dataclasses.field(default_factory=dict)  # OpCostTable.to_dict(): cost per op class
+    # the runtime's data-parallel all-reduce between 2 processes (allreduce_flat: flatten, gloo, copy back):
+    # fixed s + bytes / rate (fit_collective); rate 0: not measured (an older cache)
+    collective_fixed_s: float = 0.0
+    collective_rate: float = 0.0
 
     def step_s(self, param_bytes: float) -> float:
         """Predicted optimizer step (SGD with momentum, zero_grad) over ``param_bytes`` of parameters."""
@@ -83,8 +87,10 @@ def measure(log: Any = None) -> MachineConstants:
     say("measuring the fixed cost and rate of each op class and each node's overhead in a whole model "
         "(probe models, one thread) ...")
     table = measure_op_costs()
-    say("measuring the loopback link (2 processes, gloo ping-pong) ...")
-    lat, bw, ar_lat = measure_link()
+    say("measuring the loopback link (2 processes, gloo ping-pong and the runtime's all-reduce) ...")
+    samples = measure_link_samples()
+    lat, bw, ar_lat = fit_link(samples)
+    coll_fixed, coll_rate = fit_collective(samples["allreduce_flat"])
     say("measuring the runtime's cost per action (a traced 2-stage run of a tiny model) ...")
     over = measure_overheads()
     say("measuring compute in a run against its profile (a traced 2-stage run of a small VGG) ...")
@@ -92,7 +98,8 @@ def measure(log: Any = None) -> MachineConstants:
     fixed, rate = measure_step()
     ops = with_corun(table, factor)
     return MachineConstants(lat, bw, ar_lat, over, fixed, rate, factor, key=machine_key(),
-                            measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), op_costs=ops.to_dict())
+                            measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), op_costs=ops.to_dict(),
+                            collective_fixed_s=coll_fixed, collective_rate=coll_rate)
 
 
 def _probe_model(d: int, channels: int, blocks: int = 1) -> Any:
@@ -205,7 +212,89 @@ def measure_op_costs() -> Any:
 
     stamp = time.strftime("%Y-%m-%d %H:%M %Z")
     table = fit_op_costs(op_cost_samples(), f"python -m pdcompile.calibrate, {stamp} on {platform.node()}")
-    return dataclasses.replace(table, node_s=fit_node_samples(node_overhead_samples(table)))
+    table = dataclasses.replace(table, weight_rate=measure_weight_rate(table))
+    table = dataclasses.replace(table, node_s=fit_node_samples(node_overhead_samples(table)))
+    return dataclasses.replace(table, w_param_s=measure_weight_pass())
+
+
+def measure_weight_pass(blocks: tuple[int, int] = (1, 4), repeats: int = 30) -> float:
+    """Seconds a split backward's weight pass (``W``) costs per trainable parameter tensor
+    (``OpCostTable.w_param_s``): the probe model (:func:`_probe_model`, width 32, 4 conv channels, 2 samples:
+    its ops' work negligible) at ``blocks`` blocks, split as the runtime splits it
+    (:class:`~pdcompile.runtime.graph_split.GraphSplit`, input gradients of its image input), each ``W``
+    timed :func:`_low_times` after its ``I``; the slope of ``W``'s time over the parameter tensors. 0 where the
+    split does not apply to the probe."""
+    import torch
+
+    from pdcompile.passes.trace import trace
+    from pdcompile.runtime.graph_split import GraphSplit, Unsupported
+
+    torch.set_num_threads(1)
+    points = []
+    for nb in blocks:
+        torch.manual_seed(0)
+        gm = trace(_probe_model(32, 4, nb))
+        inputs = (torch.randint(0, 512, (2, 8)), torch.randn(2, 4, 16, 16, requires_grad=True),
+                  torch.randint(0, 16, (2, 8)))
+        try:
+            gs = GraphSplit(gm, inputs)
+        except Unsupported:
+            return 0.0
+
+        def through_i(gs: Any = gs, inputs: Any = inputs) -> Any:
+            _, rec = gs.capture()
+            out = gs.forward(rec, inputs)
+            loss = out if isinstance(out, torch.Tensor) else out[0]
+            return gs.input_grads([loss], None, inputs, rec)[1]
+
+        def through_w(gs: Any = gs, through_i: Any = through_i) -> None:
+            gs.weight_grads(through_i())
+
+        secs = _low_times({"i": through_i, "w": through_w}, repeats)
+        points.append((sum(p.requires_grad for p in gm.parameters()), max(secs["w"] - secs["i"], 0.0)))
+    (n0, t0), (n1, t1) = points[0], points[-1]
+    return max(0.0, (t1 - t0) / (n1 - n0)) if n1 > n0 else 0.0
+
+
+#: Linears (in, out) of the weight-rate probe (1, 4 and 8 MiB of weights), at WEIGHT_PROBE_BATCH samples (one
+#: sample takes another kernel, a matrix-vector product, that streams weights 2-3x faster)
+WEIGHT_PROBES = ((512, 512), (1024, 1024), (2048, 1024))
+WEIGHT_PROBE_BATCH = 4
+
+
+def measure_weight_rate(table: Any, repeats: int = 20) -> tuple[float, float]:
+    """(forward, backward) bytes/s at which a Linear's weights stream beyond its FLOPs
+    (``OpCostTable.weight_rate``): :data:`WEIGHT_PROBES` at :data:`WEIGHT_PROBE_BATCH` samples (their FLOPs a
+    small part), each forward and forward + backward timed :func:`_low_times` as a stage runs them (the
+    gradient accumulated into ``.grad``), their fixed cost and FLOPs costed by ``table``'s matmul fit; the
+    median rate of what is left (:func:`~pdcompile.passes.costs.opclass.fit_weight_rate`). (0, 0) where ``table`` has no matmul fit."""
+    import torch
+
+    from pdcompile.passes.costs.opclass import fit_weight_rate
+
+    fwd_fit, bwd_fit = table.forward.get("matmul"), table.backward.get("matmul")
+    if fwd_fit is None or bwd_fit is None:
+        return 0.0, 0.0
+    torch.set_num_threads(1)
+    nbytes, tf, tb, ff, fb = [], [], [], [], []
+    for i, o in WEIGHT_PROBES:
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(i, o)
+        x = torch.randn(WEIGHT_PROBE_BATCH, i, requires_grad=True)
+        def forward(lin: Any = lin, x: Any = x) -> Any:
+            return lin(x)
+
+        def step(lin: Any = lin, x: Any = x) -> None:
+            lin(x).sum().backward()
+
+        secs = _low_times({"f": forward, "fb": step}, repeats)
+        flops = 2.0 * i * o * WEIGHT_PROBE_BATCH
+        nbytes.append(float(sum(p.numel() * p.element_size() for p in lin.parameters())))
+        tf.append(secs["f"])
+        tb.append(max(secs["fb"] - secs["f"], 0.0))
+        ff.append(fwd_fit.seconds(flops))
+        fb.append(bwd_fit.seconds(2 * flops))
+    return fit_weight_rate(nbytes, tf, ff), fit_weight_rate(nbytes, tb, fb)
 
 
 #: probe sizes (batch, tokens, width, conv channels) of the per-node fit: small, so that the ops' own
@@ -306,19 +395,27 @@ def _torchrun_module(module: str, nproc: int, args: list[str], timeout: float) -
     return p.returncode, p.stdout + p.stderr
 
 
+_GRAD_TENSORS = 8  # gradients per all-reduce in the link probe's allreduce_flat samples
+
+
 def _link_worker(out: str) -> None:
-    """Under torchrun (2 processes): ping-pong and all-reduce at several sizes; rank 0 writes
-    ``{"p2p": [[bytes, one-way s], ...], "allreduce": [[bytes, s], ...]}``."""
+    """Under torchrun (2 processes): ping-pong, all-reduce of one buffer, and the runtime's own
+    all-reduce of a stage's gradients (``allreduce_flat`` of :data:`_GRAD_TENSORS` tensors: flattened,
+    reduced, copied back) at several sizes; rank 0 writes
+    ``{"p2p": [[bytes, one-way s], ...], "allreduce": [[bytes, s], ...], "allreduce_flat": [...]}``."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    results: dict[str, list[tuple[int, float]]] = {"p2p": [], "allreduce": []}
-    for nbytes in (4 << 10, 64 << 10, 512 << 10, 4 << 20):
+    from pdcompile.runtime.executor import allreduce_flat
+
+    results: dict[str, list[tuple[int, float]]] = {"p2p": [], "allreduce": [], "allreduce_flat": []}
+    for nbytes in (4 << 10, 64 << 10, 512 << 10, 4 << 20, 16 << 20):
         buf = torch.zeros(nbytes // 4)
-        p2p, ar = [], []
+        grads = [torch.zeros(nbytes // 4 // _GRAD_TENSORS) for _ in range(_GRAD_TENSORS)]
+        p2p, ar, flat = [], [], []
         for i in range(25):
             dist.barrier()
             t0 = time.perf_counter()
@@ -333,11 +430,17 @@ def _link_worker(out: str) -> None:
             t2 = time.perf_counter()
             dist.all_reduce(buf)
             t3 = time.perf_counter()
+            dist.barrier()
+            t4 = time.perf_counter()
+            allreduce_flat(grads, None)  # the runtime's data-parallel all-reduce: flattened, reduced, copied back
+            t5 = time.perf_counter()
             if i >= 5:
                 p2p.append((t1 - t0) / 2)
                 ar.append(t3 - t2)
+                flat.append(t5 - t4)
         results["p2p"].append((nbytes, statistics.median(p2p)))
         results["allreduce"].append((nbytes, statistics.median(ar)))
+        results["allreduce_flat"].append((nbytes, statistics.median(flat)))
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -363,6 +466,28 @@ def fit_link(samples: dict[str, list[tuple[int, float]]]) -> tuple[float, float,
     bw = (n1 - n0) / max(t1 - t0, 1e-9)
     a0 = samples["allreduce"][0]
     return max(0.0, t0 - n0 / bw), bw, max(0.0, a0[1] - ring_allreduce_s(a0[0], 2, bw))
+
+
+def fit_collective(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(fixed s, bytes/s) of ``time = fixed + bytes / rate`` through ``samples`` of (bytes, s): the
+    least-squares line in relative error (each sample weighted by ``1 / s``, so the small messages'
+    fixed cost counts as much as the large ones' rate), its fixed part at least 0. Used for the runtime's
+    all-reduce (``allreduce_flat``: gloo's collective plus the flatten and copy back), which costs far
+    more than the point-to-point bandwidth says on loopback (a fixed ~0.5 ms, then ~0.6 GB/s)."""
+    pts = [(float(n), float(t)) for n, t in samples if t > 0]
+    if len(pts) < 2:
+        raise ValueError(f"fit_collective needs 2 or more timed sizes, got {len(pts)}")
+    # weighted normal equations of t = a + b n, weights 1 / t^2 (relative error)
+    sw = sum(1 / t ** 2 for _, t in pts)
+    sn = sum(n / t ** 2 for n, t in pts)
+    snn = sum(n * n / t ** 2 for n, t in pts)
+    st = sum(1 / t for _, t in pts)
+    snt = sum(n / t for n, t in pts)
+    det = sw * snn - sn * sn
+    a, b = ((snn * st - sn * snt) / det, (sw * snt - sn * st) / det) if det > 0 else (-1.0, 0.0)
+    if a < 0 or b <= 0:  # a line through the origin (fixed 0)
+        a, b = 0.0, max(snt / snn if snn > 0 else 0.0, 1e-18)
+    return float(a), float(1.0 / b)
 
 
 def measure_link() -> tuple[float, float, float]:

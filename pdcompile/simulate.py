@@ -456,6 +456,23 @@ def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float) -> float:
     return 2 * (replicas - 1) / replicas * nbytes / bandwidth
 
 
+def collective_s(nbytes: float, replicas: int, bandwidth: float, latency_s: float = 0.0,
+                 collective: tuple[float, float] | None = None) -> float:
+    """An all-reduce of ``nbytes`` among ``replicas`` ranks whose slowest link has ``bandwidth``: the ring
+    (:func:`ring_allreduce_s`) plus ``latency_s``; or, with ``collective`` (fixed s, bytes/s: the runtime's
+    own all-reduce between 2 processes on this host, ``python -m pdcompile.calibrate``), that fit with its
+    bytes scaled as a ring scales them, plus the ring at ``bandwidth`` only where the link is slower than
+    the host's own path (on one host a slower link is an emulated one, ``pdcompile.slowlink``, which adds
+    its time to the real collective's)."""
+    if replicas <= 1:
+        return 0.0
+    if collective is None:
+        return ring_allreduce_s(nbytes, replicas, bandwidth) + latency_s
+    fixed, rate = collective
+    host = fixed + ring_allreduce_s(nbytes, replicas, rate)
+    return host + (ring_allreduce_s(nbytes, replicas, bandwidth) if bandwidth < rate else 0.0)
+
+
 def update_bandwidth_of(cluster: Any) -> float:
     """Bytes/s the optimizer step and weight copies stream on ``cluster``'s workers: the device's memory
     bandwidth x efficiency in the analytic model (``roofline.device_spec_for``, ``stream_bandwidth``)."""
@@ -494,7 +511,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                   copy_bandwidth: float | None = None, split_backward: bool = True,
                   input_grad_share: float = INPUT_GRAD_SHARE, weight_grad_share: float = WEIGHT_GRAD_SHARE,
                   optimizer_state_factor: float = 1.0, virtual_stages: int = 1,
-                  refit_recompute: float | None = None, update_bandwidth: float | None = None) -> SimResult:
+                  refit_recompute: float | None = None, update_bandwidth: float | None = None,
+                  collective: tuple[float, float] | None = None) -> SimResult:
     """Simulate a :class:`pdcompile.plan.Plan` of ``chain`` on ``cluster``.
 
     ``tied_bytes``: bytes of parameters tied across ``tied_stages`` (a GPT's embedding and output
@@ -512,6 +530,9 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     :func:`update_bandwidth_of`): where ``step_s`` is not given, each stage's ``ST`` costs its optimizer
     step (:func:`stage_step_s`), and where ``copy_bandwidth`` is not given, weight stashing's copies cost
     :func:`~pdcompile.passes.costs.roofline.weight_copy_s` at that bandwidth, as the runtime pays them.
+    ``collective`` (fixed s, bytes/s; a local cluster's calibration, ``ActionCost.collective``): every
+    all-reduce costs :func:`collective_s` with it, the runtime's measured all-reduce, instead of the ring
+    at the link's bandwidth.
 
     Stage ``s`` (chain layers ``first..last``) costs the sum of its layers' ``forward_s`` /
     ``backward_s``; its boundary sends ``chain.cut_bytes[last]`` forward (and as many gradient
@@ -542,7 +563,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                   tied_bytes=tied_bytes, tied_stages=tied_stages, latency_s=latency_s,
                   collective_latency_s=collective_latency_s, overhead_s=overhead_s, recv_progress=recv_progress,
                   copy_bandwidth=copy_bandwidth, split_backward=split_backward, input_grad_share=input_grad_share,
-                  weight_grad_share=weight_grad_share, optimizer_state_factor=optimizer_state_factor)
+                  weight_grad_share=weight_grad_share, optimizer_state_factor=optimizer_state_factor,
+                  collective=collective)
         first = simulate_plan(plan, chain, cluster, schedule_name, num_microbatches, **kw)  # type: ignore[arg-type]
         fit = stage_decisions(chain, planned, budget=refit_recompute)
         chosen = [fit.choose(st_.first, st_.last, first.peak_in_flight[s], versions=first.peak_weight_versions[s],
@@ -608,13 +630,13 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     for s, rs in enumerate(sched_ranks):
         cr = [cluster_rank[r] for r in rs]
         bw = _slowest(cluster, cr)
-        allreduce.append(ring_allreduce_s(params[s], len(rs), bw) + (coll_lat if len(rs) > 1 else 0.0))
+        allreduce.append(collective_s(params[s], len(rs), bw, coll_lat, collective))
     tied_s = 0.0
     if tied_bytes and tied_stages:
         cr = sorted({cluster_rank[r] for s in tied_stages for r in sched_ranks[s]})
         bw = _slowest(cluster, cr)
         # on one rank (a V's ends) its stages' copies are summed in memory, no collective
-        tied_s = ring_allreduce_s(tied_bytes, len(cr), bw) + coll_lat if len(cr) > 1 else 0.0
+        tied_s = collective_s(tied_bytes, len(cr), bw, coll_lat, collective)
     res = simulate_schedule(name, reps, num_microbatches, num_steps=num_steps, vertical_sync=vertical_sync,
                              split_backward=split_backward, virtual_stages=virtual_stages,
                              input_grad_s=b_in, weight_grad_s=b_w,

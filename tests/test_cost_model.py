@@ -176,6 +176,119 @@ def test_a_chain_of_n_nodes_is_charged_n_times_the_node_overhead() -> None:
         assert [c - p for c, p in zip(charged, plain)] == pytest.approx([(n + 1) * f, (n + 1) * b] * 2, rel=1e-9)
 
 
+def test_weights_are_charged_at_the_calibrated_rate_as_fixed_cost() -> None:
+    """With a calibration's weight rate ``(wf, wb)``, a Linear's forward costs ``weight bytes / wf`` more and its
+    backward ``/ wb`` more than without, all of it fixed cost (a microbatch of any size streams the weights once);
+    the ReLU beside it (no weights, not a matmul) nothing more. The rate fit recovers ``wb`` from synthetic
+    timings of three weight sizes whatever their FLOP costs, and the table survives its JSON."""
+    from dataclasses import replace
+
+    from pdcompile.passes.annotate_costs import annotate_costs
+    from pdcompile.passes.costs.opclass import fit_weight_rate
+    from pdcompile.passes.costs.roofline import device_spec_for
+    from pdcompile.passes.trace import trace
+
+    table = OpCostTable({c: OpCost(1e-6, 1e10) for c in OP_CLASSES}, {c: OpCost(2e-6, 1e10) for c in OP_CLASSES},
+                        "synthetic")
+    wf, wb = 8e9, 2e9
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU())
+    weight_bytes = (64 * 32 + 32) * 4
+
+    def costs(t: OpCostTable) -> list[Any]:
+        gm = trace(model)
+        annotate_costs(gm, (torch.randn(4, 64),), mode="analytic", device_spec=device_spec_for(None).calibrated(t),
+                       symbolic=False, progress=False)
+        return [nd.meta["pd.cost"] for nd in gm.graph.nodes if nd.op == "call_module"]
+
+    (lin0, relu0), (lin1, relu1) = costs(table), costs(replace(table, weight_rate=(wf, wb)))
+    assert lin1.forward_s - lin0.forward_s == pytest.approx(weight_bytes / wf, rel=1e-9)
+    assert lin1.backward_s - lin0.backward_s == pytest.approx(weight_bytes / wb, rel=1e-9)
+    assert lin1.forward_fixed_s - lin0.forward_fixed_s == pytest.approx(weight_bytes / wf, rel=1e-9)
+    assert lin1.backward_fixed_s - lin0.backward_fixed_s == pytest.approx(weight_bytes / wb, rel=1e-9)
+    assert (relu1.forward_s, relu1.backward_s) == (relu0.forward_s, relu0.backward_s)
+    # a split backward's weight pass: its cost per parameter tensor (the Linear's weight and bias) on W alone
+    (lin2, relu2) = costs(replace(table, w_param_s=5e-5))
+    assert lin2.weight_grad_s - lin0.weight_grad_s == pytest.approx(2 * 5e-5, rel=1e-9)
+    assert (lin2.input_grad_s, lin2.backward_s, relu2.weight_grad_s) == \
+        (lin0.input_grad_s, lin0.backward_s, relu0.weight_grad_s)
+    sizes, flop_s = [1e6, 4e6, 8e6], [3e-5, 2e-4, 1e-4]
+    assert fit_weight_rate(sizes, [f + n / wb for n, f in zip(sizes, flop_s)], flop_s) == pytest.approx(wb, rel=1e-9)
+    assert fit_weight_rate(sizes, flop_s, flop_s) == 0.0  # nothing beyond the FLOPs: nothing to charge
+    t = replace(table, weight_rate=(wf, wb), w_param_s=5e-5)
+    assert OpCostTable.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+    assert OpCostTable.from_dict({k: v for k, v in t.to_dict().items() if k != "weight"}).weight_rate == (0.0, 0.0)
+
+
+# -- the runtime's all-reduce, calibrated --------------------------------------------------------------
+
+def test_the_all_reduce_fit_recovers_its_fixed_cost_and_rate() -> None:
+    """``fit_collective`` through synthetic timings ``fixed + bytes / rate`` at the link probe's sizes (4 KiB -
+    16 MiB) recovers both; timings through the origin give no fixed cost; one size cannot be fitted."""
+    from pdcompile.calibrate import fit_collective
+
+    sizes = [4 << 10, 64 << 10, 512 << 10, 4 << 20, 16 << 20]
+    fixed, rate = 6e-4, 7.5e8
+    assert fit_collective([(n, fixed + n / rate) for n in sizes]) == pytest.approx((fixed, rate), rel=1e-9)
+    f0, r0 = fit_collective([(n, n / rate) for n in sizes])
+    assert f0 == pytest.approx(0.0, abs=1e-12) and r0 == pytest.approx(rate, rel=1e-9)
+    with pytest.raises(ValueError, match="2 or more"):
+        fit_collective([(4096, 1e-3)])
+
+
+def test_simulate_charges_the_calibrated_all_reduce() -> None:
+    """A data-parallel stage (2 replicas) with ``collective=(fixed, rate)``: its all-reduce lasts ``fixed + p /
+    rate`` (the runtime's all-reduce, measured between 2 processes) instead of the ring at the link's ``p /
+    bw``, and the flush step grows by the difference; on a link slower than the host's own path (an emulated
+    one on one host) the link's ring time is added; with 3 replicas the bytes scale as a ring's, ``4/3``."""
+    from pdcompile.simulate import collective_s, simulate_plan
+
+    params = (3e6, 1e6)
+    plan, chain, cluster = _two_stage(params, "flush", replicas=(2, 1))  # links at 1 GB/s
+    fixed, rate, bw = 2e-3, 5e8, 1e9
+    ring = simulate_plan(plan, chain, cluster, "flush", 4, split_backward=False)
+    host = simulate_plan(plan, chain, cluster, "flush", 4, split_backward=False, collective=(fixed, rate))
+
+    def ar(res: Any) -> set[float]:
+        return {round(e.end_s - e.start_s, 15) for e in res.events if e.name == "0AR"}
+
+    assert ar(ring) == {round(params[0] / bw, 15)}
+    assert ar(host) == {round(fixed + params[0] / rate, 15)}
+    grown = float(host.step_time_s) - float(ring.step_time_s)
+    assert grown == pytest.approx(fixed + params[0] / rate - params[0] / bw, rel=1e-9)
+    slow = 1e8  # an emulated 100 MB/s link, slower than the host's 500 MB/s: both paid
+    assert collective_s(params[0], 2, slow, 0.0, (fixed, rate)) == pytest.approx(fixed + 3e6 / rate + 3e6 / slow)
+    assert collective_s(params[0], 3, bw, 0.0, (fixed, rate)) == pytest.approx(fixed + 4 / 3 * 3e6 / rate)
+    assert collective_s(params[0], 1, bw, 0.0, (fixed, rate)) == 0.0  # one replica: no all-reduce
+
+
+def test_a_local_clusters_simulate_charges_the_calibrated_all_reduce(pdcompile_cache: Path) -> None:
+    """On a local CPU cluster with this machine's calibration of the runtime's all-reduce, ``pdcompile()``'s
+    ``simulate()`` of a data-parallel plan charges it (``fixed + weight bytes / rate`` per all-reduce), as the
+    step search does; a cluster that is not this host does not (the ring at its link)."""
+    from pdcompile.api import step_costs
+
+    _write_calibration(pdcompile_cache)
+    d = json.loads((pdcompile_cache / "machine-constants.json").read_text())
+    fixed, rate = 3e-3, 4e8
+    d.update(overhead_s={"F": 1e-4}, collective_fixed_s=fixed, collective_rate=rate)
+    (pdcompile_cache / "machine-constants.json").write_text(json.dumps(d))
+    torch.manual_seed(0)
+    from pdcompile.api import pdcompile
+
+    pipe = pdcompile(_Mlp(), local_cpu_cluster(2), example_inputs=(torch.randn(8, 32),),
+                     example_target=torch.randint(0, 10, (8,)), loss_fn=nn.CrossEntropyLoss(),
+                     num_microbatches=2, stages=1, replicas=[2], schedule="flush")
+    assert pipe.action_cost is not None and pipe.action_cost.collective == (fixed, rate)
+    weight_bytes = sum(p.numel() * p.element_size() for p in _Mlp().parameters())
+    ars = {e.end_s - e.start_s for e in pipe.simulate().events if e.name == "0AR"}
+    assert ars and all(a == pytest.approx(fixed + weight_bytes / rate, rel=1e-9) for a in ars)
+    assert pipe.plan.seconds_per_minibatch == pytest.approx(float(pipe.simulate().step_time_s), rel=1e-12)
+    assert "each all-reduce the runtime's own, calibrated on this host: 3.00 ms + bytes / 0.4 GB/s" in pipe.explain()
+    gpus = ClusterSpec(Device("cpu", memory=80e9), (Level("hosts", 2, 1e9),))  # CPU workers, not this host's
+    cost, _, _ = step_costs(gpus, machine_cache.cost_source("auto", False))
+    assert cost is not None and cost.collective is None
+
+
 # -- cost_mode="auto" and explain() ------------------------------------------------------------------
 
 def _write_calibration(folder: Path, node_s: tuple[float, float] = (0.0, 0.0)) -> OpCostTable:

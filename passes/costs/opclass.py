@@ -25,8 +25,8 @@ import numpy as np
 
 from pdcompile.errors import UsageError
 
-__all__ = ["DEFAULT_ALPHA_S", "FLOP_CLASSES", "OP_CLASSES", "OpCost", "OpCostTable", "default_alphas", "fit_node_overhead",
-           "fit_op_cost", "op_class", "op_class_of_name"]
+__all__ = ["DEFAULT_ALPHA_S", "FLOP_CLASSES", "OP_CLASSES", "WEIGHT_CLASSES", "OpCost", "OpCostTable", "default_alphas",
+           "fit_node_overhead", "fit_op_cost", "fit_weight_rate", "op_class", "op_class_of_name"]
 
 OP_CLASSES = ("matmul", "conv", "attention", "norm", "pool", "elementwise", "embedding", "loss", "view")
 FLOP_CLASSES = ("matmul", "conv", "attention")  # work in FLOPs; the others' in bytes read + written
@@ -77,6 +77,23 @@ class OpCostTable:
     #: backward (a backward only for nodes that have one); fitted by ``python -m pdcompile.calibrate``
     #: from whole probe models of 1 and 4 blocks (:func:`fit_node_overhead`); (0, 0) when absent
     node_s: tuple[float, float] = (0.0, 0.0)
+    #: (forward, backward) bytes/s at which a matmul's or convolution's weights stream, charged per weight
+    #: byte beyond its FLOPs (``weight_seconds``): at a small microbatch a layer's time is its weights',
+    #: read in the forward, read again and their gradient written and accumulated in the backward, which
+    #: FLOPs do not see (a 1568x512 Linear at 6 samples: 0.3 ms forward, 1.2 ms backward on the 2-core VM
+    #: against 0.1 and 0.2 for its FLOPs); fitted by ``python -m pdcompile.calibrate`` (``fit_weight_rate``)
+    #: from Linears of two weight sizes at one sample; (0, 0) when absent: not charged
+    weight_rate: tuple[float, float] = (0.0, 0.0)
+    #: seconds a split backward's weight pass (``W``, runtime/graph_split.py: the traced backward graph's weight
+    #: half, run op by op) costs per trainable parameter tensor beyond the weight gradients' own share of the
+    #: backward: its ops' dispatch, views and accumulation into ``.grad``; fitted by ``python -m
+    #: pdcompile.calibrate`` from the probe model's weight pass at 1 and 4 blocks; 0 when absent
+    w_param_s: float = 0.0
+
+    def weight_seconds(self, weight_bytes: float, backward: bool = False) -> float:
+        """Seconds a matmul's or convolution's ``weight_bytes`` of weights cost beyond its FLOPs (0 uncalibrated)."""
+        rate = float(self.weight_rate[1 if backward else 0])
+        return weight_bytes / rate if weight_bytes > 0 and rate > 0 else 0.0
 
     def node_overhead(self, backward: bool = False) -> float:
         """Seconds one node pays beyond its op's fitted cost in a whole stage's forward (or backward)."""
@@ -96,7 +113,9 @@ class OpCostTable:
                 "forward": {k: [v.alpha_s, rate(v.rate)] for k, v in sorted(self.forward.items())},
                 "backward": {k: [v.alpha_s, rate(v.rate)] for k, v in sorted(self.backward.items())},
                 "corun": {str(n): f for n, f in sorted(self.corun.items())},
-                "node": [float(self.node_s[0]), float(self.node_s[1])]}
+                "node": [float(self.node_s[0]), float(self.node_s[1])],
+                "weight": [float(self.weight_rate[0]), float(self.weight_rate[1])],
+                "w_param": float(self.w_param_s)}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> OpCostTable:
@@ -118,7 +137,14 @@ class OpCostTable:
         node = [float(x) for x in (d.get("node") or (0.0, 0.0))]  # absent in calibrations before it: none
         if len(node) != 2 or not all(x >= 0 and math.isfinite(x) for x in node):
             raise ValueError(f"bad per-node overhead {node}")
-        return OpCostTable(part("forward"), part("backward"), str(d.get("source", "")), corun, (node[0], node[1]))
+        weight = [float(x) for x in (d.get("weight") or (0.0, 0.0))]  # absent in calibrations before it: none
+        if len(weight) != 2 or not all(x >= 0 and math.isfinite(x) for x in weight):
+            raise ValueError(f"bad weight rates {weight}")
+        w_param = float(d.get("w_param") or 0.0)
+        if not (w_param >= 0 and math.isfinite(w_param)):
+            raise ValueError(f"bad weight-pass cost per parameter {w_param}")
+        return OpCostTable(part("forward"), part("backward"), str(d.get("source", "")), corun, (node[0], node[1]),
+                           (weight[0], weight[1]), w_param)
 
 
 def fit_op_cost(work: Sequence[float] | np.ndarray, seconds: Sequence[float] | np.ndarray,
@@ -142,6 +168,24 @@ def fit_op_cost(work: Sequence[float] | np.ndarray, seconds: Sequence[float] | n
     if inv_rate <= 0:  # no size dependence measurable: all fixed cost
         return OpCost(float(np.median(t)), float("inf"))
     return OpCost(float(alpha), float(1.0 / inv_rate))
+
+
+WEIGHT_CLASSES = ("matmul", "conv")  # op classes whose weights' bytes are charged (OpCostTable.weight_seconds)
+
+
+def fit_weight_rate(weight_bytes: Sequence[float], seconds: Sequence[float],
+                    flop_seconds: Sequence[float]) -> float:
+    """Bytes/s at which weights stream: through ops of ``weight_bytes`` each timed at ``seconds``, of which
+    ``flop_seconds`` is what the class's fit charges (fixed cost and FLOPs), the median over the ops of
+    ``weight_bytes / (seconds - flop_seconds)`` (one op timed high or low moves it little); 0 where no op
+    took longer than its FLOPs (nothing to charge)."""
+    rates = sorted(float(b) / (t - f) for b, t, f in zip(weight_bytes, seconds, flop_seconds) if b > 0 and t > f)
+    if not weight_bytes or len(weight_bytes) != len(seconds) or len(seconds) != len(flop_seconds):
+        raise UsageError("fit_weight_rate: needs equal-length, non-empty weight sizes, timings and FLOP costs")
+    if not rates:
+        return 0.0
+    n = len(rates)
+    return rates[n // 2] if n % 2 else 0.5 * (rates[n // 2 - 1] + rates[n // 2])
 
 
 def fit_node_overhead(nodes: Sequence[float] | np.ndarray, residual_s: Sequence[float] | np.ndarray) -> tuple[float, float]:

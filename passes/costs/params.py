@@ -86,3 +86,25 @@ def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def param_tensor_counts(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Trainable parameter tensors per compute node, each counted once at its first user (as
+    :func:`param_attribution` attributes their bytes): what a split backward's weight pass computes a
+    gradient for at that node (``OpCostTable.w_param_s``)."""
+    seen: set[int] = set()
+    out: dict[fx.Node, int] = {}
+
+    def new(t: Any) -> int:
+        if not isinstance(t, torch.nn.Parameter) or not t.requires_grad or id(t) in seen:
+            return 0
+        seen.add(id(t))
+        return 1
+
+    for node in gm.graph.nodes:
+        if node.op not in COMPUTE_OPS:
+            continue
+        n = sum(new(p) for p in gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module" else 0
+        n += sum(new(_fetch_attr(gm, str(a.target))) for a in node.all_input_nodes if a.op == "get_attr")
+        out[node] = n
+    return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from pdcompile.cluster import ClusterSpec
 from pdcompile.errors import UsageError
-from pdcompile.passes.costs.opclass import BACKWARD_ALPHA_FACTOR, FLOP_CLASSES, OpCostTable, default_alphas
+from pdcompile.passes.costs.opclass import BACKWARD_ALPHA_FACTOR, FLOP_CLASSES, WEIGHT_CLASSES, OpCostTable, default_alphas
 
 @dataclass(frozen=True)
 class DeviceSpec:
@@ -34,22 +34,28 @@ class DeviceSpec:
         memory = nbytes / (self.mem_bandwidth * self.bandwidth_efficiency) if self.mem_bandwidth else 0.0
         return max(compute, memory)
 
-    def op_seconds(self, op: str, flops: float, nbytes: float, backward: bool = False) -> float:
+    def op_seconds(self, op: str, flops: float, nbytes: float, backward: bool = False,
+                   weight_bytes: float = 0.0) -> float:
         """One op of class ``op`` in a stage: with a calibration that fitted the class, its ``alpha + work /
-        rate`` (work: FLOPs for matmul, conv and attention, else bytes); otherwise the roofline plus the
-        class's fixed cost (:attr:`alphas`, x1.5 for a backward); with a calibration, plus the node's
-        overhead in a whole stage (:meth:`node_overhead`)."""
+        rate`` (work: FLOPs for matmul, conv and attention, else bytes), plus for a matmul or convolution
+        its ``weight_bytes`` at the calibrated weight rate (``OpCostTable.weight_seconds``); otherwise the
+        roofline plus the class's fixed cost (:attr:`alphas`, x1.5 for a backward); with a calibration, plus
+        the node's overhead in a whole stage (:meth:`node_overhead`)."""
         fit = None if self.op_costs is None else (self.op_costs.backward if backward else self.op_costs.forward).get(op)
         if fit is not None:
-            return fit.seconds(flops if op in FLOP_CLASSES else nbytes) + self.node_overhead(backward)
+            weights = self.op_costs.weight_seconds(weight_bytes, backward) \
+                if self.op_costs is not None and op in WEIGHT_CLASSES else 0.0
+            return fit.seconds(flops if op in FLOP_CLASSES else nbytes) + weights + self.node_overhead(backward)
         alpha = dict(self.alphas).get(op, 0.0) * (BACKWARD_ALPHA_FACTOR if backward else 1.0)
         return alpha + self.node_overhead(backward) + (0.0 if op == "view" else self.seconds(flops, nbytes))  # a view moves no bytes
 
-    def op_fixed(self, op: str, backward: bool = False) -> float:
-        """Of :meth:`op_seconds`, the fixed part (a microbatch of any size pays it once)."""
+    def op_fixed(self, op: str, backward: bool = False, weight_bytes: float = 0.0) -> float:
+        """Of :meth:`op_seconds`, the fixed part (a microbatch of any size pays it once: its weights' too)."""
         fit = None if self.op_costs is None else (self.op_costs.backward if backward else self.op_costs.forward).get(op)
         if fit is not None:
-            return fit.alpha_s + self.node_overhead(backward)
+            weights = self.op_costs.weight_seconds(weight_bytes, backward) \
+                if self.op_costs is not None and op in WEIGHT_CLASSES else 0.0
+            return fit.alpha_s + weights + self.node_overhead(backward)
         return dict(self.alphas).get(op, 0.0) * (BACKWARD_ALPHA_FACTOR if backward else 1.0) + self.node_overhead(backward)
 
     def node_overhead(self, backward: bool = False) -> float:

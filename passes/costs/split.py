@@ -28,8 +28,11 @@ def input_grad_flop_share(call: NodeCall, out: Any, backward_flops: int) -> floa
     return min(1.0, flops / backward_flops) if flops else 0.5
 
 
-def split_parts(backward_s: float, input_share: float) -> dict[str, float]:
-    return {"input_grad_s": backward_s * input_share, "weight_grad_s": backward_s * (1.0 - input_share)}
+def split_parts(backward_s: float, input_share: float, weight_pass_s: float = 0.0) -> dict[str, float]:
+    """The backward's two parts by ``input_share``; the weight part also pays ``weight_pass_s``, what running
+    it apart costs beyond its share (a calibrated cost per parameter tensor: ``OpCostTable.w_param_s``)."""
+    return {"input_grad_s": backward_s * input_share,
+            "weight_grad_s": backward_s * (1.0 - input_share) + weight_pass_s}
 
 
 def measured_parts(medians: dict[tuple[Any, str], float], node: Any, backward_s: float, whole_share: float,

@@ -39,6 +39,8 @@ class PlanOptions:
     # cluster's analytic figure (simulate.update_bandwidth_of), else this machine's calibrated one
     action_overhead_s: tuple[tuple[str, float], ...] = ()  # the runtime's fixed seconds per action kind
     # (machine_cache.action_cost, as (kind, seconds) pairs; a mapping is accepted), () none
+    collective: tuple[float, float] | None = None  # the runtime's all-reduce on this host, (fixed s, bytes/s):
+    # a local cluster's calibration (ActionCost.collective; simulate.collective_s), None: the ring at the link
     also_rate: tuple[tuple[tuple[int, int, tuple[int, ...]], ...], ...] = ()  # plans the step search rates beside
     # its own at each microbatch count it tries, each as its stages' (first layer, last layer, ranks) on the whole
     # cluster: pdcompile() re-planning at the count it chose keeps the plan it chose there (pdcompile.api)

@@ -177,7 +177,7 @@ def with_step_costs(options: PlanOptions, cluster: Any, source: Any) -> tuple[Pl
 
     cost, bw, problem = step_costs(cluster, source)
     options = dataclasses.replace(options, update_bandwidth=bw, action_overhead_s=tuple(sorted(cost.seconds.items()))
-                                  if cost is not None else ())
+                                  if cost is not None else (), collective=cost.collective if cost is not None else None)
     return options, step_cost_line(bw if bw is not None else update_bandwidth_of(cluster), bw is not None, problem,
                                    cost)
 
