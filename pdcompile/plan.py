@@ -331,7 +331,8 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
             tied_bytes, tied_stages = tied_of(full, chain_m)  # the tied all-reduce, as simulate() charges it
             res = simulate_plan(full, chain_m, cluster, opts.schedule, m, split_backward=split,
                                 optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw,
-                                overhead_s=overhead, tied_bytes=tied_bytes, tied_stages=tied_stages)
+                                overhead_s=overhead, tied_bytes=tied_bytes, tied_stages=tied_stages,
+                                timeline=False)  # no events: the fast replay (pdcompile/simulate_fast.py)
             rated += 1
             # over memory by the simulator's peak or by the planner's own model of the copies' stages (a
             # stage replicated at an outer level: the model charges a replica the inner block's share)

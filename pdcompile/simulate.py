@@ -481,7 +481,11 @@ def simulate_schedule(name: str, replicas: Sequence[int], num_microbatches: int,
         from pdcompile.simulate_fast import lane_factor, lane_of, lane_schedule
         fixed = send if callable(send) else None if send is None else (lambda sa, sb, ra, rb: send)
         g = lane_factor(replicas, num_microbatches, num_steps, fixed)
-        if g > 1:  # one lane of g, its ranks' transfers priced as lane 0's in the whole pipeline
+        if g == 1:
+            return simulate(lane_schedule(name, replicas, 1, num_microbatches, tied=tied, vertical_sync=vertical_sync,
+                                          num_steps=num_steps, split_backward=split_backward),
+                            replicas=replicas, num_steps=num_steps, timeline=False, **costs)
+        else:  # one lane of g, its ranks' transfers priced as lane 0's in the whole pipeline
             red, to_full, of_full = lane_of(replicas, g)
             lane = dict(costs, send_s=(lambda sa, sb, ra, rb: send(sa, sb, to_full(ra), to_full(rb)))
                         if callable(send) else send)

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from functools import reduce
 from typing import Any
 
-from pdcompile.runtime.schedules import Action, Kind, Schedule, live_versions, make_schedule, stage_ranks, version_copies
+from pdcompile.runtime.schedules import (Action, Kind, Schedule, layout, live_versions, make_schedule, stage_ranks,
+                                         version_copies)
 
 Transfer = Callable[[int, int, int, int], Any]  # (stage_from, stage_to, rank_a, rank_b) -> seconds
 
@@ -78,7 +79,8 @@ def replay(sched: Schedule, replicas: Sequence[int], *, fwd: Sequence[Any], bwd:
     SF, SB, RF, RB, AR, TG = Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD, Kind.ALLREDUCE, Kind.TIED_GRADS
     over = {k: overhead.get(k.value, 0) for k in Kind}
     on_wait = recv_progress == "on_wait"
-    top = 1 + max((a.microbatch for acts in sched.values() for a in acts if a.microbatch is not None), default=0)
+    read = [_read(sched[r]) for r in range(R)]
+    top = 1 + max(x[2] for x in read)
 
     def key(grad: bool, stage: int, mb: int) -> int:  # a message: its send's kind, stage and microbatch
         return (stage * top + mb) * 2 + grad
@@ -92,8 +94,10 @@ def replay(sched: Schedule, replicas: Sequence[int], *, fwd: Sequence[Any], bwd:
     waiting: dict[int, int] = {}
     link_free: dict[tuple[int, int], Any] = {}
     cost: dict[tuple[int, int, int, int], Any] = {}
-    copies = {r: version_copies(acts) for r, acts in sched.items()} if version is not None else None
-    split = [{a.microbatch for a in sched[r] if a.kind is W} for r in range(R)]
+    plain = [x[3] for x in read]
+    copies = {r: [0] * len(acts) if plain[r] else version_copies(acts) for r, acts in sched.items()} \
+        if version is not None else None
+    split = [x[1] for x in read]
     # collectives: (kind, stage or -1, ordinal) -> ranks there; each rank's count of each kind so far
     there: dict[tuple[Kind, int, int], list[int]] = {}
     seen = [{AR: 0, TG: 0} for _ in range(R)]
@@ -194,12 +198,42 @@ def replay(sched: Schedule, replicas: Sequence[int], *, fwd: Sequence[Any], bwd:
     if any(pcs[r] < len(sched[r]) for r in range(R)):
         return None
     makespan = max([0, *clock, *arrival.values()])
-    T = len({a.microbatch for acts in sched.values() for a in acts if a.kind is F})
-    peaks = _peaks(sched, stage_of, len(ranks), split, activation_bytes, weight_bytes, static_bytes, sized)
+    T = len(set().union(*(x[0] for x in read)))
+    peaks = _peaks(sched, stage_of, len(ranks), split, plain, activation_bytes, weight_bytes, static_bytes, sized)
     return Replayed(makespan, dict(enumerate(busy)), dict(enumerate(comp)), T, *peaks)
 
 
-def _peaks(sched: Schedule, stage_of: Sequence[int], S: int, split: Sequence[set[Any]],
+def _read(acts: Sequence[Action]) -> tuple[set[Any], set[Any], int, bool]:
+    """One rank's actions in one pass: the microbatches it forwards, those whose backward is split (a ``W``),
+    the largest microbatch, and whether it keeps one weight version throughout and copies none
+    (``live_versions`` one version after each action, ``version_copies`` all 0: no ``WV``, every ``ST`` after
+    every ``F``, ``B`` and ``W``, every microbatch forwarded also backwarded; one step of GPipe or Flush)."""
+    F, B, W, ST, WV = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD, Kind.STEP, Kind.WEIGHT_VERSION
+    stepped = versions = False
+    fs: set[Any] = set()
+    bs: set[Any] = set()
+    ws: set[Any] = set()
+    for a in acts:
+        k = a.kind
+        if k is F:
+            fs.add(a.microbatch)
+        elif k is B:
+            bs.add(a.microbatch)
+        elif k is W:
+            ws.add(a.microbatch)
+        elif k is ST:
+            stepped = True
+            continue
+        elif k is WV:
+            versions = True
+            continue
+        else:
+            continue
+        versions = versions or stepped
+    return fs, ws, max(fs | bs | ws, default=0), not versions and fs == bs
+
+
+def _peaks(sched: Schedule, stage_of: Sequence[int], S: int, split: Sequence[set[Any]], plain: Sequence[bool],
            act_b: Sequence[Any], w_b: Sequence[Any], static_b: Sequence[Any],
            sized: bool) -> tuple[list[int], list[int], list[Any] | None, list[int], list[int]]:
     """The per-stage peaks of ``simulate()``'s memory walk (its rules, read off each rank's actions)."""
@@ -209,7 +243,7 @@ def _peaks(sched: Schedule, stage_of: Sequence[int], S: int, split: Sequence[set
     for r, acts in sched.items():
         s = stage_of[r]
         mine = split[r]
-        live = live_versions(acts)
+        live: Sequence[Any] = [(0,)] * len(acts) if plain[r] else live_versions(acts)  # (0,): one version
         peak_v[s] = max(peak_v[s], max((len(x) for x in live), default=1))
         n = 0
         grads = False
@@ -293,11 +327,19 @@ def lane_schedule(name: str, replicas: Sequence[int], g: int, num_microbatches: 
     ``AR`` that a stage replicated in the whole pipeline but not in the lane runs before each update (a
     collective of identical lanes: it starts when its own rank is there)."""
     red = [r // g for r in replicas]
-    sched = make_schedule(name, red, num_microbatches // g, **kw)
+    lay = layout(name, red, num_microbatches // g, kw.get("num_steps", 1), kw.get("vertical_sync", False),
+                 kw.get("split_backward", True))
+    if lay.num_steps == 1 and lay.policy.version_lag == 0 and not lay.policy.update_per_microbatch \
+            and lay.policy.placement is None:
+        # one step, every forward at version 0: make_schedule would insert no WV (insert_versions)
+        tied = kw.get("tied", False)
+        sched = {r: lay.policy.order(lay, s, i, tied) for s, rs in enumerate(lay.stage_ranks) for i, r in enumerate(rs)}
+    else:
+        sched = make_schedule(name, red, num_microbatches // g, **kw)
     ranks = stage_ranks(red)
     for s, rs in enumerate(ranks):
         if replicas[s] > 1 and red[s] == 1:
-            acts, out = sched[rs[0]], []
+            acts, out = sched[rs[0]], list[Action]()
             for i, a in enumerate(acts):
                 if a.kind is Kind.STEP or (a.kind is Kind.TIED_GRADS and i + 1 < len(acts)
                                            and acts[i + 1].kind is Kind.STEP):
