@@ -8,6 +8,7 @@ table) lives in ``pdcompile/plan_data.py``, below the planners that build it; it
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import os
@@ -458,9 +459,9 @@ def _ranks_bound(stages: Sequence[StagePlan], chain: "Chain", schedule: str, num
     trip through the later stages (their forwards and input gradients, recomputation included); then its
     last input gradient's way back to stage 0, and stage 0's all-reduce and step. Every other rank is taken
     as infinitely fast, so the simulator's timeline of that rank is never earlier: its fill and drain count."""
-    from pdcompile.runtime.schedules import make_schedule
     from pdcompile.runtime.schedules.actions import Kind
     from pdcompile.simulate import INPUT_GRAD_SHARE, WEIGHT_GRAD_SHARE
+    from pdcompile.simulate_fast import lane_schedule
 
     layers = chain.layers
     fwd, bwd, b_in, b_w = [], [], [], []
@@ -479,9 +480,13 @@ def _ranks_bound(stages: Sequence[StagePlan], chain: "Chain", schedule: str, num
     gi = [min(x, y) for x, y in zip(b_in, bwd)]  # a backward's input-gradient part, split or not
     pf = np.concatenate(([0.0], np.cumsum(fwd)))
     pg = np.concatenate(([0.0], np.cumsum(gi)))
-    firsts = [int(x) for x in np.concatenate(([0], np.cumsum([st.replicas for st in stages])))[:-1]]
-    sched = make_schedule(schedule, [st.replicas for st in stages], num_microbatches, split_backward=split_backward,
-                          ranks=firsts)
+    reps = [st.replicas for st in stages]
+    firsts = [int(x) for x in np.concatenate(([0], np.cumsum(reps)))[:-1]]
+    # each stage's first replica runs lane 0's first replica's list, its microbatches relabelled (simulate_fast.py)
+    g = functools.reduce(math.gcd, reps, num_microbatches)
+    lane_firsts = [int(x) for x in np.concatenate(([0], np.cumsum([r // g for r in reps])))[:-1]]
+    lane = lane_schedule(schedule, reps, g, num_microbatches, ranks=lane_firsts, split_backward=split_backward)
+    sched = {rank: lane[q] for rank, q in zip(firsts, lane_firsts)}
     out = 0.0
     for s, rank in enumerate(firsts):
         acts = sched[rank]

@@ -322,10 +322,11 @@ def lane_of(replicas: Sequence[int], g: int) -> tuple[list[int], Callable[[int],
     return red, to_full.__getitem__, of_full
 
 
-def lane_schedule(name: str, replicas: Sequence[int], g: int, num_microbatches: int, **kw: Any) -> Schedule:
+def lane_schedule(name: str, replicas: Sequence[int], g: int, num_microbatches: int,
+                  ranks: Sequence[int] | None = None, **kw: Any) -> Schedule:
     """Lane 0 of ``g``'s schedule: ``make_schedule`` of its replicas and ``num_microbatches / g``, with the
     ``AR`` that a stage replicated in the whole pipeline but not in the lane runs before each update (a
-    collective of identical lanes: it starts when its own rank is there)."""
+    collective of identical lanes: it starts when its own rank is there). ``ranks``: only these lane ranks."""
     red = [r // g for r in replicas]
     lay = layout(name, red, num_microbatches // g, kw.get("num_steps", 1), kw.get("vertical_sync", False),
                  kw.get("split_backward", True))
@@ -333,12 +334,12 @@ def lane_schedule(name: str, replicas: Sequence[int], g: int, num_microbatches: 
             and lay.policy.placement is None:
         # one step, every forward at version 0: make_schedule would insert no WV (insert_versions)
         tied = kw.get("tied", False)
-        sched = {r: lay.policy.order(lay, s, i, tied) for s, rs in enumerate(lay.stage_ranks) for i, r in enumerate(rs)}
+        sched = {r: lay.policy.order(lay, s, i, tied) for s, rs in enumerate(lay.stage_ranks) for i, r in enumerate(rs)
+                 if ranks is None or r in ranks}
     else:
-        sched = make_schedule(name, red, num_microbatches // g, **kw)
-    ranks = stage_ranks(red)
-    for s, rs in enumerate(ranks):
-        if replicas[s] > 1 and red[s] == 1:
+        sched = make_schedule(name, red, num_microbatches // g, ranks=ranks, **kw)
+    for s, rs in enumerate(stage_ranks(red)):
+        if replicas[s] > 1 and red[s] == 1 and rs[0] in sched:
             acts, out = sched[rs[0]], list[Action]()
             for i, a in enumerate(acts):
                 if a.kind is Kind.STEP or (a.kind is Kind.TIED_GRADS and i + 1 < len(acts)
