@@ -66,7 +66,7 @@ def _case(rng: random.Random) -> tuple[str, list[int], int, dict[str, Any], dict
 def test_fast_replay_equals_simulate_on_random_pipelines() -> None:
     rng = random.Random(35)
     lanes = 0
-    for _ in range(100):
+    for _ in range(60):
         name, reps, M, kw, costs = _case(rng)
         ref = simulate_schedule(name, reps, M, **kw, **costs)
         fast = simulate_schedule(name, reps, M, timeline=False, **kw, **costs)
@@ -75,7 +75,7 @@ def test_fast_replay_equals_simulate_on_random_pipelines() -> None:
         _same(simulate(sched, replicas=reps, num_steps=kw["num_steps"], **costs),
               simulate(sched, replicas=reps, num_steps=kw["num_steps"], timeline=False, **costs))
         lanes += lane_factor(reps, M, kw["num_steps"], costs["send_s"]) > 1
-    assert lanes > 15  # the lane shortcut was taken often
+    assert lanes > 8  # the lane shortcut was taken often
 
 
 def test_a_lane_is_the_whole_schedule_relabelled() -> None:
