@@ -286,9 +286,9 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
         if fast is not None:
             m_ = fast.makespan_s
             return _without_events(m_, fast.num_microbatches, num_steps, microbatch_size, fast.busy,
-                                   {r: (c / m_ if m_ else 0) for r, c in fast.compute.items()}, stage_of, fast.peak_in_flight, fast.peak_weight_versions,
-                                   fast.peak_memory_bytes, fast.peak_in_flight_with_grads,
-                                   fast.peak_in_flight_at_rebuild)
+                                   {r: (c / m_ if m_ else 0) for r, c in fast.compute.items()}, stage_of,
+                                   fast.peak_in_flight, fast.peak_weight_versions, fast.peak_memory_bytes,
+                                   fast.peak_in_flight_with_grads, fast.peak_in_flight_at_rebuild)
     clock: dict[int, Any] = {}
     busy: dict[int, Any] = {}
     compute: dict[int, Any] = {}
