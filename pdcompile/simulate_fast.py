@@ -76,7 +76,8 @@ def replay(sched: Schedule, replicas: Sequence[int], *, fwd: Sequence[Any], bwd:
     first = [rs[0] for rs in ranks]
     reps = [len(rs) for rs in ranks]
     F, B, W, ST = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT_GRAD, Kind.STEP
-    SF, SB, RF, RB, AR, TG = Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD, Kind.ALLREDUCE, Kind.TIED_GRADS
+    SF, SB, RF, RB = Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD
+    AR, TG = Kind.ALLREDUCE, Kind.TIED_GRADS
     over = {k: overhead.get(k.value, 0) for k in Kind}
     on_wait = recv_progress == "on_wait"
     read = [_read(sched[r]) for r in range(R)]
