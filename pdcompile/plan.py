@@ -8,7 +8,6 @@ table) lives in ``pdcompile/plan_data.py``, below the planners that build it; it
 
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 import os
@@ -459,9 +458,9 @@ def _ranks_bound(stages: Sequence[StagePlan], chain: "Chain", schedule: str, num
     trip through the later stages (their forwards and input gradients, recomputation included); then its
     last input gradient's way back to stage 0, and stage 0's all-reduce and step. Every other rank is taken
     as infinitely fast, so the simulator's timeline of that rank is never earlier: its fill and drain count."""
+    from pdcompile.runtime.schedules import layout
     from pdcompile.runtime.schedules.actions import Kind
     from pdcompile.simulate import INPUT_GRAD_SHARE, WEIGHT_GRAD_SHARE
-    from pdcompile.simulate_fast import lane_schedule
 
     layers = chain.layers
     fwd, bwd, b_in, b_w = [], [], [], []
@@ -482,11 +481,8 @@ def _ranks_bound(stages: Sequence[StagePlan], chain: "Chain", schedule: str, num
     pg = np.concatenate(([0.0], np.cumsum(gi)))
     reps = [st.replicas for st in stages]
     firsts = [int(x) for x in np.concatenate(([0], np.cumsum(reps)))[:-1]]
-    # each stage's first replica runs lane 0's first replica's list, its microbatches relabelled (simulate_fast.py)
-    g = functools.reduce(math.gcd, reps, num_microbatches)
-    lane_firsts = [int(x) for x in np.concatenate(([0], np.cumsum([r // g for r in reps])))[:-1]]
-    lane = lane_schedule(schedule, reps, g, num_microbatches, ranks=lane_firsts, split_backward=split_backward)
-    sched = {rank: lane[q] for rank, q in zip(firsts, lane_firsts)}
+    lay = layout(schedule, reps, num_microbatches, 1, False, split_backward)
+    sched = {rank: _first_replica(lay, s) for s, rank in enumerate(firsts)}
     out = 0.0
     for s, rank in enumerate(firsts):
         acts = sched[rank]
@@ -508,6 +504,26 @@ def _ranks_bound(stages: Sequence[StagePlan], chain: "Chain", schedule: str, num
                 clock += steps[s]
         out = max(out, clock, last_b + float(pg[s]) + ars[0] + steps[0])
     return out * (1 - 1e-9)
+
+
+_FIRSTS: dict[tuple[Any, ...], list[Any]] = {}  # _first_replica's lists, by what they depend on
+
+
+def _first_replica(lay: Any, s: int) -> list[Any]:
+    """Stage ``s``'s first replica's actions in ``lay`` (one step of a synchronous schedule: ``make_schedule``'s
+    list, which inserts no ``WV`` there), kept by what the order reads (its warm-up and held bounds, its count of
+    microbatches, whether it is the first or last stage or replicated, split drains): the same list up to its
+    actions' stage and microbatches' numbers, which ``_ranks_bound`` reads only as names within the list
+    (``tests/test_simulate_fast.py`` checks it against ``make_schedule``)."""
+    S, r = lay.num_stages, lay.replicas[s]
+    key = (lay.name, lay.in_flight_bound(s), lay.held_bound(s), -(-lay.total // r), s == 0, s == S - 1, r > 1,
+           lay.split_backward)
+    got = _FIRSTS.get(key)
+    if got is None:
+        if len(_FIRSTS) >= 256:
+            _FIRSTS.clear()
+        got = _FIRSTS[key] = lay.policy.order(lay, s, 0, False)
+    return got
 
 
 def _stages_bound(stages: Sequence[StagePlan], chain: "Chain", counts: Sequence[int], split: bool,

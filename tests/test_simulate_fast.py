@@ -114,3 +114,26 @@ def test_a_deadlock_is_still_named() -> None:
              1: [Action.from_str(x) for x in ("1RF0", "1F0", "1B0", "1SB0")]}
     with pytest.raises(ScheduleError):
         simulate(sched, replicas=[1, 1], forward_s=[1.0, 1.0], backward_s=[1.0, 1.0], timeline=False)
+
+
+def test_plan_steps_rank_bound_reads_each_first_replica_as_make_schedule_lays_it() -> None:
+    """plan.py's ``_first_replica`` (kept by what the order reads) against make_schedule's list of each stage's first
+    replica: the same kinds, versions and microbatches up to their numbers."""
+    from pdcompile.plan import _first_replica
+    from pdcompile.runtime.schedules import layout
+
+    def names(acts: list[Any]) -> list[tuple[Any, ...]]:
+        seen: dict[int, int] = {}
+        return [(a.kind, a.version, None if a.microbatch is None else seen.setdefault(a.microbatch, len(seen)))
+                for a in acts]
+
+    rng = random.Random(3)
+    for _ in range(150):
+        name = rng.choice(["flush", "gpipe", "zb-h1"])
+        reps = [rng.randint(1, 4) for _ in range(rng.randint(1, 6))]
+        M, split = rng.randint(1, 20), rng.random() < 0.5
+        firsts = [sum(reps[:s]) for s in range(len(reps))]
+        whole = make_schedule(name, reps, M, split_backward=split, ranks=firsts)
+        lay = layout(name, reps, M, 1, False, split)
+        for s, rank in enumerate(firsts):
+            assert names(_first_replica(lay, s)) == names(whole[rank]), (name, reps, M, s, split)
