@@ -87,7 +87,7 @@ def test_a_lane_is_the_whole_schedule_relabelled() -> None:
         g = rng.choice([2, 3])
         reps = [g * rng.randint(1, 3) for _ in range(rng.randint(1, 4))]
         M = g * rng.randint(1, 6)
-        kw = dict(num_steps=rng.choice([1, 2]), split_backward=rng.random() < 0.5)
+        kw: dict[str, Any] = dict(num_steps=rng.choice([1, 2]), split_backward=rng.random() < 0.5)
         whole = make_schedule(name, reps, M, **kw)
         lane = lane_schedule(name, reps, g, M, **kw)
         red, to_full, of_full = lane_of(reps, g)
