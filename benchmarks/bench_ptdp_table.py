@@ -164,7 +164,8 @@ def predict_paper_config(row: Row) -> dict[str, Any]:
     stages = [(x, y - 1, 1, (k,)) for k, (x, y) in enumerate(zip(bounds, bounds[1:]))]
     plan = plan_from_assignment(chain_t, pipe, stages, schedule="flush", recompute="full", memory_limit=False,
                                 optimizer_state_factor=ADAM_MIXED, num_microbatches=m)
-    sim = simulate_plan(plan, chain_t, pipe, "flush", m, split_backward=False, optimizer_state_factor=ADAM_MIXED)
+    sim = simulate_plan(plan, chain_t, pipe, "flush", m, split_backward=False, optimizer_state_factor=ADAM_MIXED,
+                        timeline=False)
     grads = max(sum(l.param_bytes for l in chain_t.layers[st.first:st.last + 1]) for st in plan.stages) * 2  # fp32
     ar = tensor.allreduce_s(grads, d, IB, 1, 0.0) if d > 1 else 0.0
     step = float(sim.step_time_s) + ar
@@ -204,7 +205,8 @@ def paper_config_as_planned(row: Row) -> dict[str, Any]:
             except UsageError:
                 continue
             sim = simulate_plan(plan, chain_t, groups, "flush", m, split_backward=True if split is None else split,
-                                optimizer_state_factor=ADAM_MIXED, update_bandwidth=update_bandwidth_of(groups))
+                                optimizer_state_factor=ADAM_MIXED, update_bandwidth=update_bandwidth_of(groups),
+                                timeline=False)
             step = float(sim.step_time_s)
             if not best or step < best["step"]:
                 best = {"step": step, "tflops": model_flops(row) / step / row.gpus / 1e12, "sim": sim,
@@ -230,7 +232,7 @@ def planner_choice(row: Row) -> dict[str, Any]:
     split = tensor.split_backward(t)
     sim = simulate_plan(p, chain_t.at_batch(p.microbatch_size), groups, "flush", p.num_microbatches,
                         split_backward=True if split is None else split, optimizer_state_factor=ADAM_MIXED,
-                        update_bandwidth=update_bandwidth_of(groups))
+                        update_bandwidth=update_bandwidth_of(groups), timeline=False)
     reps = sorted({st.replicas for st in p.stages})
     return {"step": p.seconds_per_minibatch, "tflops": model_flops(row) / p.seconds_per_minibatch / row.gpus / 1e12,
             "t": t, "stages": len(p.stages), "replicas": "/".join(map(str, reps)), "seconds": took, "cpu": cpu,
@@ -243,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default=None, help="rows to run, e.g. 0-3 or 0,4 (default: all)")
     ap.add_argument("--no-planner", action="store_true", help="only the prediction at the paper's configuration")
     ap.add_argument("--quick", action="store_true", help="rows 0-1, no planner, nothing written")
+    ap.add_argument("--section", default=None, help="the RESULTS.md section to write (default: the table's own)")
     ap.add_argument("--gemm-efficiency", type=float, default=GEMM_EFF, help="fraction of peak a GEMM reaches")
     args = ap.parse_args(argv)
     global EFF
@@ -303,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ])
     name = "PTD-P Table 1: our model at the paper's configurations" if args.no_planner else \
         "PTD-P Table 1: our model and the planner's choice"
-    publish(name, body, "python " + " ".join(
+    publish(args.section or name, body, "python " + " ".join(
         ["benchmarks/bench_ptdp_table.py", *(argv if argv is not None else sys.argv[1:])]), write=not args.quick)
     return 0
 

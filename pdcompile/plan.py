@@ -332,7 +332,8 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
             res = simulate_plan(full, chain_m, cluster, opts.schedule, m, split_backward=split,
                                 optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw,
                                 overhead_s=overhead, tied_bytes=tied_bytes, tied_stages=tied_stages,
-                                collective=opts.collective)
+                                collective=opts.collective,
+                                timeline=False)  # no events: the fast replay (pdcompile/simulate_fast.py)
             rated += 1
             # over memory by the simulator's peak or by the planner's own model of the copies' stages (a
             # stage replicated at an outer level: the model charges a replica the inner block's share)
@@ -458,7 +459,7 @@ def _ranks_bound(stages: Sequence[StagePlan], chain: "Chain", schedule: str, num
     trip through the later stages (their forwards and input gradients, recomputation included); then its
     last input gradient's way back to stage 0, and stage 0's all-reduce and step. Every other rank is taken
     as infinitely fast, so the simulator's timeline of that rank is never earlier: its fill and drain count."""
-    from pdcompile.runtime.schedules import make_schedule
+    from pdcompile.runtime.schedules import layout
     from pdcompile.runtime.schedules.actions import Kind
     from pdcompile.simulate import INPUT_GRAD_SHARE, WEIGHT_GRAD_SHARE
 
@@ -479,9 +480,10 @@ def _ranks_bound(stages: Sequence[StagePlan], chain: "Chain", schedule: str, num
     gi = [min(x, y) for x, y in zip(b_in, bwd)]  # a backward's input-gradient part, split or not
     pf = np.concatenate(([0.0], np.cumsum(fwd)))
     pg = np.concatenate(([0.0], np.cumsum(gi)))
-    firsts = [int(x) for x in np.concatenate(([0], np.cumsum([st.replicas for st in stages])))[:-1]]
-    sched = make_schedule(schedule, [st.replicas for st in stages], num_microbatches, split_backward=split_backward,
-                          ranks=firsts)
+    reps = [st.replicas for st in stages]
+    firsts = [int(x) for x in np.concatenate(([0], np.cumsum(reps)))[:-1]]
+    lay = layout(schedule, reps, num_microbatches, 1, False, split_backward)
+    sched = {rank: _first_replica(lay, s) for s, rank in enumerate(firsts)}
     out = 0.0
     for s, rank in enumerate(firsts):
         acts = sched[rank]
@@ -503,6 +505,26 @@ def _ranks_bound(stages: Sequence[StagePlan], chain: "Chain", schedule: str, num
                 clock += steps[s]
         out = max(out, clock, last_b + float(pg[s]) + ars[0] + steps[0])
     return out * (1 - 1e-9)
+
+
+_FIRSTS: dict[tuple[Any, ...], list[Any]] = {}  # _first_replica's lists, by what they depend on
+
+
+def _first_replica(lay: Any, s: int) -> list[Any]:
+    """Stage ``s``'s first replica's actions in ``lay`` (one step of a synchronous schedule: ``make_schedule``'s
+    list, which inserts no ``WV`` there), kept by what the order reads (its warm-up and held bounds, its count of
+    microbatches, whether it is the first or last stage or replicated, split drains): the same list up to its
+    actions' stage and microbatches' numbers, which ``_ranks_bound`` reads only as names within the list
+    (``tests/test_simulate_fast.py`` checks it against ``make_schedule``)."""
+    S, r = lay.num_stages, lay.replicas[s]
+    key = (lay.name, lay.in_flight_bound(s), lay.held_bound(s), -(-lay.total // r), s == 0, s == S - 1, r > 1,
+           lay.split_backward)
+    got = _FIRSTS.get(key)
+    if got is None:
+        if len(_FIRSTS) >= 256:
+            _FIRSTS.clear()
+        got = _FIRSTS[key] = lay.policy.order(lay, s, 0, False)
+    return got
 
 
 def _stages_bound(stages: Sequence[StagePlan], chain: "Chain", counts: Sequence[int], split: bool,

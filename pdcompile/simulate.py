@@ -161,7 +161,7 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
              activation_bytes: Sequence[Any] | None = None,
              weight_bytes: Sequence[Any] | None = None,
              static_bytes: Sequence[Any] | None = None,
-             placement: Placement | None = None) -> SimResult:
+             placement: Placement | None = None, timeline: bool = True) -> SimResult:
     """Replay ``sched`` with the cost model (see the module docstring) and predict its run.
 
     Per-stage arguments (``forward_s``, ``backward_s``, ``allreduce_s``, ``step_s``,
@@ -223,6 +223,9 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     sizes are given) and the timeline events (:class:`pdcompile.timeline.Event`).
 
     Numbers are never converted: pass :class:`fractions.Fraction` costs and the times come back exact.
+
+    ``timeline=False``: no timeline (``SimResult.events`` empty), the rest the same, replayed by
+    :func:`pdcompile.simulate_fast.replay` where it applies (one stage per rank, not ``"both_wait"``).
     """
     if placement is not None and replicas is None:
         raise UsageError("placement= needs replicas=")
@@ -271,6 +274,21 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     else:
         transfer = lambda sa, sb, ra, rb: 0  # noqa: E731
 
+    if not timeline and placement is None:  # the same replay without a timeline (pdcompile/simulate_fast.py)
+        from pdcompile.simulate_fast import replay as fast_replay
+        fast = fast_replay(sched, reps, fwd=fwd, bwd=bwd, input_grad=b_in, weight_grad=b_w, step=st, allreduce=ar,
+                           version=ver if version_s is not None else None, tied_s=tied_s, tied_stages=tg_stages,
+                           overhead=over, transfer=transfer, overlap_comm=overlap_comm, recv_progress=recv_progress,
+                           activation_bytes=_per_stage("activation_bytes", activation_bytes, S, None),
+                           weight_bytes=_per_stage("weight_bytes", weight_bytes, S, None),
+                           static_bytes=_per_stage("static_bytes", static_bytes, S, None),
+                           sized=activation_bytes is not None or weight_bytes is not None or static_bytes is not None)
+        if fast is not None:
+            m_ = fast.makespan_s
+            return _without_events(m_, fast.num_microbatches, num_steps, microbatch_size, fast.busy,
+                                   {r: (c / m_ if m_ else 0) for r, c in fast.compute.items()}, stage_of,
+                                   fast.peak_in_flight, fast.peak_weight_versions, fast.peak_memory_bytes,
+                                   fast.peak_in_flight_with_grads, fast.peak_in_flight_at_rebuild)
     clock: dict[int, Any] = {}
     busy: dict[int, Any] = {}
     compute: dict[int, Any] = {}
@@ -437,16 +455,54 @@ def simulate(sched: Schedule, *, forward_s: Sequence[Any], backward_s: Sequence[
     )
 
 
+def _without_events(makespan: Any, T: int, num_steps: int, microbatch_size: int, busy: dict[int, Any],
+                    utilization: dict[int, Any], stage_of: dict[int, int], *peaks: Any) -> SimResult:
+    """A :class:`SimResult` with no timeline from a replay's makespan, per-rank figures and per-stage peaks."""
+    R = len(busy)
+    return SimResult(
+        makespan_s=makespan, num_microbatches=T, num_steps=num_steps, microbatch_size=microbatch_size,
+        step_time_s=makespan / num_steps, time_per_microbatch_s=(makespan / T if T else 0),
+        throughput=(T * microbatch_size / makespan if makespan else math.inf),
+        bubble_fraction=1 - sum(busy.values()) / (R * makespan) if makespan else 0, busy=dict(sorted(busy.items())),
+        utilization=dict(sorted(utilization.items())), stage_of_rank=stage_of,
+        peak_in_flight=peaks[0], peak_weight_versions=peaks[1], peak_memory_bytes=peaks[2], events=[],
+        peak_in_flight_with_grads=peaks[3], peak_in_flight_at_rebuild=peaks[4])
+
+
 def simulate_schedule(name: str, replicas: Sequence[int], num_microbatches: int, *, num_steps: int = 1,
                       vertical_sync: bool = False, tied: bool = False, split_backward: bool = True,
-                      virtual_stages: int = 1, **costs: Any) -> SimResult:
+                      virtual_stages: int = 1, timeline: bool = True, **costs: Any) -> SimResult:
     """Build the named schedule (:func:`~pdcompile.runtime.schedules.make_schedule`) and simulate it
-    (``virtual_stages``: stages per rank, on the schedule's placement)."""
+    (``virtual_stages``: stages per rank, on the schedule's placement). ``timeline=False``: no timeline; where
+    the pipeline splits into identical lanes (:func:`pdcompile.simulate_fast.lane_factor`) one is simulated."""
+    send = costs.get("send_s")
+    if not timeline and virtual_stages == 1 and costs.get("boundary_bytes") is None \
+            and costs.get("recv_progress", "background") != "both_wait":
+        from pdcompile.simulate_fast import lane_factor, lane_of, lane_schedule
+        fixed = send if callable(send) else None if send is None else (lambda sa, sb, ra, rb: send)
+        g = lane_factor(replicas, num_microbatches, num_steps, fixed)
+        if g == 1:
+            return simulate(lane_schedule(name, replicas, 1, num_microbatches, tied=tied, vertical_sync=vertical_sync,
+                                          num_steps=num_steps, split_backward=split_backward),
+                            replicas=replicas, num_steps=num_steps, timeline=False, **costs)
+        else:  # one lane of g, its ranks' transfers priced as lane 0's in the whole pipeline
+            red, to_full, of_full = lane_of(replicas, g)
+            lane = dict(costs, send_s=(lambda sa, sb, ra, rb: send(sa, sb, to_full(ra), to_full(rb)))
+                        if callable(send) else send)
+            one = simulate(lane_schedule(name, replicas, g, num_microbatches, tied=tied, vertical_sync=vertical_sync,
+                                         num_steps=num_steps, split_backward=split_backward),
+                           replicas=red, num_steps=num_steps, timeline=False, **lane)
+            stage_of = {r: s for s, rs in enumerate(stage_ranks(replicas)) for r in rs}
+            return _without_events(one.makespan_s, one.num_microbatches * g, num_steps, one.microbatch_size,
+                                   {r: one.busy[of_full[r]] for r in stage_of},
+                                   {r: one.utilization[of_full[r]] for r in stage_of}, stage_of,
+                                   one.peak_in_flight, one.peak_weight_versions, one.peak_memory_bytes,
+                                   one.peak_in_flight_with_grads, one.peak_in_flight_at_rebuild)
     sched = make_schedule(name, replicas, num_microbatches, tied=tied, vertical_sync=vertical_sync,
                           num_steps=num_steps, split_backward=split_backward, virtual_stages=virtual_stages)
     lay = layout(name, replicas, num_microbatches, num_steps, virtual_stages=virtual_stages)
     placement = lay.stage_ranks if lay.policy.placement is not None else None
-    return simulate(sched, replicas=replicas, num_steps=num_steps, placement=placement, **costs)
+    return simulate(sched, replicas=replicas, num_steps=num_steps, placement=placement, timeline=timeline, **costs)
 
 
 def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float) -> float:
@@ -512,7 +568,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                   input_grad_share: float = INPUT_GRAD_SHARE, weight_grad_share: float = WEIGHT_GRAD_SHARE,
                   optimizer_state_factor: float = 1.0, virtual_stages: int = 1,
                   refit_recompute: float | None = None, update_bandwidth: float | None = None,
-                  collective: tuple[float, float] | None = None) -> SimResult:
+                  collective: tuple[float, float] | None = None, timeline: bool = True) -> SimResult:
     """Simulate a :class:`pdcompile.plan.Plan` of ``chain`` on ``cluster``.
 
     ``tied_bytes``: bytes of parameters tied across ``tied_stages`` (a GPT's embedding and output
@@ -549,7 +605,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     ``virtual_stages`` (> 1): the plan's stages are placed as the schedule's policy says, rank ``r``
     on the cluster's worker ``r``; a stage's memory is then flush's model (one weight version) at
     the larger of its peak with gradients (``peak_in_flight_with_grads``) and its peak before them
-    (one weight copy less); tied stages on one rank sum their copies with no collective.
+    (one weight copy less); tied stages on one rank sum their copies with no collective. ``timeline=False``:
+    no events, replayed faster (:func:`simulate_schedule`), the rest the same.
     """
     # what the planner's memory model and recomputation decision read, as one object (stage_decisions)
     planned = PlanOptions(schedule=schedule_name or plan.schedule, optimizer_state_factor=optimizer_state_factor,
@@ -564,7 +621,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                   collective_latency_s=collective_latency_s, overhead_s=overhead_s, recv_progress=recv_progress,
                   copy_bandwidth=copy_bandwidth, split_backward=split_backward, input_grad_share=input_grad_share,
                   weight_grad_share=weight_grad_share, optimizer_state_factor=optimizer_state_factor,
-                  collective=collective)
+                  collective=collective, timeline=timeline)
         first = simulate_plan(plan, chain, cluster, schedule_name, num_microbatches, **kw)  # type: ignore[arg-type]
         fit = stage_decisions(chain, planned, budget=refit_recompute)
         chosen = [fit.choose(st_.first, st_.last, first.peak_in_flight[s], versions=first.peak_weight_versions[s],
@@ -645,7 +702,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                              overhead_s=overhead_s, recv_progress=recv_progress,
                              version_s=[p / copy_bandwidth for p in params] if copy_bandwidth else None,
                              forward_s=fwd, backward_s=bwd, send_s=send, allreduce_s=allreduce, step_s=step_s,
-                             overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size)
+                             overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size, timeline=timeline)
     def at(s: int, k: int, versions: int, sched: str, whole_step: bool | None = None) -> float:
         st_ = plan.stages[s]
         return float(model(sched).memory.memory_at(st_.first, st_.last, k, versions, getattr(st_, "recompute", "none"),
