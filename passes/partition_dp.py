@@ -558,9 +558,9 @@ def per_stage_degrees(chain: Chain, cluster: ClusterSpec, options: PlanOptions, 
        such assignment of two degrees or more (one degree for all is the one-degree search's) is rated where there
        are at most :data:`tensor.EXACT_LIMIT` of them;
     2. **a descent** from the best so far: each step rates every stage's other degrees (:func:`tensor.degree_moves`)
-       and every cut of a stage in two, its processes shared, each half at its own degree
-       (:func:`tensor.split_moves`, where at most :data:`tensor.SPLIT_LIMIT`), and moves to the fastest, until none
-       is faster.
+       and every cut of a stage in two, its processes shared in whole blocks of its degree, each half at its own
+       degree (:func:`tensor.split_moves`, where at most :data:`tensor.SPLIT_LIMIT`), and moves to the fastest,
+       until none is faster or :data:`tensor.DESCENT_LIMIT` candidates are rated (the note says which).
 
     Every candidate: replica counts dividing the microbatches, stages sharing a tied weight at one degree, each block
     of ``t`` processes inside one innermost unit, every stage's ranks (and processes) consecutive, stage by stage
@@ -594,23 +594,28 @@ def per_stage_degrees(chain: Chain, cluster: ClusterSpec, options: PlanOptions, 
                 key = rate_one(cand, top_s)
                 if better(key, top_s):
                     top_s, top = key[1], cand
-    exact_s, steps, splits = top_s, 0, True
-    while True:  # the descent: the fastest move from here, until none is faster
+    exact_s, steps, splits, tried, spent = top_s, 0, True, len(rated), False
+    while not spent:  # the descent: the fastest move from here, until none is faster (or its budget is spent)
         moves = list(tensor.degree_moves(top, degrees, m))
         cut = list(itertools.islice(tensor.split_moves(top, degrees, m), tensor.SPLIT_LIMIT + 1))
         splits = splits and len(cut) <= tensor.SPLIT_LIMIT
         here = top
         for cand in moves + (cut if len(cut) <= tensor.SPLIT_LIMIT else []):
-            if allowed(cand):
-                key = rate_one(cand, top_s)
-                if better(key, top_s):
-                    top_s, top = key[1], cand
+            if not allowed(cand):
+                continue
+            if cand not in rated and len(rated) - tried >= tensor.DESCENT_LIMIT:
+                spent = True
+                break
+            key = rate_one(cand, top_s)
+            if better(key, top_s):
+                top_s, top = key[1], cand
         if top == here:
             break
         steps += 1
     how = (f"{f'every one of the {total} per-stage assignments on the same stages and processes rated (exact over them)' if exact else f'{total} per-stage assignments on the same stages: too many to rate each'}"
            f"; then a descent by each stage's degree{' and cuts of a stage in two' if splits else ''}: "
-           f"{f'{steps} step(s) faster' if steps else 'nothing faster'}; {len(rated)} candidates tried")
+           f"{f'{steps} step(s) faster' if steps else 'nothing faster'}"
+           f"{f', stopped at its budget of {tensor.DESCENT_LIMIT} candidates' if spent else ''}; {len(rated)} candidates tried")
     if top == start:
         return replace(best, notes=(*best.notes, f"a degree per stage: none faster than t={first_t} for every stage ({how})"))
     mixed = rated[top][1]

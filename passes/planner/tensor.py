@@ -34,14 +34,16 @@ from pdcompile.ir import Chain, ChainLayer
 __all__ = ["DEGREES", "LINK_LATENCY_S", "EXACT_LIMIT", "allreduce_s", "split_time", "split_bytes", "layer_at", "chain_at",
            "stages_at", "cluster_at", "view", "degrees", "split_backward", "why_not", "splittable", "stage_reason",
            "RankBlocks", "rank_blocks", "blocks_fit", "plan_view", "stage_choices", "tied_groups", "assignments",
-           "StageAt", "consecutive_ranks", "layout_ok", "degree_moves", "split_moves", "mixed_reason"]
+           "SPLIT_LIMIT", "DESCENT_LIMIT", "StageAt", "consecutive_ranks", "layout_ok", "degree_moves", "split_moves", "mixed_reason"]
 
 #: the degrees ``tensor_parallel="auto"`` tries (each must divide the innermost level's count)
 DEGREES = (1, 2, 4, 8)
 #: the most per-stage assignments the per-stage search rates every one of (exact over them); above it, a descent
 EXACT_LIMIT = 256
 #: the most split moves one step of that descent rates (more, and it moves degrees alone)
-SPLIT_LIMIT = 256
+SPLIT_LIMIT = 64
+#: the most candidates the descent rates in all (each a plan and a lower bound, or a simulation): it stops there
+DESCENT_LIMIT = 96
 #: one step of a ring all-reduce's fixed cost (NCCL's per-hop latency inside a server is a few us)
 LINK_LATENCY_S = 5e-6
 
@@ -316,12 +318,13 @@ def degree_moves(stages: Sequence[StageAt], degrees: Sequence[int], microbatches
 
 
 def split_moves(stages: Sequence[StageAt], degrees: Sequence[int], microbatches: int | None) -> Iterator[tuple[StageAt, ...]]:
-    """``stages`` with one stage cut in two at one of its cuts, its processes shared between the halves, each half
-    at a degree of its own (:func:`stage_choices`): a small part of a stage whole beside a split one."""
+    """``stages`` with one stage cut in two at one of its cuts, its processes shared between the halves in whole
+    blocks of its degree (``t`` processes), each half at a degree of its own (:func:`stage_choices`): a small part
+    of a stage whole beside a split one."""
     for s, (a, b, t, r) in enumerate(stages):
         w = t * r
         for c in range(a, b):
-            for w1 in range(1, w):
+            for w1 in range(t, w, t):
                 for t1, r1 in stage_choices(w1, degrees, microbatches):
                     for t2, r2 in stage_choices(w - w1, degrees, microbatches):
                         yield (*stages[:s], (a, c, t1, r1), (c + 1, b, t2, r2), *stages[s + 1:])
