@@ -565,6 +565,7 @@ def per_stage_degrees(chain: Chain, cluster: ClusterSpec, options: PlanOptions, 
     Every candidate: replica counts dividing the microbatches, stages sharing a tied weight at one degree, each block
     of ``t`` processes inside one innermost unit, every stage's ranks (and processes) consecutive, stage by stage
     (:func:`tensor.layout_ok`). Its stages say why each has its ``t``; a note says what was searched."""
+    t0 = time.perf_counter()
     mb, m = best.microbatch_size, best.num_microbatches
     inner = cluster.levels[0]
     first_t = best.stages[0].tensor_parallel
@@ -615,7 +616,8 @@ def per_stage_degrees(chain: Chain, cluster: ClusterSpec, options: PlanOptions, 
     how = (f"{f'every one of the {total} per-stage assignments on the same stages and processes rated (exact over them)' if exact else f'{total} per-stage assignments on the same stages: too many to rate each'}"
            f"; then a descent by each stage's degree{' and cuts of a stage in two' if splits else ''}: "
            f"{f'{steps} step(s) faster' if steps else 'nothing faster'}"
-           f"{f', stopped at its budget of {tensor.DESCENT_LIMIT} candidates' if spent else ''}; {len(rated)} candidates tried")
+           f"{f', stopped at its budget of {tensor.DESCENT_LIMIT} candidates' if spent else ''}; {len(rated)} candidates tried "
+           f"in {time.perf_counter() - t0:.2g} s")
     if top == start:
         return replace(best, notes=(*best.notes, f"a degree per stage: none faster than t={first_t} for every stage ({how})"))
     mixed = rated[top][1]
