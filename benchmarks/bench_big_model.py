@@ -101,6 +101,8 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     out["t"] = pipe.plan.stages[0].tensor_parallel
     out["why"] = "; ".join(f"stage {s.index}: {s.tensor_why}" for s in pipe.plan.stages[:1] if s.tensor_why)
     out["tp_note"] = next((n for n in pipe.plan.notes if n.startswith("tensor parallelism")), "")
+    out["per_stage_note"] = next((n for n in pipe.plan.notes if n.startswith("a degree per stage")), "")
+    out["degrees"] = "/".join(str(s.tensor_parallel) for s in pipe.plan.stages)
     reps = [len(s.ranks) for s in pipe.plan.stages]
     out["replicas"] = f"{reps[0]} each" if len(reps) > 8 and len(set(reps)) == 1 else "-".join(map(str, reps))
     out["compile_rss_gib"] = _peak_rss_gib()

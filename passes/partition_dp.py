@@ -6,6 +6,7 @@ The design in full: :func:`partition_dp`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import replace
@@ -472,8 +473,14 @@ class SlowerPlanError(InfeasiblePlanError):
     faster."""
 
 
+#: a plan with a degree per stage rated as its compiled program's ``simulate()``: (over memory, step seconds)
+#: (one that cannot beat the given step may answer ``(over, inf)`` without simulating it)
+Rate = Callable[[Plan, Chain, ClusterSpec, float], tuple[bool, float]]
+
+
 def plan_tensor_parallel(chain: Chain, cluster: ClusterSpec, options: PlanOptions,
-                         solve: Callable[[Chain, ClusterSpec, PlanOptions, bool | None, float | None], Plan]) -> Plan:
+                         solve: Callable[[Chain, ClusterSpec, PlanOptions, bool | None, float | None], Plan],
+                         rate: Rate | None = None) -> Plan:
     """The plan with tensor parallelism (``options.tensor_parallel``: a degree, or ``"auto"``): for each
     degree ``t`` that fits (:func:`tensor.degrees`), ``solve`` plans :func:`tensor.chain_at` (the chain as
     one of ``t`` ranks runs it, all-reduces at the innermost level's bandwidth) on :func:`tensor.cluster_at`
@@ -483,7 +490,11 @@ def plan_tensor_parallel(chain: Chain, cluster: ClusterSpec, options: PlanOption
     why in one line. Raises the smallest degree's InfeasiblePlanError when none fits. Each degree's search is
     given the best step of the smaller degrees (``solve``'s last argument: a step search stops where its
     bounds reach it, :class:`SlowerPlanError` where none of its plans is faster; ties go to the smaller
-    degree, so the pick is the one of searching every degree in full)."""
+    degree, so the pick is the one of searching every degree in full).
+
+    ``rate`` (``"auto"`` with a synchronous schedule's step search, :func:`pdcompile.plan.plan`): then a degree
+    per stage is searched from that plan (:func:`per_stage_degrees`), and kept where its simulated step is
+    strictly shorter."""
     t0 = time.perf_counter()
     inner = cluster.levels[0]
     cands = tensor.degrees(options.tensor_parallel, cluster, chain)
@@ -528,6 +539,130 @@ def plan_tensor_parallel(chain: Chain, cluster: ClusterSpec, options: PlanOption
             (f" ({'; '.join(compared)} per minibatch; the fastest)" if len(compared) > 1 else "") +
             (f"; each of the {best.num_workers} pipeline ranks is {t} workers" if t > 1 else ""))
     dp = next((p.data_parallel_samples_per_second for d, p in found if d == 1), best.data_parallel_samples_per_second)
-    return replace(best, stages=tuple(stages), num_workers=cluster.num_workers, cluster=str(cluster),
-                   data_parallel_samples_per_second=dp, notes=(*best.notes, note),
-                   planning_seconds=time.perf_counter() - t0)
+    out = replace(best, stages=tuple(stages), num_workers=cluster.num_workers, cluster=str(cluster),
+                  data_parallel_samples_per_second=dp, notes=(*best.notes, note))
+    if rate is not None and options.tensor_parallel == "auto" and len(cands) > 1:
+        out = per_stage_degrees(chain, cluster, flat, out, cands, rate)
+    return replace(out, planning_seconds=time.perf_counter() - t0)
+
+
+def per_stage_degrees(chain: Chain, cluster: ClusterSpec, options: PlanOptions, best: Plan, degrees: Sequence[int],
+                      rate: Rate) -> Plan:
+    """A degree per stage, searched from ``best`` (one degree ``t`` for every stage, the fastest such plan), in two
+    parts, each candidate rated by ``rate`` (the compiled program's simulated step on :func:`tensor.plan_view`,
+    over memory losing; one that cannot beat the best so far cut by its lower bound), the fastest kept where
+    strictly faster than ``best``:
+
+    1. **exact over the same stages**: each stage keeps its layers and its processes (``replicas x t``) and may run
+       them as ``t'`` of ``degrees`` dividing them, ``replicas x t / t'`` pipeline ranks of ``t'`` processes; every
+       such assignment of two degrees or more (one degree for all is the one-degree search's) is rated where there
+       are at most :data:`tensor.EXACT_LIMIT` of them;
+    2. **a descent** from the best so far: each step rates every stage's other degrees (:func:`tensor.degree_moves`)
+       and every cut of a stage in two, its processes shared in whole blocks of its degree, each half at its own
+       degree (:func:`tensor.split_moves`, where at most :data:`tensor.SPLIT_LIMIT`), and moves to the fastest,
+       until none is faster or :data:`tensor.DESCENT_LIMIT` candidates are rated (the note says which).
+
+    Every candidate: replica counts dividing the microbatches, stages sharing a tied weight at one degree, each block
+    of ``t`` processes inside one innermost unit, every stage's ranks (and processes) consecutive, stage by stage
+    (:func:`tensor.layout_ok`). Its stages say why each has its ``t``; a note says what was searched."""
+    t0 = time.perf_counter()
+    mb, m = best.microbatch_size, best.num_microbatches
+    inner = cluster.levels[0]
+    first_t = best.stages[0].tensor_parallel
+    start: tuple[tensor.StageAt, ...] = tuple((st.first, st.last, st.tensor_parallel, st.replicas) for st in best.stages)
+    opts = replace(options, num_microbatches=m, choose_microbatches=False, shard="none", tensor_parallel=1)
+    rated: dict[tuple[tensor.StageAt, ...], tuple[tuple[bool, float], Plan | None]] = {}
+
+    def rate_one(stages: tuple[tensor.StageAt, ...], beat: float) -> tuple[bool, float]:
+        if stages not in rated:
+            rated[stages] = _rate_layout(chain, cluster, opts, stages, mb, m, rate, beat)
+        return rated[stages][0]
+
+    def better(key: tuple[bool, float], than: float) -> bool:
+        return not key[0] and key[1] < than * (1 - 1e-9)
+
+    def allowed(stages: tuple[tensor.StageAt, ...]) -> bool:  # one degree 1 for all: the one-degree search's
+        return stages != start and any(t > 1 for _, _, t, _ in stages) and tensor.layout_ok(chain, stages, inner.count)
+
+    top_s, top = best.seconds_per_minibatch, start
+    choices = [tensor.stage_choices(t * r, degrees, m) for _, _, t, r in start]
+    total = math.prod(len(c) for c in choices)
+    exact = total <= tensor.EXACT_LIMIT
+    if exact:
+        for combo in itertools.product(*choices):
+            cand = tuple((a, b, t, r) for (a, b, _, _), (t, r) in zip(start, combo))
+            if len({t for t, _ in combo}) > 1 and allowed(cand):
+                key = rate_one(cand, top_s)
+                if better(key, top_s):
+                    top_s, top = key[1], cand
+    exact_s, steps, splits, tried, spent = top_s, 0, True, len(rated), False
+    while not spent:  # the descent: the fastest move from here, until none is faster (or its budget is spent)
+        moves = list(tensor.degree_moves(top, degrees, m))
+        cut = list(itertools.islice(tensor.split_moves(top, degrees, m), tensor.SPLIT_LIMIT + 1))
+        splits = splits and len(cut) <= tensor.SPLIT_LIMIT
+        here = top
+        for cand in moves + (cut if len(cut) <= tensor.SPLIT_LIMIT else []):
+            if not allowed(cand):
+                continue
+            if cand not in rated and len(rated) - tried >= tensor.DESCENT_LIMIT:
+                spent = True
+                break
+            key = rate_one(cand, top_s)
+            if better(key, top_s):
+                top_s, top = key[1], cand
+        if top == here:
+            break
+        steps += 1
+    how = (f"{f'every one of the {total} per-stage assignments on the same stages and processes rated (exact over them)' if exact else f'{total} per-stage assignments on the same stages: too many to rate each'}"
+           f"; then a descent by each stage's degree{' and cuts of a stage in two' if splits else ''}: "
+           f"{f'{steps} step(s) faster' if steps else 'nothing faster'}"
+           f"{f', stopped at its budget of {tensor.DESCENT_LIMIT} candidates' if spent else ''}; {len(rated)} candidates tried "
+           f"in {time.perf_counter() - t0:.2g} s")
+    if top == start:
+        return replace(best, notes=(*best.notes, f"a degree per stage: none faster than t={first_t} for every stage ({how})"))
+    mixed = rated[top][1]
+    assert mixed is not None
+    chain_u = tensor.chain_at(chain, first_t, inner.bandwidth).at_batch(mb)
+    chain_v = tensor.stages_at(chain, [(a, b, t) for a, b, t, _ in top], inner.bandwidth).at_batch(mb)
+    was = {i: st for st in best.stages for i in range(st.first, st.last + 1)}
+    stages = []
+    for st, (a, b, t, _) in zip(mixed.stages, top):
+        mine = slice(a, b + 1)
+        old = was[a]
+        why = tensor.mixed_reason(t, old.tensor_parallel, st.replicas, sum(l.compute_s for l in chain_v.layers[mine]),
+                                  sum(l.compute_s for l in chain_u.layers[mine]), st.memory_bytes, old.memory_bytes,
+                                  inner, (old.first, old.last) != (a, b))
+        stages.append(replace(st, tensor_why=why))
+    note = (f"a degree per stage: {[t for _, _, t, _ in top]} ({sum(r for _, _, _, r in top)} pipeline ranks), "
+            f"{top_s:.4g} s per minibatch against {best.seconds_per_minibatch:.4g} s at t={first_t} for every stage "
+            f"({how}{f'; the exact part alone: {exact_s:.4g} s' if exact and steps else ''})")
+    return replace(best, stages=tuple(stages), seconds_per_minibatch=top_s,
+                   samples_per_second=mb * (m or 1) / top_s if top_s > 0 else math.inf,
+                   bottleneck=mixed.bottleneck, notes=(*best.notes, note))
+
+
+def _rate_layout(chain: Chain, cluster: ClusterSpec, opts: PlanOptions, stages: Sequence[tensor.StageAt], mb: int,
+                 m: int, rate: Rate, beat: float) -> tuple[tuple[bool, float], Plan | None]:
+    """``stages`` (first, last, t, replicas each; ranks consecutive) as a Plan of pipeline ranks with each stage's
+    degree, and ``rate``'s key for it (over memory, step). The stages' figures (memory, compute) are the planner's
+    model of the processes: the chain at each stage's degree (:func:`tensor.stages_at`) on the cluster, each stage
+    on its ranks' first processes (where they do not nest in the levels, on the pool)."""
+    inner = cluster.levels[0]
+    ranks = tensor.consecutive_ranks(stages)
+    degs = [t for _, _, t, _ in stages]
+    bases, per_rank = tensor.rank_blocks(ranks, degs)
+    chain_v = tensor.stages_at(chain, [(a, b, t) for a, b, t, _ in stages], inner.bandwidth).at_batch(mb)
+    assignment = [(a, b, len(rs), tuple(bases[q] for q in rs)) for (a, b, _, _), rs in zip(stages, ranks)]
+    proc: Plan | None = None
+    for pool in (False, True):
+        try:
+            proc = plan_from_assignment(chain_v, cluster, assignment, opts, pool=pool)
+            break
+        except UsageError:
+            continue
+    if proc is None:
+        return (True, math.inf), None
+    p = replace(proc, stages=tuple(replace(st, ranks=rs, tensor_parallel=t, shard="none")
+                                   for st, rs, t in zip(proc.stages, ranks, degs)),
+                num_microbatches=m, microbatch_size=mb)
+    return rate(p, chain_v, tensor.RankBlocks(cluster.device, cluster.levels, bases, per_rank), beat), p

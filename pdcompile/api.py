@@ -315,7 +315,7 @@ class CompiledPipeline:
         a degree for is one of ``t``-worker groups (``tensor.view``); a given split has each stage's layers at
         its own degree on the cluster's workers as pipeline ranks (``tensor.stages_at``)."""
         if not isinstance(self.options.stages, int):  # (as _pass_options reads it)
-            return tensor.view(self.wire_chain, self.cluster, plan.stages[0].tensor_parallel)
+            return tensor.plan_view(self.wire_chain, self.cluster, plan.stages)  # one degree: tensor.view
         return tensor.stages_at(self.wire_chain, [(st.first, st.last, st.tensor_parallel) for st in plan.stages],
                                 self.cluster.levels[0].bandwidth), self.cluster
 
@@ -464,7 +464,8 @@ class CompiledPipeline:
         lines += [f"note: {c.note}" for c in self._rank_callables().values() if c.note is not None]
         if self.state.tensor_parallel is not None:  # what each stage splits, and what it leaves whole
             degrees = self.state.tensor_parallel.degrees
-            how = "tensor_parallel='auto': one degree for every stage" if self.options.tensor_parallel == "auto" \
+            how = f"tensor_parallel='auto': {'a degree per stage' if len(set(degrees)) > 1 else 'one degree'}, the " \
+                  f"plan's stage lines say why" if self.options.tensor_parallel == "auto" \
                 else f"degrees {list(degrees)} per stage, {self.world_size} processes" if len(set(degrees)) > 1 \
                 else f"t={degrees[0]} for every stage"
             lines += ["", f"tensor parallelism ({how}; each pipeline rank is its stage's t processes; the plan's times "

@@ -69,7 +69,8 @@ def plan(
         rest = {k: v for k, v in overrides.items() if k not in known}
         opts = (options or PlanOptions()).with_({k: v for k, v in overrides.items() if k in known})
         return plan_tensor_parallel(chain, cluster, opts, lambda c, cl, o, split, faster: plan(
-            c, cl, o, solver=solver, split_backward=split, faster_than=faster, **rest))
+            c, cl, o, solver=solver, split_backward=split, faster_than=faster, **rest),
+            rate=_step_rate(opts, cluster) if step_objective(opts.schedule) else None)
     if not callable(chain):
         if microbatch_sizes:
             raise UsageError("microbatch_sizes needs a callable chain_for(b) -> Chain")
@@ -99,6 +100,36 @@ def plan(
         )
     return replace(best, planning_seconds=time.perf_counter() - t0,
                    notes=best.notes + (f"microbatch size chosen among {sorted(set(microbatch_sizes))}",))
+
+
+def _step_rate(opts: PlanOptions, cluster: "ClusterSpec") -> Callable[[Plan, "Chain", Any, float], tuple[bool, float]]:
+    """How a plan with a degree per stage is rated (``partition_dp.per_stage_degrees``): its simulated step, as
+    :func:`plan_step` and the compiled program's ``simulate()`` charge it (each stage's optimizer step, the
+    per-action cost, the tied all-reduce; backwards whole, as a split stage runs them), and whether it is over
+    memory (the plan's own stage memory, then the simulated peak). One that cannot beat ``beat`` (its stage memory
+    over the limit, or :func:`_plan_lower_bound` at or above it) is not simulated: ``(over, inf)``."""
+    from pdcompile.simulate import simulate_plan, update_bandwidth_of
+
+    update_bw = opts.update_bandwidth if opts.update_bandwidth is not None else update_bandwidth_of(cluster)
+    memory_on = opts.memory_limit if opts.memory_limit is not None else opts.cost_model == "default"
+    limit = float(cluster.device.memory) if memory_on and cluster.device.memory else math.inf
+
+    def rate(p: Plan, chain: "Chain", view: Any, beat: float) -> tuple[bool, float]:
+        m = p.num_microbatches or 1
+        if any(float(st.memory_bytes) > limit * (1 + 1e-9) for st in p.stages):
+            return True, math.inf
+        if _plan_lower_bound(p, chain, view, m, False, update_bw, opts.optimizer_state_factor, opts.schedule,
+                             False) >= beat:
+            return False, math.inf
+        tied_bytes, tied_stages = tied_of(p, chain)
+        res = simulate_plan(p, chain, view, opts.schedule, m, split_backward=False,
+                            optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw,
+                            overhead_s=opts.overhead_s, tied_bytes=tied_bytes, tied_stages=tied_stages,
+                            collective=opts.collective, timeline=False)
+        peak = max(map(float, res.peak_memory_bytes or [0.0]))
+        return peak > limit * (1 + 1e-9), float(res.step_time_s)
+
+    return rate
 
 
 def step_objective(schedule: str) -> bool:

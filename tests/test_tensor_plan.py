@@ -266,18 +266,25 @@ def test_the_step_search_picks_the_brute_force_best_over_t_stages_replicas_and_m
              tensor_parallel="auto", choose_microbatches=True)
     over, step, t = _every_configuration(chain, cluster, 128, 2.0)
     assert not over and t == best_t
-    assert p.stages[0].tensor_parallel == t
-    assert p.seconds_per_minibatch == pytest.approx(step, rel=1e-9)
+    note = next(n for n in p.notes if n.startswith("tensor parallelism"))
+    assert note.startswith(f"tensor parallelism: t={t} inside")  # the one-degree search's pick: the brute force's
+    mixed = len({st.tensor_parallel for st in p.stages}) > 1
+    if mixed:  # a degree per stage did better still, from that pick (its figure: the brute force's best step)
+        assert p.seconds_per_minibatch < step * (1 - 1e-9)
+        per_stage = next(n for n in p.notes if n.startswith("a degree per stage"))
+        assert f"against {step:.4g} s at t={t} for every stage" in per_stage, per_stage
+    else:
+        assert p.stages[0].tensor_parallel == t
+        assert p.seconds_per_minibatch == pytest.approx(step, rel=1e-9)
     if best_t == 1:
         assert p.num_microbatches == 128
     # the figure is the pick's own simulate(), as the compiled program replays it
-    chain_t, groups = tensor.view(chain, cluster, t)
+    chain_t, groups = tensor.plan_view(chain, cluster, p.stages)
     res = simulate_plan(p, chain_t.at_batch(p.microbatch_size), groups, "flush", p.num_microbatches,
-                        split_backward=t == 1, optimizer_state_factor=2.0,
+                        split_backward=t == 1 and not mixed, optimizer_state_factor=2.0,
                         update_bandwidth=update_bandwidth_of(cluster))
     assert float(res.step_time_s) == pytest.approx(p.seconds_per_minibatch, rel=1e-9)
     # each degree searched alone (no cut): the note's figure, or the cut it says that degree's plans are over
-    note = next(n for n in p.notes if n.startswith("tensor parallelism"))
     cut = 0
     for d in (1, 2, 4):
         try:
@@ -306,3 +313,187 @@ def test_where_no_degree_fits_the_refusal_names_the_memory_that_would() -> None:
             plan(chain, _gpus(8), schedule=schedule, num_microbatches=4, optimizer_state_factor=2,
                  tensor_parallel="auto")
         assert e.value.needed_memory_bytes > 80 * G  # type: ignore[attr-defined]
+
+
+# -- a degree per stage ---------------------------------------------------------------------------------------------
+
+
+def test_rank_blocks_are_the_runtimes_layout() -> None:
+    """The planner's view of a plan with a degree per stage (tensor.RankBlocks) places its pipeline ranks where
+    the runtime's RankLayout puts their processes, and charges a send the copies the runtime makes of it."""
+    from pdcompile.runtime.tensor_parallel import RankLayout
+
+    stage_ranks, degrees = [(0, 1), (2,), (3, 4, 5, 6)], [2, 4, 1]
+    layout = RankLayout.of(stage_ranks, degrees)
+    bases, per_rank = tensor.rank_blocks(stage_ranks, degrees)
+    assert bases == layout.bases and per_rank == layout.rank_degrees and sum(per_rank) == layout.world == 12
+    cluster = _gpus(8, servers=2)  # 300 GB/s inside a server, 25 GB/s between
+    blocks = tensor.RankBlocks(cluster.device, cluster.levels, bases, per_rank)
+    for a in range(7):
+        for b in range(7):
+            if a == b:
+                continue
+            # each sending process sends the value to every receiving index it serves, one after another
+            copies = max(len(layout.targets(a, j, b)) for j in range(per_rank[a]))
+            link = cluster.bandwidth_between(layout.process(a, 0), layout.process(b, 0))
+            assert blocks.bandwidth_between(a, b) == pytest.approx(link / copies), (a, b)
+    assert blocks.slowest_bandwidth([3, 4, 5, 6]) == 300e9  # processes 8..11: one server
+    assert blocks.slowest_bandwidth([0, 2]) == 300e9 and blocks.slowest_bandwidth([0, 3]) == 25e9
+    # every block inside one server of 8: 2+2+4 fills server 0; a block of 4 from process 6 would straddle
+    assert tensor.blocks_fit(bases, per_rank, 8)
+    assert not tensor.blocks_fit(*tensor.rank_blocks([(0, 1, 2), (3,)], [2, 4]), 8)
+
+
+def _mixed_chain() -> tuple[Chain, ClusterSpec]:
+    """A chain where one degree for all is wrong: two big matmul layers (30 GiB of weights each, 99% of them split;
+    with gradients and Adam's state no process holds them below t=4) and two small layers whose split saves
+    little compute but all-reduces large activations: better whole and replicated."""
+    def layer(i: int, fwd: float, params: float, share: float, ar: float) -> ChainLayer:
+        return ChainLayer(f"l{i}", "b", fwd, 2 * fwd, 4e6, params, saved_bytes=2e8, forward_fixed_s=1e-4,
+                          backward_fixed_s=2e-4, tp_share=share, tp_param_share=share, tp_saved_share=share,
+                          tp_allreduce_bytes=ar, tp_allreduces=2, tp_divisor=8)
+
+    layers = (layer(0, 0.2, 30 * G, 0.99, 4e6), layer(1, 0.2, 30 * G, 0.99, 4e6),
+              layer(2, 0.06, 0.1 * G, 0.2, 2e9), layer(3, 0.06, 0.1 * G, 0.2, 2e9))
+    cluster = ClusterSpec(Device("gpu", memory=80 * G, peak_flops=312e12, memory_bandwidth=2e12),
+                          (Level("server", 8, 300e9),))
+    return Chain(layers, (4e6,) * 3, batch_size=2), cluster
+
+
+def _uniform_best(chain: Chain, cluster: ClusterSpec, **kw: object) -> tuple[int, object]:
+    """The best plan with one degree for every stage: each degree searched alone (ties: the smaller)."""
+    found = []
+    for d in tensor.degrees("auto", cluster, chain):
+        try:
+            found.append((d, plan(chain, cluster, tensor_parallel=d, **kw)))  # type: ignore[arg-type]
+        except InfeasiblePlanError:
+            continue
+    return min(found, key=lambda c: (c[1].seconds_per_minibatch, c[0]))
+
+
+def _resimulated(p: object, chain: Chain, cluster: ClusterSpec, factor: float) -> float:
+    """``p``'s step as the compiled program's simulate() replays it (pdcompile.api: ``tensor.plan_view``)."""
+    from pdcompile.simulate import simulate_plan, update_bandwidth_of
+
+    chain_v, view = tensor.plan_view(chain, cluster, p.stages)  # type: ignore[attr-defined]
+    res = simulate_plan(p, chain_v.at_batch(p.microbatch_size), view, "flush", p.num_microbatches,  # type: ignore
+                        split_backward=False, optimizer_state_factor=factor,
+                        update_bandwidth=update_bandwidth_of(cluster))
+    return float(res.step_time_s)
+
+
+def test_a_mixed_assignment_is_found_where_it_is_strictly_faster() -> None:
+    chain, cluster = _mixed_chain()
+    kw = dict(schedule="flush", num_microbatches=8, optimizer_state_factor=2.0)
+    t, uniform = _uniform_best(chain, cluster, **kw)
+    p = plan(chain, cluster, tensor_parallel="auto", **kw)  # type: ignore[arg-type]
+    degs = [st.tensor_parallel for st in p.stages]
+    assert len(set(degs)) > 1, str(p)
+    assert p.seconds_per_minibatch < uniform.seconds_per_minibatch * 0.95  # type: ignore[attr-defined]
+    # the big layers split (memory), the small ones whole: their all-reduces cost more than the split saves
+    big = next(st for st in p.stages if st.first == 0)
+    small = next(st for st in p.stages if st.last == 3)
+    assert big.tensor_parallel >= 4 and small.tensor_parallel == 1 and small.replicas > 1
+    # the one-degree plan (t=4: one stage of every layer, 2 replicas) is cut in two, its processes shared
+    assert len(uniform.stages) < len(p.stages)  # type: ignore[attr-defined]
+    assert all(st.memory_bytes <= 80 * G for st in p.stages) and p.workers_used <= 8
+    # the figure is the plan's simulate() as the compiled program replays it; each stage says why its t
+    assert _resimulated(p, chain, cluster, 2.0) == pytest.approx(p.seconds_per_minibatch, rel=1e-9)
+    for st in p.stages:
+        assert st.tensor_why.startswith(f"t={st.tensor_parallel} x{st.replicas}"), st.tensor_why
+        assert f"stage {st.index} tensor parallel: t={st.tensor_parallel}" in str(p)
+    assert any(f"instead of t={t}" in st.tensor_why for st in p.stages)
+    assert any(n.startswith(f"a degree per stage: {degs}") and "1 step(s) faster" in n for n in p.notes)
+
+
+def _per_stage_brute_force(chain: Chain, cluster: ClusterSpec, uniform: object, factor: float) -> float:
+    """Every per-stage degree on ``uniform``'s stages, each stage on its processes (replicas x t of them) as
+    ``replicas x t / t'`` ranks of ``t'`` (dividing the microbatches), the ranks stage by stage, each block in one
+    server (the runtime's RankLayout places them); rated by simulate() on tensor.plan_view, over memory losing.
+    The least step, the uniform plan's own included."""
+    from pdcompile.passes.partition_dp import plan_from_assignment
+    from pdcompile.runtime.tensor_parallel import RankLayout
+
+    import dataclasses
+
+    u = uniform
+    m, mb, inner = u.num_microbatches, u.microbatch_size, cluster.levels[0]  # type: ignore[attr-defined]
+    limit = float(cluster.device.memory)
+    best = u.seconds_per_minibatch  # type: ignore[attr-defined]
+    budgets = [st.replicas * st.tensor_parallel for st in u.stages]  # type: ignore[attr-defined]
+    for degs in itertools.product((1, 2, 4, 8), repeat=len(budgets)):
+        reps = [w // d for w, d in zip(budgets, degs)]
+        if len(set(degs)) == 1:  # one degree for all: the one-degree search's (u itself is the best of those)
+            continue
+        if any(w % d or m % r for w, d, r in zip(budgets, degs, reps)):
+            continue
+        starts = [sum(reps[:i]) for i in range(len(reps))]
+        ranks = [tuple(range(q, q + r)) for q, r in zip(starts, reps)]
+        layout = RankLayout.of(ranks, degs)
+        if any(layout.process(q, 0) // inner.count != layout.process(q, layout.rank_degrees[q] - 1) // inner.count
+               for q in range(len(layout.rank_degrees))):
+            continue
+        spans = [(st.first, st.last) for st in u.stages]  # type: ignore[attr-defined]
+        chain_v = tensor.stages_at(chain, [(a, b, d) for (a, b), d in zip(spans, degs)], inner.bandwidth).at_batch(mb)
+        assignment = [(a, b, len(rs), tuple(layout.process(q, 0) for q in rs)) for (a, b), rs in zip(spans, ranks)]
+        try:
+            proc = plan_from_assignment(chain_v, cluster, assignment, schedule="flush", num_microbatches=m,
+                                        optimizer_state_factor=factor)
+        except UsageError:
+            proc = plan_from_assignment(chain_v, cluster, assignment, schedule="flush", num_microbatches=m,
+                                        optimizer_state_factor=factor, pool=True)
+        p = dataclasses.replace(proc, stages=tuple(dataclasses.replace(st, ranks=rs, tensor_parallel=d)
+                                                   for st, rs, d in zip(proc.stages, ranks, degs)),
+                                num_microbatches=m, microbatch_size=mb)
+        if any(st.memory_bytes > limit for st in p.stages):
+            continue
+        from pdcompile.simulate import simulate_plan, update_bandwidth_of
+
+        view = tensor.plan_view(chain, cluster, p.stages)[1]
+        res = simulate_plan(p, chain_v, view, "flush", m, split_backward=False, optimizer_state_factor=factor,
+                            update_bandwidth=update_bandwidth_of(cluster))
+        if max(map(float, res.peak_memory_bytes or [0.0])) <= limit:
+            best = min(best, float(res.step_time_s))
+    return best
+
+
+def test_the_per_stage_search_equals_a_brute_force_over_each_stages_degree() -> None:
+    """On small random chains and clusters: never slower than the best one-degree plan, and the best of every
+    per-stage assignment on that plan's stages and processes (a brute force of its own), or faster where its
+    descent cut a stage in two. Some of these seeds' best plans have a degree per stage."""
+    assert sum(_check_per_stage(seed) for seed in (0, 1, 9, 12)) >= 1
+
+
+def _check_per_stage(seed: int) -> bool:
+    """One random case of the test above; whether the plan has more than one degree."""
+    import random
+
+    rng = random.Random(seed)
+    layers = []
+    for i in range(rng.choice((3, 4))):
+        fwd, share = rng.uniform(0.005, 0.05), rng.choice((0.2, 0.6, 0.98))
+        layers.append(ChainLayer(f"l{i}", "b", fwd, 2 * fwd, 4e6, rng.choice((1, 5, 15)) * G,
+                                 saved_bytes=rng.uniform(1e8, 1e9), forward_fixed_s=1e-4, backward_fixed_s=2e-4,
+                                 tp_share=share, tp_param_share=share, tp_saved_share=share,
+                                 tp_allreduce_bytes=rng.choice((4e6, 4e8, 2e9)), tp_allreduces=2, tp_divisor=8))
+    n = len(layers)
+    chain = Chain(tuple(layers), tuple(rng.choice((4e6, 4e7)) for _ in range(n - 1)), batch_size=2)
+    gpus = rng.choice((4, 8))
+    cluster = ClusterSpec(Device("gpu", memory=80 * G, peak_flops=312e12, memory_bandwidth=2e12),
+                          (Level("server", gpus, rng.choice((300e9, 50e9))),))
+    kw = dict(schedule="flush", num_microbatches=8, optimizer_state_factor=2.0)
+    _, uniform = _uniform_best(chain, cluster, **kw)
+    p = plan(chain, cluster, tensor_parallel="auto", **kw)  # type: ignore[arg-type]
+    assert p.seconds_per_minibatch <= uniform.seconds_per_minibatch * (1 + 1e-12)  # type: ignore[attr-defined]
+    if len({st.tensor_parallel for st in p.stages}) > 1:  # a mixed plan's figure: its compiled simulate()
+        assert _resimulated(p, chain, cluster, 2.0) == pytest.approx(p.seconds_per_minibatch, rel=1e-9)
+    note = next(x for x in p.notes if x.startswith("a degree per stage"))
+    assert "exact over them" in note  # (small: every assignment on the same stages rated)
+    brute = _per_stage_brute_force(chain, cluster, uniform, 2.0)
+    if "nothing faster" in note:  # the descent after the exact part moved nowhere: the exact part's pick
+        assert p.seconds_per_minibatch == pytest.approx(brute, rel=1e-9)
+    else:  # it cut a stage in two and did better; the note gives the exact part's own figure
+        assert p.seconds_per_minibatch < brute * (1 - 1e-9)
+        said = re.search(r"the exact part alone: ([0-9.e+-]+) s", note)
+        assert said is not None and float(said.group(1)) == pytest.approx(brute, rel=1e-3), note
+    return len({st.tensor_parallel for st in p.stages}) > 1

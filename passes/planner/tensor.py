@@ -22,18 +22,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pdcompile.cluster import ClusterSpec, Level, format_quantity
 from pdcompile.errors import UsageError
 from pdcompile.ir import Chain, ChainLayer
 
-__all__ = ["DEGREES", "LINK_LATENCY_S", "allreduce_s", "split_time", "split_bytes", "layer_at", "chain_at", "stages_at",
-           "cluster_at", "view", "degrees", "split_backward", "why_not", "splittable", "stage_reason"]
+__all__ = ["DEGREES", "LINK_LATENCY_S", "EXACT_LIMIT", "allreduce_s", "split_time", "split_bytes", "layer_at", "chain_at",
+           "stages_at", "cluster_at", "view", "degrees", "split_backward", "why_not", "splittable", "stage_reason",
+           "RankBlocks", "rank_blocks", "blocks_fit", "plan_view", "stage_choices", "tied_groups", "assignments",
+           "SPLIT_LIMIT", "DESCENT_LIMIT", "StageAt", "consecutive_ranks", "layout_ok", "degree_moves", "split_moves", "mixed_reason"]
 
 #: the degrees ``tensor_parallel="auto"`` tries (each must divide the innermost level's count)
 DEGREES = (1, 2, 4, 8)
+#: the most per-stage assignments the per-stage search rates every one of (exact over them); above it, a descent
+EXACT_LIMIT = 256
+#: the most split moves one step of that descent rates (more, and it moves degrees alone)
+SPLIT_LIMIT = 64
+#: the most candidates the descent rates in all (each a plan and a lower bound, or a simulation): it stops there
+DESCENT_LIMIT = 96
 #: one step of a ring all-reduce's fixed cost (NCCL's per-hop latency inside a server is a few us)
 LINK_LATENCY_S = 5e-6
 
@@ -194,3 +204,143 @@ def stage_reason(t: int, compute_whole: float, compute_t: float, allreduce: floa
     return (f"t={t} over {level.name} ({format_quantity(level.bandwidth, 'bandwidth')}): compute "
             f"{compute_whole:.4g} s -> {compute_t:.4g} s per microbatch, of it {allreduce:.3g} s all-reduces; "
             f"parameters {format_quantity(params_whole, 'memory')} -> {format_quantity(params_t, 'memory')} per rank")
+
+
+# -- a degree per stage (``tensor_parallel="auto"``'s per-stage search, partition_dp.plan_tensor_parallel) --------------
+
+
+@dataclass(frozen=True)
+class RankBlocks(ClusterSpec):
+    """The cluster's processes seen as pipeline ranks of their own degrees, as ``runtime/tensor_parallel.py``
+    ``RankLayout`` places them: pipeline rank ``q`` is the block of ``rank_degrees[q]`` processes from
+    ``bases[q]``. What ``simulate()`` replays a plan with a degree per stage on (its ranks are pipeline ranks):
+    a link between two ranks is the link between their blocks' first processes (each block sits in one unit of
+    the innermost level, :func:`blocks_fit`), and a send to a rank of ``k`` times the sender's degree costs ``k``
+    copies on the sender's link (receiving index ``i`` takes the value from sending index ``i % t_send``, so each
+    sending process sends it ``k`` times); a replicated stage's all-reduce runs on its blocks' slowest link."""
+
+    bases: tuple[int, ...] = ()
+    rank_degrees: tuple[int, ...] = ()
+
+    def bandwidth_between(self, rank_a: int, rank_b: int) -> float:
+        copies = max(1, self.rank_degrees[rank_b] // self.rank_degrees[rank_a])
+        return ClusterSpec.bandwidth_between(self, self.bases[rank_a], self.bases[rank_b]) / copies
+
+    def slowest_bandwidth(self, ranks: Any) -> float:
+        rs = sorted({self.bases[r] for r in ranks})
+        return min((ClusterSpec.bandwidth_between(self, a, b) for a, b in zip(rs, rs[1:])), default=math.inf)
+
+
+def rank_blocks(stage_ranks: Sequence[Sequence[int]], degrees: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each pipeline rank's first process and degree (``RankLayout.bases``, ``rank_degrees``): the blocks of
+    processes in rank order."""
+    n = 1 + max((q for rs in stage_ranks for q in rs), default=-1)
+    deg = [1] * n
+    for rs, t in zip(stage_ranks, degrees):
+        for q in rs:
+            deg[q] = int(t)
+    return tuple(itertools.accumulate(deg, initial=0))[:-1], tuple(deg)
+
+
+def blocks_fit(bases: Sequence[int], rank_degrees: Sequence[int], inner: int) -> bool:
+    """Whether every block of processes lies inside one unit of ``inner`` workers (the innermost level, where
+    tensor parallelism stays)."""
+    return all(b // inner == (b + t - 1) // inner for b, t in zip(bases, rank_degrees))
+
+
+def plan_view(chain: Chain, cluster: ClusterSpec, stages: Sequence[Any]) -> tuple[Chain, ClusterSpec]:
+    """The chain and cluster a plan the planner gave degrees is simulated on (``stages``: its StagePlans, each
+    with ``first``, ``last``, ``ranks`` and ``tensor_parallel``): one degree for all, :func:`view` (groups of
+    ``t`` workers); a degree per stage, each stage's layers at its own degree (:func:`stages_at`) on
+    :class:`RankBlocks` of the cluster."""
+    degs = [int(st.tensor_parallel) for st in stages]
+    if len(set(degs)) <= 1:
+        return view(chain, cluster, degs[0] if degs else 1)
+    bases, per_rank = rank_blocks([st.ranks for st in stages], degs)
+    return (stages_at(chain, [(st.first, st.last, t) for st, t in zip(stages, degs)], cluster.levels[0].bandwidth),
+            RankBlocks(cluster.device, cluster.levels, bases, per_rank))
+
+
+def stage_choices(workers: int, degrees: Sequence[int], microbatches: int | None) -> list[tuple[int, int]]:
+    """A stage's ``(t, replicas)`` on ``workers`` processes: every degree of ``degrees`` dividing them, its
+    replicas ``workers / t`` (a count that divides ``microbatches``, so each replica takes a share of every
+    minibatch, where that is given)."""
+    return [(t, workers // t) for t in degrees
+            if workers % t == 0 and (not microbatches or microbatches % (workers // t) == 0)]
+
+
+def tied_groups(chain: Chain, spans: Sequence[tuple[int, int]]) -> list[set[int]]:
+    """Sets of stages (of ``spans``, first and last layer each) that hold one tied parameter: they need one degree
+    (passes/tensor_parallel.py splits a tied weight only where every user does at one degree; the planner charges
+    it split)."""
+    where: dict[str, set[int]] = {}
+    for s, (a, b) in enumerate(spans):
+        for layer in chain.layers[a:b + 1]:
+            for name, _ in layer.tied_params:
+                where.setdefault(name, set()).add(s)
+    return [g for g in where.values() if len(g) > 1]
+
+
+def assignments(choices: Sequence[Sequence[tuple[int, int]]], groups: Sequence[set[int]]) -> Iterator[tuple[tuple[int, int], ...]]:
+    """Every per-stage choice (one of ``choices[s]`` per stage) whose stages in each of ``groups`` share a degree."""
+    for combo in itertools.product(*choices):
+        if all(len({combo[s][0] for s in g}) == 1 for g in groups):
+            yield combo
+
+
+#: one stage of a plan with a degree per stage: its first and last layer, its degree and its replicas (pipeline ranks)
+StageAt = tuple[int, int, int, int]
+
+
+def consecutive_ranks(stages: Sequence[StageAt]) -> list[tuple[int, ...]]:
+    """Each stage's pipeline ranks, stage by stage (its processes, ``replicas x t``, follow the previous stage's)."""
+    out, nxt = [], 0
+    for _, _, _, r in stages:
+        out.append(tuple(range(nxt, nxt + r)))
+        nxt += r
+    return out
+
+
+def layout_ok(chain: Chain, stages: Sequence[StageAt], inner: int) -> bool:
+    """Whether the runtime runs ``stages`` as planned: stages that share a tied weight at one degree
+    (:func:`tied_groups`), and each pipeline rank's block of processes inside one innermost unit (:func:`blocks_fit`)."""
+    if any(len({stages[s][2] for s in g}) > 1 for g in tied_groups(chain, [(a, b) for a, b, _, _ in stages])):
+        return False
+    return blocks_fit(*rank_blocks(consecutive_ranks(stages), [t for _, _, t, _ in stages]), inner)
+
+
+def degree_moves(stages: Sequence[StageAt], degrees: Sequence[int], microbatches: int | None) -> Iterator[tuple[StageAt, ...]]:
+    """``stages`` with one stage's processes run at another degree (:func:`stage_choices`)."""
+    for s, (a, b, t, r) in enumerate(stages):
+        for t2, r2 in stage_choices(t * r, degrees, microbatches):
+            if t2 != t:
+                yield (*stages[:s], (a, b, t2, r2), *stages[s + 1:])
+
+
+def split_moves(stages: Sequence[StageAt], degrees: Sequence[int], microbatches: int | None) -> Iterator[tuple[StageAt, ...]]:
+    """``stages`` with one stage cut in two at one of its cuts, its processes shared between the halves in whole
+    blocks of its degree (``t`` processes), each half at a degree of its own (:func:`stage_choices`): a small part
+    of a stage whole beside a split one."""
+    for s, (a, b, t, r) in enumerate(stages):
+        w = t * r
+        for c in range(a, b):
+            for w1 in range(t, w, t):
+                for t1, r1 in stage_choices(w1, degrees, microbatches):
+                    for t2, r2 in stage_choices(w - w1, degrees, microbatches):
+                        yield (*stages[:s], (a, c, t1, r1), (c + 1, b, t2, r2), *stages[s + 1:])
+
+
+def mixed_reason(t: int, uniform_t: int, replicas: int, compute_t: float, compute_u: float, memory_t: float,
+                 memory_u: float, level: Level, cut: bool = False) -> str:
+    """One line: why a stage of a plan with a degree per stage runs at ``t`` where the best one-degree plan ran
+    its layers at ``uniform_t``: its compute per microbatch per rank and memory per process at each (``cut``: the
+    stage is part of one of that plan's, on part of its processes)."""
+    what = f"t={t} x{replicas} " + (f"over {level.name}" if t > 1 else "(whole)")
+    if t == uniform_t and not cut:
+        return (f"{what}: as the best one-degree plan (compute {compute_t:.4g} s per microbatch per rank, "
+                f"{format_quantity(memory_t, 'memory')} per process)")
+    where = "part of a stage of the best one-degree plan, on part of its processes" if cut else "on the same processes"
+    mem = (f"{format_quantity(memory_t, 'memory')} per process (that whole stage: {format_quantity(memory_u, 'memory')})"
+           if cut else f"memory {format_quantity(memory_u, 'memory')} -> {format_quantity(memory_t, 'memory')} per process")
+    return (f"{what} instead of t={uniform_t} ({where}): compute {compute_u:.4g} s -> {compute_t:.4g} s per "
+            f"microbatch per rank, {mem}")
