@@ -150,12 +150,16 @@ def op_cost_samples(sizes: tuple[tuple[int, int, int, int], ...] = ((1, 8, 32, 4
                                                                   (16, 16, 128, 16), (48, 16, 128, 16)),
                     repeats: int = 5) -> dict[str, list[tuple[float, float, float, float]]]:
     """Per op class, ``(forward work, forward s, backward work, backward s)`` of every node of the probe
-    model (:func:`_probe_model`) at ``sizes`` (batch, tokens, width, conv channels), timed exactly as
-    ``cost_mode="measured"`` times nodes (``annotate_costs``, one thread) and its work counted as the
+    model (:func:`_probe_model`) at ``sizes`` (batch, tokens, width, conv channels), timed as
+    ``cost_mode="measured"`` times nodes (``annotate_costs``, one thread) but in this thread's CPU time
+    (:func:`~pdcompile.passes.costs.measure.thread_clock`), as :func:`_low_times` times the whole models the
+    per-node overhead is fitted from, so that a loaded machine inflates neither (wall time here and CPU time
+    there left the per-node fit what the load added to the ops, subtracted); its work counted as the
     analytic model counts it (FLOPs, or bytes read and written; twice the bytes for a backward)."""
     import torch
 
     from pdcompile.passes.annotate_costs import annotate_costs, input_bytes
+    from pdcompile.passes.costs.measure import thread_clock
     from pdcompile.passes.costs.nodes import COMPUTE_OPS, capture
     from pdcompile.passes.costs.opclass import FLOP_CLASSES, op_class
     from pdcompile.passes.trace import trace
@@ -166,7 +170,8 @@ def op_cost_samples(sizes: tuple[tuple[int, int, int, int], ...] = ((1, 8, 32, 4
         model = _probe_model(d, ch)
         inputs = (torch.randint(0, 512, (b, t)), torch.randn(b, ch, 16, 16), torch.randint(0, 16, (b, t)))
         gm = trace(model)
-        annotate_costs(gm, inputs, mode="measured", repeats=repeats, symbolic=False, progress=False)
+        with thread_clock():
+            annotate_costs(gm, inputs, mode="measured", repeats=repeats, symbolic=False, progress=False)
         values = capture(gm, inputs)
         for node in gm.graph.nodes:
             if node.op not in COMPUTE_OPS:
