@@ -34,7 +34,9 @@ Usage:
 Flags: --workloads gpt,vgg,fashion,shakespeare,llama --links loopback,100MB,20MB --workers 2,3
 --repeats 3 --steps 20 --warmup 4 --max-candidates N --cuts 10 --png FILE --json FILE --no-write --smoke
 --with-json FILE... (table another run's --json rows with this run's: one section over several sittings;
-``--workloads ''`` runs nothing new).
+``--workloads ''`` runs nothing new);
+--repredict FILE... (predictions only: every row of another run's --json compiled and predicted again with the
+current code and calibration, its measurements kept; a table of the errors before and after).
 """
 
 from __future__ import annotations
@@ -234,7 +236,7 @@ def compile_candidate(w: Workload, cluster: Any, cand: Candidate) -> Any:
     with cut_at(cand.cuts):
         pipe = pdcompile(w.model, cluster, stages=stages, replicas=list(cand.replicas), **kw)
     got = layout_of(pipe.plan)
-    if got != cand.layout:
+    if got != tuple((a, got[-1][1] if b < 0 else b, r) for a, b, r in cand.layout):  # -1: the last layer
         raise RuntimeError(f"compiled {got}, asked {cand.layout}")
     return pipe
 
@@ -301,6 +303,13 @@ class Row:
     predicted: float
     measured: list[float] = dataclasses.field(default_factory=list)
     picked_by: list[str] = dataclasses.field(default_factory=list)
+    # what --repredict compiles again (empty in files written before they were saved: parsed from the names)
+    workload: str = ""
+    link: str = ""
+    workers: int = 0
+    layout: list[list[int]] = dataclasses.field(default_factory=list)
+    schedule: str = ""
+    num_microbatches: int = 0
 
     @property
     def median(self) -> float:
@@ -350,7 +359,9 @@ def scenario(wname: str, link: str, workers: int, args: argparse.Namespace) -> t
             if prog == Path():
                 prog = pipe.emit(Path(tempfile.mkdtemp(prefix=f"pd-regret-{wname}-")) / "program")
                 compiled[k2] = (pipe, prog)
-            rows[key] = Row(name, str(c), c.source, predict(pipe, c.schedule))
+            rows[key] = Row(name, str(c), c.source, predict(pipe, c.schedule), workload=wname, link=link,
+                            workers=workers, layout=[list(st) for st in c.layout], schedule=c.schedule,
+                            num_microbatches=c.num_microbatches)
         except Exception as e:  # noqa: BLE001 - a candidate that cannot compile is named, not fatal
             notes.append(f"{c}: not compiled ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
     for who, (c, _) in picks.items():
@@ -371,6 +382,88 @@ def scenario(wname: str, link: str, workers: int, args: argparse.Namespace) -> t
                   f"{row.measured[-1] * 1e3:8.2f} ms{'  (' + ', '.join(row.picked_by) + ')' if row.picked_by else ''}",
                   flush=True)
     return list(rows.values()), notes
+
+
+# ---------------------------------------------------------------------------------------------
+# predictions only: an earlier sitting's candidates compiled and predicted again
+
+
+def candidate_of(row: Row) -> tuple[str, str, int, Candidate]:
+    """``(workload, link, workers, candidate)`` of a saved row: its saved fields, or (a file written before they
+    were) parsed from its scenario (``"gpt, loopback, 2 workers"``) and candidate (``"layers 0-3 / 4-9 x2, 1f1b,
+    M=4"``, ``"data parallel x2, flush, M=2"``: its one stage's last layer -1, the model's last, resolved on
+    compiling)."""
+    if row.workload and row.layout:
+        layout = tuple((int(a), int(b), int(r)) for a, b, r in row.layout)
+        return row.workload, row.link, row.workers, Candidate(layout, row.schedule, row.num_microbatches, row.source)
+    try:
+        wname, link, workers = (x.strip() for x in row.scenario.split(","))
+        shape, schedule, m = (x.strip() for x in row.candidate.rsplit(",", 2))
+        nworkers, nmb = int(workers.split()[0]), int(m.removeprefix("M="))
+        if shape.startswith("data parallel x"):
+            layout: tuple[tuple[int, int, int], ...] = ((0, -1, int(shape.removeprefix("data parallel x"))),)
+        else:
+            stages = []
+            for st in shape.removeprefix("layers ").split(" / "):
+                span, _, reps = st.partition(" x")
+                a, b = span.split("-")
+                stages.append((int(a), int(b), int(reps or 1)))
+            layout = tuple(stages)
+    except ValueError as e:
+        raise SystemExit(f"--repredict: cannot read the row {row.scenario!r} / {row.candidate!r} ({e}); "
+                         f"re-run that sitting with this version's --json, which saves what to compile") from e
+    return wname, link, nworkers, Candidate(layout, schedule, nmb, row.source)
+
+
+def repredict(rows: Sequence[Row]) -> tuple[list[Row], list[str]]:
+    """``rows`` with their predictions made again (each candidate compiled as its sitting compiled it, under the
+    current code and this machine's cached calibration), every measured figure and pick kept; and notes on the
+    candidates that no longer compile (kept with their old prediction: said so)."""
+    out: list[Row] = []
+    notes: list[str] = []
+    built: dict[tuple[str, str, int], tuple[Workload, Any]] = {}
+    compiled: dict[tuple[Any, ...], Any] = {}
+    for row in rows:
+        wname, link, workers, c = candidate_of(row)
+        if (wname, link, workers) not in built:
+            built[(wname, link, workers)] = (workload(wname), cluster_for(workers, LINKS[link]))
+        w, cluster = built[(wname, link, workers)]
+        key = (wname, link, workers, c.layout, c.num_microbatches)
+        try:
+            if key not in compiled:
+                compiled[key] = compile_candidate(w, cluster, c)
+            pred = predict(compiled[key], c.schedule)
+        except Exception as e:  # noqa: BLE001 - a candidate that no longer compiles is named, not fatal
+            notes.append(f"{row.scenario}: {row.candidate}: not re-predicted ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160]}); its earlier prediction kept")
+            out.append(row)
+            continue
+        layout = layout_of(compiled[key].plan)
+        out.append(dataclasses.replace(row, predicted=pred, workload=wname, link=link, workers=workers,
+                                       layout=[list(st) for st in layout], schedule=c.schedule,
+                                       num_microbatches=c.num_microbatches))
+    return out, notes
+
+
+def before_after(before: Sequence[Row], after: Sequence[Row]) -> str:
+    """Per scenario and over all: median and p90 |error| and Kendall's tau of the earlier predictions and of the
+    re-made ones, against the same measurements."""
+    def stats(rows: Sequence[Row]) -> tuple[float, float, float]:
+        errs = sorted(abs(r.error) for r in rows if r.measured)
+        if not errs:
+            return math.nan, math.nan, math.nan
+        p90 = errs[min(len(errs) - 1, math.ceil(0.9 * len(errs)) - 1)]
+        return statistics.median(errs), p90, summary(rows)["tau"]
+
+    out = ["| scenario | median abs error, before | after | p90, before | after | tau, before | after |",
+           "|---|---|---|---|---|---|---|"]
+    groups = {s: ([r for r in before if r.scenario == s], [r for r in after if r.scenario == s])
+              for s in dict.fromkeys(r.scenario for r in before)}
+    for s, (b, a) in [*groups.items(), ("all", (list(before), list(after)))]:
+        (mb, pb, tb), (ma, pa, ta) = stats(b), stats(a)
+        tau = ("-", "-") if s == "all" else (f"{tb:.2f}", f"{ta:.2f}")
+        out.append(f"| {s} | {mb:.1%} | {ma:.1%} | {pb:.1%} | {pa:.1%} | {tau[0]} | {tau[1]} |")
+    return "\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="also write every row here")
     ap.add_argument("--with-json", nargs="+", default=[], metavar="FILE",
                     help="also table the rows another run wrote with --json (its scenarios named as from FILE)")
+    ap.add_argument("--repredict", nargs="+", default=[], metavar="FILE",
+                    help="predictions only: compile every row of these --json files again and predict it with the "
+                         "current code and calibration, keeping the files' measurements (nothing launched)")
     ap.add_argument("--smoke", action="store_true", help="label the section a smoke run")
     ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md and the PNG alone")
     args = ap.parse_args(argv)
@@ -521,7 +617,17 @@ def main(argv: list[str] | None = None) -> int:
         notes += [f"{s}: rows from an earlier run's `--json {Path(f).name}` (its own load)"
                   for s in dict.fromkeys(r.scenario for r in got)]
     rows = earlier + rows
-    body = tables(rows, notes, args, load_before, time.perf_counter() - t0)
+    compared = ""
+    if args.repredict:
+        saved = [Row(**r) for f in args.repredict for r in json.loads(Path(f).read_text())]
+        again, why = repredict(saved)
+        notes += why + [f"predictions re-made now by `--repredict` (the current code and cached calibration); "
+                        f"measured figures and picks from {', '.join(Path(f).name for f in args.repredict)} "
+                        f"(their own sittings and load)"]
+        compared = ("\nPredictions before (as saved) and after (re-made), against the same measurements:\n\n"
+                    + before_after(saved, again))
+        rows = rows + again
+    body = tables(rows, notes, args, load_before, time.perf_counter() - t0) + compared
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     if not args.no_write:

@@ -466,3 +466,38 @@ def test_plan_regret_tables_rows_saved_by_earlier_runs(tmp_path: Path, capsys: p
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[2] == f"{1 / 3:.2f}" and cells[4] == "1.20" and cells[5] == "2.00", cells
     assert "earlier.json" in out
+
+
+def test_plan_regret_repredicts_saved_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--repredict``: rows of an earlier sitting (here written before rows saved what to compile: read from
+    their names, a data-parallel row's last layer resolved on compiling) are compiled again and predicted with
+    the current code, equal to a fresh compile and prediction of the same candidate; their measurements and picks
+    kept; the re-made rows survive their JSON (read back from the saved fields); the errors tabled before and after."""
+    pr = bench_plan_regret
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4))
+    w = pr.Workload("toy", "toy", model, (torch.randn(8, 8),), torch.randint(0, 4, (8,)), torch.nn.CrossEntropyLoss(),
+                    _common.sgd)
+    monkeypatch.setattr(pr, "workload", lambda name, seed=0: w)
+    cluster = pr.cluster_for(2, 0.0)
+    dp_pipe = pr.compile_candidate(w, cluster, pr.Candidate(((0, -1, 2),), "flush", 2))
+    n = pr.layout_of(dp_pipe.plan)[0][1]
+    two, dp = pr.Candidate(((0, 1, 1), (2, n, 1)), "1f1b", 4), pr.Candidate(((0, n, 2),), "flush", 2)
+    fresh = [pr.predict(pr.compile_candidate(w, cluster, two), "1f1b"), pr.predict(dp_pipe, "flush")]
+    scen = "toy, loopback, 2 workers"
+    old = [pr.Row(scen, str(two), "grid", 1.0, [0.5, 0.7], ["planner"]), pr.Row(scen, str(dp), "grid", 2.0, [0.4])]
+    saved = tmp_path / "sitting.json"
+    saved.write_text(json.dumps([{k: v for k, v in dataclasses.asdict(r).items()
+                                  if k in ("scenario", "candidate", "source", "predicted", "measured", "picked_by")}
+                                 for r in old]))
+    again, notes = pr.repredict([pr.Row(**r) for r in json.loads(saved.read_text())])
+    assert not notes and [r.predicted for r in again] == pytest.approx(fresh, rel=1e-12)
+    assert [(r.measured, r.picked_by) for r in again] == [([0.5, 0.7], ["planner"]), ([0.4], [])]
+    back = [pr.Row(**r) for r in json.loads(json.dumps([dataclasses.asdict(r) for r in again]))]
+    assert [pr.candidate_of(r) for r in back] == [("toy", "loopback", 2, two), ("toy", "loopback", 2, dp)]
+    assert back[1].layout == [[0, n, 2]] and back[0].num_microbatches == 4
+    text = pr.before_after(old, again)  # what main prints after the table (main itself would compile again)
+    # before: errors 1.0 / 0.6 - 1 and 2.0 / 0.4 - 1, their median 233.3%, their p90 the larger
+    line = next(x for x in text.splitlines() if x.startswith(f"| {scen} | 233.3% |"))
+    assert line.split("|")[4].strip() == "400.0%" and text.splitlines()[-1].startswith("| all | 233.3% |")

@@ -85,6 +85,55 @@ def test_node_overhead_fit_recovers_the_line_from_synthetic_timings() -> None:
         fit_node_overhead([5, 5], [1e-5, 2e-5])
 
 
+def test_node_overhead_fit_is_the_same_on_a_loaded_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op-class probes and the whole models the per-node overhead is fitted from are timed on one clock (this
+    thread's CPU time), so a load that stretches every call's wall time by the same factor leaves the fitted
+    per-node cost where it is. A fake machine: each op costs ``c`` of CPU and ``LOAD x c`` of wall time (preempted
+    the rest); a model of ``n`` nodes costs its ops plus ``n x per_node``. Timed wall-clock (the old probes) the
+    ops come out ``LOAD`` times dearer and the fit would be left negative (clamped to 0), not ``per_node``."""
+    import time as time_mod
+
+    from pdcompile import calibrate
+    from pdcompile.passes.costs import measure
+
+    LOAD, per_node = 3.0, 20e-6
+    clock = {"cpu": 0.0, "wall": 0.0}
+
+    def spend(c: float) -> None:
+        clock["cpu"] += c
+        clock["wall"] += LOAD * c
+
+    monkeypatch.setattr(time_mod, "thread_time", lambda: clock["cpu"])
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: clock["wall"])
+    ops = {"matmul": 30e-6, "norm": 12e-6, "add": 4e-6}
+    probes = {k: (lambda c=c: spend(c)) for k, c in ops.items()}
+    with measure.thread_clock():
+        timed = measure.medians(probes, torch.device("cpu"), warmup=1, repeats=3)
+    assert timed == pytest.approx(ops, rel=1e-9)  # CPU time: the load left out
+    assert measure.medians(probes, torch.device("cpu"), 1, 3) == pytest.approx({k: LOAD * c for k, c in ops.items()})
+    samples = []
+    for blocks in (1, 3, 5):  # a block: each op once, each op a node
+        n = blocks * len(ops)
+        whole = calibrate._low_times({"f": lambda n=n: spend(blocks * sum(ops.values()) + n * per_node)}, 5)["f"]
+        samples.append((n, whole - blocks * sum(timed.values()), n, whole - blocks * sum(timed.values())))
+    assert calibrate.fit_node_samples(samples) == pytest.approx((per_node, per_node), rel=1e-6)
+
+    seen: list[bool] = []
+
+    class Stop(Exception):
+        pass
+
+    def stub(*a: Any, **k: Any) -> None:  # the probes' timing: which clock op_cost_samples times them on
+        seen.append(measure._THREAD_CLOCK)
+        raise Stop
+
+    monkeypatch.setattr("pdcompile.passes.annotate_costs.annotate_costs", stub)
+    monkeypatch.setattr("pdcompile.passes.trace.trace", lambda model: model)  # no tracing: only the clock is asked
+    with pytest.raises(Stop):
+        calibrate.op_cost_samples(sizes=((1, 8, 32, 4),))
+    assert seen == [True] and not measure._THREAD_CLOCK
+
+
 def test_a_table_survives_its_json() -> None:
     t = OpCostTable({"matmul": OpCost(2e-5, 3e10), "view": OpCost(2e-6, float("inf"))},
                     {"matmul": OpCost(4e-5, 2e10)}, "test", node_s=(2e-5, 3e-5))

@@ -3,9 +3,11 @@ medians), and the fixed cost of one ``torch.autograd.grad`` call."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -14,6 +16,28 @@ from pdcompile.runtime.timing import sync
 
 def _sync(device: torch.device) -> None:
     sync(device)  # the runtime's (pdcompile.runtime.timing): one definition of a measured boundary
+
+
+_THREAD_CLOCK = False  # set by thread_clock(): CPU samples in this thread's CPU time instead of wall time
+
+
+@contextlib.contextmanager
+def thread_clock() -> Iterator[None]:
+    """Within: CPU samples (:func:`_sample`) are taken in this thread's CPU time (``time.thread_time``),
+    not wall time. The calibration (``pdcompile.calibrate``) times its op-class probes so, as it times the
+    whole models its per-node overhead is fitted from: time another process takes from this one (a
+    loaded machine) then reaches neither, instead of only the probes, which would leave the per-node fit
+    what the load added to the ops subtracted (one thread computes: ``torch.set_num_threads(1)``)."""
+    global _THREAD_CLOCK
+    before, _THREAD_CLOCK = _THREAD_CLOCK, True
+    try:
+        yield
+    finally:
+        _THREAD_CLOCK = before
+
+
+def _cpu_clock() -> float:
+    return time.thread_time() if _THREAD_CLOCK else time.perf_counter()
 
 
 def _calibrate(fn: Callable[[], Any], device: torch.device, warmup: int,
@@ -31,7 +55,8 @@ def _calibrate(fn: Callable[[], Any], device: torch.device, warmup: int,
 
 
 def _sample(fn: Callable[[], Any], device: torch.device, number: int) -> float:
-    """Seconds per call of ``fn`` over ``number`` back-to-back calls (CUDA events on a GPU)."""
+    """Seconds per call of ``fn`` over ``number`` back-to-back calls (CUDA events on a GPU; on a CPU
+    wall time, or this thread's CPU time within :func:`thread_clock`)."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -40,10 +65,10 @@ def _sample(fn: Callable[[], Any], device: torch.device, number: int) -> float:
         end.record()
         torch.cuda.synchronize(device)
         return start.elapsed_time(end) / 1e3 / number
-    t0 = time.perf_counter()
+    t0 = _cpu_clock()
     for _ in range(number):
         fn()
-    return (time.perf_counter() - t0) / number
+    return (_cpu_clock() - t0) / number
 
 
 def _interleaved_medians(fns: dict[Any, Callable[[], Any] | None], device: torch.device,
