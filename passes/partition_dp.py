@@ -504,8 +504,9 @@ def plan_tensor_parallel(chain: Chain, cluster: ClusterSpec, options: PlanOption
     slower: list[tuple[int, float]] = []
 
     def solve_at(t: int, faster_than: float | None = None) -> Plan:
-        return solve(tensor.chain_at(chain, t, inner.bandwidth), tensor.cluster_at(cluster, t), flat,
-                     tensor.split_backward(t), faster_than)
+        # a split stage's replicas shard as ZeRO-1 only: shard="auto" is not offered FSDP2 at t > 1
+        return solve(tensor.chain_at(chain, t, inner.bandwidth), tensor.cluster_at(cluster, t),
+                     replace(flat, shard_full=t == 1), tensor.split_backward(t), faster_than)
 
     with refusals_without_memory():  # the step search's refused candidates are discarded: no bisection for them
         for t in cands:  # ascending: a later degree must be strictly faster

@@ -497,3 +497,19 @@ def _check_per_stage(seed: int) -> bool:
         said = re.search(r"the exact part alone: ([0-9.e+-]+) s", note)
         assert said is not None and float(said.group(1)) == pytest.approx(brute, rel=1e-3), note
     return len({st.tensor_parallel for st in p.stages}) > 1
+
+
+def test_auto_sharding_gives_a_split_stage_zero1_never_fsdp2() -> None:
+    """The runtime shards a split stage's replicas with ZeRO-1 only (passes/schedule.py refuses FSDP2 there):
+    ``shard="auto"`` with tensor parallelism never plans ``full`` at t > 1, where the same problem planned flat
+    (the split chain on its groups, FSDP2 offered) does choose it."""
+    layers = tuple(_layer(i, params=20 * G) for i in range(2))  # whole at t=2 on 2 replicas: over 40 GiB
+    chain = Chain(layers, (4e6,), batch_size=8, name="shard-tp")
+    cluster = _gpus(8, memory=40 * G)
+    kw: dict[str, object] = dict(schedule="flush", num_microbatches=8, optimizer_state_factor=2, shard="auto")
+    flat = partition_dp(tensor.chain_at(chain, 2, 300e9), tensor.cluster_at(cluster, 2), **kw)  # type: ignore[arg-type]
+    assert "full" in {st.shard for st in flat.stages}  # the case where it matters
+    p = partition_dp(chain, cluster, tensor_parallel=2, **kw)  # type: ignore[arg-type]
+    assert all(st.tensor_parallel == 2 for st in p.stages)
+    assert "full" not in {st.shard for st in p.stages} and "optimizer" in {st.shard for st in p.stages}
+    assert all(st.memory_bytes <= 40 * G for st in p.stages)

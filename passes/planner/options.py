@@ -33,6 +33,9 @@ class PlanOptions:
     choose_microbatches: bool = False  # a synchronous schedule's step search may cut the minibatch (batch x
     # num_microbatches) into any count dividing it (pdcompile.plan.plan_step), else num_microbatches
     tensor_parallel: int | str = 1  # ranks each stage is split across (planner/tensor.py), or "auto": planned
+    shard_full: bool = True  # shard="auto" may give a stage "full" (FSDP2); off where the stages are split by
+    # tensor parallelism (partition_dp.plan_tensor_parallel at t > 1): the runtime shards a split stage's replicas
+    # with ZeRO-1 only (passes/schedule.py refuses "full" there)
     # What the step search (pdcompile.plan.plan_step) charges besides the chain's costs, as simulate() of the
     # compiled pipeline and schedule="auto" charge it (pdcompile.api sets both; docs/reading-a-plan.md):
     update_bandwidth: float | None = None  # bytes/s the optimizer step and weight copies stream; None: the

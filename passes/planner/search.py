@@ -98,6 +98,7 @@ class PlanModel:
         #: (``PlanOptions.step_microbatches``; not given, or ``pdcompile plan``'s: None), which ``full`` needs one
         #: per replica of: an unknown count does not refuse it, as the memory model and ``with_shard`` read it
         self.shard = check_shard(opts.shard, "planner")
+        self.shard_full = opts.shard_full  # auto may choose "full" (not on stages split by tensor parallelism)
         self.step_M = opts.step_microbatches
         if self.shard == "full" and self.policy.version_lag != 0:  # refused before any search (sharding.resolve)
             raise UsageError(f"shard='full': {full_refusal(schedule, 2, None)}")
@@ -123,7 +124,7 @@ class PlanModel:
         #: (each its own time and memory, sharding.py; a list per stage is searched unsharded)
         self.search_shards: tuple[str, ...] = ("none",)
         if self.memory_on and kind.models_memory and isinstance(self.shard, str) and self.shard != "none":
-            self.search_shards = (("none", "full", "optimizer") if self.policy.version_lag == 0 else
+            self.search_shards = (("none", "full", "optimizer") if self.policy.version_lag == 0 and self.shard_full else
                                   ("none", "optimizer")) if self.shard == "auto" else ("none", self.shard)
         # the modes the search may give a stage
         self.modes = allowed_modes(self.recompute, self.selective_known, self.memory_on)
@@ -190,7 +191,8 @@ class PlanModel:
             self.shard[stage] if stage < len(self.shard) else "none")
         if asked == "auto" and not (self.memory_on and self.costs.solver is None):
             return ("none",)
-        return shard_allowed(asked, replicas, self.schedule, self.step_M)
+        modes = shard_allowed(asked, replicas, self.schedule, self.step_M)
+        return modes if self.shard_full or asked != "auto" else tuple(m for m in modes if m != "full")
 
     def choose_stage(self, i: int, j: int, k: int, depth: int, stage: int, replicas: int,
                      units: int | None = None) -> tuple[str, str, int]:
