@@ -108,7 +108,7 @@ def _step_rate(opts: PlanOptions, cluster: "ClusterSpec") -> Callable[[Plan, "Ch
     per-action cost, the tied all-reduce; backwards whole, as a split stage runs them), and whether it is over
     memory (the plan's own stage memory, then the simulated peak). One that cannot beat ``beat`` (its stage memory
     over the limit, or :func:`_plan_lower_bound` at or above it) is not simulated: ``(over, inf)``."""
-    from pdcompile.simulate import simulate_plan, update_bandwidth_of
+    from pdcompile.simulate import update_bandwidth_of
 
     update_bw = opts.update_bandwidth if opts.update_bandwidth is not None else update_bandwidth_of(cluster)
     memory_on = opts.memory_limit if opts.memory_limit is not None else opts.cost_model == "default"
@@ -121,15 +121,25 @@ def _step_rate(opts: PlanOptions, cluster: "ClusterSpec") -> Callable[[Plan, "Ch
         if _plan_lower_bound(p, chain, view, m, False, update_bw, opts.optimizer_state_factor, opts.schedule,
                              False) >= beat:
             return False, math.inf
-        tied_bytes, tied_stages = tied_of(p, chain)
-        res = simulate_plan(p, chain, view, opts.schedule, m, split_backward=False,
-                            optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw,
-                            overhead_s=opts.overhead_s, tied_bytes=tied_bytes, tied_stages=tied_stages,
-                            collective=opts.collective, timeline=False)
+        res = _simulated(p, chain, view, opts, m, False, update_bw)
         peak = max(map(float, res.peak_memory_bytes or [0.0]))
         return peak > limit * (1 + 1e-9), float(res.step_time_s)
 
     return rate
+
+
+def _simulated(p: Plan, chain: "Chain", cluster: Any, opts: PlanOptions, m: int, split: bool,
+               update_bw: float) -> Any:
+    """``p`` simulated as the step search rates its candidates and the compiled program's ``simulate()`` charges
+    it: each stage's optimizer step, the per-action cost, the tied all-reduce, the calibrated collective; no
+    events (the fast replay, pdcompile/simulate_fast.py)."""
+    from pdcompile.simulate import simulate_plan
+
+    tied_bytes, tied_stages = tied_of(p, chain)
+    return simulate_plan(p, chain, cluster, opts.schedule, m, split_backward=split,
+                         optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw,
+                         overhead_s=opts.overhead_s, tied_bytes=tied_bytes, tied_stages=tied_stages,
+                         collective=opts.collective, timeline=False)
 
 
 def step_objective(schedule: str) -> bool:
@@ -286,7 +296,7 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
     :class:`~pdcompile.passes.partition_dp.SlowerPlanError`."""
     from pdcompile.passes.partition_dp import plan_from_assignment
     from pdcompile.runtime.schedules.spec import default_split_backward
-    from pdcompile.simulate import simulate_plan, update_bandwidth_of
+    from pdcompile.simulate import update_bandwidth_of
 
     t0 = time.perf_counter()
     solve = {"dp": partition_dp, "ilp": partition_ilp}[solver]
@@ -295,7 +305,6 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
     # each stage's optimizer step and the runtime's per-action cost, as simulate() of the compiled pipeline
     # charges them (the figures PlanOptions carries, from pdcompile.api: calibrated on this machine or not)
     update_bw = opts.update_bandwidth if opts.update_bandwidth is not None else update_bandwidth_of(cluster)
-    overhead = opts.overhead_s
     rest = {k: v for k, v in overrides.items() if k not in names}
     m0 = max(1, int(opts.num_microbatches or 1))
     minibatch = chain.batch_size * m0
@@ -359,12 +368,7 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
             continue
         if arrangement:  # a planned candidate's copies placed one way: simulated
             full, sub, m, chain_m = item
-            tied_bytes, tied_stages = tied_of(full, chain_m)  # the tied all-reduce, as simulate() charges it
-            res = simulate_plan(full, chain_m, cluster, opts.schedule, m, split_backward=split,
-                                optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw,
-                                overhead_s=overhead, tied_bytes=tied_bytes, tied_stages=tied_stages,
-                                collective=opts.collective,
-                                timeline=False)  # no events: the fast replay (pdcompile/simulate_fast.py)
+            res = _simulated(full, chain_m, cluster, opts, m, split, update_bw)
             rated += 1
             # over memory by the simulator's peak or by the planner's own model of the copies' stages (a
             # stage replicated at an outer level: the model charges a replica the inner block's share)
