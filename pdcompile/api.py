@@ -34,6 +34,7 @@ from pdcompile.errors import PdcompileError, UncalibratedWarning, UsageError
 from pdcompile.ir import Chain, CompileState, need
 from pdcompile.passes import codegen
 from pdcompile.passes.annotate_costs import AnnotateOptions
+from pdcompile.passes.costs.roofline import contention
 from pdcompile.passes.partition import PartitionOptions, balanced_bounds, planner_schedule
 from pdcompile.passes.partition_dp import pipeline_plan, plan_from_assignment
 from pdcompile.passes.planner import tensor
@@ -63,13 +64,16 @@ def step_costs(cluster: ClusterSpec | None,
     """The step costs charged besides the chain's (one channel: ``pdcompile()``'s compile, ``pdcompile plan``
     and ``pdcompile simulate`` read them here): on CPU workers the runtime's per-action cost
     (:func:`pdcompile.machine_cache.action_cost`: calibrated, or a built-in estimate; else None), with, on a
-    local cluster where calibrated, the runtime's measured all-reduce (``ActionCost.collective``); the
+    local cluster where calibrated, the runtime's measured all-reduce (``ActionCost.collective``; on one of more
+    workers than cores, ``roofline.contention``, the one measured so, ``ActionCost.crowded``, where calibrated); the
     optimizer step's calibrated bandwidth (:func:`pdcompile.machine_cache.update_bandwidth`) where the costs
     are this machine's (``source`` calibrated, or measured on a local cluster), else None (the device's
     analytic one) and why not."""
     cost = machine_cache.action_cost() if cluster is None or cluster.device.name == "cpu" else None
     if cost is not None and not machine_cache.is_local(cluster):
         cost = replace(cost, collective=None)  # this host's all-reduce holds for a cluster on this host only
+    elif cost is not None and cost.crowded is not None and contention(cluster) > 1.0:
+        cost = replace(cost, collective=cost.crowded)  # more workers than cores: the ring waits for cores
     ours = source.table is not None or (source.mode == "measured" and machine_cache.is_local(cluster))
     bw, problem = machine_cache.update_bandwidth() if ours else (None, "")
     return cost, bw, problem

@@ -7,6 +7,7 @@ function says how it measures its constant.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import statistics
@@ -49,6 +50,9 @@ class MachineConstants:
     # fixed s + bytes / rate (fit_collective); rate 0: not measured (an older cache)
     collective_fixed_s: float = 0.0
     collective_rate: float = 0.0
+    # the same among cores + 1 processes (measure_crowded_collective; bytes/s of a ring's bytes); 0: not measured
+    collective_crowded_fixed_s: float = 0.0
+    collective_crowded_rate: float = 0.0
 
     def step_s(self, param_bytes: float) -> float:
         """Predicted optimizer step (SGD with momentum, zero_grad) over ``param_bytes`` of parameters."""
@@ -91,6 +95,8 @@ def measure(log: Any = None) -> MachineConstants:
     samples = measure_link_samples()
     lat, bw, ar_lat = fit_link(samples)
     coll_fixed, coll_rate = fit_collective(samples["allreduce_flat"])
+    say("measuring the runtime's all-reduce on one process more than cores ...")
+    crowded = measure_crowded_collective()
     say("measuring the runtime's cost per action (a traced 2-stage run of a tiny model) ...")
     over = measure_overheads()
     say("measuring compute in a run against its profile (a traced 2-stage run of a small VGG) ...")
@@ -99,7 +105,8 @@ def measure(log: Any = None) -> MachineConstants:
     ops = with_corun(table, factor)
     return MachineConstants(lat, bw, ar_lat, over, fixed, rate, factor, key=machine_key(),
                             measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), op_costs=ops.to_dict(),
-                            collective_fixed_s=coll_fixed, collective_rate=coll_rate)
+                            collective_fixed_s=coll_fixed, collective_rate=coll_rate,
+                            collective_crowded_fixed_s=crowded[0], collective_crowded_rate=crowded[1])
 
 
 def _probe_model(d: int, channels: int, blocks: int = 1) -> Any:
@@ -407,15 +414,15 @@ _GRAD_TENSORS = 8  # gradients per all-reduce in the link probe's allreduce_flat
 
 
 def _link_worker(out: str) -> None:
-    """Under torchrun (2 processes): ping-pong, all-reduce of one buffer, and the runtime's own
-    all-reduce of a stage's gradients (``allreduce_flat`` of :data:`_GRAD_TENSORS` tensors: flattened,
-    reduced, copied back) at several sizes; rank 0 writes
+    """Under torchrun (2 processes, or more: the ping-pong between ranks 0 and 1 only): ping-pong, all-reduce
+    of one buffer, and the runtime's own all-reduce of a stage's gradients (``allreduce_flat`` of
+    :data:`_GRAD_TENSORS` tensors: flattened, reduced, copied back) at several sizes; rank 0 writes
     ``{"p2p": [[bytes, one-way s], ...], "allreduce": [[bytes, s], ...], "allreduce_flat": [...]}``."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
     from pdcompile.runtime.executor import allreduce_flat
 
@@ -430,7 +437,7 @@ def _link_worker(out: str) -> None:
             if rank == 0:
                 dist.send(buf, 1)
                 dist.recv(buf, 1)
-            else:
+            elif rank == 1:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
             t1 = time.perf_counter()
@@ -454,12 +461,12 @@ def _link_worker(out: str) -> None:
     dist.destroy_process_group()
 
 
-def measure_link_samples() -> dict[str, list[tuple[int, float]]]:
-    """``{"p2p": [(bytes, one-way s)], "allreduce": [(bytes, s)]}`` of gloo over loopback between 2
-    processes: a send/recv ping-pong and all-reduce at 4 KiB - 4 MiB (torchrun of this module with
-    ``--link-worker``), sorted by size."""
+def measure_link_samples(nproc: int = 2) -> dict[str, list[tuple[int, float]]]:
+    """``{"p2p": [(bytes, one-way s)], "allreduce": [(bytes, s)], "allreduce_flat": [(bytes, s)]}`` of gloo
+    over loopback among ``nproc`` processes (the ping-pong between two of them): a send/recv ping-pong and
+    all-reduces at 4 KiB - 16 MiB (torchrun of this module with ``--link-worker``), sorted by size."""
     out = Path(tempfile.mkdtemp(prefix="pdcompile-link-")) / "link.json"
-    rc, log = _torchrun_module("pdcompile.calibrate", 2, ["--link-worker", str(out)], timeout=180)
+    rc, log = _torchrun_module("pdcompile.calibrate", nproc, ["--link-worker", str(out)], timeout=180)
     if rc != 0:
         raise RuntimeError(f"the loopback measurement failed ({rc}):\n{log[-2000:]}")
     raw = json.loads(out.read_text())
@@ -496,6 +503,32 @@ def fit_collective(samples: list[tuple[int, float]]) -> tuple[float, float]:
     if a < 0 or b <= 0:  # a line through the origin (fixed 0)
         a, b = 0.0, max(snt / snn if snn > 0 else 0.0, 1e-18)
     return float(a), float(1.0 / b)
+
+
+#: hosts of at most this many cores also measure the all-reduce crowded (:func:`measure_crowded_collective`)
+CROWDED_MAX_CORES = 8
+
+
+def ring_normalized(fit: tuple[float, float], nproc: int) -> tuple[float, float]:
+    """A fit ``(fixed, rate)`` of ``time = fixed + bytes / rate`` measured among ``nproc`` processes, as
+    :func:`pdcompile.simulate.collective_s` reads one: its rate per byte of a ring's ``2 (n-1)/n`` share
+    (``fixed + ring_allreduce_s(bytes, nproc, rate')`` gives the measured time back)."""
+    fixed, rate = fit
+    return fixed, rate * 2 * (nproc - 1) / nproc
+
+
+def measure_crowded_collective(cores: int | None = None) -> tuple[float, float]:
+    """The runtime's all-reduce (``allreduce_flat``) among ``cores + 1`` processes on this host's ``cores``
+    (default: its own, ``cluster.host_cores``): more processes than cores, as a local cluster of more workers
+    than cores runs it, where each ring turn waits for its process to get a core (3 processes on 2 cores:
+    ~1-1.5 ms fixed against ~0.4 ms for 2); ``(fixed s, bytes/s of a ring's bytes)``, :func:`ring_normalized`.
+    ``(0, 0)`` (not measured) on a host of more than :data:`CROWDED_MAX_CORES` cores."""
+    from pdcompile.cluster import host_cores
+
+    n = (cores or host_cores()) + 1
+    if n - 1 > CROWDED_MAX_CORES:
+        return 0.0, 0.0
+    return ring_normalized(fit_collective(measure_link_samples(n)["allreduce_flat"]), n)
 
 
 def measure_link() -> tuple[float, float, float]:

@@ -74,6 +74,10 @@ class ActionCost:
     # the runtime's data-parallel all-reduce on this host between 2 processes, (fixed s, bytes/s), where
     # calibrated (simulate_plan's ``collective``; charged on a local cluster only: pdcompile.api.step_costs)
     collective: tuple[float, float] | None = None
+    # the same all-reduce measured with more processes than cores (cores + 1 on a host of few cores: the ring's
+    # turns wait for a core), (fixed s, bytes/s of a ring's bytes); charged instead of ``collective`` on a local
+    # cluster of more workers than cores (pdcompile.api.step_costs)
+    crowded: tuple[float, float] | None = None
 
     def warning(self, chose_count: bool = True) -> str:
         """One line: not calibrated, what that does to the microbatch choice (``chose_count`` False: the
@@ -107,14 +111,15 @@ def action_cost() -> ActionCost:
         seconds = {str(k): float(v) for k, v in dict(d["overhead_s"]).items()}
     except (KeyError, TypeError, ValueError):
         return _builtin(f"{path} holds no per-action cost")
-    return ActionCost(seconds, True, collective=_collective(d))
+    return ActionCost(seconds, True, collective=_collective(d), crowded=_collective(d, "collective_crowded"))
 
 
-def _collective(d: dict[str, Any]) -> tuple[float, float] | None:
-    """The cache's fit of the runtime's all-reduce (``collective_fixed_s``, ``collective_rate``), or None
-    where it has none (an older cache: ``python -m pdcompile.calibrate --refresh`` measures it)."""
+def _collective(d: dict[str, Any], name: str = "collective") -> tuple[float, float] | None:
+    """The cache's fit of the runtime's all-reduce (``collective_fixed_s``, ``collective_rate``; ``name``
+    ``"collective_crowded"``: on more processes than cores), or None where it has none (an older cache:
+    ``python -m pdcompile.calibrate --refresh`` measures it)."""
     try:
-        fixed, rate = float(d.get("collective_fixed_s", 0.0)), float(d.get("collective_rate", 0.0))
+        fixed, rate = float(d.get(f"{name}_fixed_s", 0.0)), float(d.get(f"{name}_rate", 0.0))
     except (TypeError, ValueError):
         return None
     return (fixed, rate) if rate > 0 and fixed >= 0 else None

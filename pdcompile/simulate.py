@@ -558,6 +558,54 @@ def _slowest(cluster: Any, ranks: Sequence[int]) -> float:
     return min((cluster.bandwidth_between(a, b) for a in ranks for b in ranks if a != b), default=math.inf)
 
 
+def _scaled_overhead(overhead_s: Mapping[str, Any] | Any, k: float) -> Mapping[str, Any] | Any:
+    """The per-action cost x ``k`` (a number, or a mapping per action kind)."""
+    if k == 1.0:
+        return overhead_s
+    if isinstance(overhead_s, Mapping):
+        return {kind: v * k for kind, v in overhead_s.items()}
+    return overhead_s * k
+
+
+def shared_cores(run: Callable[[Sequence[float], float], SimResult], sched_ranks: Sequence[Sequence[int]],
+                 cluster: Any, iterations: int = 12, tol: float = 1e-3) -> SimResult:
+    """A plan's step on a local CPU cluster of more processes than cores (issue 36 item 3), each stage's work
+    charged as its ranks share the cores. ``run(scale, k)`` simulates with stage ``s``'s chain compute x
+    ``scale[s]`` and the per-action cost x ``k``. The chain's compute carries the static charge
+    (:func:`~pdcompile.passes.costs.roofline.contention`, ``w``: every worker always computing); here each
+    stage's is its ranks' mean processor-sharing stretch instead
+    (:func:`~pdcompile.passes.costs.roofline.shared_core_stretch` at the ranks' busy shares, ``busy / makespan``,
+    of the run before): ``scale[s] = stretch / w``. The per-action cost (the runtime's dispatch, CPU work too,
+    calibrated on no more processes than cores) is stretched by the ranks' mean stretch, ``k``. From the static
+    charge (``scale = 1``, ``k = w``: an upper bound) the charges only fall, to the fixed point where the
+    shares the run gives are the ones it was charged at (at most ``iterations`` runs; ``tol`` relative).
+    Data-parallel replicas, all busy at once, keep the static charge; a pipeline, whose stages idle in its
+    fill and drain, is charged less. Any other cluster: ``run([1] * S, 1)`` once. One place for
+    ``simulate()``, the step search and auto alike (all call :func:`simulate_plan`), applied outside both
+    replays (:func:`simulate`, :mod:`pdcompile.simulate_fast`) identically."""
+    from pdcompile.passes.costs.roofline import THREADS_PER_PROCESS, contention, shared_core_stretch
+
+    S = len(sched_ranks)
+    static = contention(cluster)
+    cores = getattr(getattr(cluster, "device", None), "cores", None)
+    if static <= 1.0 or not cores:
+        return run([1.0] * S, 1.0)
+    ranks = sorted({r for rs in sched_ranks for r in rs})
+    scale, k = [1.0] * S, static
+    res = run(scale, k)
+    for _ in range(iterations):
+        span = float(res.makespan_s) or 1.0
+        stretch = dict(zip(ranks, shared_core_stretch([float(res.busy.get(r, 0.0)) / span for r in ranks], cores,
+                                                      THREADS_PER_PROCESS)))
+        nxt = [min(1.0, sum(stretch[r] for r in rs) / len(rs) / static) if rs else 1.0 for rs in sched_ranks]
+        k_nxt = min(static, sum(stretch.values()) / len(stretch))
+        if max(abs(a - b) / b for a, b in zip([*nxt, k_nxt], [*scale, k])) < tol:
+            break
+        scale, k = nxt, k_nxt
+        res = run(scale, k)
+    return res
+
+
 def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None = None,
                   num_microbatches: int = 8, *, num_steps: int = 1, vertical_sync: bool = False,
                   overlap_comm: bool = True, step_s: Sequence[float] | None = None,
@@ -694,15 +742,22 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
         bw = _slowest(cluster, cr)
         # on one rank (a V's ends) its stages' copies are summed in memory, no collective
         tied_s = collective_s(tied_bytes, len(cr), bw, coll_lat, collective)
-    res = simulate_schedule(name, reps, num_microbatches, num_steps=num_steps, vertical_sync=vertical_sync,
-                             split_backward=split_backward, virtual_stages=virtual_stages,
-                             input_grad_s=b_in, weight_grad_s=b_w,
-                             tied=bool(tied_bytes and tied_stages), tied_s=tied_s,
-                             tied_stages=list(tied_stages) if tied_bytes and tied_stages else None,
-                             overhead_s=overhead_s, recv_progress=recv_progress,
-                             version_s=[p / copy_bandwidth for p in params] if copy_bandwidth else None,
-                             forward_s=fwd, backward_s=bwd, send_s=send, allreduce_s=allreduce, step_s=step_s,
-                             overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size, timeline=timeline)
+    def run(scale_s: Sequence[float], k: float) -> SimResult:  # stage s's chain compute x scale_s[s], actions' x k
+        def x(v: list[float]) -> list[float]:
+            return [a * f for a, f in zip(v, scale_s)]
+        return simulate_schedule(name, reps, num_microbatches, num_steps=num_steps, vertical_sync=vertical_sync,
+                                 split_backward=split_backward, virtual_stages=virtual_stages,
+                                 input_grad_s=x(b_in), weight_grad_s=x(b_w),
+                                 tied=bool(tied_bytes and tied_stages), tied_s=tied_s,
+                                 tied_stages=list(tied_stages) if tied_bytes and tied_stages else None,
+                                 overhead_s=_scaled_overhead(overhead_s, k), recv_progress=recv_progress,
+                                 version_s=[p / copy_bandwidth for p in params] if copy_bandwidth else None,
+                                 forward_s=x(fwd), backward_s=x(bwd), send_s=send, allreduce_s=allreduce,
+                                 step_s=step_s, overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size,
+                                 timeline=timeline)
+
+    res = shared_cores(run, sched_ranks, cluster)
+
     def at(s: int, k: int, versions: int, sched: str, whole_step: bool | None = None) -> float:
         st_ = plan.stages[s]
         return float(model(sched).memory.memory_at(st_.first, st_.last, k, versions, getattr(st_, "recompute", "none"),

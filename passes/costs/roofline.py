@@ -7,6 +7,7 @@ node the per-node overhead of a whole stage the calibration fitted (``OpCostTabl
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pdcompile.cluster import ClusterSpec
@@ -172,3 +173,33 @@ def contention(cluster: ClusterSpec | None, threads: int = THREADS_PER_PROCESS) 
     if cluster is None or not cores:
         return 1.0
     return max(1.0, cluster.num_workers * threads / cores)
+
+
+def shared_core_stretch(shares: Sequence[float], cores: float, threads: int = THREADS_PER_PROCESS) -> list[float]:
+    """Each process's compute slowdown on a host of ``cores`` shared by processes that compute
+    ``shares[i]`` of the time (their busy share of a step, 0..1), with ``threads`` threads each: processor
+    sharing, where ``n`` threads computing at once on ``cores`` each run ``max(1, n / cores)`` slower. For
+    process ``i``: ``E[max(1, threads * (1 + N_i) / cores)]``, ``N_i`` the others computing while it does,
+    each independently with its share (a Poisson binomial). A process alone, or with its peers never more
+    than the cores, keeps its time (1); every one of ``w`` always busy gets the static ``w x threads / cores``
+    (:func:`contention`); a pipeline's stages, idle in its fill and drain, get less."""
+    n = len(shares)
+    out = []
+    memo: dict[float, float] = {}
+    for i, p_i in enumerate(shares):
+        if p_i in memo:  # the others are the same multiset for every process of one share (a stage's replicas)
+            out.append(memo[p_i])
+            continue
+        dist = [1.0]  # P(N_i = k)
+        for j in range(n):
+            if j == i:
+                continue
+            p = min(1.0, max(0.0, float(shares[j])))
+            nxt = [0.0] * (len(dist) + 1)
+            for k, q in enumerate(dist):
+                nxt[k] += q * (1 - p)
+                nxt[k + 1] += q * p
+            dist = nxt
+        memo[p_i] = sum(q * max(1.0, threads * (1 + k) / cores) for k, q in enumerate(dist))
+        out.append(memo[p_i])
+    return out

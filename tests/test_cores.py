@@ -1,0 +1,163 @@
+"""Cores as a resource (issue 36 item 3): a local CPU cluster of more processes than cores charged as its ranks
+share the cores. The processor-sharing stretch (``roofline.shared_core_stretch``) against a brute-force
+enumeration and hand-computed cases; the fixed point in ``simulate.shared_cores`` on hand-built plans (a rank
+alone keeps its time; data-parallel replicas computing together keep the static charge; a pipeline whose stages
+take turns is charged less), with simulate() and the fast replay equal under it. Pure: no torch run, no launch."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdcompile.cluster import ClusterSpec, Device, Level
+from pdcompile.passes.costs.roofline import contention, shared_core_stretch
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _brute(shares: list[float], cores: int, threads: int) -> list[float]:
+    """E[slowdown of i while it computes] over every on/off state of the others (2^n states, each with its
+    probability), n threads computing at once on the cores each slowed max(1, n / cores)."""
+    out = []
+    for i in range(len(shares)):
+        others = [p for j, p in enumerate(shares) if j != i]
+        e = 0.0
+        for state in itertools.product((0, 1), repeat=len(others)):
+            p = 1.0
+            for on, q in zip(state, others):
+                p *= q if on else 1 - q
+            e += p * max(1.0, (1 + sum(state)) * threads / cores)
+        out.append(e)
+    return out
+
+
+def test_stretch_by_hand() -> None:
+    # two ranks always computing on one core each take twice as long; a rank alone keeps its time
+    assert shared_core_stretch([1.0, 1.0], 1) == [2.0, 2.0]
+    assert shared_core_stretch([1.0], 1) == [1.0]
+    assert shared_core_stretch([1.0, 0.0], 1) == [1.0, 2.0]  # the idle one would share, were it to compute
+    # w always busy: the static charge, roofline.contention; no more processes than cores: nothing
+    three = ClusterSpec(Device("cpu", cores=2), (Level("processes", 3, 2e9),))
+    assert shared_core_stretch([1.0] * 3, 2) == [pytest.approx(contention(three))] * 3 == [1.5] * 3
+    assert shared_core_stretch([1.0, 1.0], 2) == [1.0, 1.0]
+    # a pipeline's 3 stages taking turns (each a third of the step) on 2 cores: only when both others compute
+    # too (1/9) is it slowed, by 1.5: 1 + 1/9 x 0.5
+    assert shared_core_stretch([1 / 3] * 3, 2) == [pytest.approx(1 + 1 / 18)] * 3
+    assert shared_core_stretch([1.0, 1.0], 2, threads=2) == [2.0, 2.0]  # 4 threads on 2 cores
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stretch_against_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    n, cores, threads = rng.randint(1, 7), rng.randint(1, 4), rng.choice([1, 1, 2])
+    shares = [rng.choice([0.0, 1.0, rng.random(), 0.5]) for _ in range(n)]
+    assert shared_core_stretch(shares, cores, threads) == pytest.approx(_brute(shares, cores, threads), rel=1e-12)
+
+
+# -- simulate_plan: the fixed point on hand-built plans ------------------------------------------------------
+
+def _plan(cores: int | None, stages: int, replicas: int, m: int, params: float = 0.0,
+          schedule: str = "flush") -> tuple[Any, Any, Any]:
+    """Three equal layers (1 ms forward, 2 ms backward, ``params`` weight bytes each, nothing sent) on 3 workers
+    of a host of ``cores`` (None: cores of their own), as ``stages`` stages of ``replicas`` replicas each."""
+    from pdcompile.ir import Chain, ChainLayer
+    from pdcompile.passes.partition_dp import plan_from_assignment
+
+    chain = Chain(tuple(ChainLayer(f"l{i}", "linear", 1e-3, 2e-3, 0.0, params) for i in range(3)), (0.0, 0.0),
+                  batch_size=m)
+    cluster = ClusterSpec(Device("cpu", cores=cores), (Level("processes", 3, 1e9),))
+    per = 3 // stages
+    assignment = [(s * per, s * per + per - 1, replicas, tuple(range(s * replicas, (s + 1) * replicas)))
+                  for s in range(stages)]
+    return plan_from_assignment(chain, cluster, assignment, schedule=schedule, num_microbatches=m), chain, cluster
+
+
+def _step(plan: Any, chain: Any, cluster: Any, m: int, **kw: Any) -> float:
+    from pdcompile.simulate import simulate_plan
+
+    return float(simulate_plan(plan, chain, cluster, plan.schedule, m, split_backward=False, **kw).step_time_s)
+
+
+def test_a_pipeline_taking_turns_is_charged_less_than_data_parallel() -> None:
+    """3 workers on 2 cores, the chain charged the static x1.5 (every worker always computing). A 3-stage
+    pipeline at M=1 computes one stage at a time: each rank a third of the step, so by hand its stretch is
+    1 + 1/9 x 0.5 = 19/18 (slowed only while both others compute too, independently 1/9 of the time), and its
+    step is the uncrowded one x (19/18) / 1.5. Data parallel x3 (M=3, one microbatch per replica) computes on
+    all three at once: it keeps the static charge, its step the same as on cores of their own. Per busy rank
+    the data-parallel plan is charged more (1.5 against 19/18)."""
+    pipe, chain, own = _plan(None, 3, 1, 1)
+    pipe2, chain2, shared = _plan(2, 3, 1, 1)
+    alone = _step(pipe, chain, own, 1)
+    assert alone == pytest.approx(9e-3 / 1.5 * 1.5, rel=1e-9)  # 3 x (1 + 2) ms, the chain's costs as given
+    assert _step(pipe2, chain2, shared, 1) == pytest.approx(alone * (19 / 18) / 1.5, rel=1e-9)
+    dp, dchain, downs = _plan(None, 1, 3, 3)
+    dp2, dchain2, dshared = _plan(2, 1, 3, 3)
+    assert _step(dp2, dchain2, dshared, 3) == pytest.approx(_step(dp, dchain, downs, 3), rel=1e-9)
+    # per busy rank: the step over the rank's own (static-charged) compute
+    assert _step(dp2, dchain2, dshared, 3) / 9e-3 > _step(pipe2, chain2, shared, 1) / 9e-3 * 1.4
+
+
+def test_per_action_cost_is_stretched_as_the_ranks_share_the_cores() -> None:
+    """The runtime's per-action cost (CPU work, calibrated on no more processes than cores) is stretched by the
+    ranks' mean stretch: data parallel x3 on 2 cores pays it x1.5, on cores of their own x1."""
+    over = {"F": 1e-4, "B": 1e-4}
+    dp, chain, own = _plan(None, 1, 3, 3)
+    dp2, chain2, shared = _plan(2, 1, 3, 3)
+    extra_own = _step(dp, chain, own, 3, overhead_s=over) - _step(dp, chain, own, 3)
+    extra_shared = _step(dp2, chain2, shared, 3, overhead_s=over) - _step(dp2, chain2, shared, 3)
+    assert extra_own == pytest.approx(2e-4, rel=1e-9) and extra_shared == pytest.approx(1.5 * 2e-4, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule, stages, replicas, m", [("flush", 3, 1, 4), ("zb-h1", 3, 1, 8), ("gpipe", 1, 3, 3),
+                                                           ("flush", 3, 1, 1), ("1f1b", 3, 1, 6)])
+def test_simulate_and_the_fast_replay_agree_under_shared_cores(schedule: str, stages: int, replicas: int,
+                                                               m: int) -> None:
+    """The fixed point runs outside both replays: simulate() with its timeline and the fast replay give one step,
+    and the step is no more than the static charge's (an upper bound) and no less than the uncrowded one's."""
+    from pdcompile.simulate import simulate_plan
+
+    plan, chain, cluster = _plan(2, stages, replicas, m, params=4e5, schedule=schedule)
+    kw = dict(split_backward=schedule == "zb-h1", overhead_s={"F": 1e-4, "SF": 5e-5}, update_bandwidth=5e9,
+              collective=(1e-3, 7e8))
+    slow = simulate_plan(plan, chain, cluster, schedule, m, **kw)
+    fast = simulate_plan(plan, chain, cluster, schedule, m, timeline=False, **kw)
+    assert fast.makespan_s == pytest.approx(slow.makespan_s, rel=1e-9) and slow.events
+    own_plan, own_chain, own = _plan(None, stages, replicas, m, params=4e5, schedule=schedule)
+    static = float(simulate_plan(own_plan, own_chain, own, schedule, m,
+                                 **{**kw, "overhead_s": {"F": 1.5e-4, "SF": 7.5e-5}}).makespan_s)
+    crowd_free = float(simulate_plan(own_plan, own_chain, own, schedule, m, **kw).makespan_s) / 1.5
+    assert crowd_free * 0.999 <= float(slow.makespan_s) <= static * (1 + 1e-9)
+
+
+# -- the all-reduce on more processes than cores ---------------------------------------------------------------
+
+def test_crowded_all_reduce_is_read_back_and_charged_on_more_workers_than_cores(
+        pdcompile_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibration's all-reduce among cores + 1 processes, fitted on its raw bytes, is stored per ring byte
+    (``ring_normalized``: the fit's time comes back through ``collective_s`` at that process count); step_costs
+    charges it on a local cluster of more workers than cores, the 2-process one on one of no more."""
+    import pdcompile.cluster as cl
+    from pdcompile import machine_cache
+    from pdcompile.api import step_costs
+    from pdcompile.calibrate import ring_normalized
+    from pdcompile.cluster import local_cpu_cluster
+    from pdcompile.simulate import collective_s
+
+    fixed, rate = 1.6e-3, 5e8
+    crowded = ring_normalized((fixed, rate), 3)
+    for n in (4096, 4 << 20):
+        assert collective_s(n, 3, float("inf"), 0.0, crowded) == pytest.approx(fixed + n / rate, rel=1e-12)
+    monkeypatch.setattr(cl, "host_cores", lambda: 2)
+    pdcompile_cache.mkdir(parents=True, exist_ok=True)
+    (pdcompile_cache / "machine-constants.json").write_text(json.dumps({
+        "key": machine_cache.machine_key(), "overhead_s": {"F": 1e-4}, "collective_fixed_s": 4e-4,
+        "collective_rate": 6e8, "collective_crowded_fixed_s": crowded[0], "collective_crowded_rate": crowded[1]}))
+    source = machine_cache.cost_source("analytic", True)
+    three, two = step_costs(local_cpu_cluster(3), source)[0], step_costs(local_cpu_cluster(2), source)[0]
+    assert three is not None and two is not None
+    assert three.collective == pytest.approx(crowded) and two.collective == (4e-4, 6e8)
