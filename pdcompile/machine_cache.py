@@ -208,7 +208,9 @@ class CostSource:
             lines.append(f"  time per op: {device_spec_for(cluster, precision).calibrated(self.table).describe()}")
         if (c := contention(cluster)) > 1.0:
             lines.append(f"  cores: {cluster.num_workers} processes x {THREADS_PER_PROCESS} thread on "
-                         f"{cluster.device.cores} cores: every compute time charged x{c:.2f} (roofline.contention)")
+                         f"{cluster.device.cores} cores: every compute time charged x{c:.2f} (roofline.contention) "
+                         f"in the planner's search; simulate() and the step search charge each stage as its ranks "
+                         f"share the cores instead (simulate.shared_cores: x1 alone, x{c:.2f} all busy)")
         cores = cluster.device.cores
         if self.table is not None and cores and (k := self.table.corun_factor(min(cluster.num_workers, cores))) > 1.0:
             lines.append(f"  side by side: {min(cluster.num_workers, cores)} processes computing at once each run "

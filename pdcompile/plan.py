@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from pdcompile.errors import InfeasiblePlanError, UsageError
+from pdcompile.passes.costs.roofline import contention
 from pdcompile.passes.partition_dp import partition_dp
 from pdcompile.passes.partition_ilp import partition_ilp
 from pdcompile.passes.planner.options import PlanOptions
@@ -317,7 +318,10 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
     # the memory limit as the planner applies it: on where asked, else the default cost model's default
     memory_on = opts.memory_limit if opts.memory_limit is not None else opts.cost_model == "default"
     limit = float(cluster.device.memory) if memory_on and cluster.device.memory else math.inf
-    order = sorted((step_lower_bound(cw, minibatch // m, m, k, workers, opts.allow_replication), m, k)
+    # the bounds read the chain's compute, which carries the static charge of a cluster of more processes than cores;
+    # simulate_plan charges a rank alone none of it (simulate.shared_cores): bounds x low stay below its steps
+    low = 1.0 / contention(cluster)
+    order = sorted((step_lower_bound(cw, minibatch // m, m, k, workers, opts.allow_replication) * low, m, k)
                    for m in counts for k in range(1, workers + 1) if workers % k == 0 and m % k == 0)
     failures: list[str] = []
     # (over memory, step, candidate's place in the order, arrangement), plan, its copy, M: of equal steps the
@@ -339,7 +343,7 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
         own plan). Ordered after every candidate of the chain order, so ties keep the order's first."""
         for m in counts:
             if m != planned_m and m % k == 0 and all((m // k) % st.replicas == 0 for st in one.stages):
-                lb = step_lower_bound(cw, minibatch // m, m, k, workers, opts.allow_replication)
+                lb = step_lower_bound(cw, minibatch // m, m, k, workers, opts.allow_replication) * low
                 heapq.heappush(heap, (lb, len(order) + len(elsewhere), -1, (one, k, m, sub)))
                 elsewhere.append(m)
 
@@ -357,13 +361,13 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
             one, k, m, sub = item
             chain_m = chains.setdefault(m, chain.at_batch(minibatch // m))
             if best is not None and not best[0][0] and \
-                    _step_lower_bound(one, chain_m, m // k, split or pol.splits_every_backward) >= best[0][1]:
+                    _step_lower_bound(one, chain_m, m // k, split or pol.splits_every_backward) * low >= best[0][1]:
                 continue
             for j, full in enumerate(_copies(one, k, chain_m, cluster, replace(opts, num_microbatches=m,
                                                                                choose_microbatches=False),
                                              plan_from_assignment, again=True)):
                 own = _plan_lower_bound(full, chain_m, cluster, m, split or pol.splits_every_backward, update_bw,
-                                        opts.optimizer_state_factor, opts.schedule, split)
+                                        opts.optimizer_state_factor, opts.schedule, split) * low
                 heapq.heappush(heap, (max(bound, own), idx, j + 1, (full, sub or full, m, chain_m)))
             continue
         if arrangement:  # a planned candidate's copies placed one way: simulated
@@ -394,7 +398,7 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
         planned += 1
         # its stages alone (whatever they recompute at this count: another count's bound counts none)
         rate_elsewhere(_Layout(tuple(_StageAt(st.first, st.last, tuple(st.ranks)) for st in sub.stages)), k, m, sub)
-        own = _step_lower_bound(sub, chain_m, m // k, split or pol.splits_every_backward)
+        own = _step_lower_bound(sub, chain_m, m // k, split or pol.splits_every_backward) * low
         if best is not None and not best[0][0] and own >= best[0][1]:
             continue
         if own >= cap:
@@ -404,7 +408,7 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
                                                                            choose_microbatches=False),
                                          plan_from_assignment)):
             own = _plan_lower_bound(full, chain_m, cluster, m, split or pol.splits_every_backward, update_bw,
-                                    opts.optimizer_state_factor, opts.schedule, split)
+                                    opts.optimizer_state_factor, opts.schedule, split) * low
             heapq.heappush(heap, (max(bound, own), idx, j + 1, (full, sub, m, chain_m)))
     if cut and (best is None or best[0][0] or best[0][1] >= cap):
         from pdcompile.passes.partition_dp import SlowerPlanError

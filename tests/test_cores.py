@@ -161,3 +161,27 @@ def test_crowded_all_reduce_is_read_back_and_charged_on_more_workers_than_cores(
     three, two = step_costs(local_cpu_cluster(3), source)[0], step_costs(local_cpu_cluster(2), source)[0]
     assert three is not None and two is not None
     assert three.collective == pytest.approx(crowded) and two.collective == (4e-4, 6e8)
+
+
+def test_the_step_search_on_shared_cores_finds_the_step_of_every_candidate_simulated() -> None:
+    """On 3 workers sharing 2 cores the simulated step of a pipeline falls below the bounds read off the chain's
+    statically charged compute; the step search scales its bounds by 1 / contention, so it still returns a step
+    no longer than planning and simulating every (microbatch count, copies) candidate (test_plan_step's brute
+    force) and no shorter than those plans at every count."""
+    import random
+
+    from test_plan_step import _every_candidate, _random_chain
+
+    from pdcompile.passes.planner.options import PlanOptions
+    from pdcompile.plan import plan
+
+    rng = random.Random(21)
+    cluster = ClusterSpec(Device("cpu", memory=400 * 2**30, cores=2), (Level("processes", 3, 1e9),))
+    for trial in range(6):
+        chain = _random_chain(rng, rng.randint(3, 7), rng.choice([1, 2]))
+        opts = PlanOptions(schedule=rng.choice(["flush", "gpipe", "zb-h1"]), num_microbatches=rng.choice([2, 6]),
+                           choose_microbatches=True)
+        want, every = _every_candidate(chain, cluster, opts)
+        assert want is not None and every is not None and not want[0], trial
+        step = plan(chain, cluster, opts).seconds_per_minibatch
+        assert every[1] * (1 - 1e-9) <= step <= want[1] * (1 + 1e-9), trial
