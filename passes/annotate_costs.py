@@ -409,12 +409,13 @@ class AnnotateOptions:
 def run(state: CompileState, opts: AnnotateOptions) -> CompileState:
     """Annotates ``gm`` with ``pd.cost``; writes ``profile``. Every compute time is then charged the
     cluster's core contention (:func:`~pdcompile.passes.costs.roofline.contention`: a local CPU cluster of
-    more busy processes than cores) and, with this machine's calibration, its co-running slowdown
-    (:func:`corun`), so that the planner and the simulator both see it."""
+    more busy processes than cores), so that the planner and the simulator both see it. The co-running
+    slowdown (:func:`corun`) is not charged here: the simulator charges it only while ranks compute side
+    by side (:func:`pdcompile.simulate.shared_cores`, given ``corun`` by :func:`pdcompile.api.corun_of`)."""
     spec = device_spec_for(opts.cluster, opts.precision).calibrated(opts.op_costs)
     gm = annotate_costs(need(state.gm, "gm"), state.graph_inputs, mode=opts.mode, device_spec=spec,
                         progress=False, symbolic=opts.symbolic)
-    charge_contention(gm, contention(opts.cluster) * corun(opts.cluster, opts.op_costs))
+    charge_contention(gm, contention(opts.cluster))
     profile = profile_from_graph(gm, batch_size=opts.microbatch_size, device=spec.name,
                                  name=type(state.model).__name__)
     return state.replace(gm=gm, profile=profile)

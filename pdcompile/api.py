@@ -79,6 +79,19 @@ def step_costs(cluster: ClusterSpec | None,
     return cost, bw, problem
 
 
+def corun_of(cluster: ClusterSpec | None, source: machine_cache.CostSource) -> tuple[tuple[int, float], ...]:
+    """This machine's co-running slowdowns (``OpCostTable.corun``, as (processes, factor) pairs) where they are
+    charged: a cluster naming its host's cores (``local_cpu_cluster``) whose costs are this machine's
+    calibration (``source.table``); else (). What ``PlanOptions.corun`` and ``simulate_plan(corun=)`` carry
+    (one channel beside :func:`step_costs`'s: ``pdcompile()``, ``pdcompile plan`` and ``pdcompile simulate``),
+    charged only while ranks compute side by side (:func:`pdcompile.simulate.shared_cores`), never on the
+    chain (``annotate_costs.run``)."""
+    table = source.table
+    if table is None or not getattr(getattr(cluster, "device", None), "cores", None):
+        return ()
+    return tuple(sorted((int(n), float(f)) for n, f in table.corun.items()))
+
+
 def step_cost_line(bandwidth: float, calibrated: bool, problem: str, cost: machine_cache.ActionCost | None) -> str:
     """One line: the step costs charged (:func:`step_costs`): the optimizer step's ``bandwidth`` and whence
     (``calibrated`` on this machine, else the device's analytic one and ``problem``), the per-action cost."""
@@ -132,6 +145,8 @@ class CompiledPipeline:
         # a model on meta: the passes see the inputs' shapes on meta too
         micro = self.example.micro(self.microbatch_size, meta=init_source.has_meta(model))
         self.cost_source = machine_cache.cost_source(opts.cost_mode, machine_cache.is_local(opts.cluster))
+        # the co-running slowdowns the step search, simulate() and auto charge (corun_of; the chain carries none)
+        self.corun = corun_of(opts.cluster, self.cost_source)
         self._step_costs(opts.cluster)
         state = CompileState(model=model, example_inputs=micro.args, example_kwargs=micro.kwargs or None)
         # the passes run the model's forward in training mode (shapes, costs), which writes buffers such as
@@ -215,7 +230,8 @@ class CompiledPipeline:
         cands = autoschedule.candidates(self.plan, tchain, tcluster, batch, names, counts,
                                         recompute=asked.recompute, split_backward=split, tied_bytes=tied_bytes,
                                         tied_stages=tied_stages, overhead_s=overhead, optimizer_state_factor=factor,
-                                        update_bandwidth=self._update_bandwidth(tcluster), collective=collective)
+                                        update_bandwidth=self._update_bandwidth(tcluster), collective=collective,
+                                        corun=self.corun)
         ranks = len({r for st in self.plan.stages for r in st.ranks})
         if (asked.replicas is None or all(r == 1 for r in asked.replicas)) and asked.clip_grad_norm is None \
                 and t == 1:  # (virtual stages are given stages=, where the planner does not choose t)
@@ -226,7 +242,8 @@ class CompiledPipeline:
                     self.wire_chain, self.cluster, ranks, batch, virtual, counts, vs=(v,), split_backward=split,
                     tied_bytes=tied_bytes, tied_stages=[0, v * ranks - 1] if tied_bytes else [],
                     overhead_s=overhead, optimizer_state_factor=factor,
-                    update_bandwidth=self._update_bandwidth(self.cluster), collective=collective)
+                    update_bandwidth=self._update_bandwidth(self.cluster), collective=collective,
+                    corun=self.corun)
         # the flush program compiled first is a candidate as it is: its headline, simulate() of it
         flush_step = self.plan.seconds_per_minibatch
         cands = [dataclasses.replace(c, step_s=flush_step) if (c.schedule, c.num_microbatches, c.virtual_stages) ==
@@ -294,6 +311,7 @@ class CompiledPipeline:
                             action_overhead_s=tuple(sorted(self.action_cost.seconds.items()))
                             if self.action_cost is not None else (),
                             collective=self.action_cost.collective if self.action_cost is not None else None,
+                            corun=self.corun,
                             tensor_parallel=opts.tensor_parallel if stages is None and isinstance(
                                 opts.tensor_parallel, (int, str)) else 1),
                 stages, tuple(opts.replicas) if opts.replicas is not None else None, opts.cluster, opts.solver,
@@ -416,7 +434,7 @@ class CompiledPipeline:
                              optimizer_state_factor=optimizer_state_factor_of(self.options.optimizer),
                              split_backward=need(self.state.schedule_spec, "schedule_spec").split_backward,
                              overhead_s=cost.seconds if cost is not None else 0.0,
-                             collective=cost.collective if cost is not None else None,
+                             collective=cost.collective if cost is not None else None, corun=self.corun,
                              update_bandwidth=self._update_bandwidth(cluster))
 
     def alternatives(self) -> list[tuple[str, Plan]]:

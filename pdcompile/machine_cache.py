@@ -214,7 +214,10 @@ class CostSource:
         cores = cluster.device.cores
         if self.table is not None and cores and (k := self.table.corun_factor(min(cluster.num_workers, cores))) > 1.0:
             lines.append(f"  side by side: {min(cluster.num_workers, cores)} processes computing at once each run "
-                         f"x{k:.2f} slower than one alone (calibrated; annotate_costs.corun)")
+                         f"x{k:.2f} slower than one alone (calibrated; OpCostTable.corun): charged by simulate() "
+                         f"and the step search only while ranks compute at once (simulate.shared_cores: a rank "
+                         f"alone x1, every rank always busy x{k * max(1.0, contention(cluster)):.2f} in all), "
+                         f"not in the chain's costs nor the planner's search")
         return lines
 
 

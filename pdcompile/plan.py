@@ -132,7 +132,8 @@ def _step_rate(opts: PlanOptions, cluster: "ClusterSpec") -> Callable[[Plan, "Ch
 def _simulated(p: Plan, chain: "Chain", cluster: Any, opts: PlanOptions, m: int, split: bool,
                update_bw: float) -> Any:
     """``p`` simulated as the step search rates its candidates and the compiled program's ``simulate()`` charges
-    it: each stage's optimizer step, the per-action cost, the tied all-reduce, the calibrated collective; no
+    it: each stage's optimizer step, the per-action cost, the tied all-reduce, the calibrated collective, the
+    co-running slowdown while ranks compute side by side (simulate.shared_cores); no
     events (the fast replay, pdcompile/simulate_fast.py)."""
     from pdcompile.simulate import simulate_plan
 
@@ -140,7 +141,7 @@ def _simulated(p: Plan, chain: "Chain", cluster: Any, opts: PlanOptions, m: int,
     return simulate_plan(p, chain, cluster, opts.schedule, m, split_backward=split,
                          optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw,
                          overhead_s=opts.overhead_s, tied_bytes=tied_bytes, tied_stages=tied_stages,
-                         collective=opts.collective, timeline=False)
+                         collective=opts.collective, corun=opts.corun, timeline=False)
 
 
 def step_objective(schedule: str) -> bool:

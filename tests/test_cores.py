@@ -20,9 +20,11 @@ from pdcompile.passes.costs.roofline import contention, shared_core_stretch
 pytestmark = pytest.mark.timeout(60)
 
 
-def _brute(shares: list[float], cores: int, threads: int) -> list[float]:
+def _brute(shares: list[float], cores: int, threads: int, corun: dict[int, float] | None = None) -> list[float]:
     """E[slowdown of i while it computes] over every on/off state of the others (2^n states, each with its
-    probability), n threads computing at once on the cores each slowed max(1, n / cores)."""
+    probability), n threads computing at once on the cores each slowed max(1, n / cores), and with ``corun``
+    (processes -> factor, the largest count measured at most the processes computing at once on their own
+    cores, min(n, cores)) by that factor too."""
     out = []
     for i in range(len(shares)):
         others = [p for j, p in enumerate(shares) if j != i]
@@ -31,7 +33,10 @@ def _brute(shares: list[float], cores: int, threads: int) -> list[float]:
             p = 1.0
             for on, q in zip(state, others):
                 p *= q if on else 1 - q
-            e += p * max(1.0, (1 + sum(state)) * threads / cores)
+            busy = 1 + sum(state)
+            known = [c for c in (corun or {}) if c <= min(busy, cores)]
+            side = corun[max(known)] if corun and known else 1.0
+            e += p * side * max(1.0, busy * threads / cores)
         out.append(e)
     return out
 
@@ -185,3 +190,135 @@ def test_the_step_search_on_shared_cores_finds_the_step_of_every_candidate_simul
         assert want is not None and every is not None and not want[0], trial
         step = plan(chain, cluster, opts).seconds_per_minibatch
         assert every[1] * (1 - 1e-9) <= step <= want[1] * (1 + 1e-9), trial
+
+
+# -- co-running (issue 36): the calibrated slowdown of processes computing side by side, charged while they do ----
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stretch_with_corun_against_brute_force(seed: int) -> None:
+    """With a calibration's co-running slowdowns (a table of one or two counts, given as a mapping or as pairs)
+    the stretch is E[corun(min(k, cores)) x max(1, k / cores)] over the others' busy states, k = 1 + N."""
+    rng = random.Random(100 + seed)
+    n, cores = rng.randint(1, 6), rng.randint(1, 4)
+    corun = {2: 1 + rng.random() / 2} if seed % 2 else {2: 1.2, 3: 1.2 + rng.random()}
+    shares = [rng.choice([0.0, 1.0, rng.random(), 0.5]) for _ in range(n)]
+    want = _brute(shares, cores, 1, corun)
+    assert shared_core_stretch(shares, cores, 1, corun) == pytest.approx(want, rel=1e-12)
+    assert shared_core_stretch(shares, cores, 1, tuple(corun.items())) == pytest.approx(want, rel=1e-12)
+    # by hand: 2 always busy on 2 cores: x corun(2); with one never computing: x1; on 1 core: 2 x corun(1) = 2
+    assert shared_core_stretch([1.0, 1.0], 2, 1, {2: 1.3}) == [pytest.approx(1.3)] * 2
+    assert shared_core_stretch([1.0, 0.0], 2, 1, {2: 1.3})[0] == 1.0
+    assert shared_core_stretch([1.0, 1.0], 1, 1, {2: 1.3}) == [2.0, 2.0]
+
+
+def _plan_on(workers: int, cores: int | None, stages: int, replicas: int, m: int,
+             schedule: str = "flush") -> tuple[Any, Any, Any]:
+    """``_plan``'s three equal layers (1 ms forward, 2 ms backward) on ``workers`` workers of a host of ``cores``,
+    as ``stages`` stages (layers split as evenly as they go) of ``replicas`` replicas each."""
+    from pdcompile.ir import Chain, ChainLayer
+    from pdcompile.passes.partition_dp import plan_from_assignment
+
+    chain = Chain(tuple(ChainLayer(f"l{i}", "linear", 1e-3, 2e-3, 0.0, 0.0) for i in range(3)), (0.0, 0.0),
+                  batch_size=m)
+    cluster = ClusterSpec(Device("cpu", cores=cores), (Level("processes", workers, 1e9),))
+    cuts = [round(3 * s / stages) for s in range(stages + 1)]
+    assignment = [(cuts[s], cuts[s + 1] - 1, replicas, tuple(range(s * replicas, (s + 1) * replicas)))
+                  for s in range(stages)]
+    return plan_from_assignment(chain, cluster, assignment, schedule=schedule, num_microbatches=m), chain, cluster
+
+
+def test_corun_charges_a_rank_alone_nothing_and_replicas_always_busy_all_of_it() -> None:
+    """2 workers on 2 cores (no time-sharing), co-running x1.3 calibrated: one rank computing alone (a plan on
+    rank 0 only) keeps the chain's step; two data-parallel replicas, always computing together, take x1.3; on 3
+    workers sharing 2 cores, three replicas take x1.5 (time-sharing) x 1.3 (two computing at once on the cores),
+    charged once (the chain carrying the static time-sharing x1.5, as the annotate pass charges it, and no
+    co-running)."""
+    corun = ((2, 1.3),)
+    for (workers, cores, stages, replicas, m), want, sharing in [((2, 2, 1, 1, 1), 1.0, 1.0),
+                                                                   ((2, 2, 1, 2, 2), 1.3, 1.0),
+                                                                   ((3, 2, 1, 3, 3), 1.5 * 1.3, 1.5)]:
+        plan, chain, shared = _plan_on(workers, cores, stages, replicas, m)
+        own_plan, own_chain, own = _plan_on(workers, None, stages, replicas, m)
+        uncharged = _step(own_plan, own_chain, own, m) / contention(shared)  # the chain carries time-sharing
+        assert _step(plan, chain, shared, m, corun=corun) == pytest.approx(uncharged * want, rel=1e-9), workers
+        # without a calibration: no co-running charge; the chain's static time-sharing only where it crowds
+        assert _step(plan, chain, shared, m) == pytest.approx(uncharged * sharing, rel=1e-9), workers
+
+
+@pytest.mark.parametrize("schedule, m", [("flush", 4), ("gpipe", 2), ("1f1b", 6), ("zb-h1", 4)])
+def test_a_two_stage_pipeline_is_charged_corun_only_while_both_compute(schedule: str, m: int) -> None:
+    """A 2-stage pipeline on 2 workers and 2 cores, co-running x1.3: its first stage computes alone in the fill,
+    its last in the drain, so its step lies strictly between the uncharged one and the one charged x1.3
+    throughout (the chain charged statically, as annotate_costs did before); the fast replay agrees."""
+    from pdcompile.simulate import simulate_plan
+
+    plan, chain, shared = _plan_on(2, 2, 2, 1, m, schedule)
+    kw: dict[str, Any] = dict(split_backward=schedule == "zb-h1")
+    base = float(simulate_plan(plan, chain, shared, schedule, m, **kw).step_time_s)
+    static = float(simulate_plan(plan, _times(chain, 1.3), shared, schedule, m, **kw).step_time_s)
+    assert static == pytest.approx(base * 1.3, rel=1e-9)
+    slow = simulate_plan(plan, chain, shared, schedule, m, corun=((2, 1.3),), **kw)
+    fast = simulate_plan(plan, chain, shared, schedule, m, corun=((2, 1.3),), timeline=False, **kw)
+    assert fast.makespan_s == pytest.approx(slow.makespan_s, rel=1e-9)
+    assert base * 1.01 < float(slow.step_time_s) < static * 0.99
+
+
+def _times(chain: Any, f: float) -> Any:
+    """``chain`` with every layer's compute x ``f`` (the static charge annotate_costs.run used to apply)."""
+    import dataclasses
+
+    return dataclasses.replace(chain, layers=tuple(dataclasses.replace(l, forward_s=l.forward_s * f,
+                                                                       backward_s=l.backward_s * f)
+                                                   for l in chain.layers))
+
+
+def test_corun_is_charged_in_one_place_and_explain_and_the_cli_say_where(pdcompile_cache: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A calibrated local cluster: the annotate pass charges the chain time-sharing only (no co-running), the
+    options the step search and simulate() read carry the table (api.corun_of, the CLI's with_step_costs), and
+    explain() and the CLI's step-cost line say the simulator charges it while ranks compute together."""
+    import pdcompile.cluster as cl
+    from pdcompile import machine_cache
+    from pdcompile._cli.plan import with_step_costs
+    from pdcompile.api import corun_of
+    from pdcompile.cluster import local_cpu_cluster
+    from pdcompile.passes.costs.opclass import OpCostTable
+    from pdcompile.passes.planner.options import PlanOptions
+
+    monkeypatch.setattr(cl, "host_cores", lambda: 2)
+    table = OpCostTable(corun={2: 1.3})
+    source = machine_cache.CostSource("calibrated", "analytic", table, "calibrated on this host")
+    two, three = local_cpu_cluster(2), local_cpu_cluster(3)
+    assert corun_of(two, source) == corun_of(three, source) == ((2, 1.3),)
+    assert corun_of(two, machine_cache.CostSource("analytic", "analytic", None, "")) == ()
+    assert corun_of(ClusterSpec(Device("cpu"), (Level("processes", 2, 1e9),)), source) == ()  # not this host's
+    options, line = with_step_costs(PlanOptions(), two, source)
+    assert options.corun == ((2, 1.3),) and "corun=2:1.3 " in str(options)
+    assert "side by side: compute x1.30 with 2 computing at once, charged only while ranks compute together" in line
+    said = " ".join(source.explain(two))
+    assert "x1.30 slower than one alone" in said and "only while ranks compute at once" in said
+    assert "every rank always busy x1.30" in said and "not in the chain's costs" in said
+    assert "every rank always busy x1.95" in " ".join(source.explain(three))  # x1.5 time-sharing, x1.3 beside
+
+
+def test_the_step_search_with_corun_finds_the_step_of_every_candidate_simulated() -> None:
+    """With co-running charged by the simulator (x1.4, 2 computing at once) on 2 workers of 2 cores and on 3
+    sharing 2, the step search's bounds (the chain's compute / contention: every stretch is at least 1) stay
+    below every candidate's simulated step: it returns a step no longer than planning and simulating every
+    (microbatch count, copies) candidate and no shorter than those plans at every count."""
+    from test_plan_step import _every_candidate, _random_chain
+
+    from pdcompile.passes.planner.options import PlanOptions
+    from pdcompile.plan import plan
+
+    rng = random.Random(36)
+    for workers in (2, 3):
+        cluster = ClusterSpec(Device("cpu", memory=400 * 2**30, cores=2), (Level("processes", workers, 1e9),))
+        for trial in range(4):
+            chain = _random_chain(rng, rng.randint(3, 7), rng.choice([1, 2]))
+            opts = PlanOptions(schedule=rng.choice(["flush", "gpipe", "zb-h1"]), num_microbatches=rng.choice([2, 6]),
+                               choose_microbatches=True, corun=((2, 1.4),))
+            want, every = _every_candidate(chain, cluster, opts)
+            assert want is not None and every is not None and not want[0], (workers, trial)
+            step = plan(chain, cluster, opts).seconds_per_minibatch
+            assert every[1] * (1 - 1e-9) <= step <= want[1] * (1 + 1e-9), (workers, trial)

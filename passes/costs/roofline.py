@@ -7,7 +7,7 @@ node the per-node overhead of a whole stage the calibration fitted (``OpCostTabl
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from pdcompile.cluster import ClusterSpec
@@ -175,13 +175,26 @@ def contention(cluster: ClusterSpec | None, threads: int = THREADS_PER_PROCESS) 
     return max(1.0, cluster.num_workers * threads / cores)
 
 
-def shared_core_stretch(shares: Sequence[float], cores: float, threads: int = THREADS_PER_PROCESS) -> list[float]:
+def corun_at(corun: Mapping[int, float] | Sequence[tuple[int, float]] | None, processes: int) -> float:
+    """Each process's co-running slowdown with ``processes`` computing at once on their own cores, read off a
+    calibration's table (``OpCostTable.corun``, as a mapping or (processes, factor) pairs) as
+    ``OpCostTable.corun_factor`` reads it: the factor of the largest count measured that is at most
+    ``processes``; 1 for one process or without a table."""
+    pairs = corun.items() if isinstance(corun, Mapping) else (corun or ())
+    known = [(int(n), float(f)) for n, f in pairs if int(n) <= processes]
+    return max(known)[1] if known else 1.0
+
+
+def shared_core_stretch(shares: Sequence[float], cores: float, threads: int = THREADS_PER_PROCESS,
+                        corun: Mapping[int, float] | Sequence[tuple[int, float]] | None = None) -> list[float]:
     """Each process's compute slowdown on a host of ``cores`` shared by processes that compute
     ``shares[i]`` of the time (their busy share of a step, 0..1), with ``threads`` threads each: processor
-    sharing, where ``n`` threads computing at once on ``cores`` each run ``max(1, n / cores)`` slower. For
-    process ``i``: ``E[max(1, threads * (1 + N_i) / cores)]``, ``N_i`` the others computing while it does,
-    each independently with its share (a Poisson binomial). A process alone, or with its peers never more
-    than the cores, keeps its time (1); every one of ``w`` always busy gets the static ``w x threads / cores``
+    sharing, where ``n`` threads computing at once on ``cores`` each run ``max(1, n / cores)`` slower, and,
+    with a calibration's co-running slowdowns ``corun`` (:func:`corun_at`: shared memory bandwidth and caches),
+    ``corun(min(n, cores))`` slower again. For process ``i``: ``E[corun(min(1 + N_i, cores)) x max(1, threads
+    x (1 + N_i) / cores)]``, ``N_i`` the others computing while it does, each independently with its share (a
+    Poisson binomial). A process alone keeps its time (1); without ``corun``, so do peers never more than the
+    cores; every one of ``w`` always busy gets the static ``corun(min(w, cores)) x w x threads / cores``
     (:func:`contention`); a pipeline's stages, idle in its fill and drain, get less."""
     n = len(shares)
     out = []
@@ -200,6 +213,7 @@ def shared_core_stretch(shares: Sequence[float], cores: float, threads: int = TH
                 nxt[k] += q * (1 - p)
                 nxt[k + 1] += q * p
             dist = nxt
-        memo[p_i] = sum(q * max(1.0, threads * (1 + k) / cores) for k, q in enumerate(dist))
+        memo[p_i] = sum(q * corun_at(corun, min(1 + k, max(1, int(cores)))) * max(1.0, threads * (1 + k) / cores)
+                        for k, q in enumerate(dist))
         out.append(memo[p_i])
     return out

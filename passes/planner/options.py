@@ -44,6 +44,9 @@ class PlanOptions:
     # (machine_cache.action_cost, as (kind, seconds) pairs; a mapping is accepted), () none
     collective: tuple[float, float] | None = None  # the runtime's all-reduce on this host, (fixed s, bytes/s):
     # a local cluster's calibration (ActionCost.collective; simulate.collective_s), None: the ring at the link
+    corun: tuple[tuple[int, float], ...] = ()  # this machine's co-running slowdowns, (processes computing at
+    # once, factor) pairs (OpCostTable.corun; a mapping is accepted): a local CPU cluster's calibration
+    # (pdcompile.api.corun_of), charged while ranks compute side by side (simulate.shared_cores), () none
     also_rate: tuple[tuple[tuple[int, int, tuple[int, ...]], ...], ...] = ()  # plans the step search rates beside
     # its own at each microbatch count it tries, each as its stages' (first layer, last layer, ranks) on the whole
     # cluster: pdcompile() re-planning at the count it chose keeps the plan it chose there (pdcompile.api)
@@ -54,6 +57,8 @@ class PlanOptions:
         if isinstance(self.action_overhead_s, Mapping):  # kept as sorted pairs: hashable, deterministic
             object.__setattr__(self, "action_overhead_s",
                                tuple(sorted((str(k), float(v)) for k, v in self.action_overhead_s.items())))
+        if isinstance(self.corun, Mapping):
+            object.__setattr__(self, "corun", tuple(sorted((int(k), float(v)) for k, v in self.corun.items())))
 
     @property
     def overhead_s(self) -> dict[str, float]:

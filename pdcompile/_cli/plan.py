@@ -143,13 +143,12 @@ def _profile(args: argparse.Namespace, cluster: Any = None) -> Any:
     else:
         raise UsageError(f"{args.model} returned {type(made).__name__}; it must return an nn.Module or an "
                          "object with .model and .example_inputs")
-    from pdcompile.passes.annotate_costs import corun
     from pdcompile.passes.costs.roofline import contention, device_spec_for
 
     source = cost_source(cluster, cost_mode=getattr(args, "cost_mode", "auto"))
     return profile_model(model, inputs, leaf_modules=leaf, mode=source.mode,
                          device_spec=device_spec_for(cluster).calibrated(source.table),
-                         contention=contention(cluster) * corun(cluster, source.table),
+                         contention=contention(cluster),  # co-running: charged by the simulator (with_step_costs)
                          name=getattr(made, "name", None) or type(model).__name__, example_kwargs=kwargs,
                          loss_fn=getattr(made, "loss_fn", None) if kwargs else None)
 
@@ -169,17 +168,22 @@ def cost_source(cluster: Any, prof: Any = None, cost_mode: str = "auto") -> Any:
 def with_step_costs(options: PlanOptions, cluster: Any, source: Any) -> tuple[PlanOptions, str]:
     """``options`` charging the step costs ``pdcompile()`` charges (:func:`pdcompile.api.step_costs`: the
     runtime's per-action cost on CPU workers, the calibrated optimizer step where the costs are this
-    machine's), and the line that says which."""
+    machine's; :func:`pdcompile.api.corun_of`: the co-running slowdown on a calibrated local cluster), and the
+    line that says which."""
     import dataclasses
 
-    from pdcompile.api import step_cost_line, step_costs
+    from pdcompile.api import corun_of, step_cost_line, step_costs
     from pdcompile.simulate import update_bandwidth_of
 
     cost, bw, problem = step_costs(cluster, source)
     options = dataclasses.replace(options, update_bandwidth=bw, action_overhead_s=tuple(sorted(cost.seconds.items()))
-                                  if cost is not None else (), collective=cost.collective if cost is not None else None)
-    return options, step_cost_line(bw if bw is not None else update_bandwidth_of(cluster), bw is not None, problem,
-                                   cost)
+                                  if cost is not None else (), collective=cost.collective if cost is not None else None,
+                                  corun=corun_of(cluster, source))
+    line = step_cost_line(bw if bw is not None else update_bandwidth_of(cluster), bw is not None, problem, cost)
+    if options.corun:  # where the calibrated co-running slowdown is charged (one place: the simulator)
+        line += (f"; side by side: compute x{', x'.join(f'{f:.2f} with {n}' for n, f in options.corun)} computing at "
+                 f"once, charged only while ranks compute together (simulate.shared_cores), not in the chain's costs")
+    return options, line
 
 
 def _sizes(text: str) -> list[int]:
