@@ -159,13 +159,13 @@ def cpu_times() -> dict[str, int]:
 
 def table(results: dict[tuple[str, str], list[Launch]], variants: Sequence[Variant], modes: Sequence[Mode]) -> str:
     out = ["| variant | mode | launch medians (ms) | max / min | CV of launch medians | mean step (ms) | "
-           "CV within a launch (median) | waiting for a core (ms per minibatch, per launch) | cores per rank |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "CV within a launch (median) | waiting for a core (ms per minibatch, per launch) | niced work's CPU share, "
+           "per launch | cores per rank |", "|---|---|---|---|---|---|---|---|---|---|"]
     for v in variants:
         for m in modes:
             ls = results.get((str(v), m.name), [])
             if not ls:
-                out.append(f"| {v} | {m.name} | failed | - | - | - | - | - | - |")
+                out.append(f"| {v} | {m.name} | failed | - | - | - | - | - | - | - |")
                 continue
             meds = [launch.median for launch in ls]
             every = [x for launch in ls for x in launch.steps_s]
@@ -174,7 +174,61 @@ def table(results: dict[tuple[str, str], list[Launch]], variants: Sequence[Varia
                        f"{cv(meds):.1%} | {statistics.fmean(every) * 1e3:.2f} | "
                        f"{statistics.median(launch.cv for launch in ls):.1%} | "
                        f"{', '.join(f'{max(launch.wait_s, default=math.nan) * 1e3:.2f}' for launch in ls)} | "
+                       f"{', '.join(f'{launch.niced:.0%}' for launch in ls)} | "
                        f"{'; '.join(cores) or '?'} |")
+    return "\n".join(out) + "\n"
+
+
+def probe(wname: str, seconds: float, window: float = 0.5) -> list[tuple[float, dict[str, float]]]:
+    """One process, no launch: the workload's forward and backward of half its batch (a replica's share in data
+    parallelism x2)
+    timed back to back for ``seconds``; per ``window`` seconds, the median step and the shares of the machine's CPU
+    time (/proc/stat) meanwhile. What a rank's compute alone does while the machine's other core is idle, or runs
+    other work (niced or not)."""
+    import torch
+
+    from benchmarks.bench_plan_regret import workload
+
+    w = workload(wname)
+    n = max(1, int(w.inputs[0].shape[0]) // 2)
+    x, y = tuple(t[:n] for t in w.inputs), w.target[:n]
+
+    def step() -> None:
+        out = w.model(*x)
+        w.loss_fn(getattr(out, "logits", out), y).backward()
+
+    torch.set_num_threads(1)
+    for _ in range(10):
+        step()
+    out: list[tuple[float, dict[str, float]]] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        before, times, t0 = cpu_times(), [], time.perf_counter()
+        while time.perf_counter() - t0 < window:
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        d = {k: v - before.get(k, 0) for k, v in cpu_times().items()}
+        total = sum(d.values()) or 1
+        out.append((statistics.median(times), {k: v / total for k, v in d.items()}))
+    return out
+
+
+def probe_table(windows: Sequence[tuple[float, dict[str, float]]], window: float = 0.5) -> str:
+    """The probe's windows by what the rest of the machine did: the other core idle (idle >= 30% of the machine),
+    niced work on it (nice >= 20%), or other (un-niced) work."""
+    groups: dict[str, list[float]] = {}
+    for step, share in windows:
+        kind = ("the other core idle" if share.get("idle", 0) >= 0.3 else
+                "niced work on the other core" if share.get("nice", 0) >= 0.2 else "other work on the other core")
+        groups.setdefault(kind, []).append(step)
+    out = [f"One process computing alone (no launch: the workload's forward and backward, back to back, half the "
+           f"batch), its median step per {window:g} s window, by what the machine's other core did meanwhile:", "",
+           "| the other core | windows | median step (ms) | fastest window | slowest window | slowest / fastest |",
+           "|---|---|---|---|---|---|"]
+    for kind, steps in groups.items():
+        out.append(f"| {kind} | {len(steps)} | {statistics.median(steps) * 1e3:.2f} | {min(steps) * 1e3:.2f} | "
+                   f"{max(steps) * 1e3:.2f} | {max(steps) / min(steps):.2f} |")
     return "\n".join(out) + "\n"
 
 
@@ -190,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", action="append", default=[], metavar="NAME=FLAGS",
                     help=f"a way to launch: train.py flags and NAME=VALUE environment settings (repeatable; "
                          f"default: {' and '.join(repr(m) for m in DEFAULT_MODES)})")
+    ap.add_argument("--probe", type=float, default=0.0, metavar="SECONDS",
+                    help="also time one process computing alone (no launch) for this long, per half second beside "
+                         "what the machine's other core did (idle, niced work, other work)")
     ap.add_argument("--json", default="", help="also write every launch's step times here")
     ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     args = ap.parse_args(argv)
@@ -202,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = [Variant.parse(x) for x in args.variants.split(",") if x]
     modes = [Mode.parse(x) for x in (args.mode or DEFAULT_MODES)]
     programs = {}
-    for v in variants:
+    for v in variants if args.launches > 0 else ():
         pipe = compile_variant(args.workload, v, args.workers)
         programs[str(v)] = pipe.emit(Path(tempfile.mkdtemp(prefix="pd-noise-")) / "program")
         print(f"compiled {v}: {len(pipe.plan.stages)} stage(s), replicas {[s.replicas for s in pipe.plan.stages]}",
@@ -235,15 +292,21 @@ def main(argv: list[str] | None = None) -> int:
             f"deviation / mean) of those medians; the mean of every measured step; the median over launches of the "
             f"coefficient of variation of a launch's own steps; per launch, the most any rank's process spent runnable "
             f"but waiting for a core (ms per minibatch, every thread summed: the metrics' `sched`, "
-            f"/proc/self/task/*/schedstat); the cores each rank was allowed (the metrics' `cpu_affinity`).\n"
+            f"/proc/self/task/*/schedstat); per launch, the share of the machine's CPU time that niced processes (other "
+            f"work, lowered beside the timed run) took; the cores each rank was allowed (the metrics' "
+            f"`cpu_affinity`).\n"
             f"Load before: {load_before}; after: {load_note()}. CPU time during the launches: "
             f"{', '.join(f'{k} {v / total:.0%}' for k, v in ticks.items())}. Run time {elapsed:.0f} s.\n\n"
             + table(results, variants, modes))
+    windows = probe(args.workload, args.probe) if args.probe > 0 else []
+    if windows:
+        body += "\n" + probe_table(windows)
     if notes:
         body += "\nNotes:\n" + "".join(f"- {n}\n" for n in notes)
     if args.json:
-        Path(args.json).write_text(json.dumps({f"{v} | {m}": [dataclasses.asdict(x) for x in ls]
-                                               for (v, m), ls in results.items()}, indent=1))
+        Path(args.json).write_text(json.dumps({**{f"{v} | {m}": [dataclasses.asdict(x) for x in ls]
+                                                  for (v, m), ls in results.items()},
+                                               "probe": [dict(step_s=t, **share) for t, share in windows]}, indent=1))
     command = "python benchmarks/bench_launch_noise.py " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     publish(NAME, body, command.strip(), write=not args.no_write)

@@ -282,8 +282,28 @@ def slowest_steps(ranks: Sequence[Any], schedule: str, steps: int, warmup: int) 
 def measure(program: Path, nproc: int, schedule: str, bps: float, steps: int, warmup: int,
             timeout: float = 600) -> float:
     """Median seconds per minibatch of one launch of ``program`` (the slowest rank per minibatch)."""
+    return measure_with_load(program, nproc, schedule, bps, steps, warmup, timeout)[0]
+
+
+def measure_with_load(program: Path, nproc: int, schedule: str, bps: float, steps: int, warmup: int,
+                      timeout: float = 600) -> tuple[float, float]:
+    """:func:`measure`, and the share of the machine's CPU time that niced processes (other work lowered beside
+    a timed run) took during the launch: what slows the ranks' compute itself on the 2-core VM, up to 1.6x per
+    process (benchmarks/RESULTS.md, "Launch-to-launch noise")."""
+    before = cpu_ticks()
     ranks = launch_metrics(program, nproc, schedule, bps, steps, warmup, timeout)
-    return statistics.median(slowest_steps(ranks, schedule, steps, warmup))
+    after = cpu_ticks()
+    d = [b - a for a, b in zip(before, after)]
+    return statistics.median(slowest_steps(ranks, schedule, steps, warmup)), (d[1] / sum(d) if sum(d) > 0 else math.nan)
+
+
+def cpu_ticks() -> list[int]:
+    """/proc/stat's CPU time of the whole machine so far (user, nice, system, idle, ...), or zeros."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return [0] * 10
 
 
 def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
@@ -396,6 +416,8 @@ class Row:
     same_as: list[str] = dataclasses.field(default_factory=list)
     # the calibration constants the prediction was made with (calibration_used)
     calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # per launch (as measured), the share of the machine's CPU time niced processes took meanwhile
+    niced: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -462,7 +484,9 @@ def scenario(wname: str, link: str, workers: int, args: argparse.Namespace) -> t
             c = keyed[key]
             prog = compiled[(c.layout, c.num_microbatches)][1]
             try:
-                row.measured.append(measure(prog, workers, c.schedule, bps, args.steps, args.warmup))
+                step, niced = measure_with_load(prog, workers, c.schedule, bps, args.steps, args.warmup)
+                row.measured.append(step)
+                row.niced.append(niced)
             except Exception as e:  # noqa: BLE001 - one failed launch is noted, the rest go on
                 notes.append(f"{c} repeat {rep + 1}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
                 continue
@@ -647,6 +671,12 @@ def tables(rows: Sequence[Row], notes: Sequence[str], args: argparse.Namespace, 
             name = " = ".join([r.candidate, *r.same_as])
             out.append(f"| {name} | {', '.join(r.picked_by) or '-'} | {r.predicted * 1e3:.2f} | "
                        f"{r.median * 1e3:.2f} | {meas or 'failed'} | {'-' if math.isnan(r.error) else format(r.error, '+.1%')} |")
+    shares = [x for r in rows for x in r.niced if math.isfinite(x)]
+    if shares:
+        out += ["", f"Other work during the launches: niced processes took more than 10% of the machine's CPU time in "
+                    f"{sum(x > 0.10 for x in shares)} of {len(shares)} launches (median {statistics.median(shares):.0%}; this run's own "
+                    f"ranks count too where it was itself niced); "
+                    f"beside such work a rank's compute runs up to 1.6x slower (RESULTS.md, \"Launch-to-launch noise\")."]
     if notes:
         out += ["", "Notes:"] + [f"- {n}" for n in notes]
     return "\n".join(out) + "\n"

@@ -404,7 +404,7 @@ class Trainer:
         t_run = timing.now(devices.rank_device())
         self.runlog.start_clock()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        sched = timing.sched_totals()
+        sched0 = timing.sched_totals()
         try:
             # One schedule per segment between checkpoints and evaluations: each falls on a flush point.
             for first, end in loop.cuts(self.start, args.steps, args.checkpoint_every, args.eval_every,
@@ -422,7 +422,7 @@ class Trainer:
         dist.barrier()
         wall = timing.now(devices.rank_device()) - t_run
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        sched = tuple(b - a for a, b in zip(sched, timing.sched_totals()))
+        sched = [b - a for a, b in zip(sched0, timing.sched_totals())]
         if args.save_final:
             out = Path(args.save_final)
             out.mkdir(parents=True, exist_ok=True)
