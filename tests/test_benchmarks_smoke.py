@@ -584,3 +584,34 @@ def test_plan_regret_defaults_are_the_protocol(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(SystemExit):
         pr.main([])
     assert (seen["steps"], seen["warmup"], seen["repeats"]) == (20, 4, 3)
+
+
+def test_launch_noise_pieces() -> None:
+    """bench_launch_noise: a mode's flags and environment parsed apart, variants parsed, the spread of launch
+    medians (max / min, the coefficient of variation against statistics' own) tabled per variant and mode, and the
+    probe's windows grouped by what the rest of the machine did."""
+    import statistics
+
+    from benchmarks import bench_launch_noise as bn
+
+    m = bn.Mode.parse("unpinned=--pin-cores off PDCOMPILE_X=1")
+    assert m.name == "unpinned" and m.flags == ("--pin-cores", "off") and m.env == (("PDCOMPILE_X", "1"),)
+    assert bn.Mode.parse("pinned=") == bn.Mode("pinned")
+    assert bn.Variant.parse("pp:zb-h1:8") == bn.Variant("pp", "zb-h1", 8)
+    with pytest.raises(SystemExit):
+        bn.Variant.parse("dp:flush")
+    meds = [0.010, 0.012, 0.015]
+    launches = [bn.Launch([x, x, x * 1.1], [[0], [1]], 1.0, [0.001, 0.002], [0.009, 0.009], 0.25) for x in meds]
+    assert launches[0].median == 0.010
+    v = bn.Variant("dp", "flush", 2)
+    text = bn.table({(str(v), "pinned"): launches}, [v], [bn.Mode("pinned"), bn.Mode("unpinned")])
+    line = next(x for x in text.splitlines() if "| pinned |" in x)
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[2] == "10.00, 12.00, 15.00" and cells[3] == "1.50"
+    assert cells[4] == f"{statistics.pstdev(meds) / statistics.fmean(meds):.1%}" and cells[7] == "2.00, 2.00, 2.00"
+    assert cells[8] == "25%, 25%, 25%" and cells[9] == "[[0], [1]]"
+    assert "| unpinned | failed |" in text
+    probe = bn.probe_table([(0.005, {"idle": 0.5, "nice": 0.0}), (0.008, {"idle": 0.0, "nice": 0.45}),
+                            (0.006, {"idle": 0.4, "nice": 0.0})])
+    assert "| the other core idle | 2 | 5.50 | 5.00 | 6.00 | 1.20 |" in probe
+    assert "| niced work on the other core | 1 | 8.00 |" in probe
