@@ -249,24 +249,61 @@ def predict(pipe: Any, schedule: str) -> float:
     return (m4 - m2) / 2
 
 
-def measure(program: Path, nproc: int, schedule: str, bps: float, steps: int, warmup: int,
-            timeout: float = 600) -> float:
-    """Median seconds per minibatch of one launch of ``program`` (the slowest rank per minibatch)."""
-    from benchmarks._common import step_times, torchrun
+def launch_metrics(program: Path, nproc: int, schedule: str, bps: float, steps: int, warmup: int,
+                   timeout: float = 600, extra: Sequence[str] = (), env: dict[str, str] | None = None) -> list[Any]:
+    """Every rank's metrics (its ``--metrics`` JSON) of one launch of ``program`` for ``warmup + steps``
+    minibatches under ``schedule``, through ``python -m pdcompile.slowlink`` (the link emulated at ``bps``
+    bytes/s where it is not 0), with train.py flags ``extra`` and environment ``env`` added."""
+    from benchmarks._common import torchrun
     from pdcompile import slowlink
 
     metrics = Path(tempfile.mkdtemp(prefix="pd-regret-metrics-"))
     # the memory meter off (--no-memory-meter): its hook per saved tensor is an instrument the user turns on with
     # --metrics, not the training step the prediction is of
     args = [str(program), "--steps", str(warmup + steps), "--metrics", str(metrics), "--no-memory-meter",
-            "--timeout", "300", "--schedule", schedule]
+            "--timeout", "300", "--schedule", schedule, *extra]
     rc, log = torchrun("pdcompile.slowlink", nproc, args, timeout=timeout,
-                       env={slowlink.ENV: str(bps), "PDCOMPILE_NCCL_RULES": "0"})
+                       env={slowlink.ENV: str(bps), "PDCOMPILE_NCCL_RULES": "0", **(env or {})})
     if rc != 0:
         raise RuntimeError(f"run of {program} ({schedule}) failed ({rc}):\n{log[-2000:]}")
-    ranks = [json.loads(p.read_text())["step_times_s"] for p in sorted(metrics.glob("rank_*.json"))]
-    per = max(1, round(min(len(r) for r in ranks) / (warmup + steps))) if schedule in PER_UPDATE else 1
-    return statistics.median(step_times(ranks, warmup, per))
+    return [json.loads(p.read_text()) for p in sorted(metrics.glob("rank_*.json"))]
+
+
+def slowest_steps(ranks: Sequence[Any], schedule: str, steps: int, warmup: int) -> list[float]:
+    """Seconds per minibatch of a launch's measured minibatches (``warmup`` dropped), the slowest rank's
+    (1F1B and 2BW: the per-update times of a minibatch summed)."""
+    from benchmarks._common import step_times
+
+    times = [r["step_times_s"] for r in ranks]
+    per = max(1, round(min(len(t) for t in times) / (warmup + steps))) if schedule in PER_UPDATE else 1
+    return step_times(times, warmup, per)
+
+
+def measure(program: Path, nproc: int, schedule: str, bps: float, steps: int, warmup: int,
+            timeout: float = 600) -> float:
+    """Median seconds per minibatch of one launch of ``program`` (the slowest rank per minibatch)."""
+    return measure_with_load(program, nproc, schedule, bps, steps, warmup, timeout)[0]
+
+
+def measure_with_load(program: Path, nproc: int, schedule: str, bps: float, steps: int, warmup: int,
+                      timeout: float = 600) -> tuple[float, float]:
+    """:func:`measure`, and the share of the machine's CPU time that niced processes (other work lowered beside
+    a timed run) took during the launch: what slows the ranks' compute itself on the 2-core VM, up to 1.6x per
+    process (benchmarks/RESULTS.md, "Launch-to-launch noise")."""
+    before = cpu_ticks()
+    ranks = launch_metrics(program, nproc, schedule, bps, steps, warmup, timeout)
+    after = cpu_ticks()
+    d = [b - a for a, b in zip(before, after)]
+    return statistics.median(slowest_steps(ranks, schedule, steps, warmup)), (d[1] / sum(d) if sum(d) > 0 else math.nan)
+
+
+def cpu_ticks() -> list[int]:
+    """/proc/stat's CPU time of the whole machine so far (user, nice, system, idle, ...), or zeros."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return [0] * 10
 
 
 def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
@@ -291,6 +328,70 @@ def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
     return (conc - disc) / den if den else math.nan
 
 
+def run_key(pipe: Any, schedule: str, num_steps: int = 2) -> tuple[Any, ...]:
+    """What a launch of ``pipe``'s program under ``--schedule schedule`` runs, as the runtime builds it
+    (runtime/run_schedule.py ``run_schedule``: the compiled schedule's replicas, microbatches, tied weights,
+    vertical sync and split backward under the policy asked): every rank's actions over ``num_steps`` steps, from
+    the schedule pass's ``ScheduleSpec``, and the policy's rules the actions do not spell (an update per microbatch,
+    the weight version's lag). Two candidates of one program with equal keys are one launch (data parallelism with
+    a microbatch per replica: ``F B`` on every rank under flush and gpipe alike)."""
+    from pdcompile.runtime.schedules import policy
+    from pdcompile.runtime.schedules.spec import ScheduleSpec, actions_text
+
+    c = pipe.state.schedule_spec
+    spec = ScheduleSpec(schedule, c.replicas, c.num_microbatches, c.tied, c.vertical_sync, c.split_backward,
+                        c.virtual_stages, c.csv if schedule == c.name else None)
+    acts = spec.make(num_steps)
+    pol = policy(schedule)
+    return (pol.update_per_microbatch, pol.version_lag, tuple(actions_text(acts[r]) for r in sorted(acts)))
+
+
+def calibration_used() -> dict[str, Any]:
+    """The constants of this machine's cached calibration (``pdcompile.machine_cache``) that ``simulate()`` charges
+    on a local CPU cluster: the runtime's per-action seconds (or the built-in ones, and why), the all-reduce's
+    fixed seconds and bytes/s, the per-node (forward, backward) seconds, the weights' (forward, backward) bytes/s,
+    a split backward's weight pass per parameter tensor, the side-by-side (corun) factors; when and for which key
+    it was measured."""
+    from pdcompile import machine_cache
+
+    cost = machine_cache.action_cost()
+    table, problem = machine_cache.op_costs()
+    entry = machine_cache._machine_entry()[0] or {}
+    out: dict[str, Any] = {
+        "measured_at": entry.get("measured_at", ""), "key": entry.get("key", ""),
+        "action_s": dict(cost.seconds) if cost.calibrated else f"built-in {machine_cache.BUILTIN_ACTION_S:g} s "
+                                                                f"({cost.problem})",
+        "allreduce": list(cost.collective) if cost.collective else None,
+    }
+    if table is None:
+        out["op_costs"] = f"none ({problem})"
+        return out
+    out.update(node_s=list(table.node_s), weight_rate=list(table.weight_rate), weight_pass_s=table.w_param_s,
+               corun={str(k): v for k, v in dict(table.corun).items()}, op_costs=table.source)
+    return out
+
+
+def calibration_note(cal: dict[str, Any]) -> str:
+    """:func:`calibration_used` in one line for the table's header."""
+    def num(x: Any, unit: str = "") -> str:
+        return f"{x:.3g}{unit}" if isinstance(x, (int, float)) else str(x)
+
+    acts = cal.get("action_s")
+    acts_text = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in acts.items()) if isinstance(acts, dict) else str(acts)
+    ar = cal.get("allreduce")
+    parts = [f"measured {cal.get('measured_at') or '?'}", f"per action: {acts_text}",
+             f"all-reduce: {num(ar[0] * 1e6)} us + bytes / {num(ar[1] / 1e6)} MB/s" if ar else "all-reduce: none"]
+    if "node_s" in cal:
+        (nf, nb), (wf, wb) = cal["node_s"], cal["weight_rate"]
+        parts += [f"per node: {nf * 1e6:.2f} / {nb * 1e6:.2f} us (forward / backward)",
+                  f"weight rate: {num(wf / 1e9)} / {num(wb / 1e9)} GB/s",
+                  f"weight pass: {cal['weight_pass_s'] * 1e6:.1f} us per parameter tensor",
+                  "corun: " + (", ".join(f"{k} processes x{v:.3f}" for k, v in cal["corun"].items()) or "none")]
+    else:
+        parts.append(f"cost per op class: {cal.get('op_costs')}")
+    return "; ".join(parts)
+
+
 # ---------------------------------------------------------------------------------------------
 # a scenario
 
@@ -310,6 +411,13 @@ class Row:
     layout: list[list[int]] = dataclasses.field(default_factory=list)
     schedule: str = ""
     num_microbatches: int = 0
+    # other candidates whose launch is this one's (the same program, every rank the same actions: run_key),
+    # measured once under this row
+    same_as: list[str] = dataclasses.field(default_factory=list)
+    # the calibration constants the prediction was made with (calibration_used)
+    calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # per launch (as measured), the share of the machine's CPU time niced processes took meanwhile
+    niced: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -350,6 +458,7 @@ def scenario(wname: str, link: str, workers: int, args: argparse.Namespace) -> t
     for who, (c, pipe) in picks.items():
         compiled.setdefault((c.layout, c.num_microbatches), (pipe, Path()))
     rows: dict[tuple[Any, str, int], Row] = {}
+    cal = calibration_used()
     for key, c in keyed.items():
         k2 = (c.layout, c.num_microbatches)
         try:
@@ -361,20 +470,23 @@ def scenario(wname: str, link: str, workers: int, args: argparse.Namespace) -> t
                 compiled[k2] = (pipe, prog)
             rows[key] = Row(name, str(c), c.source, predict(pipe, c.schedule), workload=wname, link=link,
                             workers=workers, layout=[list(st) for st in c.layout], schedule=c.schedule,
-                            num_microbatches=c.num_microbatches)
+                            num_microbatches=c.num_microbatches, calibration=cal)
         except Exception as e:  # noqa: BLE001 - a candidate that cannot compile is named, not fatal
             notes.append(f"{c}: not compiled ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
     for who, (c, _) in picks.items():
         key = (c.layout, c.schedule, c.num_microbatches)
         if key in rows:
             rows[key].picked_by.append(who)
+    rows = merge_same_runs(rows, keyed, compiled, notes)
     print(f"[{name}] {len(rows)} candidates; running {args.repeats} x {len(rows)} launches", flush=True)
     for rep in range(args.repeats):  # interleaved: each candidate once per repeat
         for key, row in rows.items():
             c = keyed[key]
             prog = compiled[(c.layout, c.num_microbatches)][1]
             try:
-                row.measured.append(measure(prog, workers, c.schedule, bps, args.steps, args.warmup))
+                step, niced = measure_with_load(prog, workers, c.schedule, bps, args.steps, args.warmup)
+                row.measured.append(step)
+                row.niced.append(niced)
             except Exception as e:  # noqa: BLE001 - one failed launch is noted, the rest go on
                 notes.append(f"{c} repeat {rep + 1}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
                 continue
@@ -382,6 +494,32 @@ def scenario(wname: str, link: str, workers: int, args: argparse.Namespace) -> t
                   f"{row.measured[-1] * 1e3:8.2f} ms{'  (' + ', '.join(row.picked_by) + ')' if row.picked_by else ''}",
                   flush=True)
     return list(rows.values()), notes
+
+
+def merge_same_runs(rows: dict[tuple[Any, str, int], Row], keyed: dict[tuple[Any, str, int], Candidate],
+                    compiled: dict[tuple[Any, int], tuple[Any, Path]],
+                    notes: list[str]) -> dict[tuple[Any, str, int], Row]:
+    """``rows`` with the candidates that launch the same run (one program, :func:`run_key` equal) made one row: the
+    first one's, the others named in its ``same_as`` and their picks added to its ``picked_by``, so that one program
+    launched twice is not two candidates (nor its noise a regret)."""
+    out: dict[tuple[Any, str, int], Row] = {}
+    first: dict[tuple[Any, ...], tuple[Any, str, int]] = {}
+    for key, row in rows.items():
+        c = keyed[key]
+        k2 = (c.layout, c.num_microbatches)
+        run = (k2, run_key(compiled[k2][0], c.schedule))
+        if run not in first:
+            first[run] = key
+            out[key] = row
+            continue
+        kept = out[first[run]]
+        kept.same_as.append(row.candidate)
+        kept.picked_by += [who for who in row.picked_by if who not in kept.picked_by]
+        if not math.isclose(row.predicted, kept.predicted, rel_tol=1e-3):
+            notes.append(f"{row.candidate} runs as {kept.candidate} (the same actions on every rank) but was "
+                         f"predicted {row.predicted * 1e3:.2f} ms, not {kept.predicted * 1e3:.2f}: measured once, "
+                         f"under {kept.candidate}'s prediction")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,6 +561,7 @@ def repredict(rows: Sequence[Row]) -> tuple[list[Row], list[str]]:
     notes: list[str] = []
     built: dict[tuple[str, str, int], tuple[Workload, Any]] = {}
     compiled: dict[tuple[Any, ...], Any] = {}
+    cal = calibration_used()
     for row in rows:
         wname, link, workers, c = candidate_of(row)
         if (wname, link, workers) not in built:
@@ -441,7 +580,7 @@ def repredict(rows: Sequence[Row]) -> tuple[list[Row], list[str]]:
         layout = layout_of(compiled[key].plan)
         out.append(dataclasses.replace(row, predicted=pred, workload=wname, link=link, workers=workers,
                                        layout=[list(st) for st in layout], schedule=c.schedule,
-                                       num_microbatches=c.num_microbatches))
+                                       num_microbatches=c.num_microbatches, calibration=cal))
     return out, notes
 
 
@@ -498,6 +637,10 @@ def tables(rows: Sequence[Row], notes: Sequence[str], args: argparse.Namespace, 
             f"minibatch, median, the memory meter off (`--no-memory-meter`); {args.repeats} repeat(s), candidates "
             f"interleaved, the median over repeats.",
             f"The runtime's per-action cost in the predictions: {action_cost_note()}.",
+            *[f"Calibration the predictions used ({n} row(s); `--json` rows' `calibration`): {calibration_note(c)}."
+              for c, n in calibrations(rows)],
+            "Candidates that launch the same run (one program, every rank's actions equal: `run_key`) are measured "
+            "once and listed as one row (`= ...`); a pick of either points at it.",
             f"Load before: {load_before}; after: {load_note()}. Run time {elapsed:.0f} s.", "",
             "| scenario | candidates | Kendall's tau | best measured (ms) | regret, planner's pick | regret, auto's pick "
             "| median abs error | p90 abs error |", "|---|---|---|---|---|---|---|---|"]
@@ -525,11 +668,30 @@ def tables(rows: Sequence[Row], notes: Sequence[str], args: argparse.Namespace, 
                 "|---|---|---|---|---|---|"]
         for r in sorted(rs, key=lambda r: (math.isnan(r.median), r.median)):
             meas = ", ".join(f"{x * 1e3:.2f}" for x in r.measured)
-            out.append(f"| {r.candidate} | {', '.join(r.picked_by) or '-'} | {r.predicted * 1e3:.2f} | "
+            name = " = ".join([r.candidate, *r.same_as])
+            out.append(f"| {name} | {', '.join(r.picked_by) or '-'} | {r.predicted * 1e3:.2f} | "
                        f"{r.median * 1e3:.2f} | {meas or 'failed'} | {'-' if math.isnan(r.error) else format(r.error, '+.1%')} |")
+    shares = [x for r in rows for x in r.niced if math.isfinite(x)]
+    if shares:
+        out += ["", f"Other work during the launches: niced processes took more than 10% of the machine's CPU time in "
+                    f"{sum(x > 0.10 for x in shares)} of {len(shares)} launches (median {statistics.median(shares):.0%}; this run's own "
+                    f"ranks count too where it was itself niced); "
+                    f"beside such work a rank's compute runs up to 1.6x slower (RESULTS.md, \"Launch-to-launch noise\")."]
     if notes:
         out += ["", "Notes:"] + [f"- {n}" for n in notes]
     return "\n".join(out) + "\n"
+
+
+def calibrations(rows: Sequence[Row]) -> list[tuple[dict[str, Any], int]]:
+    """The distinct calibrations ``rows`` were predicted with, in order, and how many rows used each (rows of an
+    older ``--json`` without one left out)."""
+    seen: dict[str, tuple[dict[str, Any], int]] = {}
+    for r in rows:
+        if r.calibration:
+            k = json.dumps(r.calibration, sort_keys=True)
+            c, n = seen.get(k, (r.calibration, 0))
+            seen[k] = (c, n + 1)
+    return list(seen.values())
 
 
 def action_cost_note() -> str:

@@ -18,6 +18,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -68,6 +69,13 @@ def parse_args(argv: list[str] | None, program: Program) -> argparse.Namespace:
     p.add_argument("--device", choices=DEVICE_FLAGS, default="auto",
                    help="auto: each rank on its GPU (cuda:LOCAL_RANK, NCCL) when CUDA is available, else the CPU "
                         "(gloo); cuda: require the GPUs; cpu: the CPU and gloo even on a GPU machine")
+    p.add_argument("--pin-cores", choices=PIN_MODES, default="auto",
+                   help="CPU ranks (gloo) only: 'auto' gives each local rank its own share of the cores this job "
+                        "may use (local rank r of n on cores r*c/n .. (r+1)*c/n - 1, os.sched_setaffinity, every "
+                        "thread of the process), where the node has at least a core per local rank and two or more "
+                        "ranks: two ranks then never take turns on one core while another idles, and launches "
+                        "measure alike; with fewer cores than ranks (or one rank) nothing is pinned. 'off': "
+                        "where the kernel places them (e.g. beside other pinned jobs on this machine)")
     p.add_argument("--save-final", default=None, help="folder for each rank's final weights")
     p.add_argument("--metrics", default=None, help="folder for each rank's metrics JSON")
     p.add_argument("--memory-meter", action=argparse.BooleanOptionalAction, default=None,
@@ -221,6 +229,8 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    if device.type == "cpu" and args.pin_cores == "auto":  # before the group: gloo's threads inherit it
+        pin_cores(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the group: NCCL binds this rank's communicators to its GPU
     timeout = datetime.timedelta(seconds=args.timeout)
@@ -242,6 +252,42 @@ def main(folder: Path, argv: list[str] | None = None) -> None:
         raise
     dist.destroy_process_group()  # every rank passed the final barrier: a clean teardown
     sys.exit(code)
+
+
+PIN_MODES = ("auto", "off")
+
+
+def core_share(local_rank: int, local_world: int, cores: Sequence[int]) -> list[int] | None:
+    """The cores local rank ``local_rank`` of ``local_world`` is pinned to out of ``cores`` (those the job may
+    use): an equal, contiguous share each, in the cores' order (rank r of n on c cores: ``r*c//n`` ..
+    ``(r+1)*c//n - 1``); None (leave it to the kernel) for one rank, or fewer cores than ranks, where a
+    pinned rank could only wait for a core that another rank holds. Pure, for unit tests."""
+    cores = sorted(cores)
+    if local_world < 2 or len(cores) < local_world or not 0 <= local_rank < local_world:
+        return None
+    c = len(cores)
+    return cores[local_rank * c // local_world:(local_rank + 1) * c // local_world]
+
+
+def pin_cores(local_rank: int, local_world: int) -> list[int] | None:
+    """Pin this process (every thread it has, and so every thread it starts) to :func:`core_share` of the cores
+    it may use now; the cores, or None where nothing was pinned (the share is None, or the kernel refused)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    share = core_share(local_rank, local_world, sorted(os.sched_getaffinity(0)))
+    if share is None:
+        return None
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    try:
+        for tid in tids:
+            os.sched_setaffinity(tid, share)
+    except OSError as e:  # a container that forbids it: run unpinned
+        log.debug("--pin-cores: not pinned (%s)", e)
+        return None
+    return share
 
 
 def exit_now(code: int) -> None:

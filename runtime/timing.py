@@ -10,6 +10,7 @@ finished it. On the CPU all of them are the plain clock (nothing to wait for).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -96,3 +97,23 @@ def recorder(sink: Callable[[tuple[str, float, float]], Any],
 
 
 __all__ = ["StepTimer", "now", "recorder", "sync"]
+
+
+def sched_totals() -> tuple[float, float, int]:
+    """This process's scheduling so far, every thread summed (Linux ``/proc/self/task/*/schedstat``): seconds on a
+    core, seconds runnable but waiting for one (another process or thread held it), and the times it was put on a
+    core; zeros where the kernel does not say. What a step's time cannot tell apart: computing slower, or waiting."""
+    run = wait = 0
+    slices = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0, 0.0, 0
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/schedstat") as f:
+                a, b, c = (int(x) for x in f.read().split()[:3])
+        except (OSError, ValueError):
+            continue  # a thread that ended meanwhile
+        run, wait, slices = run + a, wait + b, slices + c
+    return run / 1e9, wait / 1e9, slices

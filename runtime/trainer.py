@@ -11,6 +11,7 @@ import gc
 import itertools
 import json
 import logging
+import os
 import resource
 import time
 from collections.abc import Iterator
@@ -403,6 +404,7 @@ class Trainer:
         t_run = timing.now(devices.rank_device())
         self.runlog.start_clock()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        sched0 = timing.sched_totals()
         try:
             # One schedule per segment between checkpoints and evaluations: each falls on a flush point.
             for first, end in loop.cuts(self.start, args.steps, args.checkpoint_every, args.eval_every,
@@ -420,6 +422,7 @@ class Trainer:
         dist.barrier()
         wall = timing.now(devices.rank_device()) - t_run
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        sched = [b - a for a, b in zip(sched0, timing.sched_totals())]
         if args.save_final:
             out = Path(args.save_final)
             out.mkdir(parents=True, exist_ok=True)
@@ -445,6 +448,11 @@ class Trainer:
                 "weight_versions": max(ex.weights.peak_versions() for ex in self.executors),
                 "sends_in_flight": self.rank_executor.peak_sends,
                 "weight_versions_promised": self.promised_versions,
+                # the training loop's scheduling, every thread of the process: seconds on a core, seconds
+                # runnable but waiting for one (another process held it), times put on a core (timing.sched_totals)
+                "sched": dict(zip(("run_s", "wait_s", "slices"), sched)),
+                # the cores this rank may run on (train.py --pin-cores)
+                "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 # pages the run touched afresh (each a fault that zero-fills it): see runtime/allocator.py
                 "page_faults_per_step": faults / max(1, args.steps - self.start),

@@ -501,3 +501,117 @@ def test_plan_regret_repredicts_saved_rows(tmp_path: Path, monkeypatch: pytest.M
     # before: errors 1.0 / 0.6 - 1 and 2.0 / 0.4 - 1, their median 233.3%, their p90 the larger
     line = next(x for x in text.splitlines() if x.startswith(f"| {scen} | 233.3% |"))
     assert line.split("|")[4].strip() == "400.0%" and text.splitlines()[-1].startswith("| all | 233.3% |")
+
+
+def test_plan_regret_measures_one_run_once(tmp_path: Path) -> None:
+    """Candidates of one program whose every rank runs the same actions (data parallelism with a microbatch per
+    replica: F B under flush and gpipe alike) are one row, measured once, both picks pointing at it; a schedule
+    that runs other actions (zb-h1 splits the backward) stays its own row. run_key's actions are what a program
+    compiled for that schedule spells out in plan.json for the runtime to check (ScheduleSpec.to_json)."""
+    pr = bench_plan_regret
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    w = pr.Workload("toy", "toy", model, (torch.randn(8, 8),), torch.randint(0, 4, (8,)), torch.nn.CrossEntropyLoss(),
+                    _common.sgd)
+    cluster = pr.cluster_for(2, 0.0)
+    dp = pr.compile_candidate(w, cluster, pr.Candidate(((0, -1, 2),), "flush", 2))
+    n = pr.layout_of(dp.plan)[0][1]
+    two = pr.compile_candidate(w, cluster, pr.Candidate(((0, 0, 1), (1, n, 1)), "flush", 2))
+    from pdcompile.api import pdcompile
+
+    as_gpipe = pdcompile(model, cluster, stages=1, replicas=[2], num_microbatches=2, schedule="gpipe",
+                         example_inputs=w.inputs, example_target=w.target, loss_fn=w.loss_fn, optimizer=w.optimizer)
+    check = as_gpipe.state.schedule_spec.to_json()["check"]
+    assert pr.run_key(dp, "gpipe", check["steps"])[2] == tuple(check["ranks"][str(r)] for r in range(2))
+    assert pr.run_key(dp, "flush") == pr.run_key(dp, "gpipe")
+    assert pr.run_key(two, "flush") != pr.run_key(two, "zb-h1") and pr.run_key(two, "1f1b") != pr.run_key(two, "flush")
+    cands = [pr.Candidate(((0, n, 2),), "flush", 2), pr.Candidate(((0, n, 2),), "gpipe", 2),
+             pr.Candidate(((0, 0, 1), (1, n, 1)), "flush", 2), pr.Candidate(((0, 0, 1), (1, n, 1)), "zb-h1", 2)]
+    keyed = {(c.layout, c.schedule, c.num_microbatches): c for c in cands}
+    compiled = {(cands[0].layout, 2): (dp, Path()), (cands[2].layout, 2): (two, Path())}
+    picks = [["planner"], ["auto"], [], []]
+    rows = {k: pr.Row("toy", str(c), "grid", 0.01 * (i + 1), picked_by=list(p))
+            for i, ((k, c), p) in enumerate(zip(keyed.items(), picks))}
+    notes: list[str] = []
+    merged = pr.merge_same_runs(rows, keyed, compiled, notes)
+    assert [(r.candidate, r.same_as, r.picked_by) for r in merged.values()] == [
+        (str(cands[0]), [str(cands[1])], ["planner", "auto"]), (str(cands[2]), [], []), (str(cands[3]), [], [])]
+    assert len(notes) == 1 and "measured once" in notes[0]  # the two rows' predictions differ here (made up)
+    merged[next(iter(merged))].measured = [0.02]
+    args = pr.main.__globals__["argparse"].Namespace(smoke=False, steps=20, warmup=4, repeats=3)
+    text = pr.tables(list(merged.values()), [], args, "load 1", 1.0)
+    assert f"| {cands[0]} = {cands[1]} | planner, auto |" in text
+
+
+def test_plan_regret_records_the_calibration(pdcompile_cache: Path) -> None:
+    """Every row and the table's header carry the constants of the cached calibration the predictions read
+    (machine_cache): per action, the all-reduce, per node, the weight rate, the weight pass, corun."""
+    from pdcompile import machine_cache
+    from pdcompile.passes.costs.opclass import OpCost, OpCostTable
+
+    pr = bench_plan_regret
+    table = OpCostTable({"matmul": OpCost(1e-5, 1e11)}, {"matmul": OpCost(2e-5, 1e11)}, "test table", {2: 1.25},
+                        (3e-6, 4e-6), (2e10, 5e9), 3.5e-5)
+    machine_cache.cache_path().parent.mkdir(parents=True, exist_ok=True)
+    machine_cache.cache_path().write_text(json.dumps({
+        "key": machine_cache.machine_key(), "overhead_s": {"F": 1.5e-4, "B": 2e-4}, "collective_fixed_s": 4e-4,
+        "collective_rate": 6e8, "measured_at": "2026-12-07 19:45:13 UTC", "op_costs": table.to_dict()}))
+    cal = pr.calibration_used()
+    assert cal["action_s"] == {"F": 1.5e-4, "B": 2e-4} and cal["allreduce"] == [4e-4, 6e8]
+    assert cal["node_s"] == [3e-6, 4e-6] and cal["weight_rate"] == [2e10, 5e9] and cal["weight_pass_s"] == 3.5e-5
+    assert cal["corun"] == {"2": 1.25} and cal["measured_at"] == "2026-12-07 19:45:13 UTC"
+    row = pr.Row("s", "a", "grid", 0.01, [0.012], ["planner"], calibration=cal)
+    back = pr.Row(**json.loads(json.dumps(dataclasses.asdict(row))))  # what --json writes, read back
+    assert back.calibration == cal
+    args = pr.main.__globals__["argparse"].Namespace(smoke=False, steps=20, warmup=4, repeats=3)
+    text = pr.tables([back], [], args, "load 1", 1.0)
+    note = next(x for x in text.splitlines() if x.startswith("Calibration the predictions used (1 row(s)"))
+    for part in ("F 150 us", "B 200 us", "all-reduce: 400 us + bytes / 600 MB/s", "per node: 3.00 / 4.00 us",
+                 "weight rate: 20 / 5 GB/s", "weight pass: 35.0 us", "corun: 2 processes x1.250"):
+        assert part in note, (part, note)
+
+
+def test_plan_regret_defaults_are_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench_plan_regret`` with no flags measures as issue 36 asks: 20 steps after 4 of warm-up, 3 repeats."""
+    pr = bench_plan_regret
+    seen: dict[str, object] = {}
+
+    def stop(wname: str, link: str, workers: int, args: object) -> tuple[list[object], list[str]]:
+        seen.update(vars(args))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(pr, "scenario", stop)
+    with pytest.raises(SystemExit):
+        pr.main([])
+    assert (seen["steps"], seen["warmup"], seen["repeats"]) == (20, 4, 3)
+
+
+def test_launch_noise_pieces() -> None:
+    """bench_launch_noise: a mode's flags and environment parsed apart, variants parsed, the spread of launch
+    medians (max / min, the coefficient of variation against statistics' own) tabled per variant and mode, and the
+    probe's windows grouped by what the rest of the machine did."""
+    import statistics
+
+    from benchmarks import bench_launch_noise as bn
+
+    m = bn.Mode.parse("unpinned=--pin-cores off PDCOMPILE_X=1")
+    assert m.name == "unpinned" and m.flags == ("--pin-cores", "off") and m.env == (("PDCOMPILE_X", "1"),)
+    assert bn.Mode.parse("pinned=") == bn.Mode("pinned")
+    assert bn.Variant.parse("pp:zb-h1:8") == bn.Variant("pp", "zb-h1", 8)
+    with pytest.raises(SystemExit):
+        bn.Variant.parse("dp:flush")
+    meds = [0.010, 0.012, 0.015]
+    launches = [bn.Launch([x, x, x * 1.1], [[0], [1]], 1.0, [0.001, 0.002], [0.009, 0.009], 0.25) for x in meds]
+    assert launches[0].median == 0.010
+    v = bn.Variant("dp", "flush", 2)
+    text = bn.table({(str(v), "pinned"): launches}, [v], [bn.Mode("pinned"), bn.Mode("unpinned")])
+    line = next(x for x in text.splitlines() if "| pinned |" in x)
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[2] == "10.00, 12.00, 15.00" and cells[3] == "1.50"
+    assert cells[4] == f"{statistics.pstdev(meds) / statistics.fmean(meds):.1%}" and cells[7] == "2.00, 2.00, 2.00"
+    assert cells[8] == "25%, 25%, 25%" and cells[9] == "[[0], [1]]"
+    assert "| unpinned | failed |" in text
+    probe = bn.probe_table([(0.005, {"idle": 0.5, "nice": 0.0}), (0.008, {"idle": 0.0, "nice": 0.45}),
+                            (0.006, {"idle": 0.4, "nice": 0.0})])
+    assert "| the other core idle | 2 | 5.50 | 5.00 | 6.00 | 1.20 |" in probe
+    assert "| niced work on the other core | 1 | 8.00 |" in probe

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -457,6 +458,14 @@ def test_metrics_without_the_memory_meter(tmp_path: Path) -> None:
     ranks = [json.loads(p.read_text()) for p in sorted((tmp_path / "m").glob("rank_*.json"))]
     assert len(ranks) == 2 and all(len(r["step_times_s"]) == 2 for r in ranks)
     assert all(r["memory"]["total"] == 0 for r in ranks)
+    # --pin-cores auto (the default): on 2 cores or more, each rank on its own equal share of this process's cores
+    cores = set(os.sched_getaffinity(0))
+    mine = [set(r["cpu_affinity"]) for r in ranks]
+    if len(cores) >= 2:
+        assert mine[0] and not mine[0] & mine[1] and mine[0] | mine[1] <= cores and len(mine[0]) == len(mine[1])
+    else:
+        assert mine == [cores, cores]
+    assert all(r["sched"]["run_s"] > 0 and r["sched"]["wait_s"] >= 0 and r["sched"]["slices"] > 0 for r in ranks)
 
 
 # -- the optimizer step and weight stashing in simulate() -----------------------------------------------

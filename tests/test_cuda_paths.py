@@ -81,6 +81,7 @@ def _main_until_init(monkeypatch: pytest.MonkeyPatch, folder: Path, argv: list[s
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", torch.device(d))))
     monkeypatch.setattr(launch, "init_process_group", init)
+    monkeypatch.setattr(launch, "pin_cores", lambda rank, world: None)  # not this test process's cores (--pin-cores)
     env = {"RANK": str(local_rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world)}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
