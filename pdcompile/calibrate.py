@@ -96,7 +96,8 @@ def measure(log: Any = None) -> MachineConstants:
     say("measuring compute in a run against its profile (a traced 2-stage run of a small VGG) ...")
     factor = measure_compute_factor(over, node_s=table.node_s)
     fixed, rate = measure_step()
-    ops = with_corun(table, factor)
+    say("measuring two processes computing side by side against each alone ...")
+    ops = with_corun(table, measure_side_by_side())
     return MachineConstants(lat, bw, ar_lat, over, fixed, rate, factor, key=machine_key(),
                             measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), op_costs=ops.to_dict(),
                             collective_fixed_s=coll_fixed, collective_rate=coll_rate)
@@ -545,12 +546,78 @@ def split_names(events: list[Any]) -> set[str]:
     return split | {w.replace("W", "B") for w in split}
 
 
-def with_corun(table: Any, compute_factor: float) -> Any:
-    """``table`` with its co-running slowdown (``OpCostTable.corun``) from a 2-process run's compute
-    against its profile (:func:`measure_compute_factor`): what two processes computing side by side cost
-    each other (memory bandwidth, caches) and what a node timed alone, data in cache, does not see;
-    charged for 2 or more busy processes (``annotate_costs.corun``). At least 1."""
-    return dataclasses.replace(table, corun={2: max(1.0, float(compute_factor))})
+def with_corun(table: Any, factor: float) -> Any:
+    """``table`` with its co-running slowdown (``OpCostTable.corun``): what two processes computing side by
+    side cost each other (memory bandwidth, caches), :func:`measure_side_by_side`; charged for 2 or more busy
+    processes (``annotate_costs.corun``). At least 1."""
+    return dataclasses.replace(table, corun={2: max(1.0, float(factor))})
+
+
+#: the side-by-side probe: the probe model (:func:`_probe_model`) at (batch, tokens, width, conv channels) and
+#: blocks, a mix of every op class at a size whose step takes a few milliseconds
+SIDE_BY_SIDE_PROBE = ((8, 16, 64, 16), 2)
+SIDE_BY_SIDE_S = 1.0  # seconds each phase (alone, side by side) runs
+
+
+def _side_by_side_worker(index: int, seconds: float, barrier: Any, conn: Any) -> None:
+    """Process ``index`` (0 or 1) of :func:`measure_side_by_side`: the probe's forward + backward, one thread,
+    timed per step (wall clock) for ``seconds`` in each of three phases, each begun at a barrier: process 0 alone
+    (1 waits), both at once, process 1 alone (0 waits); sends ``(alone, side by side)`` step times."""
+    import torch
+
+    torch.set_num_threads(1)
+    (b, t, d, ch), blocks = SIDE_BY_SIDE_PROBE
+    torch.manual_seed(0)
+    model = _probe_model(d, ch, blocks)
+    inputs = (torch.randint(0, 512, (b, t)), torch.randn(b, ch, 16, 16), torch.randint(0, 16, (b, t)))
+    for _ in range(5):
+        model(*inputs).backward()
+    phases: list[list[float]] = []
+    for phase in range(3):
+        barrier.wait()
+        times: list[float] = []
+        if phase == 1 or phase == 2 * index:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                t0 = time.perf_counter()
+                model(*inputs).backward()
+                times.append(time.perf_counter() - t0)
+        phases.append(times)
+    barrier.wait()
+    conn.send((phases[2 * index], phases[1]))
+    conn.close()
+
+
+def measure_side_by_side(seconds: float = SIDE_BY_SIDE_S, rounds: int = 2) -> float:
+    """How much slower each of 2 processes computes while the other computes too (``OpCostTable.corun``): 2
+    spawned processes, one thread each, run the probe's step (:data:`SIDE_BY_SIDE_PROBE`) alone in turn and at
+    once (:func:`_side_by_side_worker`); the median step side by side over the median alone (each process
+    against itself), the median over both processes and ``rounds`` rounds. (It was a traced 2-stage run's compute
+    over its measured profile, :func:`measure_compute_factor`: that ratio also holds the profile's own error,
+    which is not a slowdown of company; on a 2-core Xeon it read 1.09-1.44 where side by side measures ~1.0.) 1 where the host has one core (2 processes then share it: that is
+    time-sharing, ``roofline.contention``)."""
+    import multiprocessing as mp
+
+    if (os.cpu_count() or 1) < 2:
+        return 1.0
+    ctx = mp.get_context("spawn")
+    ratios = []
+    for _ in range(rounds):
+        barrier = ctx.Barrier(2)
+        conns, procs = [], []
+        for _i in range(2):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_side_by_side_worker, args=(_i, seconds, barrier, send), daemon=True)
+            p.start()
+            conns.append(recv)
+            procs.append(p)
+        try:
+            got = [c.recv() for c in conns]
+        finally:
+            for p in procs:
+                p.join(30)
+        ratios += [statistics.median(both) / statistics.median(alone) for alone, both in got]
+    return statistics.median(ratios)
 
 
 def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20,
@@ -680,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.ops:
         d = machine_cache.cached() or {"key": machine_key()}
-        table = with_corun(measure_op_costs(), float(d.get("compute_factor", 1.0)))  # the cached run's factor
+        table = with_corun(measure_op_costs(), measure_side_by_side())
         d["op_costs"] = table.to_dict()
         cache_path().parent.mkdir(parents=True, exist_ok=True)
         cache_path().write_text(json.dumps(d, indent=1))
