@@ -198,7 +198,10 @@ def time_stage(run: StageRun, repeats: int, warmup: int = 5) -> tuple[float, flo
 
 
 def _corun_child(program: str, stage: int, wname: str, mb: int, repeats: int, barrier: Any, conn: Any) -> None:
+    from pdcompile.runtime import allocator
+
     torch.set_num_threads(1)
+    allocator.set_mode("keep")
     inputs, target = _microbatch(wname, mb)
     run = StageRun(program, stage, inputs, target)
     for _ in range(3):
@@ -246,8 +249,12 @@ def locked(path: str | None) -> Iterator[None]:
 
 
 def measure(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    """Each row's stage timed alone (and with ``--corun``, each cut's two stages side by side), in place."""
+    """Each row's stage timed alone (and with ``--corun``, each cut's two stages side by side), in place; malloc set
+    as the runtime sets it on CPU (``keep``: no page faults for what a step frees and allocates again)."""
+    from pdcompile.runtime import allocator
+
     torch.set_num_threads(1)
+    allocator.set_mode("keep")
     with locked(args.lock):
         load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
         t0 = time.perf_counter()
@@ -358,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
             f"stages=1 or 2, num_microbatches=M)` as bench_plan_regret compiles, sized as `simulate_plan` sizes them, "
             f"divided by the 2-process charge (contention x corun) to give one process alone; this machine's calibration "
             f"({oc.get('source', 'none')}; node {oc.get('node')}, corun {oc.get('corun')}). Measured: the emitted stage "
-            f"module forward (the last stage with its loss), then backward from its output, one thread, median of "
-            f"{args.repeats} after 5 warm-up, wall clock, in one process (the module call's own cost included, which "
+            f"module forward (the last stage with its loss), then backward from its output, one thread, malloc as the "
+            f"runtime sets it (keep), median of {args.repeats} after 5 warm-up, wall clock, in one process (the module call's own cost included, which "
             f"the prediction charges in the per-action cost instead). Mix: the predicted time's share per op class "
             f"(node: the per-node overhead). Load average before {' / '.join(t['load_before'])}, after "
             f"{' / '.join(t['load_after'])} on {os.cpu_count()} cores; timing {t['seconds']:.0f} s. Machine: {machine()}.\n\n"
