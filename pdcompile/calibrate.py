@@ -657,7 +657,7 @@ def _side_by_side_worker(index: int, seconds: float, barrier: Any, conn: Any) ->
     conn.close()
 
 
-def measure_side_by_side(seconds: float = SIDE_BY_SIDE_S, rounds: int = 1) -> float:
+def measure_side_by_side(seconds: float = SIDE_BY_SIDE_S, rounds: int = 2) -> float:
     """How much slower each of 2 processes computes while the other computes too (``OpCostTable.corun``): 2
     spawned processes, one thread each, run the probe's step (:data:`SIDE_BY_SIDE_PROBE`) alone in turn and at
     once (:func:`_side_by_side_worker`); the median step side by side over the median alone (each process
