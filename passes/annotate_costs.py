@@ -28,7 +28,7 @@ from pdcompile.passes.costs.flops import node_flops, rnn_flops
 from pdcompile.passes.costs.measure import backward_call_overhead, medians
 from pdcompile.passes.costs.nodes import COMPUTE_OPS, NodeCall, call_key, capture, flat_tensors, output_meta
 from pdcompile.passes.costs.params import param_attribution, param_tensor_counts, shared_param_bytes, tied_params
-from pdcompile.passes.costs.opclass import OpCostTable, op_class
+from pdcompile.passes.costs.opclass import OpCostTable, is_aten, op_class
 from pdcompile.passes.costs.profile import profile_from_graph
 from pdcompile.passes.costs.roofline import (
     DEVICE_SPECS,
@@ -278,10 +278,13 @@ def annotate_costs(
                 io = input_bytes(node, values) + out_bytes
                 cls = op_class(node, gm)
                 pw = attribution[node][0]  # the node's weights: streamed at a small microbatch (weight_rate)
-                fwd_s = spec.op_seconds(cls, ff, io, weight_bytes=pw)
-                bwd_s = spec.op_seconds(cls, bf, 2 * io, backward=True, weight_bytes=pw) if has_backward else 0.0
-                fixed = {"forward_fixed_s": spec.op_fixed(cls, weight_bytes=pw),
-                         "backward_fixed_s": spec.op_fixed(cls, backward=True, weight_bytes=pw) if has_backward else 0.0}
+                aten = is_aten(node)  # an ATen overload's call: its own per-node overhead (OpCostTable.node_aten_s)
+                fwd_s = spec.op_seconds(cls, ff, io, weight_bytes=pw, aten=aten)
+                bwd_s = spec.op_seconds(cls, bf, 2 * io, backward=True, weight_bytes=pw, aten=aten) \
+                    if has_backward else 0.0
+                fixed = {"forward_fixed_s": spec.op_fixed(cls, weight_bytes=pw, aten=aten),
+                         "backward_fixed_s": spec.op_fixed(cls, backward=True, weight_bytes=pw, aten=aten)
+                         if has_backward else 0.0}
             pb, bb = attribution[node]
             node.meta["pd.cost"] = NodeCost(
                 forward_s=fwd_s, backward_s=bwd_s, forward_flops=ff, backward_flops=bf,

@@ -88,6 +88,7 @@ def load_or_measure(refresh: bool = False, log: Any = None) -> tuple[MachineCons
 def measure(log: Any = None) -> MachineConstants:
     """Measure every constant now (two short torchrun launches and an in-process timing)."""
     say = log or (lambda msg: None)
+    runtime_allocator()
     say("measuring the fixed cost and rate of each op class and each node's overhead in a whole model "
         "(probe models, one thread) ...")
     table = measure_op_costs()
@@ -102,11 +103,22 @@ def measure(log: Any = None) -> MachineConstants:
     say("measuring compute in a run against its profile (a traced 2-stage run of a small VGG) ...")
     factor = measure_compute_factor(over, node_s=table.node_s)
     fixed, rate = measure_step()
-    ops = with_corun(table, factor)
+    say("measuring two processes computing side by side against each alone ...")
+    ops = with_corun(table, measure_side_by_side())
     return MachineConstants(lat, bw, ar_lat, over, fixed, rate, factor, key=machine_key(),
                             measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), op_costs=ops.to_dict(),
                             collective_fixed_s=coll_fixed, collective_rate=coll_rate,
                             collective_crowded_fixed_s=crowded[0], collective_crowded_rate=crowded[1])
+
+
+def runtime_allocator() -> None:
+    """This process's malloc set as a runtime process on CPU sets it (``runtime/allocator.py`` ``keep``, the CPU
+    default): what a step frees is reused without page faults. Under glibc's defaults a tensor of 128 KiB and up is
+    often faulted in afresh at each call: a 1 -> 16 channel convolution at 28x28 over 48 images took 1.4 ms so,
+    0.36 ms as the runtime runs it; the calibration times ops as the runtime will run them."""
+    from pdcompile.runtime import allocator
+
+    allocator.set_mode("keep")
 
 
 def _probe_model(d: int, channels: int, blocks: int = 1) -> Any:
@@ -224,9 +236,65 @@ def measure_op_costs() -> Any:
 
     stamp = time.strftime("%Y-%m-%d %H:%M %Z")
     table = fit_op_costs(op_cost_samples(), f"python -m pdcompile.calibrate, {stamp} on {platform.node()}")
+    kernels = fit_op_costs(kernel_samples(), "")  # matmul and convolution at the sizes models use: these instead
+    table = dataclasses.replace(table, forward={**table.forward, **kernels.forward},
+                                backward={**table.backward, **kernels.backward})
     table = dataclasses.replace(table, weight_rate=measure_weight_rate(table))
-    table = dataclasses.replace(table, node_s=fit_node_samples(node_overhead_samples(table)))
+    table = dataclasses.replace(table, node_s=fit_node_samples(node_overhead_samples(table)),
+                                node_aten_s=fit_node_samples(node_overhead_samples(table, frontend="export")))
     return dataclasses.replace(table, w_param_s=measure_weight_pass())
+
+
+#: (rows, in features, out features) of the matmul probe (:func:`kernel_samples`): a transformer's Linears at widths
+#: 64-512 over microbatches of 32-1024 token rows, as models use them
+MATMUL_PROBES = ((32, 64, 64), (128, 96, 288), (128, 128, 512), (512, 128, 128), (512, 96, 384), (1024, 128, 128),
+                 (256, 512, 128), (64, 256, 256))
+#: (input channels, output channels, image side, batch) of the 3x3 convolution probe (:func:`kernel_samples`): a
+#: CNN's first layers (1 or 3 channels in, no input gradient) and its 16-64 channel layers, 2-75 MFLOP each
+CONV_PROBES = ((3, 16, 32, 2), (16, 16, 16, 2), (1, 16, 28, 12), (16, 32, 14, 4), (32, 32, 8, 8), (3, 16, 32, 32),
+               (16, 16, 32, 8), (16, 32, 16, 32), (32, 64, 8, 32), (64, 64, 8, 16))
+
+
+def kernel_samples(repeats: int = 15, rounds: int = 3) -> dict[str, list[tuple[float, float, float, float]]]:
+    """``{"matmul": [...], "conv": [...]}`` of ``(forward work, forward s, backward work, backward s)``: an
+    ``nn.Linear`` at each of :data:`MATMUL_PROBES` and an ``nn.Conv2d`` at each of :data:`CONV_PROBES`, forward and
+    forward + backward (from a gradient of ones, into ``.grad`` as a stage's backward runs) timed
+    :func:`_low_times` in each of ``rounds`` rounds over them all, the median round kept (a burst of other work
+    that slowed one round moves nothing), the backward the difference; work as annotate-costs counts it (FLOPs,
+    twice for the backward). The probe model's
+    operands (:func:`op_cost_samples`: widths 32-128, 4-16 channels at 16x16) are smaller than most models' and
+    their fitted rates scattered 115-172 GFLOP/s between calibrations on one machine; these are the sizes the
+    rates are charged at."""
+    import torch
+
+    torch.set_num_threads(1)
+    out: dict[str, list[tuple[float, float, float, float]]] = {"matmul": [], "conv": []}
+    cases: list[tuple[str, Any, Any, float]] = []
+    for rows, i, o in MATMUL_PROBES:
+        torch.manual_seed(0)
+        cases.append(("matmul", torch.nn.Linear(i, o), torch.randn(rows, i, requires_grad=True), 2.0 * rows * i * o))
+    for ci, co, hw, b in CONV_PROBES:
+        torch.manual_seed(0)
+        x = torch.randn(b, ci, hw, hw, requires_grad=ci > 3)  # a first layer's input is data: no gradient
+        cases.append(("conv", torch.nn.Conv2d(ci, co, 3, padding=1), x,
+                      2.0 * ci * co * 9 * hw * hw * b))
+    timed: list[list[tuple[float, float]]] = [[] for _ in cases]
+    for _ in range(rounds):
+        for i, (cls, mod, x, work) in enumerate(cases):
+            grad = torch.ones_like(mod(x))
+
+            def forward(mod: Any = mod, x: Any = x) -> Any:
+                return mod(x)
+
+            def step(mod: Any = mod, x: Any = x, grad: Any = grad) -> None:
+                mod(x).backward(grad)
+
+            secs = _low_times({"f": forward, "fb": step}, repeats)
+            timed[i].append((secs["f"], secs["fb"]))
+    for (cls, _, _, work), got in zip(cases, timed):
+        f, fb = statistics.median(t for t, _ in got), statistics.median(t for _, t in got)
+        out[cls].append((work, f, 2 * work, max(fb - f, 1e-9)))
+    return out
 
 
 def measure_weight_pass(blocks: tuple[int, int] = (1, 4), repeats: int = 30) -> float:
@@ -319,9 +387,10 @@ NODE_QUANTILE = 0.2
 
 
 def node_overhead_samples(table: Any, sizes: tuple[tuple[int, int, int, int], ...] = NODE_SIZES,
-                          blocks: tuple[int, ...] = NODE_BLOCKS, repeats: int = 40
+                          blocks: tuple[int, ...] = NODE_BLOCKS, repeats: int = 40, frontend: str = "fx"
                           ) -> list[tuple[int, float, int, float]]:
-    """Per probe model (:func:`_probe_model` at ``sizes`` with ``blocks`` blocks): ``(forward nodes,
+    """Per probe model (:func:`_probe_model` at ``sizes`` with ``blocks`` blocks, traced by ``frontend``: ``"fx"``,
+    or ``"export"`` for a graph of ATen overloads, ``OpCostTable.node_aten_s``): ``(forward nodes,
     forward s beyond the ops, nodes with a backward, backward s beyond the ops)``. The whole model runs as
     a runtime's stage does (its generated ``forward``, then one backward through autograd from the loss,
     one thread), timed :func:`_low_times` (its :data:`NODE_QUANTILE`); the ops
@@ -332,16 +401,16 @@ def node_overhead_samples(table: Any, sizes: tuple[tuple[int, int, int, int], ..
     from pdcompile.passes.annotate_costs import annotate_costs, analytic_flops
     from pdcompile.passes.costs.nodes import COMPUTE_OPS, capture
     from pdcompile.passes.costs.roofline import device_spec_for
-    from pdcompile.passes.trace import trace
+    from pdcompile.passes.trace import trace_any
 
     torch.set_num_threads(1)
-    spec = device_spec_for(None).calibrated(dataclasses.replace(table, node_s=(0.0, 0.0)))
+    spec = device_spec_for(None).calibrated(dataclasses.replace(table, node_s=(0.0, 0.0), node_aten_s=(0.0, 0.0)))
     out = []
     for nblocks in blocks:
         for b, t, d, ch in sizes:
             torch.manual_seed(0)
-            gm = trace(_probe_model(d, ch, nblocks))
             inputs = (torch.randint(0, 512, (b, t)), torch.randn(b, ch, 16, 16), torch.randint(0, 16, (b, t)))
+            gm = trace_any(_probe_model(d, ch, nblocks), inputs, frontend=frontend)
             annotate_costs(gm, inputs, mode="analytic", device_spec=spec, symbolic=False, progress=False)
             values = capture(gm, inputs)
             counted: dict[Any, tuple[int, int, bool, float]] = {}
@@ -578,12 +647,79 @@ def split_names(events: list[Any]) -> set[str]:
     return split | {w.replace("W", "B") for w in split}
 
 
-def with_corun(table: Any, compute_factor: float) -> Any:
-    """``table`` with its co-running slowdown (``OpCostTable.corun``) from a 2-process run's compute
-    against its profile (:func:`measure_compute_factor`): what two processes computing side by side cost
-    each other (memory bandwidth, caches) and what a node timed alone, data in cache, does not see;
-    charged for 2 or more busy processes (``annotate_costs.corun``). At least 1."""
-    return dataclasses.replace(table, corun={2: max(1.0, float(compute_factor))})
+def with_corun(table: Any, factor: float) -> Any:
+    """``table`` with its co-running slowdown (``OpCostTable.corun``): what two processes computing side by
+    side cost each other (memory bandwidth, caches), :func:`measure_side_by_side`; charged for 2 or more busy
+    processes (``annotate_costs.corun``). At least 1."""
+    return dataclasses.replace(table, corun={2: max(1.0, float(factor))})
+
+
+#: the side-by-side probe: the probe model (:func:`_probe_model`) at (batch, tokens, width, conv channels) and
+#: blocks, a mix of every op class at a size whose step takes a few milliseconds
+SIDE_BY_SIDE_PROBE = ((8, 16, 64, 16), 2)
+SIDE_BY_SIDE_S = 1.0  # seconds each phase (alone, side by side) runs
+
+
+def _side_by_side_worker(index: int, seconds: float, barrier: Any, conn: Any) -> None:
+    """Process ``index`` (0 or 1) of :func:`measure_side_by_side`: the probe's forward + backward, one thread,
+    timed per step (wall clock) for ``seconds`` in each of three phases, each begun at a barrier: process 0 alone
+    (1 waits), both at once, process 1 alone (0 waits); sends ``(alone, side by side)`` step times."""
+    import torch
+
+    torch.set_num_threads(1)
+    runtime_allocator()
+    (b, t, d, ch), blocks = SIDE_BY_SIDE_PROBE
+    torch.manual_seed(0)
+    model = _probe_model(d, ch, blocks)
+    inputs = (torch.randint(0, 512, (b, t)), torch.randn(b, ch, 16, 16), torch.randint(0, 16, (b, t)))
+    for _ in range(5):
+        model(*inputs).backward()
+    phases: list[list[float]] = []
+    for phase in range(3):
+        barrier.wait()
+        times: list[float] = []
+        if phase == 1 or phase == 2 * index:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                t0 = time.perf_counter()
+                model(*inputs).backward()
+                times.append(time.perf_counter() - t0)
+        phases.append(times)
+    barrier.wait()
+    conn.send((phases[2 * index], phases[1]))
+    conn.close()
+
+
+def measure_side_by_side(seconds: float = SIDE_BY_SIDE_S, rounds: int = 2) -> float:
+    """How much slower each of 2 processes computes while the other computes too (``OpCostTable.corun``): 2
+    spawned processes, one thread each, run the probe's step (:data:`SIDE_BY_SIDE_PROBE`) alone in turn and at
+    once (:func:`_side_by_side_worker`); the median step side by side over the median alone (each process
+    against itself), the median over both processes and ``rounds`` rounds. (It was a traced 2-stage run's compute
+    over its measured profile, :func:`measure_compute_factor`: that ratio also holds the profile's own error,
+    which is not a slowdown of company; on a 2-core Xeon it read 1.09-1.44 where side by side measures ~1.0.) 1 where the host has one core (2 processes then share it: that is
+    time-sharing, ``roofline.contention``)."""
+    import multiprocessing as mp
+
+    if (os.cpu_count() or 1) < 2:
+        return 1.0
+    ctx = mp.get_context("spawn")
+    ratios = []
+    for _ in range(rounds):
+        barrier = ctx.Barrier(2)
+        conns, procs = [], []
+        for _i in range(2):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_side_by_side_worker, args=(_i, seconds, barrier, send), daemon=True)
+            p.start()
+            conns.append(recv)
+            procs.append(p)
+        try:
+            got = [c.recv() for c in conns]
+        finally:
+            for p in procs:
+                p.join(30)
+        ratios += [statistics.median(both) / statistics.median(alone) for alone, both in got]
+    return statistics.median(ratios)
 
 
 def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20,
@@ -712,8 +848,9 @@ def main(argv: list[str] | None = None) -> int:
         _link_worker(args.link_worker)
         return 0
     if args.ops:
+        runtime_allocator()
         d = machine_cache.cached() or {"key": machine_key()}
-        table = with_corun(measure_op_costs(), float(d.get("compute_factor", 1.0)))  # the cached run's factor
+        table = with_corun(measure_op_costs(), measure_side_by_side())
         d["op_costs"] = table.to_dict()
         cache_path().parent.mkdir(parents=True, exist_ok=True)
         cache_path().write_text(json.dumps(d, indent=1))

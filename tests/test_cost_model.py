@@ -567,3 +567,98 @@ def test_a_compiled_pipelines_simulate_charges_the_users_optimizer(tmp_path: Pat
         durations = {e.end_s - e.start_s for e in sim.events if e.name == f"{s}ST"}
         assert p > 0 and durations and all(d == pytest.approx(7 * p / bw, rel=1e-9) for d in durations), (s, durations)
     assert pipe.plan.seconds_per_minibatch == pytest.approx(float(sim.step_time_s), rel=1e-12)
+
+
+# -- session 21: ATen graphs, batched matmuls, the kernel probes' fit --------------------------------------------
+
+def _aten_graph() -> Any:
+    """A hand-built graph of what torch.export emits (ATen overloads) beside a plain torch function, each input's
+    ``pd.tensor`` set as propagate-shapes sets it."""
+    import torch.fx as fx
+
+    from pdcompile.ir import TensorMeta
+
+    g = fx.Graph()
+    x, w, q, k, m = (g.placeholder(n) for n in ("x", "w", "q", "k", "m"))
+    for node, shape in ((x, (4, 8, 16)), (w, (32, 16)), (q, (4, 2, 8, 8)), (k, (4, 2, 8, 8)), (m, (16, 32))):
+        node.meta["pd.tensor"] = TensorMeta(shape, "torch.float32", 4 * math.prod(shape))
+    nodes = {
+        "linear": g.call_function(torch.ops.aten.linear.default, (x, w)),
+        "view": g.call_function(torch.ops.aten.view.default, (x, [32, 16])),
+        "slice": g.call_function(torch.ops.aten.slice.Tensor, (x, 1, 0, 4)),
+        "norm": g.call_function(torch.ops.aten.native_layer_norm.default, (x, [16], None, None, 1e-5)),
+        "embedding": g.call_function(torch.ops.aten.embedding.default, (w, x)),
+        "heads": g.call_function(torch.matmul, (q, k)),  # both batched: the heads' scores
+        "aten_heads": g.call_function(torch.ops.aten.matmul.default, (q, k)),
+        "folded": g.call_function(torch.matmul, (x, m)),  # 3-D by 2-D: a Linear's GEMM
+        "add": g.call_function(torch.add, (x, x)),
+    }
+    return nodes
+
+
+def test_aten_overloads_are_classified_by_their_op_and_batched_matmuls_as_attention() -> None:
+    """A graph torch.export made calls ``torch.ops.aten.X.overload``: classified by ``X`` (before, every one of them
+    fell through to elementwise: a Llama's 29 Linears and 60 views charged as additions); a matmul of two batched
+    operands is attention-class, one of a batched by a 2-D operand stays matmul; only ATen calls are ``is_aten``."""
+    from pdcompile.passes.costs.opclass import is_aten, op_class, op_name
+
+    nodes = _aten_graph()
+    assert {k: op_class(n) for k, n in nodes.items()} == {
+        "linear": "matmul", "view": "view", "slice": "view", "norm": "norm", "embedding": "embedding",
+        "heads": "attention", "aten_heads": "attention", "folded": "matmul", "add": "elementwise"}
+    assert op_name(torch.ops.aten.linear.default) == "linear" and op_name(torch.add) == "add"
+    assert [k for k, n in nodes.items() if is_aten(n)] == ["linear", "view", "slice", "norm", "embedding",
+                                                           "aten_heads"]
+
+
+def test_aten_nodes_pay_their_own_per_node_overhead() -> None:
+    """``OpCostTable.node_aten_s``: an ATen call's per-node overhead, charged instead of ``node_s`` (and only where
+    fitted: a calibration without it charges ``node_s``); it survives the cache, and a cache written before it
+    reads as none."""
+    from pdcompile.passes.costs.roofline import device_spec_for
+
+    fit = {"elementwise": OpCost(1e-6, 1e10)}
+    table = OpCostTable(fit, fit, "test", node_s=(2e-6, 3e-6), node_aten_s=(5e-6, 7e-6))
+    assert OpCostTable.from_dict(json.loads(json.dumps(table.to_dict()))) == table
+    old = {k: v for k, v in table.to_dict().items() if k != "node_aten"}
+    assert OpCostTable.from_dict(old).node_aten_s == (0.0, 0.0)
+    spec = device_spec_for(None).calibrated(table)
+    for backward, plain, aten in ((False, 2e-6, 5e-6), (True, 3e-6, 7e-6)):
+        base = 1e-6 + 1e4 / 1e10
+        assert spec.op_seconds("elementwise", 0, 1e4, backward=backward) == pytest.approx(base + plain, rel=1e-12)
+        assert spec.op_seconds("elementwise", 0, 1e4, backward=backward, aten=True) == \
+            pytest.approx(base + aten, rel=1e-12)
+        assert spec.op_fixed("elementwise", backward=backward, aten=True) == pytest.approx(1e-6 + aten, rel=1e-12)
+    without = device_spec_for(None).calibrated(OpCostTable(fit, fit, "test", node_s=(2e-6, 3e-6)))
+    assert without.op_seconds("elementwise", 0, 1e4, aten=True) == pytest.approx(1e-6 + 1e-6 + 2e-6, rel=1e-12)
+
+
+def test_kernel_probe_fit_recovers_known_rates_through_a_slow_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The matmul and convolution rates come from Linears and Conv2ds at model sizes (``kernel_samples``): on a fake
+    machine where each costs ``alpha + FLOPs / rate`` forward and ``beta + 2 FLOPs / rate_b`` backward, the fit
+    recovers all four per class, though one of the three rounds ran 3x slow (a burst of other work: the median
+    round is kept)."""
+    from pdcompile import calibrate
+
+    truth = {"matmul": (12e-6, 150e9, 35e-6, 130e9), "conv": (60e-6, 140e9, 150e-6, 120e9)}
+    calls = {"n": 0}
+    per_round = len(calibrate.MATMUL_PROBES) + len(calibrate.CONV_PROBES)
+
+    def fake_low_times(fns: dict[str, Any], repeats: int, quantile: float = 0.5) -> dict[str, float]:
+        mod, x = fns["f"].__defaults__
+        if isinstance(mod, nn.Linear):
+            cls, flops = "matmul", 2.0 * x.shape[0] * mod.in_features * mod.out_features
+        else:
+            cls, flops = "conv", 2.0 * mod.in_channels * mod.out_channels * 9 * x.shape[0] * x.shape[2] * x.shape[3]
+        a, r, b, rb = truth[cls]
+        slow = 3.0 if calls["n"] // per_round == 1 else 1.0
+        calls["n"] += 1
+        f = a + flops / r
+        return {"f": slow * f, "fb": slow * (f + b + 2 * flops / rb)}
+
+    monkeypatch.setattr(calibrate, "_low_times", fake_low_times)
+    table = calibrate.fit_op_costs(calibrate.kernel_samples(repeats=1, rounds=3), "test")
+    assert calls["n"] == 3 * per_round
+    for cls, (a, r, b, rb) in truth.items():
+        assert (table.forward[cls].alpha_s, table.forward[cls].rate) == pytest.approx((a, r), rel=1e-6)
+        assert (table.backward[cls].alpha_s, table.backward[cls].rate) == pytest.approx((b, rb), rel=1e-6)

@@ -26,7 +26,7 @@ import numpy as np
 from pdcompile.errors import UsageError
 
 __all__ = ["DEFAULT_ALPHA_S", "FLOP_CLASSES", "OP_CLASSES", "WEIGHT_CLASSES", "OpCost", "OpCostTable", "default_alphas",
-           "fit_node_overhead", "fit_op_cost", "fit_weight_rate", "op_class", "op_class_of_name"]
+           "fit_node_overhead", "fit_op_cost", "fit_weight_rate", "is_aten", "op_class", "op_class_of_name", "op_name"]
 
 OP_CLASSES = ("matmul", "conv", "attention", "norm", "pool", "elementwise", "embedding", "loss", "view")
 FLOP_CLASSES = ("matmul", "conv", "attention")  # work in FLOPs; the others' in bytes read + written
@@ -89,14 +89,22 @@ class OpCostTable:
     #: backward: its ops' dispatch, views and accumulation into ``.grad``; fitted by ``python -m
     #: pdcompile.calibrate`` from the probe model's weight pass at 1 and 4 blocks; 0 when absent
     w_param_s: float = 0.0
+    #: (forward, backward) per-node overhead of a node that calls an ATen overload (``is_aten``: the graphs torch.export
+    #: makes, e.g. a Hugging Face model's): its generated line calls ``torch.ops.aten.X.overload``, whose Python
+    #: dispatch costs more than a module's or a torch function's call; fitted by ``python -m pdcompile.calibrate``
+    #: from the probe models exported; (0, 0) when absent: such nodes pay :attr:`node_s`
+    node_aten_s: tuple[float, float] = (0.0, 0.0)
 
     def weight_seconds(self, weight_bytes: float, backward: bool = False) -> float:
         """Seconds a matmul's or convolution's ``weight_bytes`` of weights cost beyond its FLOPs (0 uncalibrated)."""
         rate = float(self.weight_rate[1 if backward else 0])
         return weight_bytes / rate if weight_bytes > 0 and rate > 0 else 0.0
 
-    def node_overhead(self, backward: bool = False) -> float:
-        """Seconds one node pays beyond its op's fitted cost in a whole stage's forward (or backward)."""
+    def node_overhead(self, backward: bool = False, aten: bool = False) -> float:
+        """Seconds one node pays beyond its op's fitted cost in a whole stage's forward (or backward); ``aten``: a
+        node calling an ATen overload (:attr:`node_aten_s` where fitted)."""
+        if aten and any(self.node_aten_s):
+            return float(self.node_aten_s[1 if backward else 0])
         return float(self.node_s[1 if backward else 0])
 
     def corun_factor(self, processes: int) -> float:
@@ -115,7 +123,8 @@ class OpCostTable:
                 "corun": {str(n): f for n, f in sorted(self.corun.items())},
                 "node": [float(self.node_s[0]), float(self.node_s[1])],
                 "weight": [float(self.weight_rate[0]), float(self.weight_rate[1])],
-                "w_param": float(self.w_param_s)}
+                "w_param": float(self.w_param_s),
+                "node_aten": [float(self.node_aten_s[0]), float(self.node_aten_s[1])]}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> OpCostTable:
@@ -135,8 +144,9 @@ class OpCostTable:
         if any(n < 1 or not f >= 1.0 for n, f in corun.items()):
             raise ValueError(f"bad co-running slowdowns {corun}")
         node = [float(x) for x in (d.get("node") or (0.0, 0.0))]  # absent in calibrations before it: none
-        if len(node) != 2 or not all(x >= 0 and math.isfinite(x) for x in node):
-            raise ValueError(f"bad per-node overhead {node}")
+        aten = [float(x) for x in (d.get("node_aten") or (0.0, 0.0))]
+        if len(node) != 2 or len(aten) != 2 or not all(x >= 0 and math.isfinite(x) for x in node + aten):
+            raise ValueError(f"bad per-node overhead {node}, {aten}")
         weight = [float(x) for x in (d.get("weight") or (0.0, 0.0))]  # absent in calibrations before it: none
         if len(weight) != 2 or not all(x >= 0 and math.isfinite(x) for x in weight):
             raise ValueError(f"bad weight rates {weight}")
@@ -144,7 +154,7 @@ class OpCostTable:
         if not (w_param >= 0 and math.isfinite(w_param)):
             raise ValueError(f"bad weight-pass cost per parameter {w_param}")
         return OpCostTable(part("forward"), part("backward"), str(d.get("source", "")), corun, (node[0], node[1]),
-                           (weight[0], weight[1]), w_param)
+                           (weight[0], weight[1]), w_param, (aten[0], aten[1]))
 
 
 def fit_op_cost(work: Sequence[float] | np.ndarray, seconds: Sequence[float] | np.ndarray,
@@ -229,7 +239,8 @@ _MATMUL = {"linear", "matmul", "bmm", "addmm", "baddbmm", "addbmm", "einsum", "m
 _EMBEDDING = {"embedding", "embedding_bag", "gather", "index_select", "take", "take_along_dim"}
 _VIEW = {"getitem", "getattr", "size", "view", "reshape", "flatten", "unflatten", "permute", "transpose", "squeeze",
          "unsqueeze", "expand", "split", "chunk", "unbind", "contiguous", "dim", "t", "narrow", "detach", "view_as",
-         "expand_as", "movedim", "swapaxes"}
+         "expand_as", "movedim", "swapaxes", "slice", "select", "alias", "unsafe_view", "split_with_sizes",
+         "as_strided", "sym_size"}
 
 
 def op_class_of_name(name: str, module: bool = False) -> str:
@@ -255,10 +266,43 @@ def op_class_of_name(name: str, module: bool = False) -> str:
     return "view" if low in _VIEW else "elementwise"
 
 
+def op_name(target: Any) -> str:
+    """The name an fx node's function target is classified by: an ATen overload (``torch.ops.aten.linear.default``,
+    what torch.export's graphs call) by its op's name (``linear``), not its overload's (``linear.default``);
+    anything else by its ``__name__``."""
+    packet = getattr(target, "_overloadpacket", None)
+    if packet is not None:
+        return str(getattr(packet, "__name__", packet)).split(".")[-1]
+    return str(getattr(target, "__name__", target))
+
+
+def is_aten(node: Any) -> bool:
+    """Whether an fx node calls an ATen overload (``torch.ops.aten.X.overload``: a graph torch.export made),
+    whose call from a generated forward costs more than a module's or a torch function's
+    (``OpCostTable.node_aten_s``)."""
+    return node.op == "call_function" and getattr(node.target, "_overloadpacket", None) is not None
+
+
+_BATCHED = {"matmul", "bmm", "baddbmm"}
+
+
+def _batched(node: Any) -> bool:
+    """Whether a matmul node multiplies two batched operands (both 3-D or more, ``node.meta["pd.tensor"]`` of its
+    first two arguments): the heads' ``q @ k^T`` and ``scores @ v`` of an attention written out, many small
+    products, which run at an attention kernel's rate, not a Linear's (a 1-thread Xeon: ~15 GFLOP/s for 4 heads of
+    32 x 24 against ~150 for a 96 -> 288 Linear over 1024 rows)."""
+    args = [a for a in node.args[:2]]
+    ranks = [len(getattr(getattr(a, "meta", {}).get("pd.tensor"), "shape", ())) for a in args]
+    return len(ranks) == 2 and min(ranks) >= 3
+
+
 def op_class(node: Any, gm: Any = None) -> str:
-    """The op class of an fx node (``call_module`` through ``gm``'s submodule's class name)."""
+    """The op class of an fx node (``call_module`` through ``gm``'s submodule's class name); a matmul of two
+    batched operands (:func:`_batched`) is ``attention``."""
     if node.op == "call_module" and gm is not None:
         return op_class_of_name(type(gm.get_submodule(str(node.target))).__name__, module=True)
-    if node.op == "call_method":
-        return op_class_of_name(str(node.target))
-    return op_class_of_name(getattr(node.target, "__name__", str(node.target)))
+    name = str(node.target) if node.op == "call_method" else op_name(node.target)
+    cls = op_class_of_name(name)
+    if cls == "matmul" and name.lower().strip("_.") in _BATCHED and _batched(node):
+        return "attention"
+    return cls

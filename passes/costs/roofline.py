@@ -36,33 +36,34 @@ class DeviceSpec:
         return max(compute, memory)
 
     def op_seconds(self, op: str, flops: float, nbytes: float, backward: bool = False,
-                   weight_bytes: float = 0.0) -> float:
+                   weight_bytes: float = 0.0, aten: bool = False) -> float:
         """One op of class ``op`` in a stage: with a calibration that fitted the class, its ``alpha + work /
         rate`` (work: FLOPs for matmul, conv and attention, else bytes), plus for a matmul or convolution
         its ``weight_bytes`` at the calibrated weight rate (``OpCostTable.weight_seconds``); otherwise the
         roofline plus the class's fixed cost (:attr:`alphas`, x1.5 for a backward); with a calibration, plus
-        the node's overhead in a whole stage (:meth:`node_overhead`)."""
+        the node's overhead in a whole stage (:meth:`node_overhead`; ``aten``: a node calling an ATen overload)."""
         fit = None if self.op_costs is None else (self.op_costs.backward if backward else self.op_costs.forward).get(op)
         if fit is not None:
             weights = self.op_costs.weight_seconds(weight_bytes, backward) \
                 if self.op_costs is not None and op in WEIGHT_CLASSES else 0.0
-            return fit.seconds(flops if op in FLOP_CLASSES else nbytes) + weights + self.node_overhead(backward)
+            return fit.seconds(flops if op in FLOP_CLASSES else nbytes) + weights + self.node_overhead(backward, aten)
         alpha = dict(self.alphas).get(op, 0.0) * (BACKWARD_ALPHA_FACTOR if backward else 1.0)
-        return alpha + self.node_overhead(backward) + (0.0 if op == "view" else self.seconds(flops, nbytes))  # a view moves no bytes
+        return alpha + self.node_overhead(backward, aten) + (0.0 if op == "view" else self.seconds(flops, nbytes))  # a view moves no bytes
 
-    def op_fixed(self, op: str, backward: bool = False, weight_bytes: float = 0.0) -> float:
+    def op_fixed(self, op: str, backward: bool = False, weight_bytes: float = 0.0, aten: bool = False) -> float:
         """Of :meth:`op_seconds`, the fixed part (a microbatch of any size pays it once: its weights' too)."""
         fit = None if self.op_costs is None else (self.op_costs.backward if backward else self.op_costs.forward).get(op)
         if fit is not None:
             weights = self.op_costs.weight_seconds(weight_bytes, backward) \
                 if self.op_costs is not None and op in WEIGHT_CLASSES else 0.0
-            return fit.alpha_s + weights + self.node_overhead(backward)
-        return dict(self.alphas).get(op, 0.0) * (BACKWARD_ALPHA_FACTOR if backward else 1.0) + self.node_overhead(backward)
+            return fit.alpha_s + weights + self.node_overhead(backward, aten)
+        return dict(self.alphas).get(op, 0.0) * (BACKWARD_ALPHA_FACTOR if backward else 1.0) + \
+            self.node_overhead(backward, aten)
 
-    def node_overhead(self, backward: bool = False) -> float:
+    def node_overhead(self, backward: bool = False, aten: bool = False) -> float:
         """Seconds each node pays in a whole stage beyond its op (this machine's calibration,
-        ``OpCostTable.node_s``; 0 without one)."""
-        return 0.0 if self.op_costs is None else self.op_costs.node_overhead(backward)
+        ``OpCostTable.node_s``, or ``node_aten_s`` for a node calling an ATen overload; 0 without one)."""
+        return 0.0 if self.op_costs is None else self.op_costs.node_overhead(backward, aten)
 
     def with_default_alphas(self) -> DeviceSpec:
         """This spec with its device kind's documented fixed cost per op class (opclass.DEFAULT_ALPHA_S)."""
