@@ -7,7 +7,6 @@ function says how it measures its constant.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
 import statistics
@@ -463,146 +462,18 @@ def fit_node_samples(samples: list[tuple[int, float, int, float]]) -> tuple[floa
     return fwd, bwd
 
 
-def _torchrun_module(module: str, nproc: int, args: list[str], timeout: float) -> tuple[int, str]:
-    import subprocess
-
-    from pdcompile.launcher import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", "--max-restarts=0", "--monitor-interval=0.5", "-m", module, *args]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as e:
-        return 124, str(e.stdout or "") + str(e.stderr or "")
-    return p.returncode, p.stdout + p.stderr
-
-
-_GRAD_TENSORS = 8  # gradients per all-reduce in the link probe's allreduce_flat samples
-
-
-def _link_worker(out: str) -> None:
-    """Under torchrun (2 processes, or more: the ping-pong between ranks 0 and 1 only): ping-pong, all-reduce
-    of one buffer, and the runtime's own all-reduce of a stage's gradients (``allreduce_flat`` of
-    :data:`_GRAD_TENSORS` tensors: flattened, reduced, copied back) at several sizes; rank 0 writes
-    ``{"p2p": [[bytes, one-way s], ...], "allreduce": [[bytes, s], ...], "allreduce_flat": [...]}``."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    rank = dist.get_rank()
-    from pdcompile.runtime.executor import allreduce_flat
-
-    results: dict[str, list[tuple[int, float]]] = {"p2p": [], "allreduce": [], "allreduce_flat": []}
-    for nbytes in (4 << 10, 64 << 10, 512 << 10, 4 << 20, 16 << 20):
-        buf = torch.zeros(nbytes // 4)
-        grads = [torch.zeros(nbytes // 4 // _GRAD_TENSORS) for _ in range(_GRAD_TENSORS)]
-        p2p, ar, flat = [], [], []
-        for i in range(25):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            t1 = time.perf_counter()
-            dist.barrier()
-            t2 = time.perf_counter()
-            dist.all_reduce(buf)
-            t3 = time.perf_counter()
-            dist.barrier()
-            t4 = time.perf_counter()
-            allreduce_flat(grads, None)  # the runtime's data-parallel all-reduce: flattened, reduced, copied back
-            t5 = time.perf_counter()
-            if i >= 5:
-                p2p.append((t1 - t0) / 2)
-                ar.append(t3 - t2)
-                flat.append(t5 - t4)
-        results["p2p"].append((nbytes, statistics.median(p2p)))
-        results["allreduce"].append((nbytes, statistics.median(ar)))
-        results["allreduce_flat"].append((nbytes, statistics.median(flat)))
-    if rank == 0:
-        Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
-def measure_link_samples(nproc: int = 2) -> dict[str, list[tuple[int, float]]]:
-    """``{"p2p": [(bytes, one-way s)], "allreduce": [(bytes, s)], "allreduce_flat": [(bytes, s)]}`` of gloo
-    over loopback among ``nproc`` processes (the ping-pong between two of them): a send/recv ping-pong and
-    all-reduces at 4 KiB - 16 MiB (torchrun of this module with ``--link-worker``), sorted by size."""
-    out = Path(tempfile.mkdtemp(prefix="pdcompile-link-")) / "link.json"
-    rc, log = _torchrun_module("pdcompile.calibrate", nproc, ["--link-worker", str(out)], timeout=180)
-    if rc != 0:
-        raise RuntimeError(f"the loopback measurement failed ({rc}):\n{log[-2000:]}")
-    raw = json.loads(out.read_text())
-    return {k: sorted((int(n), float(t)) for n, t in v) for k, v in raw.items()}
-
-
-def fit_link(samples: dict[str, list[tuple[int, float]]]) -> tuple[float, float, float]:
-    """(latency s, bandwidth bytes/s, all-reduce latency s) through the smallest and largest message."""
-    from pdcompile.simulate import ring_allreduce_s
-
-    (n0, t0), (n1, t1) = samples["p2p"][0], samples["p2p"][-1]
-    bw = (n1 - n0) / max(t1 - t0, 1e-9)
-    a0 = samples["allreduce"][0]
-    return max(0.0, t0 - n0 / bw), bw, max(0.0, a0[1] - ring_allreduce_s(a0[0], 2, bw))
-
-
-def fit_collective(samples: list[tuple[int, float]]) -> tuple[float, float]:
-    """(fixed s, bytes/s) of ``time = fixed + bytes / rate`` through ``samples`` of (bytes, s): the
-    least-squares line in relative error (each sample weighted by ``1 / s``, so the small messages'
-    fixed cost counts as much as the large ones' rate), its fixed part at least 0. Used for the runtime's
-    all-reduce (``allreduce_flat``: gloo's collective plus the flatten and copy back), which costs far
-    more than the point-to-point bandwidth says on loopback (a fixed ~0.5 ms, then ~0.6 GB/s)."""
-    pts = [(float(n), float(t)) for n, t in samples if t > 0]
-    if len(pts) < 2:
-        raise ValueError(f"fit_collective needs 2 or more timed sizes, got {len(pts)}")
-    # weighted normal equations of t = a + b n, weights 1 / t^2 (relative error)
-    sw = sum(1 / t ** 2 for _, t in pts)
-    sn = sum(n / t ** 2 for n, t in pts)
-    snn = sum(n * n / t ** 2 for n, t in pts)
-    st = sum(1 / t for _, t in pts)
-    snt = sum(n / t for n, t in pts)
-    det = sw * snn - sn * sn
-    a, b = ((snn * st - sn * snt) / det, (sw * snt - sn * st) / det) if det > 0 else (-1.0, 0.0)
-    if a < 0 or b <= 0:  # a line through the origin (fixed 0)
-        a, b = 0.0, max(snt / snn if snn > 0 else 0.0, 1e-18)
-    return float(a), float(1.0 / b)
-
-
-#: hosts of at most this many cores also measure the all-reduce crowded (:func:`measure_crowded_collective`)
-CROWDED_MAX_CORES = 8
-
-
-def ring_normalized(fit: tuple[float, float], nproc: int) -> tuple[float, float]:
-    """A fit ``(fixed, rate)`` of ``time = fixed + bytes / rate`` measured among ``nproc`` processes, as
-    :func:`pdcompile.simulate.collective_s` reads one: its rate per byte of a ring's ``2 (n-1)/n`` share
-    (``fixed + ring_allreduce_s(bytes, nproc, rate')`` gives the measured time back)."""
-    fixed, rate = fit
-    return fixed, rate * 2 * (nproc - 1) / nproc
-
-
-def measure_crowded_collective(cores: int | None = None) -> tuple[float, float]:
-    """The runtime's all-reduce (``allreduce_flat``) among ``cores + 1`` processes on this host's ``cores``
-    (default: its own, ``cluster.host_cores``): more processes than cores, as a local cluster of more workers
-    than cores runs it, where each ring turn waits for its process to get a core (3 processes on 2 cores:
-    ~1-1.5 ms fixed against ~0.4 ms for 2); ``(fixed s, bytes/s of a ring's bytes)``, :func:`ring_normalized`.
-    ``(0, 0)`` (not measured) on a host of more than :data:`CROWDED_MAX_CORES` cores."""
-    from pdcompile.cluster import host_cores
-
-    n = (cores or host_cores()) + 1
-    if n - 1 > CROWDED_MAX_CORES:
-        return 0.0, 0.0
-    return ring_normalized(fit_collective(measure_link_samples(n)["allreduce_flat"]), n)
-
-
-def measure_link() -> tuple[float, float, float]:
-    """(latency s, bandwidth bytes/s, all-reduce latency s) of gloo over loopback between 2 processes."""
-    return fit_link(measure_link_samples())
+from pdcompile.calibrate_link import (  # noqa: E402,F401 - the link part, kept importable from here
+    _torchrun_module as _torchrun_module,
+    _GRAD_TENSORS as _GRAD_TENSORS,
+    _link_worker as _link_worker,
+    measure_link_samples as measure_link_samples,
+    fit_link as fit_link,
+    fit_collective as fit_collective,
+    CROWDED_MAX_CORES as CROWDED_MAX_CORES,
+    ring_normalized as ring_normalized,
+    measure_crowded_collective as measure_crowded_collective,
+    measure_link as measure_link,
+)
 
 
 def _traced_run(family: Any, cfg: Any, steps: int, what: str) -> tuple[Any, list[Any]]:
