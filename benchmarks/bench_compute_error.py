@@ -42,6 +42,8 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from pdcompile.stage_timing import StageRun, time_stage  # noqa: E402 - the stage as the runtime runs it
+
 NAME = "Compute error (bench_compute_error)"
 WORKLOADS = ("gpt", "vgg", "fashion", "shakespeare", "llama")
 COUNTS = (1, 2, 4, 8)
@@ -138,63 +140,6 @@ def _microbatch(wname: str, mb: int) -> tuple[tuple[torch.Tensor, ...], torch.Te
 
     w = workload(wname)
     return tuple(x[:mb] for x in w.inputs), w.target[:mb]
-
-
-class StageRun:
-    """One stage of an emitted program, runnable as the runtime runs it: ``forward()`` then ``backward()``."""
-
-    def __init__(self, program: str, stage: int, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> None:
-        from pdcompile.runtime.program import Program
-
-        prog = Program.load(program)
-        self.spec = prog.stages[stage]
-        self.last = stage == prog.num_stages - 1
-        self.module = prog.build_stage(stage)
-        self.loss_fn = prog.build_loss() if self.last else None
-        self.target = target
-        # the stage's arguments: the previous stages' outputs (run here once), then the model inputs it reads
-        args: list[torch.Tensor] = list(inputs)
-        with torch.no_grad():
-            for k in range(stage):
-                prev = prog.build_stage(k)
-                out = prev(*args)
-                args = list(out) + [inputs[j] for j, _ in prog.stages[k + 1].data]
-        self.args = [a.detach().clone().requires_grad_(spec.requires_grad and a.is_floating_point())
-                     for a, spec in zip(args, self.spec.args)] + args[len(self.spec.args):]
-        self.out: Any = None
-        self.seeds: list[torch.Tensor] | None = None
-
-    def forward(self) -> None:
-        out = self.module(*self.args)
-        if self.last:
-            assert self.loss_fn is not None
-            self.out = [self.loss_fn(out, self.target)]
-        else:
-            self.out = [o for o, spec in zip(out, self.spec.outputs) if spec.requires_grad and o.requires_grad]
-            if self.seeds is None:
-                self.seeds = [torch.ones_like(o) for o in self.out]
-
-    def backward(self) -> None:
-        if self.out:
-            torch.autograd.backward(self.out, None if self.last else self.seeds)
-        self.out = None
-
-
-def time_stage(run: StageRun, repeats: int, warmup: int = 5) -> tuple[float, float]:
-    """(forward s, backward s): medians of ``repeats`` after ``warmup``, wall clock."""
-    for _ in range(warmup):
-        run.forward()
-        run.backward()
-    fs, bs = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run.forward()
-        t1 = time.perf_counter()
-        run.backward()
-        t2 = time.perf_counter()
-        fs.append(t1 - t0)
-        bs.append(t2 - t1)
-    return statistics.median(fs), statistics.median(bs)
 
 
 def _corun_child(program: str, stage: int, wname: str, mb: int, repeats: int, barrier: Any, conn: Any) -> None:

@@ -100,10 +100,13 @@ def measure(log: Any = None) -> MachineConstants:
     say("measuring the runtime's cost per action (a traced 2-stage run of a tiny model) ...")
     over = measure_overheads()
     say("measuring compute in a run against its profile (a traced 2-stage run of a small VGG) ...")
-    factor = measure_compute_factor(over, node_s=table.node_s)
+    from pdcompile.zoo import vgg
+
+    traced = _traced_run(vgg.FAMILY, _calibration_model(), 20, "compute calibration")
+    factor = measure_compute_factor(over, node_s=table.node_s, traced=traced)
     fixed, rate = measure_step()
-    say("measuring two processes computing side by side against each alone ...")
-    ops = with_corun(table, measure_side_by_side())
+    say("measuring a stage's compute in a 2-process run against the same stage alone ...")
+    ops = with_corun(table, measure_in_run_factor(over, traced=traced))
     return MachineConstants(lat, bw, ar_lat, over, fixed, rate, factor, key=machine_key(),
                             measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), op_costs=ops.to_dict(),
                             collective_fixed_s=coll_fixed, collective_rate=coll_rate,
@@ -476,9 +479,9 @@ from pdcompile.calibrate_link import (  # noqa: E402,F401 - the link part, kept 
 )
 
 
-def _traced_run(family: Any, cfg: Any, steps: int, what: str) -> tuple[Any, list[Any]]:
+def _traced_run(family: Any, cfg: Any, steps: int, what: str) -> tuple[Any, list[Any], Path]:
     """Compile a zoo-family model into 2 stages (costs profiled here, one thread), run it traced;
-    (pipeline, events)."""
+    (pipeline, events, the emitted program's folder)."""
     import torch
 
     from pdcompile.api import pdcompile
@@ -499,7 +502,7 @@ def _traced_run(family: Any, cfg: Any, steps: int, what: str) -> tuple[Any, list
                      timeout=180, env={"PDCOMPILE_NCCL_RULES": "0"})
     if rc != 0:
         raise RuntimeError(f"the {what} run failed ({rc}):\n{log[-2000:]}")
-    return pipe, read_runtime_events(work / "trace", drop_versions=False)
+    return pipe, read_runtime_events(work / "trace", drop_versions=False), prog
 
 
 def _steady(events: list[Any]) -> list[Any]:
@@ -519,82 +522,14 @@ def split_names(events: list[Any]) -> set[str]:
 
 
 def with_corun(table: Any, factor: float) -> Any:
-    """``table`` with its co-running slowdown (``OpCostTable.corun``): what two processes computing side by
-    side cost each other (memory bandwidth, caches), :func:`measure_side_by_side`; charged for 2 or more busy
-    processes (``annotate_costs.corun``). At least 1."""
+    """``table`` with its co-running slowdown (``OpCostTable.corun``): how much slower a stage computes in a
+    2-process run than alone, :func:`measure_in_run_factor`; the simulator charges it while 2 or more ranks
+    compute at once (``simulate.shared_cores``). At least 1."""
     return dataclasses.replace(table, corun={2: max(1.0, float(factor))})
 
 
-#: the side-by-side probe: the probe model (:func:`_probe_model`) at (batch, tokens, width, conv channels) and
-#: blocks, a mix of every op class at a size whose step takes a few milliseconds
-SIDE_BY_SIDE_PROBE = ((8, 16, 64, 16), 2)
-SIDE_BY_SIDE_S = 1.0  # seconds each phase (alone, side by side) runs
-
-
-def _side_by_side_worker(index: int, seconds: float, barrier: Any, conn: Any) -> None:
-    """Process ``index`` (0 or 1) of :func:`measure_side_by_side`: the probe's forward + backward, one thread,
-    timed per step (wall clock) for ``seconds`` in each of three phases, each begun at a barrier: process 0 alone
-    (1 waits), both at once, process 1 alone (0 waits); sends ``(alone, side by side)`` step times."""
-    import torch
-
-    torch.set_num_threads(1)
-    runtime_allocator()
-    (b, t, d, ch), blocks = SIDE_BY_SIDE_PROBE
-    torch.manual_seed(0)
-    model = _probe_model(d, ch, blocks)
-    inputs = (torch.randint(0, 512, (b, t)), torch.randn(b, ch, 16, 16), torch.randint(0, 16, (b, t)))
-    for _ in range(5):
-        model(*inputs).backward()
-    phases: list[list[float]] = []
-    for phase in range(3):
-        barrier.wait()
-        times: list[float] = []
-        if phase == 1 or phase == 2 * index:
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                t0 = time.perf_counter()
-                model(*inputs).backward()
-                times.append(time.perf_counter() - t0)
-        phases.append(times)
-    barrier.wait()
-    conn.send((phases[2 * index], phases[1]))
-    conn.close()
-
-
-def measure_side_by_side(seconds: float = SIDE_BY_SIDE_S, rounds: int = 2) -> float:
-    """How much slower each of 2 processes computes while the other computes too (``OpCostTable.corun``): 2
-    spawned processes, one thread each, run the probe's step (:data:`SIDE_BY_SIDE_PROBE`) alone in turn and at
-    once (:func:`_side_by_side_worker`); the median step side by side over the median alone (each process
-    against itself), the median over both processes and ``rounds`` rounds. (It was a traced 2-stage run's compute
-    over its measured profile, :func:`measure_compute_factor`: that ratio also holds the profile's own error,
-    which is not a slowdown of company; on a 2-core Xeon it read 1.09-1.44 where side by side measures ~1.0.) 1 where the host has one core (2 processes then share it: that is
-    time-sharing, ``roofline.contention``)."""
-    import multiprocessing as mp
-
-    if (os.cpu_count() or 1) < 2:
-        return 1.0
-    ctx = mp.get_context("spawn")
-    ratios = []
-    for _ in range(rounds):
-        barrier = ctx.Barrier(2)
-        conns, procs = [], []
-        for _i in range(2):
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_side_by_side_worker, args=(_i, seconds, barrier, send), daemon=True)
-            p.start()
-            conns.append(recv)
-            procs.append(p)
-        try:
-            got = [c.recv() for c in conns]
-        finally:
-            for p in procs:
-                p.join(30)
-        ratios += [statistics.median(both) / statistics.median(alone) for alone, both in got]
-    return statistics.median(ratios)
-
-
 def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20,
-                           node_s: tuple[float, float] = (0.0, 0.0)) -> float:
+                           node_s: tuple[float, float] = (0.0, 0.0), traced: Any = None) -> float:
     """A run's compute against its profile on this machine: the median, over both stages'
     forward and backward, of the run's median action (less its per-action cost) / the profiled cost,
     each of the stage's nodes charged ``node_s`` (forward, backward) beyond it as the calibrated model
@@ -607,7 +542,7 @@ def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20,
     other models on this machine."""
     from pdcompile.zoo import vgg
 
-    pipe, events = _traced_run(vgg.FAMILY, _calibration_model(), steps, "compute calibration")
+    pipe, events, _ = traced or _traced_run(vgg.FAMILY, _calibration_model(), steps, "compute calibration")
     chain, plan = pipe.state.chain, pipe.plan
     scale = plan.microbatch_size / chain.batch_size
     split = split_names(events)
@@ -624,6 +559,39 @@ def measure_compute_factor(overhead_s: dict[str, float], steps: int = 20,
     return statistics.median(ratios) if ratios else 1.0
 
 
+def measure_in_run_factor(overhead_s: dict[str, float], steps: int = 20, repeats: int = 30,
+                          traced: Any = None) -> float:
+    """How much slower a stage computes in a 2-process pipeline run than alone (``OpCostTable.corun``, charged
+    while ranks compute at once): the traced 2-stage Flush run of :func:`measure_compute_factor`'s small VGG
+    (microbatches of 8, both stages busy most of the step), each stage's steady forward and backward actions less
+    the per-action cost, over the same stage of the same emitted program timed alone in this process
+    (:class:`~pdcompile.stage_timing.StageRun`, one thread, the runtime's allocator):
+    :func:`~pdcompile.stage_timing.in_run_factor`. Unlike a bare model timed in two processes side by side (~1.0 on a 2-core Xeon,
+    where runs are ~1.2x slower) it holds what a run adds beside the other rank: its gloo threads, the
+    launcher, the transfers' copies; unlike a run over its profile, no cost model's own error."""
+    import torch
+
+    from pdcompile.stage_timing import StageRun, in_run_factor, time_stage
+    from pdcompile.zoo import vgg
+
+    cfg = _calibration_model()
+    pipe, events, prog = traced or _traced_run(vgg.FAMILY, cfg, steps, "in-run compute")
+    split = split_names(events)
+    in_run: dict[tuple[int, str], list[float]] = {}
+    for e in _steady(events):
+        if e.category in ("forward", "backward") and e.name not in split:
+            in_run.setdefault((e.rank, e.category[0].upper()), []).append(e.end_s - e.start_s)
+    torch.set_num_threads(1)
+    inputs, target = vgg.make_batch(cfg, torch.device("cpu"), 0, 8 * _M)
+    mb = pipe.plan.microbatch_size
+    alone: dict[tuple[int, str], float] = {}
+    for s in range(len(pipe.plan.stages)):
+        torch.manual_seed(0)
+        f, b = time_stage(StageRun(str(prog), s, tuple(x[:mb] for x in inputs), target[:mb]), repeats)
+        alone[(s, "F")], alone[(s, "B")] = f, b
+    return in_run_factor(in_run, alone, overhead_s)
+
+
 def measure_overheads(steps: int = 12) -> dict[str, float]:
     """The runtime's fixed cost per action kind (``F``, ``B``, ``SF``, ...).
 
@@ -634,7 +602,7 @@ def measure_overheads(steps: int = 12) -> dict[str, float]:
 
     from pdcompile.zoo import mlp
 
-    pipe, events = _traced_run(mlp.FAMILY, mlp.MLPConfig(in_features=16, hidden=(16, 16), num_classes=4), steps,
+    pipe, events, _ = _traced_run(mlp.FAMILY, mlp.MLPConfig(in_features=16, hidden=(16, 16), num_classes=4), steps,
                                "overhead measurement")
     chain, plan = pipe.state.chain, pipe.plan
     scale = plan.microbatch_size / chain.batch_size
@@ -721,7 +689,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.ops:
         runtime_allocator()
         d = machine_cache.cached() or {"key": machine_key()}
-        table = with_corun(measure_op_costs(), measure_side_by_side())
+        # the in-run factor needs a run (--refresh measures it): the cached one kept
+        kept = float(dict((d.get("op_costs") or {}).get("corun") or {}).get("2", 1.0))
+        table = with_corun(measure_op_costs(), kept)
         d["op_costs"] = table.to_dict()
         cache_path().parent.mkdir(parents=True, exist_ok=True)
         cache_path().write_text(json.dumps(d, indent=1))

@@ -662,3 +662,18 @@ def test_kernel_probe_fit_recovers_known_rates_through_a_slow_round(monkeypatch:
     for cls, (a, r, b, rb) in truth.items():
         assert (table.forward[cls].alpha_s, table.forward[cls].rate) == pytest.approx((a, r), rel=1e-6)
         assert (table.backward[cls].alpha_s, table.backward[cls].rate) == pytest.approx((b, rb), rel=1e-6)
+
+
+def test_in_run_factor_is_the_run_over_the_stage_alone_less_the_per_action_cost() -> None:
+    """``stage_timing.in_run_factor``: per (stage, F/B) the run's median action less the per-action cost over the
+    same stage timed alone, the median over them; unpaired or unmeasured keys ignored; never below 1."""
+    from pdcompile.stage_timing import in_run_factor
+
+    over = {"F": 1e-4, "B": 2e-4}
+    in_run = {(0, "F"): [1.3e-3, 1.4e-3, 9.0e-3], (0, "B"): [2.6e-3, 2.6e-3, 2.7e-3],  # medians 1.4 and 2.6 ms
+              (1, "F"): [1.1e-3], (1, "B"): [], (2, "F"): [5e-3]}
+    alone = {(0, "F"): 1.0e-3, (0, "B"): 2.0e-3, (1, "F"): 1.0e-3, (1, "B"): 1e-3}  # (2, "F") never timed alone
+    # ratios: (1.4 - 0.1) / 1.0 = 1.3, (2.6 - 0.2) / 2.0 = 1.2, (1.1 - 0.1) / 1.0 = 1.0 -> median 1.2
+    assert in_run_factor(in_run, alone, over) == pytest.approx(1.2)
+    assert in_run_factor({(0, "F"): [0.5e-3]}, {(0, "F"): 1e-3}, {}) == 1.0  # a faster run is noise: at least 1
+    assert in_run_factor({}, alone, over) == 1.0
