@@ -69,6 +69,7 @@ SCHEDULES = ("flush", "gpipe", "1f1b", "zb-h1")
 COUNTS = (1, 2, 4, 8)
 PER_UPDATE = ("1f1b", "2bw")  # schedules whose metrics hold a time per update, not per minibatch
 GOALS = dict(median_error=0.10, p90_error=0.25, tau=0.8, regret=1.10, regret_share=0.9, regret_max=1.25)
+EPS = 1e-9  # a goal met exactly counts (5 candidates with one discordant pair: tau = 0.8 in floating point)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,7 +485,8 @@ def scenario(wname: str, link: str, workers: int, args: argparse.Namespace) -> t
             c = keyed[key]
             prog = compiled[(c.layout, c.num_microbatches)][1]
             try:
-                step, niced = measure_with_load(prog, workers, c.schedule, bps, args.steps, args.warmup)
+                # the plan's processes: a plan may leave workers idle (one process for the whole model on a slow link)
+                step, niced = measure_with_load(prog, sum(c.replicas), c.schedule, bps, args.steps, args.warmup)
                 row.measured.append(step)
                 row.niced.append(niced)
             except Exception as e:  # noqa: BLE001 - one failed launch is noted, the rest go on
@@ -659,9 +661,9 @@ def tables(rows: Sequence[Row], notes: Sequence[str], args: argparse.Namespace, 
         regrets = [s["planner"] for s in sums.values() if math.isfinite(s["planner"])]
         taus = [s["tau"] for s in sums.values() if math.isfinite(s["tau"])]
         out += ["", f"Goals (issue 36): median |error| {statistics.median(errs_all):.1%} (goal <= 10%), p90 {p90:.1%} "
-                    f"(<= 25%); Kendall's tau >= 0.8 in {sum(t >= GOALS['tau'] for t in taus)} of {len(taus)} "
-                    f"scenarios; planner's regret <= 1.10 in {sum(r <= GOALS['regret'] for r in regrets)} of "
-                    f"{len(regrets)} (goal: 90%), <= 1.25 in {sum(r <= GOALS['regret_max'] for r in regrets)} "
+                    f"(<= 25%); Kendall's tau >= 0.8 in {sum(t >= GOALS['tau'] - EPS for t in taus)} of {len(taus)} "
+                    f"scenarios; planner's regret <= 1.10 in {sum(r <= GOALS['regret'] + EPS for r in regrets)} of "
+                    f"{len(regrets)} (goal: 90%), <= 1.25 in {sum(r <= GOALS['regret_max'] + EPS for r in regrets)} "
                     f"(goal: all)."]
     for scen, rs in by.items():
         out += ["", f"**{scen}**", "", "| candidate | picked by | predicted (ms) | measured (ms) | runs | error |",
