@@ -677,3 +677,21 @@ def test_in_run_factor_is_the_run_over_the_stage_alone_less_the_per_action_cost(
     assert in_run_factor(in_run, alone, over) == pytest.approx(1.2)
     assert in_run_factor({(0, "F"): [0.5e-3]}, {(0, "F"): 1e-3}, {}) == 1.0  # a faster run is noise: at least 1
     assert in_run_factor({}, alone, over) == 1.0
+
+
+def test_the_gap_after_a_step_is_charged_with_the_step_not_with_every_action() -> None:
+    """``calibrate.action_gaps``: the executor's gap between actions and the trainer's gap after a rank's optimizer
+    step (to its next minibatch's first action) told apart, each the median over every rank."""
+    from pdcompile.calibrate import action_gaps
+    from pdcompile.timeline import Event
+
+    events = []
+    for r in (0, 1):
+        t = 0.0
+        for step in range(3):
+            for name, dur in ((f"{r}F{step}", 1e-3), (f"{r}B{step}", 2e-3), (f"{r}ST", 3e-4)):
+                events.append(Event(r, name, t, t + dur, "compute"))
+                t += dur + (5e-4 if name.endswith("ST") else 2e-5)  # 0.5 ms after a step, 20 us after the rest
+    gap, after = action_gaps(events)
+    assert gap == pytest.approx(2e-5) and after == pytest.approx(5e-4)
+    assert action_gaps([Event(0, "0F0", 0.0, 1.0, "compute")]) == (0.0, 0.0)
