@@ -157,5 +157,10 @@ def run_script(script: str | os.PathLike[str], nproc: int, args: Sequence[str] =
     if logs:
         import shutil
 
+        # a forked rank's whole output is its log file: read it again, whole, rather than trust a pump thread that
+        # a loaded machine may not have let reach its end within the join's timeout
+        for i, p in enumerate(procs):
+            with open(p.log, encoding="utf-8", errors="backslashreplace", newline="") as f:
+                outs[i] = [f.read()]
         shutil.rmtree(logs, ignore_errors=True)
     return status, "".join(line for lines in outs for line in lines)
