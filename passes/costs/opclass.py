@@ -25,8 +25,19 @@ import numpy as np
 
 from pdcompile.errors import UsageError
 
-__all__ = ["DEFAULT_ALPHA_S", "FLOP_CLASSES", "OP_CLASSES", "WEIGHT_CLASSES", "OpCost", "OpCostTable", "default_alphas",
-           "fit_node_overhead", "fit_op_cost", "fit_weight_rate", "is_aten", "op_class", "op_class_of_name", "op_name"]
+
+def corun_at(corun: Mapping[int, float] | Sequence[tuple[int, float]] | None, processes: int) -> float:
+    """Each process's co-running slowdown with ``processes`` computing at once on their own cores, read off a
+    calibration's table (``OpCostTable.corun``, as a mapping or (processes, factor) pairs; ``OpCostTable.corun_factor``
+    reads its own through it): the factor of the largest count measured that is at most ``processes``; 1 for one
+    process or without a table."""
+    pairs = corun.items() if isinstance(corun, Mapping) else (corun or ())
+    known = [(int(n), float(f)) for n, f in pairs if int(n) <= processes]
+    return max(known)[1] if known else 1.0
+
+
+__all__ = ["DEFAULT_ALPHA_S", "FLOP_CLASSES", "OP_CLASSES", "WEIGHT_CLASSES", "OpCost", "OpCostTable", "corun_at",
+           "default_alphas", "fit_node_overhead", "fit_op_cost", "fit_weight_rate", "is_aten", "op_class", "op_class_of_name", "op_name"]
 
 OP_CLASSES = ("matmul", "conv", "attention", "norm", "pool", "elementwise", "embedding", "loss", "view")
 FLOP_CLASSES = ("matmul", "conv", "attention")  # work in FLOPs; the others' in bytes read + written
@@ -110,8 +121,7 @@ class OpCostTable:
     def corun_factor(self, processes: int) -> float:
         """Each process's slowdown with ``processes`` computing at once on their own cores: the measured
         factor for the largest count measured that is at most ``processes`` (1 for one process)."""
-        known = [n for n in self.corun if n <= processes]
-        return float(self.corun[max(known)]) if known else 1.0
+        return corun_at(self.corun, processes)
 
     def to_dict(self) -> dict[str, Any]:
         def rate(r: float) -> float | None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 
 from pdcompile.cluster import ClusterSpec
 from pdcompile.errors import UsageError
-from pdcompile.passes.costs.opclass import BACKWARD_ALPHA_FACTOR, FLOP_CLASSES, WEIGHT_CLASSES, OpCostTable, default_alphas
+from pdcompile.passes.costs.opclass import (BACKWARD_ALPHA_FACTOR, FLOP_CLASSES, WEIGHT_CLASSES, OpCostTable, corun_at,
+                                            default_alphas)
 
 @dataclass(frozen=True)
 class DeviceSpec:
@@ -174,16 +175,6 @@ def contention(cluster: ClusterSpec | None, threads: int = THREADS_PER_PROCESS) 
     if cluster is None or not cores:
         return 1.0
     return max(1.0, cluster.num_workers * threads / cores)
-
-
-def corun_at(corun: Mapping[int, float] | Sequence[tuple[int, float]] | None, processes: int) -> float:
-    """Each process's co-running slowdown with ``processes`` computing at once on their own cores, read off a
-    calibration's table (``OpCostTable.corun``, as a mapping or (processes, factor) pairs) as
-    ``OpCostTable.corun_factor`` reads it: the factor of the largest count measured that is at most
-    ``processes``; 1 for one process or without a table."""
-    pairs = corun.items() if isinstance(corun, Mapping) else (corun or ())
-    known = [(int(n), float(f)) for n, f in pairs if int(n) <= processes]
-    return max(known)[1] if known else 1.0
 
 
 def shared_core_stretch(shares: Sequence[float], cores: float, threads: int = THREADS_PER_PROCESS,
