@@ -4,7 +4,7 @@ bench_plan_regret judges the planner by launching every candidate's program and 
 each launch; if one program measures 30% apart from one launch to the next, no prediction can be judged
 within 10%. This launches each variant's program ``--launches`` times, interleaved (A B A B ...: every
 launch of a round, each variant under each mode, before the next round), as bench_plan_regret's
-``measure()`` does (the emitted train.py under torchrun through ``python -m pdcompile.slowlink``, the memory
+``measure_with_load()`` does (the emitted train.py under torchrun through ``python -m pdcompile.slowlink``, the memory
 meter off, the slowest rank per minibatch, ``--warmup`` minibatches dropped), and reports per variant and
 mode: each launch's median step, their spread (max / min and the coefficient of variation of the launch
 medians), the mean step over every measured step, the spread within a launch (the median over launches of

@@ -280,15 +280,10 @@ def slowest_steps(ranks: Sequence[Any], schedule: str, steps: int, warmup: int) 
     return step_times(times, warmup, per)
 
 
-def measure(program: Path, nproc: int, schedule: str, bps: float, steps: int, warmup: int,
-            timeout: float = 600) -> float:
-    """Median seconds per minibatch of one launch of ``program`` (the slowest rank per minibatch)."""
-    return measure_with_load(program, nproc, schedule, bps, steps, warmup, timeout)[0]
-
-
 def measure_with_load(program: Path, nproc: int, schedule: str, bps: float, steps: int, warmup: int,
                       timeout: float = 600) -> tuple[float, float]:
-    """:func:`measure`, and the share of the machine's CPU time that niced processes (other work lowered beside
+    """Median seconds per minibatch of one launch of ``program`` (the slowest rank per minibatch), and the share
+    of the machine's CPU time that niced processes (other work lowered beside
     a timed run) took during the launch: what slows the ranks' compute itself on the 2-core VM, up to 1.6x per
     process (benchmarks/RESULTS.md, "Launch-to-launch noise")."""
     before = cpu_ticks()
