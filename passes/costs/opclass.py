@@ -52,11 +52,13 @@ FLOP_CLASSES = ("matmul", "conv", "attention")
 #: elementwise kinds probed on their own (``pdcompile.calibrate.kernel_samples``): their bytes cost several times an
 #: addition's on a CPU thread (a 1-thread Xeon, floats in L2: softmax 0.8 ns per element, masked_fill with a
 #: broadcast mask 1.1, GELU's tanh approximation 1.8, against 0.1-0.4 for add, ReLU or GELU's erf form); a table
-#: without one of them (a calibration before it) charges it as its parent, ``elementwise`` (:data:`PARENT_CLASS`)
+#: without one of them (a calibration before it) charges it as ``elementwise`` (:data:`PARENT_CLASS`)
 ELEMENTWISE_KINDS = ("softmax", "masked", "gelu_tanh")
 #: a class a table may lack (a calibration before it) -> the class it is then charged as: the elementwise kinds as
-#: elementwise, ``bmm`` (a matmul of two batched operands, :func:`_batched`) as attention
-PARENT_CLASS = {**{k: "elementwise" for k in ELEMENTWISE_KINDS}, "bmm": "attention"}
+#: elementwise, their work in the same unit. Not ``bmm`` (a matmul of two batched operands, :func:`_batched`), which
+#: such a calibration charged as attention: its work is bytes, attention's FLOPs; a table without it charges it as
+#: any class it did not fit, the roofline with the documented fixed cost (``DeviceSpec.op_seconds``)
+PARENT_CLASS = {k: "elementwise" for k in ELEMENTWISE_KINDS}
 
 #: The fixed seconds of one op per class, forward (a backward is charged 1.5 times as much: it runs
 #: one or two kernels per op) when no calibration is at hand. CPU: eager PyTorch's dispatch and one thread's
@@ -123,8 +125,8 @@ class OpCostTable:
     node_aten_s: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
-        # a class this table did not fit whose parent it did (:data:`PARENT_CLASS`: a calibration from before the
-        # elementwise kinds were probed) is charged as its parent, as such a calibration charged it
+        # an elementwise kind this table did not fit (:data:`PARENT_CLASS`: a calibration from before they were
+        # probed) is charged as elementwise, as such a calibration charged it
         for name in ("forward", "backward"):
             part = dict(getattr(self, name))
             missing = {k: part[p] for k, p in PARENT_CLASS.items() if k not in part and p in part}
