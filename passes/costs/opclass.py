@@ -2,21 +2,22 @@
 ``seconds = alpha + work / rate``, forward and backward apart.
 
 Op classes are the kinds of kernel whose fixed cost and speed differ: ``matmul`` (linear, matmul,
-recurrent cells), ``conv``, ``attention`` (a fused kernel: scaled_dot_product_attention), ``bmm`` (a matmul
-of two batched operands: an attention written out, ``q @ k^T`` and ``scores @ v``), ``norm``, ``pool`` (max and average pooling: on one CPU
-thread a max pool moves its bytes tens of times slower than arithmetic does), ``elementwise``
-(activations, dropout, arithmetic), three elementwise kinds whose bytes cost several times an addition's
-(``softmax``, ``masked``: ``masked_fill``, ``gelu_tanh``: GELU's tanh approximation; an attention written
-out spends its time in them: on a 1-thread Xeon 0.8, 1.1 and 1.8 ns per float against 0.1-0.4 for an
-addition, :data:`ELEMENTWISE_KINDS`), ``embedding`` (and gathers), ``loss`` and ``view``
-(shape ops that launch no kernel). Work is FLOPs for the first three, bytes read and written for the others (what
+recurrent cells), ``conv``, ``attention`` (a fused kernel: scaled_dot_product_attention), ``bmm`` (a matmul of
+two batched operands: an attention written out, ``q @ k^T`` and ``scores @ v``), ``norm``, ``pool`` (max and
+average pooling: on one CPU thread a max pool moves its bytes tens of times slower than arithmetic does),
+``elementwise`` (activations, dropout, arithmetic), three elementwise kinds whose bytes cost several times an
+addition's (``softmax``; ``masked``: masked_fill; ``gelu_tanh``: GELU's tanh approximation; a GPT written out
+spends much of its time in them: on a 1-thread Xeon 0.8, 1.1 and 1.8 ns per float against 0.1-0.4 for an
+addition, :data:`ELEMENTWISE_KINDS`), ``embedding`` (and gathers), ``loss`` and ``view`` (shape ops that launch
+no kernel). Work is FLOPs for the first three, bytes read and written for the others, ``bmm`` included (what
 ``annotate-costs`` counts for a node). ``python -m pdcompile.calibrate`` times each class at several
 sizes on this machine and fits ``alpha`` and ``rate`` (:func:`fit_op_cost`); without a calibration
 the analytic model adds :data:`DEFAULT_ALPHA_S` to its roofline (``roofline.DeviceSpec``). Beside the
 classes, the calibration fits what every node costs when a whole stage runs (``OpCostTable.node_s``,
 :func:`fit_node_overhead`): the generated forward's Python, autograd's node per op and its engine's
 visit in the backward, ops run one after another rather than each timed alone in a loop.
-Pure data and arithmetic: the node classifier reads only an fx node's target.
+Pure data and arithmetic: the node classifier reads only an fx node's target, its keywords and, for a module, its
+class and ``approximate``.
 """
 
 from __future__ import annotations
