@@ -238,7 +238,8 @@ def measure_op_costs() -> Any:
 
     stamp = time.strftime("%Y-%m-%d %H:%M %Z")
     table = fit_op_costs(op_cost_samples(), f"python -m pdcompile.calibrate, {stamp} on {platform.node()}")
-    kernels = fit_op_costs(kernel_samples(), "")  # matmul and convolution at the sizes models use: these instead
+    # matmul and convolution at the sizes models use (these instead), and the elementwise kinds the probe model lacks
+    kernels = fit_op_costs(kernel_samples(), "")
     table = dataclasses.replace(table, forward={**table.forward, **kernels.forward},
                                 backward={**table.backward, **kernels.backward})
     table = dataclasses.replace(table, weight_rate=measure_weight_rate(table))
@@ -257,20 +258,61 @@ CONV_PROBES = ((3, 16, 32, 2), (16, 16, 16, 2), (1, 16, 28, 12), (16, 32, 14, 4)
                (16, 16, 32, 8), (16, 32, 16, 32), (32, 64, 8, 32), (64, 64, 8, 16))
 
 
-def kernel_samples(repeats: int = 15, rounds: int = 3) -> dict[str, list[tuple[float, float, float, float]]]:
-    """``{"matmul": [...], "conv": [...]}`` of ``(forward work, forward s, backward work, backward s)``: an
-    ``nn.Linear`` at each of :data:`MATMUL_PROBES` and an ``nn.Conv2d`` at each of :data:`CONV_PROBES`, forward and
-    forward + backward (from a gradient of ones, into ``.grad`` as a stage's backward runs) timed
-    :func:`_low_times` in each of ``rounds`` rounds over them all, the median round kept (a burst of other work
-    that slowed one round moves nothing), the backward the difference; work as annotate-costs counts it (FLOPs,
-    twice for the backward). The probe model's
-    operands (:func:`op_cost_samples`: widths 32-128, 4-16 channels at 16x16) are smaller than most models' and
-    their fitted rates scattered 115-172 GFLOP/s between calibrations on one machine; these are the sizes the
-    rates are charged at."""
+#: (batch, heads, tokens) of the softmax and masked_fill probes (:func:`kernel_samples`): an attention written out's
+#: scores (batch x heads x tokens x tokens floats, 8k-790k of them), as the zoo GPT (4 heads of 32 tokens), the
+#: Shakespeare GPT (4 of 64) and a 12-head model of 128 tokens have them
+SCORES_PROBES = ((2, 4, 32), (8, 4, 32), (32, 4, 32), (3, 4, 64), (8, 8, 64), (4, 12, 128))
+#: (batch, heads, tokens, head size) of the batched-matmul probe (:func:`kernel_samples`, class ``bmm``): an attention
+#: written out, ``q @ k^T`` and ``scores @ v`` on the heads' transposed views, as the zoo GPT (4 heads of 32 x 24),
+#: the Shakespeare GPT (4 of 64 x 32) and a 12-head model of 128 x 64 run them, 0.4-50 MFLOP (the last, 2-4x
+#: the FLOPs per byte of the others, runs 30-50% faster than their bytes' rate says: the fit's trim drops it)
+BMM_PROBES = ((2, 4, 32, 24), (8, 4, 32, 24), (32, 4, 32, 24), (3, 4, 64, 32), (6, 4, 64, 32), (2, 12, 128, 64))
+#: (rows, width) of the probe of GELU's tanh approximation (:func:`kernel_samples`): an MLP's hidden activations,
+#: 8k-520k floats
+GELU_PROBES = ((64, 128), (256, 384), (1024, 384), (384, 512), (512, 1024))
+
+
+def _attention_op_cases() -> list[tuple[str, Any, Any, float]]:
+    """:func:`kernel_samples`' cases of an attention written out: ``(class, op, input, forward work)``, the op called
+    on the input as a model calls it, its work as annotate-costs counts a node's: for the elementwise kinds
+    (``opclass.ELEMENTWISE_KINDS``) its bytes read and written (every tensor argument and the output): softmax over
+    the scores' last dimension, ``masked_fill`` of the scores with a causal (tokens x tokens) bool mask broadcast
+    over batch and heads, ``nn.GELU(approximate="tanh")``; and ``bmm``, ``q @ k^T`` and ``scores @ v`` on the heads'
+    transposed views (:data:`BMM_PROBES`; the input a tuple of both operands, each with a gradient; its work bytes
+    too, ``opclass.FLOP_CLASSES``). Work as annotate-costs counts it: FLOPs for none of them."""
     import torch
 
-    torch.set_num_threads(1)
-    out: dict[str, list[tuple[float, float, float, float]]] = {"matmul": [], "conv": []}
+    cases: list[tuple[str, Any, Any, float]] = []
+    for b, h, t in SCORES_PROBES:
+        torch.manual_seed(0)
+        x = torch.randn(b, h, t, t, requires_grad=True)
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+        nbytes = float(x.numel() * x.element_size())
+        cases.append(("softmax", lambda x: torch.softmax(x, dim=-1), x, 2 * nbytes))
+        cases.append(("masked", lambda x, mask=mask: x.masked_fill(mask, float("-inf")), x,
+                      2 * nbytes + mask.numel() * mask.element_size()))
+    for rows, width in GELU_PROBES:
+        torch.manual_seed(0)
+        x = torch.randn(rows, width, requires_grad=True)
+        cases.append(("gelu_tanh", torch.nn.GELU(approximate="tanh"), x, 2.0 * x.numel() * x.element_size()))
+    for b, h, t, d in BMM_PROBES:
+        torch.manual_seed(0)
+        nbytes = 4.0 * (2 * b * h * t * d + b * h * t * t)  # either product: two operands and the output
+        # the heads as a model makes them: (b, t, h, d) transposed to (b, h, t, d), views copied by the matmul
+        q = torch.randn(b, t, h, d).transpose(1, 2).requires_grad_()
+        k = torch.randn(b, t, h, d).transpose(1, 2).requires_grad_()
+        scores = torch.randn(b, h, t, t, requires_grad=True)
+        cases.append(("bmm", lambda q, k: torch.matmul(q, k.transpose(-2, -1)), (q, k), nbytes))
+        cases.append(("bmm", torch.matmul, (scores, k), nbytes))
+    return cases
+
+
+def kernel_cases() -> list[tuple[str, Any, Any, float]]:
+    """:func:`kernel_samples`' probes, ``(class, op, input or tuple of inputs, forward work)``: an ``nn.Linear`` at each
+    of :data:`MATMUL_PROBES`, an ``nn.Conv2d`` at each of :data:`CONV_PROBES` (work: FLOPs), then
+    :func:`_attention_op_cases`."""
+    import torch
+
     cases: list[tuple[str, Any, Any, float]] = []
     for rows, i, o in MATMUL_PROBES:
         torch.manual_seed(0)
@@ -280,16 +322,44 @@ def kernel_samples(repeats: int = 15, rounds: int = 3) -> dict[str, list[tuple[f
         x = torch.randn(b, ci, hw, hw, requires_grad=ci > 3)  # a first layer's input is data: no gradient
         cases.append(("conv", torch.nn.Conv2d(ci, co, 3, padding=1), x,
                       2.0 * ci * co * 9 * hw * hw * b))
+    return cases + _attention_op_cases()
+
+
+def kernel_samples(repeats: int = 15, rounds: int = 3, cases: list[tuple[str, Any, Any, float]] | None = None
+                   ) -> dict[str, list[tuple[float, float, float, float]]]:
+    """``{"matmul": [...], "conv": [...], "softmax": [...], "masked": [...], "gelu_tanh": [...], "bmm": [...]}`` of
+    ``(forward work, forward s, backward work, backward s)``: an ``nn.Linear`` at each of :data:`MATMUL_PROBES`, an
+    ``nn.Conv2d`` at each of :data:`CONV_PROBES`, an attention written out's elementwise kinds at
+    :data:`SCORES_PROBES` and :data:`GELU_PROBES` and its batched matmuls at :data:`BMM_PROBES`
+    (:func:`_attention_op_cases`), forward and forward + backward (from a gradient of ones: into ``.grad`` as a
+    stage's backward runs; the attention ops' inputs' gradients handed back, as within a stage) timed :func:`_low_times` in each of ``rounds`` rounds over them all, the median round
+    kept (a burst of other work that slowed one round moves nothing), the backward the difference; work as
+    annotate-costs counts it (FLOPs, or bytes read and written; twice for the backward). The probe model's
+    operands (:func:`op_cost_samples`: widths 32-128, 4-16 channels at 16x16) are smaller than most models' and
+    their fitted rates scattered 115-172 GFLOP/s between calibrations on one machine; these are the sizes the
+    rates are charged at. The probe model has no batched matmul, softmax, masked_fill or tanh GELU: their classes come
+    from here alone. ``cases``: :func:`kernel_cases` (made here when None)."""
+    import torch
+
+    from pdcompile.passes.costs.opclass import ELEMENTWISE_KINDS
+
+    torch.set_num_threads(1)
+    cases = kernel_cases() if cases is None else cases
+    out: dict[str, list[tuple[float, float, float, float]]] = {cls: [] for cls, _, _, _ in cases}
     timed: list[list[tuple[float, float]]] = [[] for _ in cases]
     for _ in range(rounds):
         for i, (cls, mod, x, work) in enumerate(cases):
-            grad = torch.ones_like(mod(x))
+            xs = x if isinstance(x, tuple) else (x,)
+            grad = torch.ones_like(mod(*xs))
 
-            def forward(mod: Any = mod, x: Any = x) -> Any:
-                return mod(x)
+            def forward(mod: Any = mod, xs: Any = xs) -> Any:
+                return mod(*xs)
 
-            def step(mod: Any = mod, x: Any = x, grad: Any = grad) -> None:
-                mod(x).backward(grad)
+            def step(mod: Any = mod, xs: Any = xs, grad: Any = grad, cls: str = cls) -> None:
+                if cls in ELEMENTWISE_KINDS or cls == "bmm":  # the inputs' gradients handed on, as in a stage
+                    torch.autograd.grad([mod(*xs)], list(xs), [grad])
+                else:
+                    mod(*xs).backward(grad)
 
             secs = _low_times({"f": forward, "fb": step}, repeats)
             timed[i].append((secs["f"], secs["fb"]))

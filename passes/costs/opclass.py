@@ -2,17 +2,22 @@
 ``seconds = alpha + work / rate``, forward and backward apart.
 
 Op classes are the kinds of kernel whose fixed cost and speed differ: ``matmul`` (linear, matmul,
-recurrent cells), ``conv``, ``attention``, ``norm``, ``pool`` (max and average pooling: on one CPU
-thread a max pool moves its bytes tens of times slower than arithmetic does), ``elementwise``
-(activations, dropout, softmax, arithmetic), ``embedding`` (and gathers), ``loss`` and ``view``
-(shape ops that launch no kernel). Work is FLOPs for the first three, bytes read and written for the others (what
+recurrent cells), ``conv``, ``attention`` (a fused kernel: scaled_dot_product_attention), ``bmm`` (a matmul of
+two batched operands: an attention written out, ``q @ k^T`` and ``scores @ v``), ``norm``, ``pool`` (max and
+average pooling: on one CPU thread a max pool moves its bytes tens of times slower than arithmetic does),
+``elementwise`` (activations, dropout, arithmetic), three elementwise kinds whose bytes cost several times an
+addition's (``softmax``; ``masked``: masked_fill; ``gelu_tanh``: GELU's tanh approximation; a GPT written out
+spends much of its time in them: on a 1-thread Xeon 0.8, 1.1 and 1.8 ns per float against 0.1-0.4 for an
+addition, :data:`ELEMENTWISE_KINDS`), ``embedding`` (and gathers), ``loss`` and ``view`` (shape ops that launch
+no kernel). Work is FLOPs for the first three, bytes read and written for the others, ``bmm`` included (what
 ``annotate-costs`` counts for a node). ``python -m pdcompile.calibrate`` times each class at several
 sizes on this machine and fits ``alpha`` and ``rate`` (:func:`fit_op_cost`); without a calibration
 the analytic model adds :data:`DEFAULT_ALPHA_S` to its roofline (``roofline.DeviceSpec``). Beside the
 classes, the calibration fits what every node costs when a whole stage runs (``OpCostTable.node_s``,
 :func:`fit_node_overhead`): the generated forward's Python, autograd's node per op and its engine's
 visit in the backward, ops run one after another rather than each timed alone in a loop.
-Pure data and arithmetic: the node classifier reads only an fx node's target.
+Pure data and arithmetic: the node classifier reads only an fx node's target, its keywords and, for a module, its
+class and ``approximate``.
 """
 
 from __future__ import annotations
@@ -36,11 +41,25 @@ def corun_at(corun: Mapping[int, float] | Sequence[tuple[int, float]] | None, pr
     return max(known)[1] if known else 1.0
 
 
-__all__ = ["DEFAULT_ALPHA_S", "FLOP_CLASSES", "OP_CLASSES", "WEIGHT_CLASSES", "OpCost", "OpCostTable", "corun_at",
+__all__ = ["DEFAULT_ALPHA_S", "ELEMENTWISE_KINDS", "FLOP_CLASSES", "OP_CLASSES", "PARENT_CLASS", "WEIGHT_CLASSES", "OpCost", "OpCostTable", "corun_at",
            "default_alphas", "fit_node_overhead", "fit_op_cost", "fit_weight_rate", "is_aten", "op_class", "op_class_of_name", "op_name"]
 
-OP_CLASSES = ("matmul", "conv", "attention", "norm", "pool", "elementwise", "embedding", "loss", "view")
-FLOP_CLASSES = ("matmul", "conv", "attention")  # work in FLOPs; the others' in bytes read + written
+OP_CLASSES = ("matmul", "conv", "attention", "bmm", "norm", "pool", "elementwise", "softmax", "masked", "gelu_tanh",
+              "embedding", "loss", "view")
+#: work in FLOPs; the others' in bytes read + written (``bmm`` too: a written-out attention's products of a few tens
+#: of rows and columns each run at the rate their operands' bytes move, which the heads' transposed views are copied
+#: in; over the probes' shapes its time follows their bytes (+-25%) where it follows FLOPs only to +-40%)
+FLOP_CLASSES = ("matmul", "conv", "attention")
+#: elementwise kinds probed on their own (``pdcompile.calibrate.kernel_samples``): their bytes cost several times an
+#: addition's on a CPU thread (a 1-thread Xeon, floats in L2: softmax 0.8 ns per element, masked_fill with a
+#: broadcast mask 1.1, GELU's tanh approximation 1.8, against 0.1-0.4 for add, ReLU or GELU's erf form); a table
+#: without one of them (a calibration before it) charges it as ``elementwise`` (:data:`PARENT_CLASS`)
+ELEMENTWISE_KINDS = ("softmax", "masked", "gelu_tanh")
+#: a class a table may lack (a calibration before it) -> the class it is then charged as: the elementwise kinds as
+#: elementwise, their work in the same unit. Not ``bmm`` (a matmul of two batched operands, :func:`_batched`), which
+#: such a calibration charged as attention: its work is bytes, attention's FLOPs; a table without it charges it as
+#: any class it did not fit, the roofline with the documented fixed cost (``DeviceSpec.op_seconds``)
+PARENT_CLASS = {k: "elementwise" for k in ELEMENTWISE_KINDS}
 
 #: The fixed seconds of one op per class, forward (a backward is charged 1.5 times as much: it runs
 #: one or two kernels per op) when no calibration is at hand. CPU: eager PyTorch's dispatch and one thread's
@@ -48,10 +67,10 @@ FLOP_CLASSES = ("matmul", "conv", "attention")  # work in FLOPs; the others' in 
 #: 2-core development VM are in benchmarks/RESULTS.md); GPU: a kernel launch from eager PyTorch
 #: (5-10 us, the host's dispatch dominating small kernels), more for the few-kernel ops.
 DEFAULT_ALPHA_S: dict[str, dict[str, float]] = {
-    "cpu": {"matmul": 20e-6, "conv": 40e-6, "attention": 25e-6, "norm": 15e-6, "pool": 10e-6, "elementwise": 3e-6,
-            "embedding": 15e-6, "loss": 15e-6, "view": 2e-6},
-    "gpu": {"matmul": 10e-6, "conv": 15e-6, "attention": 25e-6, "norm": 10e-6, "pool": 8e-6, "elementwise": 8e-6,
-            "embedding": 10e-6, "loss": 20e-6, "view": 3e-6},
+    "cpu": {"matmul": 20e-6, "conv": 40e-6, "attention": 25e-6, "bmm": 20e-6, "norm": 15e-6, "pool": 10e-6, "elementwise": 3e-6,
+            "softmax": 5e-6, "masked": 3e-6, "gelu_tanh": 3e-6, "embedding": 15e-6, "loss": 15e-6, "view": 2e-6},
+    "gpu": {"matmul": 10e-6, "conv": 15e-6, "attention": 25e-6, "bmm": 10e-6, "norm": 10e-6, "pool": 8e-6, "elementwise": 8e-6,
+            "softmax": 10e-6, "masked": 8e-6, "gelu_tanh": 8e-6, "embedding": 10e-6, "loss": 20e-6, "view": 3e-6},
 }
 BACKWARD_ALPHA_FACTOR = 1.5
 
@@ -105,6 +124,15 @@ class OpCostTable:
     #: dispatch costs more than a module's or a torch function's call; fitted by ``python -m pdcompile.calibrate``
     #: from the probe models exported; (0, 0) when absent: such nodes pay :attr:`node_s`
     node_aten_s: tuple[float, float] = (0.0, 0.0)
+
+    def __post_init__(self) -> None:
+        # an elementwise kind this table did not fit (:data:`PARENT_CLASS`: a calibration from before they were
+        # probed) is charged as elementwise, as such a calibration charged it
+        for name in ("forward", "backward"):
+            part = dict(getattr(self, name))
+            missing = {k: part[p] for k, p in PARENT_CLASS.items() if k not in part and p in part}
+            if missing:
+                object.__setattr__(self, name, {**part, **missing})
 
     def weight_seconds(self, weight_bytes: float, backward: bool = False) -> float:
         """Seconds a matmul's or convolution's ``weight_bytes`` of weights cost beyond its FLOPs (0 uncalibrated)."""
@@ -236,6 +264,7 @@ def _fit(w: np.ndarray, t: np.ndarray) -> tuple[float, float]:
 
 
 _MODULE_CLASSES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("Softmax", "Softmin"), "softmax"),
     (("Linear", "Bilinear", "LSTM", "GRU", "RNN"), "matmul"),
     (("Conv",), "conv"),
     (("Attention",), "attention"),
@@ -247,6 +276,8 @@ _MODULE_CLASSES: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 _MATMUL = {"linear", "matmul", "bmm", "addmm", "baddbmm", "addbmm", "einsum", "mm", "lstm", "gru", "rnn"}
 _EMBEDDING = {"embedding", "embedding_bag", "gather", "index_select", "take", "take_along_dim"}
+_SOFTMAX = {"softmax", "log_softmax", "softmin"}
+_MASKED = {"masked_fill"}
 _VIEW = {"getitem", "getattr", "size", "view", "reshape", "flatten", "unflatten", "permute", "transpose", "squeeze",
          "unsqueeze", "expand", "split", "chunk", "unbind", "contiguous", "dim", "t", "narrow", "detach", "view_as",
          "expand_as", "movedim", "swapaxes", "slice", "select", "alias", "unsafe_view", "split_with_sizes",
@@ -261,6 +292,10 @@ def op_class_of_name(name: str, module: bool = False) -> str:
     low = name.lower().strip("_.")
     if "attention" in low:
         return "attention"
+    if low in _SOFTMAX:
+        return "softmax"
+    if low in _MASKED:
+        return "masked"
     if low.startswith("conv"):
         return "conv"
     if low in _MATMUL:
@@ -299,20 +334,33 @@ _BATCHED = {"matmul", "bmm", "baddbmm"}
 def _batched(node: Any) -> bool:
     """Whether a matmul node multiplies two batched operands (both 3-D or more, ``node.meta["pd.tensor"]`` of its
     first two arguments): the heads' ``q @ k^T`` and ``scores @ v`` of an attention written out, many small
-    products, which run at an attention kernel's rate, not a Linear's (a 1-thread Xeon: ~15 GFLOP/s for 4 heads of
-    32 x 24 against ~150 for a 96 -> 288 Linear over 1024 rows)."""
+    products on transposed views (copied first), which run at neither a Linear's rate nor a fused attention's
+    (a 1-thread Xeon: 36-58 GFLOP/s for 4 heads of 32 x 24, 61-101 for 4 of 64 x 32, against ~150 for a 96 -> 288
+    Linear over 1024 rows; 7.5-12 GB/s of their operands' and output's bytes in both): class ``bmm``, its work
+    bytes (:data:`FLOP_CLASSES`), probed at such shapes (``pdcompile.calibrate.BMM_PROBES``)."""
     args = [a for a in node.args[:2]]
     ranks = [len(getattr(getattr(a, "meta", {}).get("pd.tensor"), "shape", ())) for a in args]
     return len(ranks) == 2 and min(ranks) >= 3
 
 
+def _tanh_gelu(node: Any, gm: Any) -> bool:
+    """Whether an fx node is GELU's tanh approximation: an ``nn.GELU(approximate="tanh")`` through ``gm``, or a
+    ``gelu`` call (``F.gelu``, ``aten.gelu``) with ``approximate="tanh"``."""
+    if node.op == "call_module":
+        return gm is not None and getattr(gm.get_submodule(str(node.target)), "approximate", None) == "tanh"
+    name = str(node.target) if node.op == "call_method" else op_name(node.target)
+    return name.lower().strip("_.") == "gelu" and node.kwargs.get("approximate") == "tanh"
+
+
 def op_class(node: Any, gm: Any = None) -> str:
     """The op class of an fx node (``call_module`` through ``gm``'s submodule's class name); a matmul of two
-    batched operands (:func:`_batched`) is ``attention``."""
+    batched operands (:func:`_batched`) is ``bmm``; GELU's tanh approximation is ``gelu_tanh``."""
+    if node.op in ("call_module", "call_function", "call_method") and _tanh_gelu(node, gm):
+        return "gelu_tanh"
     if node.op == "call_module" and gm is not None:
         return op_class_of_name(type(gm.get_submodule(str(node.target))).__name__, module=True)
     name = str(node.target) if node.op == "call_method" else op_name(node.target)
     cls = op_class_of_name(name)
     if cls == "matmul" and name.lower().strip("_.") in _BATCHED and _batched(node):
-        return "attention"
+        return "bmm"
     return cls
