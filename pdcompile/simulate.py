@@ -656,7 +656,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     Stage ``s`` (chain layers ``first..last``) costs the sum of its layers' ``forward_s`` /
     ``backward_s``; its boundary sends ``chain.cut_bytes[last]`` forward (and as many gradient bytes back) at
     ``cluster.bandwidth_between`` the two ranks, on an emulated link (``collective`` given: this host; slower than
-    loopback) then at loopback's (``pdcompile.slowlink`` hands the bytes on once they crossed); a replicated stage
+    its rate) then at loopback's (``pdcompile.slowlink`` hands the bytes on once they crossed); a replicated stage
     all-reduces its ``param_bytes`` with a ring over the slowest link among its ranks. Chain costs are per
     minibatch of ``chain.batch_size`` and are scaled linearly to ``plan.microbatch_size``, less each
     layer's fixed part (``ChainLayer.scaled``: its ops' fixed costs, paid whatever the size). A stage
@@ -743,7 +743,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
             return 0.0
         if (bw := link_bw.get((ra, rb))) is None:
             bw = link_bw[ra, rb] = cluster.bandwidth_between(cluster_rank[ra], cluster_rank[rb])
-        emulated = collective is not None and bw < LOOPBACK_BANDWIDTH  # then loopback's path after it (slowlink)
+        emulated = collective is not None and bw < collective[1]  # as collective_s: then loopback's path (slowlink)
         return nbytes / bw + latency_s + (nbytes / LOOPBACK_BANDWIDTH if emulated else 0.0)
 
     coll_lat = latency_s if collective_latency_s is None else collective_latency_s

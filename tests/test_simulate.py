@@ -250,8 +250,9 @@ def test_simulate_plan_uses_the_cluster_levels() -> None:
 
 def test_an_emulated_link_is_charged_its_bytes_then_the_hosts_own_path() -> None:
     """pdcompile.slowlink hands a message to torch.distributed once its bytes crossed the emulated link, so
-    on this host (a calibrated all-reduce, ``collective``, given) a transfer over a link slower than loopback
-    costs its bytes at the link's bandwidth and then at loopback's (``LOOPBACK_BANDWIDTH``). Hand-computed
+    on this host (a calibrated all-reduce, ``collective``, given) a transfer over a link slower than the host's
+    own path (the all-reduce's rate, as ``collective_s`` reads it) costs its bytes at the link's bandwidth and
+    then at loopback's (``LOOPBACK_BANDWIDTH``). Hand-computed
     GPipe timeline, 2 stages, 1 microbatch, f = 0.5, b = 1 per stage, 1 MB each way: 0F0 [0, .5], the
     activations T, 1F0 .5, 1B0 1, the gradients T, 0B0 1: 3 + 2 T."""
     from pdcompile.cluster import LOOPBACK_BANDWIDTH, flat_cluster
@@ -267,9 +268,9 @@ def test_an_emulated_link_is_charged_its_bytes_then_the_hosts_own_path() -> None
         alone = simulate_plan(plan, chain, flat_cluster(2, 1e6), "gpipe", 1, timeline=timeline,
                               split_backward=False)
         assert alone.makespan_s == pytest.approx(3 + 2 * link, rel=1e-12)
-        # a link as fast as loopback or faster is the host's own path: nothing added
-        fast = simulate_plan(plan, chain, flat_cluster(2, 4e9), "gpipe", 1, timeline=timeline, **kw)
-        assert fast.makespan_s == pytest.approx(3 + 2 * 1e6 / 4e9, rel=1e-12)
+        # a link as fast as the host's own path is that path: nothing added
+        fast = simulate_plan(plan, chain, flat_cluster(2, 1e9), "gpipe", 1, timeline=timeline, **kw)
+        assert fast.makespan_s == pytest.approx(3 + 2 * 1e6 / 1e9, rel=1e-12)
     transfers = [e.end_s - e.start_s for e in simulate_plan(plan, chain, flat_cluster(2, 1e6), "gpipe", 1, **kw).events
                  if e.category == "transfer"]
     assert transfers == [pytest.approx(link + 1e6 / LOOPBACK_BANDWIDTH, rel=1e-12)] * 2
