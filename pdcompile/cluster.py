@@ -449,7 +449,10 @@ def _meminfo_bytes() -> float | None:
     return None
 
 
-def local_cpu_cluster(workers: int, bandwidth: float = 2e9) -> ClusterSpec:
+LOOPBACK_BANDWIDTH = 2e9  # bytes/s between two processes of this host (a local cluster's link; simulate charges it)
+
+
+def local_cpu_cluster(workers: int, bandwidth: float = LOOPBACK_BANDWIDTH) -> ClusterSpec:
     """This machine as a cluster: ``workers`` processes on one level linked by loopback
     (``bandwidth`` bytes/s, 2 GB/s by default), each with an equal share of the RAM, sharing this
     host's cores (``Device.cores``: more busy processes than cores slow each other, which the cost

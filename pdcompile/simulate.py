@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pdcompile.cluster import LOOPBACK_BANDWIDTH
 from pdcompile.errors import UsageError
 from pdcompile.passes.costs.roofline import device_spec_for, optimizer_step_s, stream_bandwidth, weight_copy_s
 from pdcompile.passes.planner.decisions import Recompute, stage_decisions
@@ -653,9 +654,10 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     charged them as its ranks compute side by side (:func:`shared_cores`), the chain carrying none.
 
     Stage ``s`` (chain layers ``first..last``) costs the sum of its layers' ``forward_s`` /
-    ``backward_s``; its boundary sends ``chain.cut_bytes[last]`` forward (and as many gradient
-    bytes back) at ``cluster.bandwidth_between`` the two ranks; a replicated stage all-reduces its
-    ``param_bytes`` with a ring over the slowest link among its ranks. Chain costs are per
+    ``backward_s``; its boundary sends ``chain.cut_bytes[last]`` forward (and as many gradient bytes back) at
+    ``cluster.bandwidth_between`` the two ranks, on an emulated link (``collective`` given: this host; slower than
+    its rate) then at loopback's (``pdcompile.slowlink`` hands the bytes on once they crossed); a replicated stage
+    all-reduces its ``param_bytes`` with a ring over the slowest link among its ranks. Chain costs are per
     minibatch of ``chain.batch_size`` and are scaled linearly to ``plan.microbatch_size``, less each
     layer's fixed part (``ChainLayer.scaled``: its ops' fixed costs, paid whatever the size). A stage
     that recomputes runs again before its backward (``B``) what its mode rebuilds
@@ -739,10 +741,10 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
         nbytes = cut[min(sa, sb)]
         if not nbytes:
             return 0.0
-        bw = link_bw.get((ra, rb))
-        if bw is None:
+        if (bw := link_bw.get((ra, rb))) is None:
             bw = link_bw[ra, rb] = cluster.bandwidth_between(cluster_rank[ra], cluster_rank[rb])
-        return nbytes / bw + latency_s
+        emulated = collective is not None and bw < collective[1]  # as collective_s: then loopback's path (slowlink)
+        return nbytes / bw + latency_s + (nbytes / LOOPBACK_BANDWIDTH if emulated else 0.0)
 
     coll_lat = latency_s if collective_latency_s is None else collective_latency_s
     allreduce = []

@@ -13,8 +13,10 @@ Both sides are treated alike, as a NIC treats them: a point-to-point message sta
 is sent (or its link frees) and has arrived ``bytes / B`` later, whatever either process computes
 meanwhile. The sender's handle completes then; a copy of the bytes is handed to torch.distributed at
 that moment by a thread of the sending process, so the receiver gets them no earlier, and a receiver
-that posts later finds them there. An all-reduce is charged its ring's bytes once it completed
-(in DDP's hook, in the future's callback, so backward overlaps it). The simulator's default
+that posts later finds them there. Their real transfer over loopback follows, so a waiting receiver
+has them ``bytes / B`` plus loopback's own time after the send (``simulate_plan`` charges both on such
+a link). An all-reduce is charged its ring's bytes once it completed (in DDP's hook, in the future's
+callback, so backward overlaps it). The simulator's default
 ``recv_progress="background"`` (a transfer on its directed link from the send, in the sender's order)
 is this model.
 """

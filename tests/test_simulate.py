@@ -248,6 +248,34 @@ def test_simulate_plan_uses_the_cluster_levels() -> None:
     assert split.makespan_s == pytest.approx(0.5 + 0.0625 + 0.5 + 0.6 + 0.0625 + 1.0)
 
 
+def test_an_emulated_link_is_charged_its_bytes_then_the_hosts_own_path() -> None:
+    """pdcompile.slowlink hands a message to torch.distributed once its bytes crossed the emulated link, so
+    on this host (a calibrated all-reduce, ``collective``, given) a transfer over a link slower than the host's
+    own path (the all-reduce's rate, as ``collective_s`` reads it) costs its bytes at the link's bandwidth and
+    then at loopback's (``LOOPBACK_BANDWIDTH``). Hand-computed
+    GPipe timeline, 2 stages, 1 microbatch, f = 0.5, b = 1 per stage, 1 MB each way: 0F0 [0, .5], the
+    activations T, 1F0 .5, 1B0 1, the gradients T, 0B0 1: 3 + 2 T."""
+    from pdcompile.cluster import LOOPBACK_BANDWIDTH, flat_cluster
+    from pdcompile.simulate import simulate_plan
+
+    chain, plan = _chain(2, cut=1e6), _plan([(0, 0, (0,)), (1, 1, (1,))], schedule="gpipe")
+    kw = dict(split_backward=False, collective=(0.0, 1e9))
+    link = 1e6 / 1e6  # 1 s on a 1 MB/s link
+    for timeline in (True, False):  # the event replay and the fast one alike
+        slow = simulate_plan(plan, chain, flat_cluster(2, 1e6), "gpipe", 1, timeline=timeline, **kw)
+        assert slow.makespan_s == pytest.approx(3 + 2 * (link + 1e6 / LOOPBACK_BANDWIDTH), rel=1e-12)
+        # not this host's cluster (no calibrated collective): the link alone, as on a real network
+        alone = simulate_plan(plan, chain, flat_cluster(2, 1e6), "gpipe", 1, timeline=timeline,
+                              split_backward=False)
+        assert alone.makespan_s == pytest.approx(3 + 2 * link, rel=1e-12)
+        # a link as fast as the host's own path is that path: nothing added
+        fast = simulate_plan(plan, chain, flat_cluster(2, 1e9), "gpipe", 1, timeline=timeline, **kw)
+        assert fast.makespan_s == pytest.approx(3 + 2 * 1e6 / 1e9, rel=1e-12)
+    transfers = [e.end_s - e.start_s for e in simulate_plan(plan, chain, flat_cluster(2, 1e6), "gpipe", 1, **kw).events
+                 if e.category == "transfer"]
+    assert transfers == [pytest.approx(link + 1e6 / LOOPBACK_BANDWIDTH, rel=1e-12)] * 2
+
+
 def test_split_backward_closed_form() -> None:
     # flush, 2 stages, 2 microbatches, f = 1, b = 2, free sends. Unsplit: 0F0 0F1 | 1F0 [1,2] 1B0
     # [2,4] 1F1 [4,5] 1B1 [5,7] | 0B0 [4,6] 0B1 [7,9]: 9. Split (B1 = input gradients, 1; W1 = 1.5):
