@@ -65,6 +65,9 @@ class NodeCost:
     param_bytes: int = 0
     buffer_bytes: int = 0
     optimizer_bytes: float = 0.0
+    # trainable parameter tensors it owns, each once at its first user (params.param_tensor_counts, as param_bytes):
+    # the optimizer step and the data-parallel all-reduce cost a few microseconds per tensor on CPU
+    param_tensors: int = 0
     mode: str = "measured"
     tensor_output: bool = True
     output_bytes_expr: str | None = None
@@ -230,7 +233,8 @@ def annotate_costs(
     attribution = param_attribution(gm)
     # a split backward's weight pass: its cost per parameter tensor beyond its FLOPs (calibrated; 0 otherwise)
     w_param_s = spec.op_costs.w_param_s if spec is not None and spec.op_costs is not None else 0.0
-    w_extra = param_tensor_counts(gm) if w_param_s else {}
+    tensor_counts = param_tensor_counts(gm)
+    w_extra = tensor_counts if w_param_s else {}
     rec = record_saved(gm, inputs)
     saved, selective, resaved = saved_from(rec, gm), selective_from(rec, gm), resaved_from(rec, gm)
     rec.keep.clear()
@@ -289,7 +293,8 @@ def annotate_costs(
             node.meta["pd.cost"] = NodeCost(
                 forward_s=fwd_s, backward_s=bwd_s, forward_flops=ff, backward_flops=bf,
                 output_bytes=out_bytes, param_bytes=pb, buffer_bytes=bb,
-                optimizer_bytes=pb * opt_factor, mode=mode, tensor_output=_is_tensor_output(meta),
+                optimizer_bytes=pb * opt_factor, param_tensors=tensor_counts.get(node, 0), mode=mode,
+                tensor_output=_is_tensor_output(meta),
                 output_bytes_expr=e_out, forward_flops_expr=e_f, backward_flops_expr=e_b,
                 symbolic_note=note, **({} if mode == "measured" else
                                        split_parts(bwd_s, share, w_extra.get(node, 0) * w_param_s)),

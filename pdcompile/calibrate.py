@@ -13,6 +13,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +53,16 @@ class MachineConstants:
     # the same among cores + 1 processes (measure_crowded_collective; bytes/s of a ring's bytes); 0: not measured
     collective_crowded_fixed_s: float = 0.0
     collective_crowded_rate: float = 0.0
+    # seconds per parameter tensor (measure_step: SGD with momentum's loop over tensors; measure_flatten: the
+    # all-reduce's flatten and copy back); 0: not measured (an older cache: machine_cache reads the defaults)
+    step_tensor_s: float = 0.0
+    collective_tensor_s: float = 0.0
 
-    def step_s(self, param_bytes: float) -> float:
-        """Predicted optimizer step (SGD with momentum, zero_grad) over ``param_bytes`` of parameters."""
-        return self.step_fixed_s + param_bytes / self.step_rate if param_bytes else 0.0
+    def step_s(self, param_bytes: float, tensors: int = 0) -> float:
+        """Predicted optimizer step (SGD with momentum, zero_grad) over ``param_bytes`` of parameters in
+        ``tensors`` tensors."""
+        return self.step_fixed_s + tensors * self.step_tensor_s + param_bytes / self.step_rate \
+            if param_bytes else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -104,13 +111,15 @@ def measure(log: Any = None) -> MachineConstants:
 
     traced = _traced_run(vgg.FAMILY, _calibration_model(), 20, "compute calibration")
     factor = measure_compute_factor(over, node_s=table.node_s, traced=traced)
-    fixed, rate = measure_step()
+    fixed, step_tensor, rate = measure_step()
+    flat_tensor = measure_flatten()[1]
     say("measuring a stage's compute in a 2-process run against the same stage alone ...")
     ops = with_corun(table, measure_in_run_factor(over, traced=traced))
     return MachineConstants(lat, bw, ar_lat, over, fixed, rate, factor, key=machine_key(),
                             measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), op_costs=ops.to_dict(),
                             collective_fixed_s=coll_fixed, collective_rate=coll_rate,
-                            collective_crowded_fixed_s=crowded[0], collective_crowded_rate=crowded[1])
+                            collective_crowded_fixed_s=crowded[0], collective_crowded_rate=crowded[1],
+                            step_tensor_s=step_tensor, collective_tensor_s=flat_tensor)
 
 
 def runtime_allocator() -> None:
@@ -670,20 +679,101 @@ def step_seconds(stage_modules: list[Any], repeats: int = 20) -> list[float]:
     return out
 
 
-def measure_step() -> tuple[float, float]:
-    """(fixed s, bytes/s) of the optimizer step, fitted through a small and a large set of parameters.
+#: the probe sets of :func:`measure_step`: (tensors, float32 elements each); tensor count and bytes vary apart
+STEP_PROBES = ((1, 1 << 10), (64, 1 << 4), (128, 1 << 4), (1, 1 << 20), (2, 1 << 20), (64, 1 << 14))
 
-    SGD with momentum (and zero_grad) over parameter tensors of 0.25 - 8 MiB, one thread, fitted as
-    ``fixed + bytes / rate`` per stage."""
+
+def fit_tensor_cost(samples: Sequence[tuple[int, float, float]]) -> tuple[float, float, float]:
+    """(fixed s, s per tensor, bytes/s) of ``time = fixed + tensors x per_tensor + bytes / rate`` through
+    ``samples`` of (tensors, bytes, s): least squares in relative error (each sample weighted by ``1 / s``, so
+    a small set's fixed and per-tensor cost count as much as a large one's rate). A negative fixed or
+    per-tensor part is fitted again as 0 (the others alone); the rate is inf where the bytes cost nothing."""
+    import numpy as np
+
+    pts = [(float(n), float(b), float(t)) for n, b, t in samples if t > 0]
+    if len(pts) < 3:
+        raise ValueError(f"fit_tensor_cost needs 3 or more timed sets, got {len(pts)}")
+    cols = [0, 1, 2]
+    while True:
+        a = np.array([[(1.0, n, b)[c] / t for c in cols] for n, b, t in pts])
+        x = np.linalg.lstsq(a, np.ones(len(pts)), rcond=None)[0]
+        coef = dict.fromkeys((0, 1, 2), 0.0) | {c: float(v) for c, v in zip(cols, x)}
+        bad = [c for c in cols if coef[c] < 0 and len(cols) > 1]
+        if not bad:
+            break
+        cols.remove(min(bad, key=lambda c: coef[c]))
+    rate = 1.0 / coef[2] if coef[2] > 0 else float("inf")
+    return max(coef[0], 0.0), max(coef[1], 0.0), rate
+
+
+def _step_sample(tensors: int, numel: int, repeats: int) -> float:
+    """Median seconds of one SGD-with-momentum step and ``zero_grad(set_to_none=True)`` (as the runtime
+    steps, runtime/executor.py) over ``tensors`` parameters of ``numel`` floats, gradients set afresh
+    before each (untimed); the first steps (which make the momentum buffers) left out."""
+    import torch
+
+    params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(tensors)]
+    grads = [torch.zeros(numel) for _ in range(tensors)]
+    opt = torch.optim.SGD(params, lr=0.0, momentum=0.9)
+    times = []
+    for i in range(repeats + 3):
+        for p, g in zip(params, grads):
+            p.grad = g
+        t0 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_step() -> tuple[float, float, float]:
+    """(fixed s, s per parameter tensor, parameter bytes/s) of the optimizer step: SGD with momentum and
+    ``zero_grad`` over the sets of :data:`STEP_PROBES` (1 - 128 tensors, 4 KiB - 8 MiB, count and bytes
+    varied apart), one thread, fitted as ``fixed + tensors x per_tensor + bytes / rate``
+    (:func:`fit_tensor_cost`). torch's SGD on CPU tensors loops over them one by one (no foreach kernel
+    by default off CUDA): a few microseconds each, which a stage of many small tensors pays. ~1 s."""
     import torch
 
     torch.set_num_threads(1)
-    small = [torch.nn.Parameter(torch.zeros(1 << 16))]  # 256 KiB
-    large = [torch.nn.Parameter(torch.zeros(1 << 20)) for _ in range(2)]  # 8 MiB
-    n0, n1 = 1 << 18, 8 << 20
-    t0, t1 = _time_step(small, 40), _time_step(large, 20)
-    rate = (n1 - n0) / max(t1 - t0, 1e-9)
-    return max(0.0, t0 - n0 / rate), rate
+    samples = []
+    for _ in range(2):  # the sets twice, interleaved: a passing load spreads over both
+        for n, numel in STEP_PROBES:
+            samples.append((n, 4.0 * n * numel, _step_sample(n, numel, 15 if numel < (1 << 18) else 6)))
+    return fit_tensor_cost(samples)
+
+
+def _flatten_sample(tensors: int, numel: int, repeats: int) -> float:
+    """Median seconds of ``allreduce_flat``'s work around its collective over ``tensors`` gradients of ``numel``
+    floats: the flatten (``torch.cat``) and the copy of each back (runtime/executor.py)."""
+    import torch
+
+    ts = [torch.zeros(numel) for _ in range(tensors)]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        offset = 0
+        for t in ts:
+            t.copy_(flat[offset:offset + numel].view_as(t))
+            offset += numel
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_flatten() -> tuple[float, float, float]:
+    """(fixed s, s per tensor, bytes/s) of the data-parallel all-reduce's flatten and copy back
+    (``allreduce_flat`` less its collective), in this process, one thread, over the sets of
+    :data:`STEP_PROBES` (:func:`fit_tensor_cost`). Its per-tensor part is what a stage's all-reduce pays per
+    gradient beyond the collective probe's (``calibrate_link._GRAD_TENSORS`` tensors, in its fixed part). ~0.5 s."""
+    import torch
+
+    torch.set_num_threads(1)
+    samples = []
+    for _ in range(2):
+        for n, numel in STEP_PROBES:
+            samples.append((n, 4.0 * n * numel, _flatten_sample(n, numel, 15 if numel < (1 << 18) else 6)))
+    return fit_tensor_cost(samples)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -693,6 +783,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refresh", action="store_true", help="measure again even when cached")
     ap.add_argument("--ops", action="store_true",
                     help="measure only the cost per op class (seconds, in this process) and add it to the cache")
+    ap.add_argument("--step", action="store_true",
+                    help="measure only the optimizer step and the all-reduce's flatten (fixed, per tensor, rate; in "
+                         "this process) and add them to the cache")
     ap.add_argument("--link-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.link_worker:
@@ -708,6 +801,14 @@ def main(argv: list[str] | None = None) -> int:
         cache_path().parent.mkdir(parents=True, exist_ok=True)
         cache_path().write_text(json.dumps(d, indent=1))
         print(json.dumps({"path": str(cache_path()), "op_costs": d["op_costs"]}, indent=1))
+        return 0
+    if args.step:
+        d = machine_cache.cached() or {"key": machine_key()}
+        fixed, per, rate = measure_step()
+        d.update(step_fixed_s=fixed, step_tensor_s=per, step_rate=rate, collective_tensor_s=measure_flatten()[1])
+        cache_path().parent.mkdir(parents=True, exist_ok=True)
+        cache_path().write_text(json.dumps(d, indent=1))
+        print(json.dumps({k: d[k] for k in ("step_fixed_s", "step_tensor_s", "step_rate", "collective_tensor_s")}))
         return 0
     c, cached = load_or_measure(refresh=args.refresh, log=print)
     print(json.dumps({"cached": cached, "path": str(cache_path()), **c.to_dict()}, indent=1))

@@ -513,20 +513,45 @@ def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float) -> float:
 
 
 def collective_s(nbytes: float, replicas: int, bandwidth: float, latency_s: float = 0.0,
-                 collective: tuple[float, float] | None = None) -> float:
+                 collective: tuple[float, float] | None = None, tensors: float = 0.0,
+                 tensor_s: float = 0.0) -> float:
     """An all-reduce of ``nbytes`` among ``replicas`` ranks whose slowest link has ``bandwidth``: the ring
     (:func:`ring_allreduce_s`) plus ``latency_s``; or, with ``collective`` (fixed s, bytes/s: the runtime's
     own all-reduce between 2 processes on this host, ``python -m pdcompile.calibrate``), that fit with its
     bytes scaled as a ring scales them, plus the ring at ``bandwidth`` only where the link is slower than
     the host's own path (on one host a slower link is an emulated one, ``pdcompile.slowlink``, which adds
-    its time to the real collective's)."""
+    its time to the real collective's). Either way plus ``tensor_s`` for each of its ``tensors`` gradients:
+    the runtime's flatten of them into one buffer and copy of each back (``allreduce_flat``; the
+    calibration's per-tensor cost, :func:`tensor_costs`)."""
     if replicas <= 1:
         return 0.0
+    per = tensors * tensor_s
     if collective is None:
-        return ring_allreduce_s(nbytes, replicas, bandwidth) + latency_s
+        return ring_allreduce_s(nbytes, replicas, bandwidth) + latency_s + per
     fixed, rate = collective
-    host = fixed + ring_allreduce_s(nbytes, replicas, rate)
+    host = fixed + ring_allreduce_s(nbytes, replicas, rate) + per
     return host + (ring_allreduce_s(nbytes, replicas, bandwidth) if bandwidth < rate else 0.0)
+
+
+def tensor_costs(overhead_s: Mapping[str, float] | float, cluster: Any) -> tuple[Mapping[str, float] | float,
+                                                                               float, float]:
+    """``overhead_s`` (the per-action costs as :func:`simulate_plan` takes them) without its per-tensor
+    entries, and the seconds per parameter tensor of the optimizer step and of the all-reduce's flatten and
+    copy back they give (``machine_cache.STEP_TENSOR_KEY``, ``FLATTEN_TENSOR_KEY``: a calibration's,
+    ``ActionCost.seconds``); where they give none, ``cluster``'s device kind's default
+    (``roofline.TENSOR_STEP_S``, ``TENSOR_FLATTEN_S``: a few microseconds on CPU, 0 on GPUs, which step
+    every tensor at once)."""
+    from pdcompile.machine_cache import FLATTEN_TENSOR_KEY, STEP_TENSOR_KEY
+    from pdcompile.passes.costs.roofline import TENSOR_FLATTEN_S, TENSOR_STEP_S
+
+    dev = getattr(cluster, "device", None)
+    kind = str(getattr(dev, "name", "cpu")).lower().split("-")[0]
+    step_t, flat_t = TENSOR_STEP_S.get(kind, 0.0), TENSOR_FLATTEN_S.get(kind, 0.0)
+    if isinstance(overhead_s, Mapping) and (STEP_TENSOR_KEY in overhead_s or FLATTEN_TENSOR_KEY in overhead_s):
+        step_t = float(overhead_s.get(STEP_TENSOR_KEY, step_t))
+        flat_t = float(overhead_s.get(FLATTEN_TENSOR_KEY, flat_t))
+        overhead_s = {k: v for k, v in overhead_s.items() if k not in (STEP_TENSOR_KEY, FLATTEN_TENSOR_KEY)}
+    return overhead_s, step_t, flat_t
 
 
 def update_bandwidth_of(cluster: Any) -> float:
@@ -536,12 +561,15 @@ def update_bandwidth_of(cluster: Any) -> float:
 
 
 def stage_step_s(param_bytes: float, replicas: int, shard: str, optimizer_state_factor: float,
-                 bandwidth: float) -> float:
-    """A replica's optimizer step over a stage of ``param_bytes`` of weights: all of them, or its
+                 bandwidth: float, tensors: float = 0.0, tensor_s: float = 0.0) -> float:
+    """A replica's optimizer step over a stage of ``param_bytes`` of weights in ``tensors`` parameter tensors
+    (``tensor_s`` each, :func:`~pdcompile.passes.costs.roofline.optimizer_step_s`): all of them, or its
     ``1 / replicas`` share where the replicas shard their state (``shard`` other than ``"none"``: each
     updates its own shard, runtime/shard.py)."""
-    share = param_bytes / replicas if shard != "none" and replicas > 1 else param_bytes
-    return optimizer_step_s(share, optimizer_state_factor, bandwidth)
+    sharded = shard != "none" and replicas > 1
+    share = param_bytes / replicas if sharded else param_bytes
+    return optimizer_step_s(share, optimizer_state_factor, bandwidth, tensors / replicas if sharded else tensors,
+                            tensor_s)
 
 
 def _part(profiled: Any, backward_s: Any, share: float) -> Any:
@@ -705,7 +733,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
             models[sched] = stage_decisions(chain, replace(planned, schedule=sched))
         return models[sched]
 
-    fwd, bwd, params, cut, b_in, b_w = [], [], [], [], [], []
+    overhead_s, step_t, flat_t = tensor_costs(overhead_s, cluster)
+    fwd, bwd, params, cut, b_in, b_w, tensors = [], [], [], [], [], [], []
     for st_ in plan.stages:
         mine = layers[st_.first:st_.last + 1]
         # run again at B: what its recomputation rebuilds
@@ -718,11 +747,12 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                         for l, (_, _, k) in zip(mine, sized)) + again)
         b_w.append(sum(_part(l.weight_grad_s, l.backward_s, weight_grad_share) * k for l, (_, _, k) in zip(mine, sized)))
         params.append(sum(l.param_bytes for l in mine))
+        tensors.append(sum(getattr(l, "param_tensors", 0) for l in mine))
         cut.append(chain.cut_bytes[st_.last] * scale if st_.last < len(chain.cut_bytes) else 0.0)
     if update_bandwidth is not None and math.isfinite(update_bandwidth):
         if step_s is None:
             step_s = [stage_step_s(p, st_.replicas, getattr(st_, "shard", "none"), optimizer_state_factor,
-                                   update_bandwidth) for p, st_ in zip(params, plan.stages)]
+                                   update_bandwidth, n, step_t) for p, n, st_ in zip(params, tensors, plan.stages)]
         if copy_bandwidth is None:  # version_s: bytes / copy_bandwidth, i.e. weight_copy_s(bytes, update_bandwidth)
             copy_bandwidth = 1.0 / weight_copy_s(1.0, update_bandwidth)
     if virtual_stages > 1:
@@ -749,7 +779,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     for s, rs in enumerate(sched_ranks):
         cr = [cluster_rank[r] for r in rs]
         bw = _slowest(cluster, cr)
-        allreduce.append(collective_s(params[s], len(rs), bw, coll_lat, collective))
+        allreduce.append(collective_s(params[s], len(rs), bw, coll_lat, collective, tensors[s], flat_t))
     tied_s = 0.0
     if tied_bytes and tied_stages:
         cr = sorted({cluster_rank[r] for s in tied_stages for r in sched_ranks[s]})

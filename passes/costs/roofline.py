@@ -108,10 +108,27 @@ def stream_bandwidth(spec: DeviceSpec) -> float:
     return spec.mem_bandwidth * spec.bandwidth_efficiency if spec.mem_bandwidth else math.inf
 
 
-def optimizer_step_s(param_bytes: float, optimizer_state_factor: float, bandwidth: float) -> float:
+#: Seconds per parameter tensor where no calibration gives them (``python -m pdcompile.calibrate`` measures
+#: both: ``step_tensor_s``, ``collective_tensor_s``), by device kind: the optimizer step (SGD with momentum)
+#: and the data-parallel all-reduce's flatten and copy back (``runtime/executor.py`` ``allreduce_flat``).
+#: On CPU torch's optimizers loop over the tensors one by one (no foreach kernel by default off CUDA):
+#: ~6 us a tensor for the step and ~4 us for the flatten and copy back on the 2-core x86 development VM
+#: (benchmarks/RESULTS.md, session 22). On a GPU torch steps all tensors with foreach (or fused) kernels, a
+#: launch per op over every tensor at once: 0 per tensor here (their launches are the per-action cost's).
+TENSOR_STEP_S: dict[str, float] = {"cpu": 6e-6}
+TENSOR_FLATTEN_S: dict[str, float] = {"cpu": 4e-6}
+
+
+def optimizer_step_s(param_bytes: float, optimizer_state_factor: float, bandwidth: float,
+                     tensors: float = 0.0, tensor_s: float = 0.0) -> float:
     """One optimizer step over ``param_bytes`` of weights at ``bandwidth`` bytes/s of streamed memory
-    (:func:`optimizer_step_bytes`; its fixed cost is the runtime's per-action ``ST`` cost)."""
-    return optimizer_step_bytes(param_bytes, optimizer_state_factor) / bandwidth
+    (:func:`optimizer_step_bytes`; its fixed cost is the runtime's per-action ``ST`` cost), plus ``tensor_s``
+    for each of its ``tensors`` parameter tensors (measured for SGD with momentum, :data:`TENSOR_STEP_S`),
+    scaled by the optimizer's work per tensor as its streamed bytes scale (plain SGD 3/5, Adam 7/5: its ops
+    per tensor grow with its state)."""
+    per = tensors * tensor_s * optimizer_step_bytes(1.0, optimizer_state_factor) / optimizer_step_bytes(1.0, 1.0) \
+        if tensors and tensor_s else 0.0
+    return optimizer_step_bytes(param_bytes, optimizer_state_factor) / bandwidth + per
 
 
 def weight_copy_s(param_bytes: float, bandwidth: float) -> float:
