@@ -474,7 +474,7 @@ def _plan_lower_bound(full: Plan, chain: "Chain", cluster: "ClusterSpec", num_mi
     replica in that schedule's order (:func:`_ranks_bound`). Transfers and per-action costs only add; the
     per-tensor costs ``overhead_s`` gives (:func:`~pdcompile.simulate.tensor_costs`) are charged as simulate_plan
     charges them (each parameter tensor's optimizer step, and its flatten and copy back in an all-reduce)."""
-    from pdcompile.simulate import ring_allreduce_s, stage_step_s, tensor_costs
+    from pdcompile.simulate import ring_allreduce_s, stage_param_tensors, stage_step_s, tensor_costs
 
     _, step_t, flat_t = tensor_costs(overhead_s, cluster)
     ars, steps, nxt = [], [], 0
@@ -483,7 +483,7 @@ def _plan_lower_bound(full: Plan, chain: "Chain", cluster: "ClusterSpec", num_mi
         nxt += st.replicas
         mine = chain.layers[st.first:st.last + 1]
         params = sum(l.param_bytes for l in mine)
-        tensors = sum(l.param_tensors for l in mine)
+        tensors = stage_param_tensors(mine)
         ars.append(ring_allreduce_s(params, st.replicas, cluster.slowest_bandwidth(ranks)) + tensors * flat_t
                    if st.replicas > 1 else 0.0)
         steps.append(stage_step_s(params, st.replicas, st.shard, optimizer_state_factor, update_bandwidth,

@@ -560,6 +560,14 @@ def update_bandwidth_of(cluster: Any) -> float:
     return stream_bandwidth(device_spec_for(cluster))
 
 
+def stage_param_tensors(layers: Sequence[Any]) -> int:
+    """The trainable parameter tensors a stage of ``layers`` holds, as its module's ``parameters()`` counts
+    them: each layer's own (``ChainLayer.param_tensors``, tied ones aside) and each tied parameter its layers use
+    once (``tied_params``: a stage holds its own copy of one, which its optimizer steps and its all-reduce sums)."""
+    return sum(getattr(l, "param_tensors", 0) for l in layers) + \
+        len({name for l in layers for name, _ in getattr(l, "tied_params", ())})
+
+
 def stage_step_s(param_bytes: float, replicas: int, shard: str, optimizer_state_factor: float,
                  bandwidth: float, tensors: float = 0.0, tensor_s: float = 0.0) -> float:
     """A replica's optimizer step over a stage of ``param_bytes`` of weights in ``tensors`` parameter tensors
@@ -747,7 +755,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                         for l, (_, _, k) in zip(mine, sized)) + again)
         b_w.append(sum(_part(l.weight_grad_s, l.backward_s, weight_grad_share) * k for l, (_, _, k) in zip(mine, sized)))
         params.append(sum(l.param_bytes for l in mine))
-        tensors.append(sum(getattr(l, "param_tensors", 0) for l in mine))
+        tensors.append(stage_param_tensors(mine))
         cut.append(chain.cut_bytes[st_.last] * scale if st_.last < len(chain.cut_bytes) else 0.0)
     if update_bandwidth is not None and math.isfinite(update_bandwidth):
         if step_s is None:
