@@ -562,7 +562,7 @@ def test_a_compiled_pipelines_simulate_charges_the_users_optimizer(tmp_path: Pat
     """``simulate()`` of a compiled 2-stage pipeline with Adam: each stage's ``ST`` lasts 7 x its weights' bytes
     at the CPU's streamed bandwidth (the roofline's memory bandwidth x efficiency), and the plan's headline,
     the step search's objective, is that simulate()."""
-    from pdcompile.passes.costs.roofline import DEVICE_SPECS, TENSOR_STEP_S
+    from pdcompile.passes.costs.roofline import DEVICE_SPECS, TENSOR_STEP_S, tensor_work
     from pdcompile.simulate import stage_param_tensors
 
     monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))
@@ -572,9 +572,9 @@ def test_a_compiled_pipelines_simulate_charges_the_users_optimizer(tmp_path: Pat
     sim = pipe.simulate()
     for s, st in enumerate(pipe.plan.stages):
         p = sum(l.param_bytes for l in pipe.wire_chain.layers[st.first:st.last + 1])
-        # and CPU's default per parameter tensor (no calibration), Adam's 7/5 of SGD with momentum's
+        # and CPU's default per parameter tensor (no calibration), x Adam's work per tensor
         n = stage_param_tensors(pipe.wire_chain.layers[st.first:st.last + 1])
-        want = 7 * p / bw + n * TENSOR_STEP_S["cpu"] * 7 / 5
+        want = 7 * p / bw + n * TENSOR_STEP_S["cpu"] * tensor_work(2.0)
         durations = {e.end_s - e.start_s for e in sim.events if e.name == f"{s}ST"}
         assert p > 0 and n > 0 and durations and all(d == pytest.approx(want, rel=1e-9) for d in durations), \
             (s, durations)
