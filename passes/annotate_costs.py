@@ -65,6 +65,10 @@ class NodeCost:
     param_bytes: int = 0
     buffer_bytes: int = 0
     optimizer_bytes: float = 0.0
+    # trainable parameter tensors it owns, each once at its first user (params.param_tensor_counts, as param_bytes),
+    # less the tied ones (in tied_params: a stage holds a copy of each its nodes use, simulate.stage_param_tensors):
+    # the optimizer step and the data-parallel all-reduce cost a few microseconds per tensor on CPU
+    param_tensors: int = 0
     mode: str = "measured"
     tensor_output: bool = True
     output_bytes_expr: str | None = None
@@ -230,11 +234,13 @@ def annotate_costs(
     attribution = param_attribution(gm)
     # a split backward's weight pass: its cost per parameter tensor beyond its FLOPs (calibrated; 0 otherwise)
     w_param_s = spec.op_costs.w_param_s if spec is not None and spec.op_costs is not None else 0.0
-    w_extra = param_tensor_counts(gm) if w_param_s else {}
+    tensor_counts = param_tensor_counts(gm)
+    w_extra = tensor_counts if w_param_s else {}
     rec = record_saved(gm, inputs)
     saved, selective, resaved = saved_from(rec, gm), selective_from(rec, gm), resaved_from(rec, gm)
     rec.keep.clear()
     shared, tied = shared_param_bytes(gm), tied_params(gm)
+    untied = _untied_counts(tensor_counts, tied)
 
     # symbolic sizes: re-run at other batch sizes
     exprs: dict[fx.Node, tuple[str | None, str | None, str | None, str]] = {}
@@ -289,7 +295,8 @@ def annotate_costs(
             node.meta["pd.cost"] = NodeCost(
                 forward_s=fwd_s, backward_s=bwd_s, forward_flops=ff, backward_flops=bf,
                 output_bytes=out_bytes, param_bytes=pb, buffer_bytes=bb,
-                optimizer_bytes=pb * opt_factor, mode=mode, tensor_output=_is_tensor_output(meta),
+                optimizer_bytes=pb * opt_factor, param_tensors=untied.get(node, 0), mode=mode,
+                tensor_output=_is_tensor_output(meta),
                 output_bytes_expr=e_out, forward_flops_expr=e_f, backward_flops_expr=e_b,
                 symbolic_note=note, **({} if mode == "measured" else
                                        split_parts(bwd_s, share, w_extra.get(node, 0) * w_param_s)),
@@ -316,6 +323,19 @@ def annotate_costs(
                                            backward_s=bwd_s, **parts,
                                            selective_recompute_s=secs[(node, "fwd")] * selective[node][1])
     return gm
+
+
+def _untied_counts(counts: dict[fx.Node, int], tied: dict[fx.Node, tuple[tuple[str, int], ...]]) -> dict[fx.Node, int]:
+    """Per compute node, its trainable parameter tensors (``counts``: each once, at its first user) less the tied
+    ones first used there (``tied``, in graph order as ``counts``): a stage counts each tied parameter its nodes use
+    once more (it holds and steps its own copy), :func:`pdcompile.simulate.stage_param_tensors`."""
+    seen: set[str] = set()
+    out: dict[fx.Node, int] = {}
+    for node, n in counts.items():
+        names = {name for name, _ in tied.get(node, ())}
+        out[node] = max(0, n - len(names - seen))
+        seen |= names
+    return out
 
 
 def input_bytes(node: fx.Node, values: dict[fx.Node, Any]) -> int:

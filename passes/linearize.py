@@ -218,7 +218,7 @@ def linearize(profile: Profile, *, rule: str = "best", include_inputs: bool = Tr
             output_bytes=l.output_bytes, param_bytes=l.param_bytes, members=(l.name,),
             saved_bytes=l.saved_bytes, saved_input_bytes=l.saved_input_bytes,
             saved_output_bytes=l.saved_output_bytes, shared_param_bytes=l.shared_param_bytes,
-            tied_params=l.tied_params,
+            tied_params=l.tied_params, param_tensors=l.param_tensors,
             input_grad_s=l.input_grad_s, weight_grad_s=l.weight_grad_s,
             selective_saved_bytes=l.selective_saved_bytes, selective_recompute_s=l.selective_recompute_s,
             selective_rebuilt_bytes=l.selective_rebuilt_bytes, resaved_bytes=l.resaved_bytes,

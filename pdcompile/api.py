@@ -102,7 +102,12 @@ def step_cost_line(bandwidth: float, calibrated: bool, problem: str, cost: machi
             (f"; not calibrated: {problem}" if problem else "")
     per = "no per-action cost" if cost is None else \
         f"the runtime's per-action cost ({'calibrated' if cost.calibrated else 'built-in estimate'}, " \
-        f"{max(cost.seconds.values(), default=0.0) * 1e6:.0f} us at most)"
+        f"{max((v for k, v in cost.seconds.items() if k in machine_cache.ACTION_KINDS), default=0.0) * 1e6:.0f} " \
+        f"us at most)"
+    if cost is not None and machine_cache.STEP_TENSOR_KEY in cost.seconds:
+        per += (f"; per parameter tensor {cost.seconds[machine_cache.STEP_TENSOR_KEY] * 1e6:.1f} us in each optimizer "
+                f"step and {cost.seconds.get(machine_cache.FLATTEN_TENSOR_KEY, 0.0) * 1e6:.1f} us in each all-reduce "
+                f"(its flatten and copy back)")
     if cost is not None and cost.collective is not None:
         fixed, rate = cost.collective
         per += (f"; each all-reduce the runtime's own, calibrated on this host: {fixed * 1e3:.2f} ms + bytes / "

@@ -52,10 +52,16 @@ class MachineConstants:
     # the same among cores + 1 processes (measure_crowded_collective; bytes/s of a ring's bytes); 0: not measured
     collective_crowded_fixed_s: float = 0.0
     collective_crowded_rate: float = 0.0
+    # seconds per parameter tensor (measure_step: SGD with momentum's loop over tensors; measure_flatten: the
+    # all-reduce's flatten and copy back); 0: not measured (an older cache: machine_cache reads the defaults)
+    step_tensor_s: float = 0.0
+    collective_tensor_s: float = 0.0
 
-    def step_s(self, param_bytes: float) -> float:
-        """Predicted optimizer step (SGD with momentum, zero_grad) over ``param_bytes`` of parameters."""
-        return self.step_fixed_s + param_bytes / self.step_rate if param_bytes else 0.0
+    def step_s(self, param_bytes: float, tensors: int = 0) -> float:
+        """Predicted optimizer step (SGD with momentum, zero_grad) over ``param_bytes`` of parameters in
+        ``tensors`` tensors."""
+        return self.step_fixed_s + tensors * self.step_tensor_s + param_bytes / self.step_rate \
+            if param_bytes else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -104,13 +110,15 @@ def measure(log: Any = None) -> MachineConstants:
 
     traced = _traced_run(vgg.FAMILY, _calibration_model(), 20, "compute calibration")
     factor = measure_compute_factor(over, node_s=table.node_s, traced=traced)
-    fixed, rate = measure_step()
+    fixed, step_tensor, rate = measure_step()
+    flat_tensor = measure_flatten()[1]
     say("measuring a stage's compute in a 2-process run against the same stage alone ...")
     ops = with_corun(table, measure_in_run_factor(over, traced=traced))
     return MachineConstants(lat, bw, ar_lat, over, fixed, rate, factor, key=machine_key(),
                             measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), op_costs=ops.to_dict(),
                             collective_fixed_s=coll_fixed, collective_rate=coll_rate,
-                            collective_crowded_fixed_s=crowded[0], collective_crowded_rate=crowded[1])
+                            collective_crowded_fixed_s=crowded[0], collective_crowded_rate=crowded[1],
+                            step_tensor_s=step_tensor, collective_tensor_s=flat_tensor)
 
 
 def runtime_allocator() -> None:
@@ -547,6 +555,12 @@ from pdcompile.calibrate_link import (  # noqa: E402,F401 - the link part, kept 
     measure_crowded_collective as measure_crowded_collective,
     measure_link as measure_link,
 )
+from pdcompile.calibrate_step import (  # noqa: E402,F401 - the optimizer step's part, kept importable from here
+    STEP_PROBES as STEP_PROBES,
+    fit_tensor_cost as fit_tensor_cost,
+    measure_flatten as measure_flatten,
+    measure_step as measure_step,
+)
 
 
 def _traced_run(family: Any, cfg: Any, steps: int, what: str) -> tuple[Any, list[Any], Path]:
@@ -740,22 +754,6 @@ def step_seconds(stage_modules: list[Any], repeats: int = 20) -> list[float]:
     return out
 
 
-def measure_step() -> tuple[float, float]:
-    """(fixed s, bytes/s) of the optimizer step, fitted through a small and a large set of parameters.
-
-    SGD with momentum (and zero_grad) over parameter tensors of 0.25 - 8 MiB, one thread, fitted as
-    ``fixed + bytes / rate`` per stage."""
-    import torch
-
-    torch.set_num_threads(1)
-    small = [torch.nn.Parameter(torch.zeros(1 << 16))]  # 256 KiB
-    large = [torch.nn.Parameter(torch.zeros(1 << 20)) for _ in range(2)]  # 8 MiB
-    n0, n1 = 1 << 18, 8 << 20
-    t0, t1 = _time_step(small, 40), _time_step(large, 20)
-    rate = (n1 - n0) / max(t1 - t0, 1e-9)
-    return max(0.0, t0 - n0 / rate), rate
-
-
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -763,6 +761,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refresh", action="store_true", help="measure again even when cached")
     ap.add_argument("--ops", action="store_true",
                     help="measure only the cost per op class (seconds, in this process) and add it to the cache")
+    ap.add_argument("--step", action="store_true",
+                    help="measure only the optimizer step and the all-reduce's flatten (fixed, per tensor, rate; in "
+                         "this process) and add them to the cache")
     ap.add_argument("--link-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.link_worker:
@@ -778,6 +779,14 @@ def main(argv: list[str] | None = None) -> int:
         cache_path().parent.mkdir(parents=True, exist_ok=True)
         cache_path().write_text(json.dumps(d, indent=1))
         print(json.dumps({"path": str(cache_path()), "op_costs": d["op_costs"]}, indent=1))
+        return 0
+    if args.step:
+        d = machine_cache.cached() or {"key": machine_key()}
+        fixed, per, rate = measure_step()
+        d.update(step_fixed_s=fixed, step_tensor_s=per, step_rate=rate, collective_tensor_s=measure_flatten()[1])
+        cache_path().parent.mkdir(parents=True, exist_ok=True)
+        cache_path().write_text(json.dumps(d, indent=1))
+        print(json.dumps({k: d[k] for k in ("step_fixed_s", "step_tensor_s", "step_rate", "collective_tensor_s")}))
         return 0
     c, cached = load_or_measure(refresh=args.refresh, log=print)
     print(json.dumps({"cached": cached, "path": str(cache_path()), **c.to_dict()}, indent=1))

@@ -13,6 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdcompile.machine_cache import COLLECTIVE_PROBE_TENSORS
+
 
 def _torchrun_module(module: str, nproc: int, args: list[str], timeout: float) -> tuple[int, str]:
     import subprocess
@@ -30,7 +32,9 @@ def _torchrun_module(module: str, nproc: int, args: list[str], timeout: float) -
     return p.returncode, p.stdout + p.stderr
 
 
-_GRAD_TENSORS = 8  # gradients per all-reduce in the link probe's allreduce_flat samples
+# gradients per all-reduce in the link probe's allreduce_flat samples (their flatten and copy back are in its fixed
+# part: machine_cache takes them out where it charges them per tensor)
+_GRAD_TENSORS = COLLECTIVE_PROBE_TENSORS
 
 
 def _link_worker(out: str) -> None:

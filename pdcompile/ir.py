@@ -77,6 +77,9 @@ class ChainLayer:
     saved_output_bytes: float = 0.0  # of its own output, what it saves itself (sent, at a stage's end)
     shared_param_bytes: float = 0.0  # parameters an earlier layer uses too (a later stage holds a copy)
     tied_params: tuple[tuple[str, float], ...] = ()  # (name, bytes) of its parameters another layer uses too
+    # trainable parameter tensors it owns (each once, at its first user, as param_bytes counts them): a stage's
+    # optimizer step and all-reduce pay per tensor (simulate.stage_step_s, collective_s); 0: not profiled
+    param_tensors: int = 0
     input_grad_s: float | None = None  # a split backward's parts (None: not profiled; the simulator's shares)
     weight_grad_s: float | None = None
     # under selective recomputation: bytes that stay saved per microbatch (the cached outputs of its

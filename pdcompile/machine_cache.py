@@ -61,6 +61,15 @@ BUILTIN_ACTION_S = 3e-4
 ACTION_KINDS = ("F", "B", "W", "SF", "SB", "RF", "RB", "ST", "WV")  # those pdcompile.calibrate measures
 CALIBRATE_COMMAND = "python -m pdcompile.calibrate"
 _KEY_PARTS = ("host", "core count", "Python", "torch", "runtime")
+# The per-tensor costs ride with the per-action ones (``ActionCost.seconds``, ``simulate_plan``'s ``overhead_s``,
+# ``PlanOptions.action_overhead_s``: one channel to the step search, simulate() and auto alike) under these two
+# keys, which are no action kinds: the optimizer step's seconds per parameter tensor of its stage, and the
+# data-parallel all-reduce's (its flatten and copy back); ``simulate.tensor_costs`` takes them out
+STEP_TENSOR_KEY = "ST/tensor"
+FLATTEN_TENSOR_KEY = "AR/tensor"
+#: gradients per all-reduce in the collective probe (``calibrate_link``): its fit's fixed part holds their
+#: flatten and copy back, which :func:`action_cost` takes out where it charges them per tensor
+COLLECTIVE_PROBE_TENSORS = 8
 
 
 @dataclass(frozen=True)
@@ -111,18 +120,39 @@ def action_cost() -> ActionCost:
         seconds = {str(k): float(v) for k, v in dict(d["overhead_s"]).items()}
     except (KeyError, TypeError, ValueError):
         return _builtin(f"{path} holds no per-action cost")
-    return ActionCost(seconds, True, collective=_collective(d), crowded=_collective(d, "collective_crowded"))
+    step_t, flat_t = tensor_costs(d)
+    seconds.update({STEP_TENSOR_KEY: step_t, FLATTEN_TENSOR_KEY: flat_t})
+    return ActionCost(seconds, True, collective=_collective(d, flat_t=flat_t),
+                      crowded=_collective(d, "collective_crowded", flat_t))
 
 
-def _collective(d: dict[str, Any], name: str = "collective") -> tuple[float, float] | None:
+def tensor_costs(d: dict[str, Any]) -> tuple[float, float]:
+    """The cache's seconds per parameter tensor of the optimizer step (``step_tensor_s``) and of the
+    all-reduce's flatten and copy back (``collective_tensor_s``), each where the cache lacks it (one calibrated
+    before session 22; ``python -m pdcompile.calibrate --step`` adds them) CPU's documented default
+    (``roofline.TENSOR_STEP_S``, ``TENSOR_FLATTEN_S``): the cache is a CPU host's."""
+    from pdcompile.passes.costs.roofline import TENSOR_FLATTEN_S, TENSOR_STEP_S
+
+    def read(name: str, default: float) -> float:
+        try:
+            v = float(d.get(name, 0.0))
+        except (TypeError, ValueError):
+            return default
+        return v if v > 0 and v != float("inf") else default
+
+    return read("step_tensor_s", TENSOR_STEP_S["cpu"]), read("collective_tensor_s", TENSOR_FLATTEN_S["cpu"])
+
+
+def _collective(d: dict[str, Any], name: str = "collective", flat_t: float = 0.0) -> tuple[float, float] | None:
     """The cache's fit of the runtime's all-reduce (``collective_fixed_s``, ``collective_rate``; ``name``
     ``"collective_crowded"``: on more processes than cores), or None where it has none (an older cache:
-    ``python -m pdcompile.calibrate --refresh`` measures it)."""
+    ``python -m pdcompile.calibrate --refresh`` measures it). Its fixed part less the probe's
+    :data:`COLLECTIVE_PROBE_TENSORS` gradients at ``flat_t`` each (charged per tensor instead, at least 0)."""
     try:
         fixed, rate = float(d.get(f"{name}_fixed_s", 0.0)), float(d.get(f"{name}_rate", 0.0))
     except (TypeError, ValueError):
         return None
-    return (fixed, rate) if rate > 0 and fixed >= 0 else None
+    return (max(0.0, fixed - COLLECTIVE_PROBE_TENSORS * flat_t), rate) if rate > 0 and fixed >= 0 else None
 
 
 def _builtin(problem: str) -> ActionCost:

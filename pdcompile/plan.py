@@ -120,7 +120,7 @@ def _step_rate(opts: PlanOptions, cluster: "ClusterSpec") -> Callable[[Plan, "Ch
         if any(float(st.memory_bytes) > limit * (1 + 1e-9) for st in p.stages):
             return True, math.inf
         if _plan_lower_bound(p, chain, view, m, False, update_bw, opts.optimizer_state_factor, opts.schedule,
-                             False) >= beat:
+                             False, opts.overhead_s) >= beat:
             return False, math.inf
         res = _simulated(p, chain, view, opts, m, False, update_bw)
         peak = max(map(float, res.peak_memory_bytes or [0.0]))
@@ -368,7 +368,7 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
                                                                                choose_microbatches=False),
                                              plan_from_assignment, again=True)):
                 own = _plan_lower_bound(full, chain_m, cluster, m, split or pol.splits_every_backward, update_bw,
-                                        opts.optimizer_state_factor, opts.schedule, split) * low
+                                        opts.optimizer_state_factor, opts.schedule, split, opts.overhead_s) * low
                 heapq.heappush(heap, (max(bound, own), idx, j + 1, (full, sub or full, m, chain_m)))
             continue
         if arrangement:  # a planned candidate's copies placed one way: simulated
@@ -409,7 +409,7 @@ def plan_step(chain: "Chain", cluster: "ClusterSpec", options: PlanOptions | Non
                                                                            choose_microbatches=False),
                                          plan_from_assignment)):
             own = _plan_lower_bound(full, chain_m, cluster, m, split or pol.splits_every_backward, update_bw,
-                                    opts.optimizer_state_factor, opts.schedule, split) * low
+                                    opts.optimizer_state_factor, opts.schedule, split, opts.overhead_s) * low
             heapq.heappush(heap, (max(bound, own), idx, j + 1, (full, sub, m, chain_m)))
     if cut and (best is None or best[0][0] or best[0][1] >= cap):
         from pdcompile.passes.partition_dp import SlowerPlanError
@@ -463,7 +463,7 @@ def _step_lower_bound(sub: Plan, chain: "Chain", per_copy: int, split: bool) -> 
 
 def _plan_lower_bound(full: Plan, chain: "Chain", cluster: "ClusterSpec", num_microbatches: int, split: bool,
                       update_bandwidth: float, optimizer_state_factor: float, schedule: str | None = None,
-                      split_backward: bool = False) -> float:
+                      split_backward: bool = False, overhead_s: Any = 0.0) -> float:
     """A bound below ``full``'s simulated step (its ``num_microbatches`` at the chain's batch size), tighter
     than :func:`_step_lower_bound` by what ends every rank's step in ``simulate()``: after a replica's last
     backward, its stage's gradient all-reduce (a ring over the slowest link among its ranks, once every
@@ -471,17 +471,23 @@ def _plan_lower_bound(full: Plan, chain: "Chain", cluster: "ClusterSpec", num_mi
     Per stage ``s`` with ``R`` replicas: the busiest replica (``ceil(M / R)`` microbatches) after the first
     forward's way to it, then ``s``'s all-reduce and step; and its last input gradient's way back to
     stage 0, then stage 0's. With ``schedule`` (simulated with ``split_backward``), also each stage's first
-    replica in that schedule's order (:func:`_ranks_bound`). Transfers and per-action costs only add."""
-    from pdcompile.simulate import ring_allreduce_s, stage_step_s
+    replica in that schedule's order (:func:`_ranks_bound`). Transfers and per-action costs only add; the
+    per-tensor costs ``overhead_s`` gives (:func:`~pdcompile.simulate.tensor_costs`) are charged as simulate_plan
+    charges them (each parameter tensor's optimizer step, and its flatten and copy back in an all-reduce)."""
+    from pdcompile.simulate import ring_allreduce_s, stage_param_tensors, stage_step_s, tensor_costs
 
+    _, step_t, flat_t = tensor_costs(overhead_s, cluster)
     ars, steps, nxt = [], [], 0
     for st in full.stages:  # each stage's all-reduce and optimizer step, as simulate_plan charges them
         ranks = st.ranks if len(st.ranks) == st.replicas else tuple(range(nxt, nxt + st.replicas))
         nxt += st.replicas
-        params = sum(l.param_bytes for l in chain.layers[st.first:st.last + 1])
-        ars.append(ring_allreduce_s(params, st.replicas, cluster.slowest_bandwidth(ranks)) if st.replicas > 1 else 0.0)
-        steps.append(stage_step_s(params, st.replicas, st.shard, optimizer_state_factor, update_bandwidth)
-                     if math.isfinite(update_bandwidth) else 0.0)
+        mine = chain.layers[st.first:st.last + 1]
+        params = sum(l.param_bytes for l in mine)
+        tensors = stage_param_tensors(mine)
+        ars.append(ring_allreduce_s(params, st.replicas, cluster.slowest_bandwidth(ranks)) + tensors * flat_t
+                   if st.replicas > 1 else 0.0)
+        steps.append(stage_step_s(params, st.replicas, st.shard, optimizer_state_factor, update_bandwidth,
+                                  tensors, step_t) if math.isfinite(update_bandwidth) else 0.0)
     ends = [x + y for x, y in zip(ars, steps)]
     bound = _stages_bound(full.stages, chain, [math.ceil(num_microbatches / st.replicas) for st in full.stages],
                           split, ends)

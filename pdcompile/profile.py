@@ -91,6 +91,9 @@ class ProfileLayer:
     # (name, bytes) of each parameter it uses that another layer uses too: where those layers are in different
     # stages, the runtime sums the parameter's gradients across them every step (the tied all-reduce)
     tied_params: tuple[tuple[str, float], ...] = ()
+    # trainable parameter tensors it owns, each once at its first user (annotate-costs; 0: not profiled, as in
+    # older and imported profiles): what the optimizer step and the all-reduce pay per tensor
+    param_tensors: int = 0
     # a split backward's parts, input gradients only and parameter gradients only (None: not
     # profiled, as in older and imported profiles; the simulator then uses fixed shares)
     input_grad_s: float | None = None

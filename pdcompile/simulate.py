@@ -12,7 +12,7 @@ from typing import Any
 
 from pdcompile.cluster import LOOPBACK_BANDWIDTH
 from pdcompile.errors import UsageError
-from pdcompile.passes.costs.roofline import device_spec_for, optimizer_step_s, stream_bandwidth, weight_copy_s
+from pdcompile.passes.costs.roofline import weight_copy_s
 from pdcompile.passes.planner.decisions import Recompute, stage_decisions
 from pdcompile.passes.planner.options import PlanOptions
 from pdcompile.runtime.schedules import (
@@ -27,6 +27,14 @@ from pdcompile.runtime.schedules import (
     replay,
     layout,
     stage_ranks,
+)
+from pdcompile.simulate_step import (  # the end of a stage's step, kept importable from here
+    collective_s as collective_s,
+    ring_allreduce_s as ring_allreduce_s,
+    stage_param_tensors as stage_param_tensors,
+    stage_step_s as stage_step_s,
+    tensor_costs as tensor_costs,
+    update_bandwidth_of as update_bandwidth_of,
 )
 from pdcompile.timeline import Event, category_of
 
@@ -506,45 +514,6 @@ def simulate_schedule(name: str, replicas: Sequence[int], num_microbatches: int,
     return simulate(sched, replicas=replicas, num_steps=num_steps, placement=placement, timeline=timeline, **costs)
 
 
-def ring_allreduce_s(nbytes: float, replicas: int, bandwidth: float) -> float:
-    """Ring all-reduce of ``nbytes`` among ``replicas`` workers: ``2 (r-1)/r * bytes / bandwidth``."""
-    if replicas <= 1 or nbytes == 0:
-        return 0.0
-    return 2 * (replicas - 1) / replicas * nbytes / bandwidth
-
-
-def collective_s(nbytes: float, replicas: int, bandwidth: float, latency_s: float = 0.0,
-                 collective: tuple[float, float] | None = None) -> float:
-    """An all-reduce of ``nbytes`` among ``replicas`` ranks whose slowest link has ``bandwidth``: the ring
-    (:func:`ring_allreduce_s`) plus ``latency_s``; or, with ``collective`` (fixed s, bytes/s: the runtime's
-    own all-reduce between 2 processes on this host, ``python -m pdcompile.calibrate``), that fit with its
-    bytes scaled as a ring scales them, plus the ring at ``bandwidth`` only where the link is slower than
-    the host's own path (on one host a slower link is an emulated one, ``pdcompile.slowlink``, which adds
-    its time to the real collective's)."""
-    if replicas <= 1:
-        return 0.0
-    if collective is None:
-        return ring_allreduce_s(nbytes, replicas, bandwidth) + latency_s
-    fixed, rate = collective
-    host = fixed + ring_allreduce_s(nbytes, replicas, rate)
-    return host + (ring_allreduce_s(nbytes, replicas, bandwidth) if bandwidth < rate else 0.0)
-
-
-def update_bandwidth_of(cluster: Any) -> float:
-    """Bytes/s the optimizer step and weight copies stream on ``cluster``'s workers: the device's memory
-    bandwidth x efficiency in the analytic model (``roofline.device_spec_for``, ``stream_bandwidth``)."""
-    return stream_bandwidth(device_spec_for(cluster))
-
-
-def stage_step_s(param_bytes: float, replicas: int, shard: str, optimizer_state_factor: float,
-                 bandwidth: float) -> float:
-    """A replica's optimizer step over a stage of ``param_bytes`` of weights: all of them, or its
-    ``1 / replicas`` share where the replicas shard their state (``shard`` other than ``"none"``: each
-    updates its own shard, runtime/shard.py)."""
-    share = param_bytes / replicas if shard != "none" and replicas > 1 else param_bytes
-    return optimizer_step_s(share, optimizer_state_factor, bandwidth)
-
-
 def _part(profiled: Any, backward_s: Any, share: float) -> Any:
     """One part of a layer's split backward: as profiled, else ``share`` of its backward."""
     return profiled if profiled is not None else backward_s * share
@@ -707,7 +676,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
             models[sched] = stage_decisions(chain, replace(planned, schedule=sched))
         return models[sched]
 
-    fwd, bwd, params, cut, b_in, b_w = [], [], [], [], [], []
+    overhead_s, step_t, flat_t = tensor_costs(overhead_s, cluster)
+    fwd, bwd, params, cut, b_in, b_w, tensors = [], [], [], [], [], [], []
     for st_ in plan.stages:
         mine = layers[st_.first:st_.last + 1]
         # run again at B: what its recomputation rebuilds
@@ -720,11 +690,12 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                         for l, (_, _, k) in zip(mine, sized)) + again)
         b_w.append(sum(_part(l.weight_grad_s, l.backward_s, weight_grad_share) * k for l, (_, _, k) in zip(mine, sized)))
         params.append(sum(l.param_bytes for l in mine))
+        tensors.append(stage_param_tensors(mine))
         cut.append(chain.cut_bytes[st_.last] * scale if st_.last < len(chain.cut_bytes) else 0.0)
     if update_bandwidth is not None and math.isfinite(update_bandwidth):
         if step_s is None:
             step_s = [stage_step_s(p, st_.replicas, getattr(st_, "shard", "none"), optimizer_state_factor,
-                                   update_bandwidth) for p, st_ in zip(params, plan.stages)]
+                                   update_bandwidth, n, step_t) for p, n, st_ in zip(params, tensors, plan.stages)]
         if copy_bandwidth is None:  # version_s: bytes / copy_bandwidth, i.e. weight_copy_s(bytes, update_bandwidth)
             copy_bandwidth = 1.0 / weight_copy_s(1.0, update_bandwidth)
     if virtual_stages > 1:
@@ -751,7 +722,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     for s, rs in enumerate(sched_ranks):
         cr = [cluster_rank[r] for r in rs]
         bw = _slowest(cluster, cr)
-        allreduce.append(collective_s(params[s], len(rs), bw, coll_lat, collective))
+        allreduce.append(collective_s(params[s], len(rs), bw, coll_lat, collective, tensors[s], flat_t))
     tied_s = 0.0
     if tied_bytes and tied_stages:
         cr = sorted({cluster_rank[r] for s in tied_stages for r in sched_ranks[s]})

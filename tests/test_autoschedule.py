@@ -101,7 +101,12 @@ def test_api_schedule_auto_compiles_the_choice(tmp_path, calibrated: dict[str, f
     z = get("mlp", batch_size=8, seed=0)
     pipe = pdcompile(z.model, example_inputs=z.example_inputs, example_target=z.target, loss_fn=z.loss_fn,
                      stages=2, schedule="auto")
-    assert pipe.action_cost is not None and (pipe.action_cost.seconds, pipe.action_cost.calibrated) == (calibrated, True)
+    # the per-action costs as calibrated, with the per-tensor ones (CPU's defaults: this calibration has none)
+    from pdcompile.machine_cache import FLATTEN_TENSOR_KEY, STEP_TENSOR_KEY
+    from pdcompile.passes.costs.roofline import TENSOR_FLATTEN_S, TENSOR_STEP_S
+
+    assert pipe.action_cost is not None and (pipe.action_cost.seconds, pipe.action_cost.calibrated) == (
+        {**calibrated, STEP_TENSOR_KEY: TENSOR_STEP_S["cpu"], FLATTEN_TENSOR_KEY: TENSOR_FLATTEN_S["cpu"]}, True)
     cands, chosen, _ = pipe.schedule_choice
     assert chosen == best(cands) and chosen.schedule in ("gpipe", "flush")  # CPU workers: no zb-h1
     assert "zb-h1" not in {c.schedule for c in cands}

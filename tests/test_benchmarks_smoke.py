@@ -557,7 +557,13 @@ def test_plan_regret_records_the_calibration(pdcompile_cache: Path) -> None:
         "key": machine_cache.machine_key(), "overhead_s": {"F": 1.5e-4, "B": 2e-4}, "collective_fixed_s": 4e-4,
         "collective_rate": 6e8, "measured_at": "2026-12-07 19:45:13 UTC", "op_costs": table.to_dict()}))
     cal = pr.calibration_used()
-    assert cal["action_s"] == {"F": 1.5e-4, "B": 2e-4} and cal["allreduce"] == [4e-4, 6e8]
+    # with the per-tensor costs (CPU's defaults: this cache has none), the all-reduce's fixed part less its probe's
+    from pdcompile.passes.costs.roofline import TENSOR_FLATTEN_S, TENSOR_STEP_S
+
+    flat = TENSOR_FLATTEN_S["cpu"]
+    assert cal["action_s"] == {"F": 1.5e-4, "B": 2e-4, machine_cache.STEP_TENSOR_KEY: TENSOR_STEP_S["cpu"],
+                               machine_cache.FLATTEN_TENSOR_KEY: flat}
+    assert cal["allreduce"] == pytest.approx([4e-4 - machine_cache.COLLECTIVE_PROBE_TENSORS * flat, 6e8])
     assert cal["node_s"] == [3e-6, 4e-6] and cal["weight_rate"] == [2e10, 5e9] and cal["weight_pass_s"] == 3.5e-5
     assert cal["corun"] == {"2": 1.25} and cal["measured_at"] == "2026-12-07 19:45:13 UTC"
     row = pr.Row("s", "a", "grid", 0.01, [0.012], ["planner"], calibration=cal)
@@ -566,7 +572,9 @@ def test_plan_regret_records_the_calibration(pdcompile_cache: Path) -> None:
     args = pr.main.__globals__["argparse"].Namespace(smoke=False, steps=20, warmup=4, repeats=3)
     text = pr.tables([back], [], args, "load 1", 1.0)
     note = next(x for x in text.splitlines() if x.startswith("Calibration the predictions used (1 row(s)"))
-    for part in ("F 150 us", "B 200 us", "all-reduce: 400 us + bytes / 600 MB/s", "per node: 3.00 / 4.00 us",
+    for part in ("F 150 us", "B 200 us", "ST/tensor 6 us", "AR/tensor 4 us",
+                 f"all-reduce: {(4e-4 - machine_cache.COLLECTIVE_PROBE_TENSORS * flat) * 1e6:.3g} us + bytes / 600 MB/s",
+                 "per node: 3.00 / 4.00 us",
                  "weight rate: 20 / 5 GB/s", "weight pass: 35.0 us", "corun: 2 processes x1.250"):
         assert part in note, (part, note)
 

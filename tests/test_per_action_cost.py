@@ -57,7 +57,12 @@ def test_the_cache_read_names_what_is_wrong(tmp_path: Path, monkeypatch: pytest.
     assert "holds no per-action cost" in machine_cache.action_cost().problem
     _cache(tmp_path, key, {"F": 1e-4, "SF": 2e-5})
     got = machine_cache.action_cost()
-    assert (got.seconds, got.calibrated, got.warning()) == ({"F": 1e-4, "SF": 2e-5}, True, "")
+    # and the per-tensor costs, the CPU defaults where the cache has none (roofline.TENSOR_STEP_S, TENSOR_FLATTEN_S)
+    from pdcompile.passes.costs.roofline import TENSOR_FLATTEN_S, TENSOR_STEP_S
+
+    assert (got.seconds, got.calibrated, got.warning()) == (
+        {"F": 1e-4, "SF": 2e-5, machine_cache.STEP_TENSOR_KEY: TENSOR_STEP_S["cpu"],
+         machine_cache.FLATTEN_TENSOR_KEY: TENSOR_FLATTEN_S["cpu"]}, True, "")
 
 
 def _problem(folder: Path, key: str) -> str:
@@ -286,10 +291,16 @@ def test_the_step_search_rates_its_pick_as_simulate_does_with_the_calibrated_ste
     assert sum(l.param_bytes for l in chain.layers) == weights  # the stages' weights are the model's
     steps = [e for e in sim.events if re.fullmatch(r"\d+ST", e.name)]  # each replica's optimizer step
     assert len(steps) == sum(st.replicas for st in pipe.plan.stages)
+    from pdcompile.passes.costs.roofline import TENSOR_STEP_S, tensor_work
+
     for e in steps:
         st = pipe.plan.stages[sim.stage_of_rank[e.rank]]
         mine = sum(l.param_bytes for l in chain.layers[st.first:st.last + 1])
-        assert e.end_s - e.start_s == pytest.approx((3 + 2 * 2.0) * mine / bw, rel=1e-9)
+        # and each parameter tensor (the mlp's Linear weights and biases: no tie), x Adam's work per tensor
+        tensors = sum(l.param_tensors for l in chain.layers[st.first:st.last + 1])
+        assert tensors > 0 and e.end_s - e.start_s == pytest.approx(
+            (3 + 2 * 2.0) * mine / bw + tensors * TENSOR_STEP_S["cpu"] * tensor_work(2.0), rel=1e-9)
+    assert sum(l.param_tensors for l in chain.layers) == sum(1 for _ in z.model.parameters())
     assert optimizer_step_bytes(1.0, 2.0) == 7.0
     text = pipe.explain()
     assert "calibrated on this machine" in text and f"{bw / 1e9:.3g} GB/s" in text

@@ -150,7 +150,13 @@ def test_every_step_schedules_search_rates_its_pick_as_simulate_does(schedule: s
     found = _spy_search(monkeypatch)
     pipe = _compile_lm(schedule)
     assert pipe.cost_source.table is not None and pipe.action_cost is not None
-    assert pipe.action_cost.seconds == OVERHEAD and pipe.update_bandwidth == pytest.approx(5 * STEP_RATE)
+    # the calibration has no per-tensor costs (one before session 22): CPU's defaults ride with the per-action ones
+    from pdcompile.machine_cache import FLATTEN_TENSOR_KEY, STEP_TENSOR_KEY
+    from pdcompile.passes.costs.roofline import TENSOR_FLATTEN_S, TENSOR_STEP_S
+
+    assert pipe.action_cost.seconds == {**OVERHEAD, STEP_TENSOR_KEY: TENSOR_STEP_S["cpu"],
+                                        FLATTEN_TENSOR_KEY: TENSOR_FLATTEN_S["cpu"]}
+    assert pipe.update_bandwidth == pytest.approx(5 * STEP_RATE)
     search = found[-1]
     assert (search.schedule, search.num_microbatches) == (schedule, pipe.num_microbatches)
     assert [(st.first, st.last, st.replicas) for st in search.stages] == \

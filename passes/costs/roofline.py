@@ -108,10 +108,42 @@ def stream_bandwidth(spec: DeviceSpec) -> float:
     return spec.mem_bandwidth * spec.bandwidth_efficiency if spec.mem_bandwidth else math.inf
 
 
-def optimizer_step_s(param_bytes: float, optimizer_state_factor: float, bandwidth: float) -> float:
+#: Seconds per parameter tensor where no calibration gives them (``python -m pdcompile.calibrate`` measures
+#: both: ``step_tensor_s``, ``collective_tensor_s``), by device kind: the optimizer step (SGD with momentum)
+#: and the data-parallel all-reduce's flatten and copy back (``runtime/executor.py`` ``allreduce_flat``).
+#: On CPU torch's optimizers loop over the tensors one by one (no foreach kernel by default off CUDA):
+#: ~6 us a tensor for the step and ~4 us for the flatten and copy back on the 2-core x86 development VM
+#: (benchmarks/RESULTS.md, session 22). On a GPU torch steps all tensors with foreach (or fused) kernels, a
+#: launch per op over every tensor at once: 0 per tensor here (their launches are the per-action cost's).
+TENSOR_STEP_S: dict[str, float] = {"cpu": 6e-6}
+TENSOR_FLATTEN_S: dict[str, float] = {"cpu": 4e-6}
+#: An optimizer's work per parameter tensor against SGD with momentum's (what the calibration times), by its
+#: state per weight byte (``optimizer_state_factor``): plain SGD (0) one op a tensor, SGD with momentum (1) four,
+#: Adam (2) about a dozen. Measured on the 2-core x86 development VM, torch 2 on CPU, 16-float tensors: 1.8, 6.2
+#: and 20 us a tensor (step and zero_grad; benchmarks/RESULTS.md, session 22); between them linear, beyond the
+#: last the last.
+TENSOR_WORK: tuple[tuple[float, float], ...] = ((0.0, 0.3), (1.0, 1.0), (2.0, 3.3))
+
+
+def tensor_work(optimizer_state_factor: float) -> float:
+    """:data:`TENSOR_WORK` at ``optimizer_state_factor``: the optimizer's per-tensor work against SGD with
+    momentum's, read linearly between its points."""
+    pts = TENSOR_WORK
+    f = min(max(optimizer_state_factor, pts[0][0]), pts[-1][0])
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if f <= x1:
+            return y0 + (y1 - y0) * (f - x0) / (x1 - x0)
+    return pts[-1][1]
+
+
+def optimizer_step_s(param_bytes: float, optimizer_state_factor: float, bandwidth: float,
+                     tensors: float = 0.0, tensor_s: float = 0.0) -> float:
     """One optimizer step over ``param_bytes`` of weights at ``bandwidth`` bytes/s of streamed memory
-    (:func:`optimizer_step_bytes`; its fixed cost is the runtime's per-action ``ST`` cost)."""
-    return optimizer_step_bytes(param_bytes, optimizer_state_factor) / bandwidth
+    (:func:`optimizer_step_bytes`; its fixed cost is the runtime's per-action ``ST`` cost), plus ``tensor_s``
+    for each of its ``tensors`` parameter tensors (measured for SGD with momentum, :data:`TENSOR_STEP_S` or
+    the calibration's), x the optimizer's own work per tensor (:func:`tensor_work`: plain SGD 0.3, Adam 3.3)."""
+    per = tensors * tensor_s * tensor_work(optimizer_state_factor) if tensors and tensor_s else 0.0
+    return optimizer_step_bytes(param_bytes, optimizer_state_factor) / bandwidth + per
 
 
 def weight_copy_s(param_bytes: float, bandwidth: float) -> float:
