@@ -52,6 +52,9 @@ class MachineConstants:
     # the same among cores + 1 processes (measure_crowded_collective; bytes/s of a ring's bytes); 0: not measured
     collective_crowded_fixed_s: float = 0.0
     collective_crowded_rate: float = 0.0
+    # a process woken from a blocking receive while the others hold every core waits this much longer than with
+    # a core free (measure_wake, cores + 1 processes), s; 0: not measured
+    wake_crowded_s: float = 0.0
 
     def step_s(self, param_bytes: float) -> float:
         """Predicted optimizer step (SGD with momentum, zero_grad) over ``param_bytes`` of parameters."""
@@ -97,6 +100,8 @@ def measure(log: Any = None) -> MachineConstants:
     coll_fixed, coll_rate = fit_collective(samples["allreduce_flat"])
     say("measuring the runtime's all-reduce on one process more than cores ...")
     crowded = measure_crowded_collective()
+    say("measuring the wait of a process woken while the others hold every core ...")
+    wake = measure_wake()
     say("measuring the runtime's cost per action (a traced 2-stage run of a tiny model) ...")
     over = measure_overheads()
     say("measuring compute in a run against its profile (a traced 2-stage run of a small VGG) ...")
@@ -110,7 +115,8 @@ def measure(log: Any = None) -> MachineConstants:
     return MachineConstants(lat, bw, ar_lat, over, fixed, rate, factor, key=machine_key(),
                             measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), op_costs=ops.to_dict(),
                             collective_fixed_s=coll_fixed, collective_rate=coll_rate,
-                            collective_crowded_fixed_s=crowded[0], collective_crowded_rate=crowded[1])
+                            collective_crowded_fixed_s=crowded[0], collective_crowded_rate=crowded[1],
+                            wake_crowded_s=wake)
 
 
 def runtime_allocator() -> None:
@@ -475,6 +481,7 @@ from pdcompile.calibrate_link import (  # noqa: E402,F401 - the link part, kept 
     CROWDED_MAX_CORES as CROWDED_MAX_CORES,
     ring_normalized as ring_normalized,
     measure_crowded_collective as measure_crowded_collective,
+    measure_wake as measure_wake,
     measure_link as measure_link,
 )
 

@@ -178,7 +178,7 @@ def with_step_costs(options: PlanOptions, cluster: Any, source: Any) -> tuple[Pl
     cost, bw, problem = step_costs(cluster, source)
     options = dataclasses.replace(options, update_bandwidth=bw, action_overhead_s=tuple(sorted(cost.seconds.items()))
                                   if cost is not None else (), collective=cost.collective if cost is not None else None,
-                                  corun=corun_of(cluster, source))
+                                  corun=corun_of(cluster, source), wake_s=cost.wake if cost is not None else 0.0)
     line = step_cost_line(bw if bw is not None else update_bandwidth_of(cluster), bw is not None, problem, cost)
     if options.corun:  # where the calibrated co-running slowdown is charged (one place: the simulator)
         line += (f"; side by side: compute x{', x'.join(f'{f:.2f} with {n}' for n, f in options.corun)} computing at "
