@@ -27,6 +27,7 @@ from pdcompile.runtime.schedules import (
     layout,
     stage_ranks,
 )
+from pdcompile.simulate_cores import shared_cores
 from pdcompile.timeline import Event, category_of
 
 SendCost = Callable[[int, int, int, int], Any]  # (stage_from, stage_to, rank_a, rank_b) -> seconds
@@ -567,66 +568,6 @@ def _scaled_overhead(overhead_s: Mapping[str, Any] | Any, k: float) -> Mapping[s
     return overhead_s * k
 
 
-def shared_cores(run: Callable[[Sequence[float], float, Mapping[int, float]], SimResult],
-                 sched_ranks: Sequence[Sequence[int]], cluster: Any, iterations: int = 12, tol: float = 1e-3,
-                 corun: Mapping[int, float] | Sequence[tuple[int, float]] | None = None,
-                 wake_s: float = 0.0) -> SimResult:
-    """A plan's step on a local CPU cluster (issue 36), each stage's work charged as its ranks share the cores
-    and slow each other computing side by side. ``run(scale, k, wake)`` simulates with stage ``s``'s chain compute x
-    ``scale[s]``, the per-action cost x ``k`` and every message to rank ``r`` arriving ``wake[r]`` later. The chain's compute carries the static time-sharing charge
-    (:func:`~pdcompile.passes.costs.roofline.contention`, ``w``: every worker always computing) and no
-    co-running one; here each stage's is its ranks' mean expected stretch instead
-    (:func:`~pdcompile.passes.costs.roofline.shared_core_stretch` at the ranks' busy shares, ``busy /
-    makespan``, of the run before, with the calibration's co-running slowdowns ``corun``, ``OpCostTable.corun``
-    as (processes, factor) pairs: the one place they are charged): ``scale[s] = stretch / w``. The per-action
-    cost (the runtime's dispatch, calibrated on no more processes than cores, beside each other) is stretched
-    by the ranks' mean time-sharing stretch alone, ``k``. From every rank always busy (an upper bound) the
-    charges only fall, to the fixed point where the shares the run gives are the ones it was charged at (at
-    most ``iterations`` runs; ``tol`` relative). On more ranks than cores a rank woken by a message (a blocking
-    receive) may find every core held by ranks computing and wait for one: ``wake_s`` (the calibration's wait of
-    a woken process while the other processes hold every core, :func:`pdcompile.calibrate_link.measure_wake`) x
-    the chance of that, :func:`~pdcompile.passes.costs.roofline.cores_held` at the same shares, is added to every
-    message to the rank (where the message arrives before the rank waits for it, the rank never slept and the
-    charge is absorbed); none on no more ranks than cores. Data-parallel replicas, all busy at once, get the whole
-    charge; a rank computing alone none of it; a pipeline, whose stages idle in its fill and drain, less. A
-    cluster naming no cores, or one with nothing to charge: ``run([1] * S, 1)`` once. One place for
-    ``simulate()``, the step search and auto alike (all call :func:`simulate_plan`), applied outside both
-    replays (:func:`simulate`, :mod:`pdcompile.simulate_fast`) identically."""
-    from pdcompile.passes.costs.roofline import THREADS_PER_PROCESS, contention, cores_held, shared_core_stretch
-
-    S = len(sched_ranks)
-    static = contention(cluster)
-    cores = getattr(getattr(cluster, "device", None), "cores", None)
-    ranks = sorted({r for rs in sched_ranks for r in rs})
-    if not cores or not ranks:
-        return run([1.0] * S, 1.0, {})
-
-    def charges(shares: Sequence[float]) -> tuple[list[float], float, dict[int, float]]:
-        both = dict(zip(ranks, shared_core_stretch(shares, cores, THREADS_PER_PROCESS, corun)))
-        alone = shared_core_stretch(shares, cores, THREADS_PER_PROCESS)  # time-sharing only: the actions'
-        wake = {r: wake_s * q for r, q in zip(ranks, cores_held(shares, cores, THREADS_PER_PROCESS))} \
-            if wake_s > 0 else {}
-        return ([sum(both[r] for r in rs) / len(rs) / static if rs else 1.0 for rs in sched_ranks],
-                sum(alone) / len(alone), wake)
-
-    top, k_top, w_top = charges([1.0] * len(ranks))  # every rank always busy
-    if static <= 1.0 and all(s <= 1.0 for s in top) and not any(w_top.values()):
-        return run([1.0] * S, 1.0, {})  # nothing charged and nothing to charge
-    scale, k, wake = top, k_top, w_top
-    res = run(scale, k, wake)
-    for _ in range(iterations):
-        span = float(res.makespan_s) or 1.0
-        nxt, k_nxt, w_nxt = charges([float(res.busy.get(r, 0.0)) / span for r in ranks])
-        nxt, k_nxt = [min(a, b) for a, b in zip(nxt, top)], min(k_top, k_nxt)
-        w_nxt = {r: min(v, w_top[r]) for r, v in w_nxt.items()}
-        if max(abs(a - b) / b for a, b in zip([*nxt, k_nxt], [*scale, k])) < tol \
-                and all(abs(w_nxt[r] - wake[r]) <= tol * max(wake[r], 1e-9) for r in wake):
-            break
-        scale, k, wake = nxt, k_nxt, w_nxt
-        res = run(scale, k, wake)
-    return res
-
-
 def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None = None,
                   num_microbatches: int = 8, *, num_steps: int = 1, vertical_sync: bool = False,
                   overlap_comm: bool = True, step_s: Sequence[float] | None = None,
@@ -661,10 +602,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     all-reduce costs :func:`collective_s` with it, the runtime's measured all-reduce, instead of the ring
     at the link's bandwidth. ``corun`` (a calibration's co-running slowdowns, ``OpCostTable.corun`` as
     (processes, factor) pairs; :func:`pdcompile.api.corun_of`): on a local CPU cluster each stage's compute is
-    charged them as its ranks compute side by side (:func:`shared_cores`), the chain carrying none. ``wake_s``
-    (a calibration's wait of a process woken while the others hold every core, ``ActionCost.wake``): on a local
-    CPU cluster of more workers than cores each message arrives that x the chance every core is held later
-    (:func:`shared_cores`).
+    charged them as its ranks compute side by side (:func:`shared_cores`), the chain carrying none; ``wake_s``
+    (``ActionCost.wake``) there as a woken rank's wait for a core (:func:`shared_cores`).
 
     Stage ``s`` (chain layers ``first..last``) costs the sum of its layers' ``forward_s`` /
     ``backward_s``; its boundary sends ``chain.cut_bytes[last]`` forward (and as many gradient
@@ -785,11 +724,12 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                                  tied_stages=list(tied_stages) if tied_bytes and tied_stages else None,
                                  overhead_s=_scaled_overhead(overhead_s, k), recv_progress=recv_progress,
                                  version_s=[p / copy_bandwidth for p in params] if copy_bandwidth else None,
-                                 forward_s=x(fwd), backward_s=x(bwd), send_s=woken if wake else send, allreduce_s=allreduce,
+                                 forward_s=x(fwd), backward_s=x(bwd), send_s=woken if wake else send,
+                                 allreduce_s=allreduce,
                                  step_s=step_s, overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size,
                                  timeline=timeline)
 
-    res = shared_cores(run, sched_ranks, cluster, corun=corun, wake_s=wake_s if any(cut) else 0.0)  # no message: none
+    res = shared_cores(run, sched_ranks, cluster, corun=corun, wake_s=wake_s if any(cut) else 0.0)
 
     def at(s: int, k: int, versions: int, sched: str, whole_step: bool | None = None) -> float:
         st_ = plan.stages[s]
