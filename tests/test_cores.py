@@ -450,6 +450,14 @@ def test_the_wake_up_is_read_back_and_charged_on_a_local_cluster_only(pdcompile_
     here = step_costs(local_cpu_cluster(3), source)[0]
     elsewhere = step_costs(ClusterSpec(Device("cpu"), (Level("processes", 3, 1e9),)), source)[0]
     assert here is not None and here.wake == 9e-4 and elsewhere is not None and elsewhere.wake == 0.0
+    # pdcompile plan / simulate charge it as pdcompile() does, and say so where workers outnumber cores
+    from pdcompile._cli.plan import with_step_costs
+    from pdcompile.passes.planner.options import PlanOptions
+
+    opts3, line3 = with_step_costs(PlanOptions(), local_cpu_cluster(3), source)
+    opts2, line2 = with_step_costs(PlanOptions(), local_cpu_cluster(2), source)
+    assert opts3.wake_s == opts2.wake_s == 9e-4
+    assert "a rank woken by a message waits 0.90 ms for a core" in line3 and "woken" not in line2
     # rounds: quiet means 0.1, 0.2 and (a burst of other work on the free core) 2.6 ms, left out (> 3 x 0.2);
     # the rest pooled: crowded (1.1 + 1.1 + 0.1 + 2.1) / 4 = 1.1 less quiet (0.1 + 0.1 + 0.1 + 0.3) / 4 = 0.15
     quiet = [[0.1e-3, 0.1e-3], [0.1e-3, 0.3e-3], [3e-3, 2.2e-3]]
