@@ -71,7 +71,7 @@ def step_costs(cluster: ClusterSpec | None,
     analytic one) and why not."""
     cost = machine_cache.action_cost() if cluster is None or cluster.device.name == "cpu" else None
     if cost is not None and not machine_cache.is_local(cluster):
-        cost = replace(cost, collective=None)  # this host's all-reduce holds for a cluster on this host only
+        cost = replace(cost, collective=None, wake=0.0)  # this host's all-reduce and wake-up: for a cluster on it only
     elif cost is not None and cost.crowded is not None and contention(cluster) > 1.0:
         cost = replace(cost, collective=cost.crowded)  # more workers than cores: the ring waits for cores
     ours = source.table is not None or (source.mode == "measured" and machine_cache.is_local(cluster))
@@ -223,6 +223,7 @@ class CompiledPipeline:
         cost = self.action_cost  # read by _compile (_step_costs), as the step search and simulate() charge it
         overhead = cost.seconds if cost is not None else 0.0
         collective = cost.collective if cost is not None else None
+        wake = cost.wake if cost is not None else 0.0
         # the user's optimizer state, as the plan and simulate() count it (Adam 2, plain SGD 0 bytes per weight byte)
         factor = optimizer_state_factor_of(asked.optimizer)
         counts = autoschedule.microbatch_counts(batch, fixed)
@@ -236,7 +237,7 @@ class CompiledPipeline:
                                         recompute=asked.recompute, split_backward=split, tied_bytes=tied_bytes,
                                         tied_stages=tied_stages, overhead_s=overhead, optimizer_state_factor=factor,
                                         update_bandwidth=self._update_bandwidth(tcluster), collective=collective,
-                                        corun=self.corun)
+                                        corun=self.corun, wake_s=wake)
         ranks = len({r for st in self.plan.stages for r in st.ranks})
         if (asked.replicas is None or all(r == 1 for r in asked.replicas)) and asked.clip_grad_norm is None \
                 and t == 1:  # (virtual stages are given stages=, where the planner does not choose t)
@@ -248,7 +249,7 @@ class CompiledPipeline:
                     tied_bytes=tied_bytes, tied_stages=[0, v * ranks - 1] if tied_bytes else [],
                     overhead_s=overhead, optimizer_state_factor=factor,
                     update_bandwidth=self._update_bandwidth(self.cluster), collective=collective,
-                    corun=self.corun)
+                    corun=self.corun, wake_s=wake)
         # the flush program compiled first is a candidate as it is: its headline, simulate() of it
         flush_step = self.plan.seconds_per_minibatch
         cands = [dataclasses.replace(c, step_s=flush_step) if (c.schedule, c.num_microbatches, c.virtual_stages) ==
@@ -316,7 +317,7 @@ class CompiledPipeline:
                             action_overhead_s=tuple(sorted(self.action_cost.seconds.items()))
                             if self.action_cost is not None else (),
                             collective=self.action_cost.collective if self.action_cost is not None else None,
-                            corun=self.corun,
+                            corun=self.corun, wake_s=self.action_cost.wake if self.action_cost is not None else 0.0,
                             tensor_parallel=opts.tensor_parallel if stages is None and isinstance(
                                 opts.tensor_parallel, (int, str)) else 1),
                 stages, tuple(opts.replicas) if opts.replicas is not None else None, opts.cluster, opts.solver,
@@ -440,6 +441,7 @@ class CompiledPipeline:
                              split_backward=need(self.state.schedule_spec, "schedule_spec").split_backward,
                              overhead_s=cost.seconds if cost is not None else 0.0,
                              collective=cost.collective if cost is not None else None, corun=self.corun,
+                             wake_s=cost.wake if cost is not None else 0.0,
                              update_bandwidth=self._update_bandwidth(cluster))
 
     def alternatives(self) -> list[tuple[str, Plan]]:

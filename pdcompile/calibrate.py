@@ -56,6 +56,9 @@ class MachineConstants:
     # all-reduce's flatten and copy back); 0: not measured (an older cache: machine_cache reads the defaults)
     step_tensor_s: float = 0.0
     collective_tensor_s: float = 0.0
+    # a process woken from a blocking receive while the others hold every core waits this much longer than with
+    # a core free (measure_wake, cores + 1 processes), s; 0: not measured
+    wake_crowded_s: float = 0.0
 
     def step_s(self, param_bytes: float, tensors: int = 0) -> float:
         """Predicted optimizer step (SGD with momentum, zero_grad) over ``param_bytes`` of parameters in
@@ -103,6 +106,8 @@ def measure(log: Any = None) -> MachineConstants:
     coll_fixed, coll_rate = fit_collective(samples["allreduce_flat"])
     say("measuring the runtime's all-reduce on one process more than cores ...")
     crowded = measure_crowded_collective()
+    say("measuring the wait of a process woken while the others hold every core ...")
+    wake = measure_wake()
     say("measuring the runtime's cost per action (a traced 2-stage run of a tiny model) ...")
     over = measure_overheads()
     say("measuring compute in a run against its profile (a traced 2-stage run of a small VGG) ...")
@@ -118,7 +123,8 @@ def measure(log: Any = None) -> MachineConstants:
                             measured_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), op_costs=ops.to_dict(),
                             collective_fixed_s=coll_fixed, collective_rate=coll_rate,
                             collective_crowded_fixed_s=crowded[0], collective_crowded_rate=crowded[1],
-                            step_tensor_s=step_tensor, collective_tensor_s=flat_tensor)
+                            step_tensor_s=step_tensor, collective_tensor_s=flat_tensor,
+                            wake_crowded_s=wake)
 
 
 def runtime_allocator() -> None:
@@ -553,6 +559,7 @@ from pdcompile.calibrate_link import (  # noqa: E402,F401 - the link part, kept 
     CROWDED_MAX_CORES as CROWDED_MAX_CORES,
     ring_normalized as ring_normalized,
     measure_crowded_collective as measure_crowded_collective,
+    measure_wake as measure_wake,
     measure_link as measure_link,
 )
 from pdcompile.calibrate_step import (  # noqa: E402,F401 - the optimizer step's part, kept importable from here
@@ -560,6 +567,7 @@ from pdcompile.calibrate_step import (  # noqa: E402,F401 - the optimizer step's
     fit_tensor_cost as fit_tensor_cost,
     measure_flatten as measure_flatten,
     measure_step as measure_step,
+    step_seconds as step_seconds,
 )
 
 
@@ -726,32 +734,6 @@ def action_gaps(events: list[Any]) -> tuple[float, float]:
             (after if is_step else gaps).append(max(0.0, b.start_s - a.end_s))
     gap = statistics.median(gaps) if gaps else 0.0
     return gap, (statistics.median(after) if after else gap)
-
-
-def _time_step(params: list[Any], repeats: int) -> float:
-    import torch
-
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt = torch.optim.SGD(params, lr=0.0, momentum=0.9)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        times.append(time.perf_counter() - t0)
-    for p in params:
-        p.grad = None
-    return statistics.median(times)
-
-
-def step_seconds(stage_modules: list[Any], repeats: int = 20) -> list[float]:
-    """Measured optimizer step (SGD with momentum, zero_grad) of each module's parameters."""
-    out = []
-    for mod in stage_modules:
-        params = [p for p in mod.parameters() if p.requires_grad]
-        out.append(_time_step(params, repeats) if params else 0.0)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,6 +155,98 @@ def measure_crowded_collective(cores: int | None = None) -> tuple[float, float]:
     return ring_normalized(fit_collective(measure_link_samples(n)["allreduce_flat"]), n)
 
 
+_WAKE_PERIOD_S = 2.5e-3  # the sender computes this long between messages
+_WAKE_WORK_S = 1.2e-3  # the receiver computes this long on each message, then sleeps in its next receive
+_WAKE_MESSAGES = 50  # messages per phase; phases alternate quiet and crowded, _WAKE_ROUNDS of each
+_WAKE_ROUNDS = 8
+
+
+def _spin(seconds: float) -> None:
+    """Hold a core for ``seconds`` (a busy loop: a rank computing)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _wake_worker(out: str) -> None:
+    """Under torchrun (``cores + 1`` processes): rank 0 computes (a busy loop) and every ``_WAKE_PERIOD_S`` sends
+    rank 1, asleep in a blocking ``recv``, its clock; rank 1 takes how long after the send it returned, then
+    computes ``_WAKE_WORK_S`` and sleeps in the next receive, as a pipeline stage does (a process that has had its
+    share of a core before it slept waits longer, woken, for one held by others than one that only sleeps). Quiet
+    phases: the other ranks sleep (a core is free for rank 1); crowded ones: they compute too, so rank 0 and
+    they hold every core when rank 1 is woken, as a pipeline's ranks computing hold them when a message comes.
+    Rank 1 writes ``{"quiet": [[s, ...] per round], "crowded": [[s, ...] per round]}``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank = dist.get_rank()
+    msg = torch.zeros(1, dtype=torch.float64)
+    span = _WAKE_MESSAGES * _WAKE_PERIOD_S
+    got: dict[str, list[list[float]]] = {"quiet": [], "crowded": []}
+    for _ in range(_WAKE_ROUNDS):
+        for phase in ("quiet", "crowded"):
+            got[phase].append([])
+            dist.barrier()
+            if rank == 0:
+                for _ in range(_WAKE_MESSAGES):
+                    _spin(_WAKE_PERIOD_S)
+                    msg[0] = time.perf_counter()
+                    dist.send(msg, 1)
+                _spin(_WAKE_PERIOD_S)
+            elif rank == 1:
+                for i in range(_WAKE_MESSAGES):
+                    asleep = time.perf_counter()
+                    dist.recv(msg, 0)
+                    woke = time.perf_counter()  # CLOCK_MONOTONIC: one clock for every process of the host
+                    if i >= 2 and asleep < float(msg[0]):  # in the receive before the send: woken by it
+                        got[phase][-1].append(woke - float(msg[0]))
+                    _spin(_WAKE_WORK_S)  # its stage's compute: it has had its share of a core when it sleeps
+            elif phase == "crowded":
+                _spin(span + 2 * _WAKE_PERIOD_S)
+    if rank == 1:
+        Path(out).write_text(json.dumps(got))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_wake(cores: int | None = None) -> float:
+    """How much later a process asleep in a blocking receive returns when the other processes hold every core
+    than when a core is free: ``cores + 1`` processes on this host's ``cores`` (default its own), one computing
+    and sending, one receiving, the rest computing or asleep (``_wake_worker``), the mean wake-up of each
+    condition's messages, their difference (:func:`wake_of`: rounds whose quiet phase was not quiet left out; at
+    least 0; seconds). What a rank of a local cluster of more
+    workers than cores waits, woken by a message, for a core held by ranks computing
+    (:func:`pdcompile.simulate.shared_cores` charges it at the chance every core is held). 0 (not measured) on a
+    host of more than :data:`CROWDED_MAX_CORES` cores."""
+    from pdcompile.cluster import host_cores
+
+    n = (cores or host_cores()) + 1
+    if n - 1 > CROWDED_MAX_CORES:
+        return 0.0
+    out = Path(tempfile.mkdtemp(prefix="pdcompile-wake-")) / "wake.json"
+    rc, log = _torchrun_module("pdcompile.calibrate_link", n, ["--wake-worker", str(out)], timeout=180)
+    if rc != 0:
+        raise RuntimeError(f"the wake-up measurement failed ({rc}):\n{log[-2000:]}")
+    raw = json.loads(out.read_text())
+    return wake_of(raw["quiet"], raw["crowded"])
+
+
+def wake_of(quiet: list[list[float]], crowded: list[list[float]]) -> float:
+    """:func:`measure_wake`'s figure from its rounds' wake-ups (seconds per message, a list per round, quiet
+    and crowded): the mean wake-up of the crowded phases less that of the quiet ones (an expectation: most
+    wake-ups take tens of microseconds, a few a scheduler's slice), over the rounds whose quiet phase was quiet,
+    its mean at most 3 x the rounds' median quiet mean (other work on the host, not the probe's, held the free
+    core: the round says nothing); at least 0; 0 with no round holding both."""
+    rounds = [(q, c) for q, c in zip(quiet, crowded) if q and c]
+    if not rounds:
+        return 0.0
+    typical = statistics.median(statistics.mean(q) for q, _ in rounds)
+    kept = [(q, c) for q, c in rounds if statistics.mean(q) <= 3 * typical]
+    return max(0.0, statistics.mean(x for _, c in kept for x in c) - statistics.mean(x for q, _ in kept for x in q))
+
+
 def measure_link() -> tuple[float, float, float]:
     """(latency s, bandwidth bytes/s, all-reduce latency s) of gloo over loopback between 2 processes."""
     return fit_link(measure_link_samples())
@@ -164,9 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description="the link probe's worker (run by torchrun)")
-    ap.add_argument("--link-worker", required=True)
+    ap.add_argument("--link-worker")
+    ap.add_argument("--wake-worker")
     args = ap.parse_args(argv)
-    _link_worker(args.link_worker)
+    if args.wake_worker:
+        _wake_worker(args.wake_worker)
+    else:
+        _link_worker(args.link_worker)
     return 0
 
 

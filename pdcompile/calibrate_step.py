@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
+from typing import Any
 
 
 #: the probe sets of :func:`measure_step`: (tensors, float32 elements each); tensor count and bytes vary apart
@@ -104,3 +105,30 @@ def measure_flatten() -> tuple[float, float, float]:
         for n, numel in STEP_PROBES:
             samples.append((n, 4.0 * n * numel, _flatten_sample(n, numel, 15 if numel < (1 << 18) else 6)))
     return fit_tensor_cost(samples)
+
+
+def time_step(params: list[Any], repeats: int) -> float:
+    """Median seconds of an SGD-with-momentum step and zero_grad over ``params`` (their grads zeros)."""
+    import torch
+
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.SGD(params, lr=0.0, momentum=0.9)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        times.append(time.perf_counter() - t0)
+    for p in params:
+        p.grad = None
+    return statistics.median(times)
+
+
+def step_seconds(stage_modules: list[Any], repeats: int = 20) -> list[float]:
+    """Measured optimizer step (SGD with momentum, zero_grad) of each module's parameters."""
+    out = []
+    for mod in stage_modules:
+        params = [p for p in mod.parameters() if p.requires_grad]
+        out.append(time_step(params, repeats) if params else 0.0)
+    return out

@@ -87,6 +87,10 @@ class ActionCost:
     # turns wait for a core), (fixed s, bytes/s of a ring's bytes); charged instead of ``collective`` on a local
     # cluster of more workers than cores (pdcompile.api.step_costs)
     crowded: tuple[float, float] | None = None
+    # the wait of a process woken (a blocking receive) while the other processes hold every core, s, where
+    # calibrated (calibrate_link.measure_wake); charged on a local cluster of more workers than cores
+    # (simulate.shared_cores; pdcompile.api.step_costs), 0 not measured
+    wake: float = 0.0
 
     def warning(self, chose_count: bool = True) -> str:
         """One line: not calibrated, what that does to the microbatch choice (``chose_count`` False: the
@@ -122,8 +126,12 @@ def action_cost() -> ActionCost:
         return _builtin(f"{path} holds no per-action cost")
     step_t, flat_t = tensor_costs(d)
     seconds.update({STEP_TENSOR_KEY: step_t, FLATTEN_TENSOR_KEY: flat_t})
+    try:
+        wake = max(0.0, float(d.get("wake_crowded_s", 0.0)))
+    except (TypeError, ValueError):
+        wake = 0.0
     return ActionCost(seconds, True, collective=_collective(d, flat_t=flat_t),
-                      crowded=_collective(d, "collective_crowded", flat_t))
+                      crowded=_collective(d, "collective_crowded", flat_t), wake=wake)
 
 
 def tensor_costs(d: dict[str, Any]) -> tuple[float, float]:

@@ -141,7 +141,7 @@ def _simulated(p: Plan, chain: "Chain", cluster: Any, opts: PlanOptions, m: int,
     return simulate_plan(p, chain, cluster, opts.schedule, m, split_backward=split,
                          optimizer_state_factor=opts.optimizer_state_factor, update_bandwidth=update_bw,
                          overhead_s=opts.overhead_s, tied_bytes=tied_bytes, tied_stages=tied_stages,
-                         collective=opts.collective, corun=opts.corun, timeline=False)
+                         collective=opts.collective, corun=opts.corun, wake_s=opts.wake_s, timeline=False)
 
 
 def step_objective(schedule: str) -> bool:

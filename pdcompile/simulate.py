@@ -36,6 +36,7 @@ from pdcompile.simulate_step import (  # the end of a stage's step, kept importa
     tensor_costs as tensor_costs,
     update_bandwidth_of as update_bandwidth_of,
 )
+from pdcompile.simulate_cores import shared_cores
 from pdcompile.timeline import Event, category_of
 
 SendCost = Callable[[int, int, int, int], Any]  # (stage_from, stage_to, rank_a, rank_b) -> seconds
@@ -537,56 +538,6 @@ def _scaled_overhead(overhead_s: Mapping[str, Any] | Any, k: float) -> Mapping[s
     return overhead_s * k
 
 
-def shared_cores(run: Callable[[Sequence[float], float], SimResult], sched_ranks: Sequence[Sequence[int]],
-                 cluster: Any, iterations: int = 12, tol: float = 1e-3,
-                 corun: Mapping[int, float] | Sequence[tuple[int, float]] | None = None) -> SimResult:
-    """A plan's step on a local CPU cluster (issue 36), each stage's work charged as its ranks share the cores
-    and slow each other computing side by side. ``run(scale, k)`` simulates with stage ``s``'s chain compute x
-    ``scale[s]`` and the per-action cost x ``k``. The chain's compute carries the static time-sharing charge
-    (:func:`~pdcompile.passes.costs.roofline.contention`, ``w``: every worker always computing) and no
-    co-running one; here each stage's is its ranks' mean expected stretch instead
-    (:func:`~pdcompile.passes.costs.roofline.shared_core_stretch` at the ranks' busy shares, ``busy /
-    makespan``, of the run before, with the calibration's co-running slowdowns ``corun``, ``OpCostTable.corun``
-    as (processes, factor) pairs: the one place they are charged): ``scale[s] = stretch / w``. The per-action
-    cost (the runtime's dispatch, calibrated on no more processes than cores, beside each other) is stretched
-    by the ranks' mean time-sharing stretch alone, ``k``. From every rank always busy (an upper bound) the
-    charges only fall, to the fixed point where the shares the run gives are the ones it was charged at (at
-    most ``iterations`` runs; ``tol`` relative). Data-parallel replicas, all busy at once, get the whole
-    charge; a rank computing alone none of it; a pipeline, whose stages idle in its fill and drain, less. A
-    cluster naming no cores, or one with nothing to charge: ``run([1] * S, 1)`` once. One place for
-    ``simulate()``, the step search and auto alike (all call :func:`simulate_plan`), applied outside both
-    replays (:func:`simulate`, :mod:`pdcompile.simulate_fast`) identically."""
-    from pdcompile.passes.costs.roofline import THREADS_PER_PROCESS, contention, shared_core_stretch
-
-    S = len(sched_ranks)
-    static = contention(cluster)
-    cores = getattr(getattr(cluster, "device", None), "cores", None)
-    ranks = sorted({r for rs in sched_ranks for r in rs})
-    if not cores or not ranks:
-        return run([1.0] * S, 1.0)
-
-    def charges(shares: Sequence[float]) -> tuple[list[float], float]:
-        both = dict(zip(ranks, shared_core_stretch(shares, cores, THREADS_PER_PROCESS, corun)))
-        alone = shared_core_stretch(shares, cores, THREADS_PER_PROCESS)  # time-sharing only: the actions'
-        return ([sum(both[r] for r in rs) / len(rs) / static if rs else 1.0 for rs in sched_ranks],
-                sum(alone) / len(alone))
-
-    top, k_top = charges([1.0] * len(ranks))  # every rank always busy
-    if static <= 1.0 and all(s <= 1.0 for s in top):
-        return run([1.0] * S, 1.0)  # nothing charged and nothing to charge
-    scale, k = top, k_top
-    res = run(scale, k)
-    for _ in range(iterations):
-        span = float(res.makespan_s) or 1.0
-        nxt, k_nxt = charges([float(res.busy.get(r, 0.0)) / span for r in ranks])
-        nxt, k_nxt = [min(a, b) for a, b in zip(nxt, top)], min(k_top, k_nxt)
-        if max(abs(a - b) / b for a, b in zip([*nxt, k_nxt], [*scale, k])) < tol:
-            break
-        scale, k = nxt, k_nxt
-        res = run(scale, k)
-    return res
-
-
 def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None = None,
                   num_microbatches: int = 8, *, num_steps: int = 1, vertical_sync: bool = False,
                   overlap_comm: bool = True, step_s: Sequence[float] | None = None,
@@ -598,7 +549,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                   optimizer_state_factor: float = 1.0, virtual_stages: int = 1,
                   refit_recompute: float | None = None, update_bandwidth: float | None = None,
                   collective: tuple[float, float] | None = None, timeline: bool = True,
-                  corun: Mapping[int, float] | Sequence[tuple[int, float]] | None = None) -> SimResult:
+                  corun: Mapping[int, float] | Sequence[tuple[int, float]] | None = None,
+                  wake_s: float = 0.0) -> SimResult:
     """Simulate a :class:`pdcompile.plan.Plan` of ``chain`` on ``cluster``.
 
     ``tied_bytes``: bytes of parameters tied across ``tied_stages`` (a GPT's embedding and output
@@ -620,7 +572,8 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
     all-reduce costs :func:`collective_s` with it, the runtime's measured all-reduce, instead of the ring
     at the link's bandwidth. ``corun`` (a calibration's co-running slowdowns, ``OpCostTable.corun`` as
     (processes, factor) pairs; :func:`pdcompile.api.corun_of`): on a local CPU cluster each stage's compute is
-    charged them as its ranks compute side by side (:func:`shared_cores`), the chain carrying none.
+    charged them as its ranks compute side by side (:func:`shared_cores`), the chain carrying none; ``wake_s``
+    (``ActionCost.wake``) there as a woken rank's wait for a core (:func:`shared_cores`).
 
     Stage ``s`` (chain layers ``first..last``) costs the sum of its layers' ``forward_s`` /
     ``backward_s``; its boundary sends ``chain.cut_bytes[last]`` forward (and as many gradient bytes back) at
@@ -654,7 +607,7 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                   collective_latency_s=collective_latency_s, overhead_s=overhead_s, recv_progress=recv_progress,
                   copy_bandwidth=copy_bandwidth, split_backward=split_backward, input_grad_share=input_grad_share,
                   weight_grad_share=weight_grad_share, optimizer_state_factor=optimizer_state_factor,
-                  collective=collective, timeline=timeline, corun=corun)
+                  collective=collective, timeline=timeline, corun=corun, wake_s=wake_s)
         first = simulate_plan(plan, chain, cluster, schedule_name, num_microbatches, **kw)  # type: ignore[arg-type]
         fit = stage_decisions(chain, planned, budget=refit_recompute)
         chosen = [fit.choose(st_.first, st_.last, first.peak_in_flight[s], versions=first.peak_weight_versions[s],
@@ -729,9 +682,14 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
         bw = _slowest(cluster, cr)
         # on one rank (a V's ends) its stages' copies are summed in memory, no collective
         tied_s = collective_s(tied_bytes, len(cr), bw, coll_lat, collective)
-    def run(scale_s: Sequence[float], k: float) -> SimResult:  # stage s's chain compute x scale_s[s], actions' x k
+    def run(scale_s: Sequence[float], k: float, wake: Mapping[int, float]) -> SimResult:
+        # stage s's chain compute x scale_s[s], actions' x k, each message to rank r wake[r] later (shared_cores)
         def x(v: list[float]) -> list[float]:
             return [a * f for a, f in zip(v, scale_s)]
+
+        def woken(sa: int, sb: int, ra: int, rb: int) -> float:
+            t = send(sa, sb, ra, rb)
+            return t + wake.get(rb, 0.0) if t and ra != rb else t
         return simulate_schedule(name, reps, num_microbatches, num_steps=num_steps, vertical_sync=vertical_sync,
                                  split_backward=split_backward, virtual_stages=virtual_stages,
                                  input_grad_s=x(b_in), weight_grad_s=x(b_w),
@@ -739,11 +697,12 @@ def simulate_plan(plan: Any, chain: Any, cluster: Any, schedule_name: str | None
                                  tied_stages=list(tied_stages) if tied_bytes and tied_stages else None,
                                  overhead_s=_scaled_overhead(overhead_s, k), recv_progress=recv_progress,
                                  version_s=[p / copy_bandwidth for p in params] if copy_bandwidth else None,
-                                 forward_s=x(fwd), backward_s=x(bwd), send_s=send, allreduce_s=allreduce,
+                                 forward_s=x(fwd), backward_s=x(bwd), send_s=woken if wake else send,
+                                 allreduce_s=allreduce,
                                  step_s=step_s, overlap_comm=overlap_comm, microbatch_size=plan.microbatch_size,
                                  timeline=timeline)
 
-    res = shared_cores(run, sched_ranks, cluster, corun=corun)
+    res = shared_cores(run, sched_ranks, cluster, corun=corun, wake_s=wake_s if any(cut) else 0.0)
 
     def at(s: int, k: int, versions: int, sched: str, whole_step: bool | None = None) -> float:
         st_ = plan.stages[s]

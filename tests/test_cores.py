@@ -325,3 +325,168 @@ def test_the_step_search_with_corun_finds_the_step_of_every_candidate_simulated(
             assert want is not None and every is not None and not want[0], (workers, trial)
             step = plan(chain, cluster, opts).seconds_per_minibatch
             assert every[1] * (1 - 1e-9) <= step <= want[1] * (1 + 1e-9), (workers, trial)
+
+
+# -- a rank woken by a message on more ranks than cores (issue 36, session 22) -----------------------------------
+
+def _held_brute(shares: list[float], cores: int, threads: int = 1) -> list[float]:
+    """P(the others computing hold every core: threads x N >= cores) over every on/off state of the others."""
+    out = []
+    for i in range(len(shares)):
+        others = [p for j, p in enumerate(shares) if j != i]
+        e = 0.0
+        for state in itertools.product((0, 1), repeat=len(others)):
+            p = 1.0
+            for on, q in zip(state, others):
+                p *= q if on else 1 - q
+            e += p if threads * sum(state) >= cores else 0.0
+        out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cores_held_by_hand_and_against_brute_force(seed: int) -> None:
+    from pdcompile.passes.costs.roofline import cores_held
+
+    # by hand: 3 ranks each computing half the time on 2 cores: both others at once 1/4 of the time
+    assert cores_held([0.5] * 3, 2) == [pytest.approx(0.25)] * 3
+    assert cores_held([1.0, 0.0, 1.0], 2) == [0.0, 1.0, 0.0]  # only the idle one finds both cores held
+    assert cores_held([1.0, 1.0], 2) == [0.0, 0.0] and cores_held([1.0] * 3, 3) == [0.0] * 3  # a core each
+    assert cores_held([1.0, 1.0], 2, threads=2) == [1.0, 1.0]
+    rng = random.Random(seed)
+    n, cores, threads = rng.randint(1, 7), rng.randint(1, 4), rng.choice([1, 1, 2])
+    shares = [rng.choice([0.0, 1.0, rng.random(), 0.5]) for _ in range(n)]
+    assert cores_held(shares, cores, threads) == pytest.approx(_held_brute(shares, cores, threads), rel=1e-12)
+
+
+def _sent_plan(cores: int | None, workers: int, stages: int, m: int, schedule: str = "flush"
+               ) -> tuple[Any, Any, Any]:
+    """``_plan``'s layers (1 ms forward, 2 ms backward) with 1 MB sent at every cut over 1 GB/s (1 ms), one
+    layer a stage on ``workers`` workers (the rest data parallel: ``stages`` 1)."""
+    from pdcompile.ir import Chain, ChainLayer
+    from pdcompile.passes.partition_dp import plan_from_assignment
+
+    chain = Chain(tuple(ChainLayer(f"l{i}", "linear", 1e-3, 2e-3, 0.0, 0.0) for i in range(3)), (1e6, 1e6),
+                  batch_size=m)
+    cluster = ClusterSpec(Device("cpu", cores=cores), (Level("processes", workers, 1e9),))
+    if stages == 1:
+        assignment = [(0, 2, workers, tuple(range(workers)))]
+    else:
+        bounds = [(0, 0), (1, 1), (2, 2)] if stages == 3 else [(0, 0), (1, 2)]
+        assignment = [(a, b, 1, (s,)) for s, (a, b) in enumerate(bounds)]
+    return plan_from_assignment(chain, cluster, assignment, schedule=schedule, num_microbatches=m), chain, cluster
+
+
+def test_a_woken_rank_waits_wake_x_the_chance_both_cores_are_held_by_hand() -> None:
+    """3 stages at M=1 on 2 cores: every message reaches a rank asleep in its receive (it has nothing else to
+    do), so each compute after a hand-off starts the transfer (1 ms) plus ``wake_s`` x the chance the other two
+    compute at once, which by hand is the product of their busy shares (each share read off the run: busy /
+    makespan), after the sender's compute ended."""
+    from pdcompile.simulate import simulate_plan
+
+    plan, chain, cluster = _sent_plan(2, 3, 3, 1)
+    wake = 4e-3
+    res = simulate_plan(plan, chain, cluster, "flush", 1, split_backward=False, wake_s=wake)
+    span = float(res.makespan_s)
+    share = {r: float(res.busy[r]) / span for r in range(3)}
+    ev = {e.name: e for e in res.events if e.category not in ("send", "transfer")}
+    checked = 0
+    for before, after, rank in (("0F0", "1F0", 1), ("1F0", "2F0", 2), ("2B0", "1B0", 1), ("1B0", "0B0", 0)):
+        a, b = (r for r in range(3) if r != rank)
+        want = 1e-3 + wake * share[a] * share[b]
+        assert float(ev[after].start_s) - float(ev[before].end_s) == pytest.approx(want, rel=2e-3), (before, after)
+        checked += 1
+    assert checked == 4
+    # the same plan without the wake-up: every hand-off the transfer alone
+    res0 = simulate_plan(plan, chain, cluster, "flush", 1, split_backward=False)
+    ev0 = {e.name: e for e in res0.events}
+    assert float(ev0["1F0"].start_s) - float(ev0["0F0"].end_s) == pytest.approx(1e-3, rel=1e-9)
+    assert float(res.makespan_s) > float(res0.makespan_s)
+
+
+@pytest.mark.parametrize("cores, workers, stages", [(2, 2, 2), (None, 3, 3), (3, 3, 3), (2, 3, 1)])
+def test_the_wake_up_is_charged_only_on_more_workers_than_cores(cores: int | None, workers: int,
+                                                                stages: int) -> None:
+    """No charge where each rank has a core (2 on 2, 3 on 3, cores of their own), nor where nothing is sent
+    (data parallel x3 on 2 cores: its all-reduce is the crowded one's, calibrated apart): the step is the same
+    with ``wake_s`` as without, exactly."""
+    from pdcompile.simulate import simulate_plan
+
+    m = 3 if stages == 1 else 2
+    plan, chain, cluster = _sent_plan(cores, workers, stages, m)
+    kw = dict(split_backward=False, overhead_s={"F": 1e-4, "RF": 5e-5}, collective=(1e-3, 7e8))
+    with_wake = simulate_plan(plan, chain, cluster, "flush", m, wake_s=5e-3, **kw)
+    without = simulate_plan(plan, chain, cluster, "flush", m, **kw)
+    assert with_wake.makespan_s == without.makespan_s
+
+
+@pytest.mark.parametrize("schedule, m", [("flush", 4), ("zb-h1", 8), ("1f1b", 6), ("flush", 1)])
+def test_simulate_and_the_fast_replay_agree_with_the_wake_up(schedule: str, m: int) -> None:
+    from pdcompile.simulate import simulate_plan
+
+    plan, chain, cluster = _sent_plan(2, 3, 3, m, schedule=schedule)
+    kw = dict(split_backward=schedule == "zb-h1", overhead_s={"F": 1e-4, "SF": 5e-5}, wake_s=2e-3,
+              corun=((2, 1.2),))
+    slow = simulate_plan(plan, chain, cluster, schedule, m, **kw)
+    fast = simulate_plan(plan, chain, cluster, schedule, m, timeline=False, **kw)
+    assert slow.events and fast.makespan_s == pytest.approx(slow.makespan_s, rel=1e-9)
+    assert float(slow.makespan_s) > float(simulate_plan(plan, chain, cluster, schedule, m,
+                                                        **{**kw, "wake_s": 0.0}).makespan_s)
+
+
+def test_the_wake_up_is_read_back_and_charged_on_a_local_cluster_only(pdcompile_cache: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibration's ``wake_crowded_s`` reaches ``ActionCost.wake`` on a local cluster (simulate_plan's
+    ``wake_s``, which shared_cores charges only on more workers than cores), 0 on a cluster elsewhere; and
+    measure_wake's figure is the median over its rounds of crowded less quiet, at least 0."""
+    import pdcompile.cluster as cl
+    from pdcompile import machine_cache
+    from pdcompile.api import step_costs
+    from pdcompile.calibrate_link import wake_of
+    from pdcompile.cluster import local_cpu_cluster
+
+    monkeypatch.setattr(cl, "host_cores", lambda: 2)
+    pdcompile_cache.mkdir(parents=True, exist_ok=True)
+    (pdcompile_cache / "machine-constants.json").write_text(json.dumps({
+        "key": machine_cache.machine_key(), "overhead_s": {"F": 1e-4}, "wake_crowded_s": 9e-4}))
+    source = machine_cache.cost_source("analytic", True)
+    here = step_costs(local_cpu_cluster(3), source)[0]
+    elsewhere = step_costs(ClusterSpec(Device("cpu"), (Level("processes", 3, 1e9),)), source)[0]
+    assert here is not None and here.wake == 9e-4 and elsewhere is not None and elsewhere.wake == 0.0
+    # pdcompile plan / simulate charge it as pdcompile() does, and say so where workers outnumber cores
+    from pdcompile._cli.plan import with_step_costs
+    from pdcompile.passes.planner.options import PlanOptions
+
+    opts3, line3 = with_step_costs(PlanOptions(), local_cpu_cluster(3), source)
+    opts2, line2 = with_step_costs(PlanOptions(), local_cpu_cluster(2), source)
+    assert opts3.wake_s == opts2.wake_s == 9e-4
+    assert "a rank woken by a message waits 0.90 ms for a core" in line3 and "woken" not in line2
+    # rounds: quiet means 0.1, 0.2 and (a burst of other work on the free core) 2.6 ms, left out (> 3 x 0.2);
+    # the rest pooled: crowded (1.1 + 1.1 + 0.1 + 2.1) / 4 = 1.1 less quiet (0.1 + 0.1 + 0.1 + 0.3) / 4 = 0.15
+    quiet = [[0.1e-3, 0.1e-3], [0.1e-3, 0.3e-3], [3e-3, 2.2e-3]]
+    crowded = [[1.1e-3, 1.1e-3], [0.1e-3, 2.1e-3], [0.6e-3, 0.6e-3]]
+    assert wake_of(quiet, crowded) == pytest.approx(0.95e-3, rel=1e-9)
+    assert wake_of([[1e-3]], [[0.5e-3]]) == 0.0 and wake_of([], []) == 0.0
+
+
+def test_the_step_search_with_the_wake_up_finds_the_step_of_every_candidate_simulated() -> None:
+    """With the wake-up charged (and co-running) on 3 workers sharing 2 cores, and on 2 (charged nothing), the
+    step search returns a step no longer than planning and simulating every (microbatch count, copies)
+    candidate and no shorter than those plans at every count (the wake-up only delays messages: the bounds read
+    off the chain still hold)."""
+    from test_plan_step import _every_candidate, _random_chain
+
+    from pdcompile.passes.planner.options import PlanOptions
+    from pdcompile.plan import plan
+
+    rng = random.Random(22)
+    for workers in (2, 3):
+        cluster = ClusterSpec(Device("cpu", memory=400 * 2**30, cores=2), (Level("processes", workers, 1e9),))
+        for trial in range(4):
+            chain = _random_chain(rng, rng.randint(3, 7), rng.choice([1, 2]))
+            opts = PlanOptions(schedule=rng.choice(["flush", "gpipe", "zb-h1"]), num_microbatches=rng.choice([2, 6]),
+                               choose_microbatches=True, corun=((2, 1.2),), wake_s=1e-3)
+            want, every = _every_candidate(chain, cluster, opts)
+            assert want is not None and every is not None and not want[0], (workers, trial)
+            step = plan(chain, cluster, opts).seconds_per_minibatch
+            assert every[1] * (1 - 1e-9) <= step <= want[1] * (1 + 1e-9), (workers, trial)

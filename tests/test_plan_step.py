@@ -248,7 +248,8 @@ def _every_candidate(chain: Chain, cluster: ClusterSpec, opts: PlanOptions
                             continue
                         res = simulate_plan(full, chain_m2, cluster, opts.schedule, m2, split_backward=split,
                                             optimizer_state_factor=opts.optimizer_state_factor,
-                                            update_bandwidth=update_bandwidth_of(cluster), corun=opts.corun)
+                                            update_bandwidth=update_bandwidth_of(cluster), corun=opts.corun,
+                                            wake_s=opts.wake_s)
                         peak = max([*map(float, res.peak_memory_bytes), *(float(s.memory_bytes) for s in full.stages)])
                         key = (peak > limit * (1 + 1e-9), float(res.step_time_s))
                         every = key if every is None or key < every else every

@@ -209,6 +209,28 @@ def contention(cluster: ClusterSpec | None, threads: int = THREADS_PER_PROCESS) 
     return max(1.0, cluster.num_workers * threads / cores)
 
 
+def cores_held(shares: Sequence[float], cores: float, threads: int = THREADS_PER_PROCESS) -> list[float]:
+    """For each process ``i`` of a host of ``cores`` shared by processes that compute ``shares[j]`` of the time
+    (0..1; ``threads`` threads each), the chance that, when it is woken (a message for a blocking receive),
+    the others computing hold every core: ``P(threads x N_i >= cores)``, ``N_i`` the others computing then,
+    each independently with its share (the Poisson binomial of :func:`shared_core_stretch`). 0 wherever the
+    others' threads are fewer than the cores (no more processes than cores, one thread each)."""
+    out = []
+    for i in range(len(shares)):
+        dist = [1.0]  # P(N_i = k)
+        for j, p_j in enumerate(shares):
+            if j == i:
+                continue
+            p = min(1.0, max(0.0, float(p_j)))
+            nxt = [0.0] * (len(dist) + 1)
+            for k, q in enumerate(dist):
+                nxt[k] += q * (1 - p)
+                nxt[k + 1] += q * p
+            dist = nxt
+        out.append(sum(q for k, q in enumerate(dist) if threads * k >= cores))
+    return out
+
+
 def shared_core_stretch(shares: Sequence[float], cores: float, threads: int = THREADS_PER_PROCESS,
                         corun: Mapping[int, float] | Sequence[tuple[int, float]] | None = None) -> list[float]:
     """Each process's compute slowdown on a host of ``cores`` shared by processes that compute

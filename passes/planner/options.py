@@ -47,6 +47,8 @@ class PlanOptions:
     corun: tuple[tuple[int, float], ...] = ()  # this machine's co-running slowdowns, (processes computing at
     # once, factor) pairs (OpCostTable.corun; a mapping is accepted): a local CPU cluster's calibration
     # (pdcompile.api.corun_of), charged while ranks compute side by side (simulate.shared_cores), () none
+    wake_s: float = 0.0  # this host's wait of a process woken while the others hold every core (ActionCost.wake;
+    # calibrate_link.measure_wake): charged on a local cluster of more workers than cores (simulate.shared_cores)
     also_rate: tuple[tuple[tuple[int, int, tuple[int, ...]], ...], ...] = ()  # plans the step search rates beside
     # its own at each microbatch count it tries, each as its stages' (first layer, last layer, ranks) on the whole
     # cluster: pdcompile() re-planning at the count it chose keeps the plan it chose there (pdcompile.api)

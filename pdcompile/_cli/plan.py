@@ -173,16 +173,20 @@ def with_step_costs(options: PlanOptions, cluster: Any, source: Any) -> tuple[Pl
     import dataclasses
 
     from pdcompile.api import corun_of, step_cost_line, step_costs
+    from pdcompile.passes.costs.roofline import contention
     from pdcompile.simulate import update_bandwidth_of
 
     cost, bw, problem = step_costs(cluster, source)
     options = dataclasses.replace(options, update_bandwidth=bw, action_overhead_s=tuple(sorted(cost.seconds.items()))
                                   if cost is not None else (), collective=cost.collective if cost is not None else None,
-                                  corun=corun_of(cluster, source))
+                                  corun=corun_of(cluster, source), wake_s=cost.wake if cost is not None else 0.0)
     line = step_cost_line(bw if bw is not None else update_bandwidth_of(cluster), bw is not None, problem, cost)
     if options.corun:  # where the calibrated co-running slowdown is charged (one place: the simulator)
         line += (f"; side by side: compute x{', x'.join(f'{f:.2f} with {n}' for n, f in options.corun)} computing at "
                  f"once, charged only while ranks compute together (simulate.shared_cores), not in the chain's costs")
+    if options.wake_s and contention(cluster) > 1.0:  # more workers than cores: a woken rank waits for a core
+        line += (f"; a rank woken by a message waits {options.wake_s * 1e3:.2f} ms for a core x the chance the others "
+                 f"hold every core (calibrated; simulate.shared_cores)")
     return options, line
 
 

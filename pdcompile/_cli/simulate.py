@@ -123,7 +123,7 @@ def _charged(plan: Any, chain: Any, cluster: Any, options: Any) -> dict[str, Any
                                                             workers, os.cpu_count() or 1)
     tied_bytes, tied_stages = tied_of(plan, chain)  # weights shared across stages, all-reduced every step
     return dict(optimizer_state_factor=options.optimizer_state_factor, overhead_s=options.overhead_s,
-                tied_bytes=tied_bytes, tied_stages=tied_stages, collective=options.collective, corun=options.corun,
+                tied_bytes=tied_bytes, tied_stages=tied_stages, collective=options.collective, corun=options.corun, wake_s=options.wake_s,
                 update_bandwidth=options.update_bandwidth if options.update_bandwidth is not None
                 else update_bandwidth_of(cluster), split_backward=split)
 
