@@ -322,7 +322,24 @@ def annotate_costs(
             node.meta["pd.cost"] = replace(node.meta["pd.cost"], forward_s=secs[(node, "fwd")],
                                            backward_s=bwd_s, **parts,
                                            selective_recompute_s=secs[(node, "fwd")] * selective[node][1])
+    for node in reads_params_itself(gm, compute):  # the runtime runs their backward unsplit: B whole, no W
+        c = node.meta["pd.cost"]
+        node.meta["pd.cost"] = replace(c, input_grad_s=c.backward_s, weight_grad_s=0.0)
     return gm
+
+
+def reads_params_itself(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> list[fx.Node]:
+    """The compute nodes that read a trainable parameter through ``get_attr``, in a graph where no called
+    submodule owns one (an exported graph: every ATen op reads its weights itself): a split backward's ``W``
+    would walk their stage's whole graph again (runtime/weight_grads.py: ``WeightPass.walks_whole_graph``), so
+    the runtime runs those backwards unsplit, and their cost is charged whole to ``B``, nothing to ``W``."""
+    trainable = {name for name, p in gm.named_parameters() if p.requires_grad}
+    owned = any(n.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(str(n.target)).parameters())
+                for n in nodes)
+    if owned:
+        return []
+    return [n for n in nodes if n.op != "call_module"
+            and any(a.op == "get_attr" and a.target in trainable for a in n.all_input_nodes)]
 
 
 def _untied_counts(counts: dict[fx.Node, int], tied: dict[fx.Node, tuple[tuple[str, int], ...]]) -> dict[fx.Node, int]:

@@ -50,6 +50,15 @@ class WeightPass:
         ids = [id(p) for _, ps in owners for p in ps]
         self.trusted: bool | None = None if len(ids) == len(set(ids)) else False
 
+    @property
+    def walks_whole_graph(self) -> bool:
+        """Whether ``W`` would walk the stage's whole graph again from its outputs: every parameter read by the
+        stage itself, none owned by a submodule it calls (an exported graph: the walk to them reaches back through
+        every layer), or a stage whose check found a parameter used outside its submodule's single call (the
+        plain walk). ``B`` and ``W`` then cost about two backwards, so the executor runs such a backward unsplit
+        (``B`` whole, ``W`` nothing), as the cost model charges it (``passes/annotate_costs.reads_params_itself``)."""
+        return self.trusted is False or (bool(self.root_params) and not self.children)
+
     # F -----------------------------------------------------------------------------------------
     def capture(self) -> tuple[list[Any], dict[nn.Module, list[list[torch.Tensor]]]]:
         """Start noting submodule outputs (for the next forward); returns (handles, notes)."""

@@ -52,13 +52,14 @@ def launch_two(tmp: Path, prog: Path, schedule: str, tag: str) -> tuple[dict[int
 
 
 def train_saved(pipe: Any, data: Any, steps: int, tmp: Path, nproc: int = 2,
-                keywords: tuple[str, ...] = ()) -> tuple[Path, dict[str, torch.Tensor]]:
+                keywords: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> tuple[Path, dict[str, torch.Tensor]]:
     """``data``'s first ``steps`` minibatches saved to a file, ``pipe`` emitted to read them, trained on
-    ``nproc`` ranks with ``--save-final``: the program folder and the trained weights under the model's names."""
+    ``nproc`` ranks with ``--save-final`` (and train.py flags ``extra``): the program folder and the trained
+    weights under the model's names."""
     save_batches(data, steps, tmp / "data.pt", keywords=keywords)
     prog = pipe.emit(tmp / "prog", data={"factory": "pdcompile.runtime.data:from_file",
                                          "kwargs": {"path": str(tmp / "data.pt")}})
     rc, log = run_ranks(prog, nproc, ["--steps", str(steps), "--save-final", str(tmp / "final"),
-                                      "--timeout", "60"], timeout=150)
+                                      "--timeout", "60", *extra], timeout=150)
     assert rc == 0, log[-3000:]
     return prog, merge_weights(prog, tmp / "final")

@@ -6,6 +6,8 @@ steps through torchrun on 2 CPU processes they end with the weights single-proce
 
 from __future__ import annotations
 
+import json
+
 import copy
 import dataclasses
 from collections.abc import Callable
@@ -332,7 +334,13 @@ def test_torchrun_training_equals_single_process(tmp_path: Path, name: str,
     assert len(pipe.split.stages) == 2
     if name == "gpt2":  # the tied embedding / LM head is trained in both stages and kept equal
         assert pipe.split.tied and {s for s, _ in pipe.split.tied[0]} == {0, 1}
-    prog, got = train_saved(pipe, data, STEPS, tmp_path)
+    # each stage's last backward of a step split (B then W), as flush splits it where every rank has a core: an
+    # exported stage reads every parameter itself, so its W would walk its whole graph again and the executor
+    # runs that backward whole instead (WeightPass.walks_whole_graph; test_fused_grads counts an fx model's splits
+    # with the same flag); the training must not change
+    prog, got = train_saved(pipe, data, STEPS, tmp_path, extra=("--split-backward", "--metrics", str(tmp_path / "m")))
+    ranks = [json.loads(p.read_text()) for p in sorted((tmp_path / "m").glob("rank_*.json"))]
+    assert len(ranks) == 2 and all(r["split_backwards"] == {"graph": 0, "submodules": 0} for r in ranks)
 
     ref = factory()
     initial = {k: v.detach().clone() for k, v in ref.named_parameters()}

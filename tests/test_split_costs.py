@@ -115,3 +115,41 @@ def test_simulator_charges_the_profiled_parts() -> None:
     durations = {e.name: e.end_s - e.start_s for e in got.events}
     assert durations["0B0"] == pytest.approx(1.5) and durations["0W0"] == pytest.approx(2.5)
     assert durations["1B0"] == pytest.approx(3.0 * INPUT_GRAD_SHARE + 1.0)
+
+
+def test_an_exported_graphs_backward_is_charged_whole_to_b() -> None:
+    """A graph whose ops read their weights themselves (torch.export's; here fx over F.linear on the module's own
+    parameters) runs each split backward whole (runtime WeightPass.walks_whole_graph): annotate-costs charges those
+    nodes' backward to B and nothing to W; a graph of called submodules keeps its split parts."""
+    import torch.fx as fx
+    from torch import nn
+    from torch.nn import functional as F
+
+    from pdcompile.passes.annotate_costs import annotate_costs, reads_params_itself
+
+    class RootOnly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(16, 8))
+            self.w2 = nn.Parameter(torch.randn(4, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(torch.relu(F.linear(x, self.w1)), self.w2)
+
+    x = torch.randn(8, 8)
+    root = fx.symbolic_trace(RootOnly())
+    owned = fx.symbolic_trace(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    linears = [n for n in root.graph.nodes if n.op == "call_function" and n.target is F.linear]
+    assert reads_params_itself(root, list(root.graph.nodes)) == linears
+    assert reads_params_itself(owned, list(owned.graph.nodes)) == []
+    for gm, whole in ((root, True), (owned, False)):
+        annotate_costs(gm, (x,), mode="analytic")
+        for n in gm.graph.nodes:
+            c = n.meta.get("pd.cost")
+            if c is None or c.param_bytes == 0:
+                continue
+            assert c.backward_s > 0
+            if whole:
+                assert (c.input_grad_s, c.weight_grad_s) == (c.backward_s, 0.0)
+            else:
+                assert c.input_grad_s < c.backward_s and c.weight_grad_s > 0  # the first's input needs none

@@ -113,3 +113,38 @@ def test_weight_pass_does_not_walk_the_graph_again(trusted: bool) -> None:
     _node(loss, "Gelu").register_prehook(lambda g: calls.append(1))
     wp.weight_grads(work)
     assert len(calls) == (0 if trusted else 1)
+
+
+class RootOnly(nn.Module):
+    """Two linears whose weights the module reads itself (as every op of an exported graph does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(8, 6))
+        self.w2 = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.gelu(F.linear(x, self.w1)), self.w2)
+
+
+def test_a_stage_reading_every_parameter_itself_would_walk_its_whole_graph() -> None:
+    # the executor runs such a stage's backward unsplit (B whole, W nothing); submodule-owned weights stay split
+    assert WeightPass(RootOnly()).walks_whole_graph
+    assert not WeightPass(Net()).walks_whole_graph  # its root parameter is read at the end: a short walk
+    torch.manual_seed(0)
+    outside = Net(outside=True)
+    wp = WeightPass(outside)
+    assert not wp.walks_whole_graph  # not known before the first W's check
+    _grads(outside, torch.randn(4, 6), split=True, wp=wp)
+    assert wp.trusted is False and wp.walks_whole_graph  # the check found b's weight used outside b: plain walks
+    # and the walk is whole: W of RootOnly runs the GELU's backward again, which an unsplit backward runs once
+    net = RootOnly()
+    wp = WeightPass(net)
+    x = torch.randn(4, 6, requires_grad=True)
+    handles, notes = wp.capture()
+    loss = net(x).pow(2).mean()
+    _, work = wp.input_grads([loss], None, [x], notes)
+    calls: list[int] = []
+    _node(loss, "Gelu").register_prehook(lambda g: calls.append(1))
+    wp.weight_grads(work)
+    assert calls == [1]
