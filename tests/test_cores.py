@@ -20,6 +20,17 @@ from pdcompile.passes.costs.roofline import contention, shared_core_stretch
 pytestmark = pytest.mark.timeout(60)
 
 
+def _states(others: list[float]) -> list[tuple[tuple[int, ...], float]]:
+    """Every on/off state of ranks busy with probabilities ``others``, with its probability."""
+    out = []
+    for state in itertools.product((0, 1), repeat=len(others)):
+        p = 1.0
+        for on, q in zip(state, others):
+            p *= q if on else 1 - q
+        out.append((state, p))
+    return out
+
+
 def _brute(shares: list[float], cores: int, threads: int, corun: dict[int, float] | None = None) -> list[float]:
     """E[slowdown of i while it computes] over every on/off state of the others (2^n states, each with its
     probability), n threads computing at once on the cores each slowed max(1, n / cores), and with ``corun``
@@ -27,12 +38,8 @@ def _brute(shares: list[float], cores: int, threads: int, corun: dict[int, float
     cores, min(n, cores)) by that factor too."""
     out = []
     for i in range(len(shares)):
-        others = [p for j, p in enumerate(shares) if j != i]
         e = 0.0
-        for state in itertools.product((0, 1), repeat=len(others)):
-            p = 1.0
-            for on, q in zip(state, others):
-                p *= q if on else 1 - q
+        for state, p in _states([q for j, q in enumerate(shares) if j != i]):
             busy = 1 + sum(state)
             known = [c for c in (corun or {}) if c <= min(busy, cores)]
             side = corun[max(known)] if corun and known else 1.0
@@ -333,12 +340,8 @@ def _held_brute(shares: list[float], cores: int, threads: int = 1) -> list[float
     """P(the others computing hold every core: threads x N >= cores) over every on/off state of the others."""
     out = []
     for i in range(len(shares)):
-        others = [p for j, p in enumerate(shares) if j != i]
         e = 0.0
-        for state in itertools.product((0, 1), repeat=len(others)):
-            p = 1.0
-            for on, q in zip(state, others):
-                p *= q if on else 1 - q
+        for state, p in _states([q for j, q in enumerate(shares) if j != i]):
             e += p if threads * sum(state) >= cores else 0.0
         out.append(e)
     return out
