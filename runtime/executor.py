@@ -438,10 +438,8 @@ class StageExecutor:
             self._split.discard(k)  # its graph is rebuilt inside B: B is not split into B and W
             if self.meter.enabled and not self.meter.recompute_bytes:
                 self._probe_recompute(k, st.inputs, params)
-        if k in self._split:
-            route = self._split_route(params, st.inputs)
-            if isinstance(route, WeightPass) and route.walks_whole_graph:
-                self._split.discard(k)  # its W would walk the whole graph again: B runs whole, W nothing
+        if k in self._split and self._split_route(params, st.inputs).walks_whole_graph:
+            self._split.discard(k)  # its W would walk the whole graph again (WeightPass): B runs whole, W nothing
         if self.fused is not None:  # split: off for the traced graph's backward, B records and W adds for the submodules'
             self.fused.active = k not in self._split
             self.fused.deferred = None

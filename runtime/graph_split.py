@@ -132,6 +132,8 @@ class GraphSplit:
     forward must run through the graph). Built from the stage and example inputs (shapes, dtypes and
     ``requires_grad`` of its real inputs); raises :class:`Unsupported` where the route does not apply."""
 
+    walks_whole_graph = False  # its W runs the weight part of the backward graph only (WeightPass's may not)
+
     def __init__(self, module: nn.Module, example_inputs: Sequence[torch.Tensor]) -> None:
         from torch._functorch.aot_autograd import aot_function, make_boxed_func
         from torch._functorch.partitioners import default_partition

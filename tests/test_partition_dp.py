@@ -807,7 +807,7 @@ def test_plan_options_one_list_of_fields() -> None:
     assert str(o) == ("cost_model=default schedule=flush memory_limit=None optimizer_state_factor=1.0 "
                       "allow_replication=True num_microbatches=None recompute=none pool=False shard=none,optimizer "
                       "microbatches_known=True choose_microbatches=False tensor_parallel=1 shard_full=True "
-                      "update_bandwidth=None action_overhead_s=none collective=None corun=none also_rate=none")
+                      "update_bandwidth=None action_overhead_s=none collective=None corun=none wake_s=0.0 also_rate=none")
     assert str(PlanOptions(also_rate=(((0, 2, (0, 1)), (3, 4, (2,))),))).endswith("also_rate=0-2@0,1/3-4@2")
     assert "action_overhead_s=B:0.0002,F:0.0001 " in str(PlanOptions(action_overhead_s={"F": 1e-4, "B": 2e-4}))
     chain = make_chain([1.0, 2.0], [1.0, 2.0], [1.0, 1.0], [1.0, 1.0], [1.0])
