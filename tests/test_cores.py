@@ -311,27 +311,33 @@ def test_corun_is_charged_in_one_place_and_explain_and_the_cli_say_where(pdcompi
     assert "every rank always busy x1.95" in " ".join(source.explain(three))  # x1.5 time-sharing, x1.3 beside
 
 
-def test_the_step_search_with_corun_finds_the_step_of_every_candidate_simulated() -> None:
-    """With co-running charged by the simulator (x1.4, 2 computing at once) on 2 workers of 2 cores and on 3
-    sharing 2, the step search's bounds (the chain's compute / contention: every stretch is at least 1) stay
-    below every candidate's simulated step: it returns a step no longer than planning and simulating every
-    (microbatch count, copies) candidate and no shorter than those plans at every count."""
+def _search_against_every_candidate(seed: int, **charges: Any) -> None:
+    """On 2 workers of 2 cores and on 3 sharing 2, random chains: the step search (``PlanOptions(**charges)``
+    charged by the simulator) returns a step no longer than planning and simulating every (microbatch count,
+    copies) candidate and no shorter than those plans at every count: its bounds stay below every candidate's
+    simulated step."""
     from test_plan_step import _every_candidate, _random_chain
 
     from pdcompile.passes.planner.options import PlanOptions
     from pdcompile.plan import plan
 
-    rng = random.Random(36)
+    rng = random.Random(seed)
     for workers in (2, 3):
         cluster = ClusterSpec(Device("cpu", memory=400 * 2**30, cores=2), (Level("processes", workers, 1e9),))
         for trial in range(4):
             chain = _random_chain(rng, rng.randint(3, 7), rng.choice([1, 2]))
             opts = PlanOptions(schedule=rng.choice(["flush", "gpipe", "zb-h1"]), num_microbatches=rng.choice([2, 6]),
-                               choose_microbatches=True, corun=((2, 1.4),))
+                               choose_microbatches=True, **charges)
             want, every = _every_candidate(chain, cluster, opts)
             assert want is not None and every is not None and not want[0], (workers, trial)
             step = plan(chain, cluster, opts).seconds_per_minibatch
             assert every[1] * (1 - 1e-9) <= step <= want[1] * (1 + 1e-9), (workers, trial)
+
+
+def test_the_step_search_with_corun_finds_the_step_of_every_candidate_simulated() -> None:
+    """Co-running charged (x1.4, 2 computing at once): the bounds (the chain's compute / contention: every
+    stretch is at least 1) still hold."""
+    _search_against_every_candidate(36, corun=((2, 1.4),))
 
 
 # -- a rank woken by a message on more ranks than cores (issue 36, session 22) -----------------------------------
@@ -473,23 +479,6 @@ def test_the_wake_up_is_read_back_and_charged_on_a_local_cluster_only(pdcompile_
 
 
 def test_the_step_search_with_the_wake_up_finds_the_step_of_every_candidate_simulated() -> None:
-    """With the wake-up charged (and co-running) on 3 workers sharing 2 cores, and on 2 (charged nothing), the
-    step search returns a step no longer than planning and simulating every (microbatch count, copies)
-    candidate and no shorter than those plans at every count (the wake-up only delays messages: the bounds read
-    off the chain still hold)."""
-    from test_plan_step import _every_candidate, _random_chain
-
-    from pdcompile.passes.planner.options import PlanOptions
-    from pdcompile.plan import plan
-
-    rng = random.Random(22)
-    for workers in (2, 3):
-        cluster = ClusterSpec(Device("cpu", memory=400 * 2**30, cores=2), (Level("processes", workers, 1e9),))
-        for trial in range(4):
-            chain = _random_chain(rng, rng.randint(3, 7), rng.choice([1, 2]))
-            opts = PlanOptions(schedule=rng.choice(["flush", "gpipe", "zb-h1"]), num_microbatches=rng.choice([2, 6]),
-                               choose_microbatches=True, corun=((2, 1.2),), wake_s=1e-3)
-            want, every = _every_candidate(chain, cluster, opts)
-            assert want is not None and every is not None and not want[0], (workers, trial)
-            step = plan(chain, cluster, opts).seconds_per_minibatch
-            assert every[1] * (1 - 1e-9) <= step <= want[1] * (1 + 1e-9), (workers, trial)
+    """The wake-up charged (and co-running) on 3 workers sharing 2 cores, and on 2 (charged nothing): the wake-up
+    only delays messages, so the bounds read off the chain still hold."""
+    _search_against_every_candidate(22, corun=((2, 1.2),), wake_s=1e-3)
