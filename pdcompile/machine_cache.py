@@ -124,7 +124,7 @@ def action_cost() -> ActionCost:
         seconds = {str(k): float(v) for k, v in dict(d["overhead_s"]).items()}
     except (KeyError, TypeError, ValueError):
         return _builtin(f"{path} holds no per-action cost")
-    step_t, flat_t = tensor_costs(d)
+    step_t, flat_t = _tensor_costs(d)
     seconds.update({STEP_TENSOR_KEY: step_t, FLATTEN_TENSOR_KEY: flat_t})
     try:
         wake = max(0.0, float(d.get("wake_crowded_s", 0.0)))
@@ -134,7 +134,7 @@ def action_cost() -> ActionCost:
                       crowded=_collective(d, "collective_crowded", flat_t), wake=wake)
 
 
-def tensor_costs(d: dict[str, Any]) -> tuple[float, float]:
+def _tensor_costs(d: dict[str, Any]) -> tuple[float, float]:
     """The cache's seconds per parameter tensor of the optimizer step (``step_tensor_s``) and of the
     all-reduce's flatten and copy back (``collective_tensor_s``), each where the cache lacks it (one calibrated
     before session 22; ``python -m pdcompile.calibrate --step`` adds them) CPU's documented default

@@ -122,23 +122,14 @@ def test_an_exported_graphs_backward_is_charged_whole_to_b() -> None:
     parameters) runs each split backward whole (runtime WeightPass.walks_whole_graph): annotate-costs charges those
     nodes' backward to B and nothing to W; a graph of called submodules keeps its split parts."""
     import torch.fx as fx
-    from torch import nn
     from torch.nn import functional as F
+    from test_weight_grads import RootOnly
 
     from pdcompile.passes.annotate_costs import annotate_costs, reads_params_itself
 
-    class RootOnly(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w1 = nn.Parameter(torch.randn(16, 8))
-            self.w2 = nn.Parameter(torch.randn(4, 16))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return F.linear(torch.relu(F.linear(x, self.w1)), self.w2)
-
-    x = torch.randn(8, 8)
+    x = torch.randn(8, 6)
     root = fx.symbolic_trace(RootOnly())
-    owned = fx.symbolic_trace(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    owned = fx.symbolic_trace(nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 8)))
     linears = [n for n in root.graph.nodes if n.op == "call_function" and n.target is F.linear]
     assert reads_params_itself(root, list(root.graph.nodes)) == linears
     assert reads_params_itself(owned, list(owned.graph.nodes)) == []

@@ -213,22 +213,25 @@ def cores_held(shares: Sequence[float], cores: float, threads: int = THREADS_PER
     """For each process ``i`` of a host of ``cores`` shared by processes that compute ``shares[j]`` of the time
     (0..1; ``threads`` threads each), the chance that, when it is woken (a message for a blocking receive),
     the others computing hold every core: ``P(threads x N_i >= cores)``, ``N_i`` the others computing then,
-    each independently with its share (the Poisson binomial of :func:`shared_core_stretch`). 0 wherever the
+    each independently with its share (:func:`others_busy`, as :func:`shared_core_stretch` reads it). 0 wherever the
     others' threads are fewer than the cores (no more processes than cores, one thread each)."""
-    out = []
-    for i in range(len(shares)):
-        dist = [1.0]  # P(N_i = k)
-        for j, p_j in enumerate(shares):
-            if j == i:
-                continue
-            p = min(1.0, max(0.0, float(p_j)))
-            nxt = [0.0] * (len(dist) + 1)
-            for k, q in enumerate(dist):
-                nxt[k] += q * (1 - p)
-                nxt[k + 1] += q * p
-            dist = nxt
-        out.append(sum(q for k, q in enumerate(dist) if threads * k >= cores))
-    return out
+    return [sum(q for k, q in enumerate(others_busy(shares, i)) if threads * k >= cores) for i in range(len(shares))]
+
+
+def others_busy(shares: Sequence[float], i: int) -> list[float]:
+    """``P(N_i = k)`` for ``k = 0 .. len(shares) - 1``: ``N_i`` the processes other than ``i`` computing at a
+    moment, each independently with its busy share ``shares[j]`` (clamped to 0..1): a Poisson binomial."""
+    dist = [1.0]
+    for j, p_j in enumerate(shares):
+        if j == i:
+            continue
+        p = min(1.0, max(0.0, float(p_j)))
+        nxt = [0.0] * (len(dist) + 1)
+        for k, q in enumerate(dist):
+            nxt[k] += q * (1 - p)
+            nxt[k + 1] += q * p
+        dist = nxt
+    return dist
 
 
 def shared_core_stretch(shares: Sequence[float], cores: float, threads: int = THREADS_PER_PROCESS,
@@ -242,23 +245,13 @@ def shared_core_stretch(shares: Sequence[float], cores: float, threads: int = TH
     Poisson binomial). A process alone keeps its time (1); without ``corun``, so do peers never more than the
     cores; every one of ``w`` always busy gets the static ``corun(min(w, cores)) x w x threads / cores``
     (:func:`contention`); a pipeline's stages, idle in its fill and drain, get less."""
-    n = len(shares)
     out = []
     memo: dict[float, float] = {}
     for i, p_i in enumerate(shares):
         if p_i in memo:  # the others are the same multiset for every process of one share (a stage's replicas)
             out.append(memo[p_i])
             continue
-        dist = [1.0]  # P(N_i = k)
-        for j in range(n):
-            if j == i:
-                continue
-            p = min(1.0, max(0.0, float(shares[j])))
-            nxt = [0.0] * (len(dist) + 1)
-            for k, q in enumerate(dist):
-                nxt[k] += q * (1 - p)
-                nxt[k + 1] += q * p
-            dist = nxt
+        dist = others_busy(shares, i)
         memo[p_i] = sum(q * corun_at(corun, min(1 + k, max(1, int(cores)))) * max(1.0, threads * (1 + k) / cores)
                         for k, q in enumerate(dist))
         out.append(memo[p_i])
